@@ -1,0 +1,197 @@
+"""The seam between algorithms and everything that moves bytes.
+
+A strategy runs on one worker and exposes three operations that both the simulator and
+the real peers drive, identically:
+
+    inner_step(batch) -> loss                  local training on this worker's data
+    make_contribution() -> Contribution        what this worker sends (bytes + metadata)
+    apply_round(start_state, contributions)    PURE: the new canonical TrainState
+
+`apply_round` depends only on its arguments (never on the worker's local model), so every
+peer that receives the same accepted set computes bit-identical weights, and a verifier can
+recompute it. Two more calls move canonical state into the worker: `load_state` (a full
+reset: at start or when joining) and `adopt` (after each round; Streaming DiLoCo merges
+one fragment here instead of copying everything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from covey.algorithms.aggregation import Aggregator, WeightedMean
+from covey.algorithms.codecs import Codec, CodecError
+
+LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TrainState:
+    """What every peer agrees on at a round boundary.
+
+    params: the canonical model parameters, by name.
+    outer: global optimizer state (outer momentum, DDP's Adam moments), by name.
+    round: how many rounds have been applied to reach this state.
+    """
+
+    params: dict[str, torch.Tensor]
+    outer: dict[str, torch.Tensor] = field(default_factory=dict)
+    round: int = 0
+
+    def digest(self) -> str:
+        """sha256 over names, dtypes, shapes and bytes: equal digests = identical state."""
+        h = hashlib.sha256(f"round={self.round}".encode())
+        for section, tensors in (("params", self.params), ("outer", self.outer)):
+            for name in sorted(tensors):
+                t = tensors[name].detach().contiguous().cpu()
+                h.update(f"|{section}/{name}/{t.dtype}/{tuple(t.shape)}|".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.params.values(), *self.outer.values()))
+
+    def clone(self) -> TrainState:
+        return TrainState(
+            {k: v.detach().clone() for k, v in self.params.items()},
+            {k: v.detach().clone() for k, v in self.outer.items()},
+            self.round,
+        )
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One worker's output for one round.
+
+    payload: the codec's bytes; len(payload) is what crosses the wire.
+    tokens: tokens trained on, the contribution's aggregation weight.
+    inner_steps: inner steps taken.
+    fragment: which parameter fragment the payload covers (Streaming DiLoCo), else None.
+    """
+
+    payload: bytes
+    tokens: int
+    inner_steps: int
+    fragment: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+
+class RoundError(ValueError):
+    """A round cannot be applied: empty or inconsistent contributions. Nothing changes."""
+
+
+def param_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached clones of the model's parameters (tied weights appear once)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def unflatten(vec: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(vec[offset : offset + t.numel()].view_as(t).to(t.dtype))
+        offset += t.numel()
+    if offset != vec.numel():
+        raise RoundError(f"vector has {vec.numel()} elements, parameters need {offset}")
+    return out
+
+
+def clip_grad_(grads: Sequence[torch.Tensor], max_norm: float) -> None:
+    """Scale gradients in place so their global l2 norm is at most max_norm (0 = off)."""
+    if max_norm <= 0:
+        return
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if norm > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
+
+
+class Strategy(ABC):
+    """Base for every algorithm. One instance per worker; see the module docstring."""
+
+    #: inner steps between two contributions
+    steps_per_round: int = 1
+    #: whether a slow worker may take fewer inner steps in a round (weighted by tokens)
+    flexible_steps: bool = False
+    #: inner steps of the next round that run while this round's bytes are in flight
+    overlap_steps: int = 0
+
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFn, codec: Codec, aggregator: Aggregator | None = None
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.codec = codec
+        self.aggregator = aggregator or WeightedMean()
+        self.names = [n for n, _ in model.named_parameters()]
+        self.tokens = 0  # since the last contribution
+        self.steps = 0
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def init_state(self) -> TrainState:
+        """The canonical state at round 0, from the model's current (seeded) parameters."""
+        return TrainState(param_dict(self.model))
+
+    def load_state(self, state: TrainState) -> None:
+        """Full reset of the worker's model to the canonical state."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(state.params[name])
+        self.tokens = self.steps = 0
+
+    def adopt(self, state: TrainState) -> None:
+        """Take the new canonical state after a round (default: full copy)."""
+        self.load_state(state)
+
+    def forward_backward(self, batch: torch.Tensor) -> float:
+        """Loss and gradients on one batch; counts the batch's tokens."""
+        self.model.train()
+        for p in self.model.parameters():
+            p.grad = None
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        self.tokens += batch[:, 1:].numel()
+        self.steps += 1
+        return float(loss.detach())
+
+    @abstractmethod
+    def inner_step(self, batch: torch.Tensor) -> float: ...
+
+    @abstractmethod
+    def make_contribution(self) -> Contribution: ...
+
+    # -- canonical side (pure) ------------------------------------------------------------
+
+    @abstractmethod
+    def apply_round(
+        self, start_state: TrainState, contributions: Sequence[Contribution]
+    ) -> TrainState: ...
+
+    def decode_all(
+        self, contributions: Sequence[Contribution], numel: int
+    ) -> tuple[list[torch.Tensor], list[float]]:
+        """Decode and validate every payload; RoundError names the first bad one."""
+        if not contributions:
+            raise RoundError("a round needs at least one contribution")
+        vectors, weights = [], []
+        for i, c in enumerate(contributions):
+            if c.tokens <= 0:
+                raise RoundError(f"contribution {i} claims {c.tokens} tokens")
+            try:
+                vectors.append(self.codec.decode(c.payload, numel))
+            except CodecError as e:
+                raise RoundError(f"contribution {i}: {e}") from None
+            weights.append(float(c.tokens))
+        return vectors, weights

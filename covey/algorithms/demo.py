@@ -1,0 +1,75 @@
+"""DeMo: decoupled momentum optimization (Peng et al., arXiv 2411.19870).
+
+Every step each worker folds its gradient into a local momentum buffer (decay beta ~0.999),
+sends only the top-k DCT coefficients of each 64-wide chunk of it, and subtracts what it
+sent from the buffer (error feedback: what was not sent stays and grows until it is). The
+canonical update decodes every worker's coefficients, averages them, applies the sign, and
+takes an SGD step. The momentum buffers never leave the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from covey.algorithms.aggregation import Aggregator
+from covey.algorithms.base import (
+    Contribution,
+    LossFn,
+    Strategy,
+    TrainState,
+    flatten,
+    unflatten,
+)
+from covey.algorithms.codecs import Codec
+from covey.config import DeMoConfig
+
+
+class DeMo(Strategy):
+    steps_per_round = 1
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        cfg: DeMoConfig,
+        codec: Codec,
+        aggregator: Aggregator | None = None,
+    ) -> None:
+        super().__init__(model, loss_fn, codec, aggregator)
+        self.cfg = cfg
+        self.momentum = torch.zeros(sum(p.numel() for p in model.parameters()))
+
+    def inner_step(self, batch: torch.Tensor) -> float:
+        loss = self.forward_backward(batch)
+        grad = flatten([p.grad for p in self.model.parameters()])
+        self.momentum.mul_(self.cfg.beta).add_(grad)
+        return loss
+
+    def extract(self) -> tuple[bytes, torch.Tensor]:
+        """Encode the momentum's fast components; return (payload, what the payload decodes to)."""
+        payload = self.codec.encode(self.momentum)
+        return payload, self.codec.decode(payload)
+
+    def make_contribution(self) -> Contribution:
+        if self.steps == 0:
+            raise RuntimeError("make_contribution before any inner_step")
+        payload, transmitted = self.extract()
+        self.momentum.sub_(transmitted)  # error feedback: only what was sent leaves the buffer
+        c = Contribution(payload, self.tokens, self.steps)
+        self.tokens = self.steps = 0
+        return c
+
+    def apply_round(
+        self, start_state: TrainState, contributions: Sequence[Contribution]
+    ) -> TrainState:
+        params = [start_state.params[n] for n in self.names]
+        vectors, weights = self.decode_all(contributions, sum(p.numel() for p in params))
+        update = unflatten(torch.sign(self.aggregator(vectors, weights)), params)
+        lr, wd = self.cfg.lr, self.cfg.weight_decay
+        new_params = {
+            n: p * (1 - lr * wd) - lr * u for n, p, u in zip(self.names, params, update, strict=True)
+        }
+        return TrainState(new_params, {}, start_state.round + 1)

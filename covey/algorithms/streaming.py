@@ -1,0 +1,104 @@
+"""Streaming DiLoCo (Douillard et al., arXiv 2501.18512).
+
+The parameters are split into P fragments, strided over layers (fragment p holds layer
+groups p, p+P, ...), so each sync moves 1/P of the model and the peak bandwidth drops P
+times. A round here is H/P inner steps; round r syncs fragment r mod P, so each fragment is
+synced every H steps at its own offset. The worker's local parameters persist across rounds:
+after the sync's bytes arrive (tau inner steps later, which hides the transfer), the synced
+fragment is merged as  local = alpha * local + (1 - alpha) * global.  Outer gradients travel
+in 4 bits by default.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from covey.algorithms.aggregation import Aggregator
+from covey.algorithms.base import Contribution, LossFn, RoundError, TrainState, flatten, unflatten
+from covey.algorithms.codecs import Codec
+from covey.algorithms.diloco import DiLoCo, outer_step
+from covey.config import StreamingDiLoCoConfig
+
+
+def layer_key(name: str) -> str:
+    """The layer a parameter belongs to: its name up to the first numeric component
+    ("blocks.3.attn.qkv.weight" -> "blocks.3"); the full name if it has none."""
+    m = re.match(r"^(.*?\.\d+)(\.|$)", name)
+    return m.group(1) if m else name
+
+
+def strided_fragments(names: Sequence[str], n_fragments: int) -> list[list[str]]:
+    """Assign layer groups, in order of first appearance, to fragments round-robin."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(layer_key(n), []).append(n)
+    if len(groups) < n_fragments:
+        raise ValueError(f"model has {len(groups)} layer groups, fewer than {n_fragments} fragments")
+    fragments: list[list[str]] = [[] for _ in range(n_fragments)]
+    for i, members in enumerate(groups.values()):
+        fragments[i % n_fragments].extend(members)
+    return fragments
+
+
+class StreamingDiLoCo(DiLoCo):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        cfg: StreamingDiLoCoConfig,
+        codec: Codec,
+        aggregator: Aggregator | None = None,
+    ) -> None:
+        super().__init__(model, loss_fn, cfg, codec, aggregator)
+        self.cfg: StreamingDiLoCoConfig = cfg
+        self.steps_per_round = cfg.inner_steps // cfg.fragments
+        self.overlap_steps = cfg.overlap_steps
+        self.fragments = strided_fragments(self.names, cfg.fragments)
+        self._global: dict[str, torch.Tensor] = {}
+        self._round = 0  # the round whose contribution this worker makes next
+
+    def fragment_of(self, round: int) -> int:
+        return round % self.cfg.fragments
+
+    def load_state(self, state: TrainState) -> None:
+        super().load_state(state)
+        self._global = dict(state.params)
+        self._round = state.round
+
+    def adopt(self, state: TrainState) -> None:
+        """Merge the fragment the last round synced; keep the rest of the local weights."""
+        fragment = self.fragments[self.fragment_of(state.round - 1)]
+        alpha = self.cfg.mixing
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name in fragment:
+                params[name].mul_(alpha).add_(state.params[name], alpha=1 - alpha)
+        self._global = dict(state.params)
+
+    def make_contribution(self) -> Contribution:
+        if self.steps == 0:
+            raise RuntimeError("make_contribution before any inner_step")
+        p = self.fragment_of(self._round)
+        names = self.fragments[p]
+        local = dict(self.model.named_parameters())
+        delta = flatten([self._global[n] for n in names]) - flatten([local[n] for n in names])
+        c = Contribution(self.codec.encode(delta), self.tokens, self.steps, fragment=p)
+        self.tokens = self.steps = 0
+        self._round += 1
+        return c
+
+    def apply_round(
+        self, start_state: TrainState, contributions: Sequence[Contribution]
+    ) -> TrainState:
+        p = self.fragment_of(start_state.round)
+        if bad := [c.fragment for c in contributions if c.fragment != p]:
+            raise RoundError(f"round {start_state.round} syncs fragment {p}, got fragments {bad}")
+        names = self.fragments[p]
+        params = [start_state.params[n] for n in names]
+        vectors, weights = self.decode_all(contributions, sum(t.numel() for t in params))
+        grads = unflatten(self.aggregator(vectors, weights), params)
+        return outer_step(start_state, dict(zip(names, grads, strict=True)), self.cfg)

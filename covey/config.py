@@ -1,0 +1,236 @@
+"""Run specifications: pydantic models, loaded from TOML, frozen, hashed.
+
+Every field has a constraint and a description; `covey sim --help` and the README are
+written from them. A config is immutable once loaded and hashes (canonical JSON, sha256)
+to the id that names its run directory. No environment variable overrides any field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --- algorithms -------------------------------------------------------------------------
+
+
+class InnerOptim(Frozen):
+    """The optimizer each worker runs locally (DDP: the global optimizer)."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="inner optimizer")
+    lr: float = Field(3e-3, gt=0, description="inner learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    grad_clip: float = Field(1.0, ge=0, description="clip the gradient's global norm; 0 = off")
+
+
+class DDPConfig(Frozen):
+    """Data parallelism: every worker's gradient is gathered and averaged every step."""
+
+    method: Literal["ddp"] = "ddp"
+    optim: InnerOptim = InnerOptim()
+    codec: str = Field("fp32", description="gradient codec (see `covey sim --help`)")
+
+
+class DiLoCoConfig(Frozen):
+    """DiLoCo (arXiv 2311.08105): H local AdamW steps, then an outer Nesterov step on the
+    token-weighted mean pseudo-gradient. Inner optimizer states stay local."""
+
+    method: Literal["diloco"] = "diloco"
+    optim: InnerOptim = InnerOptim()
+    inner_steps: int = Field(50, ge=1, description="H: inner steps per round")
+    outer_lr: float = Field(0.7, gt=0, description="outer SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum")
+    nesterov: bool = Field(True, description="Nesterov outer momentum")
+    codec: str = Field("fp32", description="pseudo-gradient codec")
+    error_feedback: bool = Field(
+        False, description="carry what the codec dropped into the next round's pseudo-gradient"
+    )
+
+
+class StreamingDiLoCoConfig(DiLoCoConfig):
+    """Streaming DiLoCo (arXiv 2501.18512): P strided fragments, fragment p synced every H
+    steps at offset p*H/P, communication overlapped with tau inner steps, merged with
+    mixing alpha, outer gradients in 4 bits."""
+
+    method: Literal["streaming"] = "streaming"  # type: ignore[assignment]
+    fragments: int = Field(4, ge=1, description="P: number of parameter fragments")
+    overlap_steps: int = Field(1, ge=0, description="tau: inner steps that hide a fragment's sync")
+    mixing: float = Field(0.5, ge=0, le=1, description="alpha: weight of local params in the merge")
+    codec: str = Field("int4", description="outer-gradient codec")
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> StreamingDiLoCoConfig:
+        if self.inner_steps % self.fragments:
+            raise ValueError(
+                f"inner_steps ({self.inner_steps}) must be a multiple of fragments "
+                f"({self.fragments})"
+            )
+        if self.overlap_steps >= self.inner_steps // self.fragments:
+            raise ValueError(
+                f"overlap_steps ({self.overlap_steps}) must be below inner_steps/fragments "
+                f"({self.inner_steps // self.fragments})"
+            )
+        return self
+
+
+class DeMoConfig(Frozen):
+    """DeMo (arXiv 2411.19870): local momentum, DCT top-k of it transmitted every step with
+    error feedback, gathered, averaged, inverse DCT, sign, SGD step."""
+
+    method: Literal["demo"] = "demo"
+    lr: float = Field(1e-3, gt=0, description="SGD learning rate of the sign update")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    beta: float = Field(0.999, ge=0, lt=1, description="momentum decay")
+    chunk: int = Field(64, ge=2, le=4096, description="DCT chunk width")
+    topk: int = Field(32, ge=1, description="coefficients sent per chunk")
+    values: Literal["fp32", "fp16", "int8"] = Field("fp16", description="coefficient format")
+
+    @model_validator(mode="after")
+    def _topk_fits(self) -> DeMoConfig:
+        if self.topk > self.chunk:
+            raise ValueError(f"topk ({self.topk}) cannot exceed chunk ({self.chunk})")
+        return self
+
+    @property
+    def codec(self) -> str:
+        return f"dct:{self.chunk}:{self.topk}:{self.values}"
+
+
+AlgorithmConfig = Annotated[
+    DDPConfig | DiLoCoConfig | StreamingDiLoCoConfig | DeMoConfig, Field(discriminator="method")
+]
+
+
+# --- workload and simulated world -------------------------------------------------------
+
+
+class ModelConfig(Frozen):
+    size: str = Field("nano", description="GPT size: nano, micro, mini, small, gpt2")
+
+
+class DataConfig(Frozen):
+    paths: tuple[str, ...] = Field((), description="text/JSONL files or dirs; empty = stdlib")
+    val_fraction: float = Field(0.02, gt=0, lt=1, description="held-out share of documents")
+    batch_size: int = Field(8, ge=1, description="sequences per worker per inner step")
+    seq_len: int | None = Field(None, ge=2, description="tokens per sequence; default block size")
+
+
+class NetworkConfig(Frozen):
+    """Each worker's link to the relay. Topology: gather through a relay (the coordinator's
+    blob plane): a worker uploads its contribution once and downloads every other accepted
+    contribution; the relay itself is not the bottleneck."""
+
+    uplink_mbps: float = Field(100.0, gt=0, description="upload bandwidth, Mbit/s")
+    downlink_mbps: float = Field(100.0, gt=0, description="download bandwidth, Mbit/s")
+    latency_ms: float = Field(50.0, ge=0, description="one-way latency per transfer")
+    slow_link_fraction: float = Field(0.0, ge=0, le=1, description="share of workers on slow links")
+    slow_link_factor: float = Field(1.0, ge=1, description="bandwidth divisor for slow links")
+
+
+class ComputeConfig(Frozen):
+    slowdown: tuple[float, ...] = Field(
+        (), description="per-worker compute slowdown (>= 1), cycled over workers; empty = all 1"
+    )
+    step_time_s: float | None = Field(
+        None, gt=0, description="model each inner step as this many seconds instead of measuring"
+    )
+
+    @field_validator("slowdown")
+    @classmethod
+    def _at_least_one(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if any(s < 1 for s in v):
+            raise ValueError(f"slowdown factors must be >= 1, got {v}")
+        return v
+
+
+class ChurnConfig(Frozen):
+    leave_prob: float = Field(0.0, ge=0, lt=1, description="chance a live worker leaves per round")
+    join_prob: float = Field(0.0, ge=0, le=1, description="chance a departed worker rejoins")
+    min_workers: int = Field(1, ge=1, description="never fewer live workers than this")
+
+
+class SimConfig(Frozen):
+    seed: int = Field(0, description="seeds model init, data and churn")
+    workers: int = Field(8, ge=1, description="number of simulated workers")
+    steps: int = Field(600, ge=1, description="inner steps per worker over the whole run")
+    eval_every: int = Field(1, ge=1, description="evaluate every this many rounds")
+    eval_batches: int = Field(8, ge=1, description="held-out batches per evaluation")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    algorithm: AlgorithmConfig = DiLoCoConfig()
+    network: NetworkConfig = NetworkConfig()
+    compute: ComputeConfig = ComputeConfig()
+    churn: ChurnConfig = ChurnConfig()
+
+    @model_validator(mode="after")
+    def _enough_steps(self) -> SimConfig:
+        per_round = steps_per_round(self.algorithm)
+        if self.steps < per_round:
+            raise ValueError(f"steps ({self.steps}) is fewer than one round ({per_round} steps)")
+        if self.churn.min_workers > self.workers:
+            raise ValueError(
+                f"churn.min_workers ({self.churn.min_workers}) exceeds workers ({self.workers})"
+            )
+        return self
+
+    @property
+    def rounds(self) -> int:
+        return self.steps // steps_per_round(self.algorithm)
+
+    def config_hash(self) -> str:
+        return config_hash(self)
+
+
+def steps_per_round(algo: DDPConfig | DiLoCoConfig | StreamingDiLoCoConfig | DeMoConfig) -> int:
+    if isinstance(algo, StreamingDiLoCoConfig):
+        return algo.inner_steps // algo.fragments
+    if isinstance(algo, DiLoCoConfig):
+        return algo.inner_steps
+    return 1
+
+
+def config_hash(cfg: BaseModel) -> str:
+    canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML: {e}") from None
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `overrides` into `base` (dotted flags become nested tables)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_sim_config(path: str | Path | None = None, **overrides: Any) -> SimConfig:
+    data = load_toml(path) if path else {}
+    return SimConfig.model_validate(merge(data, overrides))

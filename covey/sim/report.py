@@ -1,0 +1,54 @@
+"""Writing a run's results: metrics JSONL, summary JSON and the loss plots (PNG)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    with path.open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def plot_runs(path: Path, runs: dict[str, Sequence[dict[str, Any]]], title: str) -> None:
+    """Two panels: validation loss against bytes sent per worker (log scale) and against
+    simulated wall-clock time. `runs` maps a label to its per-round records."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, records in runs.items():
+        xs_b = [r["bytes_sent_per_worker"] for r in records]
+        xs_t = [r["sim_time_s"] for r in records]
+        ys = [r["val_loss"] for r in records]
+        ax_bytes.plot(xs_b, ys, label=label, marker=".", markersize=3)
+        ax_time.plot(xs_t, ys, label=label, marker=".", markersize=3)
+    ax_bytes.set_xscale("log")
+    ax_bytes.set_xlabel("bytes sent per worker (cumulative)")
+    ax_time.set_xlabel("simulated wall-clock (s)")
+    for ax in (ax_bytes, ax_time):
+        ax.set_ylabel("validation loss")
+        ax.grid(True, alpha=0.3)
+    ax_bytes.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save_run(out_dir: Path, label: str, records: Sequence[dict[str, Any]], summary: dict) -> None:
+    """metrics.jsonl, summary.json and plot.png in out_dir (created if missing)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_dir / "metrics.jsonl", records)
+    write_json(out_dir / "summary.json", summary)
+    plot_runs(out_dir / "plot.png", {label: records}, f"covey sim: {label}")

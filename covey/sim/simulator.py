@@ -1,0 +1,275 @@
+"""In-process N-worker simulator driving the real strategies through their round interface.
+
+Each virtual worker owns a model replica and a Strategy, trains on its deterministic
+batches, and produces real contribution bytes; the canonical update is computed by the
+same pure `apply_round` the networked peers run. Only the network is modelled
+(covey.sim.network): bytes are the real payload sizes, times are measured compute plus
+modelled transfers. Churn follows a seeded schedule; a joiner downloads the canonical state
+(counted as received bytes) and starts fresh local state, as a real joiner would.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from covey.algorithms import Strategy, TrainState, build_strategy
+from covey.config import SimConfig
+from covey.data.batches import sample_batch, validation_batches
+from covey.data.corpus import Corpus, load_corpus
+from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.sim.network import Link, make_links, round_timing
+
+TOPOLOGY = (
+    "gather through a relay: each worker uploads its contribution once and downloads every "
+    "other live worker's; a joiner also downloads the canonical state"
+)
+
+
+@dataclass
+class Worker:
+    index: int
+    link: Link
+    slowdown: float
+    strategy: Strategy | None = None  # None while departed
+    pending: TrainState | None = None  # a round result still in flight (overlap)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compute_s: float = 0.0
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    records: list[dict[str, Any]]
+    summary: dict[str, Any]
+    state: TrainState = field(repr=False)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, state: TrainState, batches: list[torch.Tensor]) -> float:
+    """Mean held-out loss of the canonical parameters."""
+    for name, p in model.named_parameters():
+        p.copy_(state.params[name])
+    model.eval()
+    return sum(float(lm_loss(model, b)) for b in batches) / len(batches)
+
+
+def simulate(
+    cfg: SimConfig,
+    corpus: Corpus | None = None,
+    *,
+    progress: bool = True,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+) -> SimResult:
+    """Run `cfg` to completion; returns per-round records and a summary.
+
+    Deterministic given cfg: model init, batches, churn and bytes depend only on cfg.seed.
+    Times are measured unless cfg.compute.step_time_s models them, in which case the
+    records are identical bit for bit across runs.
+    """
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    corpus = corpus or load_corpus(list(cfg.data.paths), cfg.data.val_fraction)
+    mcfg = gpt_config(cfg.model.size)
+    seq_len = cfg.data.seq_len or mcfg.block_size
+    if seq_len > mcfg.block_size:
+        raise ValueError(f"data.seq_len ({seq_len}) exceeds the model's block_size")
+    torch.manual_seed(cfg.seed)
+    base = GPT(mcfg)
+    canonical = build_strategy(cfg.algorithm, copy.deepcopy(base), lm_loss)
+    state = canonical.init_state()
+    val = validation_batches(corpus, n_batches=cfg.eval_batches, batch_size=16, seq_len=seq_len)
+
+    def new_strategy() -> Strategy:
+        s = build_strategy(cfg.algorithm, copy.deepcopy(base), lm_loss)
+        s.load_state(state)
+        return s
+
+    slowdowns = cfg.compute.slowdown or (1.0,)
+    links = make_links(cfg.network, cfg.workers, cfg.seed)
+    workers = [
+        Worker(i, links[i], slowdowns[i % len(slowdowns)], new_strategy())
+        for i in range(cfg.workers)
+    ]
+    churn = random.Random(f"covey-churn/{cfg.seed}")
+    records: list[dict[str, Any]] = []
+    sim_time = compute_total = wall_total = 0.0
+    tokens = 0
+    val_loss = initial_val_loss = evaluate(canonical.model, state, val)
+    started = time.perf_counter()
+    bar = _progress(cfg.rounds, progress)
+
+    for r in range(cfg.rounds):
+        ready = _apply_churn(workers, churn, cfg, r, new_strategy, state)
+        live = [w for w in workers if w.strategy is not None]
+        contributions, compute, losses = [], [], []
+        for w in live:
+            assert w.strategy is not None
+            steps_done, seconds, loss_sum = _train_round(w, w.strategy, cfg, corpus, r, seq_len)
+            contributions.append(w.strategy.make_contribution())
+            compute.append(seconds)
+            losses.append(loss_sum / steps_done)
+        t0 = time.perf_counter()
+        new_state = canonical.apply_round(state, contributions)
+        apply_s = _step_time(cfg, time.perf_counter() - t0, 1.0) / canonical.steps_per_round
+        tokens += sum(c.tokens for c in contributions)
+        sent = [c.nbytes for c in contributions]
+        received = [sum(sent) - s for s in sent]
+        for w, s, n, c in zip(live, sent, received, compute, strict=True):
+            w.bytes_sent += s
+            w.bytes_received += n
+            w.compute_s += c
+        hidden = min(c / canonical.steps_per_round for c in compute) * canonical.overlap_steps
+        timing = round_timing(
+            [ready[w.index] for w in live],
+            [c + apply_s for c in compute],
+            sent,
+            received,
+            [w.link for w in live],
+            hidden,
+        )
+        for w in live:
+            assert w.strategy is not None
+            if w.strategy.overlap_steps:
+                w.pending = new_state  # merged after the next round's first tau steps
+            else:
+                w.strategy.adopt(new_state)
+        state = new_state
+        sim_time += timing.wall_s
+        compute_total += timing.compute_s
+        wall_total += timing.wall_s
+        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+            val_loss = evaluate(canonical.model, state, val)
+        record = {
+            "round": r + 1,
+            "inner_steps": (r + 1) * canonical.steps_per_round,
+            "live_workers": len(live),
+            "tokens": tokens,
+            "train_loss": sum(losses) / len(losses),
+            "val_loss": val_loss,
+            "bytes_sent": sum(sent),
+            "bytes_received": sum(received),
+            "bytes_sent_per_worker": sum(w.bytes_sent for w in workers) / cfg.workers,
+            "bytes_received_per_worker": sum(w.bytes_received for w in workers) / cfg.workers,
+            "round_time_s": timing.wall_s,
+            "comm_blocked_s": timing.comm_s,
+            "sim_time_s": sim_time,
+            "utilization": timing.utilization,
+        }
+        records.append(record)
+        if on_round:
+            on_round(record)
+        bar.set_postfix(
+            loss=f"{val_loss:.3f}", sent=_human_bytes(record["bytes_sent_per_worker"]), refresh=False
+        )
+        bar.update(1)
+    bar.close()
+
+    last = records[-1]
+    summary = {
+        "method": cfg.algorithm.method,
+        "config_hash": cfg.config_hash(),
+        "config": cfg.model_dump(mode="json"),
+        "corpus": corpus.describe(),
+        "corpus_fingerprint": corpus.fingerprint,
+        "parameters": sum(p.numel() for p in base.parameters()),
+        "rounds": cfg.rounds,
+        "inner_steps_per_worker": last["inner_steps"],
+        "tokens": last["tokens"],
+        "initial_val_loss": initial_val_loss,
+        "final_val_loss": last["val_loss"],
+        "final_train_loss": last["train_loss"],
+        "bytes_sent_per_worker": last["bytes_sent_per_worker"],
+        "bytes_received_per_worker": last["bytes_received_per_worker"],
+        "sim_time_s": sim_time,
+        "utilization": compute_total / wall_total if wall_total else 1.0,
+        "topology": TOPOLOGY,
+        "state_digest": state.digest(),
+        "real_time_s": time.perf_counter() - started,
+    }
+    return SimResult(cfg, records, summary, state)
+
+
+def _apply_churn(
+    workers: list[Worker],
+    rng: random.Random,
+    cfg: SimConfig,
+    r: int,
+    new_strategy: Callable[[], Strategy],
+    state: TrainState,
+) -> dict[int, float]:
+    """Seeded leaves and joins at round open. Returns each worker's start delay (a joiner
+    first downloads the canonical state)."""
+    ready = {w.index: 0.0 for w in workers}
+    if r == 0 or (cfg.churn.leave_prob == 0 and cfg.churn.join_prob == 0):
+        return ready
+    live = sum(w.strategy is not None for w in workers)
+    for w in workers:
+        roll = rng.random()  # one draw per worker per round keeps the schedule stable
+        if w.strategy is not None and roll < cfg.churn.leave_prob and live > cfg.churn.min_workers:
+            w.strategy, w.pending, live = None, None, live - 1
+        elif w.strategy is None and roll < cfg.churn.join_prob:
+            w.strategy, live = new_strategy(), live + 1
+            nbytes = state.nbytes()
+            w.bytes_received += nbytes
+            ready[w.index] = w.link.download_s(nbytes)
+    return ready
+
+
+def _train_round(
+    w: Worker, s: Strategy, cfg: SimConfig, corpus: Corpus, r: int, seq_len: int
+) -> tuple[int, float, float]:
+    """One round of inner steps for worker w -> (steps, simulated seconds, loss sum)."""
+    steps = s.steps_per_round
+    if s.flexible_steps:
+        steps = max(1, round(steps / w.slowdown))  # a slow worker does less, weighted by tokens
+    seconds = loss_sum = 0.0
+    for step in range(steps):
+        if step == s.overlap_steps and w.pending is not None:
+            s.adopt(w.pending)
+            w.pending = None
+        batch = sample_batch(
+            corpus.train, batch_size=cfg.data.batch_size, seq_len=seq_len,
+            seed=cfg.seed, round=r, worker=w.index, step=step,
+        )
+        t0 = time.perf_counter()
+        loss_sum += s.inner_step(batch)
+        seconds += _step_time(cfg, time.perf_counter() - t0, w.slowdown)
+    if w.pending is not None:  # the round was shorter than the overlap
+        s.adopt(w.pending)
+        w.pending = None
+    return steps, seconds, loss_sum
+
+
+def _step_time(cfg: SimConfig, measured: float, slowdown: float) -> float:
+    return (cfg.compute.step_time_s or measured) * slowdown
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}TB"
+
+
+class _NoBar:
+    def set_postfix(self, **_: Any) -> None: ...
+    def update(self, _: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="rounds", unit="round", dynamic_ncols=True)

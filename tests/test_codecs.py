@@ -1,0 +1,450 @@
+"""Tests for covey.algorithms.dct and covey.algorithms.codecs."""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+
+import pytest
+import torch
+
+from covey.algorithms.codecs import (
+    CODEC_SPECS,
+    Codec,
+    CodecError,
+    decode_any,
+    get_codec,
+    peek,
+)
+from covey.algorithms.dct import dct_basis, dct_chunks, idct_chunks, to_chunks
+
+# Variants beyond the one-per-codec examples: other blocks, value formats, wide DCT chunks.
+EXTRA_SPECS = (
+    "int8:32",
+    "int4:5",
+    "topk:0.1",
+    "topk:1.0",
+    "topk:0.05:int8",
+    "dct:64:8",
+    "dct:16:3:int8",
+    "dct:300:20",
+)
+ALL_SPECS = CODEC_SPECS + EXTRA_SPECS
+HEADER = 4 + 1 + 8
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {f"normal{n}": torch.randn(n, generator=g) for n in (1, 63, 1000, 4097)}
+    outlier = torch.randn(1000, generator=g) * 0.01
+    outlier[123] = 50.0
+    out["outlier"] = outlier
+    out["zeros"] = torch.zeros(100)
+    out["subnormal"] = torch.randn(300, generator=g) * 1e-39  # below float32's min normal
+    out["empty"] = torch.zeros(0)
+    return out
+
+
+INPUTS = _inputs()
+
+
+def _value_bytes(count: int, fmt: str) -> int:
+    return {"fp32": 4 * count, "fp16": 2 * count}.get(fmt, 4 * math.ceil(count / 64) + count)
+
+
+def expected_nbytes(spec: str, n: int) -> int:
+    """Payload size computed from the documented layout, independently of the codec code."""
+    head, *args = spec.split(":")
+    if head == "fp32":
+        return HEADER + 4 * n
+    if head in ("fp16", "bf16"):
+        return HEADER + 2 * n
+    if head in ("int8", "int4"):
+        b = int(args[0]) if args else 64
+        body = n if head == "int8" else math.ceil(n / 2)
+        return HEADER + 4 + 4 * math.ceil(n / b) + body
+    if head == "topk":
+        fmt = args[1] if len(args) > 1 else "fp32"
+        k = min(n, max(1, math.ceil(float(args[0]) * n))) if n else 0
+        return HEADER + 8 + 1 + 4 * k + _value_bytes(k, fmt)
+    if head == "dct":
+        chunk, k = int(args[0]), int(args[1])
+        fmt = args[2] if len(args) > 2 else "fp32"
+        kept = math.ceil(n / chunk) * k
+        return HEADER + 4 + 4 + 1 + kept * (1 if chunk <= 256 else 2) + _value_bytes(kept, fmt)
+    assert head == "sign"
+    return HEADER + 4 + math.ceil(n / 8)
+
+
+def _max_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
+
+
+# ---------------------------------------------------------------- DCT
+
+
+@pytest.mark.parametrize("n", [8, 64, 128])
+def test_dct_basis_orthonormal(n: int) -> None:
+    c = dct_basis(n)
+    assert c.shape == (n, n) and c.dtype == torch.float32
+    assert torch.allclose(c @ c.T, torch.eye(n), atol=1e-6)
+    assert torch.allclose(c.T @ c, torch.eye(n), atol=1e-6)
+    assert dct_basis(n) is c  # cached
+
+
+def test_dct_basis_matches_definition() -> None:
+    n = 8
+    c = dct_basis(n, torch.float64)
+    for k in (0, 1, 5):
+        for j in (0, 3, 7):
+            a = math.sqrt((1 if k == 0 else 2) / n)
+            want = a * math.cos(math.pi * (2 * j + 1) * k / (2 * n))
+            assert c[k, j].item() == pytest.approx(want)
+    # A constant chunk has only a DC coefficient, sqrt(n) * value.
+    coeffs = dct_chunks(torch.full((n,), 2.0, dtype=torch.float64), n)
+    assert coeffs[0, 0].item() == pytest.approx(2.0 * math.sqrt(n))
+    assert coeffs[0, 1:].abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 1000])
+def test_dct_round_trip_and_padding(numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    rows = to_chunks(x, 64)
+    assert rows.shape == (math.ceil(numel / 64), 64)
+    assert torch.equal(rows.reshape(-1)[:numel], x)
+    assert not rows.reshape(-1)[numel:].any()
+    coeffs = dct_chunks(x, 64)
+    assert coeffs.shape == rows.shape
+    y = idct_chunks(coeffs, numel)
+    assert y.shape == (numel,)
+    assert torch.allclose(y, x, atol=1e-5)
+    # Orthonormal: energy is preserved chunk by chunk.
+    assert torch.allclose(coeffs.norm(dim=1), rows.norm(dim=1), rtol=1e-5)
+    with pytest.raises(ValueError, match="numel"):
+        idct_chunks(coeffs, coeffs.numel() + 1)
+
+
+# ---------------------------------------------------------------- round trips and sizes
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("name", list(INPUTS))
+def test_round_trip_within_bound_and_size(spec: str, name: str) -> None:
+    codec = get_codec(spec)
+    x = INPUTS[name]
+    payload = codec.encode(x)
+    assert isinstance(payload, bytes)
+    assert len(payload) == expected_nbytes(spec, x.numel()) == codec.nbytes(x.numel())
+    y = codec.decode(payload, numel=x.numel())
+    assert y.dtype == torch.float32 and y.shape == x.shape and y.is_contiguous()
+    y.add_(1.0)  # writable, owns its memory
+    y.sub_(1.0)
+    y = codec.decode(payload)
+    assert torch.equal(decode_any(payload), y)
+    assert peek(payload) == (codec, x.numel())
+    bound = codec.max_abs_error(x)
+    err = _max_err(x, y)
+    assert err <= bound, f"{spec} on {name}: error {err} > bound {bound}"
+    peak = float(x.abs().max()) if x.numel() else 0.0
+    if codec.lossless:
+        assert torch.equal(x, y) and bound == 0.0
+    if name == "zeros":
+        assert not y.any()
+    # Tightness: the bound is not vacuous, and is approached on generic inputs.
+    if spec.startswith("int8"):
+        assert bound <= peak / 100 + 1e-30
+    if spec.startswith("int4"):
+        assert bound <= peak / 13 + 1e-30
+    if spec in ("fp16", "bf16"):
+        assert bound <= peak * 2**-7 + 1e-7
+    if name in ("normal1000", "normal4097") and not codec.lossless:
+        assert err >= bound / 16, f"{spec}: bound {bound} is loose vs error {err}"
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_extreme_magnitudes(spec: str) -> None:
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([big, -big, 1.0, -0.0, 1e-45, big / 3] * 11)
+    codec = get_codec(spec)
+    try:
+        payload = codec.encode(x)
+    except CodecError as exc:  # only formats that cannot represent the range may refuse
+        assert spec.split(":")[-1] in ("fp16", "bf16") or spec.startswith("dct"), exc
+        return
+    y = codec.decode(payload)
+    assert bool(torch.isfinite(y).all())
+    assert _max_err(x, y) <= codec.max_abs_error(x)
+
+
+def test_fp32_exact_and_topk_bound_attained() -> None:
+    x = INPUTS["normal1000"]
+    assert torch.equal(get_codec("fp32").decode(get_codec("fp32").encode(x)), x)
+    codec = get_codec("topk:0.1")
+    y = codec.decode(codec.encode(x))
+    # fp32 values: the error is exactly the largest dropped magnitude.
+    assert _max_err(x, y) == codec.max_abs_error(x) == float(x.abs().sort().values[-101])
+    kept = y != 0
+    assert int(kept.sum()) == 100 and torch.equal(y[kept], x[kept])
+
+
+def test_dct_codec_exact_on_sparse_spectrum() -> None:
+    # Each chunk is a combination of 3 basis vectors, so dct:64:3 loses nothing but round-off.
+    g = torch.Generator().manual_seed(1)
+    coeffs = torch.zeros(20, 64)
+    coeffs.scatter_(1, torch.randint(0, 64, (20, 3), generator=g), torch.randn(20, 3, generator=g))
+    x = idct_chunks(coeffs, 20 * 64)
+    codec = get_codec("dct:64:3")
+    assert _max_err(x, codec.decode(codec.encode(x))) < 1e-5
+    # Only the (worst-case) float32 round-off slack remains in the bound.
+    assert codec.max_abs_error(x) < 1e-3 * float(x.abs().max())
+
+
+def test_sign_preserves_signs_and_l1() -> None:
+    x = INPUTS["normal4097"].clone()
+    x[7] = 0.0
+    codec = get_codec("sign")
+    y = codec.decode(codec.encode(x))
+    nz = x != 0
+    assert torch.equal(torch.sign(y[nz]), torch.sign(x[nz]))
+    assert y[7] > 0  # zero encodes as +
+    assert y.abs().double().sum().item() == pytest.approx(x.abs().double().sum().item(), rel=1e-6)
+    assert len(set(y.abs().tolist())) == 1
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_encoding_is_deterministic(spec: str) -> None:
+    codec = get_codec(spec)
+    x = INPUTS["normal4097"]
+    assert codec.encode(x) == codec.encode(x.clone()) == get_codec(spec).encode(x)
+
+
+# ---------------------------------------------------------------- malformed payloads
+
+
+def _small_payload(spec: str) -> bytes:
+    return get_codec(spec).encode(torch.randn(37, generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_truncated_and_extended_payloads(spec: str) -> None:
+    codec = get_codec(spec)
+    payload = _small_payload(spec)
+    for cut in range(len(payload)):
+        with pytest.raises(CodecError):
+            codec.decode(payload[:cut])
+        with pytest.raises(CodecError):
+            decode_any(payload[:cut])
+    for extended in (payload + b"\0", payload * 2):
+        with pytest.raises(CodecError, match="bytes"):
+            codec.decode(extended)
+        with pytest.raises(CodecError):
+            decode_any(extended)
+
+
+def test_header_mismatches() -> None:
+    x = INPUTS["normal63"]
+    p = get_codec("int8").encode(x)
+    with pytest.raises(CodecError, match="magic"):
+        get_codec("int8").decode(b"XXXX" + p[4:])
+    with pytest.raises(CodecError, match="int8"):
+        get_codec("int4").decode(p)
+    with pytest.raises(CodecError, match="int8:32"):
+        get_codec("int8:32").decode(p)
+    with pytest.raises(CodecError, match="'fp16'"):
+        get_codec("fp32").decode(get_codec("fp16").encode(x))
+    with pytest.raises(CodecError, match="topk"):
+        get_codec("topk:0.02").decode(get_codec("topk:0.01").encode(x))
+    with pytest.raises(CodecError, match="63 elements, expected 64"):
+        get_codec("int8").decode(p, numel=64)
+    with pytest.raises(CodecError, match="codec id 99"):
+        decode_any(p[:4] + bytes([99]) + p[5:])
+    with pytest.raises(CodecError, match="bytes-like"):
+        get_codec("int8").decode("not bytes")  # type: ignore[arg-type]
+
+
+def _patch(payload: bytes, offset: int, data: bytes) -> bytes:
+    return payload[:offset] + data + payload[offset + len(data) :]
+
+
+def test_bad_header_parameters() -> None:
+    x = INPUTS["normal63"]
+    topk = get_codec("topk:0.1").encode(x)
+    dct = get_codec("dct:16:3").encode(x)
+    int8 = get_codec("int8").encode(x)
+    bad = [
+        _patch(topk, HEADER, struct.pack("<d", 2.0)),  # ratio > 1
+        _patch(topk, HEADER, struct.pack("<d", float("nan"))),
+        _patch(topk, HEADER + 8, b"\x07"),  # unknown value format
+        _patch(dct, HEADER + 4, struct.pack("<I", 17)),  # k > chunk
+        _patch(dct, HEADER, struct.pack("<I", 0)),  # chunk 0
+        _patch(int8, HEADER, struct.pack("<I", 0)),  # block 0
+    ]
+    for payload in bad:
+        with pytest.raises(CodecError, match="parameters"):
+            decode_any(payload)
+
+
+def test_bad_sparse_indices() -> None:
+    x = INPUTS["normal63"]
+    codec = get_codec("topk:0.1")  # k = 7
+    p = codec.encode(x)
+    at = HEADER + 9  # indices follow the ratio (float64) and value format (uint8)
+    first, second = struct.unpack_from("<II", p, at)
+    with pytest.raises(CodecError, match="out of range"):
+        codec.decode(_patch(p, at + 4 * 6, struct.pack("<I", 63)))
+    with pytest.raises(CodecError, match="ascending"):
+        codec.decode(_patch(p, at, struct.pack("<II", second, first)))
+    with pytest.raises(CodecError, match="ascending"):  # duplicate
+        codec.decode(_patch(p, at, struct.pack("<II", first, first)))
+
+    dct = get_codec("dct:16:3")
+    p = dct.encode(x)
+    at = HEADER + 9  # indices follow chunk, k (uint32) and value format (uint8)
+    with pytest.raises(CodecError, match="out of range"):
+        dct.decode(_patch(p, at, bytes([16])))
+    with pytest.raises(CodecError, match="ascending"):
+        dct.decode(_patch(p, at, bytes([p[at + 1], p[at]])))
+
+
+def test_bad_scales_and_values() -> None:
+    x = INPUTS["normal63"]
+    nan, inf = struct.pack("<f", float("nan")), struct.pack("<f", float("inf"))
+    for spec in ("int8", "int4", "sign"):
+        p = get_codec(spec).encode(x)
+        at = HEADER + (0 if spec == "sign" else 4)
+        for bad in (nan, inf, struct.pack("<f", -1.0)):
+            with pytest.raises(CodecError, match="scale"):
+                get_codec(spec).decode(_patch(p, at, bad))
+    with pytest.raises(CodecError, match="NaN"):
+        get_codec("fp32").decode(_patch(get_codec("fp32").encode(x), HEADER + 8, nan))
+    with pytest.raises(CodecError, match="NaN"):
+        get_codec("fp16").decode(_patch(get_codec("fp16").encode(x), HEADER, b"\x00\x7c"))
+    with pytest.raises(CodecError, match="NaN"):
+        get_codec("bf16").decode(_patch(get_codec("bf16").encode(x), HEADER, b"\x80\x7f"))
+    p = get_codec("topk:0.1:fp16").encode(x)
+    with pytest.raises(CodecError, match="NaN"):
+        get_codec("topk:0.1:fp16").decode(_patch(p, HEADER + 9 + 4 * 7, b"\xff\x7f"))
+    # Codes the encoder never emits.
+    with pytest.raises(CodecError, match="-128"):
+        get_codec("int8").decode(_patch(get_codec("int8").encode(x), HEADER + 8, b"\x80"))
+    p = get_codec("int4").encode(x)  # 63 elements: odd, last high nibble is padding
+    with pytest.raises(CodecError, match="nibble 0"):
+        get_codec("int4").decode(_patch(p, HEADER + 8, b"\x00"))
+    with pytest.raises(CodecError, match="padding"):
+        get_codec("int4").decode(_patch(p, len(p) - 1, bytes([(p[-1] & 0x0F) | 0x90])))
+    p = get_codec("sign").encode(x)
+    with pytest.raises(CodecError, match="padding"):
+        get_codec("sign").decode(_patch(p, len(p) - 1, bytes([p[-1] | 0x80])))
+
+
+def test_random_garbage_never_escapes_codec_error() -> None:
+    rng = random.Random(1234)
+    codecs = [get_codec(s) for s in ALL_SPECS]
+    for _ in range(300):
+        junk = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 80)))
+        for codec in codecs:
+            with pytest.raises(CodecError):
+                codec.decode(junk)
+        with pytest.raises(CodecError):
+            decode_any(junk)
+    # Valid header, random body: decodes to the right shape or raises CodecError, nothing else.
+    for codec in codecs:
+        p = codec.encode(INPUTS["normal63"])
+        head = len(p) - codec.nbytes(63) + codec.nbytes(0)
+        for _ in range(50):
+            body = bytes(rng.getrandbits(8) for _ in range(len(p) - head))
+            try:
+                y = codec.decode(p[:head] + body, numel=63)
+            except CodecError:
+                continue
+            assert y.shape == (63,) and bool(torch.isfinite(y).all())
+
+
+# ---------------------------------------------------------------- encode validation
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_encode_rejects_bad_input(spec: str) -> None:
+    codec = get_codec(spec)
+    bad = [
+        torch.tensor([1.0, float("nan")]),
+        torch.tensor([float("inf"), 1.0]),
+        torch.tensor([-float("inf")]),
+        torch.zeros(4, 4),
+        torch.zeros(()),
+        torch.zeros(8, dtype=torch.float64),
+        torch.zeros(8, dtype=torch.float16),
+        torch.zeros(8, dtype=torch.int32),
+        [1.0, 2.0],
+    ]
+    for x in bad:
+        with pytest.raises(CodecError):
+            codec.encode(x)  # type: ignore[arg-type]
+        with pytest.raises(CodecError):
+            codec.max_abs_error(x)  # type: ignore[arg-type]
+
+
+def test_encode_rejects_out_of_range_values() -> None:
+    with pytest.raises(CodecError, match="65504"):
+        get_codec("fp16").encode(torch.tensor([1.0, 70000.0]))
+    assert get_codec("fp16").decode(get_codec("fp16").encode(torch.tensor([65504.0]))) == 65504.0
+    with pytest.raises(CodecError, match="65504"):
+        get_codec("topk:0.5:fp16").encode(torch.tensor([1.0, -1e5]))
+    with pytest.raises(CodecError, match="bfloat16"):
+        get_codec("bf16").encode(torch.tensor([3.4e38]))
+
+
+# ---------------------------------------------------------------- spec parsing
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_spec_round_trip(spec: str) -> None:
+    codec = get_codec(spec)
+    assert isinstance(codec, Codec)
+    again = get_codec(codec.name)
+    assert again == codec and again.name == codec.name
+    assert codec.lossless == (spec in ("fp32", "topk:1.0"))
+
+
+def test_spec_canonical_names() -> None:
+    assert get_codec("int8:64").name == "int8"
+    assert get_codec(" INT4 ").name == "int4"
+    assert get_codec("topk:0.01:fp32").name == "topk:0.01"
+    assert get_codec("topk:1").name == "topk:1.0"
+    assert get_codec("dct:64:8:fp32").name == "dct:64:8"
+    assert len(CODEC_SPECS) == 8
+    assert {s.split(":")[0] for s in CODEC_SPECS} == {
+        "fp32", "fp16", "bf16", "int8", "int4", "topk", "dct", "sign"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "",
+        "fp64",
+        "fp32:1",
+        "sign:2",
+        "int8:0",
+        "int8:abc",
+        "int8:64:1",
+        "int4:-3",
+        "topk",
+        "topk:0",
+        "topk:1.5",
+        "topk:nan",
+        "topk:abc",
+        "topk:0.1:bf16",
+        "dct:64",
+        "dct:64:0",
+        "dct:64:65",
+        "dct:0:1",
+        "dct:70000:8",
+        "dct:64:8:int4",
+    ],
+)
+def test_bad_specs(spec: str) -> None:
+    with pytest.raises(ValueError, match="Valid forms") as info:
+        get_codec(spec)
+    assert repr(spec) in str(info.value)
