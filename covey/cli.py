@@ -79,7 +79,7 @@ def sim(
     out: Annotated[Path, typer.Option(help="run directory")] = Path("runs/sim"),
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
 ) -> None:
-    """Simulate N workers training with one algorithm; write metrics.jsonl, summary.json, plot.png."""
+    """Simulate N workers training with one algorithm; writes metrics, summary and plot."""
     overrides = _overrides(
         seed=seed,
         workers=workers,
@@ -98,15 +98,22 @@ def sim(
         churn__join_prob=join_prob,
     )
     cfg = _load(config, overrides)
+    from covey.algorithms.codecs import get_codec
     from covey.sim.report import save_run
     from covey.sim.simulator import simulate
+
+    try:
+        get_codec(cfg.algorithm.codec)
+    except ValueError as e:
+        raise _fail(f"algorithm.codec: {e}") from None
 
     typer.echo(f"covey sim: {cfg.algorithm.method}, {cfg.workers} workers, {cfg.rounds} rounds")
     result = simulate(cfg, progress=progress)
     save_run(out, cfg.algorithm.method, result.records, result.summary)
     s = result.summary
     typer.echo(
-        f"final val loss {s['final_val_loss']:.4f} | sent/worker {s['bytes_sent_per_worker']:,.0f} B"
+        f"final val loss {s['final_val_loss']:.4f}"
+        f" | sent/worker {s['bytes_sent_per_worker']:,.0f} B"
         f" | simulated {s['sim_time_s']:.1f} s | utilization {s['utilization']:.1%}"
     )
     typer.echo(f"wrote {out}/metrics.jsonl, summary.json, plot.png")

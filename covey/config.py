@@ -178,6 +178,14 @@ class SimConfig(Frozen):
     compute: ComputeConfig = ComputeConfig()
     churn: ChurnConfig = ChurnConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_method(cls, data: Any) -> Any:
+        """An [algorithm] table without `method` means the default, DiLoCo."""
+        if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
+            data = {**data, "algorithm": {"method": "diloco", **data["algorithm"]}}
+        return data
+
     @model_validator(mode="after")
     def _enough_steps(self) -> SimConfig:
         per_round = steps_per_round(self.algorithm)

@@ -42,7 +42,7 @@ def has_torch() -> bool:
 
 
 def setup(extras: str) -> None:
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - this script runs before any check
         sys.exit(f"covey needs Python >= 3.10; this is {sys.version.split()[0]}")
     if not PY.exists():
         print(f"creating virtual environment {VENV}", flush=True)

@@ -78,8 +78,12 @@ def naive_diloco(tokens: torch.Tensor, n_workers: int, rounds: int, h: int) -> d
                 opt.zero_grad()
                 lm_loss(m, batch(tokens, r, i, s)).backward()
                 opt.step()
-            deltas.append([g.detach() - p.detach() for g, p in
-                           zip(global_model.parameters(), m.parameters(), strict=True)])
+            deltas.append(
+                [
+                    g.detach() - p.detach()
+                    for g, p in zip(global_model.parameters(), m.parameters(), strict=True)
+                ]
+            )
         for k, p in enumerate(global_model.parameters()):
             p.grad = sum(d[k] for d in deltas) / n_workers
         outer.step()
@@ -164,8 +168,12 @@ def test_pure_optimizers_match_torch() -> None:
 
 @pytest.mark.parametrize(
     "cfg",
-    [DDPConfig(), DiLoCoConfig(inner_steps=2), DeMoConfig(), StreamingDiLoCoConfig(inner_steps=4,
-                                                                                   fragments=2)],
+    [
+        DDPConfig(),
+        DiLoCoConfig(inner_steps=2),
+        DeMoConfig(),
+        StreamingDiLoCoConfig(inner_steps=4, fragments=2),
+    ],
     ids=lambda c: c.method,
 )
 def test_apply_round_is_pure_and_rejects_bad_contributions(cfg, tokens: torch.Tensor) -> None:
@@ -197,7 +205,7 @@ def test_streaming_fragments_are_strided_and_disjoint() -> None:
     assert layer_key("blocks.3.attn.qkv.weight") == "blocks.3"
     assert layer_key("wte.weight") == "wte.weight"
     frags = strided_fragments(names, 2)
-    assert sorted(sum(frags, [])) == sorted(names)
+    assert sorted(n for f in frags for n in f) == sorted(names)
     assert any(n.startswith("blocks.0.") for n in frags[0])
     assert any(n.startswith("blocks.1.") for n in frags[1])
     with pytest.raises(ValueError, match="fewer than"):

@@ -30,7 +30,10 @@ METHODS = {
     "streaming": {"method": "streaming", "inner_steps": 8, "fragments": 2, "codec": "int4"},
     "demo": {"method": "demo", "lr": 3e-3},
     "diloco-dct-ef": {
-        "method": "diloco", "inner_steps": 10, "codec": "dct:64:8:int8", "error_feedback": True,
+        "method": "diloco",
+        "inner_steps": 10,
+        "codec": "dct:64:8:int8",
+        "error_feedback": True,
     },
 }
 

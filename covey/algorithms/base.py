@@ -54,7 +54,9 @@ class TrainState:
         return h.hexdigest()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.params.values(), *self.outer.values()))
+        return sum(
+            t.numel() * t.element_size() for t in (*self.params.values(), *self.outer.values())
+        )
 
     def clone(self) -> TrainState:
         return TrainState(

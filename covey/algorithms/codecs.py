@@ -18,6 +18,19 @@ Layout (little-endian ``struct``): magic ``b"CVY1"`` (the trailing "1" is the fo
 uint8 codec id, uint64 numel (13 bytes, ``HEADER_BYTES``), the codec's parameters, the body.
 The hot paths use numpy on the tensor's memory: it is several times faster than torch's CPU
 element-wise kernels for these single-pass operations.
+
+====  ==========================  =========================================================
+id    spec                        codec
+====  ==========================  =========================================================
+1-3   ``fp32``/``fp16``/``bf16``  every element as a float (``Fp32Codec`` ...)
+4, 5  ``int8[:b]``/``int4[:b]``   block-wise symmetric quantization (``Int8Codec``, ...)
+6     ``topk:<ratio>[:<v>]``      largest |x| with uint32 indices (``TopKCodec``)
+7     ``dct:<chunk>:<k>[:<v>]``   top-k of a 1-D DCT per chunk (``DctCodec``, DeMo-style)
+8     ``sign``                    1 bit per element plus a mean-|x| scale (``SignCodec``)
+9     ``dct2:<side>:<k>[:<v>]``   top-k of a 2-D DCT per side x side block (``Dct2Codec``)
+====  ==========================  =========================================================
+
+``<v>`` is the value format of kept entries: ``fp32`` (default), ``fp16`` or ``int8``.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from covey.algorithms.dct import dct_chunks, idct_chunks, to_chunks
+from covey.algorithms.dct import dct2_chunks, dct_chunks, idct2_chunks, idct_chunks, to_chunks
 
 MAGIC = b"CVY1"
 _HEADER = struct.Struct("<4sBQ")
@@ -46,7 +59,8 @@ _REL_SLACK = 2.0**-21
 _ABS_SLACK = 2.0**-140
 VALID_FORMS = (
     "fp32 | fp16 | bf16 | int8[:<block>] | int4[:<block>] | topk:<ratio>[:<values>] | "
-    "dct:<chunk>:<k>[:<values>] | sign   (values: fp32 (default), fp16, int8)"
+    "dct:<chunk>:<k>[:<values>] | dct2:<side>:<k>[:<values>] | sign   "
+    "(values: fp32 (default), fp16, int8)"
 )
 Body = list[bytes | np.ndarray]
 
@@ -471,22 +485,34 @@ class DctCodec(Codec):
     Bound: the transform is orthonormal, so a chunk's l2 reconstruction error equals the l2 norm
     of its coefficient error, and l_inf <= l2.  Per chunk: sqrt(||dropped||^2 + k * e^2), e the
     value-format error at max|coeff|; the bound is the max over chunks plus the worst-case
-    float32 round-off of both transforms, 2 * chunk^1.5 * 2^-24 * max chunk l2 norm."""
+    float32 round-off of both transforms, 2 * chunk^1.5 * (2^-24 * max chunk l2 norm + 2^-149)
+    (relative error 2^-24 per operation, or up to 2^-150 absolute among subnormals).
+    Subclasses change only the transform: ``dims`` and ``_transform``/``_inverse``."""
 
     codec_id = 7
     params_struct = struct.Struct("<IIB")
+    head, size_name, max_size, dims = "dct", "chunk", 65536, 1
 
     def __init__(self, chunk: int = 64, k: int = 8, values: str | int = "fp32") -> None:
-        if not isinstance(chunk, int) or not 1 <= chunk <= 65536:
-            raise ValueError(f"DCT chunk must be an int in [1, 65536], got {chunk!r}")
-        if not isinstance(k, int) or not 1 <= k <= chunk:
-            raise ValueError(f"DCT k must be an int in [1, chunk={chunk}], got {k!r}")
-        self.chunk, self.k, self.values = chunk, k, _value_format(values)
-        self.index_dtype = "u1" if chunk <= 256 else "<u2"
-        self.name = f"dct:{chunk}:{k}" + ("" if self.values == "fp32" else f":{self.values}")
+        size, what = chunk, f"{self.head.upper()} {self.size_name}"
+        if not isinstance(size, int) or not 1 <= size <= self.max_size:
+            raise ValueError(f"{what} must be an int in [1, {self.max_size}], got {size!r}")
+        self.size, self.chunk = size, size**self.dims  # transform length; elements per chunk
+        if not isinstance(k, int) or not 1 <= k <= self.chunk:
+            raise ValueError(f"DCT k must be an int in [1, {self.chunk}] for {what} {size}: {k!r}")
+        self.k, self.values = k, _value_format(values)
+        self.index_dtype = "u1" if self.chunk <= 256 else "<u2"
+        fmt = "" if self.values == "fp32" else f":{self.values}"
+        self.name = f"{self.head}:{size}:{k}{fmt}"
 
     def _params(self) -> tuple:
-        return (self.chunk, self.k, VALUE_FORMATS.index(self.values))
+        return (self.size, self.k, VALUE_FORMATS.index(self.values))
+
+    def _transform(self, x: Tensor) -> Tensor:
+        return dct_chunks(x, self.chunk)
+
+    def _inverse(self, coeffs: Tensor, numel: int) -> Tensor:
+        return idct_chunks(coeffs, numel)
 
     def _body_nbytes(self, numel: int) -> int:
         kept = -(-numel // self.chunk) * self.k
@@ -494,7 +520,7 @@ class DctCodec(Codec):
 
     def _select(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(coefficients, kept indices ascending within each chunk), shared by encode and bound."""
-        coeffs = dct_chunks(torch.from_numpy(x), self.chunk).numpy()
+        coeffs = self._transform(torch.from_numpy(x)).numpy()
         if not np.isfinite(coeffs).all():
             raise CodecError("DCT coefficients overflow float32")
         idx = np.argpartition(np.abs(coeffs), self.chunk - self.k, axis=1)[:, self.chunk - self.k :]
@@ -517,7 +543,7 @@ class DctCodec(Codec):
         vals = _decode_values(buf, offset, kept, self.values).reshape(n_chunks, self.k)
         coeffs = torch.zeros(n_chunks, self.chunk, dtype=torch.float32)
         coeffs.scatter_(1, torch.from_numpy(idx), vals)
-        out = idct_chunks(coeffs, numel)
+        out = self._inverse(coeffs, numel)
         if not np.isfinite(out.numpy()).all():
             raise CodecError("DCT reconstruction overflows float32")
         return out
@@ -529,7 +555,41 @@ class DctCodec(Codec):
         e = _value_bound(_peak(coeffs), self.values)
         per_chunk = np.sqrt(np.square(dropped).sum(axis=1) + self.k * e * e)
         norms = np.linalg.norm(to_chunks(torch.from_numpy(x).double(), self.chunk).numpy(), axis=1)
-        return float(per_chunk.max()) + 2.0 * self.chunk**1.5 * 2.0**-24 * float(norms.max())
+        # Each of the 2 * dims matmul passes does dot products of length ``size``: l2 error per
+        # chunk <= size^1.5 * 2^-24 * norm, plus <= 2 * size * 2^-150 per coefficient when the
+        # operands are subnormal.
+        passes = 2 * self.dims
+        roundoff = passes * self.size**1.5 * 2.0**-24 * float(norms.max())
+        subnormal = passes * math.sqrt(self.chunk) * self.size * 2.0**-149
+        return float(per_chunk.max()) + roundoff + subnormal
+
+
+class Dct2Codec(DctCodec):
+    """2-D block DCT top-k, the transform DeMo (arXiv 2411.19870) applies to weight matrices:
+    zero-pad to chunks of side * side elements, view each as a row-major (side, side) matrix X,
+    take the separable orthonormal 2-D DCT-II C @ X @ C.T (C = dct_basis(side)) and keep the k
+    largest |coeff| of every block.  For a row-major matrix exactly ``side`` columns wide each
+    block is a side x side sub-block of the matrix, as in DeMo; otherwise a block is ``side``
+    consecutive runs of ``side`` elements, stacked, still transformed orthonormally.
+    Parameters: uint32 side (1..256), uint32 k (1..side^2), uint8 value format.  Body as
+    DctCodec with chunk = side^2 (so uint8 indices if side <= 16, else uint16); the index of
+    coefficient (r, c) of a block is r * side + c.
+    Bound: as DctCodec with chunk = side^2, except that the round-off term is
+    4 * (side^1.5 * 2^-24 * max block l2 norm + side^2 * 2^-149): two length-side matmul
+    passes per transform."""
+
+    codec_id = 9
+    head, size_name, max_size, dims = "dct2", "side", 256, 2
+
+    def __init__(self, side: int = 64, k: int = 32, values: str | int = "fp32") -> None:
+        super().__init__(side, k, values)
+        self.side = side
+
+    def _transform(self, x: Tensor) -> Tensor:
+        return dct2_chunks(x, self.side)
+
+    def _inverse(self, coeffs: Tensor, numel: int) -> Tensor:
+        return idct2_chunks(coeffs, numel, self.side)
 
 
 # ---------------------------------------------------------------- sign
@@ -572,9 +632,15 @@ class SignCodec(Codec):
 
 _CODECS_BY_ID: dict[int, type[Codec]] = {
     c.codec_id: c
-    for c in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec, DctCodec, SignCodec)
+    for c in (
+        *(Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec),
+        *(TopKCodec, DctCodec, SignCodec, Dct2Codec),
+    )
 }
-CODEC_SPECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk:0.01:fp16", "dct:64:8:fp16", "sign")
+CODEC_SPECS = (
+    "fp32", "fp16", "bf16", "int8", "int4", "topk:0.01:fp16", "dct:64:8:fp16", "dct2:64:32:fp16",
+    "sign",
+)  # fmt: skip
 
 
 def _parse_int(text: str, what: str) -> int:
@@ -601,9 +667,10 @@ def get_codec(spec: str) -> Codec:
             except ValueError:
                 raise ValueError(f"top-k ratio must be a number, got {args[0]!r}") from None
             return TopKCodec(ratio, *args[1:])
-        if head == "dct" and len(args) in (2, 3):
-            chunk, k = _parse_int(args[0], "DCT chunk"), _parse_int(args[1], "DCT k")
-            return DctCodec(chunk, k, *args[2:])
+        if head in ("dct", "dct2") and len(args) in (2, 3):
+            cls = DctCodec if head == "dct" else Dct2Codec
+            size = _parse_int(args[0], f"{head.upper()} {cls.size_name}")
+            return cls(size, _parse_int(args[1], "DCT k"), *args[2:])
     except ValueError as exc:
         raise ValueError(f"bad codec spec {spec!r}: {exc}. Valid forms: {VALID_FORMS}") from exc
     raise ValueError(f"unknown codec spec {spec!r}. Valid forms: {VALID_FORMS}")

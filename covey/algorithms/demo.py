@@ -70,6 +70,7 @@ class DeMo(Strategy):
         update = unflatten(torch.sign(self.aggregator(vectors, weights)), params)
         lr, wd = self.cfg.lr, self.cfg.weight_decay
         new_params = {
-            n: p * (1 - lr * wd) - lr * u for n, p, u in zip(self.names, params, update, strict=True)
+            n: p * (1 - lr * wd) - lr * u
+            for n, p, u in zip(self.names, params, update, strict=True)
         }
         return TrainState(new_params, {}, start_state.round + 1)

@@ -37,7 +37,9 @@ def strided_fragments(names: Sequence[str], n_fragments: int) -> list[list[str]]
     for n in names:
         groups.setdefault(layer_key(n), []).append(n)
     if len(groups) < n_fragments:
-        raise ValueError(f"model has {len(groups)} layer groups, fewer than {n_fragments} fragments")
+        raise ValueError(
+            f"model has {len(groups)} layer groups, fewer than {n_fragments} fragments"
+        )
     fragments: list[list[str]] = [[] for _ in range(n_fragments)]
     for i, members in enumerate(groups.values()):
         fragments[i % n_fragments].extend(members)

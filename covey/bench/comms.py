@@ -52,7 +52,12 @@ def comms_methods(quick: bool) -> list[BenchMethod]:
         # covey's combination: DiLoCo pseudo-gradients, DCT top-k with error feedback.
         BenchMethod(
             f"diloco-h{hs}-dct-ef",
-            {"method": "diloco", "inner_steps": hs, "codec": "dct:64:4:int8", "error_feedback": True},
+            {
+                "method": "diloco",
+                "inner_steps": hs,
+                "codec": "dct:64:4:int8",
+                "error_feedback": True,
+            },
         ),
         BenchMethod(
             f"diloco-h{hl}-int4-ef",
@@ -146,8 +151,12 @@ def run_comms_bench(
         cfg = bench_config(method, size)
         print(f"== {method.name}: {cfg.rounds} rounds of {cfg.steps // cfg.rounds} inner steps")
         results[method.name] = simulate(cfg, corpus, progress=progress)
-        save_run(out_dir / method.name, method.name, results[method.name].records,
-                 results[method.name].summary)
+        save_run(
+            out_dir / method.name,
+            method.name,
+            results[method.name].records,
+            results[method.name].summary,
+        )
     records = summarize(results)
     print(format_table(records))
     plot_runs(
@@ -173,8 +182,12 @@ def run_demo(*, workers: int, steps: int, out_dir: Path) -> None:
         cfg = bench_config(method, demo_size, workers=workers)
         print(f"== {method.name}")
         results[method.name] = simulate(cfg, corpus)
-        save_run(out_dir / method.name, method.name, results[method.name].records,
-                 results[method.name].summary)
+        save_run(
+            out_dir / method.name,
+            method.name,
+            results[method.name].records,
+            results[method.name].summary,
+        )
     print(format_table(summarize(results)))
     plot_runs(out_dir / "demo.png", {n: r.records for n, r in results.items()}, "covey demo")
     print(f"run directory: {out_dir} (plot: {out_dir / 'demo.png'})")

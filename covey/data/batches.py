@@ -57,8 +57,13 @@ def validation_batches(
     """A fixed set of held-out batches; the same for every method, worker and run."""
     return [
         sample_batch(
-            corpus.val, batch_size=batch_size, seq_len=seq_len, seed=0, round=0,
-            worker="validation", step=i,
+            corpus.val,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seed=0,
+            round=0,
+            worker="validation",
+            step=i,
         )
         for i in range(n_batches)
     ]

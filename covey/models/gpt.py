@@ -42,7 +42,9 @@ def gpt_config(size: str) -> GPTConfig:
     try:
         return GPT_SIZES[size]
     except KeyError:
-        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(GPT_SIZES)}") from None
+        raise ValueError(
+            f"unknown model size {size!r}; choose one of {sorted(GPT_SIZES)}"
+        ) from None
 
 
 class CausalSelfAttention(nn.Module):
@@ -119,8 +121,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (B, T) int64 token ids -> logits (B, T, vocab_size)."""
-        B, T = idx.shape
-        if T > self.cfg.block_size:
+        _, T = idx.shape
+        if self.cfg.block_size < T:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
@@ -130,6 +132,6 @@ class GPT(nn.Module):
 
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy on a (B, T+1) batch of token ids: inputs [:, :-1], targets [:, 1:]."""
+    """Next-token cross-entropy on a (B, T+1) batch: inputs [:, :-1], targets [:, 1:]."""
     logits = model(batch[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))

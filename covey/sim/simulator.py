@@ -168,7 +168,9 @@ def simulate(
         if on_round:
             on_round(record)
         bar.set_postfix(
-            loss=f"{val_loss:.3f}", sent=_human_bytes(record["bytes_sent_per_worker"]), refresh=False
+            loss=f"{val_loss:.3f}",
+            sent=_human_bytes(record["bytes_sent_per_worker"]),
+            refresh=False,
         )
         bar.update(1)
     bar.close()
@@ -237,8 +239,13 @@ def _train_round(
             s.adopt(w.pending)
             w.pending = None
         batch = sample_batch(
-            corpus.train, batch_size=cfg.data.batch_size, seq_len=seq_len,
-            seed=cfg.seed, round=r, worker=w.index, step=step,
+            corpus.train,
+            batch_size=cfg.data.batch_size,
+            seq_len=seq_len,
+            seed=cfg.seed,
+            round=r,
+            worker=w.index,
+            step=step,
         )
         t0 = time.perf_counter()
         loss_sum += s.inner_step(batch)

@@ -1,0 +1,68 @@
+"""The command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def covey(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "covey.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_lists_commands_without_importing_torch() -> None:
+    r = covey("--help", timeout=60)
+    assert r.returncode == 0
+    for command in ("sim", "bench", "demo"):
+        assert command in r.stdout
+    probe = "import sys, covey.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
+
+
+def test_sim_writes_metrics_summary_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = covey(
+        "sim",
+        "--method",
+        "diloco",
+        "-H",
+        "5",
+        "--steps",
+        "10",
+        "--workers",
+        "2",
+        "--codec",
+        "int8",
+        "--no-progress",
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["round"] for rec in records] == [1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == "diloco" and summary["config"]["algorithm"]["codec"] == "int8"
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sim", "--method", "nope"], "invalid configuration"),
+        (["sim", "--workers", "0"], "workers"),
+        (["sim", "/nonexistent/run.toml"], "config file not found"),
+        (["sim", "--codec", "zip", "--steps", "1", "-H", "1"], "codec"),
+        (["bench", "comms", "--only", "nope"], "unknown method"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
+    r = covey(*args, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
