@@ -96,19 +96,26 @@ class DeMoConfig(Frozen):
     lr: float = Field(1e-3, gt=0, description="SGD learning rate of the sign update")
     weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
     beta: float = Field(0.999, ge=0, lt=1, description="momentum decay")
-    chunk: int = Field(64, ge=2, le=4096, description="DCT chunk width")
+    chunk: int = Field(64, ge=2, le=256, description="DCT chunk width (side, if dims = 2)")
+    dims: Literal[1, 2] = Field(
+        1, description="1: chunks of `chunk` values; 2: chunk x chunk blocks (DeMo's own)"
+    )
     topk: int = Field(32, ge=1, description="coefficients sent per chunk")
     values: Literal["fp32", "fp16", "int8"] = Field("fp16", description="coefficient format")
 
     @model_validator(mode="after")
     def _topk_fits(self) -> DeMoConfig:
-        if self.topk > self.chunk:
-            raise ValueError(f"topk ({self.topk}) cannot exceed chunk ({self.chunk})")
+        if self.topk > self.chunk**self.dims:
+            raise ValueError(
+                f"topk ({self.topk}) cannot exceed the {self.chunk**self.dims} coefficients "
+                f"of a chunk"
+            )
         return self
 
     @property
     def codec(self) -> str:
-        return f"dct:{self.chunk}:{self.topk}:{self.values}"
+        kind = "dct" if self.dims == 1 else "dct2"
+        return f"{kind}:{self.chunk}:{self.topk}:{self.values}"
 
 
 AlgorithmConfig = Annotated[

@@ -27,7 +27,8 @@ def plot_runs(path: Path, runs: dict[str, Sequence[dict[str, Any]]], title: str)
     import matplotlib.pyplot as plt
 
     fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, records in runs.items():
+    for label, all_records in runs.items():
+        records = [r for r in all_records if r["val_loss"] is not None]
         xs_b = [r["bytes_sent_per_worker"] for r in records]
         xs_t = [r["sim_time_s"] for r in records]
         ys = [r["val_loss"] for r in records]

@@ -146,7 +146,8 @@ def simulate(
         sim_time += timing.wall_s
         compute_total += timing.compute_s
         wall_total += timing.wall_s
-        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+        evaluated = (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds
+        if evaluated:
             val_loss = evaluate(canonical.model, state, val)
         record = {
             "round": r + 1,
@@ -154,7 +155,7 @@ def simulate(
             "live_workers": len(live),
             "tokens": tokens,
             "train_loss": sum(losses) / len(losses),
-            "val_loss": val_loss,
+            "val_loss": val_loss if evaluated else None,  # null between evaluations
             "bytes_sent": sum(sent),
             "bytes_received": sum(received),
             "bytes_sent_per_worker": sum(w.bytes_sent for w in workers) / cfg.workers,
