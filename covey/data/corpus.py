@@ -109,13 +109,14 @@ def load_corpus(paths: list[str] | None = None, val_fraction: float = 0.02) -> C
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     docs = list(_user_documents(paths) if paths else _stdlib_documents())
     source = ", ".join(paths) if paths else f"python stdlib ({stdlib_root()})"
-    train = [d for name, d in docs if not is_validation(name, val_fraction)]
-    val = [d for name, d in docs if is_validation(name, val_fraction)]
-    if not val and len(docs) == 1:
+    if len(docs) == 1:
         # One document cannot be split by document: hold out its tail instead.
-        (data,) = train
+        data = docs[0][1]
         cut = int(len(data) * (1 - val_fraction))
         train, val = [data[:cut]], [data[cut:]]
+    else:
+        train = [d for name, d in docs if not is_validation(name, val_fraction)]
+        val = [d for name, d in docs if is_validation(name, val_fraction)]
     if not train or not val:
         raise ValueError(
             f"{source}: {len(docs)} documents give {len(train)} train / {len(val)} validation; "
