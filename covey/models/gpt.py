@@ -29,12 +29,12 @@ class GPTConfig:
 # Named sizes. Parameter counts (GPT.num_parameters) are in the comments.
 GPT_SIZES: dict[str, GPTConfig] = {
     "nano": GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64),  # 0.12M
-    "micro": GPTConfig(block_size=128, n_layer=5, n_head=4, n_embd=128),  # 1.03M
-    "mini": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),  # 10.7M
-    "small": GPTConfig(block_size=512, n_layer=12, n_head=9, n_embd=576),  # 48.2M
+    "micro": GPTConfig(block_size=128, n_layer=5, n_head=4, n_embd=128),  # 1.04M
+    "mini": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),  # 10.8M
+    "small": GPTConfig(block_size=512, n_layer=12, n_head=9, n_embd=576),  # 48.3M
     # GPT-2 small's shape, with its 50257-token vocabulary padded to 50304. The byte
     # tokenizer uses ids 0..255 only; the size exists to measure 124M-parameter payloads.
-    "gpt2": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),  # 124.5M
 }
 
 
