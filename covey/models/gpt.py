@@ -33,8 +33,8 @@ GPT_SIZES: dict[str, GPTConfig] = {
     "mini": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),  # 10.8M
     "small": GPTConfig(block_size=512, n_layer=12, n_head=9, n_embd=576),  # 48.3M
     # GPT-2 small's shape, with its 50257-token vocabulary padded to 50304. The byte
-    # tokenizer uses ids 0..255 only; the size exists to measure 124M-parameter payloads.
-    "gpt2": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),  # 124.5M
+    # tokenizer uses ids 0..255 only; the size exists to measure 124M-parameter payloads. 124.5M
+    "gpt2": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),
 }
 
 
