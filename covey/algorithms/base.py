@@ -181,6 +181,28 @@ class Strategy(ABC):
         self, start_state: TrainState, contributions: Sequence[Contribution]
     ) -> TrainState: ...
 
+    def package(self, payload: bytes, fragment: int | None = None) -> Contribution:
+        """Wrap a payload with the tokens and steps since the last contribution; reset both."""
+        if self.steps == 0:
+            raise RuntimeError("make_contribution before any inner_step")
+        c = Contribution(payload, self.tokens, self.steps, fragment)
+        self.tokens = self.steps = 0
+        return c
+
+    def aggregate(
+        self,
+        state: TrainState,
+        contributions: Sequence[Contribution],
+        names: Sequence[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Decode, validate and aggregate the contributions into one tensor per named
+        parameter (default: all of them). RoundError if any contribution is unusable."""
+        names = self.names if names is None else names
+        params = [state.params[n] for n in names]
+        vectors, weights = self.decode_all(contributions, sum(p.numel() for p in params))
+        update = unflatten(self.aggregator(vectors, weights), params)
+        return dict(zip(names, update, strict=True))
+
     def decode_all(
         self, contributions: Sequence[Contribution], numel: int
     ) -> tuple[list[torch.Tensor], list[float]]:

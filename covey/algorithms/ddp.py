@@ -19,7 +19,6 @@ from covey.algorithms.base import (
     TrainState,
     clip_grad_,
     flatten,
-    unflatten,
 )
 from covey.algorithms.codecs import Codec
 from covey.algorithms.optim import adamw
@@ -51,17 +50,15 @@ class DDP(Strategy):
     def make_contribution(self) -> Contribution:
         if self._grad is None:
             raise RuntimeError("make_contribution before any inner_step")
-        c = Contribution(self.codec.encode(self._grad), self.tokens, self.steps)
-        self._grad, self.tokens, self.steps = None, 0, 0
+        c = self.package(self.codec.encode(self._grad))
+        self._grad = None
         return c
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]
     ) -> TrainState:
         params = [start_state.params[n] for n in self.names]
-        numel = sum(p.numel() for p in params)
-        vectors, weights = self.decode_all(contributions, numel)
-        grads = unflatten(self.aggregator(vectors, weights), params)
+        grads = list(self.aggregate(start_state, contributions).values())
         opt = self.cfg.optim
         clip_grad_(grads, opt.grad_clip)
         new_params, outer = {}, {}

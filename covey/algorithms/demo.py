@@ -21,7 +21,6 @@ from covey.algorithms.base import (
     Strategy,
     TrainState,
     flatten,
-    unflatten,
 )
 from covey.algorithms.codecs import Codec
 from covey.config import DeMoConfig
@@ -58,19 +57,14 @@ class DeMo(Strategy):
             raise RuntimeError("make_contribution before any inner_step")
         payload, transmitted = self.extract()
         self.momentum.sub_(transmitted)  # error feedback: only what was sent leaves the buffer
-        c = Contribution(payload, self.tokens, self.steps)
-        self.tokens = self.steps = 0
-        return c
+        return self.package(payload)
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]
     ) -> TrainState:
-        params = [start_state.params[n] for n in self.names]
-        vectors, weights = self.decode_all(contributions, sum(p.numel() for p in params))
-        update = unflatten(torch.sign(self.aggregator(vectors, weights)), params)
         lr, wd = self.cfg.lr, self.cfg.weight_decay
         new_params = {
-            n: p * (1 - lr * wd) - lr * u
-            for n, p, u in zip(self.names, params, update, strict=True)
+            n: start_state.params[n] * (1 - lr * wd) - lr * torch.sign(u)
+            for n, u in self.aggregate(start_state, contributions).items()
         }
         return TrainState(new_params, {}, start_state.round + 1)

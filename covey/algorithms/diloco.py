@@ -26,7 +26,6 @@ from covey.algorithms.base import (
     TrainState,
     clip_grad_,
     flatten,
-    unflatten,
 )
 from covey.algorithms.codecs import Codec
 from covey.algorithms.optim import make_inner_optimizer, nesterov_sgd
@@ -77,18 +76,12 @@ class DiLoCo(Strategy):
         payload = self.codec.encode(delta)
         if self.cfg.error_feedback:
             self._residual = delta - self.codec.decode(payload)
-        c = Contribution(payload, self.tokens, self.steps)
-        self.tokens = self.steps = 0
-        return c
+        return self.package(payload)
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]
     ) -> TrainState:
-        params = [start_state.params[n] for n in self.names]
-        numel = sum(p.numel() for p in params)
-        vectors, weights = self.decode_all(contributions, numel)
-        outer_grads = unflatten(self.aggregator(vectors, weights), params)
-        return outer_step(start_state, dict(zip(self.names, outer_grads, strict=True)), self.cfg)
+        return outer_step(start_state, self.aggregate(start_state, contributions), self.cfg)
 
 
 def outer_step(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from covey.algorithms.aggregation import Aggregator
-from covey.algorithms.base import Contribution, LossFn, RoundError, TrainState, flatten, unflatten
+from covey.algorithms.base import Contribution, LossFn, RoundError, TrainState, flatten
 from covey.algorithms.codecs import Codec
 from covey.algorithms.diloco import DiLoCo, outer_step
 from covey.config import StreamingDiLoCoConfig
@@ -88,10 +88,8 @@ class StreamingDiLoCo(DiLoCo):
         names = self.fragments[p]
         local = dict(self.model.named_parameters())
         delta = flatten([self._global[n] for n in names]) - flatten([local[n] for n in names])
-        c = Contribution(self.codec.encode(delta), self.tokens, self.steps, fragment=p)
-        self.tokens = self.steps = 0
         self._round += 1
-        return c
+        return self.package(self.codec.encode(delta), fragment=p)
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]
@@ -99,8 +97,5 @@ class StreamingDiLoCo(DiLoCo):
         p = self.fragment_of(start_state.round)
         if bad := [c.fragment for c in contributions if c.fragment != p]:
             raise RoundError(f"round {start_state.round} syncs fragment {p}, got fragments {bad}")
-        names = self.fragments[p]
-        params = [start_state.params[n] for n in names]
-        vectors, weights = self.decode_all(contributions, sum(t.numel() for t in params))
-        grads = unflatten(self.aggregator(vectors, weights), params)
-        return outer_step(start_state, dict(zip(names, grads, strict=True)), self.cfg)
+        update = self.aggregate(start_state, contributions, self.fragments[p])
+        return outer_step(start_state, update, self.cfg)
