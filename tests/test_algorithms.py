@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from covey.algorithms import DDP, DeMo, DiLoCo, RoundError, StreamingDiLoCo, build_strategy
+from covey.algorithms import DeMo, DiLoCo, RoundError, StreamingDiLoCo, build_strategy
 from covey.algorithms.base import Contribution, Strategy, TrainState, flatten
 from covey.algorithms.optim import adamw, nesterov_sgd
 from covey.algorithms.streaming import layer_key, strided_fragments
@@ -273,5 +273,29 @@ def test_strategy_wraps_any_module_and_loss() -> None:
         state = workers[0].apply_round(state, contribs)
     workers[0].load_state(state)
     assert float(loss_fn(workers[0].model, probe).detach()) < 0.2 * first
-    assert isinstance(workers[0], DiLoCo) and not isinstance(workers[0], DDP)
     assert flatten(list(state.params.values())).isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DDPConfig(),
+        DiLoCoConfig(inner_steps=2, codec="int4", error_feedback=True),
+        DeMoConfig(),
+        StreamingDiLoCoConfig(inner_steps=4, fragments=2),
+    ],
+    ids=lambda c: c.method,
+)
+def test_contribution_without_work_is_refused_and_changes_nothing(cfg, tokens) -> None:
+    w = build_strategy(cfg, tiny_gpt(), lm_loss)
+    w.load_state(w.init_state())
+    w.inner_step(batch(tokens, 0, 0, 0))
+    for _ in range(w.steps_per_round - 1):
+        w.inner_step(batch(tokens, 0, 0, 1))
+    first = w.make_contribution()
+    snapshot = {k: v.clone() for k, v in vars(w).items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(RuntimeError, match="before any inner_step"):
+        w.make_contribution()
+    for k, v in snapshot.items():
+        assert torch.equal(getattr(w, k), v), k  # residual, momentum, ... untouched
+    assert first.tokens > 0 and first.inner_steps == w.steps_per_round

@@ -58,13 +58,6 @@ class TrainState:
             t.numel() * t.element_size() for t in (*self.params.values(), *self.outer.values())
         )
 
-    def clone(self) -> TrainState:
-        return TrainState(
-            {k: v.detach().clone() for k, v in self.params.items()},
-            {k: v.detach().clone() for k, v in self.outer.items()},
-            self.round,
-        )
-
 
 @dataclass(frozen=True)
 class Contribution:
@@ -171,8 +164,21 @@ class Strategy(ABC):
     @abstractmethod
     def inner_step(self, batch: torch.Tensor) -> float: ...
 
+    def make_contribution(self) -> Contribution:
+        """This round's work as a Contribution; resets the token and step counters.
+
+        RuntimeError before any inner_step, raised before any local state changes."""
+        if self.steps == 0:
+            raise RuntimeError("make_contribution before any inner_step")
+        payload, fragment = self.encode_work()
+        c = Contribution(payload, self.tokens, self.steps, fragment)
+        self.tokens = self.steps = 0
+        return c
+
     @abstractmethod
-    def make_contribution(self) -> Contribution: ...
+    def encode_work(self) -> tuple[bytes, int | None]:
+        """The codec bytes of the work since the last contribution, and the fragment they
+        cover (None: the whole model). Called once per round by make_contribution."""
 
     # -- canonical side (pure) ------------------------------------------------------------
 
@@ -180,14 +186,6 @@ class Strategy(ABC):
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]
     ) -> TrainState: ...
-
-    def package(self, payload: bytes, fragment: int | None = None) -> Contribution:
-        """Wrap a payload with the tokens and steps since the last contribution; reset both."""
-        if self.steps == 0:
-            raise RuntimeError("make_contribution before any inner_step")
-        c = Contribution(payload, self.tokens, self.steps, fragment)
-        self.tokens = self.steps = 0
-        return c
 
     def aggregate(
         self,

@@ -47,12 +47,11 @@ class DDP(Strategy):
         self._grad = flatten([p.grad for p in self.model.parameters()])
         return loss
 
-    def make_contribution(self) -> Contribution:
-        if self._grad is None:
-            raise RuntimeError("make_contribution before any inner_step")
-        c = self.package(self.codec.encode(self._grad))
+    def encode_work(self) -> tuple[bytes, int | None]:
+        assert self._grad is not None  # make_contribution checked that a step was taken
+        payload = self.codec.encode(self._grad)
         self._grad = None
-        return c
+        return payload, None
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]

@@ -52,12 +52,10 @@ class DeMo(Strategy):
         payload = self.codec.encode(self.momentum)
         return payload, self.codec.decode(payload)
 
-    def make_contribution(self) -> Contribution:
-        if self.steps == 0:
-            raise RuntimeError("make_contribution before any inner_step")
+    def encode_work(self) -> tuple[bytes, int | None]:
         payload, transmitted = self.extract()
         self.momentum.sub_(transmitted)  # error feedback: only what was sent leaves the buffer
-        return self.package(payload)
+        return payload, None
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]

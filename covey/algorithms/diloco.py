@@ -69,14 +69,12 @@ class DiLoCo(Strategy):
             delta += self._residual
         return delta
 
-    def make_contribution(self) -> Contribution:
-        if self.steps == 0:
-            raise RuntimeError("make_contribution before any inner_step")
+    def encode_work(self) -> tuple[bytes, int | None]:
         delta = self.pseudo_gradient()
         payload = self.codec.encode(delta)
         if self.cfg.error_feedback:
             self._residual = delta - self.codec.decode(payload)
-        return self.package(payload)
+        return payload, None
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]

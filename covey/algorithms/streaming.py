@@ -81,15 +81,14 @@ class StreamingDiLoCo(DiLoCo):
                 params[name].mul_(alpha).add_(state.params[name], alpha=1 - alpha)
         self._global = dict(state.params)
 
-    def make_contribution(self) -> Contribution:
-        if self.steps == 0:
-            raise RuntimeError("make_contribution before any inner_step")
+    def encode_work(self) -> tuple[bytes, int | None]:
         p = self.fragment_of(self._round)
         names = self.fragments[p]
         local = dict(self.model.named_parameters())
         delta = flatten([self._global[n] for n in names]) - flatten([local[n] for n in names])
-        self._round += 1
-        return self.package(self.codec.encode(delta), fragment=p)
+        payload = self.codec.encode(delta)
+        self._round += 1  # only once the fragment's bytes exist
+        return payload, p
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]

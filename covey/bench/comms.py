@@ -7,7 +7,7 @@ what crosses the network differs. Simulated time assumes 100 Mbit/s links.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +135,7 @@ def run_comms_bench(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     size = QUICK if quick else FULL
-    if model or steps:
-        size = BenchSize(
-            model or size.model, steps or size.steps, size.batch_size, size.h_short, size.h_long
-        )
+    size = replace(size, model=model or size.model, steps=steps or size.steps)
     corpus = load_corpus()
     print(f"corpus: {corpus.describe()} (fingerprint {corpus.fingerprint})")
     results: dict[str, SimResult] = {}
@@ -168,7 +165,7 @@ def run_comms_bench(
 
 def run_demo(*, workers: int, steps: int, out_dir: Path) -> None:
     """DDP, DiLoCo and DiLoCo + DCT top-k side by side on the nano GPT."""
-    demo_size = BenchSize(model="nano", steps=steps, batch_size=8, h_short=30, h_long=120)
+    demo_size = replace(QUICK, steps=steps)
     picks = {"ddp", f"diloco-h{demo_size.h_short}", f"diloco-h{demo_size.h_short}-dct-ef"}
     corpus = load_corpus()
     print(f"corpus: {corpus.describe()}")

@@ -42,7 +42,6 @@ class Worker:
     pending: TrainState | None = None  # a round result still in flight (overlap)
     bytes_sent: int = 0
     bytes_received: int = 0
-    compute_s: float = 0.0
 
 
 @dataclass
@@ -110,12 +109,13 @@ def simulate(
     for r in range(cfg.rounds):
         ready = _apply_churn(workers, churn, cfg, r, new_strategy, state)
         live = [w for w in workers if w.strategy is not None]
-        contributions, compute, losses = [], [], []
+        contributions, compute, step_s, losses = [], [], [], []
         for w in live:
             assert w.strategy is not None
             steps_done, seconds, loss_sum = _train_round(w, w.strategy, cfg, corpus, r, seq_len)
             contributions.append(w.strategy.make_contribution())
             compute.append(seconds)
+            step_s.append(seconds / steps_done)
             losses.append(loss_sum / steps_done)
         t0 = time.perf_counter()
         new_state = canonical.apply_round(state, contributions)
@@ -124,11 +124,11 @@ def simulate(
         tokens += sum(c.tokens for c in contributions)
         sent = [c.nbytes for c in contributions]
         received = [sum(sent) - s for s in sent]
-        for w, s, n, c in zip(live, sent, received, compute, strict=True):
+        for w, s, n in zip(live, sent, received, strict=True):
             w.bytes_sent += s
             w.bytes_received += n
-            w.compute_s += c
-        hidden = min(c / canonical.steps_per_round for c in compute) * canonical.overlap_steps
+        # the next round's first tau steps run while the bytes are in flight
+        hidden = min(step_s) * canonical.overlap_steps
         timing = round_timing(
             [ready[w.index] for w in live],
             [c + apply_s for c in compute],
