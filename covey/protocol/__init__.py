@@ -1,0 +1,1 @@
+"""Wire schemas, content ids and the pure round state machine. No sockets here."""
