@@ -162,6 +162,101 @@ def demo(
     run_demo(workers=workers, steps=steps, out_dir=out)
 
 
+def _logging(verbose: bool) -> None:
+    import logging
+
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "httpcore"):  # one line per request drowns the round log
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@app.command()
+def coordinator(
+    config: Annotated[Path, typer.Argument(help="TOML run spec; its hash is the run id")],
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8470,
+    data_dir: Annotated[
+        Path, typer.Option(help="SQLite database, blobs and checkpoints; reuse it to resume")
+    ] = Path("runs/coordinator"),
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
+) -> None:
+    """Serve a training run: membership, rounds, blobs, checkpoints and the status page.
+
+    Killed and restarted on the same --data-dir, it resumes from the last committed round."""
+    from covey.config import load_run_config
+
+    try:
+        cfg = load_run_config(config)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+        raise _fail("invalid run spec:\n" + "\n".join(lines)) from None
+    except (FileNotFoundError, ValueError) as e:
+        raise _fail(str(e)) from None
+    _logging(verbose)
+    from covey.coordinator.app import serve
+    from covey.coordinator.service import Coordinator
+
+    try:
+        coord = Coordinator(cfg, data_dir, threads=threads)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    typer.echo(
+        f"covey coordinator: run {cfg.run_id} ({cfg.name}), status page http://{host}:{port}/"
+    )
+    serve(coord, host, port)
+
+
+@app.command()
+def worker(
+    coordinator: Annotated[
+        str, typer.Option(help="the coordinator's URL")
+    ] = "http://127.0.0.1:8470",
+    peer_id: Annotated[str | None, typer.Option(help="this peer's name; default random")] = None,
+    threads: Annotated[int, typer.Option(help="torch CPU threads")] = 1,
+    serve_blobs: Annotated[
+        bool, typer.Option(help="serve contributions from our own blob server (else upload)")
+    ] = True,
+    blob_host: Annotated[
+        str, typer.Option(help="address the blob server listens on")
+    ] = "127.0.0.1",
+    advertise_host: Annotated[
+        str | None, typer.Option(help="address other peers reach the blob server at")
+    ] = None,
+    bandwidth_mbps: Annotated[float | None, typer.Option(help="link estimate, Mbit/s")] = None,
+    slowdown: Annotated[
+        float, typer.Option(help="emulate slower hardware: steps take this many times longer")
+    ] = 1.0,
+    store_dir: Annotated[Path | None, typer.Option(help="local blob store")] = None,
+    max_rounds: Annotated[int | None, typer.Option(help="leave after this many rounds")] = None,
+    verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
+) -> None:
+    """Join a run and train: fetch the canonical state, train each round's assignment,
+    publish contributions, apply certified rounds. Ctrl-C / SIGTERM leave cleanly."""
+    if slowdown < 1:
+        raise _fail(f"--slowdown must be >= 1, got {slowdown}")
+    _logging(verbose)
+    from covey.peer.worker import Worker, WorkerOptions
+
+    opts = WorkerOptions(
+        coordinator=coordinator,
+        peer_id=peer_id,
+        threads=threads,
+        serve_blobs=serve_blobs,
+        blob_host=blob_host,
+        advertise_host=advertise_host,
+        bandwidth_mbps=bandwidth_mbps,
+        slowdown=slowdown,
+        store_dir=store_dir,
+        max_rounds=max_rounds,
+    )
+    raise typer.Exit(Worker(opts).run())
+
+
 def main() -> None:
     app()
 

@@ -188,10 +188,7 @@ class SimConfig(Frozen):
     @model_validator(mode="before")
     @classmethod
     def _default_method(cls, data: Any) -> Any:
-        """An [algorithm] table without `method` means the default, DiLoCo."""
-        if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
-            data = {**data, "algorithm": {"method": "diloco", **data["algorithm"]}}
-        return data
+        return _default_algorithm(data)
 
     @model_validator(mode="after")
     def _enough_steps(self) -> SimConfig:
@@ -210,6 +207,13 @@ class SimConfig(Frozen):
 
     def config_hash(self) -> str:
         return config_hash(self)
+
+
+def _default_algorithm(data: Any) -> Any:
+    """An [algorithm] table without `method` means the default, DiLoCo."""
+    if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
+        data = {**data, "algorithm": {"method": "diloco", **data["algorithm"]}}
+    return data
 
 
 def steps_per_round(algo: DDPConfig | DiLoCoConfig | StreamingDiLoCoConfig | DeMoConfig) -> int:
@@ -249,3 +253,84 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 def load_sim_config(path: str | Path | None = None, **overrides: Any) -> SimConfig:
     data = load_toml(path) if path else {}
     return SimConfig.model_validate(merge(data, overrides))
+
+
+# --- networked runs ---------------------------------------------------------------------
+
+
+class RoundsConfig(Frozen):
+    """How the coordinator paces rounds (../shared/DESIGN.md, "The round"). Every wait in a
+    round is bounded by a field here."""
+
+    heartbeat_s: float = Field(2.0, gt=0, description="peers heartbeat this often")
+    dead_after_s: float = Field(6.0, gt=0, description="a peer silent this long is dead")
+    target_compute_s: float = Field(
+        10.0, gt=0, description="compute one round aims for; caps a slow peer's inner steps"
+    )
+    deadline_slack: float = Field(
+        2.0, ge=1, description="deadline = slack x the slowest expected compute + transfers"
+    )
+    deadline_min_s: float = Field(5.0, gt=0, description="a round's deadline is at least this")
+    deadline_max_s: float = Field(300.0, gt=0, description="... and at most this")
+    min_peers: int = Field(1, ge=1, description="a round opens once this many peers are live")
+    max_rounds: int | None = Field(
+        None, ge=1, description="stop after this many committed rounds; none = until stopped"
+    )
+    checkpoint_every: int = Field(5, ge=1, description="K: keep a checkpoint every K rounds")
+    keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept on disk")
+    eval_every: int = Field(1, ge=1, description="evaluate the canonical state every N rounds")
+    eval_batches: int = Field(4, ge=1, description="held-out batches per evaluation")
+    bandwidth_mbps: float = Field(
+        100.0, gt=0, description="assumed link speed for peers that report none"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RoundsConfig:
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        if self.deadline_max_s < self.deadline_min_s:
+            raise ValueError(
+                f"deadline_max_s ({self.deadline_max_s}) is below deadline_min_s "
+                f"({self.deadline_min_s})"
+            )
+        return self
+
+
+class LimitsConfig(Frozen):
+    """Request-size limits and the peers' patience: bad or huge input is refused early."""
+
+    max_json_bytes: int = Field(256 << 10, ge=1024, description="largest JSON request body")
+    max_blob_bytes: int = Field(1 << 30, ge=1024, description="largest blob a peer may upload")
+    request_timeout_s: float = Field(30.0, gt=0, description="per HTTP request")
+    retries: int = Field(4, ge=1, description="attempts per request before giving up on it")
+    coordinator_lost_s: float = Field(
+        120.0, gt=0, description="a worker exits after this long without reaching the coordinator"
+    )
+
+
+class RunConfig(Frozen):
+    """A training run served by `covey coordinator`. Its hash is the run id."""
+
+    name: str = Field("covey-run", min_length=1, max_length=80, description="display name")
+    seed: int = Field(0, description="seeds the model's initial weights and the data")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    algorithm: AlgorithmConfig = DiLoCoConfig()
+    rounds: RoundsConfig = RoundsConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_method(cls, data: Any) -> Any:
+        return _default_algorithm(data)
+
+    @property
+    def run_id(self) -> str:
+        return config_hash(self)
+
+
+def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
+    data = load_toml(path) if path else {}
+    return RunConfig.model_validate(merge(data, overrides))

@@ -182,6 +182,31 @@ class Strategy(ABC):
 
     # -- canonical side (pure) ------------------------------------------------------------
 
+    def round_fragment(self, round: int) -> int | None:
+        """The fragment a round's contributions must cover (None: the whole model)."""
+        return None
+
+    def fragment_names(self, fragment: int | None) -> list[str]:
+        return list(self.names)
+
+    def validate(self, start_state: TrainState, contribution: Contribution) -> None:
+        """Check one contribution against the round it claims to belong to, before anyone
+        aggregates it: fragment, claimed work, payload format, element count and finite
+        values. RoundError says what is wrong; nothing changes."""
+        c = contribution
+        want = self.round_fragment(start_state.round)
+        if c.fragment != want:
+            raise RoundError(f"round {start_state.round} takes fragment {want}, got {c.fragment}")
+        if c.tokens <= 0 or c.inner_steps <= 0:
+            raise RoundError(f"claims {c.tokens} tokens in {c.inner_steps} inner steps")
+        numel = sum(start_state.params[n].numel() for n in self.fragment_names(want))
+        try:
+            vector = self.codec.decode(c.payload, numel)
+        except CodecError as e:
+            raise RoundError(f"payload rejected: {e}") from None
+        if not bool(torch.isfinite(vector).all()):
+            raise RoundError("payload decodes to NaN or Inf values")
+
     @abstractmethod
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]

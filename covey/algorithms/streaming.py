@@ -66,6 +66,12 @@ class StreamingDiLoCo(DiLoCo):
     def fragment_of(self, round: int) -> int:
         return round % self.cfg.fragments
 
+    def round_fragment(self, round: int) -> int | None:
+        return self.fragment_of(round)
+
+    def fragment_names(self, fragment: int | None) -> list[str]:
+        return self.names if fragment is None else self.fragments[fragment]
+
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
         self._global = dict(state.params)

@@ -18,7 +18,7 @@ def content_id(data: bytes | bytearray | memoryview) -> str:
 
 
 def is_content_id(value: str) -> bool:
-    return bool(_CID.match(value))
+    return bool(_CID.fullmatch(value))
 
 
 def check_content_id(value: str) -> str:

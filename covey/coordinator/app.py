@@ -1,0 +1,207 @@
+"""The coordinator's HTTP face: the versioned JSON API (/v1/...), its OpenAPI document
+(/openapi.json, /docs), the blob relay and the status page (/).
+
+Handlers are thin: they validate with the pydantic schemas of covey.protocol.schemas and
+call covey.coordinator.service. Every refusal is a 4xx with a JSON body {"error": "..."},
+logged with the peer and round it concerns; a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from covey.peer.blobs import BlobError, RangeNotSatisfiable, parse_range
+from covey.protocol import schemas
+from covey.protocol.content import is_content_id
+
+from .service import Coordinator, Rejected
+
+log = logging.getLogger("covey.coordinator")
+STATIC = resources.files("covey.dashboard") / "static"
+
+
+class BodyLimit:
+    """Refuse request bodies over the configured size with 413 before a handler reads
+    them: by Content-Length when given, else by counting the streamed bytes."""
+
+    def __init__(self, app: ASGIApp, json_limit: int, blob_limit: int) -> None:
+        self.app, self.json_limit, self.blob_limit = app, json_limit, blob_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        blob = scope["path"].startswith("/v1/blobs/")
+        limit = self.blob_limit if blob else self.json_limit
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _too_large(scope, send, limit)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _TooLarge(limit)
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await _too_large(scope, send, limit)
+
+
+class _TooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"body over {limit} bytes")
+
+
+async def _too_large(scope: Scope, send: Send, limit: int) -> None:
+    log.warning("refused %s %s: body over %d bytes", scope["method"], scope["path"], limit)
+    response = JSONResponse({"error": f"request body over the limit of {limit} bytes"}, 413)
+    await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def create_app(coord: Coordinator) -> FastAPI:
+    app = FastAPI(
+        title="covey coordinator",
+        version="1",
+        description="Rounds, membership and blobs of one covey training run.",
+    )
+
+    @app.exception_handler(Rejected)
+    async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
+        # "not yet" (404) is a normal answer to polling; refusals are worth a warning
+        level = logging.DEBUG if exc.status == 404 else logging.WARNING
+        log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return JSONResponse({"error": exc.message}, exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
+        ]
+        log.warning("%s %s -> 422: %s", request.method, request.url.path, "; ".join(problems))
+        return JSONResponse({"error": "invalid request", "problems": problems}, 422)
+
+    @app.get("/", include_in_schema=False)
+    def index() -> Response:
+        return Response((STATIC / "index.html").read_bytes(), media_type="text/html")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    def static(name: str) -> Response:
+        if "/" in name or name.startswith(".") or not (STATIC / name).is_file():
+            raise Rejected(404, f"no static file {name!r}")
+        media = "application/javascript" if name.endswith(".js") else "text/plain"
+        media = "text/css" if name.endswith(".css") else media
+        return Response((STATIC / name).read_bytes(), media_type=media)
+
+    @app.get("/v1/run")
+    def run() -> dict[str, Any]:
+        """The run spec, its id and the corpus fingerprint every peer must match."""
+        return coord.run_spec()
+
+    @app.get("/v1/status")
+    def status() -> dict[str, Any]:
+        """Live peers, rounds, losses and bytes (the dashboard's feed)."""
+        return coord.status()
+
+    @app.post("/v1/join")
+    def join(req: schemas.JoinRequest) -> schemas.JoinReply:
+        return coord.join(req)
+
+    @app.post("/v1/heartbeat")
+    def heartbeat(req: schemas.HeartbeatRequest) -> dict[str, Any]:
+        return coord.heartbeat(req)
+
+    @app.post("/v1/leave")
+    def leave(req: schemas.LeaveRequest) -> dict[str, Any]:
+        """The deathrattle: sent on Ctrl-C or SIGTERM, so no round waits for this peer."""
+        return coord.leave(req)
+
+    @app.get("/v1/round")
+    def current_round(peer_id: str | None = Query(None, max_length=64)) -> schemas.RoundInfo:
+        """The open round: start weights, this peer's assignment and the deadline."""
+        return coord.round_info(peer_id)
+
+    @app.post("/v1/rounds/{round}/contributions")
+    def submit(round: int, req: schemas.ContributionRequest) -> dict[str, Any]:
+        return coord.submit(round, req)
+
+    @app.get("/v1/rounds/{round}/certificate")
+    def certificate(round: int) -> schemas.Certificate:
+        """The accepted set with weights, the rejections and the new weights hash."""
+        return coord.certificate(round)
+
+    @app.get("/v1/checkpoints")
+    def checkpoints() -> list[schemas.CheckpointEntry]:
+        return coord.checkpoints()
+
+    @app.put("/v1/blobs/{cid}")
+    async def put_blob(cid: str, request: Request) -> dict[str, Any]:
+        """Store bytes under their sha256; refused unless the bytes hash to `cid`."""
+        if not is_content_id(cid):
+            raise Rejected(400, f"not a content id: {cid[:80]!r}")
+        data = await request.body()
+        try:
+            coord.blobs.put_verified(cid, data)
+        except BlobError as e:
+            raise Rejected(400, str(e)) from None
+        return {"ok": True, "cid": cid, "size": len(data)}
+
+    @app.api_route("/v1/blobs/{cid}", methods=["GET", "HEAD"])
+    def get_blob(cid: str, request: Request) -> Response:
+        """Blob bytes; a single `Range: bytes=a-b` gives 206 with that slice."""
+        if not coord.blobs.has(cid):
+            raise Rejected(404, f"no blob {cid[:80]!r}")
+        size = coord.blobs.size(cid)
+        try:
+            byte_range = parse_range(request.headers.get("range"), size)
+        except RangeNotSatisfiable as e:
+            return JSONResponse(
+                {"error": str(e)}, 416, headers={"Content-Range": f"bytes */{size}"}
+            )
+        if byte_range is None:
+            if request.method == "HEAD":
+                return Response(headers={"Content-Length": str(size)})
+            return FileResponse(coord.blobs.path(cid), media_type="application/octet-stream")
+        start, end = byte_range
+        headers = {"Content-Range": f"bytes {start}-{end}/{size}", "Accept-Ranges": "bytes"}
+        body = b"" if request.method == "HEAD" else coord.blobs.read_range(cid, start, end)
+        if request.method == "HEAD":
+            headers["Content-Length"] = str(end - start + 1)
+        return Response(body, 206, headers=headers, media_type="application/octet-stream")
+
+    limits = coord.cfg.limits
+    app.add_middleware(
+        BodyLimit, json_limit=limits.max_json_bytes, blob_limit=limits.max_blob_bytes
+    )
+    return app
+
+
+def serve(coord: Coordinator, host: str, port: int) -> None:
+    """Run until SIGINT/SIGTERM (uvicorn's graceful shutdown), then stop the driver."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        create_app(coord), host=host, port=port, log_level="warning", access_log=False
+    )
+    server = uvicorn.Server(config)
+    coord.start()
+    try:
+        server.run()
+    finally:
+        coord.stop()

@@ -1,0 +1,723 @@
+"""The coordinator: membership, rounds, canonical state. Transport-free: the FastAPI app
+(covey.coordinator.app) turns HTTP into calls here and `Rejected` into 4xx replies.
+
+One driver thread ticks the round state machine (covey.protocol.rounds decides; this
+module records) and computes each round's canonical state with the same pure
+`apply_round` every peer runs. Everything durable goes through SQLite (covey.coordinator.db)
+and the content-addressed blob store; a restarted coordinator resumes from them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from covey.algorithms import Contribution, RoundError, Strategy, TrainState, build_strategy
+from covey.config import RunConfig, steps_per_round
+from covey.data.batches import validation_batches
+from covey.data.corpus import load_corpus
+from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.peer.blobs import BlobClient, BlobError, BlobStore
+from covey.protocol import schemas
+from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
+from covey.protocol.rounds import PeerView, close_reason, is_alive, plan_round
+from covey.sim.simulator import evaluate
+
+from .db import Database
+
+log = logging.getLogger("covey.coordinator")
+
+
+class Rejected(Exception):
+    """A request that cannot be honoured; `status` is the HTTP status it maps to. Raised
+    before any state changes."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class OpenRound:
+    round: int
+    attempt: int
+    opened_at: float
+    deadline: float
+    members: list[str]
+    assignments: dict[str, dict[str, Any]]
+    dropped: list[str]
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
+        self.cfg = cfg
+        self.run_id = cfg.run_id
+        self.data_dir = data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "checkpoints").mkdir(exist_ok=True)
+        if threads:
+            torch.set_num_threads(threads)
+        self.db = Database(data_dir / "coordinator.db")
+        known = self.db.get_meta("run_id")
+        if known is not None and known != self.run_id:
+            raise ValueError(
+                f"{data_dir} holds run {known}, not this spec's run {self.run_id}; "
+                f"use another --data-dir"
+            )
+        self.blobs = BlobStore(data_dir / "blobs", cfg.limits.max_blob_bytes)
+        self.fetcher = BlobClient(
+            timeout_s=cfg.limits.request_timeout_s,
+            retries=cfg.limits.retries,
+            max_bytes=cfg.limits.max_blob_bytes,
+        )
+        self.corpus = load_corpus(list(cfg.data.paths), cfg.data.val_fraction)
+        mcfg = gpt_config(cfg.model.size)
+        self.seq_len = cfg.data.seq_len or mcfg.block_size
+        torch.manual_seed(cfg.seed)
+        model = GPT(mcfg)
+        self.parameters = sum(p.numel() for p in model.parameters())
+        self.strategy: Strategy = build_strategy(cfg.algorithm, model, lm_loss)
+        self._eval_model = copy.deepcopy(model)
+        self.template = self.strategy.init_state()
+        self.steps_per_round = steps_per_round(cfg.algorithm)
+        self._val = validation_batches(
+            self.corpus, n_batches=cfg.rounds.eval_batches, batch_size=16, seq_len=self.seq_len
+        )
+        self._payload_bytes = _payload_estimate(self.strategy, self.template)
+        self._stop = threading.Event()
+        self._driver: threading.Thread | None = None
+        self.state, self.state_cid = self._load_or_create()
+
+    # -- start-up and resume ----------------------------------------------------------------
+
+    def _load_or_create(self) -> tuple[TrainState, str]:
+        now = time.time()
+        last = self.db.one(
+            "SELECT new_cid FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
+        )
+        if last is None and self.db.get_meta("run_id") is None:
+            data = state_to_bytes(self.template)
+            cid = self.blobs.put(data)
+            with self.db.transaction() as c:
+                for key, value in (
+                    ("run_id", self.run_id),
+                    ("spec", self.cfg.model_dump_json()),
+                    ("created_at", repr(now)),
+                    ("corpus_fingerprint", self.corpus.fingerprint),
+                    ("initial_cid", cid),
+                ):
+                    c.execute("INSERT INTO meta VALUES (?, ?)", (key, value))
+                self.db.event(c, now, "run created", "", {"run_id": self.run_id})
+            log.info("run %s created in %s", self.run_id, self.data_dir)
+            return self.template, cid
+        cid = last["new_cid"] if last else self.db.get_meta("initial_cid")
+        assert cid is not None
+        state = state_from_bytes(self.blobs.get(cid), self.template)
+        with self.db.transaction() as c:
+            # a close interrupted by a crash never committed: the round is open again, and
+            # every peer gets a fresh deadline to reconnect and finish it
+            c.execute(
+                "UPDATE rounds SET status = 'open', deadline = MAX(deadline, ?) "
+                "WHERE status IN ('open', 'closing')",
+                (now + self.cfg.rounds.deadline_min_s + self.cfg.rounds.dead_after_s,),
+            )
+            c.execute("UPDATE peers SET last_seen = ? WHERE state = 'live'", (now,))
+            self.db.event(c, now, "coordinator restarted", "", {"round": state.round})
+        log.info("resumed run %s at round %d (state %s)", self.run_id, state.round, cid[:12])
+        return state, cid
+
+    def start(self) -> None:
+        self._driver = threading.Thread(target=self._drive, name="round-driver", daemon=True)
+        self._driver.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._driver is not None:
+            self._driver.join(timeout_s)
+        self.fetcher.close()
+        self.db.close()
+
+    def _drive(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                self.tick(time.time())
+            except Exception:  # one bad tick must not kill the run: log loudly and go on
+                log.exception("round driver tick failed")
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def _check_run(self, run_id: str) -> None:
+        if run_id != self.run_id:
+            raise Rejected(409, f"run_id {run_id} is not this coordinator's run {self.run_id}")
+
+    def join(self, req: schemas.JoinRequest) -> schemas.JoinReply:
+        self._check_run(req.run_id)
+        now = time.time()
+        with self.db.transaction() as c:
+            c.execute(
+                "INSERT INTO peers (peer_id, device, step_time_s, bandwidth_mbps, "
+                "accepts_connections, blob_url, joined_at, last_seen, state) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'live') ON CONFLICT(peer_id) DO UPDATE SET "
+                "device = excluded.device, step_time_s = excluded.step_time_s, "
+                "bandwidth_mbps = excluded.bandwidth_mbps, "
+                "accepts_connections = excluded.accepts_connections, "
+                "blob_url = excluded.blob_url, last_seen = excluded.last_seen, state = 'live'",
+                (
+                    req.peer_id,
+                    req.device,
+                    req.step_time_s,
+                    req.bandwidth_mbps,
+                    int(req.accepts_connections),
+                    req.blob_url,
+                    now,
+                    now,
+                ),
+            )
+            self.db.event(c, now, "join", req.peer_id, req.model_dump(exclude={"run_id"}))
+        log.info("[%s] joined: %s, %.3f s/step", req.peer_id, req.device, req.step_time_s)
+        r = self.cfg.rounds
+        return schemas.JoinReply(
+            peer_id=req.peer_id,
+            run_id=self.run_id,
+            heartbeat_s=r.heartbeat_s,
+            dead_after_s=r.dead_after_s,
+        )
+
+    def heartbeat(self, req: schemas.HeartbeatRequest) -> dict[str, Any]:
+        self._check_run(req.run_id)
+        now = time.time()
+        with self.db.transaction() as c:
+            row = c.execute("SELECT state FROM peers WHERE peer_id = ?", (req.peer_id,)).fetchone()
+            if row is None:
+                raise Rejected(404, f"unknown peer {req.peer_id}: join first")
+            if row["state"] == "left":
+                raise Rejected(409, f"peer {req.peer_id} has left: join again")
+            if row["state"] == "dead":
+                self.db.event(c, now, "revived", req.peer_id, {})
+            c.execute(
+                "UPDATE peers SET last_seen = ?, state = 'live', "
+                "step_time_s = COALESCE(?, step_time_s) WHERE peer_id = ?",
+                (now, req.step_time_s, req.peer_id),
+            )
+        return {"ok": True}
+
+    def leave(self, req: schemas.LeaveRequest) -> dict[str, Any]:
+        """The deathrattle: the peer is gone now, and no round waits for it."""
+        self._check_run(req.run_id)
+        now = time.time()
+        with self.db.transaction() as c:
+            n = c.execute(
+                "UPDATE peers SET state = 'left', last_seen = ? WHERE peer_id = ?",
+                (now, req.peer_id),
+            ).rowcount
+            if n == 0:
+                raise Rejected(404, f"unknown peer {req.peer_id}")
+            self.db.event(c, now, "leave", req.peer_id, {"reason": req.reason})
+        log.info("[%s] left: %s", req.peer_id, req.reason)
+        return {"ok": True}
+
+    def _peer_views(self) -> list[PeerView]:
+        rows = self.db.query("SELECT * FROM peers")
+        return [
+            PeerView(
+                r["peer_id"], r["step_time_s"], r["bandwidth_mbps"], r["last_seen"], r["state"]
+            )
+            for r in rows
+        ]
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    def committed_rounds(self) -> int:
+        return self.state.round
+
+    def finished(self) -> bool:
+        cap = self.cfg.rounds.max_rounds
+        return cap is not None and self.state.round >= cap
+
+    def open_round(self) -> OpenRound | None:
+        row = self.db.one("SELECT * FROM rounds WHERE status IN ('open', 'closing')")
+        if row is None:
+            return None
+        return OpenRound(
+            row["round"],
+            row["attempt"],
+            row["opened_at"],
+            row["deadline"],
+            json.loads(row["members"]),
+            json.loads(row["assignments"]),
+            json.loads(row["dropped"]),
+        )
+
+    def tick(self, now: float) -> None:
+        """One step of the round state machine: expire silent peers, open a round when
+        enough peers are live, close the open one when it is complete or overdue."""
+        cfg = self.cfg.rounds
+        peers = self._peer_views()
+        with self.db.transaction() as c:
+            for p in peers:
+                if p.state == "live" and not is_alive(now, p, cfg):
+                    c.execute("UPDATE peers SET state = 'dead' WHERE peer_id = ?", (p.peer_id,))
+                    self.db.event(c, now, "dead", p.peer_id, {"silent_s": now - p.last_seen})
+                    log.warning("[%s] silent for %.1f s: dead", p.peer_id, now - p.last_seen)
+        alive = {p.peer_id for p in self._peer_views() if is_alive(now, p, cfg)}
+        current = self.open_round()
+        if current is None:
+            if not self.finished() and len(alive) >= cfg.min_peers:
+                self._open(now)
+            return
+        waiting_on = [m for m in current.members if m in alive and m not in current.dropped]
+        submitted = [
+            r["peer_id"]
+            for r in self.db.query(
+                "SELECT peer_id FROM contributions WHERE round = ? AND attempt = ?",
+                (current.round, current.attempt),
+            )
+        ]
+        reason = close_reason(now, current.deadline, waiting_on, submitted)
+        if reason is not None:
+            self._close(current, reason)
+
+    def _open(self, now: float) -> None:
+        r = self.state.round
+        prev = self.db.one("SELECT attempt FROM rounds WHERE round = ?", (r,))
+        attempt = 0 if prev is None else prev["attempt"] + 1
+        assignments, deadline = plan_round(
+            now,
+            self.run_id,
+            r,
+            self._peer_views(),
+            steps_per_round=self.steps_per_round,
+            flexible=self.strategy.flexible_steps,
+            payload_bytes=self._payload_bytes,
+            cfg=self.cfg.rounds,
+        )
+        members = [a.peer_id for a in assignments]
+        table = {
+            a.peer_id: {"inner_steps": a.inner_steps, "data_key": a.data_key} for a in assignments
+        }
+        with self.db.transaction() as c:
+            c.execute("DELETE FROM rounds WHERE round = ?", (r,))
+            c.execute(
+                "INSERT INTO rounds (round, attempt, status, opened_at, deadline, members, "
+                "assignments, dropped, start_cid, start_hash) "
+                "VALUES (?, ?, 'open', ?, ?, ?, ?, '[]', ?, ?)",
+                (
+                    r,
+                    attempt,
+                    now,
+                    deadline,
+                    json.dumps(members),
+                    json.dumps(table),
+                    self.state_cid,
+                    self.state.digest(),
+                ),
+            )
+        log.info(
+            "[round %d.%d] open: %d members, deadline in %.1f s",
+            r,
+            attempt,
+            len(members),
+            deadline - now,
+        )
+
+    def _close(self, rnd: OpenRound, reason: str) -> None:
+        with self.db.transaction() as c:
+            c.execute("UPDATE rounds SET status = 'closing' WHERE round = ?", (rnd.round,))
+            rows = c.execute(
+                "SELECT * FROM contributions WHERE round = ? AND attempt = ? ORDER BY peer_id",
+                (rnd.round, rnd.attempt),
+            ).fetchall()
+        contributions = [
+            Contribution(self.blobs.get(r["cid"]), r["tokens"], r["inner_steps"], r["fragment"])
+            for r in rows
+        ]
+        if not contributions:
+            self._abort(rnd, f"no contributions ({reason})")
+            return
+        try:
+            new_state = self.strategy.apply_round(self.state, contributions)
+        except RoundError as e:  # validated at submit, so this is a bug: never commit it
+            log.error("[round %d] apply_round failed: %s", rnd.round, e)
+            self._abort(rnd, f"apply_round failed: {e}")
+            return
+        data = state_to_bytes(new_state)
+        new_cid = self.blobs.put(data)
+        new_hash = new_state.digest()
+        now = time.time()
+        certificate = self._certificate(rnd, rows, new_hash, new_cid, len(data), now, reason)
+        prev = self.db.one("SELECT closed_at FROM rounds WHERE round = ?", (rnd.round - 1,))
+        cycle = now - (prev["closed_at"] if prev else rnd.opened_at)
+        util = sum(r["compute_s"] for r in rows) / len(rows) / cycle if cycle > 0 else None
+        losses = [r["train_loss"] for r in rows if r["train_loss"] is not None]
+        checkpoint = (new_state.round % self.cfg.rounds.checkpoint_every) == 0
+        with self.db.transaction() as c:
+            c.execute(
+                "UPDATE rounds SET status = 'committed', certificate = ?, new_cid = ?, "
+                "new_hash = ?, closed_at = ?, train_loss = ?, bytes = ?, tokens = ?, "
+                "utilization = ? WHERE round = ?",
+                (
+                    certificate.model_dump_json(),
+                    new_cid,
+                    new_hash,
+                    now,
+                    sum(losses) / len(losses) if losses else None,
+                    sum(r["size"] for r in rows),
+                    sum(r["tokens"] for r in rows),
+                    min(util, 1.0) if util is not None else None,
+                    rnd.round,
+                ),
+            )
+            for r in rows:
+                c.execute(
+                    "UPDATE peers SET contributions = contributions + 1 WHERE peer_id = ?",
+                    (r["peer_id"],),
+                )
+            if checkpoint:
+                c.execute(
+                    "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
+                    (new_state.round, new_cid, len(data), new_hash, now),
+                )
+        self.state, self.state_cid = new_state, new_cid
+        log.info(
+            "[round %d] committed: %d accepted, %d rejected, %s; weights %s",
+            rnd.round,
+            len(certificate.accepted),
+            len(certificate.rejected),
+            reason,
+            new_hash[:12],
+        )
+        if checkpoint:
+            self._write_checkpoint(new_state.round, data)
+        if new_state.round % self.cfg.rounds.eval_every == 0 or self.finished():
+            loss = evaluate(self._eval_model, new_state, self._val)
+            with self.db.transaction() as c:
+                c.execute("UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, rnd.round))
+        self._prune(new_state.round)
+
+    def _abort(self, rnd: OpenRound, why: str) -> None:
+        """Nothing to commit: the round reopens (next attempt) with fresh membership."""
+        now = time.time()
+        with self.db.transaction() as c:
+            c.execute("UPDATE rounds SET status = 'aborted' WHERE round = ?", (rnd.round,))
+            self.db.event(c, now, "round aborted", "", {"round": rnd.round, "why": why})
+        log.warning("[round %d.%d] aborted: %s", rnd.round, rnd.attempt, why)
+
+    def _certificate(
+        self,
+        rnd: OpenRound,
+        rows: list[Any],
+        new_hash: str,
+        new_cid: str,
+        new_size: int,
+        now: float,
+        reason: str,
+    ) -> schemas.Certificate:
+        total = sum(r["tokens"] for r in rows)
+        urls = {
+            p["peer_id"]: p["blob_url"]
+            for p in self.db.query("SELECT peer_id, blob_url, accepts_connections FROM peers")
+            if p["accepts_connections"] and p["blob_url"]
+        }
+        accepted = [
+            schemas.AcceptedContribution(
+                peer_id=r["peer_id"],
+                cid=r["cid"],
+                size=r["size"],
+                tokens=r["tokens"],
+                inner_steps=r["inner_steps"],
+                fragment=r["fragment"],
+                weight=r["tokens"] / total,
+                providers=[urls[r["peer_id"]]] if r["peer_id"] in urls else [],
+            )
+            for r in rows
+        ]
+        done = {r["peer_id"] for r in rows}
+        rejected = {
+            x["peer_id"]: x["reason"]
+            for x in self.db.query(
+                "SELECT peer_id, reason FROM rejections WHERE round = ? AND attempt = ? "
+                "ORDER BY id",
+                (rnd.round, rnd.attempt),
+            )
+            if x["peer_id"] not in done
+        }
+        for m in rnd.members:
+            rejected.setdefault(m, "no contribution") if m not in done else None
+        return schemas.Certificate(
+            run_id=self.run_id,
+            round=rnd.round,
+            attempt=rnd.attempt,
+            start_hash=self.state.digest(),
+            new_hash=new_hash,
+            new_cid=new_cid,
+            new_size=new_size,
+            accepted=accepted,
+            rejected=[schemas.Rejection(peer_id=p, reason=w) for p, w in sorted(rejected.items())],
+            closed_at=now,
+            reason=reason,
+        )
+
+    def _write_checkpoint(self, round_: int, data: bytes) -> None:
+        folder = self.data_dir / "checkpoints"
+        path = folder / f"round-{round_:06d}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        keep = self.cfg.rounds.keep_checkpoints
+        for old in sorted(folder.glob("round-*.safetensors"))[:-keep]:
+            old.unlink(missing_ok=True)
+
+    def _prune(self, round_: int) -> None:
+        """Drop blobs no peer needs any more: contributions older than a few rounds and
+        states that are neither recent nor a kept checkpoint."""
+        keep = {self.state_cid, self.db.get_meta("initial_cid")}
+        keep |= {r["cid"] for r in self.db.query("SELECT cid FROM checkpoints")}
+        old = self.db.query(
+            "SELECT new_cid FROM rounds WHERE status = 'committed' AND round < ?", (round_ - 3,)
+        )
+        stale = self.db.query("SELECT cid FROM contributions WHERE round < ?", (round_ - 3,))
+        recent = {
+            r["cid"]
+            for r in self.db.query("SELECT cid FROM contributions WHERE round >= ?", (round_ - 3,))
+        }
+        for cid in {r["new_cid"] for r in old} | {r["cid"] for r in stale}:
+            if cid not in keep and cid not in recent and self.blobs.has(cid):
+                self.blobs.delete(cid)
+
+    # -- contributions --------------------------------------------------------------------
+
+    def submit(self, round_: int, req: schemas.ContributionRequest) -> dict[str, Any]:
+        """Check a contribution completely, then record it. Any failure is a `Rejected`
+        (also logged, and listed in the round's certificate) and records nothing else."""
+        try:
+            self._check_contribution(round_, req)
+        except Rejected as e:
+            now = time.time()
+            with self.db.transaction() as c:
+                c.execute(
+                    "INSERT INTO rejections (round, attempt, peer_id, reason, at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (req.round, req.attempt, req.peer_id, e.message, now),
+                )
+            log.warning("[%s - round %d] contribution rejected: %s", req.peer_id, req.round, e)
+            raise
+        now = time.time()
+        with self.db.transaction() as c:
+            row = c.execute(
+                "SELECT status, attempt FROM rounds WHERE round = ?", (req.round,)
+            ).fetchone()
+            if row is None or row["status"] != "open" or row["attempt"] != req.attempt:
+                raise Rejected(409, f"round {req.round} closed while the contribution was checked")
+            c.execute(
+                "INSERT INTO contributions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    req.round,
+                    req.attempt,
+                    req.peer_id,
+                    req.cid,
+                    req.size,
+                    req.tokens,
+                    req.inner_steps,
+                    req.fragment,
+                    req.train_loss,
+                    req.compute_s,
+                    req.wall_s,
+                    now,
+                ),
+            )
+        log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
+        return {"ok": True, "cid": req.cid}
+
+    def _check_contribution(self, round_: int, req: schemas.ContributionRequest) -> None:
+        self._check_run(req.run_id)
+        if round_ != req.round:
+            raise Rejected(400, f"path says round {round_}, body says round {req.round}")
+        rnd = self.open_round()
+        if rnd is None or rnd.round != req.round or rnd.attempt != req.attempt:
+            now_open = f"{rnd.round}.{rnd.attempt}" if rnd else "none"
+            raise Rejected(
+                409, f"round {req.round}.{req.attempt} is not open (open round: {now_open}): late"
+            )
+        if self.db.one(
+            "SELECT 1 FROM contributions WHERE round = ? AND attempt = ? AND peer_id = ?",
+            (req.round, req.attempt, req.peer_id),
+        ):
+            raise Rejected(409, f"peer {req.peer_id} already submitted to round {req.round}")
+        if req.peer_id not in rnd.members:
+            raise Rejected(409, f"peer {req.peer_id} is not a member of round {req.round}")
+        if time.time() > rnd.deadline:
+            raise Rejected(409, f"round {req.round}'s deadline has passed: late")
+        budget = rnd.assignments[req.peer_id]["inner_steps"]
+        if req.inner_steps > budget:
+            raise Rejected(422, f"claims {req.inner_steps} inner steps; assigned {budget}")
+        max_tokens = req.inner_steps * self.cfg.data.batch_size * self.seq_len
+        if req.tokens > max_tokens:
+            raise Rejected(
+                422, f"claims {req.tokens} tokens; {req.inner_steps} steps make {max_tokens}"
+            )
+        payload = self._contribution_bytes(req)
+        try:
+            self.strategy.validate(
+                self.state, Contribution(payload, req.tokens, req.inner_steps, req.fragment)
+            )
+        except RoundError as e:
+            raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None
+
+    def _contribution_bytes(self, req: schemas.ContributionRequest) -> bytes:
+        if not self.blobs.has(req.cid):
+            peer = self.db.one("SELECT * FROM peers WHERE peer_id = ?", (req.peer_id,))
+            if not (peer and peer["accepts_connections"] and peer["blob_url"]):
+                raise Rejected(409, f"blob {req.cid[:12]} was not uploaded (PUT /v1/blobs/...)")
+            try:  # the peer serves it itself: relay it for the peers that cannot reach it
+                data = self.fetcher.fetch(req.cid, [peer["blob_url"]], size=req.size)
+                self.blobs.put_verified(req.cid, data)
+            except BlobError as e:
+                raise Rejected(409, f"could not fetch blob from the peer: {e}") from None
+        size = self.blobs.size(req.cid)
+        if size != req.size:
+            raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")
+        return self.blobs.get(req.cid)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
+        rnd = self.open_round()
+        if rnd is None:
+            phase = "finished" if self.finished() else "waiting"
+            return schemas.RoundInfo(run_id=self.run_id, phase=phase, round=self.state.round)
+        member = peer_id in rnd.members and peer_id not in rnd.dropped
+        return schemas.RoundInfo(
+            run_id=self.run_id,
+            phase="open",
+            round=rnd.round,
+            attempt=rnd.attempt,
+            start_cid=self.state_cid,
+            start_hash=self.state.digest(),
+            start_size=self.blobs.size(self.state_cid),
+            providers=self.state_providers(),
+            deadline_in_s=rnd.deadline - time.time(),
+            member=member,
+            assignment=schemas.AssignmentOut(**rnd.assignments[peer_id]) if member else None,
+        )
+
+    def state_providers(self) -> list[str]:
+        """Peers that hold the current canonical state: those accepted in the round that
+        produced it (they verified its hash) and that accept connections."""
+        row = self.db.one(
+            "SELECT certificate FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
+        )
+        if row is None:
+            return []
+        cert = schemas.Certificate.model_validate_json(row["certificate"])
+        live = {
+            p["peer_id"] for p in self.db.query("SELECT peer_id FROM peers WHERE state = 'live'")
+        }
+        return [u for a in cert.accepted if a.peer_id in live for u in a.providers]
+
+    def certificate(self, round_: int) -> schemas.Certificate:
+        row = self.db.one("SELECT status, certificate FROM rounds WHERE round = ?", (round_,))
+        if row is None or row["status"] != "committed":
+            state = "unknown" if row is None else row["status"]
+            raise Rejected(404, f"round {round_} has no certificate yet (status: {state})")
+        return schemas.Certificate.model_validate_json(row["certificate"])
+
+    def checkpoints(self) -> list[schemas.CheckpointEntry]:
+        rows = self.db.query("SELECT * FROM checkpoints ORDER BY round")
+        return [
+            schemas.CheckpointEntry(
+                round=r["round"],
+                cid=r["cid"],
+                size=r["size"],
+                weights_hash=r["weights_hash"],
+                providers=[],
+            )
+            for r in rows
+            if self.blobs.has(r["cid"])
+        ]
+
+    def run_spec(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "spec": self.cfg.model_dump(mode="json"),
+            "corpus_fingerprint": self.corpus.fingerprint,
+            "parameters": self.parameters,
+        }
+
+    def status(self) -> dict[str, Any]:
+        """The dashboard's feed (covey/dashboard/static): peers, rounds, losses, bytes."""
+        now = time.time()
+        rnd = self.open_round()
+        cfg = self.cfg.rounds
+        peers = []
+        for p in self.db.query("SELECT * FROM peers ORDER BY joined_at"):
+            view = PeerView(p["peer_id"], p["step_time_s"], None, p["last_seen"], p["state"])
+            alive = is_alive(now, view, cfg)
+            state = p["state"] if p["state"] != "live" else "waiting"
+            if alive and rnd and p["peer_id"] in rnd.members:
+                state = "training"
+            peers.append(
+                {
+                    "peer_id": p["peer_id"],
+                    "device": p["device"],
+                    "step_time_s": p["step_time_s"],
+                    "state": state,
+                    "alive": alive,
+                    "last_seen_s_ago": round(now - p["last_seen"], 2),
+                    "accepts_connections": bool(p["accepts_connections"]),
+                    "contributions": p["contributions"],
+                }
+            )
+        rows = self.db.query(
+            "SELECT * FROM (SELECT * FROM rounds WHERE status = 'committed' "
+            "ORDER BY round DESC LIMIT 500) ORDER BY round"
+        )
+        rounds = [
+            {
+                "round": r["round"],
+                "accepted": len(json.loads(r["certificate"])["accepted"]),
+                "rejected": len(json.loads(r["certificate"])["rejected"]),
+                "tokens": r["tokens"],
+                "val_loss": r["val_loss"],
+                "train_loss": r["train_loss"],
+                "bytes": r["bytes"],
+                "duration_s": r["closed_at"] - r["opened_at"],
+                "utilization": r["utilization"],
+                "weights_hash": r["new_hash"],
+            }
+            for r in rows
+        ]
+        total = self.db.one("SELECT COALESCE(SUM(bytes), 0) AS b FROM rounds")
+        phase = "open" if rnd else ("finished" if self.finished() else "waiting")
+        return {
+            "run_id": self.run_id,
+            "name": self.cfg.name,
+            "method": self.cfg.algorithm.method,
+            "model": self.cfg.model.size,
+            "parameters": self.parameters,
+            "round": rnd.round if rnd else self.state.round,
+            "phase": phase,
+            "deadline_in_s": round(rnd.deadline - now, 2) if rnd else None,
+            "committed_rounds": self.state.round,
+            "bytes_total": total["b"] if total else 0,
+            "coordinator_key": None,
+            "weights_hash": self.state.digest(),
+            "peers": peers,
+            "rounds": rounds,
+        }
+
+
+def _payload_estimate(strategy: Strategy, state: TrainState) -> int:
+    """Bytes of one contribution, for deadline planning: encode a zero update once."""
+    numel = sum(
+        state.params[n].numel() for n in strategy.fragment_names(strategy.round_fragment(0))
+    )
+    return len(strategy.codec.encode(torch.zeros(numel)))

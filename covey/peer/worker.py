@@ -1,0 +1,422 @@
+"""`covey worker`: a peer that lends its compute to a run.
+
+The loop follows ../shared/DESIGN.md, "The round": ask the coordinator for the open round,
+make sure the local canonical state is the round's start state (downloading and
+hash-checking it if not: this is how a joiner enters mid-run), train the assigned inner
+steps on the assigned data, publish the contribution, wait for the round's certificate,
+apply the accepted set with the same pure `apply_round` as everyone else, and check the
+resulting weights hash against the certificate (re-syncing from the canonical state on a
+mismatch). A heartbeat thread keeps the peer alive; SIGINT/SIGTERM send a deathrattle.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from covey.algorithms import Contribution, Strategy, TrainState, build_strategy
+from covey.config import RunConfig
+from covey.data.batches import sample_batch
+from covey.data.corpus import load_corpus
+from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.peer.blobs import BlobClient, BlobError, BlobServer, BlobStore
+from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.protocol import schemas
+from covey.protocol.checkpoint import CheckpointError, state_from_bytes, state_to_bytes
+from covey.protocol.content import content_id
+
+log = logging.getLogger("covey.worker")
+
+
+@dataclass
+class WorkerOptions:
+    coordinator: str
+    peer_id: str | None = None
+    device: str = "cpu"
+    threads: int | None = 1
+    serve_blobs: bool = True
+    blob_host: str = "127.0.0.1"
+    advertise_host: str | None = None  # the address others reach the blob server at
+    blob_port: int = 0
+    bandwidth_mbps: float | None = None
+    slowdown: float = 1.0  # emulate slower hardware: each step takes this many times longer
+    store_dir: Path | None = None
+    max_rounds: int | None = None  # leave after contributing to this many rounds
+
+
+class Stopped(Exception):
+    """SIGINT/SIGTERM arrived: leave cleanly."""
+
+
+class Worker:
+    def __init__(self, opts: WorkerOptions) -> None:
+        self.opts = opts
+        self.peer_id = opts.peer_id or f"peer-{secrets.token_hex(4)}"
+        self.stop = threading.Event()
+        self.client = CoordinatorClient(opts.coordinator, stop=self.stop)
+        self.state: TrainState | None = None
+        self.rounds_done = 0
+        self.store: BlobStore | None = None
+        self.server: BlobServer | None = None
+        self._served_state: str | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        info = self.client.get("/v1/run")
+        self.cfg = RunConfig.model_validate(info["spec"])
+        self.run_id = self.cfg.run_id
+        if self.run_id != info["run_id"]:
+            raise RuntimeError(
+                f"run spec hashes to {self.run_id}, coordinator says {info['run_id']}: "
+                f"different covey versions?"
+            )
+        limits = self.cfg.limits
+        self.client.configure(limits.request_timeout_s, limits.retries, limits.coordinator_lost_s)
+        if self.opts.threads:
+            torch.set_num_threads(self.opts.threads)
+        self.corpus = load_corpus(list(self.cfg.data.paths), self.cfg.data.val_fraction)
+        if self.corpus.fingerprint != info["corpus_fingerprint"]:
+            raise RuntimeError(
+                f"this machine's corpus ({self.corpus.describe()}) differs from the run's "
+                f"(fingerprint {info['corpus_fingerprint'][:12]} vs "
+                f"{self.corpus.fingerprint[:12]}): same Python version and --data needed"
+            )
+        mcfg = gpt_config(self.cfg.model.size)
+        self.seq_len = self.cfg.data.seq_len or mcfg.block_size
+        torch.manual_seed(self.cfg.seed)
+        self.strategy: Strategy = build_strategy(self.cfg.algorithm, GPT(mcfg), lm_loss)
+        self.template = self.strategy.init_state()
+        self.blobs = BlobClient(
+            timeout_s=limits.request_timeout_s,
+            retries=limits.retries,
+            max_bytes=limits.max_blob_bytes,
+        )
+        self.step_time_s = self._measure_step_time()
+        store_dir = self.opts.store_dir or Path(f".covey-peer/{self.peer_id}")
+        self.store = BlobStore(store_dir / "blobs", limits.max_blob_bytes)
+        blob_url = None
+        if self.opts.serve_blobs:
+            self.server = BlobServer(self.store, self.opts.blob_host, self.opts.blob_port)
+            url = self.server.start()
+            host = self.opts.advertise_host
+            blob_url = url if host is None else url.replace(self.opts.blob_host, host, 1)
+        self.blob_url = blob_url
+        self._join()
+
+    def _join(self) -> None:
+        req = schemas.JoinRequest(
+            run_id=self.run_id,
+            peer_id=self.peer_id,
+            device=self.opts.device,
+            step_time_s=self.step_time_s,
+            bandwidth_mbps=self.opts.bandwidth_mbps,
+            accepts_connections=self.blob_url is not None,
+            blob_url=self.blob_url,
+        )
+        reply = self.client.post("/v1/join", req.model_dump())
+        self.heartbeat_s = reply["heartbeat_s"]
+        log.info(
+            "[%s] joined run %s: %s, %.3f s/step, blobs %s",
+            self.peer_id,
+            self.run_id,
+            self.opts.device,
+            self.step_time_s,
+            self.blob_url or "uploaded to the coordinator",
+        )
+
+    def _measure_step_time(self) -> float:
+        """Median of 3 forward+backward passes on a scratch copy of the model."""
+        model = copy.deepcopy(self.strategy.model)
+        batch = self._batch(0, "speed-test", 0)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            lm_loss(model, batch).backward()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1] * self.opts.slowdown
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train until the run finishes, max_rounds, or a signal. Exit status 0 on a clean
+        leave; 1 when the coordinator is lost or refuses this peer."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+        try:
+            self._setup()
+            beat.start()
+            while not self.stop.is_set():
+                if self._one_round() == "finished":
+                    log.info("[%s] the run is finished", self.peer_id)
+                    break
+                if self.opts.max_rounds and self.rounds_done >= self.opts.max_rounds:
+                    break
+            return 0
+        except Stopped:
+            return 0
+        except (CoordinatorLost, PeerRejected, RuntimeError) as e:
+            log.error("[%s] %s", self.peer_id, e)
+            return 1
+        finally:
+            self.stop.set()
+            self._leave()
+            if self.server:
+                self.server.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        log.info("[%s] %s: leaving", self.peer_id, signal.Signals(signum).name)
+        self.stop.set()
+
+    def _leave(self) -> None:
+        if not hasattr(self, "run_id"):
+            return
+        try:  # the deathrattle gets one short try: we are exiting either way
+            self.client.post_once(
+                "/v1/leave",
+                {"run_id": self.run_id, "peer_id": self.peer_id, "reason": "shutdown"},
+                timeout_s=3.0,
+            )
+        except Exception as e:
+            log.warning("[%s] deathrattle not delivered: %s", self.peer_id, e)
+
+    def _heartbeats(self) -> None:
+        body = {"run_id": self.run_id, "peer_id": self.peer_id}
+        while not self.stop.wait(self.heartbeat_s):
+            try:
+                self.client.post_once("/v1/heartbeat", body, timeout_s=self.heartbeat_s)
+            except PeerRejected as e:
+                if e.status == 404:  # the coordinator forgot us: join again
+                    log.warning("[%s] unknown to the coordinator: joining again", self.peer_id)
+                    try:
+                        self._join()
+                    except Exception as e2:
+                        log.warning("[%s] re-join failed: %s", self.peer_id, e2)
+                else:
+                    log.warning("[%s] heartbeat refused: %s", self.peer_id, e)
+            except Exception as e:  # the coordinator may be restarting: keep beating
+                log.debug("[%s] heartbeat failed: %s", self.peer_id, e)
+
+    def _one_round(self) -> str:
+        info = schemas.RoundInfo.model_validate(
+            self.client.get("/v1/round", params={"peer_id": self.peer_id})
+        )
+        if info.phase == "finished":
+            return "finished"
+        if info.phase != "open" or not info.member or info.assignment is None:
+            self._pause(min(1.0, self.heartbeat_s / 2))
+            return "waiting"
+        assert info.start_hash and info.start_cid and info.start_size
+        deadline = time.monotonic() + (info.deadline_in_s or 0.0)
+        opened = time.monotonic()
+        self._sync_state(info.start_cid, info.start_hash, info.start_size, info.providers)
+        assert self.state is not None
+        contribution, loss, compute_s = self._train(info, deadline)
+        submitted = self._publish(info, contribution, loss, compute_s, time.monotonic() - opened)
+        certificate = self._await_certificate(info)
+        if certificate is None:
+            return "aborted"
+        self._apply(certificate)
+        if submitted:
+            self.rounds_done += 1
+        return "done"
+
+    def _pause(self, seconds: float) -> None:
+        if self.stop.wait(seconds):
+            raise Stopped()
+
+    def _sync_state(self, cid: str, digest: str, size: int, providers: list[str]) -> None:
+        """Make the local canonical state the round's start state (download if needed)."""
+        if self.state is not None and self.state.digest() == digest:
+            return
+        state = self._download_state(cid, size, providers)
+        if state.digest() != digest:
+            raise RuntimeError(f"state {cid[:12]} does not hash to the round's {digest[:12]}")
+        self.state = state
+        self.strategy.load_state(state)
+        log.info(
+            "[%s] loaded canonical state of round %d (%s)", self.peer_id, state.round, cid[:12]
+        )
+
+    def _download_state(self, cid: str, size: int, providers: list[str]) -> TrainState:
+        sources = [p for p in providers if p != self.blob_url] + [self.opts.coordinator]
+        try:
+            data = self.blobs.fetch(cid, sources, size=size)
+            return state_from_bytes(data, self.template)
+        except (BlobError, CheckpointError) as e:
+            raise RuntimeError(f"could not get canonical state {cid[:12]}: {e}") from None
+
+    def _train(self, info: schemas.RoundInfo, deadline: float) -> tuple[Contribution, float, float]:
+        """The assignment's inner steps; a flexible method stops early rather than miss the
+        deadline (its contribution then weighs fewer tokens)."""
+        assert info.assignment is not None
+        steps = info.assignment.inner_steps
+        compute_s = loss_sum = 0.0
+        done = 0
+        for step in range(steps):
+            if self.stop.is_set():
+                raise Stopped()
+            if done and self.strategy.flexible_steps:
+                per_step = compute_s / done
+                if time.monotonic() + per_step * 1.5 > deadline - self._upload_allowance():
+                    log.warning(
+                        "[%s] stopping at %d/%d steps to meet the deadline",
+                        self.peer_id,
+                        done,
+                        steps,
+                    )
+                    break
+            batch = self._batch(info.round, info.assignment.data_key, step)
+            t0 = time.perf_counter()
+            loss_sum += self.strategy.inner_step(batch)
+            elapsed = time.perf_counter() - t0
+            if self.opts.slowdown > 1:
+                time.sleep(elapsed * (self.opts.slowdown - 1))  # emulated slower hardware
+            compute_s += time.perf_counter() - t0
+            done += 1
+        return self.strategy.make_contribution(), loss_sum / done, compute_s
+
+    def _upload_allowance(self) -> float:
+        return 1.0
+
+    def _batch(self, round: int, key: str, step: int) -> torch.Tensor:
+        return sample_batch(
+            self.corpus.train,
+            batch_size=self.cfg.data.batch_size,
+            seq_len=self.seq_len,
+            seed=self.cfg.seed,
+            round=round,
+            worker=key,
+            step=step,
+        )
+
+    def _publish(
+        self,
+        info: schemas.RoundInfo,
+        c: Contribution,
+        loss: float,
+        compute_s: float,
+        wall_s: float,
+    ) -> bool:
+        """Serve the contribution from our blob server (the coordinator pulls it) or upload
+        it; then submit its metadata. False when the coordinator refused it."""
+        assert self.store is not None
+        cid = self.store.put(c.payload)
+        if self.server is None:
+            self.blobs.upload(self.opts.coordinator, c.payload, cid)
+        req = schemas.ContributionRequest(
+            run_id=self.run_id,
+            round=info.round,
+            attempt=info.attempt,
+            peer_id=self.peer_id,
+            cid=cid,
+            size=len(c.payload),
+            tokens=c.tokens,
+            inner_steps=c.inner_steps,
+            fragment=c.fragment,
+            train_loss=loss,
+            compute_s=compute_s,
+            wall_s=wall_s,
+        )
+        try:
+            self.client.post(f"/v1/rounds/{info.round}/contributions", req.model_dump())
+        except PeerRejected as e:
+            log.warning("[%s - round %d] contribution refused: %s", self.peer_id, info.round, e)
+            return False
+        log.info(
+            "[%s - round %d] %d steps, loss %.4f, sent %d bytes",
+            self.peer_id,
+            info.round,
+            c.inner_steps,
+            loss,
+            len(c.payload),
+        )
+        return True
+
+    def _await_certificate(self, info: schemas.RoundInfo) -> schemas.Certificate | None:
+        """Poll for the round's certificate until it exists, or the round turns out to
+        have been aborted and reopened (None), bounded by the deadline plus the time a
+        coordinator may take to close and to come back after a restart."""
+        limit = (info.deadline_in_s or 0) + self.cfg.limits.coordinator_lost_s
+        give_up = time.monotonic() + limit
+        while time.monotonic() < give_up:
+            try:
+                body = self.client.get(f"/v1/rounds/{info.round}/certificate", quiet=True)
+                return schemas.Certificate.model_validate(body)
+            except PeerRejected as e:
+                if e.status != 404:
+                    raise
+            now = schemas.RoundInfo.model_validate(
+                self.client.get("/v1/round", params={"peer_id": self.peer_id})
+            )
+            if (now.round, now.attempt) != (info.round, info.attempt) and now.round <= info.round:
+                log.warning("[%s] round %d was aborted; rejoining", self.peer_id, info.round)
+                return None
+            self._pause(0.2)
+        raise CoordinatorLost(f"no certificate for round {info.round} after {limit:.0f} s")
+
+    def _apply(self, cert: schemas.Certificate) -> None:
+        """Apply the accepted set; the result must hash to the certificate's new hash."""
+        assert self.state is not None
+        if self.state.digest() != cert.start_hash:  # we missed something: take the result
+            self._resync(cert, "local start state differs from the certificate's")
+            return
+        contributions = []
+        for a in cert.accepted:
+            sources = [p for p in a.providers if p != self.blob_url] + [self.opts.coordinator]
+            assert self.store is not None
+            payload = (
+                self.store.get(a.cid)
+                if self.store.has(a.cid)
+                else self.blobs.fetch(a.cid, sources, size=a.size)
+            )
+            contributions.append(Contribution(payload, a.tokens, a.inner_steps, a.fragment))
+        new_state = self.strategy.apply_round(self.state, contributions)
+        if new_state.digest() != cert.new_hash:
+            self._resync(cert, f"weights hash {new_state.digest()[:12]} != certificate's")
+            return
+        self.state = new_state
+        self.strategy.adopt(new_state)
+        self._serve_state(new_state, cert.new_cid)
+        log.info(
+            "[%s - round %d] applied %d contributions; weights %s match the certificate",
+            self.peer_id,
+            cert.round,
+            len(contributions),
+            cert.new_hash[:12],
+        )
+
+    def _resync(self, cert: schemas.Certificate, why: str) -> None:
+        log.warning(
+            "[%s - round %d] %s: re-syncing from the canonical state", self.peer_id, cert.round, why
+        )
+        state = self._download_state(cert.new_cid, cert.new_size, [])
+        if state.digest() != cert.new_hash:
+            raise RuntimeError(f"canonical state {cert.new_cid[:12]} fails its own hash")
+        self.state = state
+        self.strategy.load_state(state)
+
+    def _serve_state(self, state: TrainState, cid: str) -> None:
+        """Keep the latest canonical state in our blob store, so joiners can fetch it from
+        us. Serialization is deterministic, so its id must be the certificate's."""
+        if self.server is None or self.store is None:
+            return
+        data = state_to_bytes(state)
+        if content_id(data) != cid:
+            log.warning("[%s] serialized state differs from the certificate's blob", self.peer_id)
+            return
+        self.store.put(data)
+        if self._served_state and self._served_state != cid:
+            self.store.delete(self._served_state)
+        self._served_state = cid
