@@ -1,0 +1,183 @@
+"""A coordinator and workers as real processes on 127.0.0.1: for `covey demo` and the
+multi-process tests. Every process is started with `python -m covey`, logs to its own
+file, and is stopped with real signals; every wait here has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ClusterError(RuntimeError):
+    """A process did not come up or a condition was not reached in time; the message
+    carries the tail of the relevant logs."""
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        spec: Path,
+        run_dir: Path,
+        *,
+        port: int | None = None,
+        coordinator_threads: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.run_dir = run_dir
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.coordinator_threads = coordinator_threads
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self._http = httpx.Client(base_url=self.url, timeout=5.0, trust_env=False)
+
+    # -- processes --------------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        return subprocess.Popen(
+            [sys.executable, "-m", "covey", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.run_dir,
+        )
+
+    def start_coordinator(self, timeout_s: float = 90.0) -> None:
+        self.coordinator = self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                str(self.spec.resolve()),
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str((self.run_dir / "coordinator").resolve()),
+                "--threads",
+                str(self.coordinator_threads),
+            ],
+        )
+        self.wait_for(lambda s: True, timeout_s, "the coordinator to serve /v1/status")
+
+    def start_worker(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+        proc = self._spawn(
+            name,
+            [
+                "worker",
+                "--coordinator",
+                self.url,
+                "--peer-id",
+                name,
+                "--store-dir",
+                str((self.run_dir / "peers" / name).resolve()),
+                *extra,
+            ],
+        )
+        self.workers[name] = proc
+        return proc
+
+    def signal(self, name: str, sig: int) -> None:
+        proc = self.coordinator if name == "coordinator" else self.workers[name]
+        assert proc is not None
+        proc.send_signal(sig)
+
+    def wait_exit(self, name: str, timeout_s: float) -> int:
+        proc = self.coordinator if name == "coordinator" else self.workers[name]
+        assert proc is not None
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(
+                f"{name} still running after {timeout_s} s\n{self.tail(name)}"
+            ) from None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM every worker (they send their deathrattle), then the coordinator;
+        SIGKILL whatever outlives the timeout."""
+        procs = [p for p in self.workers.values() if p.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        _reap(procs, timeout_s)
+        if self.coordinator and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGTERM)
+            _reap([self.coordinator], timeout_s)
+        self._http.close()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- observing --------------------------------------------------------------------------
+
+    def get(self, path: str, **params: Any) -> Any:
+        resp = self._http.get(path, params=params or None)
+        resp.raise_for_status()
+        return resp.json()
+
+    def status(self) -> dict[str, Any]:
+        return self.get("/v1/status")
+
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float, what: str
+    ) -> dict[str, Any]:
+        """Poll /v1/status until predicate(status) holds; ClusterError after timeout_s."""
+        give_up = time.monotonic() + timeout_s
+        last: dict[str, Any] | str = "no answer yet"
+        while time.monotonic() < give_up:
+            if self.coordinator is not None and self.coordinator.poll() is not None:
+                raise ClusterError(f"coordinator exited while waiting for {what}\n{self.tail()}")
+            try:
+                status = self.status()
+                last = status
+                if predicate(status):
+                    return status
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(0.2)
+        summary = last if isinstance(last, str) else _summary(last)
+        raise ClusterError(f"timed out after {timeout_s} s waiting for {what}; last: {summary}")
+
+    def tail(self, name: str = "coordinator", lines: int = 30) -> str:
+        path = self.logs / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return f"--- {name}.log ---\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def _reap(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    give_up = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, give_up - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def _summary(status: dict[str, Any]) -> str:
+    peers = {p["peer_id"]: p["state"] for p in status.get("peers", [])}
+    return (
+        f"phase {status.get('phase')}, round {status.get('round')}, "
+        f"committed {status.get('committed_rounds')}, peers {peers}"
+    )
