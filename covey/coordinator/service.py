@@ -547,6 +547,12 @@ class Coordinator:
             raise Rejected(
                 409, f"round {req.round}.{req.attempt} is not open (open round: {now_open}): late"
             )
+        if req.start_hash != self.state.digest():
+            raise Rejected(
+                409,
+                f"trained from weights {req.start_hash[:12]}, but round {req.round} starts "
+                f"from {self.state.digest()[:12]}",
+            )
         if self.db.one(
             "SELECT 1 FROM contributions WHERE round = ? AND attempt = ? AND peer_id = ?",
             (req.round, req.attempt, req.peer_id),

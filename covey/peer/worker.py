@@ -12,6 +12,7 @@ mismatch). A heartbeat thread keeps the peer alive; SIGINT/SIGTERM send a deathr
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import secrets
 import signal
@@ -103,6 +104,7 @@ class Worker:
         )
         self.step_time_s = self._measure_step_time()
         store_dir = self.opts.store_dir or Path(f".covey-peer/{self.peer_id}")
+        self.store_dir = store_dir
         self.store = BlobStore(store_dir / "blobs", limits.max_blob_bytes)
         blob_url = None
         if self.opts.serve_blobs:
@@ -321,6 +323,7 @@ class Worker:
             attempt=info.attempt,
             peer_id=self.peer_id,
             cid=cid,
+            start_hash=info.start_hash or "",
             size=len(c.payload),
             tokens=c.tokens,
             inner_steps=c.inner_steps,
@@ -383,7 +386,9 @@ class Worker:
             )
             contributions.append(Contribution(payload, a.tokens, a.inner_steps, a.fragment))
         new_state = self.strategy.apply_round(self.state, contributions)
-        if new_state.digest() != cert.new_hash:
+        matched = new_state.digest() == cert.new_hash
+        self._record(cert, new_state.digest(), matched)
+        if not matched:
             self._resync(cert, f"weights hash {new_state.digest()[:12]} != certificate's")
             return
         self.state = new_state
@@ -396,6 +401,12 @@ class Worker:
             len(contributions),
             cert.new_hash[:12],
         )
+
+    def _record(self, cert: schemas.Certificate, digest: str, matched: bool) -> None:
+        """Append to <store>/applied.jsonl what this peer computed for each round."""
+        line = {"round": cert.round, "weights_hash": digest, "certificate": cert.new_hash}
+        with open(self.store_dir / "applied.jsonl", "a") as f:
+            f.write(json.dumps({**line, "matched": matched}) + "\n")
 
     def _resync(self, cert: schemas.Certificate, why: str) -> None:
         log.warning(

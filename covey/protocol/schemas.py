@@ -77,6 +77,9 @@ class ContributionRequest(Request):
     attempt: int = Field(ge=0)
     peer_id: PeerId
     cid: ContentId
+    start_hash: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="the weights hash the peer trained from"
+    )
     size: int = Field(gt=0)
     tokens: int = Field(gt=0)
     inner_steps: int = Field(gt=0)

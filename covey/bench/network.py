@@ -1,0 +1,567 @@
+"""`covey bench network`: real coordinator and worker processes over an emulated WAN.
+
+Where `covey bench comms` *models* the network, this bench runs it: one Linux network
+namespace per host (covey.bench.netns), every link capped by tbf at ``mbit`` both ways,
+the coordinator in host ``coord`` and each worker in ``w0``, ``w1``, ... serving its
+contributions from its own blob server on its namespace address. Each (bandwidth, method)
+pair is one fresh testbed and one fresh run, trained for a fixed wall-clock budget (or
+until the spec's ``max_rounds``).
+
+Methods (`network_methods`): every-step synchronization (DDP, fp32 gradients), DiLoCo with
+H inner steps (fp32 pseudo-gradients) and the best compressed method of `covey bench
+comms` (BENCHMARKS.md): the same DiLoCo with the int4 codec and error feedback. Outer
+optimizer as in `covey bench comms`: Nesterov lr 0.7, momentum 0.5.
+
+How the numbers are read, and why:
+
+- **Status from inside the testbed.** The root namespace has no route to the namespaces'
+  addresses (netns.py builds nothing there), and adding one would put an unshaped path
+  beside the shaped ones. So /v1/status is fetched by a tiny stdlib script run with
+  ``ip netns exec`` in the coordinator's own namespace: the request goes over that
+  namespace's local route, never through a tbf, and costs the benchmarked links nothing.
+- **Timestamps from the coordinator's database.** /v1/status gives each committed round's
+  losses, bytes, tokens and utilization, but not when it committed. After the coordinator
+  has exited, its SQLite file (``<run>/coordinator/coordinator.db``, read-only) gives
+  each round's ``opened_at`` / ``closed_at`` and each contribution's ``compute_s``,
+  ``wall_s`` and ``submitted_at``: exact, from the coordinator's one clock, where polling
+  would be as coarse as its interval.
+- **Clock zero** is round 0's opening, i.e. the moment every worker had joined
+  (``rounds.min_peers = workers``), so process start-up (importing torch, loading the
+  corpus) is not charged to any method. Round 0 still includes every worker downloading
+  the initial weights.
+- **Utilization** is the coordinator's: per round, the mean over accepted peers of compute
+  seconds / the round's cycle (commit to commit); this bench averages rounds >= 1
+  (round 0 includes the initial download and warm-up). `breakdown_s` splits the mean cycle
+  into parts that sum to it exactly (see `summarize_run`), to say what the rest was.
+- **Target loss.** Unless one is given, it is the highest of the runs' best validation
+  losses: the best loss that *every* run reached within its budget, so each run has a
+  time to target, and the slowest run's time is its time to its own best. One target for
+  all bandwidths, so times compare across rows. A time is when that round committed
+  (``closed_at``); its evaluation follows within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+from typing import IO, Any
+
+from covey.bench.netns import Testbed, TestbedUnavailable, check_support
+from covey.config import RunConfig
+
+PORT = 8470  # every testbed's namespaces are fresh: a fixed port cannot collide
+POLL_S = 2.0  # status poll while a run trains: only to notice the end and print progress
+PROGRESS_S = 30.0  # a progress line at most this often
+STARTUP_TIMEOUT_S = 180.0  # coordinator serving + every worker joined, round 0 open
+REQUEST_TIMEOUT_S = 10.0  # one /v1/status request
+STOP_TIMEOUT_S = 20.0  # SIGTERM to exit, then SIGKILL
+# Child processes reach only namespace addresses: a proxy from the environment would be
+# unreachable from inside a namespace.
+_PROXY_VARS = {"http_proxy", "https_proxy", "all_proxy", "no_proxy"}
+
+# Runs in the coordinator's namespace; proxies are bypassed for the same reason.
+_STATUS_SCRIPT = r"""
+import sys, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+with opener.open(sys.argv[1], timeout=float(sys.argv[2])) as reply:
+    sys.stdout.write(reply.read().decode())
+"""
+
+
+@dataclass(frozen=True)
+class NetMethod:
+    key: str  # what `methods=` selects: "ddp", "diloco", "diloco-int4-ef"
+    name: str  # what the table shows, e.g. "diloco-h50-int4-ef"
+    algorithm: dict[str, Any]
+    # DDP commits a round per inner step; evaluating each one (0.3 s for micro on one
+    # core, inside the coordinator's round close) would cost it a large share of its
+    # cycle at 100 Mbit/s. Every 5 steps still gives several points at 10 Mbit/s.
+    eval_every: int = 1
+
+
+METHOD_KEYS = ("ddp", "diloco", "diloco-int4-ef")
+
+
+def network_methods(inner_steps: int = 50) -> list[NetMethod]:
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.5}  # as `covey bench comms`
+    diloco = {"method": "diloco", "inner_steps": inner_steps, **outer}
+    return [
+        NetMethod("ddp", "ddp", {"method": "ddp", "codec": "fp32"}, eval_every=5),
+        NetMethod("diloco", f"diloco-h{inner_steps}", {**diloco, "codec": "fp32"}),
+        NetMethod(
+            "diloco-int4-ef",
+            f"diloco-h{inner_steps}-int4-ef",
+            {**diloco, "codec": "int4", "error_feedback": True},
+        ),
+    ]
+
+
+# ---------------------------------------------------------------- plan (pure functions)
+
+
+def run_spec(
+    method: NetMethod,
+    *,
+    model: str,
+    workers: int,
+    batch_size: int = 8,
+    max_rounds: int | None = None,
+    eval_batches: int = 4,
+) -> dict[str, Any]:
+    """The run spec of one bench run, as the TOML tables `covey coordinator` reads."""
+    rounds: dict[str, Any] = {
+        # Round 0 opens only once every worker has joined: clock zero is the same moment
+        # for every method.
+        "min_peers": workers,
+        # Every peer does the full H: the bench measures the method, not the straggler
+        # policy (which would cut a peer's steps to fit target_compute_s).
+        "target_compute_s": 600.0,
+        # Rounds here close when every live member has submitted. The deadline only has
+        # to outlast the slowest honest round, round 0 at 10 Mbit/s included (every worker
+        # downloading the initial weights through the coordinator's one capped link).
+        "deadline_min_s": 120.0,
+        "deadline_max_s": 300.0,
+        "eval_every": method.eval_every,
+        "eval_batches": eval_batches,
+    }
+    if max_rounds is not None:
+        rounds["max_rounds"] = max_rounds
+    spec = {
+        "name": f"bench-network-{method.name}",
+        "seed": 0,
+        "model": {"size": model},
+        "data": {"batch_size": batch_size},
+        "algorithm": dict(method.algorithm),
+        "rounds": rounds,
+    }
+    RunConfig.model_validate(spec)  # a bad spec fails here, not in a child process
+    return spec
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as a TOML value")
+
+
+def to_toml(spec: dict[str, Any]) -> str:
+    """Scalars at the top, then one ``[table]`` per dict (one level, as `run_spec` makes)."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in spec.items() if not isinstance(v, dict)]
+    for table, body in spec.items():
+        if isinstance(body, dict):
+            lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    return "\n".join(lines) + "\n"
+
+
+def summarize_run(
+    *,
+    method: NetMethod,
+    mbit: float,
+    status: dict[str, Any],
+    opened: dict[int, float],
+    closed: dict[int, float],
+    contributions: dict[int, list[dict[str, float]]],
+    budget_s: float,
+) -> dict[str, Any]:
+    """One record from the final /v1/status and the coordinator's timestamps.
+
+    ``opened`` / ``closed``: round -> opened_at / closed_at of its committed attempt;
+    ``contributions``: round -> the accepted contributions' compute_s, wall_s and
+    submitted_at. ``breakdown_s`` splits the mean cycle of rounds >= 1 exactly:
+
+    - compute: mean compute seconds of the round's peers;
+    - worker_other: the rest of a peer's time from seeing the round to the end of its
+      training (state sync, batch sampling);
+    - start_and_publish: round open until the worker saw it (finishing the previous
+      round: fetching the others' contributions, applying them, the poll interval) plus
+      publishing (the coordinator fetching the payload over the links, validating it);
+    - straggler: how much later the last peer submitted than the mean peer;
+    - close: last submission to commit (the outer step, serializing and storing weights);
+    - coordinator: commit to the next round's opening (evaluation, the driver's tick).
+    """
+    rounds = [r for r in status["rounds"] if r["round"] in closed]
+    if not rounds:
+        raise RuntimeError(f"{method.name} at {mbit:g} Mbit/s committed no round in the budget")
+    t0 = opened[rounds[0]["round"]]
+    later = [r["round"] for r in rounds if r["round"] >= 1 and r["round"] - 1 in closed]
+    parts: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "compute",
+            "worker_other",
+            "start_and_publish",
+            "straggler",
+            "close",
+            "coordinator",
+            "cycle",
+        )
+    }
+    for n in later:
+        cs = contributions.get(n) or []
+        if not cs:
+            continue
+        since_open = [c["submitted_at"] - opened[n] for c in cs]
+        parts["compute"].append(fmean(c["compute_s"] for c in cs))
+        parts["worker_other"].append(fmean(c["wall_s"] - c["compute_s"] for c in cs))
+        parts["start_and_publish"].append(
+            fmean(s - c["wall_s"] for s, c in zip(since_open, cs, strict=True))
+        )
+        parts["straggler"].append(max(since_open) - fmean(since_open))
+        parts["close"].append(closed[n] - opened[n] - max(since_open))
+        parts["coordinator"].append(opened[n] - closed[n - 1])
+        parts["cycle"].append(closed[n] - closed[n - 1])
+    utils = [r["utilization"] for r in rounds if r["round"] >= 1 and r["utilization"] is not None]
+    losses = [r["val_loss"] for r in rounds if r["val_loss"] is not None]
+    window_s = closed[rounds[-1]["round"]] - t0
+    tokens = sum(r["tokens"] or 0 for r in rounds)
+    return {
+        "mbit": mbit,
+        "method": method.name,
+        "method_key": method.key,
+        "model": status.get("model"),
+        "parameters": status.get("parameters"),
+        "workers": sum(1 for p in status.get("peers", []) if p.get("contributions")),
+        "algorithm": method.algorithm,
+        "budget_s": budget_s,
+        "rounds": len(rounds),
+        "window_s": window_s,
+        "final_val_loss": losses[-1] if losses else None,
+        "best_val_loss": min(losses) if losses else None,
+        "utilization": fmean(utils) if utils else None,
+        "utilization_round0": rounds[0]["utilization"],
+        "bytes_per_round": fmean(r["bytes"] or 0 for r in rounds),
+        "tokens": tokens,
+        "tokens_per_s": tokens / window_s if window_s > 0 else None,
+        "breakdown_s": {k: fmean(v) for k, v in parts.items() if v},
+        "curve": [
+            {
+                "round": r["round"],
+                "t_s": closed[r["round"]] - t0,
+                "val_loss": r["val_loss"],
+                "utilization": r["utilization"],
+            }
+            for r in rounds
+        ],
+        "target_loss": None,
+        "time_to_target_s": None,
+    }
+
+
+def default_target(records: Sequence[dict[str, Any]]) -> float | None:
+    """The best loss every run reached: the highest of the runs' best validation losses."""
+    best = [r["best_val_loss"] for r in records if r["best_val_loss"] is not None]
+    return max(best) if len(best) == len(records) and best else None
+
+
+def apply_target(records: list[dict[str, Any]], target: float | None) -> None:
+    """Set each record's target_loss and time_to_target_s (None: never reached)."""
+    for r in records:
+        r["target_loss"] = target
+        hits = [p["t_s"] for p in r["curve"] if target is not None and p["val_loss"] is not None
+                and p["val_loss"] <= target]  # fmt: skip
+        r["time_to_target_s"] = hits[0] if hits else None
+
+
+def format_table(records: Sequence[dict[str, Any]]) -> str:
+    """A markdown table: one row per (bandwidth, method)."""
+
+    def num(v: Any, fmt: str, missing: str = "—") -> str:
+        return missing if v is None else format(v, fmt)
+
+    target = records[0]["target_loss"] if records else None
+    lines = [
+        f"| link | method | rounds | final val loss | time to {num(target, '.3f', 'target')} "
+        "| utilization | bytes / round | tokens / s | mean cycle | compute |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        b = r["breakdown_s"]
+        lines.append(
+            f"| {r['mbit']:g} Mbit/s | {r['method']} | {r['rounds']} "
+            f"| {num(r['final_val_loss'], '.4f')} "
+            f"| {num(r['time_to_target_s'], '.1f', 'not reached')}"
+            f"{'' if r['time_to_target_s'] is None else ' s'} "
+            f"| {num(r['utilization'], '.1%')} | {r['bytes_per_round']:,.0f} "
+            f"| {num(r['tokens_per_s'], ',.0f')} | {num(b.get('cycle'), '.2f')} s "
+            f"| {num(b.get('compute'), '.2f')} s |"
+        )
+    return "\n".join(lines)
+
+
+def format_breakdown(records: Sequence[dict[str, Any]]) -> str:
+    """Where each run's mean cycle (rounds >= 1) went; see `summarize_run`."""
+    keys = ("compute", "worker_other", "start_and_publish", "straggler", "close", "coordinator")
+    lines = [
+        "| link | method | " + " | ".join(keys) + " | cycle |",
+        "|---|---|" + "---:|" * (len(keys) + 1),
+    ]
+    for r in records:
+        b = r["breakdown_s"]
+        cells = " | ".join("—" if k not in b else f"{b[k]:.2f}" for k in (*keys, "cycle"))
+        lines.append(f"| {r['mbit']:g} Mbit/s | {r['method']} | {cells} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- execute
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.lower() not in _PROXY_VARS}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+def _status(tb: Testbed, url: str) -> dict[str, Any] | None:
+    """/v1/status fetched from inside the coordinator's namespace; None if no answer."""
+    argv = [sys.executable, "-c", _STATUS_SCRIPT, url, str(REQUEST_TIMEOUT_S)]
+    try:
+        proc = tb.run("coord", argv, REQUEST_TIMEOUT_S + 5, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout)
+
+
+def _read_timeline(
+    db_path: Path,
+) -> tuple[dict[int, float], dict[int, float], dict[int, list[dict[str, float]]]]:
+    """opened_at, closed_at and accepted contributions of every committed round."""
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            "SELECT round, attempt, opened_at, closed_at FROM rounds WHERE status = 'committed'"
+        ).fetchall()
+        contribs = conn.execute(
+            "SELECT c.round, c.compute_s, c.wall_s, c.submitted_at FROM contributions c "
+            "JOIN rounds r ON c.round = r.round AND c.attempt = r.attempt "
+            "WHERE r.status = 'committed'"
+        ).fetchall()
+    finally:
+        conn.close()
+    opened = {n: o for n, _, o, _ in rows}
+    closed = {n: c for n, _, _, c in rows}
+    per_round: dict[int, list[dict[str, float]]] = {}
+    for n, compute_s, wall_s, submitted_at in contribs:
+        per_round.setdefault(n, []).append(
+            {"compute_s": compute_s, "wall_s": wall_s, "submitted_at": submitted_at}
+        )
+    return opened, closed, per_round
+
+
+class _Processes:
+    """The run's coordinator and workers, each in its host's namespace and logging to
+    ``<run>/logs/<host>.log``. Leaving stops them: workers first with SIGTERM (their
+    deathrattle needs the coordinator), then the coordinator; SIGKILL for whatever
+    outlives STOP_TIMEOUT_S."""
+
+    def __init__(self, tb: Testbed, run_dir: Path) -> None:
+        self.tb, self.run_dir = tb, run_dir
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._files: list[IO[bytes]] = []
+        self._env = _child_env()
+
+    def spawn(self, host: str, args: list[str]) -> None:
+        log = open(self.logs / f"{host}.log", "wb")  # noqa: SIM115 - closed in __exit__
+        self._files.append(log)
+        self.procs[host] = self.tb.popen(
+            host,
+            [sys.executable, "-m", "covey", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            cwd=self.run_dir,
+        )
+
+    def exited(self) -> dict[str, int]:
+        return {h: rc for h, p in self.procs.items() if (rc := p.poll()) is not None}
+
+    def tails(self, lines: int = 25) -> str:
+        out = []
+        for host in self.procs:
+            path = self.logs / f"{host}.log"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            out.append(f"--- {path} ---\n" + "\n".join(text.splitlines()[-lines:]))
+        return "\n".join(out)
+
+    def __enter__(self) -> _Processes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        workers = [p for h, p in self.procs.items() if h != "coord"]
+        coord = [self.procs["coord"]] if "coord" in self.procs else []
+        for group in (workers, coord):
+            for p in group:
+                if p.poll() is None:
+                    p.terminate()
+            give_up = time.monotonic() + STOP_TIMEOUT_S
+            for p in group:
+                try:
+                    p.wait(max(0.1, give_up - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(STOP_TIMEOUT_S)
+        for f in self._files:
+            f.close()
+
+
+def run_one(
+    method: NetMethod,
+    *,
+    mbit: float,
+    model: str,
+    workers: int,
+    budget_s: float,
+    run_dir: Path,
+    max_rounds: int | None = None,
+    batch_size: int = 8,
+) -> dict[str, Any]:
+    """One fresh testbed, one fresh run of `method`, trained for budget_s after round 0
+    opens (or until max_rounds). RuntimeError, with the logs' tails, if a process exits
+    early or the run does not start within STARTUP_TIMEOUT_S."""
+    run_dir = run_dir.resolve()  # the children run with cwd=run_dir
+    if run_dir.exists():  # a coordinator given an old data dir would resume the old run
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    spec_path = run_dir / "run.toml"
+    spec = run_spec(
+        method, model=model, workers=workers, batch_size=batch_size, max_rounds=max_rounds
+    )
+    spec_path.write_text(to_toml(spec))
+    names = ["coord"] + [f"w{i}" for i in range(workers)]
+    load_start = os.getloadavg()[0]
+    with Testbed(names, mbit=mbit) as tb, _Processes(tb, run_dir) as procs:
+        coord_ip = tb.hosts["coord"].ip
+        url = f"http://{coord_ip}:{PORT}"
+        procs.spawn("coord", [
+            "coordinator", str(spec_path), "--host", coord_ip, "--port", str(PORT),
+            "--data-dir", str(run_dir / "coordinator"), "--threads", "1",
+        ])  # fmt: skip
+        for name in names[1:]:
+            procs.spawn(name, [
+                "worker", "--coordinator", url, "--peer-id", name,
+                "--store-dir", str(run_dir / "peers" / name), "--threads", "1",
+                "--blob-host", tb.hosts[name].ip, "--bandwidth-mbps", f"{mbit:g}",
+            ])  # fmt: skip
+        status = _train(tb, url, procs, budget_s, f"{mbit:g} Mbit/s {method.name}")
+    opened, closed, contributions = _read_timeline(run_dir / "coordinator" / "coordinator.db")
+    record = summarize_run(
+        method=method,
+        mbit=mbit,
+        status=status,
+        opened=opened,
+        closed=closed,
+        contributions=contributions,
+        budget_s=budget_s,
+    )
+    record["load_1m"] = [load_start, os.getloadavg()[0]]  # other work on the machine
+    return record
+
+
+def _train(tb: Testbed, url: str, procs: _Processes, budget_s: float, label: str) -> dict[str, Any]:
+    """Wait for round 0 to open, then for the budget (or the run to finish); return the
+    last /v1/status taken before anything is stopped."""
+    started = time.monotonic()
+    clock_zero: float | None = None
+    last: dict[str, Any] | None = None
+    next_progress = 0.0
+    while True:
+        status = _status(tb, f"{url}/v1/status")
+        now = time.monotonic()
+        if status is not None:
+            last = status
+            if status["phase"] == "finished":  # max_rounds reached; workers leave by themselves
+                return status
+            if clock_zero is None and (status["phase"] != "waiting" or status["rounds"]):
+                clock_zero = now
+        if exited := procs.exited():
+            # a worker leaves by itself once the run is finished: look once more
+            final = _status(tb, f"{url}/v1/status")
+            if final is not None and final["phase"] == "finished":
+                return final
+            raise RuntimeError(f"{label}: exited early {exited}\n{procs.tails()}")
+        if clock_zero is None and now - started > STARTUP_TIMEOUT_S:
+            raise RuntimeError(
+                f"{label}: round 0 did not open within {STARTUP_TIMEOUT_S:.0f} s\n{procs.tails()}"
+            )
+        if clock_zero is not None and last is not None:
+            elapsed = now - clock_zero
+            if elapsed >= budget_s:
+                return last
+            if now >= next_progress:
+                losses = [r["val_loss"] for r in last["rounds"] if r["val_loss"] is not None]
+                loss = f"{losses[-1]:.4f}" if losses else "—"
+                print(
+                    f"  [{label}] {elapsed:5.0f} s: {last['committed_rounds']} rounds, "
+                    f"val loss {loss}",
+                    flush=True,
+                )
+                next_progress = now + PROGRESS_S
+        time.sleep(POLL_S)  # pacing between polls; the conditions are checked above
+
+
+def run_network_bench(
+    *,
+    mbits: Sequence[float] = (10, 100),
+    model: str = "micro",
+    workers: int = 2,
+    minutes_per_run: float = 3.0,
+    target_loss: float | None = None,
+    out_dir: Path,
+    methods: Sequence[str] = METHOD_KEYS,
+    inner_steps: int = 50,
+    max_rounds: int | None = None,
+    batch_size: int = 8,
+) -> list[dict[str, Any]]:
+    """Every method at every bandwidth, each a fresh testbed and run; returns the records
+    (also written to ``out_dir/records.json`` after every run, so a failure later keeps
+    the earlier ones). `TestbedUnavailable` up front if namespaces cannot be built here."""
+    reason = check_support()
+    if reason is not None:
+        raise TestbedUnavailable(reason)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if minutes_per_run <= 0:
+        raise ValueError(f"minutes_per_run must be positive, got {minutes_per_run}")
+    known = {m.key: m for m in network_methods(inner_steps)}
+    if unknown := sorted(set(methods) - set(known)):
+        raise ValueError(f"unknown method(s) {unknown}; choose from {list(known)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    for mbit in mbits:
+        for key in methods:
+            method = known[key]
+            print(f"== {mbit:g} Mbit/s, {method.name}, {workers} workers, {model}", flush=True)
+            record = run_one(
+                method,
+                mbit=mbit,
+                model=model,
+                workers=workers,
+                budget_s=minutes_per_run * 60,
+                run_dir=out_dir / f"{mbit:g}mbit-{method.name}",
+                max_rounds=max_rounds,
+                batch_size=batch_size,
+            )
+            records.append(record)
+            target = target_loss if target_loss is not None else default_target(records)
+            apply_target(records, target)
+            (out_dir / "records.json").write_text(json.dumps(records, indent=2) + "\n")
+    print(format_table(records))
+    print()
+    print(format_breakdown(records))
+    print(f"wrote {out_dir / 'records.json'}")
+    return records

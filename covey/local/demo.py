@@ -1,0 +1,490 @@
+"""`covey demo`: a real run on one machine. A coordinator and N workers as separate
+processes on 127.0.0.1 (covey.local.cluster), the status page open in a browser, live
+progress in the terminal, optional chaos (SIGKILL a random worker every so often and start a
+replacement), and at the end metrics.jsonl, loss.png and summary.json in the run directory.
+
+Nothing here imports torch: the processes do. Every child is stopped on the way out, also on
+Ctrl-C, SIGTERM or an error (`run_local_demo`'s finally).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from covey.config import load_run_config
+from covey.local.cluster import ClusterError, LocalCluster
+from covey.sim.report import write_json, write_jsonl
+
+METHODS = ("ddp", "diloco", "streaming", "demo")
+PER_STEP_METHODS = ("ddp", "demo")  # one inner step per round
+
+# --- the run spec (pure) ---------------------------------------------------------------------
+
+
+def demo_spec(algorithm: str, *, model: str = "nano", seed: int = 0) -> dict[str, Any]:
+    """The run spec for a demo of `algorithm`, as the dict its TOML holds. Rounds are sized
+    to take a few seconds on a laptop CPU; the run is bounded by time, not max_rounds."""
+    if algorithm not in METHODS:
+        raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(METHODS)}")
+    algo: dict[str, Any] = {"method": algorithm}
+    if algorithm in ("diloco", "streaming"):
+        # outer momentum 0.5, not the papers' 0.9: a demo has tens of rounds, where 0.5
+        # was the best of {0, 0.5, 0.9} (BENCHMARKS.md, quick comms bench)
+        algo |= {"outer_lr": 0.7, "outer_momentum": 0.5, "optim": {"lr": 3e-3}}
+    if algorithm == "diloco":
+        algo |= {"inner_steps": 30, "codec": "fp32"}
+    elif algorithm == "streaming":
+        # a fragment syncs every inner_steps / fragments = 8 steps (arXiv 2501.18512)
+        algo |= {"inner_steps": 32, "fragments": 4, "overlap_steps": 1, "codec": "int4"}
+    elif algorithm == "demo":
+        # sign updates (arXiv 2411.19870) at 1e-3 barely move in the ~100 steps of a demo
+        algo |= {"lr": 3e-3, "chunk": 64, "topk": 32}
+    return {
+        "name": f"covey-demo-{algorithm}",
+        "seed": seed,
+        "model": {"size": model},
+        "data": {"batch_size": 8},
+        "algorithm": algo,
+        "rounds": {
+            # caps a slow peer's inner steps; nano's 30 steps fit ~10x over on one core
+            "target_compute_s": 3.0,
+            "checkpoint_every": 5,
+            "keep_checkpoints": 3,
+            # per-step methods commit a round per step: evaluating every other one keeps
+            # the coordinator's driver thread from becoming the bottleneck
+            "eval_every": 2 if algorithm in PER_STEP_METHODS else 1,
+            "eval_batches": 4,
+        },
+    }
+
+
+def to_toml(spec: dict[str, Any]) -> str:
+    """A nested dict of scalars as TOML (scalars first, then one [table] per dict).
+    None values are left out: TOML has no null, and the field's default is meant."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], prefix: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict) and v is not None}
+        tables = {k: v for k, v in table.items() if isinstance(v, dict)}
+        if prefix and scalars:
+            lines.append(f"\n[{prefix}]")
+        for key, value in scalars.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        for key, sub in tables.items():
+            emit(sub, f"{prefix}.{key}" if prefix else key)
+
+    emit(spec, "")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as TOML")
+
+
+# --- chaos -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Chaos:
+    """Every uniform(*every_s) seconds, SIGKILL a random live worker (never the last one)
+    and start a replacement under a fresh name. Seeded: the same seed picks the same
+    victims at the same times, given the same set of live workers."""
+
+    rng: random.Random
+    every_s: tuple[float, float]
+    next_index: int
+    due: float = 0.0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def schedule(self, now: float) -> None:
+        self.due = now + self.rng.uniform(*self.every_s)
+
+    def pick(self, live: Sequence[str]) -> str | None:
+        """The victim among `live` (sorted for determinism), or None if it is the last."""
+        if len(live) < 2:
+            return None
+        return self.rng.choice(sorted(live))
+
+
+# --- the demo ----------------------------------------------------------------------------------
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the demo itself: stop the children like Ctrl-C does."""
+
+
+@contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise _Terminated(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_local_demo(
+    *,
+    workers: int = 4,
+    minutes: float = 2.0,
+    algorithm: str = "diloco",
+    chaos: bool = False,
+    out_dir: Path,
+    model: str = "nano",
+    seed: int = 0,
+    progress: bool = True,
+    chaos_every_s: tuple[float, float] = (15.0, 25.0),
+) -> dict[str, Any]:
+    """Train for `minutes` with a coordinator and `workers` worker processes in `out_dir`,
+    then write metrics.jsonl, loss.png and summary.json there and return the summary.
+
+    Ctrl-C (or SIGTERM) ends the run early: the children are stopped and the outputs are
+    written from what was committed so far (summary["interrupted"] is True). If the
+    coordinator dies, every worker is stopped and ClusterError (with its log) is raised."""
+    if workers < 1:
+        raise ValueError(f"workers ({workers}) must be at least 1")
+    if minutes <= 0:
+        raise ValueError(f"minutes ({minutes}) must be positive")
+    lo, hi = chaos_every_s
+    if not 0 < lo <= hi:
+        raise ValueError(f"chaos_every_s ({lo}, {hi}) must satisfy 0 < low <= high")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "run.toml"
+    spec_path.write_text(to_toml(demo_spec(algorithm, model=model, seed=seed)))
+    cfg = load_run_config(spec_path)  # fails here, with the field named, not in a child
+
+    cluster = LocalCluster(spec_path, out_dir)
+    say = _Printer(progress)
+    final: dict[str, Any] | None = None
+    interrupted = False
+    chaos_state = Chaos(random.Random(seed), (lo, hi), next_index=workers) if chaos else None
+    try:
+        with _sigterm_as_exception():
+            say(f"covey demo: {algorithm} on the {model} GPT, {workers} workers, {minutes:g} min")
+            say(f"run {cfg.run_id} in {out_dir}; starting the coordinator ...")
+            cluster.start_coordinator()
+            say(f"status page: {cluster.url}/")
+            for i in range(workers):
+                cluster.start_worker(f"w{i}", "--threads", "1")
+            try:
+                final = _watch(cluster, minutes * 60.0, chaos_state, say, progress)
+            except (KeyboardInterrupt, _Terminated) as e:
+                interrupted = True
+                say(f"\ninterrupted ({type(e).__name__}): stopping the cluster ...")
+            final = _stop_workers_then_status(cluster) or final
+    finally:
+        _stop_everything(cluster)
+        say.close()
+
+    if final is None:
+        raise ClusterError(f"no status was ever read from the coordinator\n{cluster.tail()}")
+    return _finish(out_dir, cluster, final, chaos_state, interrupted, minutes, say)
+
+
+class _Printer:
+    """print(), or tqdm.write() while a bar is on screen so lines do not tear it."""
+
+    def __init__(self, progress: bool) -> None:
+        self.progress = progress
+        self.bar: Any = None
+
+    def __call__(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _watch(
+    cluster: LocalCluster,
+    duration_s: float,
+    chaos: Chaos | None,
+    say: _Printer,
+    progress: bool,
+) -> dict[str, Any] | None:
+    """Poll /v1/status about once a second for duration_s; run the chaos schedule; report
+    workers that exit on their own. Returns the last status read."""
+    start = time.monotonic()
+    if progress:
+        from tqdm import tqdm
+
+        say.bar = tqdm(total=round(duration_s), unit="s", desc="demo", dynamic_ncols=True)
+    if chaos is not None:
+        chaos.schedule(start)
+    last: dict[str, Any] | None = None
+    reported: set[str] = set()
+    killed: set[str] = set()
+    while (now := time.monotonic()) - start < duration_s:
+        assert cluster.coordinator is not None
+        if cluster.coordinator.poll() is not None:
+            raise ClusterError(
+                f"the coordinator exited with status {cluster.coordinator.returncode}\n"
+                f"{cluster.tail()}"
+            )
+        try:
+            last = cluster.status()
+        except httpx.HTTPError as e:
+            say(f"coordinator not answering ({type(e).__name__}); retrying")
+        for name, proc in cluster.workers.items():
+            if proc.poll() is not None and name not in reported and name not in killed:
+                reported.add(name)
+                say(f"{name} exited with status {proc.returncode}; see logs/{name}.log")
+        # the first kill waits for a committed round: chaos before training proves nothing
+        if chaos is not None and now >= chaos.due and last and last["committed_rounds"] > 0:
+            _chaos_strike(cluster, chaos, last, now - start, killed, say)
+            chaos.schedule(now)
+        if say.bar is not None:
+            say.bar.n = min(round(now - start), say.bar.total)
+            say.bar.set_postfix_str(_progress_line(last), refresh=True)
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - now)))
+    return last
+
+
+def _chaos_strike(
+    cluster: LocalCluster,
+    chaos: Chaos,
+    status: dict[str, Any],
+    elapsed_s: float,
+    killed: set[str],
+    say: Callable[[str], None],
+) -> None:
+    live = [name for name, p in cluster.workers.items() if p.poll() is None]
+    victim = chaos.pick(live)
+    if victim is None:
+        say(f"chaos [{elapsed_s:5.1f} s]: only {live} alive, nobody killed")
+        return
+    cluster.signal(victim, signal.SIGKILL)
+    cluster.wait_exit(victim, 10.0)
+    killed.add(victim)
+    replacement = f"w{chaos.next_index}"
+    chaos.next_index += 1
+    cluster.start_worker(replacement, "--threads", "1")
+    chaos.events.append(
+        {
+            "at_s": round(elapsed_s, 1),
+            "killed": victim,
+            "replacement": replacement,
+            "committed_rounds": status["committed_rounds"],
+        }
+    )
+    say(
+        f"chaos [{elapsed_s:5.1f} s]: SIGKILL {victim} after round {status['committed_rounds']} "
+        f"(no deathrattle: the round drops it once it is silent), started {replacement}"
+    )
+
+
+def _progress_line(status: dict[str, Any] | None) -> str:
+    if status is None:
+        return "waiting for the coordinator"
+    losses = [r["val_loss"] for r in status["rounds"] if r["val_loss"] is not None]
+    live = sum(1 for p in status["peers"] if p["alive"])
+    val = f"{losses[-1]:.3f}" if losses else "-"
+    return (
+        f"round {status['committed_rounds']} | val {val} | peers {live} | "
+        f"{_human_bytes(status['bytes_total'])}"
+    )
+
+
+def _stop_workers_then_status(cluster: LocalCluster) -> dict[str, Any] | None:
+    """SIGTERM the live workers (each sends its deathrattle), wait, then read the final
+    status while the coordinator still serves it. None if it does not answer."""
+    live = [(n, p) for n, p in cluster.workers.items() if p.poll() is None]
+    for _, proc in live:
+        proc.send_signal(signal.SIGTERM)
+    for name, proc in live:
+        try:
+            proc.wait(20.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5.0)
+            print(f"{name} ignored SIGTERM for 20 s: killed", flush=True)
+    try:
+        return cluster.status()
+    except httpx.HTTPError:
+        return None
+
+
+def _stop_everything(cluster: LocalCluster) -> None:
+    """cluster.stop(); a second Ctrl-C during it SIGKILLs whatever is left rather than
+    leaving orphans."""
+    try:
+        cluster.stop()
+    except (KeyboardInterrupt, _Terminated):
+        procs = [*cluster.workers.values(), cluster.coordinator]
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            if proc is not None:
+                proc.wait(5.0)
+        raise
+
+
+# --- outputs -----------------------------------------------------------------------------------
+
+
+def _finish(
+    out_dir: Path,
+    cluster: LocalCluster,
+    status: dict[str, Any],
+    chaos: Chaos | None,
+    interrupted: bool,
+    minutes: float,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    rounds = status["rounds"]
+    write_jsonl(out_dir / "metrics.jsonl", rounds)
+    kills = chaos.events if chaos else []
+    plot_demo(out_dir / "loss.png", rounds, [k["committed_rounds"] for k in kills], status)
+    losses = [r["val_loss"] for r in rounds if r["val_loss"] is not None]
+    coordinator_dir = out_dir / "coordinator"
+    procs = {"coordinator": cluster.coordinator, **cluster.workers}
+    summary: dict[str, Any] = {
+        "run_id": status["run_id"],
+        "algorithm": status["method"],
+        "model": status["model"],
+        "parameters": status["parameters"],
+        "minutes": minutes,
+        "interrupted": interrupted,
+        "status_url": f"{cluster.url}/",
+        "rounds_committed": status["committed_rounds"],
+        "first_val_loss": losses[0] if losses else None,
+        "last_val_loss": losses[-1] if losses else None,
+        "bytes_total": status["bytes_total"],
+        "tokens_total": sum(r["tokens"] for r in rounds),
+        "peers_seen": [p["peer_id"] for p in status["peers"]],
+        "kills": len(kills),
+        "kill_events": kills,
+        "rounds_after_first_kill": (
+            status["committed_rounds"] - kills[0]["committed_rounds"] if kills else None
+        ),
+        "processes": {
+            name: {"pid": p.pid, "exit_code": p.returncode}
+            for name, p in procs.items()
+            if p is not None
+        },
+        "paths": {
+            "run_dir": str(out_dir),
+            "spec": str(out_dir / "run.toml"),
+            "coordinator_db": str(coordinator_dir / "coordinator.db"),
+            "checkpoints": sorted(
+                str(p) for p in (coordinator_dir / "checkpoints").glob("*.safetensors")
+            ),
+            "logs": str(cluster.logs),
+            "metrics": str(out_dir / "metrics.jsonl"),
+            "plot": str(out_dir / "loss.png"),
+        },
+    }
+    write_json(out_dir / "summary.json", summary)
+    for line in _summary_lines(summary):
+        say(line)
+    return summary
+
+
+def _summary_lines(s: dict[str, Any]) -> list[str]:
+    val = (
+        f"{s['first_val_loss']:.4f} -> {s['last_val_loss']:.4f}"
+        if s["first_val_loss"] is not None
+        else "no evaluation yet"
+    )
+    lines = [
+        "",
+        f"{s['rounds_committed']} rounds committed in {s['minutes']:g} min "
+        f"({s['algorithm']}, {s['model']} GPT, {s['parameters']:,} parameters)"
+        + (", interrupted" if s["interrupted"] else ""),
+        f"val loss         {val}",
+        f"sent             {_human_bytes(s['bytes_total'])} in contributions, "
+        f"{s['tokens_total']:,} tokens trained",
+        f"peers seen       {len(s['peers_seen'])}: {', '.join(s['peers_seen'])}",
+    ]
+    if s["kills"]:
+        lines.append(
+            f"chaos            {s['kills']} worker(s) SIGKILLed; "
+            f"{s['rounds_after_first_kill']} rounds committed after the first kill"
+        )
+    paths = s["paths"]
+    lines += [
+        f"run directory    {paths['run_dir']}",
+        f"  run.toml                    the run spec (run id {s['run_id']})",
+        "  coordinator/coordinator.db  rounds, certificates, peers, events (SQLite)",
+        f"  coordinator/checkpoints/    {len(paths['checkpoints'])} checkpoint(s)",
+        "  logs/                       one log per process",
+        "  metrics.jsonl, loss.png, summary.json",
+    ]
+    return lines
+
+
+def plot_demo(
+    path: Path, rounds: Sequence[dict[str, Any]], kill_rounds: Sequence[int], status: dict
+) -> None:
+    """Two panels: validation and mean training loss against round, and bytes of
+    contributions per round. Dotted lines mark chaos kills."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label, alpha in (
+        ("val_loss", "validation loss (canonical weights)", 1.0),
+        ("train_loss", "train loss (mean of the workers')", 0.7),
+    ):
+        points = [r for r in rounds if r[key] is not None]
+        xs, ys = [r["round"] for r in points], [r[key] for r in points]
+        ax_loss.plot(xs, ys, marker=".", alpha=alpha, label=label)
+    ax_bytes.bar([r["round"] for r in rounds], [r["bytes"] for r in rounds], color="tab:green")
+    for k in kill_rounds:
+        for ax in (ax_loss, ax_bytes):
+            ax.axvline(k, color="tab:red", linestyle=":", alpha=0.7)
+    ax_loss.set_ylabel("loss")
+    ax_bytes.set_ylabel("bytes of contributions")
+    for ax in (ax_loss, ax_bytes):
+        ax.set_xlabel("round")
+        ax.grid(True, alpha=0.3)
+    ax_loss.legend(fontsize=8)
+    fig.suptitle(
+        f"covey demo: {status['method']}, {status['model']} GPT, run {status['run_id']}"
+        + (f", {len(kill_rounds)} kills" if kill_rounds else "")
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,194 @@
+"""The round protocol over real sockets: a coordinator and workers as separate processes
+on 127.0.0.1, killed with real signals. Each test starts its own cluster (nano GPT, tiny
+rounds) and waits on conditions with deadlines; nothing here is mocked."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from covey.local.cluster import LocalCluster
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+SPEC = """
+name = "test-{name}"
+seed = 3
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 64
+[algorithm]
+method = "diloco"
+inner_steps = {inner_steps}
+outer_momentum = 0.5
+[rounds]
+target_compute_s = 30
+deadline_min_s = {deadline_min_s}
+deadline_max_s = 60
+eval_batches = 2
+checkpoint_every = 2
+"""
+
+
+def make_cluster(
+    tmp_path: Path, name: str, inner_steps: int = 6, deadline_min_s: float = 4
+) -> LocalCluster:
+    spec = tmp_path / "run.toml"
+    spec.write_text(
+        SPEC.format(name=name, inner_steps=inner_steps, deadline_min_s=deadline_min_s)
+    )
+    cluster = LocalCluster(spec, tmp_path)
+    cluster.start_coordinator()
+    return cluster
+
+
+def committed(n: int):
+    return lambda s: s["committed_rounds"] >= n
+
+
+def certificates(cluster: LocalCluster, upto: int) -> list[dict[str, Any]]:
+    return [cluster.get(f"/v1/rounds/{r}/certificate") for r in range(upto)]
+
+
+def applied(tmp_path: Path, peer: str) -> list[dict[str, Any]]:
+    path = tmp_path / "peers" / peer / "applied.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_chain(certs: list[dict[str, Any]]) -> None:
+    """Each round starts where the previous one ended: none lost, none applied twice."""
+    for prev, cert in itertools.pairwise(certs):
+        assert cert["round"] == prev["round"] + 1
+        assert cert["start_hash"] == prev["new_hash"], f"round {cert['round']} breaks the chain"
+
+
+def test_three_workers_train_and_agree_on_every_round(tmp_path: Path) -> None:
+    with make_cluster(tmp_path, "three") as cluster:
+        for w in ("w0", "w1", "w2"):
+            cluster.start_worker(w)
+        status = cluster.wait_for(committed(5), 180, "5 committed rounds")
+        certs = certificates(cluster, status["committed_rounds"])
+    assert_chain(certs)
+    assert all(len(c["accepted"]) >= 1 for c in certs)
+    assert any({a["peer_id"] for a in c["accepted"]} == {"w0", "w1", "w2"} for c in certs)
+    # every peer computed every certified round's weights itself, bit for bit
+    by_round = {c["round"]: c["new_hash"] for c in certs}
+    for w in ("w0", "w1", "w2"):
+        records = applied(tmp_path, w)
+        assert len(records) >= 3, f"{w} applied only {len(records)} rounds"
+        for rec in records:
+            assert rec["matched"], f"{w} round {rec['round']}: {rec}"
+            if rec["round"] in by_round:
+                assert rec["weights_hash"] == by_round[rec["round"]]
+    losses = [r["val_loss"] for r in status["rounds"] if r["val_loss"] is not None]
+    assert losses[-1] < losses[0], f"validation loss did not fall: {losses}"
+    # the canonical state is kept as a checkpoint every K=2 rounds, as safetensors
+    assert list((tmp_path / "coordinator" / "checkpoints").glob("round-*.safetensors"))
+
+
+def test_sigkill_worker_mid_round_round_closes_without_it(tmp_path: Path) -> None:
+    with make_cluster(tmp_path, "kill", deadline_min_s=4) as cluster:
+        cluster.start_worker("w0")
+        cluster.start_worker("w1")
+        cluster.start_worker("slow", "--slowdown", "6")
+        cluster.wait_for(
+            lambda s: s["phase"] == "open"
+            and s["committed_rounds"] >= 1
+            and any(p["peer_id"] == "slow" and p["state"] == "training" for p in s["peers"]),
+            180,
+            "a round with the slow worker training",
+        )
+        victim_round = cluster.status()["round"]
+        cluster.signal("slow", signal.SIGKILL)
+        cluster.wait_exit("slow", 10)
+        # no deathrattle: the coordinator notices the silence (6 s) or the deadline passes
+        status = cluster.wait_for(committed(victim_round + 3), 120, "3 rounds after the kill")
+        cert = cluster.get(f"/v1/rounds/{victim_round}/certificate")
+        peers = {p["peer_id"]: p for p in status["peers"]}
+    assert "slow" not in {a["peer_id"] for a in cert["accepted"]}
+    assert {a["peer_id"] for a in cert["accepted"]} == {"w0", "w1"}
+    assert "slow" in {r["peer_id"] for r in cert["rejected"]}
+    assert peers["slow"]["state"] == "dead" and not peers["slow"]["alive"]
+
+
+def test_joiner_downloads_canonical_state_and_is_accepted(tmp_path: Path) -> None:
+    with make_cluster(tmp_path, "join") as cluster:
+        cluster.start_worker("w0")
+        cluster.start_worker("w1")
+        cluster.wait_for(committed(3), 180, "3 rounds before the join")
+        cluster.start_worker("late")
+        status = cluster.wait_for(
+            lambda s: any(p["peer_id"] == "late" and p["contributions"] >= 2 for p in s["peers"]),
+            180,
+            "the joiner's contributions to be accepted",
+        )
+        certs = certificates(cluster, status["committed_rounds"])
+    joined = [c for c in certs if "late" in {a["peer_id"] for a in c["accepted"]}]
+    assert joined and joined[0]["round"] >= 3  # it entered mid-run, from the canonical state
+    log = (tmp_path / "logs" / "late.log").read_text()
+    assert "loaded canonical state of round" in log
+    records = applied(tmp_path, "late")
+    assert records and all(r["matched"] for r in records)
+    by_round = {c["round"]: c["new_hash"] for c in certs}
+    assert all(r["weights_hash"] == by_round[r["round"]] for r in records if r["round"] in by_round)
+
+
+def test_sigterm_sends_deathrattle_and_round_does_not_wait(tmp_path: Path) -> None:
+    with make_cluster(tmp_path, "term", deadline_min_s=30) as cluster:
+        cluster.start_worker("w0")
+        cluster.start_worker("slow", "--slowdown", "8")
+        cluster.wait_for(
+            lambda s: s["committed_rounds"] >= 1
+            and s["phase"] == "open"
+            and any(p["peer_id"] == "slow" and p["state"] == "training" for p in s["peers"]),
+            240,
+            "a round with the slow worker training",
+        )
+        victim_round = cluster.status()["round"]
+        cluster.signal("slow", signal.SIGTERM)
+        assert cluster.wait_exit("slow", 20) == 0
+        # the deathrattle marks it left at once; the round closes as soon as w0 submits,
+        # long before the 30 s minimum deadline or the 6 s silence rule would matter
+        status = cluster.wait_for(committed(victim_round + 1), 60, "the round to close")
+        cert = cluster.get(f"/v1/rounds/{victim_round}/certificate")
+    peers = {p["peer_id"]: p for p in status["peers"]}
+    assert peers["slow"]["state"] == "left"
+    assert [a["peer_id"] for a in cert["accepted"]] == ["w0"]
+    assert cert["reason"] == "every live member submitted"
+    assert "left: shutdown" in (tmp_path / "logs" / "coordinator.log").read_text()
+
+
+def test_coordinator_sigkill_and_restart_resumes(tmp_path: Path) -> None:
+    with make_cluster(tmp_path, "restart") as cluster:
+        cluster.start_worker("w0")
+        cluster.start_worker("w1")
+        before = cluster.wait_for(
+            lambda s: s["committed_rounds"] >= 3 and s["phase"] == "open", 180, "3 rounds"
+        )
+        cluster.signal("coordinator", signal.SIGKILL)
+        cluster.wait_exit("coordinator", 10)
+        cluster.start_coordinator()
+        after = cluster.status()
+        assert after["committed_rounds"] >= before["committed_rounds"]
+        # the peers reconnect by themselves and training goes on
+        status = cluster.wait_for(
+            committed(after["committed_rounds"] + 3), 180, "3 rounds after the restart"
+        )
+        certs = certificates(cluster, status["committed_rounds"])
+        assert cluster.workers["w0"].poll() is None and cluster.workers["w1"].poll() is None
+    assert_chain(certs)
+    assert [c["round"] for c in certs] == list(range(len(certs)))
+    for w in ("w0", "w1"):
+        records = applied(tmp_path, w)
+        assert all(r["matched"] for r in records)
+        rounds = [r["round"] for r in records]
+        assert len(rounds) == len(set(rounds)), f"{w} applied a round twice: {rounds}"
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "resumed run" in log
