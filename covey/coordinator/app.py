@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from covey.peer.blobs import BlobError, RangeNotSatisfiable, parse_range
@@ -88,6 +89,10 @@ def create_app(coord: Coordinator) -> FastAPI:
         level = logging.DEBUG if exc.status == 404 else logging.WARNING
         log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
         return JSONResponse({"error": exc.message}, exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

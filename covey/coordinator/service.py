@@ -703,6 +703,14 @@ class Coordinator:
         ]
         total = self.db.one("SELECT COALESCE(SUM(bytes), 0) AS b FROM rounds")
         phase = "open" if rnd else ("finished" if self.finished() else "waiting")
+        submitted = (
+            self.db.one(
+                "SELECT COUNT(*) AS n FROM contributions WHERE round = ? AND attempt = ?",
+                (rnd.round, rnd.attempt),
+            )["n"]
+            if rnd
+            else 0
+        )
         return {
             "run_id": self.run_id,
             "name": self.cfg.name,
@@ -713,6 +721,7 @@ class Coordinator:
             "phase": phase,
             "deadline_in_s": round(rnd.deadline - now, 2) if rnd else None,
             "committed_rounds": self.state.round,
+            "submitted": submitted,
             "bytes_total": total["b"] if total else 0,
             "coordinator_key": None,
             "weights_hash": self.state.digest(),

@@ -1,0 +1,222 @@
+"""Bad input against a real coordinator process: each request gets a clear 4xx, is
+logged, changes nothing, and the coordinator keeps serving. The test itself is the only
+peer (it joins and heartbeats), so it controls exactly what is submitted."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from covey.algorithms.codecs import get_codec
+from covey.local.cluster import LocalCluster
+from covey.protocol.content import content_id
+
+pytestmark = pytest.mark.network
+
+SPEC = """
+name = "bad-input"
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 64
+[algorithm]
+method = "diloco"
+inner_steps = 4
+[rounds]
+deadline_min_s = 120
+deadline_max_s = 120
+eval_batches = 1
+[limits]
+max_json_bytes = 4096
+max_blob_bytes = 1048576
+"""
+NUMEL = 120_576  # nano GPT's parameters
+
+
+class Peer:
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.http = httpx.Client(base_url=cluster.url, timeout=10, trust_env=False)
+        self.run_id = cluster.get("/v1/run")["run_id"]
+        join = {"run_id": self.run_id, "peer_id": "tester", "step_time_s": 0.01}
+        assert self.http.post("/v1/join", json=join).status_code == 200
+        self.stop = threading.Event()
+        self.beats = threading.Thread(target=self._beat, daemon=True)
+        self.beats.start()
+
+    def _beat(self) -> None:
+        body = {"run_id": self.run_id, "peer_id": "tester"}
+        while not self.stop.wait(1.0):
+            self.http.post("/v1/heartbeat", json=body)
+
+    def contribution(self, cid: str, size: int, **changes: Any) -> dict[str, Any]:
+        info = self.http.get("/v1/round", params={"peer_id": "tester"}).json()
+        body = {
+            "run_id": self.run_id,
+            "round": info["round"],
+            "attempt": info["attempt"],
+            "peer_id": "tester",
+            "cid": cid,
+            "start_hash": info["start_hash"],
+            "size": size,
+            "tokens": 4 * 64 * 4,
+            "inner_steps": 4,
+        }
+        return {**body, **changes}
+
+    def upload(self, data: bytes) -> str:
+        cid = content_id(data)
+        assert self.http.put(f"/v1/blobs/{cid}", content=data).status_code == 200
+        return cid
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Peer]]:
+    tmp: Path = tmp_path_factory.mktemp("bad-input")
+    spec = tmp / "run.toml"
+    spec.write_text(SPEC)
+    cluster = LocalCluster(spec, tmp)
+    cluster.start_coordinator()
+    peer = Peer(cluster)
+    cluster.wait_for(lambda s: s["phase"] == "open", 30, "the tester's round to open")
+    yield cluster, peer
+    peer.stop.set()
+    cluster.stop()
+
+
+def snapshot(cluster: LocalCluster) -> tuple[Any, ...]:
+    s = cluster.status()
+    return s["weights_hash"], s["committed_rounds"], s["round"], s["submitted"], s["bytes_total"]
+
+
+def refused(cluster: LocalCluster, resp: httpx.Response, status: int, words: str) -> None:
+    """The reply is `status` with a message containing `words`; nothing changed."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    message = " ".join([body["error"], *body.get("problems", [])])
+    assert words in message, message
+    assert cluster.get("/v1/status")["phase"] == "open"  # still serving
+
+
+def fp32_payload(values: torch.Tensor) -> bytes:
+    return get_codec("fp32").encode(values)
+
+
+CASES = {
+    "malformed json": lambda p: p.http.post(
+        "/v1/join", content=b"{not json", headers={"content-type": "application/json"}
+    ),
+    "wrong types": lambda p: p.http.post(
+        "/v1/join", json={"run_id": p.run_id, "peer_id": "x", "step_time_s": "fast"}
+    ),
+    "unknown field": lambda p: p.http.post(
+        "/v1/heartbeat", json={"run_id": p.run_id, "peer_id": "tester", "admin": True}
+    ),
+    "oversized json": lambda p: p.http.post(
+        "/v1/join", json={"run_id": p.run_id, "peer_id": "x", "device": "y" * 5000}
+    ),
+}
+EXPECT = {
+    "malformed json": (422, "JSON"),
+    "wrong types": (422, "step_time_s"),
+    "unknown field": (422, "admin"),
+    "oversized json": (413, "limit of 4096 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_malformed_requests_are_refused(world: tuple[LocalCluster, Peer], case: str) -> None:
+    cluster, peer = world
+    before = snapshot(cluster)
+    refused(cluster, CASES[case](peer), *EXPECT[case])
+    assert snapshot(cluster) == before
+
+
+def test_oversized_and_mismatched_blobs(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, peer = world
+    before = snapshot(cluster)
+    big = b"x" * (1048576 + 1)
+    refused(cluster, peer.http.put(f"/v1/blobs/{content_id(big)}", content=big), 413, "limit")
+    data = b"honest bytes"
+    liar = content_id(b"other bytes")
+    refused(cluster, peer.http.put(f"/v1/blobs/{liar}", content=data), 400, "hash")
+    assert peer.http.get(f"/v1/blobs/{liar}").status_code == 404  # nothing was stored
+    refused(cluster, peer.http.put("/v1/blobs/..coordinator.db", content=data), 400, "content id")
+    refused(cluster, peer.http.put("/v1/blobs/..%2fdb", content=data), 404, "Not Found")
+    assert snapshot(cluster) == before
+
+
+def test_bad_contributions_are_refused(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, peer = world
+    good = fp32_payload(torch.full((NUMEL,), 1e-3))
+    good_cid = peer.upload(good)
+    before = snapshot(cluster)
+    post = peer.http.post
+    rnd = before[2]
+
+    def submit(body: dict[str, Any], round_: int = rnd) -> httpx.Response:
+        return post(f"/v1/rounds/{round_}/contributions", json=body)
+
+    other_round = peer.contribution(good_cid, len(good), round=rnd + 1)
+    refused(cluster, submit(other_round, rnd + 1), 409, "not open")
+    refused(cluster, submit(peer.contribution(good_cid, len(good), run_id="0" * 16)), 409, "run")
+    not_uploaded = content_id(b"never uploaded")
+    refused(cluster, submit(peer.contribution(not_uploaded, 10)), 409, "not uploaded")
+    refused(cluster, submit(peer.contribution(good_cid, len(good) + 1)), 422, "bytes")
+    stale = peer.contribution(good_cid, len(good), start_hash="a" * 64)
+    refused(cluster, submit(stale), 409, "trained from weights")
+    greedy = peer.contribution(good_cid, len(good), inner_steps=99, tokens=10**9)
+    refused(cluster, submit(greedy), 422, "assigned")
+    # wrong shape: a tensor with too few elements
+    short = fp32_payload(torch.zeros(NUMEL - 1))
+    refused(cluster, submit(peer.contribution(peer.upload(short), len(short))), 422, "120576")
+    # wrong dtype: fp16 bytes where the run takes fp32
+    half = get_codec("fp16").encode(torch.zeros(NUMEL))
+    refused(
+        cluster, submit(peer.contribution(peer.upload(half), len(half))), 422, "encoded with 'fp16'"
+    )
+    # NaN and Inf smuggled into otherwise valid fp32 bytes
+    for bad in (float("nan"), float("inf")):
+        raw = bytearray(good)
+        raw[-4:] = struct.pack("<f", bad)
+        blob = bytes(raw)
+        resp = submit(peer.contribution(peer.upload(blob), len(blob)))
+        refused(cluster, resp, 422, "NaN or Inf")
+    garbage = b"CVY1" + bytes(50)
+    resp = submit(peer.contribution(peer.upload(garbage), len(garbage)))
+    refused(cluster, resp, 422, "unknown codec id")
+    assert snapshot(cluster)[:4] == before[:4]  # blobs were stored, nothing was submitted
+    log = cluster.tail("coordinator", lines=400)
+    assert "contribution rejected" in log and "not uploaded" in log
+
+    # the same coordinator still takes a good contribution, and commits the round with it
+    assert submit(peer.contribution(good_cid, len(good))).status_code == 200
+    status = cluster.wait_for(lambda s: s["committed_rounds"] == before[1] + 1, 60, "the commit")
+    cert = cluster.get(f"/v1/rounds/{rnd}/certificate")
+    assert [a["peer_id"] for a in cert["accepted"]] == ["tester"]
+    assert status["weights_hash"] == cert["new_hash"] != before[0]
+
+
+def test_openapi_document_is_served(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, _ = world
+    doc = cluster.get("/openapi.json")
+    for path in (
+        "/v1/join",
+        "/v1/heartbeat",
+        "/v1/leave",
+        "/v1/round",
+        "/v1/status",
+        "/v1/rounds/{round}/contributions",
+        "/v1/rounds/{round}/certificate",
+        "/v1/checkpoints",
+        "/v1/blobs/{cid}",
+        "/v1/run",
+    ):
+        assert path in doc["paths"], path
