@@ -192,3 +192,28 @@ def test_coordinator_sigkill_and_restart_resumes(tmp_path: Path) -> None:
         assert len(rounds) == len(set(rounds)), f"{w} applied a round twice: {rounds}"
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     assert "resumed run" in log
+
+
+def test_slow_peer_gets_a_smaller_budget_and_weighs_its_tokens(tmp_path: Path) -> None:
+    spec = tmp_path / "run.toml"
+    text = SPEC.format(name="hetero", inner_steps=40, deadline_min_s=4)
+    spec.write_text(text.replace("target_compute_s = 30", "target_compute_s = 1.5"))
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_coordinator()
+        cluster.start_worker("fast")
+        cluster.start_worker("slow", "--slowdown", "25")
+        cluster.wait_for(
+            lambda s: any(
+                p["peer_id"] == "slow" and p["contributions"] >= 2 for p in s["peers"]
+            ),
+            180,
+            "two rounds with the slow peer",
+        )
+        certs = certificates(cluster, cluster.status()["committed_rounds"])
+    both = [c for c in certs if {a["peer_id"] for a in c["accepted"]} == {"fast", "slow"}]
+    assert both
+    for cert in both:
+        by = {a["peer_id"]: a for a in cert["accepted"]}
+        assert by["slow"]["inner_steps"] < by["fast"]["inner_steps"]
+        total = by["slow"]["tokens"] + by["fast"]["tokens"]
+        assert by["slow"]["weight"] == pytest.approx(by["slow"]["tokens"] / total)
