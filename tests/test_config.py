@@ -61,3 +61,23 @@ def test_invalid_toml_is_a_clear_error(tmp_path: Path) -> None:
     p.write_text("workers = [\n")
     with pytest.raises(ValueError, match="invalid TOML"):
         load_sim_config(p)
+
+
+RUN_SPECS = sorted((Path(__file__).parent.parent / "configs" / "network").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", RUN_SPECS, ids=lambda p: p.name)
+def test_every_shipped_run_spec_loads(path: Path) -> None:
+    from covey.config import load_run_config
+
+    cfg = load_run_config(path)
+    assert len(cfg.run_id) == 16 and cfg.run_id == load_run_config(path).run_id
+
+
+def test_run_spec_rejects_inconsistent_rounds() -> None:
+    from covey.config import RunConfig
+
+    with pytest.raises(ValidationError, match="dead_after_s"):
+        RunConfig.model_validate({"rounds": {"heartbeat_s": 5, "dead_after_s": 4}})
+    with pytest.raises(ValidationError, match="deadline_max_s"):
+        RunConfig.model_validate({"rounds": {"deadline_min_s": 50, "deadline_max_s": 10}})

@@ -217,3 +217,30 @@ def test_slow_peer_gets_a_smaller_budget_and_weighs_its_tokens(tmp_path: Path) -
         assert by["slow"]["inner_steps"] < by["fast"]["inner_steps"]
         total = by["slow"]["tokens"] + by["fast"]["tokens"]
         assert by["slow"]["weight"] == pytest.approx(by["slow"]["tokens"] / total)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        'method = "ddp"',
+        'method = "streaming"\ninner_steps = 8\nfragments = 4\noverlap_steps = 0',
+        'method = "demo"\ntopk = 8',
+    ],
+    ids=["ddp", "streaming", "demo"],
+)
+def test_every_method_runs_over_the_network(tmp_path: Path, algorithm: str) -> None:
+    spec = tmp_path / "run.toml"
+    text = SPEC.format(name="methods", inner_steps=6, deadline_min_s=4)
+    head, rest = text.split("[algorithm]")
+    rest = rest.split("[rounds]")[1]
+    spec.write_text(f"{head}[algorithm]\n{algorithm}\n[rounds]{rest}")
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_coordinator()
+        cluster.start_worker("w0")
+        cluster.start_worker("w1")
+        status = cluster.wait_for(committed(6), 180, "6 committed rounds")
+        certs = certificates(cluster, status["committed_rounds"])
+    assert_chain(certs)
+    for w in ("w0", "w1"):
+        records = applied(tmp_path, w)
+        assert len(records) >= 3 and all(r["matched"] for r in records), records
