@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -95,6 +96,9 @@ class Coordinator:
         self._payload_bytes = _payload_estimate(self.strategy, self.template)
         self._stop = threading.Event()
         self._driver: threading.Thread | None = None
+        # evaluation runs beside the rounds, never between a commit and the next open
+        self._evals: queue.Queue[TrainState | None] = queue.Queue()
+        self._evaluator: threading.Thread | None = None
         self.state, self.state_cid = self._load_or_create()
 
     # -- start-up and resume ----------------------------------------------------------------
@@ -138,11 +142,15 @@ class Coordinator:
     def start(self) -> None:
         self._driver = threading.Thread(target=self._drive, name="round-driver", daemon=True)
         self._driver.start()
+        self._evaluator = threading.Thread(target=self._evaluate, name="evaluator", daemon=True)
+        self._evaluator.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
-        if self._driver is not None:
-            self._driver.join(timeout_s)
+        self._evals.put(None)
+        for thread in (self._driver, self._evaluator):
+            if thread is not None:
+                thread.join(timeout_s)
         self.fetcher.close()
         self.db.close()
 
@@ -398,10 +406,20 @@ class Coordinator:
         if checkpoint:
             self._write_checkpoint(new_state.round, data)
         if new_state.round % self.cfg.rounds.eval_every == 0 or self.finished():
-            loss = evaluate(self._eval_model, new_state, self._val)
-            with self.db.transaction() as c:
-                c.execute("UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, rnd.round))
+            self._evals.put(new_state)
         self._prune(new_state.round)
+
+    def _evaluate(self) -> None:
+        """Held-out loss of each queued canonical state, stored with the round that made it."""
+        while (state := self._evals.get()) is not None:
+            try:
+                loss = evaluate(self._eval_model, state, self._val)
+                with self.db.transaction() as c:
+                    c.execute(
+                        "UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, state.round - 1)
+                    )
+            except Exception:
+                log.exception("evaluation of round %d failed", state.round - 1)
 
     def _abort(self, rnd: OpenRound, why: str) -> None:
         """Nothing to commit: the round reopens (next attempt) with fresh membership."""
