@@ -15,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,39 +25,20 @@ from covey.config import RunConfig, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import load_corpus
 from covey.models.gpt import GPT, gpt_config, lm_loss
-from covey.peer.blobs import BlobClient, BlobError, BlobStore
+from covey.peer.blobs import BlobClient, BlobStore
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
 from covey.protocol.rounds import PeerView, close_reason, is_alive, plan_round
 from covey.sim.simulator import evaluate
 
 from .db import Database
+from .intake import Intake
+from .views import OpenRound, Rejected, Views
 
 log = logging.getLogger("covey.coordinator")
 
 
-class Rejected(Exception):
-    """A request that cannot be honoured; `status` is the HTTP status it maps to. Raised
-    before any state changes."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-@dataclass
-class OpenRound:
-    round: int
-    attempt: int
-    opened_at: float
-    deadline: float
-    members: list[str]
-    assignments: dict[str, dict[str, Any]]
-    dropped: list[str]
-
-
-class Coordinator:
+class Coordinator(Intake, Views):
     def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
         self.cfg = cfg
         self.run_id = cfg.run_id
@@ -81,6 +61,7 @@ class Coordinator:
             max_bytes=cfg.limits.max_blob_bytes,
         )
         self.corpus = load_corpus(list(cfg.data.paths), cfg.data.val_fraction)
+        self.corpus_fingerprint = self.corpus.fingerprint
         mcfg = gpt_config(cfg.model.size)
         self.seq_len = cfg.data.seq_len or mcfg.block_size
         torch.manual_seed(cfg.seed)
@@ -163,10 +144,6 @@ class Coordinator:
 
     # -- membership ---------------------------------------------------------------------------
 
-    def _check_run(self, run_id: str) -> None:
-        if run_id != self.run_id:
-            raise Rejected(409, f"run_id {run_id} is not this coordinator's run {self.run_id}")
-
     def join(self, req: schemas.JoinRequest) -> schemas.JoinReply:
         self._check_run(req.run_id)
         now = time.time()
@@ -246,24 +223,6 @@ class Coordinator:
 
     def committed_rounds(self) -> int:
         return self.state.round
-
-    def finished(self) -> bool:
-        cap = self.cfg.rounds.max_rounds
-        return cap is not None and self.state.round >= cap
-
-    def open_round(self) -> OpenRound | None:
-        row = self.db.one("SELECT * FROM rounds WHERE status IN ('open', 'closing')")
-        if row is None:
-            return None
-        return OpenRound(
-            row["round"],
-            row["attempt"],
-            row["opened_at"],
-            row["deadline"],
-            json.loads(row["members"]),
-            json.loads(row["assignments"]),
-            json.loads(row["dropped"]),
-        )
 
     def tick(self, now: float) -> None:
         """One step of the round state machine: expire silent peers, open a round when
@@ -510,242 +469,6 @@ class Coordinator:
         for cid in {r["new_cid"] for r in old} | {r["cid"] for r in stale}:
             if cid not in keep and cid not in recent and self.blobs.has(cid):
                 self.blobs.delete(cid)
-
-    # -- contributions --------------------------------------------------------------------
-
-    def submit(self, round_: int, req: schemas.ContributionRequest) -> dict[str, Any]:
-        """Check a contribution completely, then record it. Any failure is a `Rejected`
-        (also logged, and listed in the round's certificate) and records nothing else."""
-        try:
-            self._check_contribution(round_, req)
-        except Rejected as e:
-            now = time.time()
-            with self.db.transaction() as c:
-                c.execute(
-                    "INSERT INTO rejections (round, attempt, peer_id, reason, at) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (req.round, req.attempt, req.peer_id, e.message, now),
-                )
-            log.warning("[%s - round %d] contribution rejected: %s", req.peer_id, req.round, e)
-            raise
-        now = time.time()
-        with self.db.transaction() as c:
-            row = c.execute(
-                "SELECT status, attempt FROM rounds WHERE round = ?", (req.round,)
-            ).fetchone()
-            if row is None or row["status"] != "open" or row["attempt"] != req.attempt:
-                raise Rejected(409, f"round {req.round} closed while the contribution was checked")
-            c.execute(
-                "INSERT INTO contributions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    req.round,
-                    req.attempt,
-                    req.peer_id,
-                    req.cid,
-                    req.size,
-                    req.tokens,
-                    req.inner_steps,
-                    req.fragment,
-                    req.train_loss,
-                    req.compute_s,
-                    req.wall_s,
-                    now,
-                ),
-            )
-        log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
-        return {"ok": True, "cid": req.cid}
-
-    def _check_contribution(self, round_: int, req: schemas.ContributionRequest) -> None:
-        self._check_run(req.run_id)
-        if round_ != req.round:
-            raise Rejected(400, f"path says round {round_}, body says round {req.round}")
-        rnd = self.open_round()
-        if rnd is None or rnd.round != req.round or rnd.attempt != req.attempt:
-            now_open = f"{rnd.round}.{rnd.attempt}" if rnd else "none"
-            raise Rejected(
-                409, f"round {req.round}.{req.attempt} is not open (open round: {now_open}): late"
-            )
-        if req.start_hash != self.state.digest():
-            raise Rejected(
-                409,
-                f"trained from weights {req.start_hash[:12]}, but round {req.round} starts "
-                f"from {self.state.digest()[:12]}",
-            )
-        if self.db.one(
-            "SELECT 1 FROM contributions WHERE round = ? AND attempt = ? AND peer_id = ?",
-            (req.round, req.attempt, req.peer_id),
-        ):
-            raise Rejected(409, f"peer {req.peer_id} already submitted to round {req.round}")
-        if req.peer_id not in rnd.members:
-            raise Rejected(409, f"peer {req.peer_id} is not a member of round {req.round}")
-        if time.time() > rnd.deadline:
-            raise Rejected(409, f"round {req.round}'s deadline has passed: late")
-        budget = rnd.assignments[req.peer_id]["inner_steps"]
-        if req.inner_steps > budget:
-            raise Rejected(422, f"claims {req.inner_steps} inner steps; assigned {budget}")
-        max_tokens = req.inner_steps * self.cfg.data.batch_size * self.seq_len
-        if req.tokens > max_tokens:
-            raise Rejected(
-                422, f"claims {req.tokens} tokens; {req.inner_steps} steps make {max_tokens}"
-            )
-        payload = self._contribution_bytes(req)
-        try:
-            self.strategy.validate(
-                self.state, Contribution(payload, req.tokens, req.inner_steps, req.fragment)
-            )
-        except RoundError as e:
-            raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None
-
-    def _contribution_bytes(self, req: schemas.ContributionRequest) -> bytes:
-        if not self.blobs.has(req.cid):
-            peer = self.db.one("SELECT * FROM peers WHERE peer_id = ?", (req.peer_id,))
-            if not (peer and peer["accepts_connections"] and peer["blob_url"]):
-                raise Rejected(409, f"blob {req.cid[:12]} was not uploaded (PUT /v1/blobs/...)")
-            try:  # the peer serves it itself: relay it for the peers that cannot reach it
-                data = self.fetcher.fetch(req.cid, [peer["blob_url"]], size=req.size)
-                self.blobs.put_verified(req.cid, data)
-            except BlobError as e:
-                raise Rejected(409, f"could not fetch blob from the peer: {e}") from None
-        size = self.blobs.size(req.cid)
-        if size != req.size:
-            raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")
-        return self.blobs.get(req.cid)
-
-    # -- reads ------------------------------------------------------------------------------
-
-    def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
-        rnd = self.open_round()
-        if rnd is None:
-            phase = "finished" if self.finished() else "waiting"
-            return schemas.RoundInfo(run_id=self.run_id, phase=phase, round=self.state.round)
-        member = peer_id in rnd.members and peer_id not in rnd.dropped
-        return schemas.RoundInfo(
-            run_id=self.run_id,
-            phase="open",
-            round=rnd.round,
-            attempt=rnd.attempt,
-            start_cid=self.state_cid,
-            start_hash=self.state.digest(),
-            start_size=self.blobs.size(self.state_cid),
-            providers=self.state_providers(),
-            deadline_in_s=rnd.deadline - time.time(),
-            member=member,
-            assignment=schemas.AssignmentOut(**rnd.assignments[peer_id]) if member else None,
-        )
-
-    def state_providers(self) -> list[str]:
-        """Peers that hold the current canonical state: those accepted in the round that
-        produced it (they verified its hash) and that accept connections."""
-        row = self.db.one(
-            "SELECT certificate FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
-        )
-        if row is None:
-            return []
-        cert = schemas.Certificate.model_validate_json(row["certificate"])
-        live = {
-            p["peer_id"] for p in self.db.query("SELECT peer_id FROM peers WHERE state = 'live'")
-        }
-        return [u for a in cert.accepted if a.peer_id in live for u in a.providers]
-
-    def certificate(self, round_: int) -> schemas.Certificate:
-        row = self.db.one("SELECT status, certificate FROM rounds WHERE round = ?", (round_,))
-        if row is None or row["status"] != "committed":
-            state = "unknown" if row is None else row["status"]
-            raise Rejected(404, f"round {round_} has no certificate yet (status: {state})")
-        return schemas.Certificate.model_validate_json(row["certificate"])
-
-    def checkpoints(self) -> list[schemas.CheckpointEntry]:
-        rows = self.db.query("SELECT * FROM checkpoints ORDER BY round")
-        return [
-            schemas.CheckpointEntry(
-                round=r["round"],
-                cid=r["cid"],
-                size=r["size"],
-                weights_hash=r["weights_hash"],
-                providers=[],
-            )
-            for r in rows
-            if self.blobs.has(r["cid"])
-        ]
-
-    def run_spec(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "spec": self.cfg.model_dump(mode="json"),
-            "corpus_fingerprint": self.corpus.fingerprint,
-            "parameters": self.parameters,
-        }
-
-    def status(self) -> dict[str, Any]:
-        """The dashboard's feed (covey/dashboard/static): peers, rounds, losses, bytes."""
-        now = time.time()
-        rnd = self.open_round()
-        cfg = self.cfg.rounds
-        peers = []
-        for p in self.db.query("SELECT * FROM peers ORDER BY joined_at"):
-            view = PeerView(p["peer_id"], p["step_time_s"], None, p["last_seen"], p["state"])
-            alive = is_alive(now, view, cfg)
-            state = p["state"] if p["state"] != "live" else "waiting"
-            if alive and rnd and p["peer_id"] in rnd.members:
-                state = "training"
-            peers.append(
-                {
-                    "peer_id": p["peer_id"],
-                    "device": p["device"],
-                    "step_time_s": p["step_time_s"],
-                    "state": state,
-                    "alive": alive,
-                    "last_seen_s_ago": round(now - p["last_seen"], 2),
-                    "accepts_connections": bool(p["accepts_connections"]),
-                    "contributions": p["contributions"],
-                }
-            )
-        rows = self.db.query(
-            "SELECT * FROM (SELECT * FROM rounds WHERE status = 'committed' "
-            "ORDER BY round DESC LIMIT 500) ORDER BY round"
-        )
-        rounds = [
-            {
-                "round": r["round"],
-                "accepted": len(json.loads(r["certificate"])["accepted"]),
-                "rejected": len(json.loads(r["certificate"])["rejected"]),
-                "tokens": r["tokens"],
-                "val_loss": r["val_loss"],
-                "train_loss": r["train_loss"],
-                "bytes": r["bytes"],
-                "duration_s": r["closed_at"] - r["opened_at"],
-                "utilization": r["utilization"],
-                "weights_hash": r["new_hash"],
-            }
-            for r in rows
-        ]
-        total = self.db.one("SELECT COALESCE(SUM(bytes), 0) AS b FROM rounds")
-        phase = "open" if rnd else ("finished" if self.finished() else "waiting")
-        submitted = (
-            self.db.one(
-                "SELECT COUNT(*) AS n FROM contributions WHERE round = ? AND attempt = ?",
-                (rnd.round, rnd.attempt),
-            )["n"]
-            if rnd
-            else 0
-        )
-        return {
-            "run_id": self.run_id,
-            "name": self.cfg.name,
-            "method": self.cfg.algorithm.method,
-            "model": self.cfg.model.size,
-            "parameters": self.parameters,
-            "round": rnd.round if rnd else self.state.round,
-            "phase": phase,
-            "deadline_in_s": round(rnd.deadline - now, 2) if rnd else None,
-            "committed_rounds": self.state.round,
-            "submitted": submitted,
-            "bytes_total": total["b"] if total else 0,
-            "coordinator_key": None,
-            "weights_hash": self.state.digest(),
-            "peers": peers,
-            "rounds": rounds,
-        }
 
 
 def _payload_estimate(strategy: Strategy, state: TrainState) -> int:

@@ -1,0 +1,133 @@
+"""Contribution intake: every check a contribution must pass before it is recorded for
+its round (run, round and attempt, membership, deadline, the start weights it was trained
+from, the work it claims against its assignment, its bytes, and its payload's format,
+shape and values). Any failure is a `Rejected` that is logged and listed in the round's
+certificate, and changes nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from covey.algorithms import Contribution, RoundError
+from covey.peer.blobs import BlobError
+from covey.protocol import schemas
+
+from .views import Rejected, Views
+
+if TYPE_CHECKING:
+    from covey.algorithms import Strategy
+    from covey.peer.blobs import BlobClient
+
+log = logging.getLogger("covey.coordinator")
+
+
+class Intake(Views):
+    # provided by Coordinator
+    strategy: Strategy
+    fetcher: BlobClient
+    seq_len: int
+
+    def _check_run(self, run_id: str) -> None:
+        if run_id != self.run_id:
+            raise Rejected(409, f"run_id {run_id} is not this coordinator's run {self.run_id}")
+
+    def submit(self, round_: int, req: schemas.ContributionRequest) -> dict[str, Any]:
+        """Check a contribution completely, then record it. Any failure is a `Rejected`
+        (also logged, and listed in the round's certificate) and records nothing else."""
+        try:
+            self._check_contribution(round_, req)
+        except Rejected as e:
+            now = time.time()
+            with self.db.transaction() as c:
+                c.execute(
+                    "INSERT INTO rejections (round, attempt, peer_id, reason, at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (req.round, req.attempt, req.peer_id, e.message, now),
+                )
+            log.warning("[%s - round %d] contribution rejected: %s", req.peer_id, req.round, e)
+            raise
+        now = time.time()
+        with self.db.transaction() as c:
+            row = c.execute(
+                "SELECT status, attempt FROM rounds WHERE round = ?", (req.round,)
+            ).fetchone()
+            if row is None or row["status"] != "open" or row["attempt"] != req.attempt:
+                raise Rejected(409, f"round {req.round} closed while the contribution was checked")
+            c.execute(
+                "INSERT INTO contributions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    req.round,
+                    req.attempt,
+                    req.peer_id,
+                    req.cid,
+                    req.size,
+                    req.tokens,
+                    req.inner_steps,
+                    req.fragment,
+                    req.train_loss,
+                    req.compute_s,
+                    req.wall_s,
+                    now,
+                ),
+            )
+        log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
+        return {"ok": True, "cid": req.cid}
+
+    def _check_contribution(self, round_: int, req: schemas.ContributionRequest) -> None:
+        self._check_run(req.run_id)
+        if round_ != req.round:
+            raise Rejected(400, f"path says round {round_}, body says round {req.round}")
+        rnd = self.open_round()
+        if rnd is None or rnd.round != req.round or rnd.attempt != req.attempt:
+            now_open = f"{rnd.round}.{rnd.attempt}" if rnd else "none"
+            raise Rejected(
+                409, f"round {req.round}.{req.attempt} is not open (open round: {now_open}): late"
+            )
+        if req.start_hash != self.state.digest():
+            raise Rejected(
+                409,
+                f"trained from weights {req.start_hash[:12]}, but round {req.round} starts "
+                f"from {self.state.digest()[:12]}",
+            )
+        if self.db.one(
+            "SELECT 1 FROM contributions WHERE round = ? AND attempt = ? AND peer_id = ?",
+            (req.round, req.attempt, req.peer_id),
+        ):
+            raise Rejected(409, f"peer {req.peer_id} already submitted to round {req.round}")
+        if req.peer_id not in rnd.members:
+            raise Rejected(409, f"peer {req.peer_id} is not a member of round {req.round}")
+        if time.time() > rnd.deadline:
+            raise Rejected(409, f"round {req.round}'s deadline has passed: late")
+        budget = rnd.assignments[req.peer_id]["inner_steps"]
+        if req.inner_steps > budget:
+            raise Rejected(422, f"claims {req.inner_steps} inner steps; assigned {budget}")
+        max_tokens = req.inner_steps * self.cfg.data.batch_size * self.seq_len
+        if req.tokens > max_tokens:
+            raise Rejected(
+                422, f"claims {req.tokens} tokens; {req.inner_steps} steps make {max_tokens}"
+            )
+        payload = self._contribution_bytes(req)
+        try:
+            self.strategy.validate(
+                self.state, Contribution(payload, req.tokens, req.inner_steps, req.fragment)
+            )
+        except RoundError as e:
+            raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None
+
+    def _contribution_bytes(self, req: schemas.ContributionRequest) -> bytes:
+        if not self.blobs.has(req.cid):
+            peer = self.db.one("SELECT * FROM peers WHERE peer_id = ?", (req.peer_id,))
+            if not (peer and peer["accepts_connections"] and peer["blob_url"]):
+                raise Rejected(409, f"blob {req.cid[:12]} was not uploaded (PUT /v1/blobs/...)")
+            try:  # the peer serves it itself: relay it for the peers that cannot reach it
+                data = self.fetcher.fetch(req.cid, [peer["blob_url"]], size=req.size)
+                self.blobs.put_verified(req.cid, data)
+            except BlobError as e:
+                raise Rejected(409, f"could not fetch blob from the peer: {e}") from None
+        size = self.blobs.size(req.cid)
+        if size != req.size:
+            raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")
+        return self.blobs.get(req.cid)

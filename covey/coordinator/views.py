@@ -1,0 +1,206 @@
+"""The coordinator's read side: what peers and the status page see (round info,
+certificates, checkpoints, the run spec, the dashboard's status feed). Reads never change
+state; covey.coordinator.service holds the write side and mixes this in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from covey.protocol import schemas
+from covey.protocol.rounds import PeerView, is_alive
+
+if TYPE_CHECKING:
+    from covey.algorithms import TrainState
+    from covey.config import RunConfig
+    from covey.peer.blobs import BlobStore
+
+    from .db import Database
+
+
+class Rejected(Exception):
+    """A request that cannot be honoured; `status` is the HTTP status it maps to. Raised
+    before any state changes."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class OpenRound:
+    round: int
+    attempt: int
+    opened_at: float
+    deadline: float
+    members: list[str]
+    assignments: dict[str, dict[str, Any]]
+    dropped: list[str]
+
+
+class Views:
+    # provided by Coordinator
+    cfg: RunConfig
+    run_id: str
+    db: Database
+    blobs: BlobStore
+    state: TrainState
+    state_cid: str
+    parameters: int
+    corpus_fingerprint: str
+
+    def open_round(self) -> OpenRound | None:
+        row = self.db.one("SELECT * FROM rounds WHERE status IN ('open', 'closing')")
+        if row is None:
+            return None
+        return OpenRound(
+            row["round"],
+            row["attempt"],
+            row["opened_at"],
+            row["deadline"],
+            json.loads(row["members"]),
+            json.loads(row["assignments"]),
+            json.loads(row["dropped"]),
+        )
+
+    def finished(self) -> bool:
+        cap = self.cfg.rounds.max_rounds
+        return cap is not None and self.state.round >= cap
+
+    def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
+        rnd = self.open_round()
+        if rnd is None:
+            phase = "finished" if self.finished() else "waiting"
+            return schemas.RoundInfo(run_id=self.run_id, phase=phase, round=self.state.round)
+        member = peer_id in rnd.members and peer_id not in rnd.dropped
+        return schemas.RoundInfo(
+            run_id=self.run_id,
+            phase="open",
+            round=rnd.round,
+            attempt=rnd.attempt,
+            start_cid=self.state_cid,
+            start_hash=self.state.digest(),
+            start_size=self.blobs.size(self.state_cid),
+            providers=self.state_providers(),
+            deadline_in_s=rnd.deadline - time.time(),
+            member=member,
+            assignment=schemas.AssignmentOut(**rnd.assignments[peer_id]) if member else None,
+        )
+
+    def state_providers(self) -> list[str]:
+        """Peers that hold the current canonical state: those accepted in the round that
+        produced it (they verified its hash) and that accept connections."""
+        row = self.db.one(
+            "SELECT certificate FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
+        )
+        if row is None:
+            return []
+        cert = schemas.Certificate.model_validate_json(row["certificate"])
+        live = {
+            p["peer_id"] for p in self.db.query("SELECT peer_id FROM peers WHERE state = 'live'")
+        }
+        return [u for a in cert.accepted if a.peer_id in live for u in a.providers]
+
+    def certificate(self, round_: int) -> schemas.Certificate:
+        row = self.db.one("SELECT status, certificate FROM rounds WHERE round = ?", (round_,))
+        if row is None or row["status"] != "committed":
+            state = "unknown" if row is None else row["status"]
+            raise Rejected(404, f"round {round_} has no certificate yet (status: {state})")
+        return schemas.Certificate.model_validate_json(row["certificate"])
+
+    def checkpoints(self) -> list[schemas.CheckpointEntry]:
+        rows = self.db.query("SELECT * FROM checkpoints ORDER BY round")
+        return [
+            schemas.CheckpointEntry(
+                round=r["round"],
+                cid=r["cid"],
+                size=r["size"],
+                weights_hash=r["weights_hash"],
+                providers=[],
+            )
+            for r in rows
+            if self.blobs.has(r["cid"])
+        ]
+
+    def run_spec(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "spec": self.cfg.model_dump(mode="json"),
+            "corpus_fingerprint": self.corpus_fingerprint,
+            "parameters": self.parameters,
+        }
+
+    def status(self) -> dict[str, Any]:
+        """The dashboard's feed (covey/dashboard/static): peers, rounds, losses, bytes."""
+        now = time.time()
+        rnd = self.open_round()
+        cfg = self.cfg.rounds
+        peers = []
+        for p in self.db.query("SELECT * FROM peers ORDER BY joined_at"):
+            view = PeerView(p["peer_id"], p["step_time_s"], None, p["last_seen"], p["state"])
+            alive = is_alive(now, view, cfg)
+            state = p["state"] if p["state"] != "live" else "waiting"
+            if alive and rnd and p["peer_id"] in rnd.members:
+                state = "training"
+            peers.append(
+                {
+                    "peer_id": p["peer_id"],
+                    "device": p["device"],
+                    "step_time_s": p["step_time_s"],
+                    "state": state,
+                    "alive": alive,
+                    "last_seen_s_ago": round(now - p["last_seen"], 2),
+                    "accepts_connections": bool(p["accepts_connections"]),
+                    "contributions": p["contributions"],
+                }
+            )
+        rows = self.db.query(
+            "SELECT * FROM (SELECT * FROM rounds WHERE status = 'committed' "
+            "ORDER BY round DESC LIMIT 500) ORDER BY round"
+        )
+        rounds = [
+            {
+                "round": r["round"],
+                "accepted": len(json.loads(r["certificate"])["accepted"]),
+                "rejected": len(json.loads(r["certificate"])["rejected"]),
+                "tokens": r["tokens"],
+                "val_loss": r["val_loss"],
+                "train_loss": r["train_loss"],
+                "bytes": r["bytes"],
+                "duration_s": r["closed_at"] - r["opened_at"],
+                "utilization": r["utilization"],
+                "weights_hash": r["new_hash"],
+            }
+            for r in rows
+        ]
+        total = self.db.one("SELECT COALESCE(SUM(bytes), 0) AS b FROM rounds")
+        phase = "open" if rnd else ("finished" if self.finished() else "waiting")
+        submitted = (
+            self.db.one(
+                "SELECT COUNT(*) AS n FROM contributions WHERE round = ? AND attempt = ?",
+                (rnd.round, rnd.attempt),
+            )["n"]
+            if rnd
+            else 0
+        )
+        return {
+            "run_id": self.run_id,
+            "name": self.cfg.name,
+            "method": self.cfg.algorithm.method,
+            "model": self.cfg.model.size,
+            "parameters": self.parameters,
+            "round": rnd.round if rnd else self.state.round,
+            "phase": phase,
+            "deadline_in_s": round(rnd.deadline - now, 2) if rnd else None,
+            "committed_rounds": self.state.round,
+            "submitted": submitted,
+            "bytes_total": total["b"] if total else 0,
+            "coordinator_key": None,
+            "weights_hash": self.state.digest(),
+            "peers": peers,
+            "rounds": rounds,
+        }
