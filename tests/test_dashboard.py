@@ -318,3 +318,34 @@ def test_screenshot_writes_png(chromium: str, server: StatusServer, tmp_path: Pa
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (1280, 1400)
+
+
+@pytest.mark.slow
+def test_dashboard_served_by_a_real_coordinator(chromium: str, tmp_path: Path) -> None:
+    """The page as the coordinator serves it, fed by its live /v1/status while 2 workers
+    train: both peers listed, rounds in the table, a loss curve drawn."""
+    from covey.local.cluster import LocalCluster
+
+    spec = tmp_path / "run.toml"
+    spec.write_text(
+        'name = "dashboard"\n[model]\nsize = "nano"\n[data]\nbatch_size = 4\nseq_len = 64\n'
+        "[algorithm]\ninner_steps = 4\n[rounds]\ndeadline_min_s = 4\neval_batches = 1\n"
+    )
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_coordinator()
+        cluster.start_worker("w0")
+        cluster.start_worker("w1")
+        status = cluster.wait_for(
+            lambda s: sum(r["val_loss"] is not None for r in s["rounds"]) >= 3,
+            180,
+            "3 evaluated rounds",
+        )
+        doc = parse(render_dom(cluster.url + "/"))
+    rows = doc.by_id("peers").find("tbody")[0].find("tr")
+    assert {tr.attrs["data-peer"] for tr in rows} == {"w0", "w1"}
+    assert doc.by_id("run-name").text == "dashboard"
+    round_rows = doc.by_id("rounds").find("tbody")[0].find("tr")
+    assert len(round_rows) >= len(status["rounds"]) >= 3
+    (val,) = doc.by_id("loss-chart").find("path", **{"class": "val"})
+    assert path_points(val.attrs["d"]) >= 3
+    assert len(doc.by_id("bytes-chart").find("rect")) >= 3
