@@ -305,6 +305,9 @@ class LimitsConfig(Frozen):
     max_blob_bytes: int = Field(1 << 30, ge=1024, description="largest blob a peer may upload")
     request_timeout_s: float = Field(30.0, gt=0, description="per HTTP request")
     retries: int = Field(4, ge=1, description="attempts per request before giving up on it")
+    chunk_bytes: int = Field(
+        4 << 20, ge=4096, description="blobs larger than this are fetched in parallel ranges"
+    )
     coordinator_lost_s: float = Field(
         120.0, gt=0, description="a worker exits after this long without reaching the coordinator"
     )

@@ -119,7 +119,11 @@ def test_sigkill_worker_mid_round_round_closes_without_it(tmp_path: Path) -> Non
 
 
 def test_joiner_downloads_canonical_state_and_is_accepted(tmp_path: Path) -> None:
-    with make_cluster(tmp_path, "join") as cluster:
+    spec = tmp_path / "run.toml"
+    text = SPEC.format(name="join", inner_steps=6, deadline_min_s=4)
+    spec.write_text(text + "[limits]\nchunk_bytes = 65536\n")  # state: ~1 MB in 16 ranges
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_coordinator()
         cluster.start_worker("w0")
         cluster.start_worker("w1")
         cluster.wait_for(committed(3), 180, "3 rounds before the join")
@@ -134,6 +138,9 @@ def test_joiner_downloads_canonical_state_and_is_accepted(tmp_path: Path) -> Non
     assert joined and joined[0]["round"] >= 3  # it entered mid-run, from the canonical state
     log = (tmp_path / "logs" / "late.log").read_text()
     assert "loaded canonical state of round" in log
+    # the joiner's state came in parallel ranges from the peers that hold it and the relay
+    fetched = next(line for line in log.splitlines() if "fetched state" in line)
+    assert fetched.count(" B)") >= 2, fetched
     records = applied(tmp_path, "late")
     assert records and all(r["matched"] for r in records)
     by_round = {c["round"]: c["new_hash"] for c in certs}

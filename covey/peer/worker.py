@@ -100,6 +100,7 @@ class Worker:
         self.blobs = BlobClient(
             timeout_s=limits.request_timeout_s,
             retries=limits.retries,
+            chunk_bytes=limits.chunk_bytes,
             max_bytes=limits.max_blob_bytes,
         )
         self.step_time_s = self._measure_step_time()
@@ -254,7 +255,16 @@ class Worker:
     def _download_state(self, cid: str, size: int, providers: list[str]) -> TrainState:
         sources = [p for p in providers if p != self.blob_url] + [self.opts.coordinator]
         try:
+            before = dict(self.blobs.served)
             data = self.blobs.fetch(cid, sources, size=size)
+            served = {u: n - before.get(u, 0) for u, n in self.blobs.served.items()}
+            log.info(
+                "[%s] fetched state %s (%d bytes) from %s",
+                self.peer_id,
+                cid[:12],
+                size,
+                ", ".join(f"{u} ({n} B)" for u, n in served.items() if n) or "?",
+            )
             return state_from_bytes(data, self.template)
         except (BlobError, CheckpointError) as e:
             raise RuntimeError(f"could not get canonical state {cid[:12]}: {e}") from None
