@@ -148,17 +148,64 @@ def bench_comms(
 
 @app.command()
 def demo(
+    workers: Annotated[int, typer.Option(min=1, help="worker processes")] = 4,
+    minutes: Annotated[
+        float, typer.Option(min=0.05, help="minutes of training, counted from the first join")
+    ] = 2.0,
+    algorithm: Annotated[str, typer.Option(help=f"algorithm: {METHODS}")] = "diloco",
+    chaos: Annotated[
+        bool,
+        typer.Option("--chaos", help="every 15-25 s, SIGKILL a random worker and start another"),
+    ] = False,
+    model: Annotated[str, typer.Option(help="GPT size: nano micro mini small gpt2")] = "nano",
+    seed: Annotated[int, typer.Option(help="seeds the model, the data and the chaos")] = 0,
+    out: Annotated[
+        Path | None, typer.Option(help="run directory (default: runs/demo-YYYYmmdd-HHMMSS)")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+) -> None:
+    """A real run on this machine: a coordinator and N workers as processes on 127.0.0.1.
+
+    Prints the status page's address, shows rounds, validation loss, live peers and bytes
+    as they happen, then writes metrics.jsonl, loss.png and summary.json to the run
+    directory. Ctrl-C stops every process and still writes what was committed."""
+    from covey.local.cluster import ClusterError
+    from covey.local.demo import METHODS as DEMO_METHODS
+    from covey.local.demo import run_local_demo
+
+    if algorithm not in DEMO_METHODS:
+        raise _fail(f"--algorithm must be one of {METHODS}, got {algorithm!r}")
+    out = out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    try:
+        summary = run_local_demo(
+            workers=workers,
+            minutes=minutes,
+            algorithm=algorithm,
+            chaos=chaos,
+            out_dir=out,
+            model=model,
+            seed=seed,
+            progress=progress,
+        )
+    except ClusterError as e:
+        raise _fail(f"{e}\n(all logs: {out / 'logs'})") from None
+    except KeyboardInterrupt:  # before training started: the children are already stopped
+        raise typer.Exit(130) from None
+    if summary["interrupted"]:
+        raise typer.Exit(130)
+
+
+@bench_app.command("compare")
+def bench_compare(
     workers: Annotated[int, typer.Option(help="simulated workers")] = 4,
     steps: Annotated[int, typer.Option(help="inner steps per worker")] = 240,
     out: Annotated[Path | None, typer.Option(help="run directory")] = None,
 ) -> None:
-    """A first look, in about a minute: DDP vs DiLoCo vs DiLoCo+DCT on the stdlib corpus.
-
-    Runs the in-process simulator (covey sim) and prints bytes sent against loss reached.
-    """
+    """A minute-long look at the algorithms: DDP vs DiLoCo vs DiLoCo+DCT, simulated
+    in-process on the stdlib corpus; prints bytes sent against loss reached."""
     from covey.bench.comms import run_demo
 
-    out = out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    out = out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     run_demo(workers=workers, steps=steps, out_dir=out)
 
 
@@ -233,6 +280,9 @@ def worker(
     ] = 1.0,
     store_dir: Annotated[Path | None, typer.Option(help="local blob store")] = None,
     max_rounds: Annotated[int | None, typer.Option(help="leave after this many rounds")] = None,
+    connect_timeout: Annotated[
+        float, typer.Option(help="seconds to keep trying to reach the coordinator at start")
+    ] = 120.0,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
 ) -> None:
     """Join a run and train: fetch the canonical state, train each round's assignment,
@@ -253,6 +303,7 @@ def worker(
         slowdown=slowdown,
         store_dir=store_dir,
         max_rounds=max_rounds,
+        connect_timeout_s=connect_timeout,
     )
     raise typer.Exit(Worker(opts).run())
 

@@ -19,7 +19,7 @@ def covey(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 def test_help_lists_commands_without_importing_torch() -> None:
     r = covey("--help", timeout=60)
     assert r.returncode == 0
-    for command in ("sim", "bench", "demo"):
+    for command in ("sim", "bench", "demo", "coordinator", "worker"):
         assert command in r.stdout
     probe = "import sys, covey.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
@@ -59,6 +59,9 @@ def test_sim_writes_metrics_summary_and_plot(tmp_path: Path) -> None:
         (["sim", "/nonexistent/run.toml"], "config file not found"),
         (["sim", "--codec", "zip", "--steps", "1", "-H", "1"], "codec"),
         (["bench", "comms", "--only", "nope"], "unknown method"),
+        (["demo", "--algorithm", "nope"], "--algorithm must be one of"),
+        (["coordinator", "/nonexistent/run.toml"], "config file not found"),
+        (["worker", "--slowdown", "0.5"], "--slowdown must be >= 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
@@ -66,3 +69,19 @@ def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_coordinator_refuses_an_invalid_run_spec(tmp_path: Path) -> None:
+    spec = tmp_path / "run.toml"
+    spec.write_text("[rounds]\nheartbeat_s = 10\ndead_after_s = 5\n")
+    r = covey("coordinator", str(spec), timeout=60)
+    assert r.returncode == 2 and "dead_after_s" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_worker_without_a_coordinator_gives_up_with_a_clear_error(tmp_path: Path) -> None:
+    from covey.local.cluster import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    r = covey("worker", "--coordinator", url, "--connect-timeout", "3", timeout=60)
+    assert r.returncode == 1
+    assert "unreachable" in r.stderr and "Traceback" not in r.stderr

@@ -302,16 +302,19 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def format_breakdown(records: Sequence[dict[str, Any]]) -> str:
-    """Where each run's mean cycle (rounds >= 1) went; see `summarize_run`."""
+    """Where each run's mean cycle (rounds >= 1) went, in seconds (see `summarize_run`),
+    and the machine's load while it ran."""
     keys = ("compute", "worker_other", "start_and_publish", "straggler", "close", "coordinator")
     lines = [
-        "| link | method | " + " | ".join(keys) + " | cycle |",
-        "|---|---|" + "---:|" * (len(keys) + 1),
+        "| link | method | " + " | ".join(keys) + " | cycle | load (1 min, mean) |",
+        "|---|---|" + "---:|" * (len(keys) + 2),
     ]
     for r in records:
         b = r["breakdown_s"]
         cells = " | ".join("—" if k not in b else f"{b[k]:.2f}" for k in (*keys, "cycle"))
-        lines.append(f"| {r['mbit']:g} Mbit/s | {r['method']} | {cells} |")
+        load = r.get("load_1m_mean")
+        load_cell = "—" if load is None else f"{load:.1f}"
+        lines.append(f"| {r['mbit']:g} Mbit/s | {r['method']} | {cells} | {load_cell} |")
     return "\n".join(lines)
 
 
@@ -443,7 +446,7 @@ def run_one(
     )
     spec_path.write_text(to_toml(spec))
     names = ["coord"] + [f"w{i}" for i in range(workers)]
-    load_start = os.getloadavg()[0]
+    loads: list[float] = []
     with Testbed(names, mbit=mbit) as tb, _Processes(tb, run_dir) as procs:
         coord_ip = tb.hosts["coord"].ip
         url = f"http://{coord_ip}:{PORT}"
@@ -457,7 +460,7 @@ def run_one(
                 "--store-dir", str(run_dir / "peers" / name), "--threads", "1",
                 "--blob-host", tb.hosts[name].ip, "--bandwidth-mbps", f"{mbit:g}",
             ])  # fmt: skip
-        status = _train(tb, url, procs, budget_s, f"{mbit:g} Mbit/s {method.name}")
+        status = _train(tb, url, procs, budget_s, f"{mbit:g} Mbit/s {method.name}", loads)
     opened, closed, contributions = _read_timeline(run_dir / "coordinator" / "coordinator.db")
     record = summarize_run(
         method=method,
@@ -468,13 +471,19 @@ def run_one(
         contributions=contributions,
         budget_s=budget_s,
     )
-    record["load_1m"] = [load_start, os.getloadavg()[0]]  # other work on the machine
+    # This run's own processes make a load of about workers + 1 while they compute; more
+    # means other work competed for the cores (it slows compute and inflates utilization).
+    record["load_1m_mean"] = fmean(loads) if loads else None
+    record["load_1m_max"] = max(loads, default=None)
     return record
 
 
-def _train(tb: Testbed, url: str, procs: _Processes, budget_s: float, label: str) -> dict[str, Any]:
+def _train(
+    tb: Testbed, url: str, procs: _Processes, budget_s: float, label: str, loads: list[float]
+) -> dict[str, Any]:
     """Wait for round 0 to open, then for the budget (or the run to finish); return the
-    last /v1/status taken before anything is stopped."""
+    last /v1/status taken before anything is stopped. Appends the 1-minute load average
+    to `loads` at every poll after round 0 opened."""
     started = time.monotonic()
     clock_zero: float | None = None
     last: dict[str, Any] | None = None
@@ -499,6 +508,7 @@ def _train(tb: Testbed, url: str, procs: _Processes, budget_s: float, label: str
                 f"{label}: round 0 did not open within {STARTUP_TIMEOUT_S:.0f} s\n{procs.tails()}"
             )
         if clock_zero is not None and last is not None:
+            loads.append(os.getloadavg()[0])
             elapsed = now - clock_zero
             if elapsed >= budget_s:
                 return last

@@ -9,6 +9,7 @@ logged with the peer and round it concerns; a refused request changes nothing.
 from __future__ import annotations
 
 import logging
+import signal
 from importlib import resources
 from typing import Any
 
@@ -205,8 +206,12 @@ def serve(coord: Coordinator, host: str, port: int) -> None:
         create_app(coord), host=host, port=port, log_level="warning", access_log=False
     )
     server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with the default
+    # SIGTERM action that would kill the process before the driver is stopped below
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
     coord.start()
     try:
         server.run()
     finally:
         coord.stop()
+        signal.signal(signal.SIGTERM, previous)

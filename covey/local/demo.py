@@ -1,6 +1,6 @@
 """`covey demo`: a real run on one machine. A coordinator and N workers as separate
-processes on 127.0.0.1 (covey.local.cluster), the status page open in a browser, live
-progress in the terminal, optional chaos (SIGKILL a random worker every so often and start a
+processes on 127.0.0.1 (covey.local.cluster), the status page's address, live progress
+in the terminal, optional chaos (SIGKILL a random worker every so often and start a
 replacement), and at the end metrics.jsonl, loss.png and summary.json in the run directory.
 
 Nothing here imports torch: the processes do. Every child is stopped on the way out, also on
@@ -29,6 +29,7 @@ from covey.sim.report import write_json, write_jsonl
 
 METHODS = ("ddp", "diloco", "streaming", "demo")
 PER_STEP_METHODS = ("ddp", "demo")  # one inner step per round
+JOIN_TIMEOUT_S = 180.0  # for the first worker to import torch, read the corpus and join
 
 # --- the run spec (pure) ---------------------------------------------------------------------
 
@@ -133,6 +134,10 @@ class _Terminated(Exception):
     """SIGTERM reached the demo itself: stop the children like Ctrl-C does."""
 
 
+class _CoordinatorStopped(Exception):
+    """The coordinator exited cleanly or on SIGINT/SIGTERM: someone asked it to stop."""
+
+
 @contextmanager
 def _sigterm_as_exception() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
@@ -162,7 +167,10 @@ def run_local_demo(
     chaos_every_s: tuple[float, float] = (15.0, 25.0),
 ) -> dict[str, Any]:
     """Train for `minutes` with a coordinator and `workers` worker processes in `out_dir`,
-    then write metrics.jsonl, loss.png and summary.json there and return the summary.
+    then write metrics.jsonl, loss.png and summary.json there and return the summary. The
+    minutes count from the first worker's join (start-up is not training); with `chaos`,
+    a worker is SIGKILLed and replaced every uniform(*chaos_every_s) seconds, the first
+    time only once a round has committed.
 
     Ctrl-C (or SIGTERM) ends the run early: the children are stopped and the outputs are
     written from what was committed so far (summary["interrupted"] is True). If the
@@ -180,12 +188,12 @@ def run_local_demo(
     cfg = load_run_config(spec_path)  # fails here, with the field named, not in a child
 
     cluster = LocalCluster(spec_path, out_dir)
-    say = _Printer(progress)
-    final: dict[str, Any] | None = None
+    say = _Printer()
+    seen: dict[str, Any] = {}  # "status": the last one read; survives an interrupted watch
     interrupted = False
     chaos_state = Chaos(random.Random(seed), (lo, hi), next_index=workers) if chaos else None
-    try:
-        with _sigterm_as_exception():
+    with _sigterm_as_exception():  # also while stopping: a SIGTERM then kills the children
+        try:
             say(f"covey demo: {algorithm} on the {model} GPT, {workers} workers, {minutes:g} min")
             say(f"run {cfg.run_id} in {out_dir}; starting the coordinator ...")
             cluster.start_coordinator()
@@ -193,25 +201,33 @@ def run_local_demo(
             for i in range(workers):
                 cluster.start_worker(f"w{i}", "--threads", "1")
             try:
-                final = _watch(cluster, minutes * 60.0, chaos_state, say, progress)
-            except (KeyboardInterrupt, _Terminated) as e:
+                # the clock starts at the first join: starting N Pythons that each import
+                # torch and read the corpus takes ~15 s on 2 busy cores, and is not training
+                say("waiting for the workers to join (importing torch, reading the corpus) ...")
+                t0 = time.monotonic()
+                cluster.wait_for(_someone_alive, JOIN_TIMEOUT_S, "the first worker to join")
+                say(f"first worker joined after {time.monotonic() - t0:.0f} s; training")
+                _watch(cluster, minutes * 60.0, chaos_state, say, progress, seen)
+            except (KeyboardInterrupt, _Terminated, _CoordinatorStopped) as e:
+                # Ctrl-C in a terminal reaches the children too (one process group): the
+                # coordinator may be gone already, and the last status read stands in
                 interrupted = True
-                say(f"\ninterrupted ({type(e).__name__}): stopping the cluster ...")
-            final = _stop_workers_then_status(cluster) or final
-    finally:
-        _stop_everything(cluster)
-        say.close()
+                say(f"\ninterrupted ({e or type(e).__name__}): stopping the cluster ...")
+            final = _stop_workers_then_status(cluster) or seen.get("status")
+        finally:
+            _stop_everything(cluster)
+            say.close()
 
     if final is None:
         raise ClusterError(f"no status was ever read from the coordinator\n{cluster.tail()}")
-    return _finish(out_dir, cluster, final, chaos_state, interrupted, minutes, say)
+    minutes_trained = seen.get("elapsed_s", 0.0) / 60
+    return _finish(out_dir, cluster, final, chaos_state, interrupted, minutes_trained, say)
 
 
 class _Printer:
     """print(), or tqdm.write() while a bar is on screen so lines do not tear it."""
 
-    def __init__(self, progress: bool) -> None:
-        self.progress = progress
+    def __init__(self) -> None:
         self.bar: Any = None
 
     def __call__(self, line: str) -> None:
@@ -232,30 +248,41 @@ def _watch(
     chaos: Chaos | None,
     say: _Printer,
     progress: bool,
-) -> dict[str, Any] | None:
-    """Poll /v1/status about once a second for duration_s; run the chaos schedule; report
-    workers that exit on their own. Returns the last status read."""
+    seen: dict[str, Any],
+) -> None:
+    """Poll /v1/status about once a second for duration_s, keeping the last answer in
+    seen["status"]; run the chaos schedule; report workers that exit on their own.
+    ClusterError if the coordinator crashes, _CoordinatorStopped if it was stopped."""
     start = time.monotonic()
     if progress:
         from tqdm import tqdm
 
-        say.bar = tqdm(total=round(duration_s), unit="s", desc="demo", dynamic_ncols=True)
+        say.bar = tqdm(
+            total=round(duration_s),
+            desc="demo",
+            bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}",
+            dynamic_ncols=True,
+        )
     if chaos is not None:
         chaos.schedule(start)
     last: dict[str, Any] | None = None
     reported: set[str] = set()
     killed: set[str] = set()
+    answering = True
     while (now := time.monotonic()) - start < duration_s:
         assert cluster.coordinator is not None
-        if cluster.coordinator.poll() is not None:
-            raise ClusterError(
-                f"the coordinator exited with status {cluster.coordinator.returncode}\n"
-                f"{cluster.tail()}"
-            )
+        if (code := cluster.coordinator.poll()) is not None:
+            if code in (0, 130, -signal.SIGINT, -signal.SIGTERM):  # 130: typer's Ctrl-C
+                raise _CoordinatorStopped(f"the coordinator exited (status {code})")
+            raise ClusterError(f"the coordinator exited with status {code}\n{cluster.tail()}")
+        seen["elapsed_s"] = now - start
         try:
-            last = cluster.status()
+            last = seen["status"] = cluster.status()
+            answering = True
         except httpx.HTTPError as e:
-            say(f"coordinator not answering ({type(e).__name__}); retrying")
+            if answering:  # once per outage, not once a second
+                say(f"coordinator not answering ({type(e).__name__}); retrying")
+            answering = False
         for name, proc in cluster.workers.items():
             if proc.poll() is not None and name not in reported and name not in killed:
                 reported.add(name)
@@ -268,7 +295,14 @@ def _watch(
             say.bar.n = min(round(now - start), say.bar.total)
             say.bar.set_postfix_str(_progress_line(last), refresh=True)
         time.sleep(max(0.0, 1.0 - (time.monotonic() - now)))
-    return last
+    seen["elapsed_s"] = time.monotonic() - start
+    if say.bar is not None:
+        say.bar.n = say.bar.total
+        say.bar.refresh()
+
+
+def _someone_alive(status: dict[str, Any]) -> bool:
+    return any(p["alive"] for p in status["peers"])
 
 
 def _chaos_strike(
@@ -336,8 +370,8 @@ def _stop_workers_then_status(cluster: LocalCluster) -> dict[str, Any] | None:
 
 
 def _stop_everything(cluster: LocalCluster) -> None:
-    """cluster.stop(); a second Ctrl-C during it SIGKILLs whatever is left rather than
-    leaving orphans."""
+    """cluster.stop(); a second Ctrl-C (or a SIGTERM) during it SIGKILLs whatever is left
+    rather than leaving orphans, then lets the interruption go on."""
     try:
         cluster.stop()
     except (KeyboardInterrupt, _Terminated):
@@ -360,7 +394,7 @@ def _finish(
     status: dict[str, Any],
     chaos: Chaos | None,
     interrupted: bool,
-    minutes: float,
+    minutes_trained: float,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
     rounds = status["rounds"]
@@ -375,7 +409,7 @@ def _finish(
         "algorithm": status["method"],
         "model": status["model"],
         "parameters": status["parameters"],
-        "minutes": minutes,
+        "minutes": round(minutes_trained, 2),  # from the first join to the end
         "interrupted": interrupted,
         "status_url": f"{cluster.url}/",
         "rounds_committed": status["committed_rounds"],
@@ -420,7 +454,7 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
     )
     lines = [
         "",
-        f"{s['rounds_committed']} rounds committed in {s['minutes']:g} min "
+        f"{s['rounds_committed']} rounds committed in {s['minutes']:.1f} min "
         f"({s['algorithm']}, {s['model']} GPT, {s['parameters']:,} parameters)"
         + (", interrupted" if s["interrupted"] else ""),
         f"val loss         {val}",

@@ -52,6 +52,7 @@ class WorkerOptions:
     slowdown: float = 1.0  # emulate slower hardware: each step takes this many times longer
     store_dir: Path | None = None
     max_rounds: int | None = None  # leave after contributing to this many rounds
+    connect_timeout_s: float = 120.0  # patience for the first contact, before the spec is known
 
 
 class Stopped(Exception):
@@ -63,7 +64,9 @@ class Worker:
         self.opts = opts
         self.peer_id = opts.peer_id or f"peer-{secrets.token_hex(4)}"
         self.stop = threading.Event()
-        self.client = CoordinatorClient(opts.coordinator, stop=self.stop)
+        self.client = CoordinatorClient(
+            opts.coordinator, lost_s=opts.connect_timeout_s, stop=self.stop
+        )
         self.state: TrainState | None = None
         self.rounds_done = 0
         self.store: BlobStore | None = None

@@ -1,0 +1,111 @@
+"""`covey demo` for real: a coordinator and workers as processes on 127.0.0.1, stopped with
+real signals; chaos kills workers with SIGKILL and training must go on."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from covey.config import load_run_config
+from covey.local.demo import METHODS, demo_spec, run_local_demo, to_toml
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_demo_spec_loads_as_a_run_config(tmp_path: Path) -> None:
+    for method in METHODS:
+        path = tmp_path / f"{method}.toml"
+        path.write_text(to_toml(demo_spec(method)))
+        cfg = load_run_config(path)
+        assert cfg.algorithm.method == method
+        assert cfg.rounds.max_rounds is None  # bounded by time
+        assert cfg.data.batch_size == 8
+    with pytest.raises(ValueError, match="not one of"):
+        demo_spec("allreduce")
+
+
+def _children_running_covey() -> list[str]:
+    """Command lines of this process's children that still run `covey`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and "covey" in cmdline:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def _assert_all_stopped(summary: dict[str, Any]) -> None:
+    for name, proc in summary["processes"].items():
+        assert proc["exit_code"] is not None, f"{name} (pid {proc['pid']}) was never reaped"
+    assert _children_running_covey() == []
+
+
+def test_demo_trains_and_leaves_a_run_directory(tmp_path: Path) -> None:
+    s = run_local_demo(workers=2, minutes=0.5, out_dir=tmp_path, progress=False)
+
+    assert s["rounds_committed"] >= 2
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == s["rounds_committed"]
+    assert [r["round"] for r in records] == list(range(s["rounds_committed"]))
+    losses = [r["val_loss"] for r in records if r["val_loss"] is not None]
+    assert losses[-1] < losses[0], losses
+    assert (s["first_val_loss"], s["last_val_loss"]) == (losses[0], losses[-1])
+    assert s["bytes_total"] == sum(r["bytes"] for r in records) > 0
+    assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+    db = tmp_path / "coordinator" / "coordinator.db"
+    with sqlite3.connect(db) as con:
+        (committed,) = con.execute(
+            "SELECT COUNT(*) FROM rounds WHERE status = 'committed'"
+        ).fetchone()
+    assert committed == s["rounds_committed"]
+    if s["rounds_committed"] >= 5:
+        assert list((tmp_path / "coordinator" / "checkpoints").glob("round-*.safetensors"))
+        assert s["paths"]["checkpoints"]
+    assert set(s["peers_seen"]) == {"w0", "w1"}
+    assert json.loads((tmp_path / "summary.json").read_text())["run_id"] == s["run_id"]
+
+    _assert_all_stopped(s)
+    # SIGTERM'd workers leave cleanly: status 0, and the coordinator recorded the deathrattle
+    assert s["processes"]["w0"]["exit_code"] == 0
+    assert s["processes"]["w1"]["exit_code"] == 0
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "[w0] left: shutdown" in log and "[w1] left: shutdown" in log
+
+
+def test_chaos_kills_workers_and_training_goes_on(tmp_path: Path) -> None:
+    # first kill 6-8 s after the start (or after the first commit, if later); 36 s in all
+    s = run_local_demo(
+        workers=2,
+        minutes=0.6,
+        out_dir=tmp_path,
+        chaos=True,
+        chaos_every_s=(6.0, 8.0),
+        progress=False,
+    )
+
+    assert s["kills"] > 0
+    assert s["rounds_after_first_kill"] > 0, s["kill_events"]
+    for k in s["kill_events"]:
+        assert s["processes"][k["killed"]]["exit_code"] == -9  # SIGKILL, no deathrattle
+        assert k["replacement"] in s["processes"]
+    # replacements join the run (one started in the last seconds may not have yet)
+    assert {k["replacement"] for k in s["kill_events"]} & set(s["peers_seen"])
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == s["rounds_committed"]
+    _assert_all_stopped(s)
