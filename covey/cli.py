@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -43,9 +44,12 @@ def _overrides(**flags: Any) -> dict[str, Any]:
     return out
 
 
-def _load(config: Path | None, overrides: dict[str, Any]) -> SimConfig:
+def _load(
+    config: Path | None, overrides: dict[str, Any], loader: Callable[..., Any] = load_sim_config
+) -> Any:
+    """The validated config, or exit 2 with every problem named by its field."""
     try:
-        return load_sim_config(config, **overrides)
+        return loader(config, **overrides)
     except ValidationError as e:
         lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
         raise _fail("invalid configuration:\n" + "\n".join(lines)) from None
@@ -97,7 +101,7 @@ def sim(
         churn__leave_prob=leave_prob,
         churn__join_prob=join_prob,
     )
-    cfg = _load(config, overrides)
+    cfg: SimConfig = _load(config, overrides)
     from covey.algorithms.codecs import get_codec
     from covey.sim.report import save_run
     from covey.sim.simulator import simulate
@@ -237,13 +241,7 @@ def coordinator(
     Killed and restarted on the same --data-dir, it resumes from the last committed round."""
     from covey.config import load_run_config
 
-    try:
-        cfg = load_run_config(config)
-    except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
-        raise _fail("invalid run spec:\n" + "\n".join(lines)) from None
-    except (FileNotFoundError, ValueError) as e:
-        raise _fail(str(e)) from None
+    cfg = _load(config, {}, load_run_config)
     _logging(verbose)
     from covey.coordinator.app import serve
     from covey.coordinator.service import Coordinator
