@@ -71,13 +71,16 @@ def assert_chain(certs: list[dict[str, Any]]) -> None:
 
 def test_three_workers_train_and_agree_on_every_round(tmp_path: Path) -> None:
     with make_cluster(tmp_path, "three") as cluster:
-        for w in ("w0", "w1", "w2"):
-            cluster.start_worker(w)
+        cluster.start_worker("w0")
+        cluster.start_worker("w1")
+        cluster.start_worker("w2", "--no-serve-blobs")  # unreachable: uploads, relayed
         status = cluster.wait_for(committed(5), 180, "5 committed rounds")
         certs = certificates(cluster, status["committed_rounds"])
     assert_chain(certs)
     assert all(len(c["accepted"]) >= 1 for c in certs)
     assert any({a["peer_id"] for a in c["accepted"]} == {"w0", "w1", "w2"} for c in certs)
+    for a in (a for c in certs for a in c["accepted"]):
+        assert bool(a["providers"]) == (a["peer_id"] != "w2"), a  # w2's come from the relay
     # every peer computed every certified round's weights itself, bit for bit
     by_round = {c["round"]: c["new_hash"] for c in certs}
     for w in ("w0", "w1", "w2"):

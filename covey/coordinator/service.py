@@ -36,6 +36,7 @@ from .intake import Intake
 from .views import OpenRound, Rejected, Views
 
 log = logging.getLogger("covey.coordinator")
+ORPHAN_GRACE_S = 600.0
 
 
 class Coordinator(Intake, Views):
@@ -454,22 +455,25 @@ class Coordinator(Intake, Views):
             old.unlink(missing_ok=True)
 
     def _prune(self, round_: int) -> None:
-        """Drop blobs no peer needs any more: contributions older than a few rounds and
-        states that are neither recent nor a kept checkpoint."""
+        """Drop blobs no peer needs any more. Kept: the current and initial states, kept
+        checkpoints, the last few rounds' states and contributions, and anything younger
+        than ORPHAN_GRACE_S (an upload whose submission may still be on its way). Whatever
+        else was uploaded, garbage included, goes."""
+        recent = round_ - 3
         keep = {self.state_cid, self.db.get_meta("initial_cid")}
         keep |= {r["cid"] for r in self.db.query("SELECT cid FROM checkpoints")}
-        old = self.db.query(
-            "SELECT new_cid FROM rounds WHERE status = 'committed' AND round < ?", (round_ - 3,)
-        )
-        stale = self.db.query("SELECT cid FROM contributions WHERE round < ?", (round_ - 3,))
-        recent = {
-            r["cid"]
-            for r in self.db.query("SELECT cid FROM contributions WHERE round >= ?", (round_ - 3,))
+        keep |= {
+            r["new_cid"]
+            for r in self.db.query("SELECT new_cid FROM rounds WHERE round >= ?", (recent,))
         }
-        for cid in {r["new_cid"] for r in old} | {r["cid"] for r in stale}:
-            if cid not in keep and cid not in recent and self.blobs.has(cid):
+        keep |= {
+            r["cid"]
+            for r in self.db.query("SELECT cid FROM contributions WHERE round >= ?", (recent,))
+        }
+        cutoff = time.time() - ORPHAN_GRACE_S
+        for cid in self.blobs.cids():
+            if cid not in keep and self.blobs.path(cid).stat().st_mtime < cutoff:
                 self.blobs.delete(cid)
-
 
 def _payload_estimate(strategy: Strategy, state: TrainState) -> int:
     """Bytes of one contribution, for deadline planning: encode a zero update once."""
