@@ -36,6 +36,7 @@ from covey.protocol.checkpoint import CheckpointError, state_from_bytes, state_t
 from covey.protocol.content import content_id
 
 log = logging.getLogger("covey.worker")
+KEEP_CONTRIBUTIONS = 4  # own contribution blobs kept on the blob server
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Worker:
         self.store: BlobStore | None = None
         self.server: BlobServer | None = None
         self._served_state: str | None = None
+        self._published: list[str] = []
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -328,6 +330,11 @@ class Worker:
         it; then submit its metadata. False when the coordinator refused it."""
         assert self.store is not None
         cid = self.store.put(c.payload)
+        self._published.append(cid)
+        while len(self._published) > KEEP_CONTRIBUTIONS:  # peers fetch within a round or two
+            old = self._published.pop(0)
+            if old not in self._published:
+                self.store.delete(old)
         if self.server is None:
             self.blobs.upload(self.opts.coordinator, c.payload, cid)
         req = schemas.ContributionRequest(
