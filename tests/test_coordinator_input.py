@@ -202,6 +202,9 @@ def test_bad_contributions_are_refused(world: tuple[LocalCluster, Peer]) -> None
     cert = cluster.get(f"/v1/rounds/{rnd}/certificate")
     assert [a["peer_id"] for a in cert["accepted"]] == ["tester"]
     assert status["weights_hash"] == cert["new_hash"] != before[0]
+    # once the round is closed, a contribution for it is late, and says so
+    late = {**peer.contribution(good_cid, len(good)), "round": rnd}
+    refused(cluster, submit(late), 409, "late")
 
 
 def test_openapi_document_is_served(world: tuple[LocalCluster, Peer]) -> None:

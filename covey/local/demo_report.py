@@ -1,0 +1,149 @@
+"""The end of a `covey demo` run: metrics.jsonl, loss.png and summary.json in the run
+directory, and the summary printed in the terminal (covey.local.demo runs the cluster)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from covey.local.cluster import LocalCluster
+from covey.sim.report import write_json, write_jsonl
+
+
+def write_demo_outputs(
+    out_dir: Path,
+    cluster: LocalCluster,
+    status: dict[str, Any],
+    kills: list[dict[str, Any]],
+    interrupted: bool,
+    minutes_trained: float,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """Write metrics.jsonl, loss.png and summary.json into `out_dir` from the final
+    `status` and the chaos `kills` (Chaos.events), print the summary with `say`, and
+    return it. `minutes_trained` counts from the first worker's join."""
+    rounds = status["rounds"]
+    write_jsonl(out_dir / "metrics.jsonl", rounds)
+    plot_demo(out_dir / "loss.png", rounds, [k["committed_rounds"] for k in kills], status)
+    losses = [r["val_loss"] for r in rounds if r["val_loss"] is not None]
+    coordinator_dir = out_dir / "coordinator"
+    procs = {"coordinator": cluster.coordinator, **cluster.workers}
+    summary: dict[str, Any] = {
+        "run_id": status["run_id"],
+        "algorithm": status["method"],
+        "model": status["model"],
+        "parameters": status["parameters"],
+        "minutes": round(minutes_trained, 2),  # from the first join to the end
+        "interrupted": interrupted,
+        "status_url": f"{cluster.url}/",
+        "rounds_committed": status["committed_rounds"],
+        "first_val_loss": losses[0] if losses else None,
+        "last_val_loss": losses[-1] if losses else None,
+        "bytes_total": status["bytes_total"],
+        "tokens_total": sum(r["tokens"] for r in rounds),
+        "peers_seen": [p["peer_id"] for p in status["peers"]],
+        "kills": len(kills),
+        "kill_events": kills,
+        "rounds_after_first_kill": (
+            status["committed_rounds"] - kills[0]["committed_rounds"] if kills else None
+        ),
+        "processes": {
+            name: {"pid": p.pid, "exit_code": p.returncode}
+            for name, p in procs.items()
+            if p is not None
+        },
+        "paths": {
+            "run_dir": str(out_dir),
+            "spec": str(out_dir / "run.toml"),
+            "coordinator_db": str(coordinator_dir / "coordinator.db"),
+            "checkpoints": sorted(
+                str(p) for p in (coordinator_dir / "checkpoints").glob("*.safetensors")
+            ),
+            "logs": str(cluster.logs),
+            "metrics": str(out_dir / "metrics.jsonl"),
+            "plot": str(out_dir / "loss.png"),
+        },
+    }
+    write_json(out_dir / "summary.json", summary)
+    for line in _summary_lines(summary):
+        say(line)
+    return summary
+
+
+def _summary_lines(s: dict[str, Any]) -> list[str]:
+    val = (
+        f"{s['first_val_loss']:.4f} -> {s['last_val_loss']:.4f}"
+        if s["first_val_loss"] is not None
+        else "no evaluation yet"
+    )
+    lines = [
+        "",
+        f"{s['rounds_committed']} rounds committed in {s['minutes']:.1f} min "
+        f"({s['algorithm']}, {s['model']} GPT, {s['parameters']:,} parameters)"
+        + (", interrupted" if s["interrupted"] else ""),
+        f"val loss         {val}",
+        f"sent             {human_bytes(s['bytes_total'])} in contributions, "
+        f"{s['tokens_total']:,} tokens trained",
+        f"peers seen       {len(s['peers_seen'])}: {', '.join(s['peers_seen'])}",
+    ]
+    if s["kills"]:
+        lines.append(
+            f"chaos            {s['kills']} worker(s) SIGKILLed; "
+            f"{s['rounds_after_first_kill']} rounds committed after the first kill"
+        )
+    paths = s["paths"]
+    lines += [
+        f"run directory    {paths['run_dir']}",
+        f"  run.toml                    the run spec (run id {s['run_id']})",
+        "  coordinator/coordinator.db  rounds, certificates, peers, events (SQLite)",
+        f"  coordinator/checkpoints/    {len(paths['checkpoints'])} checkpoint(s)",
+        "  logs/                       one log per process",
+        "  metrics.jsonl, loss.png, summary.json",
+    ]
+    return lines
+
+
+def plot_demo(
+    path: Path, rounds: Sequence[dict[str, Any]], kill_rounds: Sequence[int], status: dict
+) -> None:
+    """Two panels: validation and mean training loss against round, and bytes of
+    contributions per round. Dotted lines mark chaos kills."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label, alpha in (
+        ("val_loss", "validation loss (canonical weights)", 1.0),
+        ("train_loss", "train loss (mean of the workers')", 0.7),
+    ):
+        points = [r for r in rounds if r[key] is not None]
+        xs, ys = [r["round"] for r in points], [r[key] for r in points]
+        ax_loss.plot(xs, ys, marker=".", alpha=alpha, label=label)
+    ax_bytes.bar([r["round"] for r in rounds], [r["bytes"] for r in rounds], color="tab:green")
+    for k in kill_rounds:
+        for ax in (ax_loss, ax_bytes):
+            ax.axvline(k, color="tab:red", linestyle=":", alpha=0.7)
+    ax_loss.set_ylabel("loss")
+    ax_bytes.set_ylabel("bytes of contributions")
+    for ax in (ax_loss, ax_bytes):
+        ax.set_xlabel("round")
+        ax.grid(True, alpha=0.3)
+    ax_loss.legend(fontsize=8)
+    fig.suptitle(
+        f"covey demo: {status['method']}, {status['model']} GPT, run {status['run_id']}"
+        + (f", {len(kill_rounds)} kills" if kill_rounds else "")
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,310 @@
+"""Fetching blobs by content id from an ordered list of providers, and uploading them.
+
+Trust model (as in hivemind, every record from the network passes a validator): a provider
+can be slow, absent or lying, and the client only hands back bytes whose sha256 equals the
+requested id. Retries are bounded, failed providers are skipped, and large blobs come in
+parallel ranged chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import httpx
+
+from covey.peer.blobstore import BLOB_PATH_PREFIX, BlobError, cid_or_error
+from covey.protocol.content import content_id
+
+logger = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S = 5.0
+_MIN_RATE_BYTES_S = 64 << 10  # after timeout_s of grace, a transfer slower than this is cut
+_RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+T = TypeVar("T")
+
+
+class _Failure(Exception):
+    """One attempt against one provider failed. `retry`: worth another attempt at the same
+    provider; `skip`: give up on this provider for the rest of the fetch."""
+
+    def __init__(self, why: str, *, retry: bool, skip: bool = True) -> None:
+        super().__init__(why)
+        self.retry, self.skip = retry, skip
+
+
+class _Aborted(_Failure):
+    """No attempt was made: the client was closed or a sibling chunk already failed."""
+
+    def __init__(self) -> None:
+        super().__init__("aborted (client closed or fetch abandoned)", retry=False, skip=False)
+
+
+class BlobClient:
+    """Fetches blobs by content id from an ordered list of providers (base URLs).
+
+    Blob URL is f"{base}/v1/blobs/{cid}". Every attempt is bounded by `timeout_s` per
+    network wait (connect, each read, each write, pool) and, after `timeout_s` of grace, a
+    minimum average rate of 64 KiB/s; each provider gets at most `retries` attempts with
+    exponential backoff `backoff_s * 2**k` (capped at 5 s). Only transport errors and
+    408/429/5xx are retried; a 4xx, a wrong length or a wrong hash fails the provider at
+    once. `served` counts bytes received per provider. Proxy environment variables are
+    ignored: providers are peers, reached directly. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        chunk_bytes: int = 4 << 20,
+        parallel: int = 4,
+        max_bytes: int | None = None,
+    ) -> None:
+        if timeout_s <= 0 or retries < 1 or backoff_s < 0 or chunk_bytes < 1 or parallel < 1:
+            raise ValueError(
+                f"need timeout_s ({timeout_s}) > 0, retries ({retries}) >= 1, backoff_s "
+                f"({backoff_s}) >= 0, chunk_bytes ({chunk_bytes}) >= 1, parallel ({parallel}) >= 1"
+            )
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes ({max_bytes}) must be >= 0 or None")
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.chunk_bytes, self.parallel, self.max_bytes = chunk_bytes, parallel, max_bytes
+        self.served: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(
+                max_connections=max(16, 4 * parallel),
+                max_keepalive_connections=max(8, 2 * parallel),
+            ),
+            headers={"Accept-Encoding": "identity"},  # ranges must count raw bytes
+            trust_env=False,
+        )
+
+    def fetch(self, cid: str, providers: Sequence[str], size: int | None = None) -> bytes:
+        """The blob's bytes, verified against `cid`; BlobError naming each provider's last
+        failure if no provider delivers them.
+
+        Unknown size or size <= chunk_bytes: providers in order, whole body each. Known size
+        above chunk_bytes: chunk i goes to provider i % len(providers) first, then the
+        others, `parallel` chunks at a time; providers that failed are skipped for later
+        chunks. If the assembled bytes do not hash to `cid` (someone lied) or a chunk could
+        not be had, the remaining providers are tried whole-body, each verified alone.
+        A body longer than `size` (when given) or `max_bytes` fails its provider.
+        """
+        cid_or_error(cid)
+        if not providers:
+            raise BlobError(f"cannot fetch {cid}: no providers")
+        if size is not None and self.max_bytes is not None and size > self.max_bytes:
+            raise BlobError(f"cannot fetch {cid}: {size} bytes exceeds max_bytes={self.max_bytes}")
+        failures: dict[str, str] = {}
+        candidates = list(providers)
+        if size is not None and size > self.chunk_bytes:
+            data, dead = self._fetch_chunked(cid, candidates, size, failures)
+            if data is not None:
+                return data
+            candidates = [p for p in candidates if p not in dead]
+            logger.warning(
+                "blob %s: chunked fetch failed, trying whole body from %s", cid, candidates
+            )
+        limit = size if size is not None else self.max_bytes
+        for p in candidates:
+            try:
+                return self._with_retries(lambda p=p: self._get(p, cid, None, limit, True))
+            except _Failure as f:
+                failures[p] = str(f)
+        raise self._error("fetch", cid, failures)
+
+    def head_size(self, cid: str, providers: Sequence[str]) -> int:
+        """The blob's size from the first provider answering HEAD with 200; BlobError if none."""
+        cid_or_error(cid)
+        failures: dict[str, str] = {}
+        for p in providers:
+            try:
+                return self._with_retries(lambda p=p: self._head(p, cid))
+            except _Failure as f:
+                failures[p] = str(f)
+        raise self._error("find size of", cid, failures or {"-": "no providers"})
+
+    def upload(self, base_url: str, data: bytes, cid: str | None = None) -> str:
+        """PUT the blob to {base_url}/v1/blobs/{cid} and return its cid.
+
+        BlobError if `cid` is given and is not the data's hash (nothing is sent), or with
+        the server's message on a non-retryable 4xx, or after `retries` attempts failing
+        with transport errors or 408/429/5xx.
+        """
+        actual = content_id(data)
+        if cid is not None and cid != actual:
+            raise BlobError(f"cannot upload {cid}: data hashes to {actual}")
+        url = f"{base_url.rstrip('/')}{BLOB_PATH_PREFIX}{actual}"
+
+        def attempt() -> str:
+            try:
+                resp = self._http.put(
+                    url, content=data, headers={"Content-Type": "application/octet-stream"}
+                )
+            except httpx.TransportError as e:
+                raise _Failure(f"{type(e).__name__}: {e}", retry=True) from e
+            if resp.is_success:
+                return actual
+            why = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            raise _Failure(why, retry=resp.status_code in _RETRYABLE_STATUS)
+
+        try:
+            return self._with_retries(attempt)
+        except _Failure as f:
+            raise self._error("upload", actual, {base_url: str(f)}) from None
+
+    def close(self) -> None:
+        """Close connections; backoff waits in other threads end at once. Idempotent."""
+        self._closed.set()
+        self._http.close()
+
+    def __enter__(self) -> BlobClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fetch_chunked(
+        self, cid: str, providers: list[str], size: int, failures: dict[str, str]
+    ) -> tuple[bytes | None, set[str]]:
+        """(verified bytes or None, providers to skip from now on)."""
+        ranges = [
+            (s, min(s + self.chunk_bytes, size) - 1) for s in range(0, size, self.chunk_bytes)
+        ]
+        out = bytearray(size)
+        dead: set[str] = set()
+        abort = threading.Event()  # one chunk had no provider left: stop the others
+
+        def one(i: int) -> bool:
+            start, end = ranges[i]
+            k = i % len(providers)
+            for p in providers[k:] + providers[:k]:
+                with self._lock:
+                    if p in dead:
+                        continue
+                try:
+                    piece = self._with_retries(
+                        lambda p=p: self._get(p, cid, (start, end), None, False), abort
+                    )
+                except _Aborted:
+                    return False
+                except _Failure as f:
+                    with self._lock:
+                        failures[p] = str(f)
+                        if f.skip:
+                            dead.add(p)
+                    continue
+                out[start : end + 1] = piece  # disjoint slices of a fixed-size buffer
+                return True
+            abort.set()
+            return False
+
+        with ThreadPoolExecutor(max_workers=min(self.parallel, len(ranges))) as pool:
+            complete = all(list(pool.map(one, range(len(ranges)))))
+        if complete:
+            if content_id(out) == cid:
+                return bytes(out), dead
+            failures["chunks"] = "assembled ranges do not hash to the cid"
+        return None, dead
+
+    def _with_retries(self, attempt: Callable[[], T], abort: threading.Event | None = None) -> T:
+        last: _Failure | None = None
+        for k in range(self.retries):
+            if k > 0 and self._closed.wait(min(self.backoff_s * 2 ** (k - 1), _MAX_BACKOFF_S)):
+                break
+            if self._closed.is_set() or (abort is not None and abort.is_set()):
+                break
+            try:
+                return attempt()
+            except _Failure as f:
+                last = f
+                if not f.retry:
+                    break
+        raise last or _Aborted()
+
+    def _get(
+        self,
+        base: str,
+        cid: str,
+        byte_range: tuple[int, int] | None,
+        limit: int | None,
+        verify: bool,
+    ) -> bytes:
+        """One GET attempt: the body (or the range), checked for status, length and hash."""
+        url = f"{base.rstrip('/')}{BLOB_PATH_PREFIX}{cid}"
+        headers = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
+        expected = byte_range[1] - byte_range[0] + 1 if byte_range else None
+        t0 = time.monotonic()
+        try:
+            with self._http.stream("GET", url, headers=headers) as resp:
+                self._check_status(resp, byte_range)
+                declared = int(resp.headers.get("Content-Length", "-1"))
+                if expected is not None and declared not in (-1, expected):
+                    raise _Failure(f"range of {expected} bytes came as {declared}", retry=False)
+                if limit is not None and declared > limit:
+                    raise _Failure(f"body of {declared} bytes exceeds limit {limit}", retry=False)
+                buf = bytearray()
+                for piece in resp.iter_bytes():
+                    buf += piece
+                    with self._lock:
+                        self.served[base] = self.served.get(base, 0) + len(piece)
+                    cap = expected if expected is not None else limit
+                    if cap is not None and len(buf) > cap:
+                        raise _Failure(f"body exceeds {cap} bytes", retry=False)
+                    if time.monotonic() - t0 > self.timeout_s + len(buf) / _MIN_RATE_BYTES_S:
+                        raise _Failure(f"slower than {_MIN_RATE_BYTES_S} B/s", retry=False)
+        except httpx.TransportError as e:
+            raise _Failure(f"{type(e).__name__}: {e}", retry=True) from e
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
+            raise _Failure(f"{type(e).__name__}: {e}", retry=False) from e
+        if expected is not None and len(buf) != expected:
+            raise _Failure(f"range of {expected} bytes came as {len(buf)}", retry=False)
+        if verify and (actual := content_id(buf)) != cid:
+            raise _Failure(f"served {len(buf)} bytes hashing to {actual}", retry=False)
+        return bytes(buf)
+
+    @staticmethod
+    def _check_status(resp: httpx.Response, byte_range: tuple[int, int] | None) -> None:
+        code = resp.status_code
+        if byte_range is not None and code == 200:
+            # Not this provider's fault, and it may still serve the whole body later.
+            raise _Failure("ignores Range (answered 200)", retry=False, skip=False)
+        if code != (206 if byte_range is not None else 200):
+            raise _Failure(f"HTTP {code}", retry=code in _RETRYABLE_STATUS)
+        if byte_range is not None:
+            want = f"bytes {byte_range[0]}-{byte_range[1]}/"
+            if not resp.headers.get("Content-Range", "").startswith(want):
+                raise _Failure(
+                    f"Content-Range {resp.headers.get('Content-Range')!r}, asked {want}*",
+                    retry=False,
+                )
+
+    def _head(self, base: str, cid: str) -> int:
+        url = f"{base.rstrip('/')}{BLOB_PATH_PREFIX}{cid}"
+        try:
+            resp = self._http.head(url)
+        except httpx.TransportError as e:
+            raise _Failure(f"{type(e).__name__}: {e}", retry=True) from e
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
+            raise _Failure(f"{type(e).__name__}: {e}", retry=False) from e
+        if resp.status_code != 200:
+            raise _Failure(f"HTTP {resp.status_code}", retry=resp.status_code in _RETRYABLE_STATUS)
+        try:
+            return int(resp.headers["Content-Length"])
+        except (KeyError, ValueError):
+            raise _Failure("HEAD without a valid Content-Length", retry=False) from None
+
+    @staticmethod
+    def _error(action: str, cid: str, failures: dict[str, str]) -> BlobError:
+        detail = "; ".join(f"{p}: {why}" for p, why in failures.items())
+        return BlobError(f"cannot {action} blob {cid}: {detail}")

@@ -1,0 +1,197 @@
+"""The blob store: immutable content-addressed bytes in a directory, named by sha256.
+
+`BlobStore` writes each blob atomically under its content id; `parse_range` reads the single
+HTTP byte range that the blob server (covey.peer.blobserver) and the coordinator serve.
+Shared by both ends of the blob plane: `BlobError`, the content-id checks, and the wire
+path `BLOB_PATH_PREFIX` (`GET|HEAD {base}/v1/blobs/{cid}`, `PUT` on the coordinator only).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from covey.protocol.content import content_id, is_content_id
+
+BLOB_PATH_PREFIX = "/v1/blobs/"
+_TMP_PREFIX = ".tmp-"  # never a content id, so a crash's leftover is never seen as a blob
+
+
+class BlobError(Exception):
+    """A blob could not be stored or fetched; the message names the cid and why."""
+
+
+def is_cid(value: object) -> bool:
+    """Whether `value` is a content id: exactly 64 lowercase hex digits."""
+    # The length check also refuses "<cid>\n", which is_content_id's `$` lets through.
+    return isinstance(value, str) and len(value) == 64 and is_content_id(value)
+
+
+def cid_or_error(cid: str) -> str:
+    """`cid` unchanged if it is a content id; BlobError naming it otherwise."""
+    if not is_cid(cid):
+        raise BlobError(f"not a content id (64 lowercase hex digits): {str(cid)[:80]!r}")
+    return cid
+
+
+class BlobStore:
+    """Immutable content-addressed blobs in a directory (root/ab/abcdef...).
+
+    Writes go to a temporary file in the blob's shard directory, are fsynced, then renamed
+    into place with `os.replace`, so a crash never leaves a partial blob under its id (at
+    worst a `.tmp-*` file, which is never listed or served). Safe for concurrent use by
+    threads of one process; the same blob written twice is written once.
+    """
+
+    def __init__(self, root: Path, max_blob_bytes: int | None = None) -> None:
+        if max_blob_bytes is not None and max_blob_bytes < 0:
+            raise ValueError(f"max_blob_bytes ({max_blob_bytes}) must be >= 0 or None")
+        self.root = Path(root)
+        self.max_blob_bytes = max_blob_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, cid: str) -> Path:
+        """Where blob `cid` lives (it may not exist); BlobError for a malformed cid.
+
+        Only 64 lowercase hex digits pass, so the path can never escape `root`.
+        """
+        cid_or_error(cid)
+        return self.root / cid[:2] / cid
+
+    def has(self, cid: str) -> bool:
+        """Whether blob `cid` is stored; False (never an error) for a malformed cid."""
+        return is_cid(cid) and self.path(cid).is_file()
+
+    def size(self, cid: str) -> int:
+        """The blob's length in bytes; BlobError if it is missing or cid is malformed."""
+        try:
+            return self.path(cid).stat().st_size
+        except FileNotFoundError:
+            raise BlobError(f"blob {cid} is not stored") from None
+
+    def put(self, data: bytes) -> str:
+        """Store `data` and return its content id; idempotent. BlobError if too large or on I/O."""
+        cid = content_id(data)
+        self._write(cid, data)
+        return cid
+
+    def put_verified(self, cid: str, data: bytes) -> None:
+        """Store bytes received for `cid`; BlobError (store unchanged) if cid is malformed,
+        the bytes do not hash to it, or they exceed `max_blob_bytes`."""
+        cid_or_error(cid)
+        self._check_size(cid, len(data))
+        actual = content_id(data)
+        if actual != cid:
+            raise BlobError(f"blob {cid}: data hashes to {actual}, refusing to store")
+        self._write(cid, data)
+
+    def get(self, cid: str) -> bytes:
+        """The blob's bytes; BlobError if missing or cid is malformed."""
+        try:
+            return self.path(cid).read_bytes()
+        except FileNotFoundError:
+            raise BlobError(f"blob {cid} is not stored") from None
+
+    def read_range(self, cid: str, start: int, end_inclusive: int) -> bytes:
+        """Bytes start..end_inclusive of the blob; BlobError if missing or out of bounds."""
+        size = self.size(cid)
+        if not 0 <= start <= end_inclusive < size:
+            raise BlobError(f"blob {cid}: range {start}-{end_inclusive} outside 0-{size - 1}")
+        with self.path(cid).open("rb") as f:
+            f.seek(start)
+            data = f.read(end_inclusive - start + 1)
+        if len(data) != end_inclusive - start + 1:
+            raise BlobError(f"blob {cid}: short read at {start}-{end_inclusive}")
+        return data
+
+    def delete(self, cid: str) -> None:
+        """Remove the blob; a missing blob is not an error, a malformed cid is (BlobError)."""
+        self.path(cid).unlink(missing_ok=True)
+
+    def cids(self) -> list[str]:
+        """Every stored blob's id, sorted. Temporary files and stray names are ignored."""
+        out: list[str] = []
+        for shard in self.root.iterdir():
+            if not (shard.is_dir() and re.fullmatch(r"[0-9a-f]{2}", shard.name)):
+                continue
+            for f in shard.iterdir():
+                if is_cid(f.name) and f.name[:2] == shard.name and f.is_file():
+                    out.append(f.name)
+        return sorted(out)
+
+    def _check_size(self, cid: str, n: int) -> None:
+        if self.max_blob_bytes is not None and n > self.max_blob_bytes:
+            raise BlobError(f"blob {cid}: {n} bytes exceeds max_blob_bytes={self.max_blob_bytes}")
+
+    def _write(self, cid: str, data: bytes) -> None:
+        self._check_size(cid, len(data))
+        final = self.path(cid)
+        if final.is_file():
+            return  # immutable: same id, same bytes
+        try:
+            final.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=_TMP_PREFIX, suffix=".part")
+        except OSError as e:
+            raise BlobError(f"cannot store blob {cid}: {e}") from e
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException as e:
+            Path(tmp).unlink(missing_ok=True)  # then re-raised: nothing is swallowed
+            if isinstance(e, OSError):
+                raise BlobError(f"cannot store blob {cid}: {e}") from e
+            raise
+        _fsync_dir(final.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable; skipped where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename itself is atomic
+    finally:
+        os.close(fd)
+
+
+class RangeNotSatisfiable(ValueError):
+    """A Range header that is malformed, multi-range, or outside the blob (HTTP 416)."""
+
+
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)", re.IGNORECASE)
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(start, end_inclusive) for a single HTTP byte range over `size` bytes.
+
+    None when there is no header (send the whole body). Accepts `bytes=a-b` (b clamped to
+    the last byte), `bytes=a-` and the suffix form `bytes=-n` (the last n bytes). Raises
+    RangeNotSatisfiable for anything else: other units, several ranges, a > b, a start at
+    or past the end, an empty suffix, or any range over an empty blob.
+    """
+    if header is None:
+        return None
+    m = _RANGE.fullmatch(header.strip())
+    if m is None:
+        raise RangeNotSatisfiable(f"unsupported Range {header[:80]!r} (single bytes=a-b only)")
+    first, last = m.group(1), m.group(2)
+    if first == "":
+        if last == "" or int(last) == 0 or size == 0:
+            raise RangeNotSatisfiable(f"suffix Range {header!r} selects nothing of {size} bytes")
+        return max(0, size - int(last)), size - 1
+    start = int(first)
+    end = size - 1 if last == "" else int(last)
+    if last != "" and end < start:
+        raise RangeNotSatisfiable(f"Range {header!r} ends before it starts")
+    if start >= size:
+        raise RangeNotSatisfiable(f"Range {header!r} starts past the end ({size} bytes)")
+    return start, min(end, size - 1)
