@@ -150,6 +150,61 @@ def bench_comms(
         typer.echo(f"wrote {json_path}")
 
 
+@bench_app.command("network")
+def bench_network(
+    mbit: Annotated[
+        list[float] | None,
+        typer.Option("--mbit", help="link rate in Mbit/s, up and down; repeat (default: 10, 100)"),
+    ] = None,
+    model: Annotated[str, typer.Option(help="GPT size: nano micro mini small gpt2")] = "micro",
+    workers: Annotated[int, typer.Option(help="worker processes, one namespace each")] = 2,
+    minutes: Annotated[
+        float, typer.Option(help="wall-clock budget per run, from round 0's opening")
+    ] = 3.0,
+    inner_steps: Annotated[int, typer.Option("--inner-steps", "-H", help="DiLoCo's H")] = 50,
+    only: Annotated[
+        list[str] | None, typer.Option(help="methods: ddp, diloco, diloco-int4-ef; repeat")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write records here")] = None,
+    out: Annotated[Path, typer.Option(help="directory for each run's spec, logs and data")] = Path(
+        "runs/bench-network"
+    ),
+) -> None:
+    """DDP vs DiLoCo vs DiLoCo + int4 + error feedback: real processes over rate-limited
+    network namespaces (needs root and iproute2). Results go in BENCHMARKS.md."""
+    if workers < 1:
+        raise _fail(f"--workers must be >= 1, got {workers}")
+    if minutes <= 0:
+        raise _fail(f"--minutes must be positive, got {minutes}")
+    if mbit and (bad := [m for m in mbit if m <= 0]):
+        raise _fail(f"--mbit must be positive, got {bad}")
+    from covey.bench.netns import TestbedUnavailable, check_support
+    from covey.bench.network import METHOD_KEYS
+
+    if only and (unknown := sorted(set(only) - set(METHOD_KEYS))):
+        raise _fail(f"unknown method(s) {unknown}; choose from {list(METHOD_KEYS)}")
+    if (reason := check_support()) is not None:
+        raise _fail(f"covey bench network needs root and iproute2: {reason}")
+    from covey.bench.network import run_network_bench
+
+    try:
+        records = run_network_bench(
+            mbits=tuple(mbit or (10.0, 100.0)),
+            model=model,
+            workers=workers,
+            minutes_per_run=minutes,
+            out_dir=out,
+            methods=tuple(only or METHOD_KEYS),
+            inner_steps=inner_steps,
+        )
+    except (TestbedUnavailable, RuntimeError) as e:
+        raise _fail(f"{e}\n(records of the runs before it: {out / 'records.json'})") from None
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(records, indent=2) + "\n")
+        typer.echo(f"wrote {json_path}")
+
+
 @app.command()
 def demo(
     workers: Annotated[int, typer.Option(min=1, help="worker processes")] = 4,

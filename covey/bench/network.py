@@ -82,9 +82,9 @@ class NetMethod:
     key: str  # what `methods=` selects: "ddp", "diloco", "diloco-int4-ef"
     name: str  # what the table shows, e.g. "diloco-h50-int4-ef"
     algorithm: dict[str, Any]
-    # DDP commits a round per inner step; evaluating each one (0.3 s for micro on one
-    # core, inside the coordinator's round close) would cost it a large share of its
-    # cycle at 100 Mbit/s. Every 5 steps still gives several points at 10 Mbit/s.
+    # DDP commits a round per inner step; evaluating each one (0.3 s of one core for
+    # micro) would take a large share of the 2 cores from the workers at 100 Mbit/s, where
+    # a DDP round lasts ~1.6 s. Every 5 steps still gives several points at 10 Mbit/s.
     eval_every: int = 1
 
 
@@ -190,7 +190,8 @@ def summarize_run(
       publishing (the coordinator fetching the payload over the links, validating it);
     - straggler: how much later the last peer submitted than the mean peer;
     - close: last submission to commit (the outer step, serializing and storing weights);
-    - coordinator: commit to the next round's opening (evaluation, the driver's tick).
+    - coordinator: commit to the next round's opening (storing the commit, the round
+      driver's next tick; evaluation too, where the coordinator does it inline).
     """
     rounds = [r for r in status["rounds"] if r["round"] in closed]
     if not rounds:
