@@ -8,6 +8,7 @@ logged with the peer and round it concerns; a refused request changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 from importlib import resources
@@ -148,8 +149,16 @@ def create_app(coord: Coordinator) -> FastAPI:
         return coord.submit(round, req)
 
     @app.get("/v1/rounds/{round}/certificate")
-    def certificate(round: int) -> schemas.Certificate:
-        """The accepted set with weights, the rejections and the new weights hash."""
+    async def certificate(
+        round: int, wait: float = Query(0.0, ge=0, le=30, description="long-poll seconds")
+    ) -> schemas.Certificate:
+        """The accepted set with weights, the rejections and the new weights hash. With
+        `wait`, the request is held until the round commits (or `wait` seconds pass), so
+        peers learn of a commit at once; waiting holds no thread."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait
+        while coord.state.round <= round and loop.time() < give_up:
+            await asyncio.sleep(0.02)
         return coord.certificate(round)
 
     @app.get("/v1/checkpoints")

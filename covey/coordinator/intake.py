@@ -8,6 +8,7 @@ certificate, and changes nothing else.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ class Intake(Views):
     strategy: Strategy
     fetcher: BlobClient
     seq_len: int
+    _wake: threading.Event
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.run_id:
@@ -73,6 +75,7 @@ class Intake(Views):
                     now,
                 ),
             )
+        self._wake.set()
         log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
         return {"ok": True, "cid": req.cid}
 

@@ -77,6 +77,7 @@ class Coordinator(Intake, Views):
         )
         self._payload_bytes = _payload_estimate(self.strategy, self.template)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a contribution or a leave: look at the round now
         self._driver: threading.Thread | None = None
         # evaluation runs beside the rounds, never between a commit and the next open
         self._evals: queue.Queue[TrainState | None] = queue.Queue()
@@ -137,7 +138,9 @@ class Coordinator(Intake, Views):
         self.db.close()
 
     def _drive(self) -> None:
-        while not self._stop.wait(0.1):
+        while not self._stop.is_set():
+            self._wake.wait(0.1)
+            self._wake.clear()
             try:
                 self.tick(time.time())
             except Exception:  # one bad tick must not kill the run: log loudly and go on
@@ -208,6 +211,7 @@ class Coordinator(Intake, Views):
             if n == 0:
                 raise Rejected(404, f"unknown peer {req.peer_id}")
             self.db.event(c, now, "leave", req.peer_id, {"reason": req.reason})
+        self._wake.set()
         log.info("[%s] left: %s", req.peer_id, req.reason)
         return {"ok": True}
 

@@ -375,7 +375,9 @@ class Worker:
         give_up = time.monotonic() + limit
         while time.monotonic() < give_up:
             try:
-                body = self.client.get(f"/v1/rounds/{info.round}/certificate", quiet=True)
+                body = self.client.get(
+                    f"/v1/rounds/{info.round}/certificate", params={"wait": 5}, quiet=True
+                )
                 return schemas.Certificate.model_validate(body)
             except PeerRejected as e:
                 if e.status != 404:
@@ -386,7 +388,7 @@ class Worker:
             if (now.round, now.attempt) != (info.round, info.attempt) and now.round <= info.round:
                 log.warning("[%s] round %d was aborted; rejoining", self.peer_id, info.round)
                 return None
-            self._pause(0.2)
+            self._pause(0.05)
         raise CoordinatorLost(f"no certificate for round {info.round} after {limit:.0f} s")
 
     def _apply(self, cert: schemas.Certificate) -> None:
