@@ -334,6 +334,38 @@ class RunConfig(Frozen):
         return config_hash(self)
 
 
+def to_toml(spec: dict[str, Any]) -> str:
+    """A nested dict of scalars as TOML: how `covey demo` and `covey bench network` write
+    the run specs they generate (scalars first, then one [table] per dict).
+    None values are left out: TOML has no null, and the field's default is meant."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], prefix: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict) and v is not None}
+        tables = {k: v for k, v in table.items() if isinstance(v, dict)}
+        if prefix and scalars:
+            lines.append(f"\n[{prefix}]")
+        for key, value in scalars.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        for key, sub in tables.items():
+            emit(sub, f"{prefix}.{key}" if prefix else key)
+
+    emit(spec, "")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as TOML")
+
+
 def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     data = load_toml(path) if path else {}
     return RunConfig.model_validate(merge(data, overrides))

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -24,3 +27,24 @@ def tokens() -> torch.Tensor:
 @pytest.fixture(scope="session")
 def stdlib_corpus() -> Corpus:
     return load_corpus()
+
+
+@pytest.fixture(scope="session")
+def testbed_support() -> None:
+    """Network namespaces + tc usable here; else skip, except under CI as root with ip/tc,
+    where a missing testbed is a failure (the netns tests must not silently vanish)."""
+    from covey.bench import netns
+
+    reason = netns.check_support()
+    if reason is None:
+        return
+    forced = (
+        os.environ.get("CI")
+        and hasattr(os, "geteuid")
+        and os.geteuid() == 0
+        and shutil.which("ip")
+        and shutil.which("tc")
+    )
+    if forced:
+        pytest.fail(f"CI is set and we are root with ip/tc, yet no testbed: {reason}")
+    pytest.skip(f"needs root and iproute2: {reason}")

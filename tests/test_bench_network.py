@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,27 +21,10 @@ from covey.bench.network import (
     run_network_bench,
     run_spec,
     summarize_run,
-    to_toml,
 )
-from covey.config import RunConfig, load_run_config
+from covey.config import RunConfig, load_run_config, to_toml
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
-
-
-def _require_testbed() -> None:
-    reason = netns.check_support()
-    if reason is None:
-        return
-    forced = (
-        os.environ.get("CI")
-        and hasattr(os, "geteuid")
-        and os.geteuid() == 0
-        and shutil.which("ip")
-        and shutil.which("tc")
-    )
-    if forced:
-        pytest.fail(f"CI is set and we are root with ip/tc, yet no testbed: {reason}")
-    pytest.skip(f"covey bench network needs root and iproute2: {reason}")
 
 
 def test_every_spec_loads_back_from_its_toml(tmp_path: Path) -> None:
@@ -90,8 +72,8 @@ def test_breakdown_sums_to_the_cycle_and_target_is_reached_by_all() -> None:
     assert [r["time_to_target_s"] for r in records] == [pytest.approx(20.0), 5.0]
 
 
+@pytest.mark.usefixtures("testbed_support")
 def test_short_run_over_a_10_mbit_testbed(tmp_path: Path) -> None:
-    _require_testbed()
     records = run_network_bench(
         mbits=(10,),
         model="nano",

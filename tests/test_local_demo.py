@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from covey.config import load_run_config
-from covey.local.demo import METHODS, demo_spec, run_local_demo, to_toml
+from covey.config import load_run_config, to_toml
+from covey.local.demo import METHODS, demo_spec, run_local_demo
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -7,7 +7,6 @@ with `ip` and `tc` present, where a testbed that cannot be built is a failure.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,23 +44,6 @@ def _ip_netns_list() -> list[str]:
         ["ip", "netns", "list"], capture_output=True, text=True, timeout=10, check=True
     ).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def testbed_support() -> None:
-    reason = netns.check_support()
-    if reason is None:
-        return
-    forced = (
-        os.environ.get("CI")
-        and hasattr(os, "geteuid")
-        and os.geteuid() == 0
-        and shutil.which("ip")
-        and shutil.which("tc")
-    )
-    if forced:
-        pytest.fail(f"CI is set and we are root with ip/tc, yet no testbed: {reason}")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ from statistics import fmean
 from typing import IO, Any
 
 from covey.bench.netns import Testbed, TestbedUnavailable, check_support
-from covey.config import RunConfig
+from covey.config import RunConfig, to_toml
 
 PORT = 8470  # every testbed's namespaces are fresh: a fixed port cannot collide
 POLL_S = 2.0  # status poll while a run trains: only to notice the end and print progress
@@ -145,25 +145,6 @@ def run_spec(
     }
     RunConfig.model_validate(spec)  # a bad spec fails here, not in a child process
     return spec
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    raise TypeError(f"cannot write {type(value).__name__} {value!r} as a TOML value")
-
-
-def to_toml(spec: dict[str, Any]) -> str:
-    """Scalars at the top, then one ``[table]`` per dict (one level, as `run_spec` makes)."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in spec.items() if not isinstance(v, dict)]
-    for table, body in spec.items():
-        if isinstance(body, dict):
-            lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in body.items()]
-    return "\n".join(lines) + "\n"
 
 
 def summarize_run(

@@ -9,7 +9,6 @@ Ctrl-C, SIGTERM or an error (`run_local_demo`'s finally).
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import subprocess
@@ -23,9 +22,10 @@ from typing import Any
 
 import httpx
 
-from covey.config import load_run_config
+from covey.config import load_run_config, to_toml
 from covey.local.cluster import ClusterError, LocalCluster
-from covey.local.demo_report import human_bytes, write_demo_outputs
+from covey.local.demo_report import write_demo_outputs
+from covey.sim.report import human_bytes
 
 METHODS = ("ddp", "diloco", "streaming", "demo")
 PER_STEP_METHODS = ("ddp", "demo")  # one inner step per round
@@ -69,37 +69,6 @@ def demo_spec(algorithm: str, *, model: str = "nano", seed: int = 0) -> dict[str
             "eval_batches": 4,
         },
     }
-
-
-def to_toml(spec: dict[str, Any]) -> str:
-    """A nested dict of scalars as TOML (scalars first, then one [table] per dict).
-    None values are left out: TOML has no null, and the field's default is meant."""
-    lines: list[str] = []
-
-    def emit(table: dict[str, Any], prefix: str) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict) and v is not None}
-        tables = {k: v for k, v in table.items() if isinstance(v, dict)}
-        if prefix and scalars:
-            lines.append(f"\n[{prefix}]")
-        for key, value in scalars.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        for key, sub in tables.items():
-            emit(sub, f"{prefix}.{key}" if prefix else key)
-
-    emit(spec, "")
-    return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} {value!r} as TOML")
 
 
 # --- chaos -------------------------------------------------------------------------------------

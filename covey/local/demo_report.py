@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.local.cluster import LocalCluster
-from covey.sim.report import write_json, write_jsonl
+from covey.sim.report import human_bytes, write_json, write_jsonl
 
 
 def write_demo_outputs(
@@ -139,11 +139,3 @@ def plot_demo(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"

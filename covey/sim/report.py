@@ -53,3 +53,12 @@ def save_run(out_dir: Path, label: str, records: Sequence[dict[str, Any]], summa
     write_jsonl(out_dir / "metrics.jsonl", records)
     write_json(out_dir / "summary.json", summary)
     plot_runs(out_dir / "plot.png", {label: records}, f"covey sim: {label}")
+
+
+def human_bytes(n: float) -> str:
+    """1234567 -> "1.2 MB" (decimal units, as bandwidth is quoted)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

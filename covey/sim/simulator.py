@@ -26,6 +26,7 @@ from covey.data.batches import sample_batch, validation_batches
 from covey.data.corpus import Corpus, load_corpus
 from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.sim.network import Link, make_links, round_timing
+from covey.sim.report import human_bytes
 
 TOPOLOGY = (
     "gather through a relay: each worker uploads its contribution once and downloads every "
@@ -171,7 +172,7 @@ def simulate(
             on_round(record)
         bar.set_postfix(
             loss=f"{val_loss:.3f}",
-            sent=_human_bytes(record["bytes_sent_per_worker"]),
+            sent=human_bytes(record["bytes_sent_per_worker"]),
             refresh=False,
         )
         bar.update(1)
@@ -260,14 +261,6 @@ def _train_round(
 
 def _step_time(cfg: SimConfig, measured: float, slowdown: float) -> float:
     return (cfg.compute.step_time_s or measured) * slowdown
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.1f}{unit}"
-        n /= 1000
-    return f"{n:.1f}TB"
 
 
 class _NoBar:
