@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS peers (
     state TEXT NOT NULL, contributions INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS rounds (
     round INTEGER PRIMARY KEY, attempt INTEGER NOT NULL, status TEXT NOT NULL,
-    opened_at REAL, deadline REAL, members TEXT, assignments TEXT, dropped TEXT,
+    opened_at REAL, deadline REAL, members TEXT, assignments TEXT,
     start_cid TEXT, start_hash TEXT, certificate TEXT, new_cid TEXT, new_hash TEXT,
     closed_at REAL, val_loss REAL, train_loss REAL, bytes INTEGER, tokens INTEGER,
     utilization REAL);

@@ -75,6 +75,11 @@ class Intake(Views):
                     now,
                 ),
             )
+            if req.compute_s > 0:  # the next round plans with the speed seen in this one
+                c.execute(
+                    "UPDATE peers SET step_time_s = ? WHERE peer_id = ?",
+                    (req.compute_s / req.inner_steps, req.peer_id),
+                )
         self._wake.set()
         log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
         return {"ok": True, "cid": req.cid}
@@ -89,11 +94,11 @@ class Intake(Views):
             raise Rejected(
                 409, f"round {req.round}.{req.attempt} is not open (open round: {now_open}): late"
             )
-        if req.start_hash != self.state.digest():
+        if req.start_hash != self.state_hash:
             raise Rejected(
                 409,
                 f"trained from weights {req.start_hash[:12]}, but round {req.round} starts "
-                f"from {self.state.digest()[:12]}",
+                f"from {self.state_hash[:12]}",
             )
         if self.db.one(
             "SELECT 1 FROM contributions WHERE round = ? AND attempt = ? AND peer_id = ?",
@@ -130,6 +135,7 @@ class Intake(Views):
                 self.blobs.put_verified(req.cid, data)
             except BlobError as e:
                 raise Rejected(409, f"could not fetch blob from the peer: {e}") from None
+            return data  # its hash and its size (req.size) were checked by the fetch
         size = self.blobs.size(req.cid)
         if size != req.size:
             raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")

@@ -83,6 +83,7 @@ class Coordinator(Intake, Views):
         self._evals: queue.Queue[TrainState | None] = queue.Queue()
         self._evaluator: threading.Thread | None = None
         self.state, self.state_cid = self._load_or_create()
+        self.state_hash = self.state.digest()  # hashed once per state, not per request
 
     # -- start-up and resume ----------------------------------------------------------------
 
@@ -246,7 +247,7 @@ class Coordinator(Intake, Views):
             if not self.finished() and len(alive) >= cfg.min_peers:
                 self._open(now)
             return
-        waiting_on = [m for m in current.members if m in alive and m not in current.dropped]
+        waiting_on = [m for m in current.members if m in alive]
         submitted = [
             r["peer_id"]
             for r in self.db.query(
@@ -280,8 +281,8 @@ class Coordinator(Intake, Views):
             c.execute("DELETE FROM rounds WHERE round = ?", (r,))
             c.execute(
                 "INSERT INTO rounds (round, attempt, status, opened_at, deadline, members, "
-                "assignments, dropped, start_cid, start_hash) "
-                "VALUES (?, ?, 'open', ?, ?, ?, ?, '[]', ?, ?)",
+                "assignments, start_cid, start_hash) "
+                "VALUES (?, ?, 'open', ?, ?, ?, ?, ?, ?)",
                 (
                     r,
                     attempt,
@@ -290,7 +291,7 @@ class Coordinator(Intake, Views):
                     json.dumps(members),
                     json.dumps(table),
                     self.state_cid,
-                    self.state.digest(),
+                    self.state_hash,
                 ),
             )
         log.info(
@@ -358,7 +359,7 @@ class Coordinator(Intake, Views):
                     "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
                     (new_state.round, new_cid, len(data), new_hash, now),
                 )
-        self.state, self.state_cid = new_state, new_cid
+        self.state, self.state_cid, self.state_hash = new_state, new_cid, new_hash
         log.info(
             "[round %d] committed: %d accepted, %d rejected, %s; weights %s",
             rnd.round,
@@ -438,7 +439,7 @@ class Coordinator(Intake, Views):
             run_id=self.run_id,
             round=rnd.round,
             attempt=rnd.attempt,
-            start_hash=self.state.digest(),
+            start_hash=self.state_hash,
             new_hash=new_hash,
             new_cid=new_cid,
             new_size=new_size,
@@ -478,6 +479,7 @@ class Coordinator(Intake, Views):
         for cid in self.blobs.cids():
             if cid not in keep and self.blobs.path(cid).stat().st_mtime < cutoff:
                 self.blobs.delete(cid)
+
 
 def _payload_estimate(strategy: Strategy, state: TrainState) -> int:
     """Bytes of one contribution, for deadline planning: encode a zero update once."""

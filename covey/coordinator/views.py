@@ -39,7 +39,6 @@ class OpenRound:
     deadline: float
     members: list[str]
     assignments: dict[str, dict[str, Any]]
-    dropped: list[str]
 
 
 class Views:
@@ -50,6 +49,7 @@ class Views:
     blobs: BlobStore
     state: TrainState
     state_cid: str
+    state_hash: str
     parameters: int
     corpus_fingerprint: str
 
@@ -64,7 +64,6 @@ class Views:
             row["deadline"],
             json.loads(row["members"]),
             json.loads(row["assignments"]),
-            json.loads(row["dropped"]),
         )
 
     def finished(self) -> bool:
@@ -76,14 +75,14 @@ class Views:
         if rnd is None:
             phase = "finished" if self.finished() else "waiting"
             return schemas.RoundInfo(run_id=self.run_id, phase=phase, round=self.state.round)
-        member = peer_id in rnd.members and peer_id not in rnd.dropped
+        member = peer_id in rnd.members
         return schemas.RoundInfo(
             run_id=self.run_id,
             phase="open",
             round=rnd.round,
             attempt=rnd.attempt,
             start_cid=self.state_cid,
-            start_hash=self.state.digest(),
+            start_hash=self.state_hash,
             start_size=self.blobs.size(self.state_cid),
             providers=self.state_providers(),
             deadline_in_s=rnd.deadline - time.time(),
@@ -200,7 +199,7 @@ class Views:
             "submitted": submitted,
             "bytes_total": total["b"] if total else 0,
             "coordinator_key": None,
-            "weights_hash": self.state.digest(),
+            "weights_hash": self.state_hash,
             "peers": peers,
             "rounds": rounds,
         }

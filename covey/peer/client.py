@@ -45,7 +45,7 @@ class CoordinatorClient:
         self.stop = stop or threading.Event()
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
 
-    def configure(self, timeout_s: float, retries: int, lost_s: float) -> None:
+    def configure(self, timeout_s: float, lost_s: float) -> None:
         """Adopt the run's limits once its spec is known."""
         self.timeout_s, self.lost_s = timeout_s, lost_s
         self._http.timeout = httpx.Timeout(timeout_s)

@@ -37,6 +37,7 @@ from covey.protocol.content import content_id
 
 log = logging.getLogger("covey.worker")
 KEEP_CONTRIBUTIONS = 4  # own contribution blobs kept on the blob server
+PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Worker:
             opts.coordinator, lost_s=opts.connect_timeout_s, stop=self.stop
         )
         self.state: TrainState | None = None
+        self.state_hash: str | None = None  # self.state.digest(), computed once
         self.rounds_done = 0
         self.store: BlobStore | None = None
         self.server: BlobServer | None = None
@@ -87,7 +89,7 @@ class Worker:
                 f"different covey versions?"
             )
         limits = self.cfg.limits
-        self.client.configure(limits.request_timeout_s, limits.retries, limits.coordinator_lost_s)
+        self.client.configure(limits.request_timeout_s, limits.coordinator_lost_s)
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)
         self.corpus = load_corpus(list(self.cfg.data.paths), self.cfg.data.val_fraction)
@@ -246,12 +248,12 @@ class Worker:
 
     def _sync_state(self, cid: str, digest: str, size: int, providers: list[str]) -> None:
         """Make the local canonical state the round's start state (download if needed)."""
-        if self.state is not None and self.state.digest() == digest:
+        if self.state_hash == digest:
             return
         state = self._download_state(cid, size, providers)
         if state.digest() != digest:
             raise RuntimeError(f"state {cid[:12]} does not hash to the round's {digest[:12]}")
-        self.state = state
+        self.state, self.state_hash = state, digest
         self.strategy.load_state(state)
         log.info(
             "[%s] loaded canonical state of round %d (%s)", self.peer_id, state.round, cid[:12]
@@ -286,7 +288,7 @@ class Worker:
                 raise Stopped()
             if done and self.strategy.flexible_steps:
                 per_step = compute_s / done
-                if time.monotonic() + per_step * 1.5 > deadline - self._upload_allowance():
+                if time.monotonic() + per_step * 1.5 > deadline - PUBLISH_ALLOWANCE_S:
                     log.warning(
                         "[%s] stopping at %d/%d steps to meet the deadline",
                         self.peer_id,
@@ -303,9 +305,6 @@ class Worker:
             compute_s += time.perf_counter() - t0
             done += 1
         return self.strategy.make_contribution(), loss_sum / done, compute_s
-
-    def _upload_allowance(self) -> float:
-        return 1.0
 
     def _batch(self, round: int, key: str, step: int) -> torch.Tensor:
         return sample_batch(
@@ -394,7 +393,7 @@ class Worker:
     def _apply(self, cert: schemas.Certificate) -> None:
         """Apply the accepted set; the result must hash to the certificate's new hash."""
         assert self.state is not None
-        if self.state.digest() != cert.start_hash:  # we missed something: take the result
+        if self.state_hash != cert.start_hash:  # we missed something: take the result
             self._resync(cert, "local start state differs from the certificate's")
             return
         contributions = []
@@ -408,12 +407,13 @@ class Worker:
             )
             contributions.append(Contribution(payload, a.tokens, a.inner_steps, a.fragment))
         new_state = self.strategy.apply_round(self.state, contributions)
-        matched = new_state.digest() == cert.new_hash
-        self._record(cert, new_state.digest(), matched)
+        new_hash = new_state.digest()
+        matched = new_hash == cert.new_hash
+        self._record(cert, new_hash, matched)
         if not matched:
-            self._resync(cert, f"weights hash {new_state.digest()[:12]} != certificate's")
+            self._resync(cert, f"weights hash {new_hash[:12]} != certificate's")
             return
-        self.state = new_state
+        self.state, self.state_hash = new_state, new_hash
         self.strategy.adopt(new_state)
         self._serve_state(new_state, cert.new_cid)
         log.info(
@@ -437,7 +437,7 @@ class Worker:
         state = self._download_state(cert.new_cid, cert.new_size, [])
         if state.digest() != cert.new_hash:
             raise RuntimeError(f"canonical state {cert.new_cid[:12]} fails its own hash")
-        self.state = state
+        self.state, self.state_hash = state, cert.new_hash
         self.strategy.load_state(state)
 
     def _serve_state(self, state: TrainState, cid: str) -> None:
