@@ -12,6 +12,7 @@ import typer
 from pydantic import ValidationError
 
 from covey.config import SimConfig, load_sim_config
+from covey.trust.ledger_cli import register as register_ledger
 
 app = typer.Typer(
     help="covey: train PyTorch models on decentralized compute with little communication.",
@@ -21,6 +22,7 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks (results go in BENCHMARKS.md).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+register_ledger(app)
 
 METHODS = "ddp, diloco, streaming, demo"
 
@@ -205,6 +207,67 @@ def bench_network(
         typer.echo(f"wrote {json_path}")
 
 
+@bench_app.command("trust")
+def bench_trust(
+    only: Annotated[
+        list[str] | None,
+        typer.Option(help="calibration, detection, cost, loss (repeat; default all)"),
+    ] = None,
+    rounds: Annotated[int, typer.Option(min=5, help="rounds per local run (cost, loss)")] = 30,
+    attack: Annotated[str, typer.Option(help="the cheat of the loss comparison")] = "sign-flip",
+    model: Annotated[str, typer.Option(help="GPT size for the calibration")] = "nano",
+    out: Annotated[Path | None, typer.Option(help="run directory")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+) -> None:
+    """The cost of trust: honest vs cheating re-execution distances (the tolerance's
+    calibration), detection probability against the sampling rate, validator compute as a
+    fraction of worker compute, and validation loss with one of four workers cheating."""
+    parts = only or ["calibration", "detection", "cost", "loss"]
+    unknown = set(parts) - {"calibration", "detection", "cost", "loss"}
+    if unknown:
+        raise _fail(f"--only takes calibration, detection, cost, loss; got {sorted(unknown)}")
+    from covey.peer.adversary import BEHAVIORS
+
+    if attack not in BEHAVIORS or attack == "honest":
+        raise _fail(f"--attack must be one of {', '.join(BEHAVIORS[1:])}; got {attack!r}")
+    from covey.bench import trust as bench
+
+    out = out or Path("runs") / time.strftime("bench-trust-%Y%m%d-%H%M%S")
+    results: dict[str, Any] = {}
+    if "calibration" in parts:
+        from covey.bench.trust_calibration import calibrate
+
+        results["calibration"] = calibrate(model_size=model)
+        typer.echo(json.dumps(results["calibration"]["summary"], indent=1))
+    if "detection" in parts:
+        results["detection"] = bench.detection()
+        for rate, row in results["detection"].items():
+            cells = ", ".join(
+                f"{h}: {v['measured']:.3f} ({v['expected']:.3f})" for h, v in row.items()
+            )
+            typer.echo(f"sample rate {rate}: detected {cells}")
+    if "cost" in parts:
+        run = bench.local_run(out / "cost", rounds, ["honest"] * 4)
+        results["cost"] = {"rounds": rounds, "compute": run["compute"], "wall_s": run["wall_s"]}
+        for phase, c in run["compute"].items():
+            typer.echo(
+                f"{phase}: {c['re-executed']}/{c['contributions']} re-executed; validator "
+                f"{c['validator_s']} s / workers {c['worker_s']} s = {c['fraction']:.1%}"
+            )
+    if "loss" in parts:
+        results["loss"] = bench.loss_under_attack(out / "loss", rounds, attack)
+        r = results["loss"]
+        typer.echo(
+            f"val loss after {rounds} rounds: honest {r['honest_val_loss']:.4f}, with one "
+            f"{attack} of 4: {r['attacked_val_loss']:.4f} ({r['relative']:+.2%}); "
+            f"caught: {r['caught']}"
+        )
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+        typer.echo(f"wrote {json_path}")
+
+
 @app.command()
 def demo(
     workers: Annotated[int, typer.Option(min=1, help="worker processes")] = 4,
@@ -216,6 +279,15 @@ def demo(
         bool,
         typer.Option("--chaos", help="every 15-25 s, SIGKILL a random worker and start another"),
     ] = False,
+    adversaries: Annotated[
+        int,
+        typer.Option(
+            min=0, help="how many of the workers cheat (sign-flip, lazy, noise, free-rider, ...)"
+        ),
+    ] = 0,
+    validators: Annotated[
+        int, typer.Option(min=0, help="validator processes re-executing sampled work")
+    ] = 1,
     model: Annotated[str, typer.Option(help="GPT size: nano micro mini small gpt2")] = "nano",
     seed: Annotated[int, typer.Option(help="seeds the model, the data and the chaos")] = 0,
     out: Annotated[
@@ -227,13 +299,17 @@ def demo(
 
     Prints the status page's address, shows rounds, validation loss, live peers and bytes
     as they happen, then writes metrics.jsonl, loss.png and summary.json to the run
-    directory. Ctrl-C stops every process and still writes what was committed."""
+    directory, and checks the run's ledger. With --adversaries N, N of the workers cheat
+    and the validators catch them. Ctrl-C stops every process and still writes what was
+    committed."""
     from covey.local.cluster import ClusterError
     from covey.local.demo import METHODS as DEMO_METHODS
     from covey.local.demo import run_local_demo
 
     if algorithm not in DEMO_METHODS:
         raise _fail(f"--algorithm must be one of {METHODS}, got {algorithm!r}")
+    if adversaries > workers:
+        raise _fail(f"--adversaries ({adversaries}) cannot exceed --workers ({workers})")
     out = out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     try:
         summary = run_local_demo(
@@ -241,6 +317,8 @@ def demo(
             minutes=minutes,
             algorithm=algorithm,
             chaos=chaos,
+            adversaries=adversaries,
+            validators=validators,
             out_dir=out,
             model=model,
             seed=seed,
@@ -316,7 +394,18 @@ def worker(
     coordinator: Annotated[
         str, typer.Option(help="the coordinator's URL")
     ] = "http://127.0.0.1:8470",
-    peer_id: Annotated[str | None, typer.Option(help="this peer's name; default random")] = None,
+    identity: Annotated[
+        Path | None,
+        typer.Option(help="Ed25519 key file, created on first use (mode 600); id = its hash"),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="name on the status page; default: the id's start")
+    ] = None,
+    stake: Annotated[float, typer.Option(min=0, help="credits staked when first joining")] = 0.0,
+    behavior: Annotated[
+        str,
+        typer.Option(help="tests and demos: honest, or a cheat (see covey.peer.adversary)"),
+    ] = "honest",
     threads: Annotated[int, typer.Option(help="torch CPU threads")] = 1,
     serve_blobs: Annotated[
         bool, typer.Option(help="serve contributions from our own blob server (else upload)")
@@ -340,14 +429,23 @@ def worker(
 ) -> None:
     """Join a run and train: fetch the canonical state, train each round's assignment,
     publish contributions, apply certified rounds. Ctrl-C / SIGTERM leave cleanly."""
+    from covey.peer.adversary import BEHAVIORS
+
     if slowdown < 1:
         raise _fail(f"--slowdown must be >= 1, got {slowdown}")
+    if behavior not in BEHAVIORS:
+        raise _fail(f"--behavior must be one of {', '.join(BEHAVIORS)}; got {behavior!r}")
+    _check_name(name)
     _logging(verbose)
     from covey.peer.worker import Worker, WorkerOptions
+    from covey.trust.identity import IdentityError
 
     opts = WorkerOptions(
         coordinator=coordinator,
-        peer_id=peer_id,
+        identity=identity,
+        name=name,
+        stake=stake,
+        behavior=behavior,
         threads=threads,
         serve_blobs=serve_blobs,
         blob_host=blob_host,
@@ -358,7 +456,62 @@ def worker(
         max_rounds=max_rounds,
         connect_timeout_s=connect_timeout,
     )
-    raise typer.Exit(Worker(opts).run())
+    try:
+        peer = Worker(opts)
+    except IdentityError as e:
+        raise _fail(str(e)) from None
+    raise typer.Exit(peer.run())
+
+
+def _check_name(name: str | None) -> None:
+    import re
+
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        raise _fail(f"--name may use letters, digits and _.- (1-64 of them), got {name!r}")
+
+
+@app.command()
+def validator(
+    coordinator: Annotated[
+        str, typer.Option(help="the coordinator's URL")
+    ] = "http://127.0.0.1:8470",
+    identity: Annotated[
+        Path | None,
+        typer.Option(help="Ed25519 key file (not a worker's), created on first use"),
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="name on the status page")] = None,
+    threads: Annotated[int, typer.Option(help="torch CPU threads")] = 1,
+    max_tasks: Annotated[
+        int | None, typer.Option(help="stop after re-executing this many contributions")
+    ] = None,
+    connect_timeout: Annotated[
+        float, typer.Option(help="seconds to keep trying to reach the coordinator at start")
+    ] = 120.0,
+    verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
+) -> None:
+    """Re-execute sampled contributions of a run and dispute the ones that disagree.
+
+    Each task is replayed from the round's start state on the same data; a disagreement
+    is narrowed to one segment of the worker's commitments, which the coordinator's
+    referee recomputes. Proven catches are paid in the run's ledger."""
+    _check_name(name)
+    _logging(verbose)
+    from covey.peer.validator import Validator, ValidatorOptions
+    from covey.trust.identity import IdentityError
+
+    opts = ValidatorOptions(
+        coordinator=coordinator,
+        identity=identity,
+        name=name,
+        threads=threads,
+        max_tasks=max_tasks,
+        connect_timeout_s=connect_timeout,
+    )
+    try:
+        checker = Validator(opts)
+    except IdentityError as e:
+        raise _fail(str(e)) from None
+    raise typer.Exit(checker.run())
 
 
 def main() -> None:

@@ -60,6 +60,12 @@ class DiLoCoConfig(Frozen):
     error_feedback: bool = Field(
         False, description="carry what the codec dropped into the next round's pseudo-gradient"
     )
+    inner_state: Literal["keep", "reset"] = Field(
+        "keep",
+        description="keep the inner optimizer's state across rounds (the paper), or reset it "
+        "each round, which makes a round's work a function of the round's start state alone "
+        "and so re-executable by validators",
+    )
 
 
 class StreamingDiLoCoConfig(DiLoCoConfig):
@@ -313,6 +319,57 @@ class LimitsConfig(Frozen):
     )
 
 
+class TrustConfig(Frozen):
+    """Verification, robust aggregation and incentives (../shared/DESIGN.md, "Trust",
+    "Incentives"). Amounts are in the run's credits; everything is derived from the ledger."""
+
+    min_stake: float = Field(0.0, ge=0, description="credits a peer must stake to join")
+    sample_rate: float = Field(
+        0.25, ge=0, le=1, description="share of accepted contributions validators re-execute"
+    )
+    new_peer_rate: float = Field(
+        1.0, ge=0, le=1, description="sampling rate for new and low-reputation peers"
+    )
+    new_peer_contributions: int = Field(
+        3, ge=0, description="a peer is new until this many of its contributions were accepted"
+    )
+    low_reputation: float = Field(
+        0.5, ge=0, le=1, description="below this reputation a peer is sampled as a new one"
+    )
+    commit_every: int = Field(
+        10, ge=1, description="k: a contribution commits to its state every k inner steps"
+    )
+    tolerance: float = Field(
+        0.02,
+        gt=0,
+        description="relative distance within which a re-execution agrees (calibrated: "
+        "see BENCHMARKS.md, covey bench trust)",
+    )
+    aggregation: Literal["mean", "trimmed_mean", "median"] = Field(
+        "trimmed_mean", description="how contributions combine after clipping"
+    )
+    trim_fraction: float = Field(
+        0.25, ge=0, lt=0.5, description="trimmed mean: share dropped at each end per coordinate"
+    )
+    clip_factor: float = Field(
+        2.0, ge=0, description="clip each contribution's norm to this x the round's median; 0 = off"
+    )
+    reward_per_token: float = Field(0.001, ge=0, description="credits per verified token")
+    slash_fraction: float = Field(
+        0.5, ge=0, le=1, description="share of stake lost on proven fraud (and excluded)"
+    )
+    catch_reward: float = Field(10.0, ge=0, description="credits to a validator per proven catch")
+    challenge_rounds: int = Field(
+        2, ge=0, description="a contribution is paid this many rounds after it, unless disputed"
+    )
+    verify_timeout_s: float = Field(
+        120.0, gt=0, description="a claimed verification not reported in time goes back"
+    )
+    nonce_window_s: float = Field(
+        300.0, gt=0, description="signed requests older (or newer) than this are refused"
+    )
+
+
 class RunConfig(Frozen):
     """A training run served by `covey coordinator`. Its hash is the run id."""
 
@@ -323,6 +380,7 @@ class RunConfig(Frozen):
     algorithm: AlgorithmConfig = DiLoCoConfig()
     rounds: RoundsConfig = RoundsConfig()
     limits: LimitsConfig = LimitsConfig()
+    trust: TrustConfig = TrustConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -1,6 +1,7 @@
 """Bad input against a real coordinator process: each request gets a clear 4xx, is
 logged, changes nothing, and the coordinator keeps serving. The test itself is the only
-peer (it joins and heartbeats), so it controls exactly what is submitted."""
+peer (it joins and heartbeats, signing with its own key), so it controls exactly what is
+submitted, and it forges, replays and re-targets signatures."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from covey.algorithms.codecs import get_codec
 from covey.local.cluster import LocalCluster
 from covey.protocol.content import content_id
+from covey.trust.identity import Identity, request_message
 
 pytestmark = pytest.mark.network
 
@@ -45,31 +47,41 @@ class Peer:
     def __init__(self, cluster: LocalCluster) -> None:
         self.http = httpx.Client(base_url=cluster.url, timeout=10, trust_env=False)
         self.run_id = cluster.get("/v1/run")["run_id"]
-        join = {"run_id": self.run_id, "peer_id": "tester", "step_time_s": 0.01}
-        assert self.http.post("/v1/join", json=join).status_code == 200
+        self.key = Identity.generate()
+        self.id = self.key.peer_id
+        join = {
+            "run_id": self.run_id,
+            "peer_id": self.id,
+            "public_key": self.key.public_key,
+            "name": "tester",
+            "step_time_s": 0.01,
+        }
+        assert self.http.post("/v1/join", json=self.key.sign_request(join)).status_code == 200
         self.stop = threading.Event()
         self.beats = threading.Thread(target=self._beat, daemon=True)
         self.beats.start()
 
     def _beat(self) -> None:
-        body = {"run_id": self.run_id, "peer_id": "tester"}
+        body = {"run_id": self.run_id, "peer_id": self.id}
         while not self.stop.wait(1.0):
-            self.http.post("/v1/heartbeat", json=body)
+            self.http.post("/v1/heartbeat", json=self.key.sign_request(body))
 
     def contribution(self, cid: str, size: int, **changes: Any) -> dict[str, Any]:
-        info = self.http.get("/v1/round", params={"peer_id": "tester"}).json()
+        """A signed contribution (signed for the body's round, after `changes`)."""
+        info = self.http.get("/v1/round", params={"peer_id": self.id}).json()
         body = {
             "run_id": self.run_id,
             "round": info["round"],
             "attempt": info["attempt"],
-            "peer_id": "tester",
+            "peer_id": self.id,
             "cid": cid,
             "start_hash": info["start_hash"],
             "size": size,
             "tokens": 4 * 64 * 4,
             "inner_steps": 4,
         }
-        return {**body, **changes}
+        body = {**body, **changes}
+        return self.key.sign_request(body, body["round"])
 
     def upload(self, data: bytes) -> str:
         cid = content_id(data)
@@ -117,7 +129,8 @@ CASES = {
         "/v1/join", json={"run_id": p.run_id, "peer_id": "x", "step_time_s": "fast"}
     ),
     "unknown field": lambda p: p.http.post(
-        "/v1/heartbeat", json={"run_id": p.run_id, "peer_id": "tester", "admin": True}
+        "/v1/heartbeat",
+        json=p.key.sign_request({"run_id": p.run_id, "peer_id": p.id, "admin": True}),
     ),
     "oversized json": lambda p: p.http.post(
         "/v1/join", json={"run_id": p.run_id, "peer_id": "x", "device": "y" * 5000}
@@ -200,11 +213,58 @@ def test_bad_contributions_are_refused(world: tuple[LocalCluster, Peer]) -> None
     assert submit(peer.contribution(good_cid, len(good))).status_code == 200
     status = cluster.wait_for(lambda s: s["committed_rounds"] == before[1] + 1, 60, "the commit")
     cert = cluster.get(f"/v1/rounds/{rnd}/certificate")
-    assert [a["peer_id"] for a in cert["accepted"]] == ["tester"]
+    assert [a["name"] for a in cert["accepted"]] == ["tester"]
     assert status["weights_hash"] == cert["new_hash"] != before[0]
     # once the round is closed, a contribution for it is late, and says so
-    late = {**peer.contribution(good_cid, len(good)), "round": rnd}
+    late = peer.contribution(good_cid, len(good), round=rnd)
     refused(cluster, submit(late), 409, "late")
+
+
+def test_forged_replayed_and_retargeted_signatures(world: tuple[LocalCluster, Peer]) -> None:
+    """A wrong key, an altered body, a replayed request, and signatures made for another
+    run or another round are all refused with 401, and change nothing."""
+    cluster, peer = world
+    payload = fp32_payload(torch.full((NUMEL,), 2e-3))
+    cid = peer.upload(payload)
+    before = snapshot(cluster)
+    rnd = before[2]
+    url = f"/v1/rounds/{rnd}/contributions"
+    good = peer.contribution(cid, len(payload))
+
+    mallory = Identity.generate()  # signs as if it were the tester
+    forged = mallory.sign_request({k: v for k, v in good.items() if k != "nonce"}, rnd)
+    refused(cluster, peer.http.post(url, json=forged), 401, "signature does not verify")
+    altered = {**good, "tokens": good["tokens"] - 1}  # signed body, then changed
+    refused(cluster, peer.http.post(url, json=altered), 401, "signature does not verify")
+    # signed for the next round, then sent as this round's (body says this round)
+    wrong_round = {**good, "signature": peer.key.sign_request(good, rnd + 1)["signature"]}
+    refused(cluster, peer.http.post(url, json=wrong_round), 401, "signature does not verify")
+    # a signature made for another run's id, with the run id then set to this run
+    other = {**good, "run_id": "f" * 16}
+    other = {**peer.key.sign_request(other, rnd), "run_id": peer.run_id}
+    refused(cluster, peer.http.post(url, json=other), 401, "signature does not verify")
+    old = {**good, "nonce": "1000000000000-0000000000000000"}  # 2001: far outside the window
+    old["signature"] = peer.key.sign(request_message(old, rnd))
+    refused(cluster, peer.http.post(url, json=old), 401, "old")
+    # heartbeats too: a forged one, then a replay of a genuine one
+    beat = peer.key.sign_request({"run_id": peer.run_id, "peer_id": peer.id})
+    assert peer.http.post("/v1/heartbeat", json=beat).status_code == 200
+    refused(cluster, peer.http.post("/v1/heartbeat", json=beat), 401, "replayed")
+    fake_beat = mallory.sign_request({"run_id": peer.run_id, "peer_id": peer.id})
+    refused(cluster, peer.http.post("/v1/heartbeat", json=fake_beat), 401, "signature")
+    # a join whose id is not its key's hash
+    join = {
+        "run_id": peer.run_id,
+        "peer_id": peer.id,
+        "public_key": mallory.public_key,
+        "step_time_s": 0.01,
+    }
+    refused(cluster, peer.http.post("/v1/join", json=mallory.sign_request(join)), 400, "hash")
+    assert snapshot(cluster)[:4] == before[:4]
+
+    # the genuine request is accepted once; sent again verbatim it is a replay
+    assert peer.http.post(url, json=good).status_code == 200, "genuine contribution refused"
+    refused(cluster, peer.http.post(url, json=good), 401, "replayed")
 
 
 def test_openapi_document_is_served(world: tuple[LocalCluster, Peer]) -> None:

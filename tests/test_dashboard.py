@@ -342,7 +342,7 @@ def test_dashboard_served_by_a_real_coordinator(chromium: str, tmp_path: Path) -
         )
         doc = parse(render_dom(cluster.url + "/"))
     rows = doc.by_id("peers").find("tbody")[0].find("tr")
-    assert {tr.attrs["data-peer"] for tr in rows} == {"w0", "w1"}
+    assert {tr.attrs["data-peer"] for tr in rows} == {cluster.ids["w0"], cluster.ids["w1"]}
     assert doc.by_id("run-name").text == "dashboard"
     round_rows = doc.by_id("rounds").find("tbody")[0].find("tr")
     assert len(round_rows) >= len(status["rounds"]) >= 3

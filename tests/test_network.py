@@ -41,9 +41,7 @@ def make_cluster(
     tmp_path: Path, name: str, inner_steps: int = 6, deadline_min_s: float = 4
 ) -> LocalCluster:
     spec = tmp_path / "run.toml"
-    spec.write_text(
-        SPEC.format(name=name, inner_steps=inner_steps, deadline_min_s=deadline_min_s)
-    )
+    spec.write_text(SPEC.format(name=name, inner_steps=inner_steps, deadline_min_s=deadline_min_s))
     cluster = LocalCluster(spec, tmp_path)
     cluster.start_coordinator()
     return cluster
@@ -78,9 +76,9 @@ def test_three_workers_train_and_agree_on_every_round(tmp_path: Path) -> None:
         certs = certificates(cluster, status["committed_rounds"])
     assert_chain(certs)
     assert all(len(c["accepted"]) >= 1 for c in certs)
-    assert any({a["peer_id"] for a in c["accepted"]} == {"w0", "w1", "w2"} for c in certs)
+    assert any({a["name"] for a in c["accepted"]} == {"w0", "w1", "w2"} for c in certs)
     for a in (a for c in certs for a in c["accepted"]):
-        assert bool(a["providers"]) == (a["peer_id"] != "w2"), a  # w2's come from the relay
+        assert bool(a["providers"]) == (a["name"] != "w2"), a  # w2's come from the relay
     # every peer computed every certified round's weights itself, bit for bit
     by_round = {c["round"]: c["new_hash"] for c in certs}
     for w in ("w0", "w1", "w2"):
@@ -102,9 +100,11 @@ def test_sigkill_worker_mid_round_round_closes_without_it(tmp_path: Path) -> Non
         cluster.start_worker("w1")
         cluster.start_worker("slow", "--slowdown", "6")
         cluster.wait_for(
-            lambda s: s["phase"] == "open"
-            and s["committed_rounds"] >= 1
-            and any(p["peer_id"] == "slow" and p["state"] == "training" for p in s["peers"]),
+            lambda s: (
+                s["phase"] == "open"
+                and s["committed_rounds"] >= 1
+                and any(p["name"] == "slow" and p["state"] == "training" for p in s["peers"])
+            ),
             180,
             "a round with the slow worker training",
         )
@@ -114,10 +114,10 @@ def test_sigkill_worker_mid_round_round_closes_without_it(tmp_path: Path) -> Non
         # no deathrattle: the coordinator notices the silence (6 s) or the deadline passes
         status = cluster.wait_for(committed(victim_round + 3), 120, "3 rounds after the kill")
         cert = cluster.get(f"/v1/rounds/{victim_round}/certificate")
-        peers = {p["peer_id"]: p for p in status["peers"]}
-    assert "slow" not in {a["peer_id"] for a in cert["accepted"]}
-    assert {a["peer_id"] for a in cert["accepted"]} == {"w0", "w1"}
-    assert "slow" in {r["peer_id"] for r in cert["rejected"]}
+        peers = {p["name"]: p for p in status["peers"]}
+    assert "slow" not in {a["name"] for a in cert["accepted"]}
+    assert {a["name"] for a in cert["accepted"]} == {"w0", "w1"}
+    assert "slow" in {r["name"] for r in cert["rejected"]}
     assert peers["slow"]["state"] == "dead" and not peers["slow"]["alive"]
 
 
@@ -132,12 +132,12 @@ def test_joiner_downloads_canonical_state_and_is_accepted(tmp_path: Path) -> Non
         cluster.wait_for(committed(3), 180, "3 rounds before the join")
         cluster.start_worker("late")
         status = cluster.wait_for(
-            lambda s: any(p["peer_id"] == "late" and p["contributions"] >= 2 for p in s["peers"]),
+            lambda s: any(p["name"] == "late" and p["contributions"] >= 2 for p in s["peers"]),
             180,
             "the joiner's contributions to be accepted",
         )
         certs = certificates(cluster, status["committed_rounds"])
-    joined = [c for c in certs if "late" in {a["peer_id"] for a in c["accepted"]}]
+    joined = [c for c in certs if "late" in {a["name"] for a in c["accepted"]}]
     assert joined and joined[0]["round"] >= 3  # it entered mid-run, from the canonical state
     log = (tmp_path / "logs" / "late.log").read_text()
     assert "loaded canonical state of round" in log
@@ -155,9 +155,11 @@ def test_sigterm_sends_deathrattle_and_round_does_not_wait(tmp_path: Path) -> No
         cluster.start_worker("w0")
         cluster.start_worker("slow", "--slowdown", "8")
         cluster.wait_for(
-            lambda s: s["committed_rounds"] >= 1
-            and s["phase"] == "open"
-            and any(p["peer_id"] == "slow" and p["state"] == "training" for p in s["peers"]),
+            lambda s: (
+                s["committed_rounds"] >= 1
+                and s["phase"] == "open"
+                and any(p["name"] == "slow" and p["state"] == "training" for p in s["peers"])
+            ),
             240,
             "a round with the slow worker training",
         )
@@ -168,9 +170,9 @@ def test_sigterm_sends_deathrattle_and_round_does_not_wait(tmp_path: Path) -> No
         # long before the 30 s minimum deadline or the 6 s silence rule would matter
         status = cluster.wait_for(committed(victim_round + 1), 60, "the round to close")
         cert = cluster.get(f"/v1/rounds/{victim_round}/certificate")
-    peers = {p["peer_id"]: p for p in status["peers"]}
+    peers = {p["name"]: p for p in status["peers"]}
     assert peers["slow"]["state"] == "left"
-    assert [a["peer_id"] for a in cert["accepted"]] == ["w0"]
+    assert [a["name"] for a in cert["accepted"]] == ["w0"]
     assert cert["reason"] == "every live member submitted"
     assert "left: shutdown" in (tmp_path / "logs" / "coordinator.log").read_text()
 
@@ -213,17 +215,15 @@ def test_slow_peer_gets_a_smaller_budget_and_weighs_its_tokens(tmp_path: Path) -
         cluster.start_worker("fast")
         cluster.start_worker("slow", "--slowdown", "25")
         cluster.wait_for(
-            lambda s: any(
-                p["peer_id"] == "slow" and p["contributions"] >= 2 for p in s["peers"]
-            ),
+            lambda s: any(p["name"] == "slow" and p["contributions"] >= 2 for p in s["peers"]),
             180,
             "two rounds with the slow peer",
         )
         certs = certificates(cluster, cluster.status()["committed_rounds"])
-    both = [c for c in certs if {a["peer_id"] for a in c["accepted"]} == {"fast", "slow"}]
+    both = [c for c in certs if {a["name"] for a in c["accepted"]} == {"fast", "slow"}]
     assert both
     for cert in both:
-        by = {a["peer_id"]: a for a in cert["accepted"]}
+        by = {a["name"]: a for a in cert["accepted"]}
         assert by["slow"]["inner_steps"] < by["fast"]["inner_steps"]
         total = by["slow"]["tokens"] + by["fast"]["tokens"]
         assert by["slow"]["weight"] == pytest.approx(by["slow"]["tokens"] / total)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from covey.algorithms.aggregation import Aggregator, WeightedMean
+from covey.algorithms.aggregation import (
+    Aggregator,
+    CoordinateMedian,
+    NormClip,
+    TrimmedMean,
+    WeightedMean,
+    build_aggregator,
+)
 from covey.algorithms.base import Contribution, LossFn, RoundError, Strategy, TrainState
 from covey.algorithms.codecs import get_codec
 from covey.algorithms.ddp import DDP
@@ -17,13 +24,17 @@ __all__ = [
     "DDP",
     "Aggregator",
     "Contribution",
+    "CoordinateMedian",
     "DeMo",
     "DiLoCo",
+    "NormClip",
     "RoundError",
     "Strategy",
     "StreamingDiLoCo",
     "TrainState",
+    "TrimmedMean",
     "WeightedMean",
+    "build_aggregator",
     "build_strategy",
 ]
 

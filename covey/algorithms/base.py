@@ -12,6 +12,13 @@ peer that receives the same accepted set computes bit-identical weights, and a v
 recompute it. Two more calls move canonical state into the worker: `load_state` (a full
 reset: at start or when joining) and `adopt` (after each round; Streaming DiLoCo merges
 one fragment here instead of copying everything).
+
+For verification (covey/trust/verify.py) a strategy also exposes its worker-local state:
+`local_state()` is everything the next inner steps depend on besides the round's canonical
+start (parameters, inner optimizer moments, DeMo's momentum), and `load_local_state` puts it
+back so that training continues bit for bit. `reexecutable` says whether a round's
+contribution is a pure function of (start state, batches), which is what lets a validator
+re-execute it.
 """
 
 from __future__ import annotations
@@ -122,6 +129,13 @@ class Strategy(ABC):
     #: inner steps of the next round that run while this round's bytes are in flight
     overlap_steps: int = 0
 
+    @property
+    def reexecutable(self) -> bool:
+        """Whether a round's contribution is a pure function of (the round's start state,
+        its batches): then a validator holding both can recompute it. False when the worker
+        carries state of its own from round to round (momentum, residuals, merged weights)."""
+        return False
+
     def __init__(
         self, model: nn.Module, loss_fn: LossFn, codec: Codec, aggregator: Aggregator | None = None
     ) -> None:
@@ -163,6 +177,58 @@ class Strategy(ABC):
 
     @abstractmethod
     def inner_step(self, batch: torch.Tensor) -> float: ...
+
+    # -- worker-local state (verification) -------------------------------------------------
+
+    def local_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Everything the next inner steps depend on, besides the round's canonical start
+        (which `load_state` sets): "param/<name>" for each parameter plus the strategy's own
+        tensors (see `_local_extras`). Names and shapes are fixed for a given model and
+        config, whatever has happened so far, so any two local states can be compared.
+
+        copy=False returns the live tensors (or zeros standing in for state not created
+        yet): read them at once; writing to them writes the strategy's state."""
+        out = {f"param/{n}": p.detach() for n, p in self.model.named_parameters()}
+        out.update(self._local_extras())
+        return {k: v.clone() for k, v in out.items()} if copy else out
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore a `local_state()` exactly: the next inner steps are then bit-identical to
+        those of the strategy it was taken from. Call `load_state(start_state)` first: the
+        canonical start is not part of the local state.
+
+        ValueError naming the first missing, unexpected, mis-shaped, mis-typed or
+        non-finite entry; nothing changes then."""
+        expected = self.local_state(copy=False)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(f"local state lacks {missing[0]!r} ({len(missing)} entries missing)")
+        unexpected = sorted(set(state) - set(expected))
+        if unexpected:
+            raise ValueError(f"local state has unexpected entry {unexpected[0]!r}")
+        for name in sorted(expected):
+            got, want = state[name], expected[name]
+            if not isinstance(got, torch.Tensor):
+                raise ValueError(f"local state entry {name!r} is a {type(got).__name__}")
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise ValueError(
+                    f"local state entry {name!r} is {tuple(got.shape)} {got.dtype}, "
+                    f"expected {tuple(want.shape)} {want.dtype}"
+                )
+            if got.is_floating_point() and not bool(torch.isfinite(got).all()):
+                raise ValueError(f"local state entry {name!r} has NaN or Inf values")
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(state[f"param/{n}"])
+        self._load_local_extras({k: v for k, v in state.items() if not k.startswith("param/")})
+
+    def _local_extras(self) -> dict[str, torch.Tensor]:
+        """The strategy's own local tensors (live), named "optim/..."; none by default."""
+        return {}
+
+    def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
+        """Install checked `_local_extras` tensors (copies of them); nothing by default."""
+        return None
 
     def make_contribution(self) -> Contribution:
         """This round's work as a Contribution; resets the token and step counters.

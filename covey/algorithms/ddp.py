@@ -40,6 +40,18 @@ class DDP(Strategy):
         self.cfg = cfg
         self._grad: torch.Tensor | None = None
 
+    @property
+    def reexecutable(self) -> bool:
+        """One gradient at the canonical weights: nothing local carries over."""
+        return True
+
+    def load_state(self, state: TrainState) -> None:
+        super().load_state(state)
+        self._grad = None  # a step taken from another state is not this round's work
+
+    def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
+        self._grad = None
+
     def inner_step(self, batch: torch.Tensor) -> float:
         if self._grad is not None:
             raise RuntimeError("DDP takes one inner step per round; call make_contribution")

@@ -41,6 +41,17 @@ class DeMo(Strategy):
         self.cfg = cfg
         self.momentum = torch.zeros(sum(p.numel() for p in model.parameters()))
 
+    @property
+    def reexecutable(self) -> bool:
+        """The momentum buffer carries over from round to round."""
+        return False
+
+    def _local_extras(self) -> dict[str, torch.Tensor]:
+        return {"optim/momentum": self.momentum}
+
+    def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
+        self.momentum = extras["optim/momentum"].clone()
+
     def inner_step(self, batch: torch.Tensor) -> float:
         loss = self.forward_backward(batch)
         grad = flatten([p.grad for p in self.model.parameters()])

@@ -8,6 +8,12 @@ lr 0.7, momentum 0.9). Inner optimizer states never leave the worker.
 With `error_feedback`, what the codec dropped is kept locally and added to the next
 round's pseudo-gradient (as DeMo does for its momentum, arXiv 2411.19870): covey's
 combination of DiLoCo with DCT top-k / int4 compression.
+
+With `inner_state = "reset"` the inner optimizer starts fresh whenever the worker takes a
+canonical state (`load_state`, `adopt`): every round then starts from (W_r, fresh AdamW),
+so a round's contribution is a pure function of W_r and the round's batches, and a
+validator can re-execute it (covey/trust/verify.py). "keep" carries the moments across
+rounds, as the paper does.
 """
 
 from __future__ import annotations
@@ -50,9 +56,55 @@ class DiLoCo(Strategy):
         self._start: torch.Tensor | None = None  # flat start weights of the current round
         self._residual: torch.Tensor | None = None  # error feedback
 
+    @property
+    def reexecutable(self) -> bool:
+        """Only a reset inner optimizer and no carried residual make a round a pure function
+        of its start state and batches."""
+        return self.cfg.inner_state == "reset" and not self.cfg.error_feedback
+
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
         self._start = flatten([state.params[n] for n in self.names])
+        if self.cfg.inner_state == "reset":
+            self.reset_inner_optimizer()
+
+    def reset_inner_optimizer(self) -> None:
+        """A fresh inner optimizer: no moments, step count 0."""
+        self.inner_opt = make_inner_optimizer(self.model, self.cfg.optim)
+
+    def _fresh_inner_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What torch.optim puts in a parameter's state on its first step, before updating
+        it: zero moments and a float step count (none for SGD without momentum). A fresh
+        optimizer and one holding exactly these tensors take bit-identical steps."""
+        if self.cfg.optim.name == "sgd":
+            return {}
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return {
+            "step": torch.tensor(0.0, dtype=scalar),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+
+    def _local_extras(self) -> dict[str, torch.Tensor]:
+        """Each inner optimizer tensor as "optim/<name>/<key>"; zeros before the first step."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            fresh = self._fresh_inner_state(p)
+            have = self.inner_opt.state.get(p) or fresh  # .get: the state is a defaultdict
+            if set(have) != set(fresh):
+                raise RuntimeError(
+                    f"inner optimizer state of {name} has keys {sorted(have)}, covey knows "
+                    f"{sorted(fresh)}: a torch version covey does not support?"
+                )
+            out.update({f"optim/{name}/{k}": t.detach() for k, t in have.items()})
+        return out
+
+    def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
+        self.reset_inner_optimizer()
+        for name, p in self.model.named_parameters():
+            fresh = self._fresh_inner_state(p)
+            if fresh:
+                self.inner_opt.state[p] = {k: extras[f"optim/{name}/{k}"].clone() for k in fresh}
 
     def inner_step(self, batch: torch.Tensor) -> float:
         loss = self.forward_backward(batch)

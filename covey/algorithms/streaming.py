@@ -63,6 +63,11 @@ class StreamingDiLoCo(DiLoCo):
         self._global: dict[str, torch.Tensor] = {}
         self._round = 0  # the round whose contribution this worker makes next
 
+    @property
+    def reexecutable(self) -> bool:
+        """The local weights carry over from round to round (only one fragment is merged)."""
+        return False
+
     def fragment_of(self, round: int) -> int:
         return round % self.cfg.fragments
 
@@ -86,6 +91,8 @@ class StreamingDiLoCo(DiLoCo):
             for name in fragment:
                 params[name].mul_(alpha).add_(state.params[name], alpha=1 - alpha)
         self._global = dict(state.params)
+        if self.cfg.inner_state == "reset":
+            self.reset_inner_optimizer()
 
     def encode_work(self) -> tuple[bytes, int | None]:
         p = self.fragment_of(self._round)

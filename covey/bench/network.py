@@ -438,7 +438,8 @@ def run_one(
         ])  # fmt: skip
         for name in names[1:]:
             procs.spawn(name, [
-                "worker", "--coordinator", url, "--peer-id", name,
+                "worker", "--coordinator", url, "--name", name,
+                "--identity", str(run_dir / "keys" / f"{name}.key"),
                 "--store-dir", str(run_dir / "peers" / name), "--threads", "1",
                 "--blob-host", tb.hosts[name].ip, "--bandwidth-mbps", f"{mbit:g}",
             ])  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -126,18 +127,23 @@ def create_app(coord: Coordinator) -> FastAPI:
         """Live peers, rounds, losses and bytes (the dashboard's feed)."""
         return coord.status()
 
+    # Signed requests: the signature covers the body exactly as sent, so handlers read the
+    # raw JSON (FastAPI has already parsed and validated it into the model) and pass both.
+
     @app.post("/v1/join")
-    def join(req: schemas.JoinRequest) -> schemas.JoinReply:
-        return coord.join(req)
+    async def join(req: schemas.JoinRequest, request: Request) -> schemas.JoinReply:
+        """Register (the first time: ledger entries for the join and its stake) and go live.
+        The peer id must be the hash of the public key that signs the request."""
+        return await run_in_threadpool(coord.join, req, await request.json())
 
     @app.post("/v1/heartbeat")
-    def heartbeat(req: schemas.HeartbeatRequest) -> dict[str, Any]:
-        return coord.heartbeat(req)
+    async def heartbeat(req: schemas.HeartbeatRequest, request: Request) -> dict[str, Any]:
+        return await run_in_threadpool(coord.heartbeat, req, await request.json())
 
     @app.post("/v1/leave")
-    def leave(req: schemas.LeaveRequest) -> dict[str, Any]:
+    async def leave(req: schemas.LeaveRequest, request: Request) -> dict[str, Any]:
         """The deathrattle: sent on Ctrl-C or SIGTERM, so no round waits for this peer."""
-        return coord.leave(req)
+        return await run_in_threadpool(coord.leave, req, await request.json())
 
     @app.get("/v1/round")
     def current_round(peer_id: str | None = Query(None, max_length=64)) -> schemas.RoundInfo:
@@ -145,8 +151,11 @@ def create_app(coord: Coordinator) -> FastAPI:
         return coord.round_info(peer_id)
 
     @app.post("/v1/rounds/{round}/contributions")
-    def submit(round: int, req: schemas.ContributionRequest) -> dict[str, Any]:
-        return coord.submit(round, req)
+    async def submit(
+        round: int, req: schemas.ContributionRequest, request: Request
+    ) -> dict[str, Any]:
+        """A contribution's metadata and commitments, signed for this run and round."""
+        return await run_in_threadpool(coord.submit, round, req, await request.json())
 
     @app.get("/v1/rounds/{round}/certificate")
     async def certificate(
@@ -160,6 +169,41 @@ def create_app(coord: Coordinator) -> FastAPI:
         while coord.state.round <= round and loop.time() < give_up:
             await asyncio.sleep(0.02)
         return coord.certificate(round)
+
+    @app.post("/v1/validators/join")
+    async def validator_join(req: schemas.ValidatorJoin, request: Request) -> dict[str, Any]:
+        return await run_in_threadpool(coord.validator_join, req, await request.json())
+
+    @app.post("/v1/verify/claim")
+    async def claim(req: schemas.ClaimRequest, request: Request) -> dict[str, Any]:
+        """A sampled contribution to re-execute ({"task": null} when there is none)."""
+        return await run_in_threadpool(coord.claim, req, await request.json())
+
+    @app.post("/v1/verify/report")
+    async def report(req: schemas.VerifyReport, request: Request) -> dict[str, Any]:
+        """A re-execution's outcome; a disagreement opens a dispute the referee settles."""
+        return await run_in_threadpool(coord.report, req, await request.json())
+
+    @app.get("/v1/ledger")
+    def ledger_entries(
+        start: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=5000)
+    ) -> list[dict[str, Any]]:
+        """Ledger entries from `start`, each with its hash and the coordinator's signature."""
+        return coord.accounts.entries(start, limit)
+
+    @app.get("/v1/ledger/balances")
+    def ledger_balances() -> dict[str, Any]:
+        """Balances, stakes, reputation and ownership as the coordinator's book has them
+        (`covey ledger verify URL` recomputes them from the entries)."""
+        return coord.accounts.book.summary()
+
+    @app.get("/v1/ledger/receipt")
+    def receipt(round: int = Query(ge=0), peer_id: str = Query(max_length=64)) -> dict[str, Any]:
+        """The signed ledger entry accepting this peer's contribution to this round."""
+        entry = coord.accounts.find("contribution accepted", round=round, peer_id=peer_id)
+        if entry is None:
+            raise Rejected(404, f"no accepted contribution of {peer_id[:12]} in round {round}")
+        return entry
 
     @app.get("/v1/checkpoints")
     def checkpoints() -> list[schemas.CheckpointEntry]:

@@ -17,12 +17,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from covey.trust.ledger import LEDGER_SCHEMA
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS peers (
     peer_id TEXT PRIMARY KEY, device TEXT, step_time_s REAL, bandwidth_mbps REAL,
     accepts_connections INTEGER, blob_url TEXT, joined_at REAL, last_seen REAL,
-    state TEXT NOT NULL, contributions INTEGER NOT NULL DEFAULT 0);
+    state TEXT NOT NULL, contributions INTEGER NOT NULL DEFAULT 0,
+    public_key TEXT, name TEXT, role TEXT NOT NULL DEFAULT 'worker');
 CREATE TABLE IF NOT EXISTS rounds (
     round INTEGER PRIMARY KEY, attempt INTEGER NOT NULL, status TEXT NOT NULL,
     opened_at REAL, deadline REAL, members TEXT, assignments TEXT,
@@ -32,7 +35,18 @@ CREATE TABLE IF NOT EXISTS rounds (
 CREATE TABLE IF NOT EXISTS contributions (
     round INTEGER, attempt INTEGER, peer_id TEXT, cid TEXT, size INTEGER, tokens INTEGER,
     inner_steps INTEGER, fragment INTEGER, train_loss REAL, compute_s REAL, wall_s REAL,
-    submitted_at REAL, PRIMARY KEY (round, attempt, peer_id));
+    submitted_at REAL, request_id TEXT, nonce TEXT, signature TEXT, commitments TEXT,
+    PRIMARY KEY (round, attempt, peer_id));
+CREATE INDEX IF NOT EXISTS contributions_cid ON contributions (cid);
+CREATE TABLE IF NOT EXISTS nonces (
+    peer_id TEXT, nonce TEXT, at REAL, PRIMARY KEY (peer_id, nonce));
+CREATE TABLE IF NOT EXISTS verifications (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, round INTEGER NOT NULL, peer_id TEXT NOT NULL,
+    status TEXT NOT NULL, validator_id TEXT, claimed_at REAL, report TEXT,
+    UNIQUE (round, peer_id));
+CREATE TABLE IF NOT EXISTS payouts (
+    round INTEGER, peer_id TEXT, tokens INTEGER, status TEXT NOT NULL,
+    PRIMARY KEY (round, peer_id));
 CREATE TABLE IF NOT EXISTS rejections (
     id INTEGER PRIMARY KEY AUTOINCREMENT, round INTEGER, attempt INTEGER, peer_id TEXT,
     reason TEXT, at REAL);
@@ -53,7 +67,7 @@ class Database:
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(SCHEMA)
+        self._conn.executescript(SCHEMA + LEDGER_SCHEMA)
         self.lock = threading.RLock()
 
     @contextmanager

@@ -7,6 +7,7 @@ certificate, and changes nothing else.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -15,12 +16,15 @@ from typing import TYPE_CHECKING, Any
 from covey.algorithms import Contribution, RoundError
 from covey.peer.blobs import BlobError
 from covey.protocol import schemas
+from covey.trust.identity import body_content_id
 
 from .views import Rejected, Views
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy
     from covey.peer.blobs import BlobClient
+
+    from .accounts import Accounts
 
 log = logging.getLogger("covey.coordinator")
 
@@ -31,23 +35,40 @@ class Intake(Views):
     fetcher: BlobClient
     seq_len: int
     _wake: threading.Event
+    accounts: Accounts
+    authenticate: Any
+    _check_not_banned: Any
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.run_id:
             raise Rejected(409, f"run_id {run_id} is not this coordinator's run {self.run_id}")
 
-    def submit(self, round_: int, req: schemas.ContributionRequest) -> dict[str, Any]:
+    def submit(
+        self, round_: int, req: schemas.ContributionRequest, raw: dict[str, Any]
+    ) -> dict[str, Any]:
         """Check a contribution completely, then record it. Any failure is a `Rejected`
-        (also logged, and listed in the round's certificate) and records nothing else."""
+        (also logged, listed in the round's certificate and, once the sender is
+        authenticated, in the ledger) and records nothing else."""
+        self._check_run(req.run_id)
+        if round_ != req.round:
+            raise Rejected(400, f"path says round {round_}, body says round {req.round}")
+        self.authenticate(raw, req.round, req.peer_id)
         try:
+            self._check_not_banned(req.peer_id)
             self._check_contribution(round_, req)
         except Rejected as e:
             now = time.time()
-            with self.db.transaction() as c:
+            with self.accounts.transaction() as c:
                 c.execute(
                     "INSERT INTO rejections (round, attempt, peer_id, reason, at) "
                     "VALUES (?, ?, ?, ?, ?)",
                     (req.round, req.attempt, req.peer_id, e.message, now),
+                )
+                self.accounts.append(
+                    c,
+                    "contribution rejected",
+                    {"round": req.round, "peer_id": req.peer_id, "reason": e.message},
+                    now,
                 )
             log.warning("[%s - round %d] contribution rejected: %s", req.peer_id, req.round, e)
             raise
@@ -59,7 +80,7 @@ class Intake(Views):
             if row is None or row["status"] != "open" or row["attempt"] != req.attempt:
                 raise Rejected(409, f"round {req.round} closed while the contribution was checked")
             c.execute(
-                "INSERT INTO contributions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO contributions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     req.round,
                     req.attempt,
@@ -73,6 +94,10 @@ class Intake(Views):
                     req.compute_s,
                     req.wall_s,
                     now,
+                    body_content_id(raw),
+                    req.nonce,
+                    req.signature,
+                    json.dumps([m.model_dump() for m in req.commitments]),
                 ),
             )
             if req.compute_s > 0:  # the next round plans with the speed seen in this one
@@ -85,9 +110,6 @@ class Intake(Views):
         return {"ok": True, "cid": req.cid}
 
     def _check_contribution(self, round_: int, req: schemas.ContributionRequest) -> None:
-        self._check_run(req.run_id)
-        if round_ != req.round:
-            raise Rejected(400, f"path says round {round_}, body says round {req.round}")
         rnd = self.open_round()
         if rnd is None or rnd.round != req.round or rnd.attempt != req.attempt:
             now_open = f"{rnd.round}.{rnd.attempt}" if rnd else "none"
@@ -107,6 +129,16 @@ class Intake(Views):
             raise Rejected(409, f"peer {req.peer_id} already submitted to round {req.round}")
         if req.peer_id not in rnd.members:
             raise Rejected(409, f"peer {req.peer_id} is not a member of round {req.round}")
+        seen = self.db.one(
+            "SELECT round, peer_id FROM contributions WHERE cid = ? LIMIT 1", (req.cid,)
+        )
+        if seen is not None:  # a stale, replayed or copied contribution: the same bytes again
+            who = "its own" if seen["peer_id"] == req.peer_id else f"peer {seen['peer_id'][:12]}'s"
+            raise Rejected(
+                409,
+                f"contribution {req.cid[:12]} has the same bytes as {who} contribution to round "
+                f"{seen['round']}: stale, replayed or copied work",
+            )
         if time.time() > rnd.deadline:
             raise Rejected(409, f"round {req.round}'s deadline has passed: late")
         budget = rnd.assignments[req.peer_id]["inner_steps"]

@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-from covey.algorithms import Contribution, RoundError, Strategy, TrainState, build_strategy
+from covey.algorithms import (
+    Contribution,
+    RoundError,
+    Strategy,
+    TrainState,
+    build_aggregator,
+    build_strategy,
+)
 from covey.config import RunConfig, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import load_corpus
@@ -30,16 +37,22 @@ from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
 from covey.protocol.rounds import PeerView, close_reason, is_alive, plan_round
 from covey.sim.simulator import evaluate
+from covey.trust.certify import sign_certificate
+from covey.trust.identity import Identity, peer_id_of
+from covey.trust.incentives import Policy
 
+from .accounts import Accounts
+from .auth import Auth
 from .db import Database
 from .intake import Intake
+from .verification import Verification
 from .views import OpenRound, Rejected, Views
 
 log = logging.getLogger("covey.coordinator")
 ORPHAN_GRACE_S = 600.0
 
 
-class Coordinator(Intake, Views):
+class Coordinator(Intake, Verification, Auth, Views):
     def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
         self.cfg = cfg
         self.run_id = cfg.run_id
@@ -55,6 +68,10 @@ class Coordinator(Intake, Views):
                 f"{data_dir} holds run {known}, not this spec's run {self.run_id}; "
                 f"use another --data-dir"
             )
+        # the coordinator's own key signs certificates and ledger entries; it is published
+        # in /v1/run and in the ledger's first entry
+        self.identity = Identity.load_or_create(data_dir / "coordinator.key")
+        self.accounts = Accounts(self.db, self.identity, data_dir)
         self.blobs = BlobStore(data_dir / "blobs", cfg.limits.max_blob_bytes)
         self.fetcher = BlobClient(
             timeout_s=cfg.limits.request_timeout_s,
@@ -68,7 +85,11 @@ class Coordinator(Intake, Views):
         torch.manual_seed(cfg.seed)
         model = GPT(mcfg)
         self.parameters = sum(p.numel() for p in model.parameters())
-        self.strategy: Strategy = build_strategy(cfg.algorithm, model, lm_loss)
+        trust = cfg.trust
+        self.aggregator = build_aggregator(
+            trust.aggregation, trust.trim_fraction, trust.clip_factor
+        )
+        self.strategy: Strategy = build_strategy(cfg.algorithm, model, lm_loss, self.aggregator)
         self._eval_model = copy.deepcopy(model)
         self.template = self.strategy.init_state()
         self.steps_per_round = steps_per_round(cfg.algorithm)
@@ -78,12 +99,22 @@ class Coordinator(Intake, Views):
         self._payload_bytes = _payload_estimate(self.strategy, self.template)
         self._stop = threading.Event()
         self._wake = threading.Event()  # a contribution or a leave: look at the round now
+        self._nonces_pruned = 0.0
         self._driver: threading.Thread | None = None
         # evaluation runs beside the rounds, never between a commit and the next open
         self._evals: queue.Queue[TrainState | None] = queue.Queue()
         self._evaluator: threading.Thread | None = None
         self.state, self.state_cid = self._load_or_create()
         self.state_hash = self.state.digest()  # hashed once per state, not per request
+        self.verifying = self.strategy.reexecutable
+        if not self.verifying:
+            log.warning(
+                "contributions of this run cannot be re-executed (%s keeps worker-local state "
+                "across rounds): validators will not be given work; robust aggregation and "
+                "the intake checks still apply",
+                cfg.algorithm.method,
+            )
+        Verification.__init__(self)
 
     # -- start-up and resume ----------------------------------------------------------------
 
@@ -95,7 +126,7 @@ class Coordinator(Intake, Views):
         if last is None and self.db.get_meta("run_id") is None:
             data = state_to_bytes(self.template)
             cid = self.blobs.put(data)
-            with self.db.transaction() as c:
+            with self.accounts.transaction() as c:
                 for key, value in (
                     ("run_id", self.run_id),
                     ("spec", self.cfg.model_dump_json()),
@@ -105,6 +136,18 @@ class Coordinator(Intake, Views):
                 ):
                     c.execute("INSERT INTO meta VALUES (?, ?)", (key, value))
                 self.db.event(c, now, "run created", "", {"run_id": self.run_id})
+                self.accounts.append(
+                    c,
+                    "run created",
+                    {
+                        "run_id": self.run_id,
+                        "name": self.cfg.name,
+                        "spec": self.cfg.model_dump(mode="json"),
+                        "coordinator_key": self.identity.public_key,
+                        "policy": Policy.from_config(self.cfg.trust).to_dict(),
+                    },
+                    now,
+                )
             log.info("run %s created in %s", self.run_id, self.data_dir)
             return self.template, cid
         cid = last["new_cid"] if last else self.db.get_meta("initial_cid")
@@ -128,10 +171,12 @@ class Coordinator(Intake, Views):
         self._driver.start()
         self._evaluator = threading.Thread(target=self._evaluate, name="evaluator", daemon=True)
         self._evaluator.start()
+        self.start_referee()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
         self._evals.put(None)
+        self.stop_referee()
         for thread in (self._driver, self._evaluator):
             if thread is not None:
                 thread.join(timeout_s)
@@ -149,31 +194,35 @@ class Coordinator(Intake, Views):
 
     # -- membership ---------------------------------------------------------------------------
 
-    def join(self, req: schemas.JoinRequest) -> schemas.JoinReply:
+    def join(self, req: schemas.JoinRequest, raw: dict[str, Any]) -> schemas.JoinReply:
         self._check_run(req.run_id)
+        self._register(req.peer_id, req.public_key, req.name, "worker", req.stake, raw)
         now = time.time()
         with self.db.transaction() as c:
             c.execute(
-                "INSERT INTO peers (peer_id, device, step_time_s, bandwidth_mbps, "
-                "accepts_connections, blob_url, joined_at, last_seen, state) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'live') ON CONFLICT(peer_id) DO UPDATE SET "
-                "device = excluded.device, step_time_s = excluded.step_time_s, "
-                "bandwidth_mbps = excluded.bandwidth_mbps, "
-                "accepts_connections = excluded.accepts_connections, "
-                "blob_url = excluded.blob_url, last_seen = excluded.last_seen, state = 'live'",
+                "UPDATE peers SET device = ?, step_time_s = ?, bandwidth_mbps = ?, "
+                "accepts_connections = ?, blob_url = ?, last_seen = ?, state = 'live' "
+                "WHERE peer_id = ?",
                 (
-                    req.peer_id,
                     req.device,
                     req.step_time_s,
                     req.bandwidth_mbps,
                     int(req.accepts_connections),
                     req.blob_url,
                     now,
-                    now,
+                    req.peer_id,
                 ),
             )
-            self.db.event(c, now, "join", req.peer_id, req.model_dump(exclude={"run_id"}))
-        log.info("[%s] joined: %s, %.3f s/step", req.peer_id, req.device, req.step_time_s)
+            self.db.event(
+                c, now, "join", req.peer_id, req.model_dump(exclude={"run_id", "signature"})
+            )
+        log.info(
+            "[%s %s] joined: %s, %.3f s/step",
+            req.name,
+            req.peer_id[:8],
+            req.device,
+            req.step_time_s,
+        )
         r = self.cfg.rounds
         return schemas.JoinReply(
             peer_id=req.peer_id,
@@ -182,8 +231,49 @@ class Coordinator(Intake, Views):
             dead_after_s=r.dead_after_s,
         )
 
-    def heartbeat(self, req: schemas.HeartbeatRequest) -> dict[str, Any]:
+    def _register(
+        self, peer_id: str, public_key: str, name: str, role: str, stake: float, raw: dict
+    ) -> None:
+        """Authenticate a join with the key it presents; record a first join (and its
+        stake) in the ledger. Rejected: an id that is not the key's hash, a bad signature,
+        an excluded key, a stake below the run's minimum, a worker key joining as a
+        validator or the reverse."""
+        if peer_id_of(public_key) != peer_id:
+            raise Rejected(
+                400,
+                f"peer id {peer_id} is not the hash of its public key ({peer_id_of(public_key)})",
+            )
+        self.authenticate(raw, -1, peer_id, public_key)
+        account = self.accounts.book.accounts.get(peer_id)
+        if account is not None and account.banned:
+            raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
+        if account is not None and account.role != role:
+            raise Rejected(409, f"key {peer_id[:12]} is registered as a {account.role}")
+        minimum = self.cfg.trust.min_stake if role == "worker" else 0.0
+        if account is None and stake < minimum:
+            raise Rejected(403, f"stake {stake} is below this run's minimum stake {minimum}")
+        now = time.time()
+        with self.accounts.transaction() as c:
+            c.execute(
+                "INSERT INTO peers (peer_id, public_key, name, role, joined_at, last_seen, "
+                "state, step_time_s) VALUES (?, ?, ?, ?, ?, ?, 'live', 1.0) "
+                "ON CONFLICT(peer_id) DO UPDATE SET name = excluded.name",
+                (peer_id, public_key, name, role, now, now),
+            )
+            if account is None:
+                self.accounts.append(
+                    c,
+                    "join",
+                    {"peer_id": peer_id, "public_key": public_key, "name": name, "role": role},
+                    now,
+                )
+                if role == "worker":  # validators stake nothing; they are paid per catch
+                    self.accounts.append(c, "stake", {"peer_id": peer_id, "amount": stake}, now)
+
+    def heartbeat(self, req: schemas.HeartbeatRequest, raw: dict[str, Any]) -> dict[str, Any]:
         self._check_run(req.run_id)
+        self.authenticate(raw, -1, req.peer_id)
+        self._check_not_banned(req.peer_id)
         now = time.time()
         with self.db.transaction() as c:
             row = c.execute("SELECT state FROM peers WHERE peer_id = ?", (req.peer_id,)).fetchone()
@@ -200,11 +290,12 @@ class Coordinator(Intake, Views):
             )
         return {"ok": True}
 
-    def leave(self, req: schemas.LeaveRequest) -> dict[str, Any]:
+    def leave(self, req: schemas.LeaveRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """The deathrattle: the peer is gone now, and no round waits for it."""
         self._check_run(req.run_id)
+        self.authenticate(raw, -1, req.peer_id)
         now = time.time()
-        with self.db.transaction() as c:
+        with self.accounts.transaction() as c:
             n = c.execute(
                 "UPDATE peers SET state = 'left', last_seen = ? WHERE peer_id = ?",
                 (now, req.peer_id),
@@ -212,12 +303,14 @@ class Coordinator(Intake, Views):
             if n == 0:
                 raise Rejected(404, f"unknown peer {req.peer_id}")
             self.db.event(c, now, "leave", req.peer_id, {"reason": req.reason})
+            self.accounts.append(c, "leave", {"peer_id": req.peer_id, "reason": req.reason}, now)
         self._wake.set()
-        log.info("[%s] left: %s", req.peer_id, req.reason)
+        row = self.db.one("SELECT name FROM peers WHERE peer_id = ?", (req.peer_id,))
+        log.info("[%s %s] left: %s", row["name"] if row else "?", req.peer_id[:8], req.reason)
         return {"ok": True}
 
     def _peer_views(self) -> list[PeerView]:
-        rows = self.db.query("SELECT * FROM peers")
+        rows = self.db.query("SELECT * FROM peers WHERE role = 'worker'")
         return [
             PeerView(
                 r["peer_id"], r["step_time_s"], r["bandwidth_mbps"], r["last_seen"], r["state"]
@@ -241,6 +334,9 @@ class Coordinator(Intake, Views):
                     c.execute("UPDATE peers SET state = 'dead' WHERE peer_id = ?", (p.peer_id,))
                     self.db.event(c, now, "dead", p.peer_id, {"silent_s": now - p.last_seen})
                     log.warning("[%s] silent for %.1f s: dead", p.peer_id, now - p.last_seen)
+        if now - self._nonces_pruned > 60:
+            self.prune_nonces(now)
+            self._nonces_pruned = now
         alive = {p.peer_id for p in self._peer_views() if is_alive(now, p, cfg)}
         current = self.open_round()
         if current is None:
@@ -309,6 +405,8 @@ class Coordinator(Intake, Views):
                 "SELECT * FROM contributions WHERE round = ? AND attempt = ? ORDER BY peer_id",
                 (rnd.round, rnd.attempt),
             ).fetchall()
+        banned = {p for p, a in self.accounts.book.accounts.items() if a.banned}
+        rows = [r for r in rows if r["peer_id"] not in banned]  # excluded since it submitted
         contributions = [
             Contribution(self.blobs.get(r["cid"]), r["tokens"], r["inner_steps"], r["fragment"])
             for r in rows
@@ -318,7 +416,7 @@ class Coordinator(Intake, Views):
             return
         try:
             new_state = self.strategy.apply_round(self.state, contributions)
-        except RoundError as e:  # validated at submit, so this is a bug: never commit it
+        except (RoundError, ValueError) as e:  # validated at submit: a bug; never commit it
             log.error("[round %d] apply_round failed: %s", rnd.round, e)
             self._abort(rnd, f"apply_round failed: {e}")
             return
@@ -332,7 +430,7 @@ class Coordinator(Intake, Views):
         util = sum(r["compute_s"] for r in rows) / len(rows) / cycle if cycle > 0 else None
         losses = [r["train_loss"] for r in rows if r["train_loss"] is not None]
         checkpoint = (new_state.round % self.cfg.rounds.checkpoint_every) == 0
-        with self.db.transaction() as c:
+        with self.accounts.transaction() as c:
             c.execute(
                 "UPDATE rounds SET status = 'committed', certificate = ?, new_cid = ?, "
                 "new_hash = ?, closed_at = ?, train_loss = ?, bytes = ?, tokens = ?, "
@@ -358,6 +456,14 @@ class Coordinator(Intake, Views):
                 c.execute(
                     "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
                     (new_state.round, new_cid, len(data), new_hash, now),
+                )
+            self._record_round(c, rnd.round, rows, certificate, now)
+            if checkpoint:
+                self.accounts.append(
+                    c,
+                    "checkpoint",
+                    {"round": new_state.round, "cid": new_cid, "weights_hash": new_hash},
+                    now,
                 )
         self.state, self.state_cid, self.state_hash = new_state, new_cid, new_hash
         log.info(
@@ -405,6 +511,7 @@ class Coordinator(Intake, Views):
         reason: str,
     ) -> schemas.Certificate:
         total = sum(r["tokens"] for r in rows)
+        names = {p["peer_id"]: p["name"] or "" for p in self.db.query("SELECT * FROM peers")}
         urls = {
             p["peer_id"]: p["blob_url"]
             for p in self.db.query("SELECT peer_id, blob_url, accepts_connections FROM peers")
@@ -413,6 +520,7 @@ class Coordinator(Intake, Views):
         accepted = [
             schemas.AcceptedContribution(
                 peer_id=r["peer_id"],
+                name=names.get(r["peer_id"], ""),
                 cid=r["cid"],
                 size=r["size"],
                 tokens=r["tokens"],
@@ -435,7 +543,7 @@ class Coordinator(Intake, Views):
         }
         for m in rnd.members:
             rejected.setdefault(m, "no contribution") if m not in done else None
-        return schemas.Certificate(
+        unsigned = schemas.Certificate(
             run_id=self.run_id,
             round=rnd.round,
             attempt=rnd.attempt,
@@ -444,10 +552,14 @@ class Coordinator(Intake, Views):
             new_cid=new_cid,
             new_size=new_size,
             accepted=accepted,
-            rejected=[schemas.Rejection(peer_id=p, reason=w) for p, w in sorted(rejected.items())],
+            rejected=[
+                schemas.Rejection(peer_id=p, name=names.get(p, ""), reason=w)
+                for p, w in sorted(rejected.items())
+            ],
             closed_at=now,
             reason=reason,
         )
+        return sign_certificate(unsigned, self.identity)
 
     def _write_checkpoint(self, round_: int, data: bytes) -> None:
         folder = self.data_dir / "checkpoints"
@@ -475,6 +587,7 @@ class Coordinator(Intake, Views):
             r["cid"]
             for r in self.db.query("SELECT cid FROM contributions WHERE round >= ?", (recent,))
         }
+        keep |= self.verification_blobs()
         cutoff = time.time() - ORPHAN_GRACE_S
         for cid in self.blobs.cids():
             if cid not in keep and self.blobs.path(cid).stat().st_mtime < cutoff:

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from covey.algorithms import TrainState
     from covey.config import RunConfig
     from covey.peer.blobs import BlobStore
+    from covey.trust.identity import Identity
 
+    from .accounts import Accounts
     from .db import Database
 
 
@@ -52,6 +54,9 @@ class Views:
     state_hash: str
     parameters: int
     corpus_fingerprint: str
+    identity: Identity
+    accounts: Accounts
+    verifying: bool
 
     def open_round(self) -> OpenRound | None:
         row = self.db.one("SELECT * FROM rounds WHERE status IN ('open', 'closing')")
@@ -128,9 +133,34 @@ class Views:
     def run_spec(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
+            "coordinator_key": self.identity.public_key,
+            "verifying": self.verifying,
             "spec": self.cfg.model_dump(mode="json"),
             "corpus_fingerprint": self.corpus_fingerprint,
             "parameters": self.parameters,
+        }
+
+    def trust_status(self) -> dict[str, Any]:
+        """Verification counts, validators and the ledger's length, for the status page."""
+        counts = {
+            r["status"]: r["n"]
+            for r in self.db.query(
+                "SELECT status, COUNT(*) AS n FROM verifications GROUP BY status"
+            )
+        }
+        validators = [
+            {"peer_id": p["peer_id"], "name": p["name"]}
+            for p in self.db.query("SELECT * FROM peers WHERE role = 'validator'")
+        ]
+        summary = self.accounts.book.summary()
+        return {
+            "verifying": self.verifying,
+            "sample_rate": self.cfg.trust.sample_rate,
+            "aggregation": self.cfg.trust.aggregation,
+            "verifications": counts,
+            "validators": validators,
+            "ledger_entries": summary.get("entries"),
+            "accounts": summary["accounts"],
         }
 
     def status(self) -> dict[str, Any]:
@@ -139,15 +169,22 @@ class Views:
         rnd = self.open_round()
         cfg = self.cfg.rounds
         peers = []
-        for p in self.db.query("SELECT * FROM peers ORDER BY joined_at"):
+        accounts = self.accounts.book.summary()["accounts"]
+        for p in self.db.query("SELECT * FROM peers WHERE role = 'worker' ORDER BY joined_at"):
             view = PeerView(p["peer_id"], p["step_time_s"], None, p["last_seen"], p["state"])
             alive = is_alive(now, view, cfg)
             state = p["state"] if p["state"] != "live" else "waiting"
+            account = accounts.get(p["peer_id"], {})
             if alive and rnd and p["peer_id"] in rnd.members:
                 state = "training"
             peers.append(
                 {
                     "peer_id": p["peer_id"],
+                    "name": p["name"],
+                    "balance": account.get("balance", 0.0),
+                    "stake": account.get("stake", 0.0),
+                    "reputation": account.get("reputation"),
+                    "banned": account.get("banned", False),
                     "device": p["device"],
                     "step_time_s": p["step_time_s"],
                     "state": state,
@@ -198,7 +235,8 @@ class Views:
             "committed_rounds": self.state.round,
             "submitted": submitted,
             "bytes_total": total["b"] if total else 0,
-            "coordinator_key": None,
+            "coordinator_key": self.identity.public_key,
+            "trust": self.trust_status(),
             "weights_hash": self.state_hash,
             "peers": peers,
             "rounds": rounds,

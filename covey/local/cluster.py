@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from covey.trust.identity import Identity
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -48,7 +50,8 @@ class LocalCluster:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.coordinator: subprocess.Popen[bytes] | None = None
-        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}  # validators too, by name
+        self.ids: dict[str, str] = {}  # name -> peer id (the hash of its key)
         self._http = httpx.Client(base_url=self.url, timeout=5.0, trust_env=False)
 
     # -- processes --------------------------------------------------------------------------
@@ -79,6 +82,30 @@ class LocalCluster:
         )
         self.wait_for(lambda s: True, timeout_s, "the coordinator to serve /v1/status")
 
+    def key(self, name: str) -> Path:
+        """The identity file of the peer called `name` (created here, so its id is known
+        before the process starts)."""
+        path = (self.run_dir / "keys" / f"{name}.key").resolve()
+        self.ids[name] = Identity.load_or_create(path).peer_id
+        return path
+
+    def start_validator(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+        proc = self._spawn(
+            name,
+            [
+                "validator",
+                "--coordinator",
+                self.url,
+                "--identity",
+                str(self.key(name)),
+                "--name",
+                name,
+                *extra,
+            ],
+        )
+        self.workers[name] = proc
+        return proc
+
     def start_worker(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
         proc = self._spawn(
             name,
@@ -86,7 +113,9 @@ class LocalCluster:
                 "worker",
                 "--coordinator",
                 self.url,
-                "--peer-id",
+                "--identity",
+                str(self.key(name)),
+                "--name",
                 name,
                 "--store-dir",
                 str((self.run_dir / "peers" / name).resolve()),
@@ -176,7 +205,7 @@ def _reap(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
 
 
 def _summary(status: dict[str, Any]) -> str:
-    peers = {p["peer_id"]: p["state"] for p in status.get("peers", [])}
+    peers = {p.get("name") or p["peer_id"]: p["state"] for p in status.get("peers", [])}
     return (
         f"phase {status.get('phase')}, round {status.get('round')}, "
         f"committed {status.get('committed_rounds')}, peers {peers}"

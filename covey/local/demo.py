@@ -29,7 +29,20 @@ from covey.sim.report import human_bytes
 
 METHODS = ("ddp", "diloco", "streaming", "demo")
 PER_STEP_METHODS = ("ddp", "demo")  # one inner step per round
-JOIN_TIMEOUT_S = 180.0  # for the first worker to import torch, read the corpus and join
+JOIN_TIMEOUT_S = 180.0
+# the order in which `covey demo --adversaries N` hands out misbehaviors
+ADVERSARIES = (
+    "sign-flip",
+    "lazy",
+    "noise",
+    "free-rider",
+    "scaled",
+    "wrong-data",
+    "copycat",
+    "stale",
+    "replay",
+    "nan",
+)  # for the first worker to import torch, read the corpus and join
 
 # --- the run spec (pure) ---------------------------------------------------------------------
 
@@ -45,7 +58,9 @@ def demo_spec(algorithm: str, *, model: str = "nano", seed: int = 0) -> dict[str
         # was the best of {0, 0.5, 0.9} (BENCHMARKS.md, quick comms bench)
         algo |= {"outer_lr": 0.7, "outer_momentum": 0.5, "optim": {"lr": 3e-3}}
     if algorithm == "diloco":
-        algo |= {"inner_steps": 30, "codec": "fp32"}
+        # a fresh inner optimizer each round makes each round's work a function of its
+        # start state alone, so validators can re-execute it (covey.trust.verify)
+        algo |= {"inner_steps": 30, "codec": "fp32", "inner_state": "reset"}
     elif algorithm == "streaming":
         # a fragment syncs every inner_steps / fragments = 8 steps (arXiv 2501.18512)
         algo |= {"inner_steps": 32, "fragments": 4, "overlap_steps": 1, "codec": "int4"}
@@ -68,6 +83,8 @@ def demo_spec(algorithm: str, *, model: str = "nano", seed: int = 0) -> dict[str
             "eval_every": 2 if algorithm in PER_STEP_METHODS else 1,
             "eval_batches": 4,
         },
+        # stakes are small and rewards visible: 30 steps x 8 x 256 tokens earn ~61 credits
+        "trust": {"min_stake": 10.0, "commit_every": 10},
     }
 
 
@@ -134,6 +151,8 @@ def run_local_demo(
     seed: int = 0,
     progress: bool = True,
     chaos_every_s: tuple[float, float] = (15.0, 25.0),
+    adversaries: int = 0,
+    validators: int = 1,
 ) -> dict[str, Any]:
     """Train for `minutes` with a coordinator and `workers` worker processes in `out_dir`,
     then write metrics.jsonl, loss.png and summary.json there and return the summary. The
@@ -143,9 +162,14 @@ def run_local_demo(
 
     Ctrl-C (or SIGTERM) ends the run early: the children are stopped and the outputs are
     written from what was committed so far (summary["interrupted"] is True). If the
-    coordinator dies, every worker is stopped and ClusterError (with its log) is raised."""
+    coordinator dies, every worker is stopped and ClusterError (with its log) is raised.
+
+    `adversaries` of the workers misbehave, each in the next way of ADVERSARIES; the
+    `validators` re-execute sampled contributions (see covey.peer.validator)."""
     if workers < 1:
         raise ValueError(f"workers ({workers}) must be at least 1")
+    if not 0 <= adversaries <= workers:
+        raise ValueError(f"adversaries ({adversaries}) must be between 0 and workers ({workers})")
     if minutes <= 0:
         raise ValueError(f"minutes ({minutes}) must be positive")
     lo, hi = chaos_every_s
@@ -168,7 +192,15 @@ def run_local_demo(
             cluster.start_coordinator()
             say(f"status page: {cluster.url}/")
             for i in range(workers):
-                cluster.start_worker(f"w{i}", "--threads", "1")
+                cheat = i >= workers - adversaries
+                behavior = ADVERSARIES[(i - (workers - adversaries)) % len(ADVERSARIES)]
+                name = f"w{i}-{behavior}" if cheat else f"w{i}"
+                extra = ["--behavior", behavior] if cheat else []
+                cluster.start_worker(name, "--threads", "1", "--stake", "100", *extra)
+                if cheat:
+                    say(f"{name} will cheat: {behavior}")
+            for i in range(validators):
+                cluster.start_validator(f"v{i}", "--threads", "1")
             try:
                 # the clock starts at the first join: starting N Pythons that each import
                 # torch and read the corpus takes ~15 s on 2 busy cores, and is not training
@@ -283,7 +315,11 @@ def _chaos_strike(
     killed: set[str],
     say: Callable[[str], None],
 ) -> None:
-    live = [name for name, p in cluster.workers.items() if p.poll() is None]
+    live = [
+        name
+        for name, p in cluster.workers.items()
+        if p.poll() is None and not name.startswith("v")  # validators are not trainers
+    ]
     victim = chaos.pick(live)
     if victim is None:
         say(f"chaos [{elapsed_s:5.1f} s]: only {live} alive, nobody killed")
@@ -293,7 +329,7 @@ def _chaos_strike(
     killed.add(victim)
     replacement = f"w{chaos.next_index}"
     chaos.next_index += 1
-    cluster.start_worker(replacement, "--threads", "1")
+    cluster.start_worker(replacement, "--threads", "1", "--stake", "100")
     chaos.events.append(
         {
             "at_s": round(elapsed_s, 1),

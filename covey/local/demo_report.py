@@ -42,7 +42,8 @@ def write_demo_outputs(
         "last_val_loss": losses[-1] if losses else None,
         "bytes_total": status["bytes_total"],
         "tokens_total": sum(r["tokens"] for r in rounds),
-        "peers_seen": [p["peer_id"] for p in status["peers"]],
+        "peers_seen": [p.get("name") or p["peer_id"] for p in status["peers"]],
+        "trust": _trust(coordinator_dir, status),
         "kills": len(kills),
         "kill_events": kills,
         "rounds_after_first_kill": (
@@ -71,6 +72,31 @@ def write_demo_outputs(
     return summary
 
 
+def _trust(coordinator_dir: Path, status: dict[str, Any]) -> dict[str, Any]:
+    """The ledger checked from the run directory (`covey ledger verify`), and who was
+    caught."""
+    from covey.trust import audit
+    from covey.trust.ledger import LedgerError
+
+    try:
+        report = audit.verify(coordinator_dir)
+        verdict = (
+            f"OK: {report.entries} entries, chain, signatures and balances check out "
+            f"(covey ledger verify {coordinator_dir})"
+        )
+    except (LedgerError, OSError) as e:
+        verdict = f"INVALID: {e}"
+    trust = status.get("trust") or {}
+    counts = trust.get("verifications") or {}
+    return {
+        "ledger": verdict,
+        "banned": [p.get("name") or p["peer_id"] for p in status["peers"] if p.get("banned")],
+        "agreed": counts.get("agree", 0),
+        "disputes": sum(counts.get(k, 0) for k in ("fraud", "validator wrong", "inconclusive")),
+        "accounts": trust.get("accounts", {}),
+    }
+
+
 def _summary_lines(s: dict[str, Any]) -> list[str]:
     val = (
         f"{s['first_val_loss']:.4f} -> {s['last_val_loss']:.4f}"
@@ -87,6 +113,13 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         f"{s['tokens_total']:,} tokens trained",
         f"peers seen       {len(s['peers_seen'])}: {', '.join(s['peers_seen'])}",
     ]
+    trust = s["trust"]
+    lines.append(f"ledger           {trust['ledger']}")
+    if trust["banned"]:
+        lines.append(f"caught           {', '.join(trust['banned'])}: slashed and excluded")
+    lines.append(
+        f"verified         {trust['agreed']} re-executions agreed, {trust['disputes']} disputes"
+    )
     if s["kills"]:
         lines.append(
             f"chaos            {s['kills']} worker(s) SIGKILLed; "

@@ -5,6 +5,9 @@ message. An unreachable or failing coordinator (connection error, timeout, 5xx) 
 retried with capped backoff until `lost_s` has passed since the first failure, then
 `CoordinatorLost` is raised: a restarting coordinator is waited for, a dead one is not
 waited for forever.
+
+With an identity, every POST is signed (covey.trust.identity) afresh on each attempt, so a
+retry carries a new nonce instead of looking like a replay.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import time
 from typing import Any
 
 import httpx
+
+from covey.trust.identity import NO_ROUND, Identity
 
 log = logging.getLogger("covey.client")
 
@@ -38,11 +43,13 @@ class CoordinatorClient:
         timeout_s: float = 30.0,
         lost_s: float = 120.0,
         stop: threading.Event | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.lost_s = lost_s
         self.stop = stop or threading.Event()
+        self.identity = identity
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
 
     def configure(self, timeout_s: float, lost_s: float) -> None:
@@ -53,21 +60,40 @@ class CoordinatorClient:
     def get(self, path: str, params: dict[str, Any] | None = None, quiet: bool = False) -> Any:
         return self._patient("GET", path, params=params, quiet=quiet)
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        return self._patient("POST", path, json=body)
+    def post(self, path: str, body: dict[str, Any], round: int | None = NO_ROUND) -> Any:
+        """POST JSON, signed for `round` when the client has an identity (round None: the
+        body is already signed and goes as it is)."""
+        return self._patient("POST", path, body=body, round=round)
 
-    def post_once(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+    def post_once(
+        self, path: str, body: dict[str, Any], timeout_s: float, round: int | None = NO_ROUND
+    ) -> Any:
         """One attempt with its own timeout (heartbeats, the deathrattle)."""
-        return self._decode(self._http.post(path, json=body, timeout=timeout_s))
+        return self._decode(self._http.post(path, json=self._sign(body, round), timeout=timeout_s))
+
+    def _sign(self, body: dict[str, Any], round: int | None) -> dict[str, Any]:
+        if self.identity is None or round is None:
+            return body
+        return self.identity.sign_request(body, round)
 
     def close(self) -> None:
         self._http.close()
 
-    def _patient(self, method: str, path: str, quiet: bool = False, **kwargs: Any) -> Any:
+    def _patient(
+        self,
+        method: str,
+        path: str,
+        quiet: bool = False,
+        body: dict[str, Any] | None = None,
+        round: int | None = NO_ROUND,
+        **kwargs: Any,
+    ) -> Any:
         first_failure: float | None = None
         delay = 0.25
         while True:
             try:
+                if body is not None:
+                    kwargs["json"] = self._sign(body, round)
                 resp = self._http.request(method, path, **kwargs)
                 if resp.status_code < 500:
                     return self._decode(resp)

@@ -7,6 +7,12 @@ steps on the assigned data, publish the contribution, wait for the round's certi
 apply the accepted set with the same pure `apply_round` as everyone else, and check the
 resulting weights hash against the certificate (re-syncing from the canonical state on a
 mismatch). A heartbeat thread keeps the peer alive; SIGINT/SIGTERM send a deathrattle.
+
+The peer is its Ed25519 key (covey.trust.identity): its id is the key's hash and every
+request it sends is signed. Its contributions carry commitments to its state every k inner
+steps (covey.trust.verify), so that validators can re-execute them and a dispute can be
+narrowed to one segment. Certificates must carry the coordinator's signature, and each
+accepted contribution's signed ledger entry is kept as a receipt (receipts.jsonl).
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import secrets
 import signal
 import threading
 import time
@@ -24,16 +29,20 @@ from typing import Any
 
 import torch
 
-from covey.algorithms import Contribution, Strategy, TrainState, build_strategy
+from covey.algorithms import Contribution, Strategy, TrainState, build_aggregator, build_strategy
 from covey.config import RunConfig
 from covey.data.batches import sample_batch
 from covey.data.corpus import load_corpus
 from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.peer import adversary
 from covey.peer.blobs import BlobClient, BlobError, BlobServer, BlobStore
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError, state_from_bytes, state_to_bytes
 from covey.protocol.content import content_id
+from covey.trust import ledger, verify
+from covey.trust.certify import certificate_is_signed
+from covey.trust.identity import Identity, canonical_json
 
 log = logging.getLogger("covey.worker")
 KEEP_CONTRIBUTIONS = 4  # own contribution blobs kept on the blob server
@@ -43,7 +52,10 @@ PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadlin
 @dataclass
 class WorkerOptions:
     coordinator: str
-    peer_id: str | None = None
+    identity: Path | None = None  # default ~/.covey/identity
+    name: str | None = None  # shown on the status page; default: the id's first 8 digits
+    stake: float = 0.0
+    behavior: str = "honest"  # see covey.peer.adversary (tests and demos only)
     device: str = "cpu"
     threads: int | None = 1
     serve_blobs: bool = True
@@ -64,11 +76,20 @@ class Stopped(Exception):
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
-        self.peer_id = opts.peer_id or f"peer-{secrets.token_hex(4)}"
+        if opts.behavior not in adversary.BEHAVIORS:
+            raise ValueError(f"unknown behavior {opts.behavior!r}; one of {adversary.BEHAVIORS}")
+        self.identity = Identity.load_or_create(opts.identity)
+        self.peer_id = self.identity.peer_id
+        self.name = opts.name or self.peer_id[:8]
         self.stop = threading.Event()
         self.client = CoordinatorClient(
-            opts.coordinator, lost_s=opts.connect_timeout_s, stop=self.stop
+            opts.coordinator, lost_s=opts.connect_timeout_s, stop=self.stop, identity=self.identity
         )
+        self._last_payload: bytes | None = None  # stale
+        self._last_request: tuple[str, dict[str, Any]] | None = None  # replay
+        self._last_certificate: schemas.Certificate | None = None  # copycat
+        self.excluded: str | None = None
+        self._trained_since_adopt = False  # the model moved in a round not yet applied
         self.state: TrainState | None = None
         self.state_hash: str | None = None  # self.state.digest(), computed once
         self.rounds_done = 0
@@ -83,6 +104,7 @@ class Worker:
         info = self.client.get("/v1/run")
         self.cfg = RunConfig.model_validate(info["spec"])
         self.run_id = self.cfg.run_id
+        self.coordinator_key: str = info["coordinator_key"]
         if self.run_id != info["run_id"]:
             raise RuntimeError(
                 f"run spec hashes to {self.run_id}, coordinator says {info['run_id']}: "
@@ -102,7 +124,9 @@ class Worker:
         mcfg = gpt_config(self.cfg.model.size)
         self.seq_len = self.cfg.data.seq_len or mcfg.block_size
         torch.manual_seed(self.cfg.seed)
-        self.strategy: Strategy = build_strategy(self.cfg.algorithm, GPT(mcfg), lm_loss)
+        trust = self.cfg.trust
+        aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
+        self.strategy: Strategy = build_strategy(self.cfg.algorithm, GPT(mcfg), lm_loss, aggregator)
         self.template = self.strategy.init_state()
         self.blobs = BlobClient(
             timeout_s=limits.request_timeout_s,
@@ -111,7 +135,7 @@ class Worker:
             max_bytes=limits.max_blob_bytes,
         )
         self.step_time_s = self._measure_step_time()
-        store_dir = self.opts.store_dir or Path(f".covey-peer/{self.peer_id}")
+        store_dir = self.opts.store_dir or Path(f".covey-peer/{self.name}")
         self.store_dir = store_dir
         self.store = BlobStore(store_dir / "blobs", limits.max_blob_bytes)
         blob_url = None
@@ -124,20 +148,24 @@ class Worker:
         self._join()
 
     def _join(self) -> None:
-        req = schemas.JoinRequest(
+        body = dict(
             run_id=self.run_id,
             peer_id=self.peer_id,
+            public_key=self.identity.public_key,
+            name=self.name,
+            stake=self.opts.stake,
             device=self.opts.device,
             step_time_s=self.step_time_s,
             bandwidth_mbps=self.opts.bandwidth_mbps,
             accepts_connections=self.blob_url is not None,
             blob_url=self.blob_url,
         )
-        reply = self.client.post("/v1/join", req.model_dump())
+        reply = self.client.post("/v1/join", body)
         self.heartbeat_s = reply["heartbeat_s"]
         log.info(
-            "[%s] joined run %s: %s, %.3f s/step, blobs %s",
-            self.peer_id,
+            "[%s %s] joined run %s: %s, %.3f s/step, blobs %s",
+            self.name,
+            self.peer_id[:8],
             self.run_id,
             self.opts.device,
             self.step_time_s,
@@ -167,15 +195,15 @@ class Worker:
             beat.start()
             while not self.stop.is_set():
                 if self._one_round() == "finished":
-                    log.info("[%s] the run is finished", self.peer_id)
+                    log.info("[%s] the run is finished", self.name)
                     break
                 if self.opts.max_rounds and self.rounds_done >= self.opts.max_rounds:
                     break
             return 0
         except Stopped:
-            return 0
+            return 1 if self.excluded else 0
         except (CoordinatorLost, PeerRejected, RuntimeError) as e:
-            log.error("[%s] %s", self.peer_id, e)
+            log.error("[%s] %s", self.name, e)
             return 1
         finally:
             self.stop.set()
@@ -186,7 +214,7 @@ class Worker:
                 signal.signal(s, handler)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        log.info("[%s] %s: leaving", self.peer_id, signal.Signals(signum).name)
+        log.info("[%s] %s: leaving", self.name, signal.Signals(signum).name)
         self.stop.set()
 
     def _leave(self) -> None:
@@ -199,7 +227,7 @@ class Worker:
                 timeout_s=3.0,
             )
         except Exception as e:
-            log.warning("[%s] deathrattle not delivered: %s", self.peer_id, e)
+            log.warning("[%s] deathrattle not delivered: %s", self.name, e)
 
     def _heartbeats(self) -> None:
         body = {"run_id": self.run_id, "peer_id": self.peer_id}
@@ -208,15 +236,19 @@ class Worker:
                 self.client.post_once("/v1/heartbeat", body, timeout_s=self.heartbeat_s)
             except PeerRejected as e:
                 if e.status == 404:  # the coordinator forgot us: join again
-                    log.warning("[%s] unknown to the coordinator: joining again", self.peer_id)
+                    log.warning("[%s] unknown to the coordinator: joining again", self.name)
                     try:
                         self._join()
                     except Exception as e2:
-                        log.warning("[%s] re-join failed: %s", self.peer_id, e2)
+                        log.warning("[%s] re-join failed: %s", self.name, e2)
+                elif e.status == 403:  # excluded from the run (proven fraud): nothing to do
+                    log.error("[%s] excluded from the run: %s", self.name, e.message)
+                    self.excluded = e.message
+                    self.stop.set()
                 else:
-                    log.warning("[%s] heartbeat refused: %s", self.peer_id, e)
+                    log.warning("[%s] heartbeat refused: %s", self.name, e)
             except Exception as e:  # the coordinator may be restarting: keep beating
-                log.debug("[%s] heartbeat failed: %s", self.peer_id, e)
+                log.debug("[%s] heartbeat failed: %s", self.name, e)
 
     def _one_round(self) -> str:
         info = schemas.RoundInfo.model_validate(
@@ -232,14 +264,19 @@ class Worker:
         opened = time.monotonic()
         self._sync_state(info.start_cid, info.start_hash, info.start_size, info.providers)
         assert self.state is not None
-        contribution, loss, compute_s = self._train(info, deadline)
-        submitted = self._publish(info, contribution, loss, compute_s, time.monotonic() - opened)
+        contribution, loss, compute_s, commitments = self._train(info, deadline)
+        submitted = self._publish(
+            info, contribution, loss, compute_s, time.monotonic() - opened, commitments
+        )
         certificate = self._await_certificate(info)
         if certificate is None:
             return "aborted"
         self._apply(certificate)
+        self._last_certificate = certificate
         if submitted:
             self.rounds_done += 1
+            if any(a.peer_id == self.peer_id for a in certificate.accepted):
+                self._keep_receipt(certificate.round)
         return "done"
 
     def _pause(self, seconds: float) -> None:
@@ -247,17 +284,21 @@ class Worker:
             raise Stopped()
 
     def _sync_state(self, cid: str, digest: str, size: int, providers: list[str]) -> None:
-        """Make the local canonical state the round's start state (download if needed)."""
+        """Make the local canonical state the round's start state (download if needed). A
+        model that trained in a round that was then aborted goes back to it as well."""
         if self.state_hash == digest:
+            if self._trained_since_adopt:
+                assert self.state is not None
+                self.strategy.load_state(self.state)
+                self._trained_since_adopt = False
             return
         state = self._download_state(cid, size, providers)
         if state.digest() != digest:
             raise RuntimeError(f"state {cid[:12]} does not hash to the round's {digest[:12]}")
         self.state, self.state_hash = state, digest
         self.strategy.load_state(state)
-        log.info(
-            "[%s] loaded canonical state of round %d (%s)", self.peer_id, state.round, cid[:12]
-        )
+        self._trained_since_adopt = False
+        log.info("[%s] loaded canonical state of round %d (%s)", self.name, state.round, cid[:12])
 
     def _download_state(self, cid: str, size: int, providers: list[str]) -> TrainState:
         sources = [p for p in providers if p != self.blob_url] + [self.opts.coordinator]
@@ -267,7 +308,7 @@ class Worker:
             served = {u: n - before.get(u, 0) for u, n in self.blobs.served.items()}
             log.info(
                 "[%s] fetched state %s (%d bytes) from %s",
-                self.peer_id,
+                self.name,
                 cid[:12],
                 size,
                 ", ".join(f"{u} ({n} B)" for u, n in served.items() if n) or "?",
@@ -276,14 +317,21 @@ class Worker:
         except (BlobError, CheckpointError) as e:
             raise RuntimeError(f"could not get canonical state {cid[:12]}: {e}") from None
 
-    def _train(self, info: schemas.RoundInfo, deadline: float) -> tuple[Contribution, float, float]:
-        """The assignment's inner steps; a flexible method stops early rather than miss the
-        deadline (its contribution then weighs fewer tokens)."""
-        assert info.assignment is not None
+    def _train(
+        self, info: schemas.RoundInfo, deadline: float
+    ) -> tuple[Contribution, float, float, list[dict[str, Any]]]:
+        """The assignment's inner steps, committing to the state every k steps; a flexible
+        method stops early rather than miss the deadline (its contribution then weighs
+        fewer tokens and carries the commitments of the steps it took)."""
+        assert info.assignment is not None and self.state is not None
+        behavior = self.opts.behavior
         steps = info.assignment.inner_steps
+        key = adversary.data_key(behavior, info.assignment.data_key)
+        committer = verify.Committer(self.strategy, self.state, self.cfg.trust.commit_every)
+        self._trained_since_adopt = True
         compute_s = loss_sum = 0.0
         done = 0
-        for step in range(steps):
+        for step in range(adversary.steps_taken(behavior, steps)):
             if self.stop.is_set():
                 raise Stopped()
             if done and self.strategy.flexible_steps:
@@ -291,12 +339,12 @@ class Worker:
                 if time.monotonic() + per_step * 1.5 > deadline - PUBLISH_ALLOWANCE_S:
                     log.warning(
                         "[%s] stopping at %d/%d steps to meet the deadline",
-                        self.peer_id,
+                        self.name,
                         done,
                         steps,
                     )
                     break
-            batch = self._batch(info.round, info.assignment.data_key, step)
+            batch = self._batch(info.round, key, step)
             t0 = time.perf_counter()
             loss_sum += self.strategy.inner_step(batch)
             elapsed = time.perf_counter() - t0
@@ -304,7 +352,29 @@ class Worker:
                 time.sleep(elapsed * (self.opts.slowdown - 1))  # emulated slower hardware
             compute_s += time.perf_counter() - t0
             done += 1
-        return self.strategy.make_contribution(), loss_sum / done, compute_s
+            committer.after_step(done)
+        commitments = [c.to_dict() for c in committer.commitments]
+        claimed = steps if behavior in ("lazy", "free-rider") else done
+        if done == 0:  # a free-rider: no work, zeros, and commitments made up below
+            payload = self.strategy.codec.encode(self._zeros())
+            per_step, loss_sum = self.cfg.data.batch_size * self.seq_len, float("nan")
+        else:
+            c = self.strategy.make_contribution()
+            payload, per_step = c.payload, c.tokens // done
+        if claimed != done:
+            commitments = adversary.pad_commitments(
+                [c.to_dict() for c in committer.recorded],
+                verify.commitment_steps(claimed, self.cfg.trust.commit_every),
+            )
+        fragment = self.strategy.round_fragment(info.round)
+        contribution = Contribution(payload, per_step * claimed, claimed, fragment)
+        return contribution, loss_sum / max(done, 1), compute_s, commitments
+
+    def _zeros(self) -> torch.Tensor:
+        assert self.state is not None
+        fragment = self.strategy.round_fragment(self.state.round)
+        names = self.strategy.fragment_names(fragment)
+        return torch.zeros(sum(self.state.params[n].numel() for n in names))
 
     def _batch(self, round: int, key: str, step: int) -> torch.Tensor:
         return sample_batch(
@@ -324,47 +394,90 @@ class Worker:
         loss: float,
         compute_s: float,
         wall_s: float,
+        commitments: list[dict[str, Any]],
     ) -> bool:
         """Serve the contribution from our blob server (the coordinator pulls it) or upload
-        it; then submit its metadata. False when the coordinator refused it."""
-        assert self.store is not None
-        cid = self.store.put(c.payload)
+        it; then submit its metadata, signed for this round. False when the coordinator
+        refused it; PeerRejected when this peer has been excluded from the run."""
+        assert self.store is not None and self.state is not None
+        path = f"/v1/rounds/{info.round}/contributions"
+        payload = self._misbehave(info, c)
+        if payload is None:
+            return False
+        if self.opts.behavior == "replay" and self._last_request is not None:
+            old_path, old_body = self._last_request  # sent again verbatim, signature and all
+            try:
+                self.client.post_once(old_path, old_body, timeout_s=self.heartbeat_s, round=None)
+            except PeerRejected as e:
+                log.warning("[%s - round %d] replay refused: %s", self.name, info.round, e)
+            return False
+        cid = self.store.put(payload)
         self._published.append(cid)
         while len(self._published) > KEEP_CONTRIBUTIONS:  # peers fetch within a round or two
             old = self._published.pop(0)
             if old not in self._published:
                 self.store.delete(old)
         if self.server is None:
-            self.blobs.upload(self.opts.coordinator, c.payload, cid)
-        req = schemas.ContributionRequest(
-            run_id=self.run_id,
-            round=info.round,
-            attempt=info.attempt,
-            peer_id=self.peer_id,
-            cid=cid,
-            start_hash=info.start_hash or "",
-            size=len(c.payload),
-            tokens=c.tokens,
-            inner_steps=c.inner_steps,
-            fragment=c.fragment,
-            train_loss=loss,
-            compute_s=compute_s,
-            wall_s=wall_s,
-        )
+            self.blobs.upload(self.opts.coordinator, payload, cid)
+        body = {
+            "run_id": self.run_id,
+            "round": info.round,
+            "attempt": info.attempt,
+            "peer_id": self.peer_id,
+            "cid": cid,
+            "start_hash": info.start_hash or "",
+            "size": len(payload),
+            "tokens": c.tokens,
+            "inner_steps": c.inner_steps,
+            "fragment": c.fragment,
+            "train_loss": loss if loss == loss else None,  # NaN: no loss to report
+            "compute_s": compute_s,
+            "wall_s": wall_s,
+            "commitments": commitments,
+        }
+        signed = self.identity.sign_request(body, info.round)
+        self._last_request = (path, signed)
         try:
-            self.client.post(f"/v1/rounds/{info.round}/contributions", req.model_dump())
+            self.client.post(path, signed, round=None)
         except PeerRejected as e:
-            log.warning("[%s - round %d] contribution refused: %s", self.peer_id, info.round, e)
+            log.warning("[%s - round %d] contribution refused: %s", self.name, info.round, e)
+            if e.status == 403:
+                raise
             return False
         log.info(
             "[%s - round %d] %d steps, loss %.4f, sent %d bytes",
-            self.peer_id,
+            self.name,
             info.round,
             c.inner_steps,
             loss,
-            len(c.payload),
+            len(payload),
         )
         return True
+
+    def _misbehave(self, info: schemas.RoundInfo, c: Contribution) -> bytes | None:
+        """The payload this worker's behavior sends (None: nothing to send this round)."""
+        behavior = self.opts.behavior
+        payload = c.payload
+        if behavior in adversary.PAYLOAD_CHEATS and behavior != "free-rider":
+            numel = len(self._zeros())
+            payload = adversary.forge_payload(
+                behavior, payload, self.strategy.codec, numel, info.round
+            )
+        elif behavior == "stale":
+            payload, self._last_payload = self._last_payload or payload, payload
+        elif behavior == "copycat":
+            theirs = [
+                a
+                for a in (self._last_certificate.accepted if self._last_certificate else [])
+                if a.peer_id != self.peer_id
+            ]
+            if not theirs:
+                log.info("[%s - round %d] nothing to copy yet", self.name, info.round)
+                return None
+            victim = theirs[0]
+            sources = [*victim.providers, self.opts.coordinator]
+            payload = self.blobs.fetch(victim.cid, sources, size=victim.size)
+        return payload
 
     def _await_certificate(self, info: schemas.RoundInfo) -> schemas.Certificate | None:
         """Poll for the round's certificate until it exists, or the round turns out to
@@ -377,7 +490,13 @@ class Worker:
                 body = self.client.get(
                     f"/v1/rounds/{info.round}/certificate", params={"wait": 5}, quiet=True
                 )
-                return schemas.Certificate.model_validate(body)
+                cert = schemas.Certificate.model_validate(body)
+                if not certificate_is_signed(cert, self.coordinator_key):
+                    raise RuntimeError(
+                        f"round {info.round}'s certificate is not signed by the run's "
+                        f"coordinator key {self.coordinator_key[:12]}"
+                    )
+                return cert
             except PeerRejected as e:
                 if e.status != 404:
                     raise
@@ -385,7 +504,7 @@ class Worker:
                 self.client.get("/v1/round", params={"peer_id": self.peer_id})
             )
             if (now.round, now.attempt) != (info.round, info.attempt) and now.round <= info.round:
-                log.warning("[%s] round %d was aborted; rejoining", self.peer_id, info.round)
+                log.warning("[%s] round %d was aborted; rejoining", self.name, info.round)
                 return None
             self._pause(0.05)
         raise CoordinatorLost(f"no certificate for round {info.round} after {limit:.0f} s")
@@ -415,14 +534,30 @@ class Worker:
             return
         self.state, self.state_hash = new_state, new_hash
         self.strategy.adopt(new_state)
+        self._trained_since_adopt = False
         self._serve_state(new_state, cert.new_cid)
         log.info(
             "[%s - round %d] applied %d contributions; weights %s match the certificate",
-            self.peer_id,
+            self.name,
             cert.round,
             len(contributions),
             cert.new_hash[:12],
         )
+
+    def _keep_receipt(self, round_: int) -> None:
+        """Fetch the signed ledger entry that accepted our contribution and keep it in
+        <store>/receipts.jsonl once its hash and the coordinator's signature check out."""
+        try:
+            entry = self.client.get(
+                "/v1/ledger/receipt", params={"round": round_, "peer_id": self.peer_id}
+            )
+            parsed = ledger.parse_line(canonical_json(entry), entry.get("index", 0))
+            ledger.check_entry(parsed, self.coordinator_key)
+        except (PeerRejected, ledger.LedgerError, ValueError) as e:
+            log.warning("[%s - round %d] no valid receipt: %s", self.name, round_, e)
+            return
+        with open(self.store_dir / "receipts.jsonl", "a") as f:
+            f.write(ledger.to_line(parsed) + "\n")
 
     def _record(self, cert: schemas.Certificate, digest: str, matched: bool) -> None:
         """Append to <store>/applied.jsonl what this peer computed for each round."""
@@ -432,13 +567,14 @@ class Worker:
 
     def _resync(self, cert: schemas.Certificate, why: str) -> None:
         log.warning(
-            "[%s - round %d] %s: re-syncing from the canonical state", self.peer_id, cert.round, why
+            "[%s - round %d] %s: re-syncing from the canonical state", self.name, cert.round, why
         )
         state = self._download_state(cert.new_cid, cert.new_size, [])
         if state.digest() != cert.new_hash:
             raise RuntimeError(f"canonical state {cert.new_cid[:12]} fails its own hash")
         self.state, self.state_hash = state, cert.new_hash
         self.strategy.load_state(state)
+        self._trained_since_adopt = False
 
     def _serve_state(self, state: TrainState, cid: str) -> None:
         """Keep the latest canonical state in our blob store, so joiners can fetch it from
@@ -447,7 +583,7 @@ class Worker:
             return
         data = state_to_bytes(state)
         if content_id(data) != cid:
-            log.warning("[%s] serialized state differs from the certificate's blob", self.peer_id)
+            log.warning("[%s] serialized state differs from the certificate's blob", self.name)
             return
         self.store.put(data)
         if self._served_state and self._served_state != cid:

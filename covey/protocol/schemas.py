@@ -8,7 +8,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-PeerId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+PeerId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]  # sha256(public key)[:32]
+PublicKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Signature = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+Nonce = Annotated[str, StringConstraints(pattern=r"^[0-9]{13}-[0-9a-f]{16}$")]
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 ContentId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 RunId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 Url = Annotated[str, StringConstraints(pattern=r"^https?://[^\s]{1,200}$")]
@@ -18,9 +22,20 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class JoinRequest(Request):
+class Signed(Request):
+    """A state-changing request: signed by the sender's key over (run id, round, content id,
+    nonce); see covey.trust.identity."""
+
+    nonce: Nonce
+    signature: Signature
+
+
+class JoinRequest(Signed):
     run_id: RunId
     peer_id: PeerId
+    public_key: PublicKey
+    name: Name = "peer"
+    stake: float = Field(0.0, ge=0, le=1e15, allow_inf_nan=False, description="credits staked")
     device: str = Field("cpu", max_length=64, description="e.g. cpu, cuda:0 (H100)")
     step_time_s: float = Field(gt=0, le=3600, description="measured seconds per inner step")
     bandwidth_mbps: float | None = Field(None, gt=0, le=1e6, description="link estimate")
@@ -35,13 +50,13 @@ class JoinReply(BaseModel):
     dead_after_s: float
 
 
-class HeartbeatRequest(Request):
+class HeartbeatRequest(Signed):
     run_id: RunId
     peer_id: PeerId
     step_time_s: float | None = Field(None, gt=0, le=3600)
 
 
-class LeaveRequest(Request):
+class LeaveRequest(Signed):
     run_id: RunId
     peer_id: PeerId
     reason: str = Field("shutdown", max_length=200)
@@ -68,7 +83,19 @@ class RoundInfo(BaseModel):
     assignment: AssignmentOut | None = None
 
 
-class ContributionRequest(Request):
+class CommitmentIn(Request):
+    """The worker's state after `step` inner steps: a hash and count sketches
+    (covey.trust.verify)."""
+
+    step: int = Field(ge=0)
+    hash: ContentId
+    sketch: dict[
+        Annotated[str, StringConstraints(pattern=r"^[a-z]{1,16}$")],
+        Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=1024)],
+    ] = Field(max_length=4)
+
+
+class ContributionRequest(Signed):
     """POST /v1/rounds/{round}/contributions: the metadata of a contribution whose bytes are
     the blob `cid` (uploaded first, or served by the peer's own blob server)."""
 
@@ -87,10 +114,12 @@ class ContributionRequest(Request):
     train_loss: float | None = Field(None, allow_inf_nan=False)
     compute_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     wall_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="round open to submit")
+    commitments: list[CommitmentIn] = Field([], max_length=10_000)
 
 
 class AcceptedContribution(BaseModel):
     peer_id: str
+    name: str = ""
     cid: str
     size: int
     tokens: int
@@ -102,6 +131,7 @@ class AcceptedContribution(BaseModel):
 
 class Rejection(BaseModel):
     peer_id: str
+    name: str = ""
     reason: str
 
 
@@ -119,6 +149,7 @@ class Certificate(BaseModel):
     rejected: list[Rejection]
     closed_at: float
     reason: str
+    signature: str = ""  # the coordinator's, over the rest (covey.trust.identity)
 
 
 class CheckpointEntry(BaseModel):
@@ -127,3 +158,60 @@ class CheckpointEntry(BaseModel):
     size: int
     weights_hash: str
     providers: list[str]
+
+
+# --- validators ---------------------------------------------------------------------------
+
+
+class ValidatorJoin(Signed):
+    run_id: RunId
+    validator_id: PeerId
+    public_key: PublicKey
+    name: Name = "validator"
+
+
+class ClaimRequest(Signed):
+    """POST /v1/verify/claim: give this validator a sampled contribution to re-execute."""
+
+    run_id: RunId
+    validator_id: PeerId
+
+
+class VerifyTask(BaseModel):
+    """A sampled contribution and everything needed to re-execute it."""
+
+    task_id: int
+    round: int
+    peer_id: str
+    cid: str
+    size: int
+    tokens: int
+    inner_steps: int
+    fragment: int | None
+    data_key: str
+    start_cid: str
+    start_hash: str
+    start_size: int
+    commitments: list[dict]
+    providers: list[str]
+
+
+class VerifyReport(Signed):
+    """POST /v1/verify/report: the outcome of a re-execution. On a disagreement the
+    validator names the first diverging segment and backs its claim: its own commitment at
+    the segment's end (or, for the last segment, its payload `payload_cid`), and its local
+    state at the segment's start (`state_cid`, not needed for segment 0)."""
+
+    run_id: RunId
+    round: int = Field(ge=0)
+    validator_id: PeerId
+    task_id: int = Field(ge=0)
+    outcome: Literal["agree", "disagree"]
+    exact: bool = False
+    distance: float | None = Field(None, ge=0, allow_inf_nan=False)
+    segment: int | None = Field(None, ge=0)
+    detail: str = Field("", max_length=500)
+    state_cid: ContentId | None = None
+    payload_cid: ContentId | None = None
+    claim: CommitmentIn | None = None
+    compute_s: float = Field(0.0, ge=0, allow_inf_nan=False)

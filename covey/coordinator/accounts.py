@@ -1,0 +1,86 @@
+"""The coordinator's side of the ledger: entries are appended inside the same SQLite
+transaction as the state change they record, so a crash leaves both or neither; the
+in-memory `Book` (covey.trust.incentives) follows the ledger entry by entry, after each
+commit, and is what the coordinator reports (`/v1/ledger/balances`, `ledger-balances.json`).
+Nothing here is a side table: every balance is the ledger replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from covey.trust import ledger
+from covey.trust.identity import Identity
+from covey.trust.incentives import Book
+
+from .db import Database
+
+log = logging.getLogger("covey.coordinator")
+
+
+class Accounts:
+    def __init__(self, db: Database, identity: Identity, data_dir: Path) -> None:
+        self.db = db
+        self.identity = identity
+        self.balances_path = data_dir / "ledger-balances.json"
+        self._local = threading.local()
+        with db.lock:
+            self.book = Book.replay(ledger.read_entries(db._conn))
+        self._write_balances()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A database transaction in which `append` may write ledger entries. Each entry
+        goes through the book as it is written, so an entry that breaks the ledger's rules
+        rolls the whole transaction back; after any rollback the book is replayed from
+        the ledger again."""
+        with self.db.lock:
+            if getattr(self._local, "open", False):  # nested: part of the enclosing one
+                yield self.db._conn
+                return
+            self._local.open, self._local.wrote = True, False
+            try:
+                with self.db.transaction() as c:
+                    yield c
+            except BaseException:
+                if self._local.wrote:
+                    self.book = Book.replay(ledger.read_entries(self.db._conn))
+                raise
+            finally:
+                self._local.open = False
+            if self._local.wrote:
+                self._write_balances()
+
+    def append(self, c: sqlite3.Connection, type: str, payload: dict[str, Any], at: float) -> None:
+        if not getattr(self._local, "open", False):
+            raise RuntimeError("ledger entries are appended inside Accounts.transaction()")
+        self._local.wrote = True
+        self.book.apply(ledger.append(c, self.identity, type, payload, at))
+
+    def entries(self, start: int, limit: int) -> list[dict[str, Any]]:
+        with self.db.lock:
+            rows = ledger.read_entries(self.db._conn, start=start, limit=limit)
+        return [json.loads(ledger.to_line(e)) for e in rows]
+
+    def find(self, type: str, **match: Any) -> dict[str, Any] | None:
+        """The latest entry of `type` whose payload has these values (receipts)."""
+        rows = self.db.query(
+            "SELECT idx FROM ledger WHERE type = ? ORDER BY idx DESC LIMIT 5000", (type,)
+        )
+        for row in rows:
+            entry = self.entries(row["idx"], 1)[0]
+            if all(entry["payload"].get(k) == v for k, v in match.items()):
+                return entry
+        return None
+
+    def _write_balances(self) -> None:
+        tmp = self.balances_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.book.summary(), indent=1, sort_keys=True))
+        tmp.replace(self.balances_path)

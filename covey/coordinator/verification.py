@@ -1,0 +1,486 @@
+"""Verification and incentives on the coordinator (../shared/DESIGN.md, "The round" step 6).
+
+At each commit the accepted contributions are written to the ledger, each with the
+coordinator's sampling draw (covey.trust.certify): sampled ones become tasks that
+validators claim (`/v1/verify/claim`), re-execute from the round's start state and report
+(`/v1/verify/report`). A disagreement opens a dispute: the validator names the first
+diverging segment of the worker's commitments, and the referee (a thread here) recomputes
+that one segment alone (covey.trust.verify, after Verde, arXiv 2502.19405) and decides.
+Proven fraud slashes the worker's stake, excludes it and pays the validator. Work is paid
+`challenge_rounds` after it was accepted, unless it is still being checked or was fraud.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from covey.algorithms.codecs import CodecError
+from covey.data.batches import sample_batch
+from covey.peer.blobs import BlobError
+from covey.protocol import schemas
+from covey.protocol.checkpoint import state_from_bytes
+from covey.trust import verify
+from covey.trust.certify import sample
+from covey.trust.identity import canonical_json
+
+from .views import Rejected
+
+if TYPE_CHECKING:
+    from covey.algorithms import Strategy, TrainState
+    from covey.config import RunConfig
+    from covey.data.corpus import Corpus
+    from covey.peer.blobs import BlobClient, BlobStore
+
+    from .accounts import Accounts
+    from .db import Database
+
+log = logging.getLogger("covey.coordinator")
+EXPIRE_ROUNDS = 10  # a sampled contribution nobody re-executed this long after is paid anyway
+
+
+class Verification:
+    # provided by Coordinator
+    cfg: RunConfig
+    run_id: str
+    db: Database
+    accounts: Accounts
+    blobs: BlobStore
+    fetcher: BlobClient
+    strategy: Strategy
+    template: TrainState
+    corpus: Corpus
+    seq_len: int
+    verifying: bool
+    authenticate: Any
+    _check_run: Any
+    _register: Any
+
+    def __init__(self) -> None:
+        self._disputes: queue.Queue[int | None] = queue.Queue()
+        self._referee_thread: threading.Thread | None = None
+        self._referee_strategy: Strategy | None = None
+
+    # -- membership checks ----------------------------------------------------------------
+
+    def _check_not_banned(self, peer_id: str) -> None:
+        account = self.accounts.book.accounts.get(peer_id)
+        if account is not None and account.banned:
+            raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
+
+    def _check_role(self, peer_id: str, role: str) -> None:
+        account = self.accounts.book.accounts.get(peer_id)
+        if account is None or account.role != role:
+            raise Rejected(403, f"{peer_id[:12]} is not a registered {role}")
+
+    # -- at each commit ---------------------------------------------------------------------
+
+    def _record_round(
+        self,
+        c: sqlite3.Connection,
+        round_: int,
+        rows: list[Any],
+        cert: schemas.Certificate,
+        now: float,
+    ) -> None:
+        """Inside the commit's transaction: ledger entries for the accepted contributions
+        (with the sampling draw), the certificate, and the payments now due."""
+        book = self.accounts.book
+        for r in rows:
+            rate = book.sampling_rate(r["peer_id"]) if self.verifying else 0.0
+            sampled, draw = sample(
+                self.accounts.identity, self.run_id, round_, r["peer_id"], r["cid"], rate
+            )
+            self.accounts.append(
+                c,
+                "contribution accepted",
+                {
+                    "round": round_,
+                    "peer_id": r["peer_id"],
+                    "cid": r["cid"],
+                    "tokens": r["tokens"],
+                    "inner_steps": r["inner_steps"],
+                    "sampled": sampled,
+                    "rate": rate,
+                    "draw": draw,
+                    "request_id": r["request_id"],
+                    "nonce": r["nonce"],
+                    "signature": r["signature"],
+                },
+                now,
+            )
+            c.execute(
+                "INSERT OR REPLACE INTO payouts VALUES (?, ?, ?, 'due')",
+                (round_, r["peer_id"], r["tokens"]),
+            )
+            if sampled:
+                c.execute(
+                    "INSERT OR REPLACE INTO verifications (round, peer_id, status) "
+                    "VALUES (?, ?, 'pending')",
+                    (round_, r["peer_id"]),
+                )
+        digest = hashlib.sha256(canonical_json(cert.model_dump(mode="json")).encode())
+        self.accounts.append(
+            c,
+            "round certificate",
+            {
+                "round": round_,
+                "new_hash": cert.new_hash,
+                "certificate_hash": digest.hexdigest(),
+                "accepted": [a.peer_id for a in cert.accepted],
+                "rejected": [x.peer_id for x in cert.rejected],
+            },
+            now,
+        )
+        self._pay_due(c, round_, now)
+
+    def _pay_due(self, c: sqlite3.Connection, round_: int, now: float) -> None:
+        """Pay the work accepted `challenge_rounds` ago or earlier: unless its sampled
+        re-execution is still pending (held; expired after EXPIRE_ROUNDS) or disputed
+        (held), or it proved fraud (forfeit)."""
+        trust = self.cfg.trust
+        due = c.execute(
+            "SELECT p.round, p.peer_id, p.tokens, v.status AS check_status, v.validator_id "
+            "FROM payouts p LEFT JOIN verifications v "
+            "ON v.round = p.round AND v.peer_id = p.peer_id "
+            "WHERE p.status = 'due' AND p.round <= ? ORDER BY p.round, p.peer_id",
+            (round_ - trust.challenge_rounds,),
+        ).fetchall()
+        for d in due:
+            status = d["check_status"]
+            if status in ("pending", "claimed") and d["round"] <= round_ - EXPIRE_ROUNDS:
+                c.execute(
+                    "UPDATE verifications SET status = 'expired' WHERE round = ? AND peer_id = ?",
+                    (d["round"], d["peer_id"]),
+                )
+                self.accounts.append(
+                    c,
+                    "verification",
+                    {
+                        "round": d["round"],
+                        "peer_id": d["peer_id"],
+                        "validator_id": "",
+                        "outcome": "expired",
+                        "distance": None,
+                        "exact": False,
+                    },
+                    now,
+                )
+                status = "expired"
+            if status in ("pending", "claimed", "disputed"):
+                continue
+            account = self.accounts.book.accounts.get(d["peer_id"])
+            if status == "fraud" or (account is not None and account.banned):
+                c.execute(
+                    "UPDATE payouts SET status = 'forfeit' WHERE round = ? AND peer_id = ?",
+                    (d["round"], d["peer_id"]),
+                )
+                continue
+            amount = self.accounts.book.work_reward(d["tokens"])
+            self.accounts.append(
+                c,
+                "reward",
+                {
+                    "round": d["round"],
+                    "peer_id": d["peer_id"],
+                    "amount": amount,
+                    "kind": "work",
+                    "tokens": d["tokens"],
+                },
+                now,
+            )
+            c.execute(
+                "UPDATE payouts SET status = 'paid' WHERE round = ? AND peer_id = ?",
+                (d["round"], d["peer_id"]),
+            )
+
+    def verification_blobs(self) -> set[str]:
+        """Blobs an unfinished verification still needs (kept by the pruning)."""
+        rows = self.db.query(
+            "SELECT c.cid, r.start_cid FROM verifications v "
+            "JOIN rounds r ON r.round = v.round "
+            "JOIN contributions c ON c.round = v.round AND c.attempt = r.attempt "
+            "AND c.peer_id = v.peer_id WHERE v.status IN ('pending', 'claimed', 'disputed')"
+        )
+        keep = {r["cid"] for r in rows} | {r["start_cid"] for r in rows}
+        for row in self.db.query("SELECT report FROM verifications WHERE status = 'disputed'"):
+            report = json.loads(row["report"] or "{}")
+            keep |= {report.get("state_cid"), report.get("payload_cid")} - {None}
+        return keep
+
+    # -- validators -------------------------------------------------------------------------
+
+    def validator_join(self, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
+        self._check_run(req.run_id)
+        self._register(req.validator_id, req.public_key, req.name, "validator", 0.0, raw)
+        log.info("[%s %s] validator joined", req.name, req.validator_id[:8])
+        return {"ok": True, "verifying": self.verifying}
+
+    def claim(self, req: schemas.ClaimRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        """A sampled contribution nobody is re-executing (a claim not reported within
+        verify_timeout_s goes back), or {"task": None}."""
+        self._check_run(req.run_id)
+        self.authenticate(raw, -1, req.validator_id)
+        self._check_role(req.validator_id, "validator")
+        now = time.time()
+        with self.db.transaction() as c:
+            # peers with the fewest finished checks first: every newcomer's first sampled
+            # contribution is looked at before anyone's second, so a cheater is caught
+            # early even when the validators lag behind the rounds
+            row = c.execute(
+                "SELECT v.* FROM verifications v WHERE v.peer_id != ? AND (v.status = 'pending' "
+                "OR (v.status = 'claimed' AND v.claimed_at < ?)) ORDER BY (SELECT COUNT(*) "
+                "FROM verifications d WHERE d.peer_id = v.peer_id AND d.status NOT IN "
+                "('pending', 'claimed')), v.id LIMIT 1",
+                (req.validator_id, now - self.cfg.trust.verify_timeout_s),
+            ).fetchone()
+            if row is None:
+                return {"task": None}
+            c.execute(
+                "UPDATE verifications SET status = 'claimed', validator_id = ?, claimed_at = ? "
+                "WHERE id = ?",
+                (req.validator_id, now, row["id"]),
+            )
+        task = self._task(row["id"])
+        log.info(
+            "[round %d] %s re-executes %s's contribution",
+            task.round,
+            req.validator_id[:8],
+            task.peer_id[:8],
+        )
+        return {"task": task.model_dump()}
+
+    def _task(self, task_id: int) -> schemas.VerifyTask:
+        v = self.db.one("SELECT * FROM verifications WHERE id = ?", (task_id,))
+        assert v is not None
+        rnd = self.db.one("SELECT * FROM rounds WHERE round = ?", (v["round"],))
+        assert rnd is not None
+        c = self.db.one(
+            "SELECT * FROM contributions WHERE round = ? AND attempt = ? AND peer_id = ?",
+            (v["round"], rnd["attempt"], v["peer_id"]),
+        )
+        assert c is not None
+        assignment = json.loads(rnd["assignments"])[v["peer_id"]]
+        return schemas.VerifyTask(
+            task_id=task_id,
+            round=v["round"],
+            peer_id=v["peer_id"],
+            cid=c["cid"],
+            size=c["size"],
+            tokens=c["tokens"],
+            inner_steps=c["inner_steps"],
+            fragment=c["fragment"],
+            data_key=assignment["data_key"],
+            start_cid=rnd["start_cid"],
+            start_hash=rnd["start_hash"],
+            start_size=self.blobs.size(rnd["start_cid"]),
+            commitments=json.loads(c["commitments"] or "[]"),
+            providers=[],
+        )
+
+    def report(self, req: schemas.VerifyReport, raw: dict[str, Any]) -> dict[str, Any]:
+        self._check_run(req.run_id)
+        self.authenticate(raw, req.round, req.validator_id)
+        self._check_role(req.validator_id, "validator")
+        v = self.db.one("SELECT * FROM verifications WHERE id = ?", (req.task_id,))
+        if v is None or v["round"] != req.round:
+            raise Rejected(404, f"no verification task {req.task_id} for round {req.round}")
+        if v["status"] != "claimed" or v["validator_id"] != req.validator_id:
+            raise Rejected(409, f"task {req.task_id} is not claimed by {req.validator_id[:12]}")
+        if req.outcome == "disagree":
+            if req.segment is None:
+                raise Rejected(422, "a disagreement names the first diverging segment")
+            for cid in (req.state_cid, req.payload_cid):
+                if cid is not None and not self.blobs.has(cid):
+                    raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
+        now = time.time()
+        status = "agree" if req.outcome == "agree" else "disputed"
+        with self.accounts.transaction() as c:
+            c.execute(
+                "UPDATE verifications SET status = ?, report = ? WHERE id = ?",
+                (status, req.model_dump_json(), req.task_id),
+            )
+            self.accounts.append(
+                c,
+                "verification",
+                {
+                    "round": req.round,
+                    "peer_id": v["peer_id"],
+                    "validator_id": req.validator_id,
+                    "outcome": req.outcome,
+                    "distance": req.distance,
+                    "exact": req.exact,
+                },
+                now,
+            )
+        log.log(
+            logging.INFO if req.outcome == "agree" else logging.WARNING,
+            "[round %d] %s: %s's contribution %s (distance %s%s)",
+            req.round,
+            req.validator_id[:8],
+            v["peer_id"][:8],
+            "re-executed and agrees" if req.outcome == "agree" else "DISPUTED",
+            "exact" if req.exact else f"{req.distance}",
+            "" if req.segment is None else f", segment {req.segment}",
+        )
+        if status == "disputed":
+            self._disputes.put(req.task_id)
+        return {"ok": True, "status": status}
+
+    # -- the referee --------------------------------------------------------------------------
+
+    def start_referee(self) -> None:
+        for row in self.db.query("SELECT id FROM verifications WHERE status = 'disputed'"):
+            self._disputes.put(row["id"])  # disputes left open by a restart
+        self._referee_thread = threading.Thread(target=self._referee, name="referee", daemon=True)
+        self._referee_thread.start()
+
+    def stop_referee(self) -> None:
+        self._disputes.put(None)
+        if self._referee_thread is not None:
+            self._referee_thread.join(30)
+
+    def _referee(self) -> None:
+        while (task_id := self._disputes.get()) is not None:
+            try:
+                self._settle(task_id)
+            except Exception:  # a bug must not kill the referee: the dispute stays open
+                log.exception("referee failed on task %d", task_id)
+
+    def _settle(self, task_id: int) -> None:
+        """Recompute the disputed segment alone and write the outcome to the ledger."""
+        task = self._task(task_id)
+        row = self.db.one("SELECT report FROM verifications WHERE id = ?", (task_id,))
+        assert row is not None
+        report = schemas.VerifyReport.model_validate_json(row["report"])
+        outcome, detail = self._judge(task, report)
+        now = time.time()
+        trust = self.cfg.trust
+        with self.accounts.transaction() as c:
+            c.execute("UPDATE verifications SET status = ? WHERE id = ?", (outcome, task_id))
+            self.accounts.append(
+                c,
+                "dispute",
+                {
+                    "round": task.round,
+                    "peer_id": task.peer_id,
+                    "validator_id": report.validator_id,
+                    "segment": report.segment,
+                    "outcome": outcome,
+                    "detail": detail,
+                },
+                now,
+            )
+            if outcome == "fraud":
+                self.accounts.append(
+                    c,
+                    "slash",
+                    {
+                        "round": task.round,
+                        "peer_id": task.peer_id,
+                        "amount": self.accounts.book.slash_amount(task.peer_id),
+                        "reason": detail,
+                    },
+                    now,
+                )
+                self.accounts.append(
+                    c,
+                    "reward",
+                    {
+                        "round": task.round,
+                        "peer_id": report.validator_id,
+                        "amount": trust.catch_reward,
+                        "kind": "catch",
+                        "tokens": 0,
+                    },
+                    now,
+                )
+                c.execute("UPDATE peers SET state = 'banned' WHERE peer_id = ?", (task.peer_id,))
+                c.execute(
+                    "UPDATE payouts SET status = 'forfeit' WHERE peer_id = ? AND status = 'due'",
+                    (task.peer_id,),
+                )
+        log.warning(
+            "[round %d] dispute over %s's contribution (segment %s): %s: %s",
+            task.round,
+            task.peer_id[:8],
+            report.segment,
+            outcome.upper() if outcome == "fraud" else outcome,
+            detail,
+        )
+
+    def _judge(self, task: schemas.VerifyTask, report: schemas.VerifyReport) -> tuple[str, str]:
+        """Recompute the disputed segment (from the validator's state at its start, which
+        must match the worker's own commitment there) and compare its end with what the
+        worker and the validator each claim it is."""
+        strategy = self._referee_strategy_for()
+        trust = self.cfg.trust
+        start = state_from_bytes(self.blobs.get(task.start_cid), self.template)
+        numel = sum(start.params[n].numel() for n in strategy.fragment_names(task.fragment))
+        try:
+            claimed = [verify.Commitment.from_dict(c) for c in task.commitments]
+            segment = int(report.segment or 0)
+            worker_end = verify.segment_end(
+                claimed, self.blobs.get(task.cid), segment, strategy.codec, numel
+            )
+        except (ValueError, IndexError, CodecError) as e:
+            # a claim that is malformed on its face needs no recomputation
+            return "fraud", f"the worker's claim is malformed: {e}"
+        try:
+            if report.payload_cid is not None:
+                data = self.blobs.get(report.payload_cid)
+                validator_end: Any = strategy.codec.decode(data, numel)
+            elif report.claim is not None:
+                validator_end = verify.Commitment.from_dict(report.claim.model_dump())
+            else:
+                return "inconclusive", "the validator backed its dispute with no claim"
+            seg_state = None
+            if report.state_cid is not None and segment > 0:
+                seg_state = verify.local_state_from_bytes(
+                    self.blobs.get(report.state_cid), strategy.local_state()
+                )
+        except (ValueError, CodecError, BlobError) as e:
+            return "inconclusive", f"the validator's evidence is unusable: {e}"
+        result = verify.referee(
+            strategy,
+            start,
+            segment,
+            seg_state,
+            self._batch_fn(task.round, task.data_key),
+            task.inner_steps,
+            trust.commit_every,
+            claimed_start=claimed[segment] if seg_state is not None else None,
+            tolerance=trust.tolerance,
+        )
+        verdict = verify.judge(result, worker_end, validator_end, trust.tolerance)
+        return verdict.outcome, verdict.detail
+
+    def _referee_strategy_for(self) -> Strategy:
+        """The referee's own copy of the strategy (its model is trained on; the round
+        driver's is not touched)."""
+        if self._referee_strategy is None:
+            self._referee_strategy = copy.deepcopy(self.strategy)
+        return self._referee_strategy
+
+    def _batch_fn(self, round_: int, data_key: str) -> Any:
+        cfg = self.cfg
+
+        def batch(step: int) -> Any:
+            return sample_batch(
+                self.corpus.train,
+                batch_size=cfg.data.batch_size,
+                seq_len=self.seq_len,
+                seed=cfg.seed,
+                round=round_,
+                worker=data_key,
+                step=step,
+            )
+
+        return batch

@@ -1,0 +1,242 @@
+"""`covey validator`: re-executes sampled contributions and disputes the ones that lie.
+
+The loop: claim a task from the coordinator (a contribution its sampling draw picked), fetch
+the round's start state and the contribution, re-execute the assignment from the start
+state with the same data and the same commitment schedule (covey.trust.verify), and
+compare within the run's tolerance. An agreement is reported as such. A disagreement names
+the first diverging segment of the worker's commitments and backs it with this validator's
+own state at the segment's start and its claim at the segment's end (uploaded as blobs),
+so the referee can recompute that one segment alone. Validators are paid for proven
+catches; a false accusation is recorded against them.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from covey.algorithms import Strategy, TrainState, build_strategy
+from covey.config import RunConfig
+from covey.data.batches import sample_batch
+from covey.data.corpus import load_corpus
+from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.peer.blobs import BlobClient, BlobError
+from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.protocol import schemas
+from covey.protocol.checkpoint import CheckpointError, state_from_bytes
+from covey.protocol.content import content_id
+from covey.trust import verify
+from covey.trust.identity import Identity
+
+log = logging.getLogger("covey.validator")
+
+
+@dataclass
+class ValidatorOptions:
+    coordinator: str
+    identity: Path | None = None  # default ~/.covey/identity (use another key than a worker's)
+    name: str | None = None
+    threads: int | None = 1
+    poll_s: float = 1.0  # wait between claims when there is nothing to check
+    max_tasks: int | None = None  # stop after this many re-executions
+    connect_timeout_s: float = 120.0
+
+
+class Validator:
+    def __init__(self, opts: ValidatorOptions) -> None:
+        self.opts = opts
+        self.identity = Identity.load_or_create(opts.identity)
+        self.validator_id = self.identity.peer_id
+        self.name = opts.name or f"validator-{self.validator_id[:8]}"
+        self.stop = threading.Event()
+        self.client = CoordinatorClient(
+            opts.coordinator, lost_s=opts.connect_timeout_s, stop=self.stop, identity=self.identity
+        )
+        self.done = 0
+        self.compute_s = 0.0
+        self._state: tuple[str, TrainState] | None = None
+
+    def _setup(self) -> None:
+        info = self.client.get("/v1/run")
+        self.cfg = RunConfig.model_validate(info["spec"])
+        self.run_id = self.cfg.run_id
+        if self.run_id != info["run_id"]:
+            raise RuntimeError(
+                f"run spec hashes to {self.run_id}, coordinator says {info['run_id']}"
+            )
+        limits = self.cfg.limits
+        self.client.configure(limits.request_timeout_s, limits.coordinator_lost_s)
+        if self.opts.threads:
+            torch.set_num_threads(self.opts.threads)
+        self.corpus = load_corpus(list(self.cfg.data.paths), self.cfg.data.val_fraction)
+        if self.corpus.fingerprint != info["corpus_fingerprint"]:
+            raise RuntimeError("this machine's corpus differs from the run's")
+        mcfg = gpt_config(self.cfg.model.size)
+        self.seq_len = self.cfg.data.seq_len or mcfg.block_size
+        torch.manual_seed(self.cfg.seed)
+        self.strategy: Strategy = build_strategy(self.cfg.algorithm, GPT(mcfg), lm_loss)
+        self.template = self.strategy.init_state()
+        self.blobs = BlobClient(
+            timeout_s=limits.request_timeout_s,
+            retries=limits.retries,
+            chunk_bytes=limits.chunk_bytes,
+            max_bytes=limits.max_blob_bytes,
+        )
+        reply = self.client.post(
+            "/v1/validators/join",
+            {
+                "run_id": self.run_id,
+                "validator_id": self.validator_id,
+                "public_key": self.identity.public_key,
+                "name": self.name,
+            },
+        )
+        if not reply.get("verifying"):
+            log.warning("[%s] this run's contributions cannot be re-executed", self.name)
+        log.info("[%s %s] validating run %s", self.name, self.validator_id[:8], self.run_id)
+
+    def run(self) -> int:
+        """Claim and check tasks until a signal or max_tasks. 0 on a clean stop, 1 when
+        the coordinator is lost or refuses this validator."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._setup()
+            while not self.stop.is_set():
+                if self.opts.max_tasks and self.done >= self.opts.max_tasks:
+                    break
+                reply = self.client.post(
+                    "/v1/verify/claim", {"run_id": self.run_id, "validator_id": self.validator_id}
+                )
+                if reply.get("task") is None:
+                    self.stop.wait(self.opts.poll_s)
+                    continue
+                self.check(schemas.VerifyTask.model_validate(reply["task"]))
+            return 0
+        except (CoordinatorLost, PeerRejected, RuntimeError) as e:
+            if self.stop.is_set() and isinstance(e, CoordinatorLost):
+                return 0
+            log.error("[%s] %s", self.name, e)
+            return 1
+        finally:
+            self.stop.set()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        log.info("[%s] %s: stopping", self.name, signal.Signals(signum).name)
+        self.stop.set()
+
+    def check(self, task: schemas.VerifyTask) -> None:
+        """Re-execute one task and report the outcome (uploading the evidence of a
+        disagreement first)."""
+        sources = [self.opts.coordinator]
+        try:
+            start = self._start_state(task, sources)
+            payload = self.blobs.fetch(task.cid, sources, size=task.size)
+        except (BlobError, CheckpointError, RuntimeError) as e:
+            log.warning(
+                "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
+            )
+            return
+        k = self.cfg.trust.commit_every
+        t0 = time.perf_counter()
+        points = len(verify.commitment_steps(task.inner_steps, k))
+        mine = verify.reexecute(
+            self.strategy, start, self._batch_fn(task), task.inner_steps, k, range(points)
+        )
+        numel = sum(start.params[n].numel() for n in self.strategy.fragment_names(task.fragment))
+        verdict = verify.compare(
+            _claimed(task.commitments),
+            payload,
+            mine,
+            self.strategy.codec,
+            numel,
+            self.cfg.trust.tolerance,
+        )
+        compute_s = time.perf_counter() - t0
+        self.compute_s += compute_s
+        body: dict[str, Any] = {
+            "run_id": self.run_id,
+            "round": task.round,
+            "validator_id": self.validator_id,
+            "task_id": task.task_id,
+            "outcome": "agree" if verdict.agree else "disagree",
+            "exact": verdict.exact,
+            "distance": verdict.distance,
+            "detail": verdict.detail[:500],
+            "compute_s": compute_s,
+        }
+        if not verdict.agree:
+            body.update(self._evidence(mine, verdict.segment, sources))
+        self.client.post("/v1/verify/report", body, round=task.round)
+        self.done += 1
+        log.info(
+            "[%s - round %d] %s's contribution: %s (distance %s) in %.1f s",
+            self.name,
+            task.round,
+            task.peer_id[:8],
+            "agrees" if verdict.agree else f"DISAGREES from segment {verdict.segment}",
+            "exact" if verdict.exact else f"{verdict.distance:.3g}",
+            compute_s,
+        )
+
+    def _evidence(
+        self, mine: verify.Reexecution, segment: int, sources: list[str]
+    ) -> dict[str, Any]:
+        """Upload this validator's state at the segment's start and its claim at its end."""
+        out: dict[str, Any] = {"segment": segment}
+        if segment > 0:
+            data = verify.local_state_to_bytes(mine.states[segment])
+            out["state_cid"] = self.blobs.upload(sources[0], data, content_id(data))
+        if segment + 1 < len(mine.commitments):
+            out["claim"] = mine.commitments[segment + 1].to_dict()
+        else:
+            out["payload_cid"] = self.blobs.upload(
+                sources[0], mine.payload, content_id(mine.payload)
+            )
+        return out
+
+    def _start_state(self, task: schemas.VerifyTask, sources: list[str]) -> TrainState:
+        if self._state is not None and self._state[0] == task.start_cid:
+            return self._state[1]
+        data = self.blobs.fetch(task.start_cid, sources, size=task.start_size)
+        state = state_from_bytes(data, self.template)
+        if state.digest() != task.start_hash:
+            raise RuntimeError(f"start state {task.start_cid[:12]} does not hash to the task's")
+        self._state = (task.start_cid, state)
+        return state
+
+    def _batch_fn(self, task: schemas.VerifyTask) -> Any:
+        cfg = self.cfg
+
+        def batch(step: int) -> torch.Tensor:
+            return sample_batch(
+                self.corpus.train,
+                batch_size=cfg.data.batch_size,
+                seq_len=self.seq_len,
+                seed=cfg.seed,
+                round=task.round,
+                worker=task.data_key,
+                step=step,
+            )
+
+        return batch
+
+
+def _claimed(raw: list[dict[str, Any]]) -> list[verify.Commitment]:
+    """The worker's commitments as sent; a malformed one becomes an impossible commitment
+    (so `compare` reports the claim as malformed at segment 0)."""
+    out = []
+    for item in raw:
+        try:
+            out.append(verify.Commitment.from_dict(item))
+        except ValueError:
+            out.append(verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()}))
+    return out

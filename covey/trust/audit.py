@@ -1,0 +1,216 @@
+"""Audit a run's ledger from outside the coordinator: `covey ledger verify`.
+
+A ledger comes from a coordinator's data directory, its SQLite file, a JSONL export, or a
+live coordinator's HTTP API. Verifying it checks the hash chain and every signature
+(covey.trust.ledger), replays every entry through the incentive rules
+(covey.trust.incentives), and compares the balances the coordinator reports with the
+replay's. Reading a source that does not exist or cannot be reached is a `SourceError`;
+anything wrong with what was read is a `LedgerError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from covey.trust.identity import canonical_json
+from covey.trust.incentives import Book
+from covey.trust.ledger import Entry, LedgerError, parse_line, read_entries, to_line, verify_chain
+
+DB_FILE = "coordinator.db"
+BALANCES_FILE = "ledger-balances.json"
+PAGE = 1000
+HTTP_TIMEOUT_S = 30.0
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+class SourceError(OSError):
+    """The ledger could not be read at all: a missing file, an unreachable coordinator."""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """A verified ledger. `compared_at` is the number of entries the coordinator's reported
+    balances covered (they matched the replay of that prefix), None if it reported none."""
+
+    entries: int
+    coordinator_key: str
+    summary: dict[str, Any]
+    compared_at: int | None
+
+    @property
+    def accounts(self) -> int:
+        return len(self.summary["accounts"])
+
+
+def load(source: str | Path) -> tuple[list[Entry], dict[str, Any] | None, str | None]:
+    """(entries, the coordinator's reported summary or None, its published key or None).
+
+    `source`: a coordinator data directory (`coordinator.db`, opened read-only, and
+    `ledger-balances.json` if present), a SQLite file, a `.jsonl` export, or an http(s) URL
+    of a running coordinator. SourceError if it cannot be read; LedgerError if what it
+    holds is malformed (this checks form only: `verify` checks the chain and the rules)."""
+    text = str(source)
+    if text.startswith(("http://", "https://")):
+        return _load_url(text.rstrip("/"))
+    path = Path(source)
+    if path.is_dir():
+        db, balances = path / DB_FILE, path / BALANCES_FILE
+        if not db.is_file():
+            raise SourceError(f"{path} holds no {DB_FILE}: not a coordinator's data directory")
+        reported = _json_file(balances) if balances.is_file() else None
+        return read_entries(db), reported, None
+    if not path.is_file():
+        raise SourceError(f"no such directory, file or URL: {text}")
+    if path.suffix == ".jsonl":
+        return read_jsonl(path), None, None
+    with path.open("rb") as f:
+        if f.read(len(_SQLITE_HEADER)) == _SQLITE_HEADER:
+            return read_entries(path), None, None
+    raise SourceError(f"{path} is neither a SQLite database nor a .jsonl ledger export")
+
+
+def verify(source: str | Path) -> VerifyReport:
+    """Load, check the chain and signatures, replay every entry, and compare the reported
+    balances (if any) with the replay of the entries they cover. LedgerError on the first
+    failure: a bad entry by its index, differing balances by the first differing account."""
+    entries, reported, published_key = load(source)
+    key = verify_chain(entries, published_key)
+    covered = None
+    if reported is not None:
+        covered = reported.get("entries") if isinstance(reported, dict) else None
+        if not isinstance(covered, int) or isinstance(covered, bool):
+            raise LedgerError(None, f"the coordinator's balances lack an entry count: {covered!r}")
+        if not 0 < covered <= len(entries):
+            raise LedgerError(
+                None,
+                f"the coordinator's balances cover {covered} entries; the ledger has "
+                f"{len(entries)}",
+            )
+    book, snapshot = Book(), None
+    for entry in entries:
+        book.apply(entry)
+        if book.entries == covered:
+            snapshot = book.summary()
+    if reported is not None and snapshot is not None:
+        _compare(reported, snapshot)
+    return VerifyReport(len(entries), key, book.summary(), covered)
+
+
+def read_jsonl(path: Path) -> list[Entry]:
+    """Entries of a JSONL export, line N holding entry N. Only b"\\n" ends a line (so a
+    flipped newline cannot pass as another line break); a final newline is optional."""
+    lines = path.read_bytes().split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    return [parse_line(line, n) for n, line in enumerate(lines)]
+
+
+def write_jsonl(entries: list[Entry], path: Path) -> None:
+    """Write `entries` as a JSONL export, atomically (a temporary file, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(to_line(e) + "\n" for e in entries), encoding="ascii")
+    os.replace(tmp, path)
+
+
+def _compare(reported: dict[str, Any], replayed: dict[str, Any]) -> None:
+    """LedgerError naming the first account (by peer id) whose reported standing differs
+    from the replayed one, else the first differing top-level field."""
+    if reported == replayed:
+        return
+    head = (
+        f"the coordinator's balances (after {replayed['entries']} entries) differ from the ledger's"
+    )
+    mine = replayed["accounts"]
+    theirs = reported.get("accounts")
+    if not isinstance(theirs, dict):
+        raise LedgerError(None, f"{head}: 'accounts' is {theirs!r:.80}")
+    for peer_id in sorted(set(mine) | set(theirs)):
+        a, b = theirs.get(peer_id), mine.get(peer_id)
+        if a == b:
+            continue
+        if a is None or b is None:
+            where = "the ledger" if a is None else "the coordinator's report"
+            raise LedgerError(None, f"{head}: account {peer_id} is missing from {where}")
+        name = b.get("name", "?")
+        field = _first_difference(a, b)
+        raise LedgerError(
+            None,
+            f"{head}: account {peer_id} ({name}): {field} is {_at(a, field)!r} reported, "
+            f"{_at(b, field)!r} recomputed",
+        )
+    field = _first_difference(reported, replayed)
+    raise LedgerError(
+        None,
+        f"{head}: {field} is {_at(reported, field)!r} reported, {_at(replayed, field)!r} "
+        "recomputed",
+    )
+
+
+def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
+    """Dotted path of the first differing field of two summaries (sorted key order)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if a.get(key, _MISSING) != b.get(key, _MISSING):
+                return _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
+    return prefix.rstrip(".") or "the summary"
+
+
+def _at(value: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        value = value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
+    return value
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(missing)"
+
+
+_MISSING = _Missing()
+
+
+def _json_file(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise LedgerError(None, f"{path} is not valid JSON: {e}") from None
+
+
+def _load_url(base: str) -> tuple[list[Entry], dict[str, Any] | None, str | None]:
+    """Balances first, then the ledger: entries appended between the two requests are
+    beyond what the balances cover, and `verify` compares only the prefix they cover."""
+    import httpx
+
+    try:
+        with httpx.Client(base_url=base, timeout=HTTP_TIMEOUT_S) as client:
+            run = _get(client, "/v1/run")
+            key = run.get("coordinator_key") if isinstance(run, dict) else None
+            if not isinstance(key, str):
+                raise LedgerError(None, f"{base}/v1/run publishes no coordinator_key: {key!r}")
+            reported = _get(client, "/v1/ledger/balances")
+            entries: list[Entry] = []
+            while page := _get(client, "/v1/ledger", start=len(entries), limit=PAGE):
+                if not isinstance(page, list):
+                    raise LedgerError(len(entries), f"{base}/v1/ledger returned {page!r:.80}")
+                for item in page:
+                    n = len(entries)
+                    if not isinstance(item, dict) or item.get("index") != n:
+                        raise LedgerError(n, f"{base}/v1/ledger returned {item!r:.120} here")
+                    entries.append(parse_line(canonical_json(item), n))
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise SourceError(f"cannot read the ledger from {base}: {e}") from None
+    return entries, reported, key
+
+
+def _get(client: Any, path: str, **params: int) -> Any:
+    response = client.get(path, params=params)
+    response.raise_for_status()
+    try:
+        return response.json()
+    except ValueError as e:
+        raise LedgerError(None, f"{path} did not return JSON: {e}") from None

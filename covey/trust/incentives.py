@@ -1,0 +1,415 @@
+"""Stakes, rewards, slashes, reputation and ownership, all replayed from the ledger.
+
+Pure: no I/O. `Book.apply` takes ledger entries in order and enforces the run's rules
+(../shared/DESIGN.md, "Incentives"): contributors stake to join and earn
+`policy.reward_per_token` per token of accepted work; proven fraud costs
+`policy.slash_fraction` of stake and bans; a validator earns `policy.catch_reward` per fraud
+it proves. Ownership of the model is each peer's share of the tokens paid for (Pluralis'
+Protocol Learning). The coordinator keeps one Book updated entry by entry and reports its
+`summary()`; `covey ledger verify` replays the ledger from scratch and must get the same.
+
+The payload of each entry type is the contract between the coordinator and this module:
+
+- "run created": {run_id, name, spec: dict, coordinator_key, policy: Policy.to_dict()}
+- "join": {peer_id, public_key, name, role: "worker"|"validator"}  (once per key)
+- "stake": {peer_id, amount};  "leave": {peer_id, reason}
+- "contribution accepted": {round, peer_id, cid, tokens, inner_steps, sampled, rate, draw,
+  request_id, nonce, signature};  "contribution rejected": {round, peer_id, reason}
+- "verification": {round, peer_id, validator_id, outcome: "agree"|"disagree"|"expired",
+  distance: float|null, exact: bool}
+- "dispute": {round, peer_id, validator_id, segment, outcome: "fraud"|"validator wrong"|
+  "inconclusive", detail}
+- "slash": {round, peer_id, amount, reason}
+- "reward": {round, peer_id, amount, kind: "work"|"catch", tokens (0 for a catch)}
+- "round certificate": {round, new_hash, certificate_hash, accepted: [ids], rejected: [ids]}
+- "checkpoint": {round, cid, weights_hash}
+
+Fields beyond these are ignored. Amounts are compared exactly: the coordinator computes
+them with the same expressions (`Book.work_reward`, `Book.slash_amount`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from covey.trust.identity import IdentityError, peer_id_of
+from covey.trust.ledger import Entry, LedgerError
+
+if TYPE_CHECKING:
+    from covey.config import TrustConfig
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The incentive rules a run was created with (see covey.config.TrustConfig)."""
+
+    min_stake: float
+    reward_per_token: float
+    slash_fraction: float
+    catch_reward: float
+    new_peer_rate: float
+    new_peer_contributions: int
+    low_reputation: float
+    sample_rate: float
+
+    @classmethod
+    def from_config(cls, cfg: TrustConfig) -> Policy:
+        return cls.from_dict({f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Policy:
+        """ValueError naming the field if one is missing, unknown, or not a non-negative
+        finite number (new_peer_contributions: an int)."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(data, dict) or set(data) != set(names):
+            got = sorted(data) if isinstance(data, dict) else data
+            raise ValueError(f"policy must have exactly the fields {names}, got {got}")
+        values: dict[str, Any] = {}
+        for name in names:
+            v, cast = data[name], int if name == "new_peer_contributions" else float
+            ok = isinstance(v, int) if cast is int else isinstance(v, (int, float))
+            if not ok or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"policy.{name} must be a non-negative {cast.__name__}, got {v!r}")
+            values[name] = cast(v)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The "run created" entry's `policy` payload."""
+        return asdict(self)
+
+
+@dataclass
+class Account:
+    """One peer's standing. `slashed` is the amount of stake lost."""
+
+    peer_id: str
+    name: str
+    role: str
+    public_key: str
+    stake: float = 0.0
+    balance: float = 0.0
+    tokens_paid: int = 0
+    contributions: int = 0
+    rejected: int = 0
+    agreed: int = 0
+    frauds: int = 0
+    false_accusations: int = 0
+    catches: int = 0
+    slashed: float = 0.0
+    banned: bool = False
+
+    @property
+    def reputation(self) -> float:
+        """(agreed + 1) / (agreed + frauds + 2): 0.5 for a peer nobody has checked."""
+        return (self.agreed + 1) / (self.agreed + self.frauds + 2)
+
+
+class Book:
+    """The run's accounts as of the entries applied so far. Build with `replay`, or apply
+    entries one by one as they are appended."""
+
+    def __init__(self) -> None:
+        self.policy: Policy | None = None
+        self.run_id: str | None = None
+        self.coordinator_key: str | None = None
+        self.accounts: dict[str, Account] = {}
+        self.entries = 0
+        self.certificates = 0
+        self.checkpoints = 0
+        self.work_rewards = 0.0
+        self.catch_rewards = 0.0
+        self._keys: set[str] = set()
+        self._accepted: dict[tuple[int, str], int] = {}  # (round, peer) -> tokens
+        self._paid: set[tuple[int, str]] = set()
+        self._catches_due: dict[tuple[int, str], int] = {}  # (round, validator) -> unpaid
+
+    @classmethod
+    def replay(cls, entries: Iterable[Entry]) -> Book:
+        """A book of `entries` applied in order; LedgerError naming the first that breaks a
+        rule. Checks no hashes or signatures: run `verify_chain` first."""
+        book = cls()
+        for entry in entries:
+            book.apply(entry)
+        return book
+
+    def apply(self, entry: Entry) -> None:
+        """Account for the next entry. LedgerError naming `entry.index` if it is out of order
+        or breaks a rule; the book is then unchanged (every check precedes every change)."""
+        i = entry.index
+        if i != self.entries:
+            raise LedgerError(i, f"applied out of order: the book holds {self.entries} entries")
+        if self.policy is None and entry.type != "run created":
+            raise LedgerError(i, f"{entry.type!r} before the 'run created' entry")
+        if self.policy is not None and entry.type == "run created":
+            raise LedgerError(i, "a second 'run created' entry")
+        if entry.type not in SCHEMAS:
+            raise LedgerError(i, f"unknown type {entry.type!r}")
+        _check(entry)
+        getattr(self, "_" + entry.type.replace(" ", "_"))(i, entry.payload)
+        self.entries += 1
+
+    # -- what the coordinator asks while writing entries -------------------------------
+
+    def sampling_rate(self, peer_id: str) -> float:
+        """Share of this peer's contributions validators re-execute: new_peer_rate while it
+        has fewer than new_peer_contributions accepted or reputation below low_reputation
+        (or is unknown), else sample_rate."""
+        policy = self._policy()
+        acc = self.accounts.get(peer_id)
+        if acc is None or acc.contributions < policy.new_peer_contributions:
+            return policy.new_peer_rate
+        return (
+            policy.new_peer_rate if acc.reputation < policy.low_reputation else policy.sample_rate
+        )
+
+    def work_reward(self, tokens: int) -> float:
+        """The amount a "work" reward for `tokens` verified tokens must carry."""
+        return tokens * self._policy().reward_per_token
+
+    def slash_amount(self, peer_id: str) -> float:
+        """The amount a slash of this peer must carry now (KeyError if unknown)."""
+        return self._policy().slash_fraction * self.accounts[peer_id].stake
+
+    def ownership(self) -> dict[str, float]:
+        """Each account's share of all tokens paid for (all 0.0 before the first reward)."""
+        total = sum(a.tokens_paid for a in self.accounts.values())
+        return {p: (a.tokens_paid / total if total else 0.0) for p, a in self.accounts.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able standing of every account (sorted by peer id) and the totals."""
+        share = self.ownership()
+        accounts = {}
+        for peer_id in sorted(self.accounts):
+            a = self.accounts[peer_id]
+            accounts[peer_id] = {
+                "name": a.name,
+                "role": a.role,
+                "stake": a.stake,
+                "balance": a.balance,
+                "tokens_paid": a.tokens_paid,
+                "ownership": share[peer_id],
+                "reputation": a.reputation,
+                "banned": a.banned,
+                "slashed": a.slashed,
+                "counts": {
+                    "contributions": a.contributions,
+                    "rejected": a.rejected,
+                    "agreed": a.agreed,
+                    "frauds": a.frauds,
+                    "false_accusations": a.false_accusations,
+                    "catches": a.catches,
+                },
+            }
+        ordered = [self.accounts[p] for p in sorted(self.accounts)]
+        return {
+            "run_id": self.run_id,
+            "coordinator_key": self.coordinator_key,
+            "entries": self.entries,
+            "certificates": self.certificates,
+            "checkpoints": self.checkpoints,
+            "totals": {
+                "accounts": len(ordered),
+                "banned": sum(a.banned for a in ordered),
+                "stake": math.fsum(a.stake for a in ordered),
+                "balance": math.fsum(a.balance for a in ordered),
+                "tokens_paid": sum(a.tokens_paid for a in ordered),
+                "slashed": math.fsum(a.slashed for a in ordered),
+                "work_rewards": self.work_rewards,
+                "catch_rewards": self.catch_rewards,
+            },
+            "accounts": accounts,
+        }
+
+    # -- one handler per entry type; `_check` has validated the payload's fields --------
+
+    def _run_created(self, i: int, p: dict[str, Any]) -> None:
+        try:
+            self.policy = Policy.from_dict(p["policy"])
+        except ValueError as e:
+            raise LedgerError(i, f"run created: {e}") from None
+        self.run_id, self.coordinator_key = p["run_id"], p["coordinator_key"]
+
+    def _join(self, i: int, p: dict[str, Any]) -> None:
+        peer_id, key = p["peer_id"], p["public_key"]
+        if key in self._keys or peer_id in self.accounts:
+            raise LedgerError(i, f"join: a second join of public key {key} (peer {peer_id})")
+        try:
+            derived = peer_id_of(key)
+        except IdentityError as e:
+            raise LedgerError(i, f"join: {e}") from None
+        if derived != peer_id:
+            raise LedgerError(i, f"join: peer_id {peer_id} is not the id of key {key} ({derived})")
+        self._keys.add(key)
+        self.accounts[peer_id] = Account(peer_id, p["name"], p["role"], key)
+
+    def _stake(self, i: int, p: dict[str, Any]) -> None:
+        acc, amount, min_stake = self._peer(i, p), p["amount"], self._policy().min_stake
+        if acc.stake + amount < min_stake:
+            raise LedgerError(
+                i,
+                f"stake: {amount} leaves peer {acc.peer_id} with {acc.stake + amount}, "
+                f"below min_stake {min_stake}",
+            )
+        acc.stake += amount
+
+    def _leave(self, i: int, p: dict[str, Any]) -> None:
+        self._peer(i, p)
+
+    def _contribution_accepted(self, i: int, p: dict[str, Any]) -> None:
+        acc, key = self._peer(i, p), (p["round"], p["peer_id"])
+        if p["rate"] > 1:
+            raise LedgerError(i, f"contribution accepted: rate {p['rate']} is above 1")
+        if key in self._accepted:
+            raise LedgerError(
+                i, f"contribution accepted: a second one of peer {key[1]} in round {key[0]}"
+            )
+        if acc.stake < self._policy().min_stake:
+            raise LedgerError(
+                i,
+                f"contribution accepted: peer {acc.peer_id} has stake {acc.stake}, below "
+                f"min_stake {self._policy().min_stake}",
+            )
+        self._accepted[key] = p["tokens"]
+        acc.contributions += 1
+
+    def _contribution_rejected(self, i: int, p: dict[str, Any]) -> None:
+        self._peer(i, p).rejected += 1
+
+    def _verification(self, i: int, p: dict[str, Any]) -> None:
+        acc = self._peer(i, p)
+        if p["outcome"] != "expired":  # an expired check names no validator ("")
+            self._peer(i, p, "validator_id")
+        if p["outcome"] == "agree":
+            acc.agreed += 1
+
+    def _dispute(self, i: int, p: dict[str, Any]) -> None:
+        acc, validator = self._peer(i, p), self._peer(i, p, "validator_id")
+        if p["outcome"] == "fraud":
+            acc.frauds += 1
+            key = (p["round"], validator.peer_id)
+            self._catches_due[key] = self._catches_due.get(key, 0) + 1
+        elif p["outcome"] == "validator wrong":
+            validator.false_accusations += 1
+
+    def _slash(self, i: int, p: dict[str, Any]) -> None:
+        acc, amount = self._peer(i, p), p["amount"]
+        expected = self.slash_amount(acc.peer_id)
+        if amount != expected:
+            raise LedgerError(
+                i,
+                f"slash: {amount} is not slash_fraction {self._policy().slash_fraction} x "
+                f"stake {acc.stake} = {expected}",
+            )
+        acc.stake -= amount
+        acc.slashed += amount
+        acc.banned = True
+
+    def _reward(self, i: int, p: dict[str, Any]) -> None:
+        acc, amount, tokens, rnd = self._peer(i, p), p["amount"], p["tokens"], p["round"]
+        key, policy = (rnd, acc.peer_id), self._policy()
+        fault = None
+        if acc.banned:
+            fault = f"a reward to banned peer {acc.peer_id}"
+        elif p["kind"] == "work":
+            if key not in self._accepted:
+                fault = f"no accepted contribution of peer {acc.peer_id} in round {rnd}"
+            elif key in self._paid:
+                fault = f"peer {acc.peer_id}'s round-{rnd} contribution was already paid"
+            elif tokens != self._accepted[key]:
+                fault = f"pays for {tokens} tokens, but {self._accepted[key]} were accepted"
+            elif amount != self.work_reward(tokens):
+                fault = (
+                    f"{amount} is not {tokens} tokens x reward_per_token "
+                    f"{policy.reward_per_token} = {self.work_reward(tokens)}"
+                )
+        elif tokens != 0:
+            fault = f"a catch reward must carry tokens 0, got {tokens}"
+        elif not self._catches_due.get(key):
+            fault = f"no unpaid 'fraud' dispute won by validator {acc.peer_id} in round {rnd}"
+        elif amount != policy.catch_reward:
+            fault = f"catch reward {amount} is not catch_reward {policy.catch_reward}"
+        if fault is not None:
+            raise LedgerError(i, f"reward ({p['kind']}): {fault}")
+        if p["kind"] == "work":
+            self._paid.add(key)
+            acc.tokens_paid += tokens
+            self.work_rewards += amount
+        else:
+            self._catches_due[key] -= 1
+            acc.catches += 1
+            self.catch_rewards += amount
+        acc.balance += amount
+
+    def _round_certificate(self, i: int, p: dict[str, Any]) -> None:
+        self.certificates += 1
+
+    def _checkpoint(self, i: int, p: dict[str, Any]) -> None:
+        self.checkpoints += 1
+
+    def _peer(self, i: int, p: dict[str, Any], field: str = "peer_id") -> Account:
+        if p[field] not in self.accounts:
+            raise LedgerError(i, f"unknown peer {p[field]!r} ({field})")
+        return self.accounts[p[field]]
+
+    def _policy(self) -> Policy:
+        if self.policy is None:
+            raise ValueError("no 'run created' entry applied yet: the run has no policy")
+        return self.policy
+
+
+# Each entry type's payload: "field:kind" where kind is id (non-empty text), text, count
+# (int >= 0), amount (finite number >= 0), amount? (or null), bool, object, ids (a list of
+# ids), or a|b|c (one of these strings). Fields beyond these are ignored.
+_SCHEMA_TEXT = {
+    "run created": "run_id:text, name:text, spec:object, coordinator_key:text, policy:object",
+    "join": "peer_id:id, public_key:text, name:text, role:worker|validator",
+    "stake": "peer_id:id, amount:amount",
+    "leave": "peer_id:id, reason:text",
+    "contribution accepted": "round:count, peer_id:id, cid:text, tokens:count, "
+    "inner_steps:count, sampled:bool, rate:amount, draw:text, request_id:text, nonce:text, "
+    "signature:text",
+    "contribution rejected": "round:count, peer_id:id, reason:text",
+    "verification": "round:count, peer_id:id, validator_id:text, outcome:agree|disagree|expired, "
+    "distance:amount?, exact:bool",
+    "dispute": "round:count, peer_id:id, validator_id:id, segment:count, "
+    "outcome:fraud|validator wrong|inconclusive, detail:text",
+    "slash": "round:count, peer_id:id, amount:amount, reason:text",
+    "reward": "round:count, peer_id:id, amount:amount, kind:work|catch, tokens:count",
+    "round certificate": "round:count, new_hash:text, certificate_hash:text, accepted:ids, "
+    "rejected:ids",
+    "checkpoint": "round:count, cid:text, weights_hash:text",
+}
+SCHEMAS: dict[str, dict[str, str]] = {
+    t: dict(field.split(":", 1) for field in text.split(", ")) for t, text in _SCHEMA_TEXT.items()
+}
+
+
+def _check(entry: Entry) -> None:
+    """LedgerError naming the entry if a payload field is missing or holds the wrong kind."""
+    for name, kind in SCHEMAS[entry.type].items():
+        if name not in entry.payload:
+            raise LedgerError(entry.index, f"{entry.type}: payload lacks field {name!r}")
+        if not _holds(entry.payload[name], kind):
+            want = f"one of {kind.split('|')}" if "|" in kind else f"{kind}"
+            got = repr(entry.payload[name])[:80]
+            raise LedgerError(
+                entry.index, f"{entry.type}: field {name!r} must be {want}, got {got}"
+            )
+
+
+def _holds(v: Any, kind: str) -> bool:
+    if "|" in kind:
+        return isinstance(v, str) and v in kind.split("|")
+    if kind == "amount?":
+        return v is None or _holds(v, "amount")
+    if kind in ("amount", "count"):
+        number = isinstance(v, int if kind == "count" else (int, float))
+        return number and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    if kind == "ids":
+        return isinstance(v, list) and all(_holds(x, "id") for x in v)
+    if kind == "id":
+        return isinstance(v, str) and v != ""
+    return isinstance(v, {"text": str, "bool": bool, "object": dict}[kind])

@@ -1,0 +1,157 @@
+"""`covey ledger ...`: verify, show and export a run's ledger (covey.trust.audit).
+
+Exit codes: 0 when the ledger verifies, 1 when it does not (`ledger INVALID: entry N: ...`),
+2 when the source cannot be read or the arguments are wrong (`error: ...`). Only typer is
+imported here; the audit code loads when a command runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from covey.trust.audit import VerifyReport
+
+SOURCE_HELP = "a coordinator's data directory, its coordinator.db, a .jsonl export, or its URL"
+Source = Annotated[str, typer.Argument(help=SOURCE_HELP, show_default=False)]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `ledger` command group to `app`."""
+    ledger_app = typer.Typer(
+        help="Audit a run's ledger: chain, signatures, balances.", no_args_is_help=True
+    )
+    ledger_app.command("verify")(verify)
+    ledger_app.command("show")(show)
+    ledger_app.command("export")(export)
+    app.add_typer(ledger_app, name="ledger")
+
+
+def verify(source: Source) -> None:
+    """Check the chain and signatures, replay every balance, compare with the coordinator's.
+
+    Exit 0 if the hash chain, every signature and every rule hold and the balances the
+    coordinator reports (if any) equal the replay; 1 naming the first failure; 2 if the
+    source cannot be read."""
+    report = _verified(source)
+    key = report.coordinator_key
+    compared = (
+        "no balances reported to compare"
+        if report.compared_at is None
+        else "match the coordinator's"
+        + (
+            ""
+            if report.compared_at == report.entries
+            else f" (their report covers the first {report.compared_at} entries)"
+        )
+    )
+    typer.echo(
+        f"ledger OK: {report.entries} entries, chain and {report.entries} signatures valid, "
+        f"coordinator key {key[:16]}...; balances recomputed for {report.accounts} accounts "
+        f"{compared}"
+    )
+
+
+def show(
+    source: Source,
+    as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+) -> None:
+    """Verify, then print every account's standing as recomputed from the ledger."""
+    report = _verified(source)
+    if as_json:
+        typer.echo(json.dumps(report.summary, indent=2))
+        return
+    typer.echo(_table(report.summary))
+    t = report.summary["totals"]
+    typer.echo(
+        f"{report.entries} entries, {report.summary['certificates']} rounds certified; "
+        f"{t['tokens_paid']:,} tokens paid, {t['balance']:.6g} credits earned, "
+        f"{t['slashed']:.6g} slashed, {t['banned']} banned"
+    )
+
+
+def export(
+    source: Source,
+    out: Annotated[Path, typer.Option("--out", help="the .jsonl file to write")],
+) -> None:
+    """Write the ledger as JSONL, one canonical entry per line.
+
+    Exports what is there without verifying it first (check the file with
+    `covey ledger verify FILE.jsonl`); exit 1 only if an entry cannot be read at all."""
+    from covey.trust.audit import SourceError, load, write_jsonl
+    from covey.trust.ledger import LedgerError
+
+    if out.suffix != ".jsonl":
+        raise _fail(f"--out must name a .jsonl file, got {out}")
+    try:
+        entries, _, _ = load(source)
+    except SourceError as e:
+        raise _fail(str(e)) from None
+    except LedgerError as e:
+        typer.secho(f"ledger INVALID: {e}", fg=typer.colors.RED)
+        raise typer.Exit(1) from None
+    write_jsonl(entries, out)
+    typer.echo(f"wrote {len(entries)} entries to {out}")
+
+
+def _verified(source: str) -> VerifyReport:
+    """The verified report, or exit 1 (invalid ledger) / 2 (unreadable source)."""
+    from covey.trust.audit import SourceError
+    from covey.trust.audit import verify as verify_source
+    from covey.trust.ledger import LedgerError
+
+    try:
+        return verify_source(source)
+    except SourceError as e:
+        raise _fail(str(e)) from None
+    except LedgerError as e:
+        typer.secho(f"ledger INVALID: {e}", fg=typer.colors.RED)
+        raise typer.Exit(1) from None
+
+
+def _table(summary: dict[str, Any]) -> str:
+    header = (
+        "name",
+        "peer id",
+        "role",
+        "stake",
+        "balance",
+        "tokens paid",
+        "own %",
+        "rep",
+        "banned",
+    )
+    rows = [header]
+    for peer_id, a in summary["accounts"].items():
+        rows.append(
+            (
+                a["name"],
+                peer_id[:12],
+                a["role"],
+                f"{a['stake']:.6g}",
+                f"{a['balance']:.6g}",
+                f"{a['tokens_paid']:,}",
+                f"{100 * a['ownership']:.2f}",
+                f"{a['reputation']:.3f}",
+                "BANNED" if a["banned"] else "",
+            )
+        )
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(header))]
+    numeric = {3, 4, 5, 6, 7}
+    lines = [
+        "  ".join(
+            str(cell).rjust(w) if c in numeric else str(cell).ljust(w)
+            for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)

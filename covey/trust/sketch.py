@@ -1,0 +1,208 @@
+"""Commitments to training states: count sketches, relative distances, hashes.
+
+A validator re-executing a worker's round on another machine does not get bit-identical
+tensors (thread counts change summation orders), so states are compared with a tolerance.
+Shipping whole states for that would cost as much as the training; a count sketch
+(Charikar, Chen & Farach-Colton, 2002) carries the comparison in 64 numbers per group:
+coordinate i goes to bucket h(i) with sign s(i), S(x)[b] = sum_{h(i)=b} s(i) x_i. S is
+linear, so S(a) - S(b) = S(a - b), and E ||S(x)||^2 = ||x||^2: the relative distance of two
+sketches estimates the relative distance of the vectors (to about sqrt(2 / buckets), ~18%
+of its value with 64 buckets, for vectors whose mass is spread over many coordinates).
+
+h and s come from splitmix64 of the coordinate index, not from torch's RNG: every machine
+and every torch version computes the same sketch (covey/data/batches.py avoids RNG
+libraries for batches for the same reason).
+
+A sketch is not a commitment an adversary cannot game: the hashing is public, so a vector
+can be crafted in the sketch's null space. Sketches tell honest numerical noise from real
+divergence; exact hashes (`state_hash`) are what binds a party to its bytes. A
+`Commitment` carries both: the hash of a worker's local state and sketches of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+BUCKETS = 64
+SEED = 0x636F766579  # "covey": offsets the coordinate index before mixing
+TINY = 1e-30  # below any float32 norm that matters; keeps 0 / 0 at 0
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer on uint64 (wrapping arithmetic): a bijective integer hash."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@functools.lru_cache(maxsize=8)
+def _hashing(length: int, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bucket index int64, sign float64) for coordinates 0..length-1; cached per length."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64(np.arange(length, dtype=np.uint64) + np.uint64(SEED))
+    index = torch.from_numpy(((h >> np.uint64(1)) % np.uint64(buckets)).astype(np.int64))
+    sign = torch.from_numpy(1.0 - 2.0 * (h & np.uint64(1)).astype(np.float64))
+    return index, sign
+
+
+def sketch(vec: torch.Tensor, buckets: int = BUCKETS) -> torch.Tensor:
+    """The count sketch of a flat vector: float64, shape (buckets,), accumulated in float64.
+
+    Deterministic for a given input; linear in it. NaN/Inf in `vec` propagate into the
+    sketch (a comparison then fails, see `distance`). ValueError for a non-1-D input or
+    buckets < 1."""
+    if vec.dim() != 1:
+        raise ValueError(f"sketch takes a flat vector, got shape {tuple(vec.shape)}")
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, got {buckets}")
+    index, sign = _hashing(vec.numel(), buckets)
+    out = torch.zeros(buckets, dtype=torch.float64)
+    return out.index_add_(0, index, vec.detach().to(torch.float64) * sign)
+
+
+def distance(a: torch.Tensor | Sequence[float], b: torch.Tensor | Sequence[float]) -> float:
+    """||a - b|| / max(||a||, ||b||, TINY): 0 for identical vectors, 1 for zero against
+    anything else, 2 for a sign flip, |s - 1| / max(|s|, 1) for a scaling by s.
+
+    inf when either side has NaN or Inf (a non-finite vector never agrees with anything).
+    ValueError when the lengths differ."""
+    x = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
+    y = torch.as_tensor(b, dtype=torch.float64).reshape(-1)
+    if x.numel() != y.numel():
+        raise ValueError(f"cannot compare vectors of {x.numel()} and {y.numel()} elements")
+    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+        return math.inf
+    scale = max(float(torch.linalg.vector_norm(x)), float(torch.linalg.vector_norm(y)), TINY)
+    return float(torch.linalg.vector_norm(x - y)) / scale
+
+
+def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over names (sorted), dtypes, shapes and bytes: equal hashes = identical state."""
+    h = hashlib.sha256(b"covey-local-state")
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"|{name}/{t.dtype}/{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """A worker's state after `step` inner steps of a round.
+
+    hash: `state_hash` of the full local state (parameters and inner optimizer tensors).
+    sketch["params"]: count sketch of (parameters now - the round's start parameters).
+    sketch["optim"]: one `buckets`-long count sketch per kind of optimizer tensor ("exp_avg",
+        "exp_avg_sq", ...; kinds sorted, each over its parameters in sorted order),
+        concatenated; empty when the strategy has none. Scalars (AdamW's step count) are
+        left out: the commitment's step implies them and the hash covers them. One sketch
+        per kind, because the kinds differ in scale by orders of magnitude and a joint
+        sketch would only see the largest.
+    """
+
+    step: int
+    hash: str
+    sketch: Mapping[str, tuple[float, ...]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "hash": self.hash,
+            "sketch": {k: list(self.sketch[k]) for k in ("params", "optim")},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Commitment:
+        """Parse a commitment from JSON-like data. ValueError naming what is wrong: missing
+        or extra keys, a step that is not a non-negative int, a hash that is not 64 hex
+        digits, a sketch that is not two lists of finite numbers."""
+        if not isinstance(d, dict) or set(d) != {"step", "hash", "sketch"}:
+            keys = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"a commitment has keys step, hash, sketch; got {keys}")
+        step, digest, sk = d["step"], d["hash"], d["sketch"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"commitment step {step!r} is not a non-negative integer")
+        if not isinstance(digest, str) or not HEX64.fullmatch(digest):
+            raise ValueError(f"commitment hash {digest!r} is not 64 lowercase hex digits")
+        if not isinstance(sk, dict) or set(sk) != {"params", "optim"}:
+            raise ValueError("commitment sketch must have exactly 'params' and 'optim'")
+        groups: dict[str, tuple[float, ...]] = {}
+        for key in ("params", "optim"):
+            values = sk[key]
+            if not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+            ):
+                raise ValueError(f"sketch {key!r} must be a list of numbers")
+            if not all(math.isfinite(v) for v in values):
+                raise ValueError(f"sketch {key!r} has NaN or Inf values")
+            groups[key] = tuple(float(v) for v in values)
+        return cls(step, digest, groups)
+
+
+def commitment_of(
+    local: Mapping[str, torch.Tensor],
+    start_params: Mapping[str, torch.Tensor],
+    step: int,
+    buckets: int = BUCKETS,
+) -> Commitment:
+    """The commitment to a local state (`Strategy.local_state()`) at `step`, relative to the
+    round's start parameters. ValueError when the state's parameters ("param/<name>") are
+    not exactly the start state's, by name and shape."""
+    names = sorted(start_params)
+    have = sorted(k[len("param/") :] for k in local if k.startswith("param/"))
+    if have != names:
+        raise ValueError(f"local state parameters {have[:3]}... differ from the start state's")
+    deltas = []
+    for n in names:
+        now, start = local[f"param/{n}"], start_params[n]
+        if now.shape != start.shape:
+            raise ValueError(f"param/{n}: shape {tuple(now.shape)}, start {tuple(start.shape)}")
+        deltas.append((now.detach().float() - start.detach().float()).reshape(-1))
+    params_sketch = sketch(torch.cat(deltas), buckets)
+    kinds: dict[str, list[str]] = {}
+    for name in sorted(local):
+        if name.startswith("optim/") and local[name].dim() > 0:
+            kinds.setdefault(name.rsplit("/", 1)[-1], []).append(name)
+    optim = [
+        sketch(torch.cat([local[n].detach().float().reshape(-1) for n in kinds[kind]]), buckets)
+        for kind in sorted(kinds)
+    ]
+    optim_sketch = torch.cat(optim) if optim else torch.zeros(0, dtype=torch.float64)
+    return Commitment(
+        step,
+        state_hash(local),
+        {"params": tuple(params_sketch.tolist()), "optim": tuple(optim_sketch.tolist())},
+    )
+
+
+def commitment_distance(a: Commitment, b: Commitment) -> float:
+    """0 for equal hashes; else the largest relative distance over the sketch groups
+    (parameters, then each optimizer kind); inf when the steps or sketch layouts differ or a
+    sketch is not finite."""
+    if a.hash == b.hash and a.step == b.step:
+        return 0.0
+    n = len(a.sketch["params"])
+    if (
+        a.step != b.step
+        or n == 0
+        or len(b.sketch["params"]) != n
+        or len(a.sketch["optim"]) != len(b.sketch["optim"])
+        or len(a.sketch["optim"]) % n
+    ):
+        return math.inf
+    worst = distance(a.sketch["params"], b.sketch["params"])
+    for i in range(0, len(a.sketch["optim"]), n):
+        worst = max(worst, distance(a.sketch["optim"][i : i + n], b.sketch["optim"][i : i + n]))
+    return worst

@@ -1,0 +1,581 @@
+"""Verification of contributed work: commitments, re-execution, bisection, referee.
+
+After Verde (Gensyn, arXiv 2502.19405). A worker training a round commits to
+its local state every k inner steps; a validator re-executes the round from the canonical
+start W_r on the same batches and compares. When they disagree, the committed list is
+bisected to one segment whose start both sides agree on and whose end they do not, and a
+referee recomputes only that segment: at most k inner steps, whatever the round's length.
+
+Segments. A round of `steps` inner steps has commitments at steps 0, k, 2k, ... strictly
+below `steps` (`commitment_steps`): ceil(steps / k) of them, and as many segments.
+Segment i runs from commitment i to commitment i + 1; the last one ends at the payload
+itself, which is the round's real output, so no commitment is made at the final step. A
+round shorter than k (and DDP's single step) is one segment, from W_r to the payload.
+
+Commitment 0 is the round's start state (W_r's parameters and a fresh inner optimizer),
+so its hash is known exactly to anyone who holds W_r. Later commitments are compared by
+count sketch (covey/trust/sketch.py) within a tolerance, since an honest re-execution on
+another machine differs in the last bits; `covey.bench.trust_calibration` measures honest
+and dishonest distances so the tolerance sits between them. The payload is compared in
+full: the validator holds it.
+
+Only strategies whose round is a pure function of (W_r, batches) can be re-executed
+(`Strategy.reexecutable`): DDP and DiLoCo with `inner_state = "reset"`. Everything here is
+pure: no network, no clock; the caller moves the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from covey.algorithms.base import Strategy, TrainState
+from covey.algorithms.codecs import Codec, CodecError
+from covey.config import TrustConfig
+from covey.trust.sketch import (
+    BUCKETS,
+    HEX64,
+    Commitment,
+    commitment_distance,
+    commitment_of,
+    distance,
+)
+
+BatchFn = Callable[[int], torch.Tensor]  # inner step (0-based, within the round) -> batch
+Outcome = Literal["fraud", "validator wrong", "inconclusive"]
+LOCAL_STATE_FORMAT = "covey-local-state-1"
+DEFAULT_TOLERANCE: float = TrustConfig.model_fields["tolerance"].default
+# The referee's nudge at least: relative to the parameters' norm, some float32 ulps.
+STABILITY_PROBE = 1e-6
+# A disputed end must be this many times farther than the nudge moved it to count as far.
+STABILITY_MARGIN = 10.0
+
+
+def commitment_steps(steps: int, commit_every: int) -> list[int]:
+    """The inner steps at which a round of `steps` steps commits: 0, k, 2k, ... < steps.
+    ValueError for steps < 1 or commit_every < 1."""
+    if steps < 1 or commit_every < 1:
+        raise ValueError(f"need steps >= 1 and commit_every >= 1, got {steps} and {commit_every}")
+    return list(range(0, steps, commit_every))
+
+
+def segment_bounds(segment: int, steps: int, commit_every: int) -> tuple[int, int]:
+    """(first step, end step) of a segment: it runs inner steps first .. end - 1.
+    ValueError for a segment the round does not have."""
+    n = len(commitment_steps(steps, commit_every))
+    if not 0 <= segment < n:
+        raise ValueError(f"segment {segment} out of range: the round has {n} segments")
+    return segment * commit_every, min((segment + 1) * commit_every, steps)
+
+
+# -- the worker's side -----------------------------------------------------------------
+
+
+class Committer:
+    """Records a worker's commitments inside its own training loop.
+
+    Construct it right after the strategy took the round's start state (step 0 is
+    recorded then) and call `after_step(n)` after every inner step, n = steps done so far.
+    `commitments` is always the claim for a round that ends now: the commitments at steps
+    0, k, 2k, ... strictly below the steps done (a commitment at the final step is recorded
+    when the loop lands on a multiple of k, then dropped from the claim if the round ends
+    there; the payload stands for that point). A flexible worker that stops early therefore
+    claims the right list without knowing its step count in advance.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        start_state: TrainState,
+        commit_every: int,
+        buckets: int = BUCKETS,
+    ) -> None:
+        if commit_every < 1:
+            raise ValueError(f"commit_every must be >= 1, got {commit_every}")
+        self.strategy = strategy
+        self.start_params = start_state.params
+        self.commit_every = commit_every
+        self.buckets = buckets
+        self.steps_done = 0
+        self._recorded = [self._commit(0)]
+
+    def _commit(self, step: int) -> Commitment:
+        return commitment_of(
+            self.strategy.local_state(copy=False), self.start_params, step, self.buckets
+        )
+
+    def after_step(self, steps_done: int) -> Commitment | None:
+        """Note that `steps_done` inner steps are done; record and return a commitment when
+        it is a multiple of k. ValueError unless steps_done is the previous call's + 1."""
+        if steps_done != self.steps_done + 1:
+            raise ValueError(
+                f"after_step({steps_done}) after {self.steps_done} steps: call it after every "
+                f"inner step"
+            )
+        self.steps_done = steps_done
+        if steps_done % self.commit_every:
+            return None
+        c = self._commit(steps_done)
+        self._recorded.append(c)
+        return c
+
+    @property
+    def commitments(self) -> list[Commitment]:
+        """The claim for a round that ends after `steps_done` steps."""
+        return [c for c in self._recorded if c.step < self.steps_done]
+
+    @property
+    def recorded(self) -> list[Commitment]:
+        """Every commitment recorded so far, including one at the current step."""
+        return list(self._recorded)
+
+
+# -- re-execution and comparison -------------------------------------------------------
+
+
+@dataclass
+class Reexecution:
+    """What a validator computed: the payload, the commitments, and the local states kept
+    at the commitment indices asked for (to hand a referee the start of a segment)."""
+
+    payload: bytes
+    commitments: list[Commitment]
+    states: dict[int, dict[str, torch.Tensor]]
+    steps: int
+    commit_every: int
+
+
+def _require_reexecutable(strategy: Strategy) -> None:
+    if not strategy.reexecutable:
+        raise ValueError(
+            f"{type(strategy).__name__} with this config is not re-executable: its rounds "
+            f"depend on worker-local state (DiLoCo needs inner_state='reset' and no "
+            f"error_feedback)"
+        )
+
+
+def reexecute(
+    strategy: Strategy,
+    start_state: TrainState,
+    batch_fn: BatchFn,
+    steps: int,
+    commit_every: int,
+    keep_states: Iterable[int] = (),
+) -> Reexecution:
+    """Train a round from `start_state` exactly as a worker does (load_state, `steps` inner
+    steps on batch_fn(0..steps-1), make_contribution) and commit every k steps.
+
+    `strategy` is the validator's own instance; its local state is overwritten. ValueError
+    for a strategy that is not re-executable or a keep_states index the round lacks."""
+    _require_reexecutable(strategy)
+    points = commitment_steps(steps, commit_every)
+    keep = set(keep_states)
+    if bad := sorted(i for i in keep if not 0 <= i < len(points)):
+        raise ValueError(f"keep_states {bad}: the round has commitments 0..{len(points) - 1}")
+    strategy.load_state(start_state)
+    committer = Committer(strategy, start_state, commit_every)
+    states = {0: strategy.local_state()} if 0 in keep else {}
+    for step in range(steps):
+        strategy.inner_step(batch_fn(step))
+        done = step + 1
+        committer.after_step(done)
+        if done % commit_every == 0 and done < steps and done // commit_every in keep:
+            states[done // commit_every] = strategy.local_state()
+    payload = strategy.make_contribution().payload
+    return Reexecution(payload, committer.commitments, states, steps, commit_every)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of comparing a claim with a re-execution.
+
+    agree: the claim stands. exact: bit-identical (same hashes and payload bytes).
+    distance: the largest distance over the commitments and the payload (inf for a
+    structurally wrong claim). segment: where a referee should look (None when agreeing).
+    distances: per commitment, then the payload (empty for a structurally wrong claim).
+    """
+
+    agree: bool
+    exact: bool
+    distance: float
+    segment: int | None
+    detail: str = ""
+    distances: tuple[float, ...] = field(default=())
+
+
+def _structure_fault(
+    claimed: Sequence[Any],
+    payload: Any,
+    mine: Reexecution,
+    codec: Codec,
+    numel: int,
+) -> str | None:
+    """What makes a claim malformed, checkable by anyone without re-executing; None if ok."""
+    want = commitment_steps(mine.steps, mine.commit_every)
+    if not isinstance(claimed, Sequence):
+        return f"commitments must be a list, got {type(claimed).__name__}"
+    if len(claimed) != len(want):
+        return (
+            f"{len(claimed)} commitments; a round of {mine.steps} steps committing every "
+            f"{mine.commit_every} has {len(want)}"
+        )
+    n_params = len(mine.commitments[0].sketch["params"])
+    n_optim = len(mine.commitments[0].sketch["optim"])
+    for i, (c, step) in enumerate(zip(claimed, want, strict=True)):
+        if not isinstance(c, Commitment):
+            return f"commitment {i} is a {type(c).__name__}"
+        if c.step != step:
+            return f"commitment {i} is at step {c.step}, expected {step}"
+        if not isinstance(c.hash, str) or not HEX64.fullmatch(c.hash):
+            return f"commitment {i} hash is not 64 hex digits"
+        sk = c.sketch
+        if not isinstance(sk, Mapping) or set(sk) != {"params", "optim"}:
+            return f"commitment {i} sketch must have exactly 'params' and 'optim'"
+        if not all(isinstance(sk[g], (list, tuple)) for g in ("params", "optim")):
+            return f"commitment {i} sketch groups must be lists of numbers"
+        if len(sk["params"]) != n_params or len(sk["optim"]) != n_optim:
+            return (
+                f"commitment {i} sketch lengths {len(sk['params'])}/{len(sk['optim'])}, "
+                f"expected {n_params}/{n_optim}"
+            )
+        try:
+            finite = all(math.isfinite(v) for v in (*sk["params"], *sk["optim"]))
+        except TypeError:
+            return f"commitment {i} sketch holds non-numbers"
+        if not finite:
+            return f"commitment {i} sketch has NaN or Inf values"
+    if claimed[0].hash != mine.commitments[0].hash:
+        return "commitment 0 is not the round's start state (W_r and a fresh inner optimizer)"
+    try:
+        vector = codec.decode(payload, numel)
+    except CodecError as e:
+        return f"payload rejected: {e}"
+    if not bool(torch.isfinite(vector).all()):
+        return "payload decodes to NaN or Inf values"
+    return None
+
+
+def bisect(agrees: Callable[[int], bool], n_points: int) -> int:
+    """The segment to dispute, among points 0..n_points-1 (commitments, then the payload):
+    one whose start agrees and whose end does not, found with O(log n) calls to `agrees`
+    when the last point disagrees. Point 0 must agree. Divergence that persists once it
+    starts (any real divergence) yields the first diverging segment; a claim whose later
+    points agree again (a lying commitment) yields the segment ending at its first
+    disagreement. ValueError when every point agrees."""
+    if not agrees(n_points - 1):
+        lo, hi = 0, n_points - 1
+    else:
+        first = next((i for i in range(1, n_points) if not agrees(i)), None)
+        if first is None:
+            raise ValueError("every point agrees: there is no segment to dispute")
+        lo, hi = 0, first
+    while hi - lo > 1:  # invariant: agrees(lo), not agrees(hi)
+        mid = (lo + hi) // 2
+        if agrees(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def compare(
+    claimed_commitments: Sequence[Commitment],
+    claimed_payload: bytes,
+    mine: Reexecution,
+    codec: Codec,
+    numel: int,
+    tolerance: float,
+) -> Verdict:
+    """Compare a worker's claim (commitments and payload) with a re-execution.
+
+    Exact when every hash and the payload bytes are identical. Otherwise the claim agrees
+    when every commitment's sketch distance and the decoded payload's distance are within
+    `tolerance`; if not, `segment` is the diverging segment found by `bisect`. A malformed
+    claim (wrong number or steps of commitments, wrong sketch lengths, NaN/Inf, a
+    commitment 0 that is not W_r, a payload that does not decode) is a disagreement at
+    segment 0 whose `detail` says what is wrong: anyone can check it without re-executing.
+    Never raises on a bad claim."""
+    fault = _structure_fault(claimed_commitments, claimed_payload, mine, codec, numel)
+    if fault is not None:
+        return Verdict(False, False, math.inf, 0, fault)
+    n = len(mine.commitments)
+    if claimed_payload == mine.payload and all(
+        a.hash == b.hash for a, b in zip(claimed_commitments, mine.commitments, strict=True)
+    ):
+        return Verdict(True, True, 0.0, None, "bit-identical", (0.0,) * (n + 1))
+    payload_distance = distance(
+        codec.decode(claimed_payload, numel), codec.decode(mine.payload, numel)
+    )
+    distances = (
+        *(
+            commitment_distance(a, b)
+            for a, b in zip(claimed_commitments, mine.commitments, strict=True)
+        ),
+        payload_distance,
+    )
+    worst = max(distances)
+    if worst <= tolerance:
+        return Verdict(True, False, worst, None, f"within tolerance {tolerance}", distances)
+    segment = bisect(lambda i: distances[i] <= tolerance, n + 1)
+    first, end = segment_bounds(segment, mine.steps, mine.commit_every)
+    where = "the payload" if segment == n - 1 else f"commitment {segment + 1}"
+    return Verdict(
+        False,
+        False,
+        worst,
+        segment,
+        f"segment {segment} (steps {first}..{end - 1}) diverges: distance "
+        f"{distances[segment + 1]:.3g} at {where}, tolerance {tolerance}",
+        distances,
+    )
+
+
+def segment_end(
+    commitments: Sequence[Commitment], payload: bytes, segment: int, codec: Codec, numel: int
+) -> Commitment | torch.Tensor:
+    """What a claim says a segment ends at: commitment segment + 1, or for the last segment
+    the decoded payload. CodecError for an undecodable payload; IndexError for a segment the
+    claim lacks."""
+    if not 0 <= segment < len(commitments):
+        raise IndexError(f"segment {segment}: the claim has {len(commitments)} segments")
+    if segment + 1 < len(commitments):
+        return commitments[segment + 1]
+    return codec.decode(payload, numel)
+
+
+# -- the referee ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RefereeResult:
+    """One recomputed segment.
+
+    end: its end commitment, or the decoded payload for the last segment; None when the
+        referee refused to compute (see detail).
+    start_distance: how far the supplied segment-start state was from the worker's
+        commitment (0 when the referee computed the start itself).
+    stability: how far the segment's end moves when its start is nudged by the size of the
+        disagreement at its start (`STABILITY_PROBE` at least). A segment that amplifies
+        the nudge (a loss spike, say) amplifies the honest differences between two
+        machines too; `judge` raises its noise floor accordingly.
+    """
+
+    segment: int
+    end: Commitment | torch.Tensor | None
+    start_distance: float = 0.0
+    detail: str = ""
+    stability: float = 0.0
+
+
+def _run_segment(
+    strategy: Strategy,
+    start_state: TrainState,
+    batch_fn: BatchFn,
+    first: int,
+    end: int,
+    steps: int,
+    codec: Codec,
+) -> Commitment | torch.Tensor:
+    for step in range(first, end):
+        strategy.inner_step(batch_fn(step))
+    if end == steps:
+        return codec.decode(strategy.make_contribution().payload)
+    return commitment_of(strategy.local_state(copy=False), start_state.params, end)
+
+
+def _nudge(strategy: Strategy, start_state: TrainState, relative: float) -> None:
+    """Perturb the local state with fixed-seed Gaussian noise: the parameters by
+    max(relative * ||params - start||, STABILITY_PROBE * ||params||) in l2 norm, every other
+    floating local tensor (optimizer moments) elementwise by a relative
+    max(relative, STABILITY_PROBE), which keeps signs and zeros (exp_avg_sq stays >= 0)."""
+    params = dict(strategy.model.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        noise = {n: torch.randn(params[n].shape, generator=g) for n in sorted(params)}
+        size = max(
+            relative * _norm(params[n] - start_state.params[n] for n in params),
+            STABILITY_PROBE * _norm(params.values()),
+        )
+        scale = size / max(_norm(noise.values()), 1e-30)
+        for n, z in noise.items():
+            params[n].add_(z.to(params[n].dtype) * scale)
+        sigma = max(relative, STABILITY_PROBE)
+        for name, t in sorted(strategy.local_state(copy=False).items()):
+            if not name.startswith("param/") and t.is_floating_point() and t.dim() > 0:
+                t.mul_(1 + sigma * torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def _norm(tensors: Iterable[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+
+
+def referee(
+    strategy: Strategy,
+    start_state: TrainState,
+    segment: int,
+    segment_start: Mapping[str, torch.Tensor] | None,
+    batch_fn: BatchFn,
+    steps: int,
+    commit_every: int,
+    codec: Codec | None = None,
+    *,
+    claimed_start: Commitment | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    probe: bool = True,
+) -> RefereeResult:
+    """Recompute one segment of a round and return its end.
+
+    Segment 0 starts from `start_state` and a fresh strategy state: no blob needed. A later
+    segment starts from `segment_start` (a validator's `Reexecution.states[segment]`),
+    which is checked first against `claimed_start`, the worker's own commitment at that
+    index: unless the hashes are equal or the sketch distance is within `tolerance`, the
+    referee refuses (end None), since a validator must not frame a worker with a made-up
+    state. The check is a sketch, not a proof (covey/trust/sketch.py); where that matters,
+    pass segment_start=None: the referee then recomputes from the round's start, at the
+    cost of the segments before this one.
+
+    With `probe`, the segment is computed a second time from a nudged start
+    (`RefereeResult.stability`), so that `judge` does not convict an honest worker whose
+    run diverged from the validator's through amplified rounding (measured by
+    covey.bench.trust_calibration: it happens, in loss spikes). Costs one more segment.
+
+    ValueError for a strategy that is not re-executable, a segment the round lacks, or a
+    segment_start given without claimed_start. A malformed segment_start is a refusal."""
+    _require_reexecutable(strategy)
+    first, end = segment_bounds(segment, steps, commit_every)
+    codec = codec or strategy.codec
+    strategy.load_state(start_state)
+    start_distance = 0.0
+    if segment_start is not None:
+        if claimed_start is None:
+            raise ValueError("a supplied segment-start state needs the worker's commitment")
+        try:
+            theirs = commitment_of(segment_start, start_state.params, first)
+            start_distance = commitment_distance(theirs, claimed_start)
+            if start_distance > tolerance:
+                return RefereeResult(
+                    segment,
+                    None,
+                    start_distance,
+                    f"supplied state at step {first} is {start_distance:.3g} from the "
+                    f"worker's commitment {segment} (tolerance {tolerance}): refused",
+                )
+            strategy.load_local_state(dict(segment_start))
+        except ValueError as e:
+            return RefereeResult(segment, None, math.inf, f"supplied state rejected: {e}")
+    else:
+        for step in range(first):  # no state supplied: recompute the prefix ourselves
+            strategy.inner_step(batch_fn(step))
+    begin = strategy.local_state() if probe else None
+    result = _run_segment(strategy, start_state, batch_fn, first, end, steps, codec)
+    stability = 0.0
+    if begin is not None:
+        strategy.load_state(start_state)
+        strategy.load_local_state(begin)
+        _nudge(strategy, start_state, start_distance)
+        nudged = _run_segment(strategy, start_state, batch_fn, first, end, steps, codec)
+        stability = _end_distance(result, nudged)
+    return RefereeResult(segment, result, start_distance, "", stability)
+
+
+def _end_distance(a: Commitment | torch.Tensor, b: Commitment | torch.Tensor) -> float:
+    if isinstance(a, Commitment) and isinstance(b, Commitment):
+        return commitment_distance(a, b)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return distance(a, b) if a.numel() == b.numel() else math.inf
+    raise ValueError(f"cannot compare a {type(a).__name__} with a {type(b).__name__}")
+
+
+@dataclass(frozen=True)
+class Judgement:
+    outcome: Outcome
+    detail: str
+
+
+def judge(
+    result: RefereeResult,
+    claimed: Commitment | torch.Tensor,
+    validator_claim: Commitment | torch.Tensor,
+    tolerance: float,
+) -> Judgement:
+    """Decide a dispute from the referee's recomputed segment end and what the worker
+    (`claimed`) and the validator said it is (`segment_end` of each claim).
+
+    Distances count as "far" beyond the noise floor max(tolerance, STABILITY_MARGIN *
+    result.stability): a segment that amplifies a small nudge of its start may amplify the
+    honest difference between two machines just as much (more: a random nudge
+    underestimated it up to ~3x in covey.bench.trust_calibration's runs, hence the margin).
+
+    "fraud": the worker's end is far from the referee's, the validator's is not.
+    "validator wrong": the reverse. "inconclusive" (nobody is paid or slashed): the
+    referee refused (a made-up segment-start state), or both or neither are far, which a
+    numerically unstable segment (a loss spike) produces for honest parties. ValueError
+    when the ends are of different kinds."""
+    if result.end is None:
+        return Judgement("inconclusive", result.detail)
+    floor = max(tolerance, STABILITY_MARGIN * result.stability)
+    w = _end_distance(result.end, claimed)
+    v = _end_distance(result.end, validator_claim)
+    said = (
+        f"segment {result.segment}: referee is {w:.3g} from the worker and {v:.3g} from the "
+        f"validator"
+    )
+    if w > floor and v <= floor:
+        return Judgement("fraud", said)
+    if w <= floor and v > floor:
+        return Judgement("validator wrong", said)
+    why = (
+        f"numerically unstable: a nudged start moves its end by {result.stability:.3g}"
+        if floor > tolerance
+        else f"tolerance {tolerance}"
+    )
+    return Judgement("inconclusive", f"{said}; {why}")
+
+
+# -- local states on the wire -----------------------------------------------------------
+
+
+def local_state_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
+    """A local state as safetensors bytes (names sorted: equal states give equal bytes)."""
+    tensors = {k: state[k].detach().contiguous().cpu() for k in sorted(state)}
+    meta = json.dumps({"format": LOCAL_STATE_FORMAT}, sort_keys=True)
+    return st_save(tensors, metadata={"covey": meta})
+
+
+def local_state_from_bytes(
+    data: bytes, template: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Parse a local state and check it against `template` (e.g. the validator's own
+    `strategy.local_state(copy=False)`): the same names, shapes and dtypes, finite values.
+    Never unpickles. ValueError naming the first problem."""
+    try:
+        tensors = st_load(data)
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + n])
+        meta = json.loads((header.get("__metadata__") or {}).get("covey", "{}"))
+    except (SafetensorError, ValueError, struct.error, TypeError) as e:
+        raise ValueError(f"not a safetensors local state: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != LOCAL_STATE_FORMAT:
+        raise ValueError(f"metadata format is not {LOCAL_STATE_FORMAT!r}")
+    if missing := sorted(set(template) - set(tensors)):
+        raise ValueError(f"local state lacks {missing[0]!r} ({len(missing)} entries missing)")
+    if unexpected := sorted(set(tensors) - set(template)):
+        raise ValueError(f"local state has unexpected entry {unexpected[0]!r}")
+    for name in sorted(tensors):
+        t, want = tensors[name], template[name]
+        if t.shape != want.shape or t.dtype != want.dtype:
+            raise ValueError(
+                f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(want.shape)} {want.dtype}"
+            )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} has NaN or Inf values")
+    return tensors

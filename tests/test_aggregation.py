@@ -1,0 +1,370 @@
+"""Tests for covey.algorithms.aggregation: the mean and the robust rules."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import random
+import typing
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from covey.algorithms import aggregation
+from covey.algorithms.aggregation import (
+    Aggregator,
+    CoordinateMedian,
+    NormClip,
+    TrimmedMean,
+    WeightedMean,
+    build_aggregator,
+    l2_norm,
+    sorting_network,
+)
+from covey.config import TrustConfig
+
+
+def vecs(*rows: Sequence[float]) -> list[torch.Tensor]:
+    return [torch.tensor(r, dtype=torch.float32) for r in rows]
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).double().norm() / ref.double().norm())
+
+
+def integer_vectors(n: int, numel: int) -> list[torch.Tensor]:
+    """Inputs built from integer arithmetic only: the same bits on every machine."""
+    i = torch.arange(numel, dtype=torch.int64)
+    return [(((i * (2 * p + 7919) + p * 104729) % 2003) - 1001).float() / 64 for p in range(n)]
+
+
+ROBUST: list[tuple[str, Aggregator]] = [
+    ("trimmed_mean", TrimmedMean(0.25)),
+    ("median", CoordinateMedian()),
+    ("clip+trimmed_mean", NormClip(2.0, TrimmedMean(0.25))),
+    ("clip+median", NormClip(2.0, CoordinateMedian())),
+]
+ALL: list[tuple[str, Aggregator]] = [
+    ("mean", WeightedMean()),
+    ("clip+mean", NormClip(2.0, WeightedMean())),
+    *ROBUST,
+]
+
+
+# -- exact values ---------------------------------------------------------------------------
+
+
+def test_trimmed_mean_exact() -> None:
+    v = vecs([1, 10], [2, -5], [3, 0], [100, 1])
+    # k = floor(0.25 * 4) = 1: coordinate 0 keeps (2, 3), coordinate 1 keeps (0, 1)
+    assert torch.equal(TrimmedMean(0.25)(v, [1, 1, 1, 1]), torch.tensor([2.5, 0.5]))
+    v5 = vecs([1], [7], [-50], [4], [1e6])
+    # k = floor(0.2 * 5) = 1: keeps 1, 4, 7; weights are ignored by the robust rule
+    assert torch.equal(TrimmedMean(0.2)(v5, [1, 9, 1, 1, 5]), torch.tensor([4.0]))
+    # k = 2 of 5: only the median is left
+    assert torch.equal(TrimmedMean(0.4)(v5, [1] * 5), torch.tensor([4.0]))
+
+
+def test_trim_count() -> None:
+    assert [TrimmedMean(0.25).trim_count(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        2,
+        4,
+    ]
+    assert TrimmedMean(0.29).trim_count(100) == 29  # 0.29 * 100 == 28.999999999999996
+    assert TrimmedMean(0.4999999999).trim_count(2) == 0  # always keeps a value
+    assert TrimmedMean(0.0).trim_count(50) == 0
+
+
+def test_median_exact() -> None:
+    odd = vecs([5, -1], [1, -3], [3, 8])
+    assert torch.equal(CoordinateMedian()(odd, [1, 1, 1]), torch.tensor([3.0, -1.0]))
+    even = vecs([5, -1], [1, -3], [3, 8], [100, 0])
+    assert torch.equal(CoordinateMedian()(even, [1, 1, 1, 1]), torch.tensor([4.0, -0.5]))
+    # two contributions: their unweighted mean, whatever the tokens
+    assert torch.equal(CoordinateMedian()(vecs([0], [1]), [1, 100]), torch.tensor([0.5]))
+    one = vecs([1.5, -2.0])
+    out = CoordinateMedian()(one, [3])
+    assert torch.equal(out, one[0]) and out.data_ptr() != one[0].data_ptr()
+    # near float32's maximum the two middle values do not overflow
+    big = vecs([3e38], [3e38])
+    assert torch.equal(CoordinateMedian()(big, [1, 1]), torch.tensor([3e38]))
+
+
+def test_norm_clip_exact() -> None:
+    v = vecs([3, 0], [0, 4], [30, 40])  # norms 3, 4, 50: median 4
+    clipped = NormClip(1.0).clip(v)
+    assert clipped[0] is v[0] and clipped[1] is v[1]  # within the bound: passed through
+    assert torch.allclose(clipped[2], torch.tensor([2.4, 3.2]), rtol=1e-6, atol=0)
+    out = NormClip(1.0, WeightedMean())(v, [1, 1, 1])
+    assert torch.allclose(out, torch.tensor([1.8, 2.4]), rtol=1e-6, atol=0)
+    # factor 2: bound 8, so [30, 40] becomes [4.8, 6.4]
+    assert torch.allclose(NormClip(2.0).clip(v)[2], torch.tensor([4.8, 6.4]), rtol=1e-6, atol=0)
+
+
+def test_norm_clip_lower_median_for_even_count() -> None:
+    v = vecs([1, 0], [0, 2], [3, 0], [0, 4])  # norms 1, 2, 3, 4: lower median 2
+    clipped = NormClip(1.0).clip(v)
+    assert [round(l2_norm(c), 5) for c in clipped] == [1, 2, 2, 2]
+    assert aggregation.clip_bound([4.0, 1.0, 3.0, 2.0], 1.5) == 3.0
+
+
+def test_norm_clip_zero_vectors() -> None:
+    v = vecs([0, 0], [3, 4], [6, 8])  # norms 0, 5, 10: median 5
+    clipped = NormClip(1.0).clip(v)
+    assert torch.equal(clipped[0], torch.zeros(2))
+    assert torch.allclose(clipped[2], torch.tensor([3.0, 4.0]), rtol=1e-6, atol=0)
+    # a majority of zero vectors: the bound is 0 and everything is clipped to zero
+    v = vecs([0, 0], [0, 0], [-3, 4])
+    assert torch.equal(NormClip(5.0, WeightedMean())(v, [1, 1, 1]), torch.zeros(2))
+
+
+def test_norm_clip_factor_zero_is_off() -> None:
+    v = vecs([1, 2], [100, -300], [0, 1])
+    assert NormClip(0.0).clip(v) == v
+    assert torch.equal(NormClip(0.0, TrimmedMean(0.0))(v, [1, 2, 3]), WeightedMean()(v, [1, 2, 3]))
+
+
+def test_l2_norm_is_exact_float64() -> None:
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(1_100_001, generator=g)  # two blocks, the last one ragged
+    exact = math.sqrt(math.fsum(x * x for x in v.double().tolist()))
+    assert l2_norm(v) == pytest.approx(exact, rel=1e-14)
+    assert l2_norm(torch.zeros(0)) == 0.0
+    assert l2_norm(torch.full((4,), 3e38)) == pytest.approx(6e38, rel=1e-7)  # no overflow
+
+
+@pytest.mark.parametrize("n", [*range(1, 19), 31, 33, 64])
+def test_sorting_network_sorts(n: int) -> None:
+    network = sorting_network(n)
+    assert all(0 <= i < j < n for i, j in network)
+    rng = random.Random(n)
+    # 0-1 principle (Knuth, TAOCP 5.3.4): sorting every 0/1 input proves the network
+    inputs = (
+        itertools.product((0, 1), repeat=n)
+        if n <= 12
+        else ([rng.randint(0, 1) for _ in range(n)] for _ in range(2000))
+    )
+    for x in itertools.chain(inputs, ([rng.random() for _ in range(n)] for _ in range(200))):
+        y = list(x)
+        for i, j in network:
+            if y[i] > y[j]:
+                y[i], y[j] = y[j], y[i]
+        assert y == sorted(x)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13, 16, 17])
+def test_robust_rules_match_a_sort(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    v = [torch.randn(1000, generator=g) for _ in range(n)]
+    ranked = torch.stack(v).sort(dim=0).values.double()
+    median = ranked[n // 2] if n % 2 else (ranked[n // 2 - 1] + ranked[n // 2]) / 2
+    assert torch.allclose(CoordinateMedian()(v, [1] * n).double(), median, rtol=0, atol=1e-6)
+    for trim in (0.1, 0.25, 0.4):
+        k = TrimmedMean(trim).trim_count(n)
+        if k == 0:
+            continue
+        want = ranked[k : n - k].mean(dim=0)
+        got = TrimmedMean(trim)(v, [1] * n).double()
+        assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_k_zero_is_weighted_mean_exactly() -> None:
+    g = torch.Generator().manual_seed(3)
+    for n, trim in ((2, 0.25), (3, 0.25), (8, 0.0), (9, 0.1)):
+        v = [torch.randn(5000, generator=g) for _ in range(n)]
+        w = [float(100 + 37 * i) for i in range(n)]
+        assert TrimmedMean(trim).trim_count(n) == 0
+        assert torch.equal(TrimmedMean(trim)(v, w), WeightedMean()(v, w))
+
+
+def test_output_dtype_and_shape() -> None:
+    v = [torch.arange(6, dtype=torch.float64).view(2, 3) * s for s in (1, 2, 3, 4, 5)]
+    before = [x.clone() for x in v]
+    for _, agg in ALL:
+        out = agg(v, [1] * 5)
+        assert out.dtype == torch.float32 and out.shape == (2, 3)
+    assert all(torch.equal(x, y) for x, y in zip(v, before, strict=True))  # inputs untouched
+
+
+# -- determinism ----------------------------------------------------------------------------
+
+
+# sha256 of the outputs on `integer_vectors(7, 100_003)` with weights 1..7: golden values,
+# so a change of summation order (or of semantics) anywhere shows up here
+GOLDEN = {
+    "mean": "5f20cb17734ced97905a12712117d5fd887f5e2cb70734e64ca3e23bfca9929b",
+    "clip+mean": "21d163732bda734538c61a85ca06a6ff917201042f24ea5097b9b2d0984fe8af",
+    "trimmed_mean": "db1d611bfb6057b14efb89a159fab3e987b4488f0031ec762990282ae33a6391",
+    "median": "c30be644e40169d278a72787cdfd7501e1c5e72fbb2a454c0d365dce2d1d43cb",
+    "clip+trimmed_mean": "db39deb7c191c213c33755a05ea565f767145af0382e436da5d30bd1e061c039",
+    "clip+median": "bb1f4cd9096f4ea8188ba10721b8ab6bc14e413b6bd42115903d47862315e6d5",
+}
+
+
+@pytest.mark.parametrize(("name", "agg"), ALL, ids=[n for n, _ in ALL])
+def test_golden_bytes(name: str, agg: Aggregator) -> None:
+    v = integer_vectors(7, 100_003)
+    v[3] = v[3] * 50  # so that clipping clips
+    assert digest(agg(v, [1, 2, 3, 4, 5, 6, 7])) == GOLDEN[name]
+
+
+@pytest.mark.parametrize(("name", "agg"), ALL, ids=[n for n, _ in ALL])
+def test_same_bytes_across_calls_threads_and_chunks(
+    name: str, agg: Aggregator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = torch.Generator().manual_seed(7)
+    v = [torch.randn(300_007, generator=g) * (1 + 9 * (i == 2)) for i in range(6)]
+    w = [float(i + 1) for i in range(6)]
+    first = digest(agg(v, w))
+    assert digest(agg(v, w)) == first
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert digest(agg(v, w)) == first
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(aggregation, "_CHUNK_VALUES", 6 * 1001)  # chunks not dividing numel
+    assert digest(agg(v, w)) == first
+
+
+@pytest.mark.parametrize(("name", "agg"), ROBUST, ids=[n for n, _ in ROBUST])
+def test_permutation_invariance(name: str, agg: Aggregator) -> None:
+    g = torch.Generator().manual_seed(11)
+    v = [torch.randn(20_000, generator=g) for _ in range(7)]
+    v[4] = v[4] * 100
+    for i, x in enumerate(v):  # ties of +0.0 and -0.0 must not make bytes depend on order
+        x[:100] = 0.0
+        x[i % 3 : 100 : 3] = -0.0
+    want = digest(agg(v, [1] * 7))
+    rng = random.Random(0)
+    for _ in range(5):
+        perm = rng.sample(range(7), 7)
+        assert digest(agg([v[i] for i in perm], [1] * 7)) == want
+
+
+# -- robustness -----------------------------------------------------------------------------
+
+
+def honest_round(numel: int = 50_000) -> list[torch.Tensor]:
+    """Three honest pseudo-gradients: a common signal plus independent noise of similar size."""
+    g = torch.Generator().manual_seed(5)
+    signal = torch.randn(numel, generator=g)
+    return [signal + 0.8 * torch.randn(numel, generator=g) for _ in range(3)]
+
+
+ATTACKS = {
+    "sign-flip": lambda h: -h[0],
+    "x100": lambda h: 100 * h[0],
+    "noise": lambda h: 100 * torch.randn(h[0].numel(), generator=torch.Generator().manual_seed(9)),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+@pytest.mark.parametrize("rule", ["trimmed_mean", "median"])
+def test_one_attacker_of_four(attack: str, rule: str) -> None:
+    honest = honest_round()
+    ref = WeightedMean()(honest, [1, 1, 1])
+    v = [*honest, ATTACKS[attack](honest)]
+    plain = rel_err(WeightedMean()(v, [1] * 4), ref)
+    robust = rel_err(build_aggregator(rule, 0.25, 2.0)(v, [1] * 4), ref)
+    # measured at 100k elements: mean 0.52 / 28.8 / 22.8, robust 0.32 / 0.33 / 0.32
+    assert plain > 0.5
+    assert robust < 0.4 and robust < 0.7 * plain
+
+
+@pytest.mark.parametrize("scale", [10.0, 1e3, 1e6, 1e30])
+def test_clipping_bounds_the_deviation(scale: float) -> None:
+    """One attacker of weight w_a among honest vectors that clipping leaves alone: the
+    clipped mean moves at most w_a / W x (bound + |honest mean|) from the honest mean,
+    however large the attack."""
+    honest = honest_round(10_000)
+    g = torch.Generator().manual_seed(13)
+    bad = scale * torch.randn(10_000, generator=g)
+    w = [10.0, 20.0, 30.0, 40.0]
+    factor = 2.0
+    hm = WeightedMean()(honest, w[:3])
+    bound = aggregation.clip_bound([l2_norm(x) for x in [*honest, bad]], factor)
+    assert all(l2_norm(h) <= bound for h in honest)
+    out = NormClip(factor, WeightedMean())([*honest, bad], w)
+    dev = float((out - hm).double().norm())
+    assert dev <= w[3] / sum(w) * (bound + float(hm.double().norm())) * (1 + 1e-5)
+    # and the aggregate no longer depends on how large the attack was
+    ref = NormClip(factor, WeightedMean())([*honest, bad / scale * 1e9], w)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-5)
+
+
+def test_plain_mean_is_unbounded() -> None:
+    honest = honest_round(10_000)
+    out = WeightedMean()([*honest, 1e6 * honest[0]], [1] * 4)
+    assert rel_err(out, WeightedMean()(honest, [1] * 3)) > 1e4
+
+
+# -- configuration and errors ---------------------------------------------------------------
+
+
+def test_build_aggregator_from_config() -> None:
+    cfg = TrustConfig()
+    assert build_aggregator(cfg.aggregation, cfg.trim_fraction, cfg.clip_factor) == NormClip(
+        2.0, TrimmedMean(0.25)
+    )
+    assert build_aggregator("mean", 0.25, 0.0) == WeightedMean()
+    assert build_aggregator("median", 0.25, 3.0) == NormClip(3.0, CoordinateMedian())
+    assert build_aggregator("trimmed_mean", 0.1, 0.0) == TrimmedMean(0.1)
+    names = typing.get_args(TrustConfig.model_fields["aggregation"].annotation)
+    assert set(names) == set(aggregation.AGGREGATIONS)
+    for name in names:
+        build_aggregator(name, 0.25, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"aggregation": "krum", "trim_fraction": 0.25, "clip_factor": 2.0}, "unknown aggregation"),
+        ({"aggregation": "trimmed_mean", "trim_fraction": 0.5, "clip_factor": 2.0}, "trim"),
+        ({"aggregation": "trimmed_mean", "trim_fraction": -0.1, "clip_factor": 2.0}, "trim"),
+        ({"aggregation": "mean", "trim_fraction": 0.25, "clip_factor": -1.0}, "clip factor"),
+        ({"aggregation": "mean", "trim_fraction": 0.25, "clip_factor": math.inf}, "clip factor"),
+        ({"aggregation": "mean", "trim_fraction": 0.25, "clip_factor": math.nan}, "clip factor"),
+    ],
+)
+def test_build_aggregator_errors(kwargs: dict[str, typing.Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_aggregator(**kwargs)
+
+
+BAD_ROUNDS: list[tuple[list[torch.Tensor], list[float], str]] = [
+    ([], [], "no vectors"),
+    (vecs([1.0], [2.0]), [1.0], "2 vectors but 1 weights"),
+    (vecs([1.0], [2.0, 3.0]), [1.0, 1.0], r"vector 1 has shape \(2,\), vector 0 \(1,\)"),
+    (vecs([1.0], [2.0]), [1.0, -1.0], "weight 1 is -1.0"),
+    (vecs([1.0], [2.0]), [math.nan, 1.0], "weight 0 is nan"),
+    (vecs([1.0], [2.0]), [math.inf, 1.0], "weight 0 is inf"),
+    (vecs([1.0], [2.0]), [1e308, 1e308], "weights sum to inf"),
+    (vecs([1.0], [2.0]), [0.0, 0.0], "weights sum to 0.0"),
+]
+
+
+@pytest.mark.parametrize(("name", "agg"), ALL, ids=[n for n, _ in ALL])
+@pytest.mark.parametrize(("vectors", "weights", "match"), BAD_ROUNDS)
+def test_bad_rounds(
+    name: str, agg: Aggregator, vectors: list[torch.Tensor], weights: list[float], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        agg(vectors, weights)
+
+
+def test_norm_clip_refuses_non_finite_values() -> None:
+    v = vecs([1.0, 2.0], [math.inf, 0.0], [0.5, 0.5])
+    with pytest.raises(ValueError, match="vector 1 has norm inf"):
+        NormClip(2.0, WeightedMean())(v, [1, 1, 1])

@@ -1,0 +1,595 @@
+"""The ledger (hash chain, signatures, canonical JSONL), the incentives replayed from it, the
+audit of a data directory or an export, and `covey ledger`. Pure unit tests: no network."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from covey.config import TrustConfig
+from covey.trust import audit
+from covey.trust.identity import Identity
+from covey.trust.incentives import Book, Policy
+from covey.trust.ledger import (
+    ENTRY_TYPES,
+    GENESIS,
+    LEDGER_SCHEMA,
+    Entry,
+    LedgerError,
+    append,
+    entry_hash,
+    parse_line,
+    read_entries,
+    to_line,
+    verify_chain,
+)
+from covey.trust.ledger_cli import register
+
+POLICY = Policy(
+    min_stake=5.0,
+    reward_per_token=0.001,
+    slash_fraction=0.5,
+    catch_reward=10.0,
+    new_peer_rate=1.0,
+    new_peer_contributions=2,
+    low_reputation=0.5,
+    sample_rate=0.25,
+)
+
+
+class Run:
+    """A coordinator's side of a ledger: a SQLite file in `dir`, entries appended the way the
+    coordinator does (append + Book.apply in one transaction, rolled back on error)."""
+
+    def __init__(self, dir: Path, policy: Policy = POLICY) -> None:
+        self.dir = dir
+        self.coord = Identity.generate()
+        self.conn = sqlite3.connect(dir / audit.DB_FILE, isolation_level=None)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA synchronous=OFF")  # a test: no fsync per entry
+        self.conn.executescript(LEDGER_SCHEMA)
+        self.book = Book()
+        self.at = 1_700_000_000.0
+        self.peers: dict[str, Identity] = {}
+        self.add(
+            "run created",
+            run_id="r" * 16,
+            name="test run",
+            spec={"model": {"size": "nano"}, "lr": 1e-05},
+            coordinator_key=self.coord.public_key,
+            policy=policy.to_dict(),
+        )
+
+    def add(self, type: str, apply: bool = True, **payload: Any) -> Entry:
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            entry = append(self.conn, self.coord, type, payload, self.at)
+            if apply:
+                self.book.apply(entry)
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+        self.at += 0.125
+        return entry
+
+    def join(self, name: str, role: str = "worker", stake: float | None = 10.0) -> str:
+        me = Identity.generate()
+        self.peers[name] = me
+        self.add("join", peer_id=me.peer_id, public_key=me.public_key, name=name, role=role)
+        if stake is not None:
+            self.add("stake", peer_id=me.peer_id, amount=stake)
+        return me.peer_id
+
+    def accept(self, round: int, peer: str, tokens: int) -> Entry:
+        return self.add(
+            "contribution accepted",
+            round=round,
+            peer_id=peer,
+            cid="c" * 64,
+            tokens=tokens,
+            inner_steps=50,
+            sampled=True,
+            rate=self.book.sampling_rate(peer),
+            draw="0.125",
+            request_id="q" * 64,
+            nonce="1700000000000-00112233aabbccdd",
+            signature="5" * 128,
+        )
+
+    def pay(self, round: int, peer: str, tokens: int, **override: Any) -> Entry:
+        payload = {
+            "round": round,
+            "peer_id": peer,
+            "amount": self.book.work_reward(tokens),
+            "kind": "work",
+            "tokens": tokens,
+        }
+        return self.add("reward", **(payload | override))
+
+    def certify(self, round: int, accepted: list[str]) -> Entry:
+        return self.add(
+            "round certificate",
+            round=round,
+            new_hash="a" * 64,
+            certificate_hash="b" * 64,
+            accepted=accepted,
+            rejected=[],
+        )
+
+    def entries(self) -> list[Entry]:
+        return read_entries(self.conn)
+
+
+def full_run(dir: Path) -> tuple[Run, dict[str, str]]:
+    """Three workers and a validator over two rounds: work paid, one agreement, one proven
+    fraud (slash + catch reward), a rejection, a checkpoint, a leave."""
+    run = Run(dir)
+    ids = {name: run.join(name) for name in ("ada", "bob", "eve")}
+    ids["val"] = run.join("val", role="validator", stake=None)
+    tokens = {"ada": 4096, "bob": 2048, "eve": 1024}
+    for rnd in (0, 1):
+        for name, n in tokens.items():
+            run.accept(rnd, ids[name], n)
+        run.certify(rnd, [ids[n] for n in tokens])
+    verdict = {"round": 0, "validator_id": ids["val"], "distance": 0.001, "exact": False}
+    run.add("verification", peer_id=ids["ada"], outcome="agree", **verdict)
+    run.add("verification", peer_id=ids["eve"], outcome="disagree", **verdict | {"distance": 3.5})
+    run.add(
+        "dispute",
+        round=0,
+        peer_id=ids["eve"],
+        validator_id=ids["val"],
+        segment=3,
+        outcome="fraud",
+        detail="step 30-40 diverges",
+    )
+    run.add(
+        "slash",
+        round=0,
+        peer_id=ids["eve"],
+        amount=run.book.slash_amount(ids["eve"]),
+        reason="fraud",
+    )
+    run.add("reward", round=0, peer_id=ids["val"], amount=10.0, kind="catch", tokens=0)
+    for rnd in (0, 1):
+        run.pay(rnd, ids["ada"], tokens["ada"])
+        run.pay(rnd, ids["bob"], tokens["bob"])
+    run.add("contribution rejected", round=2, peer_id=ids["eve"], reason="banned")
+    run.add("checkpoint", round=2, cid="d" * 64, weights_hash="e" * 64)
+    run.add("leave", peer_id=ids["bob"], reason="done")
+    return run, ids
+
+
+def export(run: Run, path: Path) -> Path:
+    audit.write_jsonl(run.entries(), path)
+    return path
+
+
+# -- the chain ------------------------------------------------------------------------
+
+
+def test_append_chains_signs_and_reads_back(tmp_path: Path) -> None:
+    run, _ = full_run(tmp_path)
+    entries = run.entries()
+    assert [e.index for e in entries] == list(range(len(entries)))
+    assert entries[0].prev_hash == GENESIS and entries[0].type == "run created"
+    assert all(b.prev_hash == a.hash for a, b in itertools.pairwise(entries))
+    e = entries[5]
+    assert e.hash == entry_hash(e.index, e.type, e.at, e.payload, e.prev_hash)
+    assert verify_chain(entries) == run.coord.public_key
+    assert verify_chain(entries, run.coord.public_key) == run.coord.public_key
+    assert read_entries(tmp_path / audit.DB_FILE, start=3, limit=2) == entries[3:5]
+    assert {e.type for e in entries} == set(ENTRY_TYPES)
+    assert all(parse_line(to_line(e), e.index) == e for e in entries)
+
+
+def test_append_refuses_bad_entries_and_writes_nothing(tmp_path: Path) -> None:
+    run = Run(tmp_path)
+    n = len(run.entries())
+    with pytest.raises(ValueError, match="unknown ledger entry type 'bonus'"):
+        run.add("bonus", peer_id="x")
+    with pytest.raises(ValueError, match="only entry 0 is 'run created'"):
+        run.add("run created", coordinator_key=run.coord.public_key)
+    with pytest.raises(ValueError, match="not finite JSON"):
+        run.add("stake", peer_id="x", amount=float("nan"))
+    assert len(run.entries()) == n
+    other = sqlite3.connect(tmp_path / "other.db", isolation_level=None)
+    other.executescript(LEDGER_SCHEMA)
+    with pytest.raises(ValueError, match="only entry 0 is 'run created'"):
+        append(other, run.coord, "join", {}, 1.0)
+    with pytest.raises(ValueError, match="but the ledger is signed by"):
+        append(other, run.coord, "run created", {"coordinator_key": "ab" * 32}, 1.0)
+
+
+def test_verify_chain_catches_a_wrong_key_and_a_foreign_signature(tmp_path: Path) -> None:
+    run, _ = full_run(tmp_path)
+    entries = run.entries()
+    stranger = Identity.generate()
+    with pytest.raises(LedgerError, match="published key is") as e:
+        verify_chain(entries, stranger.public_key)
+    assert e.value.index == 0 and str(e.value).startswith("entry 0: ")
+    forged = Entry(**{**entries[7].__dict__, "signature": stranger.sign(entries[7].hash.encode())})
+    with pytest.raises(LedgerError, match="signature is not the coordinator's") as e:
+        verify_chain([*entries[:7], forged, *entries[8:]])
+    assert e.value.index == 7
+    with pytest.raises(LedgerError, match="has index 9, expected 8") as e:
+        verify_chain([*entries[:8], *entries[9:]])
+    assert e.value.index == 8
+    with pytest.raises(LedgerError, match="empty"):
+        verify_chain([])
+
+
+# -- incentives -------------------------------------------------------------------------
+
+
+def test_replay_recomputes_what_the_coordinator_kept(tmp_path: Path) -> None:
+    run, ids = full_run(tmp_path)
+    summary = run.book.summary()
+    assert Book.replay(run.entries()).summary() == summary
+    assert json.loads(json.dumps(summary)) == summary
+    assert list(summary["accounts"]) == sorted(ids.values())
+    ada, bob, eve, val = (summary["accounts"][ids[n]] for n in ("ada", "bob", "eve", "val"))
+    assert ada["balance"] == 2 * (4096 * 0.001) and ada["tokens_paid"] == 8192
+    assert ada["ownership"] == 8192 / (8192 + 4096) and eve["ownership"] == 0.0
+    assert eve["banned"] and eve["stake"] == 5.0 and eve["slashed"] == 5.0
+    assert eve["counts"]["frauds"] == 1 and eve["counts"]["rejected"] == 1
+    assert val["balance"] == 10.0 and val["counts"]["catches"] == 1 and val["role"] == "validator"
+    assert ada["reputation"] == 2 / 3 and eve["reputation"] == 1 / 3 and bob["reputation"] == 0.5
+    assert summary["totals"]["tokens_paid"] == 12288 and summary["totals"]["banned"] == 1
+    assert summary["entries"] == len(run.entries()) and summary["certificates"] == 2
+    # Sampling: eve's reputation is low, ada and bob are no longer new, strangers are new.
+    rates = {n: run.book.sampling_rate(ids[n]) for n in ("ada", "bob", "eve")}
+    assert rates == {"ada": 0.25, "bob": 0.25, "eve": 1.0}
+    assert run.book.sampling_rate("unknown") == 1.0
+
+
+def test_policy_from_config_and_payload() -> None:
+    cfg = TrustConfig()
+    policy = Policy.from_config(cfg)
+    assert policy.reward_per_token == cfg.reward_per_token
+    assert Policy.from_dict(policy.to_dict()) == policy
+    with pytest.raises(ValueError, match="exactly the fields"):
+        Policy.from_dict({**policy.to_dict(), "bonus": 1.0})
+    with pytest.raises(ValueError, match=r"policy.new_peer_contributions must be .* int, got 2.5"):
+        Policy.from_dict({**policy.to_dict(), "new_peer_contributions": 2.5})
+
+
+Violation = Callable[[Run, dict[str, str]], Entry]
+VIOLATIONS: dict[str, tuple[str, Violation]] = {
+    "unknown peer": (
+        "unknown peer 'nobody'",
+        lambda r, ids: r.add("stake", peer_id="nobody", amount=10.0),
+    ),
+    "stake below min_stake": (
+        "below min_stake 5.0",
+        lambda r, ids: r.add("stake", peer_id=ids["val"], amount=1.0),
+    ),
+    "second join of a key": (
+        "a second join of public key",
+        lambda r, ids: r.add(
+            "join",
+            peer_id=ids["ada"],
+            public_key=r.peers["ada"].public_key,
+            name="ada again",
+            role="worker",
+        ),
+    ),
+    "peer id not from its key": (
+        "is not the id of key",
+        lambda r, ids: r.add(
+            "join",
+            peer_id="f" * 32,
+            public_key=Identity.generate().public_key,
+            name="x",
+            role="worker",
+        ),
+    ),
+    "work reward for no contribution": (
+        "no accepted contribution of peer",
+        lambda r, ids: r.pay(7, ids["ada"], 4096),
+    ),
+    "work reward paid twice": (
+        "was already paid",
+        lambda r, ids: r.pay(0, ids["ada"], 4096),
+    ),
+    "work reward for other tokens": (
+        "pays for 999 tokens, but 4096 were accepted",
+        lambda r, ids: (r.accept(2, ids["ada"], 4096), r.pay(2, ids["ada"], 999))[1],
+    ),
+    "work reward of a wrong amount": (
+        "is not 4096 tokens x reward_per_token",
+        lambda r, ids: (r.accept(2, ids["ada"], 4096), r.pay(2, ids["ada"], 4096, amount=5.0))[1],
+    ),
+    "reward to a banned peer": (
+        "a reward to banned peer",
+        lambda r, ids: r.pay(0, ids["eve"], 1024),
+    ),
+    "slash of a wrong amount": (
+        "is not slash_fraction 0.5 x stake 10.0 = 5.0",
+        lambda r, ids: r.add("slash", round=1, peer_id=ids["ada"], amount=10.0, reason="fraud"),
+    ),
+    "catch without a fraud dispute": (
+        "no unpaid 'fraud' dispute won by validator",
+        lambda r, ids: r.add(
+            "reward", round=1, peer_id=ids["val"], amount=10.0, kind="catch", tokens=0
+        ),
+    ),
+    "catch paid twice": (
+        "no unpaid 'fraud' dispute won by validator",
+        lambda r, ids: r.add(
+            "reward", round=0, peer_id=ids["val"], amount=10.0, kind="catch", tokens=0
+        ),
+    ),
+    "catch of a wrong amount": (
+        "is not catch_reward 10.0",
+        lambda r, ids: (
+            r.add(
+                "dispute",
+                round=1,
+                peer_id=ids["bob"],
+                validator_id=ids["val"],
+                segment=0,
+                outcome="fraud",
+                detail="",
+            ),
+            r.add("reward", round=1, peer_id=ids["val"], amount=99.0, kind="catch", tokens=0),
+        )[1],
+    ),
+    "contribution without stake": (
+        "below min_stake",
+        lambda r, ids: r.accept(1, ids["val"], 100),
+    ),
+    "second acceptance in a round": (
+        "a second one of peer",
+        lambda r, ids: r.accept(1, ids["ada"], 100),
+    ),
+    "missing payload field": (
+        "payload lacks field 'reason'",
+        lambda r, ids: r.add("leave", peer_id=ids["ada"]),
+    ),
+    "field of the wrong kind": (
+        "field 'outcome' must be one of",
+        lambda r, ids: r.add(
+            "verification",
+            round=0,
+            peer_id=ids["ada"],
+            validator_id=ids["val"],
+            outcome="maybe",
+            distance=None,
+            exact=True,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VIOLATIONS))
+def test_rule_violations_name_the_entry(tmp_path: Path, case: str) -> None:
+    message, violate = VIOLATIONS[case]
+    (tmp_path / "honest").mkdir()
+    run, ids = full_run(tmp_path / "honest")
+    # The honest coordinator: apply fails, its transaction rolls back, and the book still
+    # equals the replay of what the table holds.
+    with pytest.raises(LedgerError, match=message) as e:
+        violate(run, ids)
+    assert e.value.index is not None and str(e.value).startswith(f"entry {e.value.index}: ")
+    assert len(run.entries()) == e.value.index
+    assert run.book.summary() == Book.replay(run.entries()).summary()
+    # A dishonest one writes it anyway: the audit names that entry.
+    (tmp_path / "dishonest").mkdir()
+    run, ids = full_run(tmp_path / "dishonest")
+    run.add = _unchecked(run)  # type: ignore[method-assign]
+    bad = violate(run, ids)
+    with pytest.raises(LedgerError, match=message) as e:
+        audit.verify(tmp_path / "dishonest")
+    assert e.value.index == bad.index
+
+
+def _unchecked(run: Run) -> Callable[..., Entry]:
+    add = Run.add
+
+    def unchecked(type: str, apply: bool = True, **payload: Any) -> Entry:
+        return add(run, type, apply=False, **payload)
+
+    return unchecked
+
+
+def test_book_apply_refuses_entries_out_of_order(tmp_path: Path) -> None:
+    run, _ = full_run(tmp_path)
+    entries = run.entries()
+    with pytest.raises(LedgerError, match="applied out of order") as e:
+        Book.replay([entries[0], entries[2]])
+    assert e.value.index == 2
+    with pytest.raises(LedgerError, match="before the 'run created' entry"):
+        Book().apply(Entry(0, "join", 0.0, {}, GENESIS, GENESIS, "0" * 128))
+
+
+# -- tampering --------------------------------------------------------------------------
+
+
+def _assert_every_flip_names_its_line(path: Path, flips: list[tuple[int, int]], out: Path) -> None:
+    data = path.read_bytes()
+    for pos, value in flips:
+        out.write_bytes(data[:pos] + bytes([value]) + data[pos + 1 :])
+        with pytest.raises(LedgerError) as e:
+            audit.verify(out)
+        assert e.value.index == data.count(b"\n", 0, pos), (pos, value, str(e.value))
+
+
+def test_every_flipped_byte_of_an_export_names_its_entry(tmp_path: Path) -> None:
+    """Exhaustive on a short ledger (every byte, bit 0 and bit 5 flipped), sampled on the full
+    one: random values at random places (non-UTF-8 bytes, newlines, quotes) and case swaps
+    of hex digits (the same signature bytes, but not the same line)."""
+    (tmp_path / "short").mkdir()
+    short = Run(tmp_path / "short")
+    ada = short.join("ada")
+    short.accept(0, ada, 4096)
+    short.pay(0, ada, 4096)
+    path = export(short, tmp_path / "short.jsonl")
+    assert audit.verify(path).entries == 5
+    flips = [(i, b ^ bit) for bit in (1, 32) for i, b in enumerate(path.read_bytes())]
+    _assert_every_flip_names_its_line(path, flips, tmp_path / "tampered.jsonl")
+
+    run, _ = full_run(tmp_path)
+    path = export(run, tmp_path / "ledger.jsonl")
+    data = path.read_bytes()
+    rng = random.Random(0)
+    flips = [
+        (i, rng.choice([b for b in range(256) if b != data[i]]))
+        for i in rng.sample(range(len(data)), 300)
+    ]
+    hex_letters = [i for i, b in enumerate(data) if b in b"abcdef"]
+    flips += [(i, data[i] ^ 32) for i in rng.sample(hex_letters, 100)]
+    _assert_every_flip_names_its_line(path, flips, tmp_path / "tampered.jsonl")
+
+
+def test_non_canonical_lines_are_rejected() -> None:
+    coord = Identity.generate()
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    conn.executescript(LEDGER_SCHEMA)
+    payload = {"coordinator_key": coord.public_key, "lr": 1e-05, "name": "é"}
+    line = to_line(append(conn, coord, "run created", payload, 5.0))
+    assert '"lr":1e-05' in line and "\\u00e9" in line and '"at":5.0' in line
+    for before, after in (("1e-05", "1E-05"), ("\\u00e9", "\\u00E9"), ("5.0", "5"), (",", ", ")):
+        with pytest.raises(LedgerError, match=r"^entry 4: ") as e:
+            parse_line(line.replace(before, after, 1), 4)
+        assert e.value.index == 4
+    with pytest.raises(LedgerError, match="not valid UTF-8"):
+        parse_line(line.encode()[:-1] + b"\xff", 0)
+    with pytest.raises(LedgerError, match=r"unexpected \['x'\]"):
+        parse_line(line[:-1] + ',"x":1}', 0)
+
+
+def test_a_payload_changed_in_sqlite_names_its_entry(tmp_path: Path) -> None:
+    run, _ = full_run(tmp_path)
+    entries = run.entries()
+    target = next(e for e in entries if e.type == "reward" and e.payload["kind"] == "catch")
+    changed = json.dumps(
+        {**target.payload, "amount": 1000.0}, sort_keys=True, separators=(",", ":")
+    )
+    run.conn.execute("UPDATE ledger SET payload = ? WHERE idx = ?", (changed, target.index))
+    with pytest.raises(LedgerError, match="hash does not match its contents") as e:
+        audit.verify(tmp_path)
+    assert e.value.index == target.index
+    # The same value written in another JSON spelling is caught before hashing.
+    spaced = json.dumps(target.payload, sort_keys=True)
+    run.conn.execute("UPDATE ledger SET payload = ? WHERE idx = ?", (spaced, target.index))
+    with pytest.raises(LedgerError, match="payload text is not canonical JSON") as e:
+        audit.verify(tmp_path)
+    assert e.value.index == target.index
+    run.conn.execute(
+        "UPDATE ledger SET payload = ? WHERE idx = ?", (to_payload(target), target.index)
+    )
+    assert audit.verify(tmp_path).entries == len(entries)
+    run.conn.execute("DELETE FROM ledger WHERE idx = 4")
+    with pytest.raises(LedgerError, match="has index 5, expected 4") as e:
+        audit.verify(tmp_path)
+    assert e.value.index == 4
+
+
+def to_payload(entry: Entry) -> str:
+    return json.dumps(entry.payload, sort_keys=True, separators=(",", ":"))
+
+
+# -- audit ------------------------------------------------------------------------------
+
+
+def test_audit_load_directory_and_jsonl(tmp_path: Path) -> None:
+    run, _ = full_run(tmp_path)
+    entries = run.entries()
+    assert audit.load(tmp_path) == (entries, None, None)
+    (tmp_path / audit.BALANCES_FILE).write_text(json.dumps(run.book.summary()))
+    assert audit.load(tmp_path) == (entries, run.book.summary(), None)
+    assert audit.load(tmp_path / audit.DB_FILE) == (entries, None, None)
+    path = export(run, tmp_path / "out" / "ledger.jsonl")
+    assert path.read_text() == "".join(to_line(e) + "\n" for e in entries)
+    assert audit.load(path) == (entries, None, None)
+    with pytest.raises(audit.SourceError, match="no such directory, file or URL"):
+        audit.load(tmp_path / "missing")
+    with pytest.raises(audit.SourceError, match="not a coordinator's data directory"):
+        audit.load(tmp_path / "out")
+
+
+def test_audit_compares_the_reported_balances(tmp_path: Path) -> None:
+    run, ids = full_run(tmp_path)
+    balances = tmp_path / audit.BALANCES_FILE
+    balances.write_text(json.dumps(run.book.summary()))
+    report = audit.verify(tmp_path)
+    assert report.compared_at == report.entries == len(run.entries())
+    assert report.summary == run.book.summary() and report.accounts == 4
+    # Balances written before the last entries were appended cover a prefix: still checked.
+    run.accept(5, ids["ada"], 10)
+    assert audit.verify(tmp_path).compared_at == report.entries
+    lying = run.book.summary()
+    lying["accounts"][ids["bob"]]["balance"] += 1.0
+    balances.write_text(json.dumps(lying))
+    with pytest.raises(LedgerError, match=f"account {ids['bob']} \\(bob\\): balance is") as e:
+        audit.verify(tmp_path)
+    assert e.value.index is None
+    lying = run.book.summary() | {"certificates": 7}
+    balances.write_text(json.dumps(lying))
+    with pytest.raises(LedgerError, match="certificates is 7 reported, 2 recomputed"):
+        audit.verify(tmp_path)
+
+
+# -- the command line -------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli() -> Callable[..., Any]:
+    app = typer.Typer()
+    register(app)
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, ["ledger", *map(str, args)])
+
+
+def test_cli_verify_ok_and_invalid(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    run, _ = full_run(tmp_path)
+    (tmp_path / audit.BALANCES_FILE).write_text(json.dumps(run.book.summary()))
+    n = len(run.entries())
+    result = cli("verify", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"ledger OK: {n} entries, chain and {n} signatures valid")
+    assert run.coord.public_key[:16] in result.output
+    assert "balances recomputed for 4 accounts match the coordinator's" in result.output
+    path = export(run, tmp_path / "ledger.jsonl")
+    data = bytearray(path.read_bytes())
+    third = data.index(b"\n", data.index(b"\n") + 1) + 1  # first byte of entry 2
+    data[data.index(b'"at":', third) + 6] ^= 1
+    path.write_bytes(bytes(data))
+    result = cli("verify", path)
+    assert result.exit_code == 1
+    assert result.output.strip() == "ledger INVALID: entry 2: hash does not match its contents"
+    result = cli("verify", tmp_path / "nowhere")
+    assert result.exit_code == 2 and "error: no such directory" in result.output
+
+
+def test_cli_show_and_export(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    run, ids = full_run(tmp_path)
+    result = cli("show", tmp_path)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[:3] == ["name", "peer", "id"]
+    eve = next(line for line in lines if line.startswith("eve"))
+    assert ids["eve"][:12] in eve and eve.endswith("BANNED")
+    ada = next(line for line in lines if line.startswith("ada"))
+    assert "66.67" in ada and "8,192" in ada
+    result = cli("show", tmp_path, "--json")
+    assert result.exit_code == 0 and json.loads(result.output) == run.book.summary()
+    out = tmp_path / "exported.jsonl"
+    result = cli("export", tmp_path, "--out", out)
+    assert result.exit_code == 0 and f"wrote {len(run.entries())} entries" in result.output
+    assert [parse_line(line, i) for i, line in enumerate(out.read_text().splitlines())] == (
+        run.entries()
+    )
+    assert cli("verify", out).exit_code == 0
+    assert cli("export", tmp_path, "--out", tmp_path / "x.txt").exit_code == 2
