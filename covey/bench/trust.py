@@ -28,8 +28,11 @@ RATES = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
 HORIZONS = (1, 3, 10)
 
 
-def run_spec(rounds: int, seed: int = 0) -> dict[str, Any]:
-    """A re-executable DiLoCo run on the nano GPT with the default trust policy."""
+def run_spec(rounds: int, peers: int, seed: int = 0) -> dict[str, Any]:
+    """A re-executable DiLoCo run on the nano GPT with the default trust policy. Rounds
+    wait for all but one of `peers`: a round made by whoever joined first would be one
+    peer's alone, and no aggregation rule outvotes a cheater who is the only contributor;
+    all but one, so that the run goes on once a cheater is excluded."""
     return {
         "name": "bench-trust",
         "seed": seed,
@@ -44,7 +47,12 @@ def run_spec(rounds: int, seed: int = 0) -> dict[str, Any]:
             "outer_momentum": 0.5,
             "optim": {"lr": 3e-3},
         },
-        "rounds": {"max_rounds": rounds, "deadline_min_s": 10, "eval_batches": 4},
+        "rounds": {
+            "max_rounds": rounds,
+            "min_peers": max(1, peers - 1),
+            "deadline_min_s": 10,
+            "eval_batches": 4,
+        },
         "trust": {"min_stake": 10.0},
     }
 
@@ -62,7 +70,7 @@ def local_run(
     final status, the ledger's counts and the compute seconds by role."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "run.toml"
-    spec.write_text(to_toml(run_spec(rounds)))
+    spec.write_text(to_toml(run_spec(rounds, len(behaviors))))
     cluster = LocalCluster(spec, out)
     t0 = time.monotonic()
     with cluster:

@@ -23,8 +23,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from covey.algorithms.codecs import CodecError
-from covey.data.batches import sample_batch
 from covey.peer.blobs import BlobError
+from covey.peer.runsetup import assignment_batches
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes
 from covey.trust import verify
@@ -470,17 +470,4 @@ class Verification:
         return self._referee_strategy
 
     def _batch_fn(self, round_: int, data_key: str) -> Any:
-        cfg = self.cfg
-
-        def batch(step: int) -> Any:
-            return sample_batch(
-                self.corpus.train,
-                batch_size=cfg.data.batch_size,
-                seq_len=self.seq_len,
-                seed=cfg.seed,
-                round=round_,
-                worker=data_key,
-                step=step,
-            )
-
-        return batch
+        return assignment_batches(self.cfg, self.corpus, self.seq_len, round_, data_key)

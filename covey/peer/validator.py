@@ -20,15 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from covey.algorithms import Strategy, TrainState, build_strategy
-from covey.config import RunConfig
-from covey.data.batches import sample_batch
-from covey.data.corpus import load_corpus
-from covey.models.gpt import GPT, gpt_config, lm_loss
-from covey.peer.blobs import BlobClient, BlobError
+from covey.algorithms import TrainState
+from covey.peer.blobs import BlobError
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.peer.runsetup import assignment_batches, set_up_run
 from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError, state_from_bytes
 from covey.protocol.content import content_id
@@ -64,31 +59,10 @@ class Validator:
         self._state: tuple[str, TrainState] | None = None
 
     def _setup(self) -> None:
-        info = self.client.get("/v1/run")
-        self.cfg = RunConfig.model_validate(info["spec"])
-        self.run_id = self.cfg.run_id
-        if self.run_id != info["run_id"]:
-            raise RuntimeError(
-                f"run spec hashes to {self.run_id}, coordinator says {info['run_id']}"
-            )
-        limits = self.cfg.limits
-        self.client.configure(limits.request_timeout_s, limits.coordinator_lost_s)
-        if self.opts.threads:
-            torch.set_num_threads(self.opts.threads)
-        self.corpus = load_corpus(list(self.cfg.data.paths), self.cfg.data.val_fraction)
-        if self.corpus.fingerprint != info["corpus_fingerprint"]:
-            raise RuntimeError("this machine's corpus differs from the run's")
-        mcfg = gpt_config(self.cfg.model.size)
-        self.seq_len = self.cfg.data.seq_len or mcfg.block_size
-        torch.manual_seed(self.cfg.seed)
-        self.strategy: Strategy = build_strategy(self.cfg.algorithm, GPT(mcfg), lm_loss)
-        self.template = self.strategy.init_state()
-        self.blobs = BlobClient(
-            timeout_s=limits.request_timeout_s,
-            retries=limits.retries,
-            chunk_bytes=limits.chunk_bytes,
-            max_bytes=limits.max_blob_bytes,
-        )
+        run = set_up_run(self.client, self.opts.threads)
+        self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
+        self.run_id, self.strategy, self.template = run.run_id, run.strategy, run.template
+        self.blobs = run.blobs
         reply = self.client.post(
             "/v1/validators/join",
             {
@@ -214,20 +188,7 @@ class Validator:
         return state
 
     def _batch_fn(self, task: schemas.VerifyTask) -> Any:
-        cfg = self.cfg
-
-        def batch(step: int) -> torch.Tensor:
-            return sample_batch(
-                self.corpus.train,
-                batch_size=cfg.data.batch_size,
-                seq_len=self.seq_len,
-                seed=cfg.seed,
-                round=task.round,
-                worker=task.data_key,
-                step=step,
-            )
-
-        return batch
+        return assignment_batches(self.cfg, self.corpus, self.seq_len, task.round, task.data_key)
 
 
 def _claimed(raw: list[dict[str, Any]]) -> list[verify.Commitment]:

@@ -29,14 +29,12 @@ from typing import Any
 
 import torch
 
-from covey.algorithms import Contribution, Strategy, TrainState, build_aggregator, build_strategy
-from covey.config import RunConfig
-from covey.data.batches import sample_batch
-from covey.data.corpus import load_corpus
-from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.algorithms import Contribution, TrainState
+from covey.models.gpt import lm_loss
 from covey.peer import adversary
-from covey.peer.blobs import BlobClient, BlobError, BlobServer, BlobStore
+from covey.peer.blobs import BlobError, BlobServer, BlobStore
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.peer.runsetup import assignment_batches, set_up_run
 from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError, state_from_bytes, state_to_bytes
 from covey.protocol.content import content_id
@@ -101,39 +99,11 @@ class Worker:
     # -- set-up ---------------------------------------------------------------------------
 
     def _setup(self) -> None:
-        info = self.client.get("/v1/run")
-        self.cfg = RunConfig.model_validate(info["spec"])
-        self.run_id = self.cfg.run_id
-        self.coordinator_key: str = info["coordinator_key"]
-        if self.run_id != info["run_id"]:
-            raise RuntimeError(
-                f"run spec hashes to {self.run_id}, coordinator says {info['run_id']}: "
-                f"different covey versions?"
-            )
+        run = set_up_run(self.client, self.opts.threads)
+        self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
+        self.run_id, self.coordinator_key = run.run_id, run.info["coordinator_key"]
+        self.strategy, self.template, self.blobs = run.strategy, run.template, run.blobs
         limits = self.cfg.limits
-        self.client.configure(limits.request_timeout_s, limits.coordinator_lost_s)
-        if self.opts.threads:
-            torch.set_num_threads(self.opts.threads)
-        self.corpus = load_corpus(list(self.cfg.data.paths), self.cfg.data.val_fraction)
-        if self.corpus.fingerprint != info["corpus_fingerprint"]:
-            raise RuntimeError(
-                f"this machine's corpus ({self.corpus.describe()}) differs from the run's "
-                f"(fingerprint {info['corpus_fingerprint'][:12]} vs "
-                f"{self.corpus.fingerprint[:12]}): same Python version and --data needed"
-            )
-        mcfg = gpt_config(self.cfg.model.size)
-        self.seq_len = self.cfg.data.seq_len or mcfg.block_size
-        torch.manual_seed(self.cfg.seed)
-        trust = self.cfg.trust
-        aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
-        self.strategy: Strategy = build_strategy(self.cfg.algorithm, GPT(mcfg), lm_loss, aggregator)
-        self.template = self.strategy.init_state()
-        self.blobs = BlobClient(
-            timeout_s=limits.request_timeout_s,
-            retries=limits.retries,
-            chunk_bytes=limits.chunk_bytes,
-            max_bytes=limits.max_blob_bytes,
-        )
         self.step_time_s = self._measure_step_time()
         store_dir = self.opts.store_dir or Path(f".covey-peer/{self.name}")
         self.store_dir = store_dir
@@ -377,15 +347,7 @@ class Worker:
         return torch.zeros(sum(self.state.params[n].numel() for n in names))
 
     def _batch(self, round: int, key: str, step: int) -> torch.Tensor:
-        return sample_batch(
-            self.corpus.train,
-            batch_size=self.cfg.data.batch_size,
-            seq_len=self.seq_len,
-            seed=self.cfg.seed,
-            round=round,
-            worker=key,
-            step=step,
-        )
+        return assignment_batches(self.cfg, self.corpus, self.seq_len, round, key)(step)
 
     def _publish(
         self,

@@ -1,0 +1,94 @@
+"""What every peer (worker or validator) does first: fetch the run spec from the
+coordinator and check it, load the corpus and check its fingerprint, and build the model
+and strategy the run describes, exactly as the coordinator did. Also the one batch
+function of an assignment, shared by workers, validators and the referee.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from covey.algorithms import Strategy, TrainState, build_aggregator, build_strategy
+from covey.config import RunConfig
+from covey.data.batches import sample_batch
+from covey.data.corpus import Corpus, load_corpus
+from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.peer.blobs import BlobClient
+from covey.peer.client import CoordinatorClient
+
+
+@dataclass
+class RunSetup:
+    cfg: RunConfig
+    info: dict[str, Any]  # GET /v1/run: run id, coordinator key, corpus fingerprint, ...
+    corpus: Corpus
+    seq_len: int
+    strategy: Strategy
+    template: TrainState  # the round-0 state: names, shapes and dtypes of every state
+    blobs: BlobClient
+
+    @property
+    def run_id(self) -> str:
+        return self.cfg.run_id
+
+
+def set_up_run(client: CoordinatorClient, threads: int | None) -> RunSetup:
+    """Fetch and check the run, adopt its limits, and build its strategy (with the run's
+    aggregation rule, so that every peer reaches the certificate's hash). RuntimeError
+    when the spec does not hash to the coordinator's run id (another covey version) or
+    this machine's corpus differs from the run's."""
+    info = client.get("/v1/run")
+    cfg = RunConfig.model_validate(info["spec"])
+    if cfg.run_id != info["run_id"]:
+        raise RuntimeError(
+            f"run spec hashes to {cfg.run_id}, coordinator says {info['run_id']}: "
+            f"different covey versions?"
+        )
+    limits = cfg.limits
+    client.configure(limits.request_timeout_s, limits.coordinator_lost_s)
+    if threads:
+        torch.set_num_threads(threads)
+    corpus = load_corpus(list(cfg.data.paths), cfg.data.val_fraction)
+    if corpus.fingerprint != info["corpus_fingerprint"]:
+        raise RuntimeError(
+            f"this machine's corpus ({corpus.describe()}) differs from the run's "
+            f"(fingerprint {info['corpus_fingerprint'][:12]} vs "
+            f"{corpus.fingerprint[:12]}): same Python version and --data needed"
+        )
+    mcfg = gpt_config(cfg.model.size)
+    torch.manual_seed(cfg.seed)
+    trust = cfg.trust
+    aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
+    strategy = build_strategy(cfg.algorithm, GPT(mcfg), lm_loss, aggregator)
+    blobs = BlobClient(
+        timeout_s=limits.request_timeout_s,
+        retries=limits.retries,
+        chunk_bytes=limits.chunk_bytes,
+        max_bytes=limits.max_blob_bytes,
+    )
+    seq_len = cfg.data.seq_len or mcfg.block_size
+    return RunSetup(cfg, info, corpus, seq_len, strategy, strategy.init_state(), blobs)
+
+
+def assignment_batches(
+    cfg: RunConfig, corpus: Corpus, seq_len: int, round: int, data_key: str
+) -> Callable[[int], torch.Tensor]:
+    """Inner step -> batch of an assignment: a pure function of (run seed, round, data key,
+    step), so that a validator or a referee sees exactly the worker's data."""
+
+    def batch(step: int) -> torch.Tensor:
+        return sample_batch(
+            corpus.train,
+            batch_size=cfg.data.batch_size,
+            seq_len=seq_len,
+            seed=cfg.seed,
+            round=round,
+            worker=data_key,
+            step=step,
+        )
+
+    return batch
