@@ -103,10 +103,12 @@ def test_sigkill_worker_mid_round_round_closes_without_it(tmp_path: Path) -> Non
             lambda s: (
                 s["phase"] == "open"
                 and s["committed_rounds"] >= 1
-                and any(p["name"] == "slow" and p["state"] == "training" for p in s["peers"])
+                # all three are members of the open round (membership is fixed at open)
+                and sorted(p["name"] for p in s["peers"] if p["state"] == "training")
+                == ["slow", "w0", "w1"]
             ),
             180,
-            "a round with the slow worker training",
+            "a round with all three workers training",
         )
         victim_round = cluster.status()["round"]
         cluster.signal("slow", signal.SIGKILL)
@@ -158,10 +160,11 @@ def test_sigterm_sends_deathrattle_and_round_does_not_wait(tmp_path: Path) -> No
             lambda s: (
                 s["committed_rounds"] >= 1
                 and s["phase"] == "open"
-                and any(p["name"] == "slow" and p["state"] == "training" for p in s["peers"])
+                and sorted(p["name"] for p in s["peers"] if p["state"] == "training")
+                == ["slow", "w0"]
             ),
             240,
-            "a round with the slow worker training",
+            "a round with both workers training",
         )
         victim_round = cluster.status()["round"]
         cluster.signal("slow", signal.SIGTERM)
