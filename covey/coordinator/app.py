@@ -25,7 +25,8 @@ from covey.peer.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
 from covey.protocol.content import is_content_id
 
-from .service import Coordinator, Rejected
+from .service import Coordinator
+from .views import Rejected
 
 log = logging.getLogger("covey.coordinator")
 STATIC = resources.files("covey.dashboard") / "static"

@@ -35,24 +35,25 @@ from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.peer.blobs import BlobClient, BlobStore
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
-from covey.protocol.rounds import PeerView, close_reason, is_alive, plan_round
+from covey.protocol.rounds import close_reason, is_alive, plan_round
 from covey.sim.simulator import evaluate
 from covey.trust.certify import sign_certificate
-from covey.trust.identity import Identity, peer_id_of
+from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
 from .accounts import Accounts
 from .auth import Auth
 from .db import Database
 from .intake import Intake
+from .membership import Membership
 from .verification import Verification
-from .views import OpenRound, Rejected, Views
+from .views import OpenRound, Views
 
 log = logging.getLogger("covey.coordinator")
 ORPHAN_GRACE_S = 600.0
 
 
-class Coordinator(Intake, Verification, Auth, Views):
+class Coordinator(Membership, Intake, Verification, Auth, Views):
     def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
         self.cfg = cfg
         self.run_id = cfg.run_id
@@ -191,132 +192,6 @@ class Coordinator(Intake, Verification, Auth, Views):
                 self.tick(time.time())
             except Exception:  # one bad tick must not kill the run: log loudly and go on
                 log.exception("round driver tick failed")
-
-    # -- membership ---------------------------------------------------------------------------
-
-    def join(self, req: schemas.JoinRequest, raw: dict[str, Any]) -> schemas.JoinReply:
-        self._check_run(req.run_id)
-        self._register(req.peer_id, req.public_key, req.name, "worker", req.stake, raw)
-        now = time.time()
-        with self.db.transaction() as c:
-            c.execute(
-                "UPDATE peers SET device = ?, step_time_s = ?, bandwidth_mbps = ?, "
-                "accepts_connections = ?, blob_url = ?, last_seen = ?, state = 'live' "
-                "WHERE peer_id = ?",
-                (
-                    req.device,
-                    req.step_time_s,
-                    req.bandwidth_mbps,
-                    int(req.accepts_connections),
-                    req.blob_url,
-                    now,
-                    req.peer_id,
-                ),
-            )
-            self.db.event(
-                c, now, "join", req.peer_id, req.model_dump(exclude={"run_id", "signature"})
-            )
-        log.info(
-            "[%s %s] joined: %s, %.3f s/step",
-            req.name,
-            req.peer_id[:8],
-            req.device,
-            req.step_time_s,
-        )
-        r = self.cfg.rounds
-        return schemas.JoinReply(
-            peer_id=req.peer_id,
-            run_id=self.run_id,
-            heartbeat_s=r.heartbeat_s,
-            dead_after_s=r.dead_after_s,
-        )
-
-    def _register(
-        self, peer_id: str, public_key: str, name: str, role: str, stake: float, raw: dict
-    ) -> None:
-        """Authenticate a join with the key it presents; record a first join (and its
-        stake) in the ledger. Rejected: an id that is not the key's hash, a bad signature,
-        an excluded key, a stake below the run's minimum, a worker key joining as a
-        validator or the reverse."""
-        if peer_id_of(public_key) != peer_id:
-            raise Rejected(
-                400,
-                f"peer id {peer_id} is not the hash of its public key ({peer_id_of(public_key)})",
-            )
-        self.authenticate(raw, -1, peer_id, public_key)
-        account = self.accounts.book.accounts.get(peer_id)
-        if account is not None and account.banned:
-            raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
-        if account is not None and account.role != role:
-            raise Rejected(409, f"key {peer_id[:12]} is registered as a {account.role}")
-        minimum = self.cfg.trust.min_stake if role == "worker" else 0.0
-        if account is None and stake < minimum:
-            raise Rejected(403, f"stake {stake} is below this run's minimum stake {minimum}")
-        now = time.time()
-        with self.accounts.transaction() as c:
-            c.execute(
-                "INSERT INTO peers (peer_id, public_key, name, role, joined_at, last_seen, "
-                "state, step_time_s) VALUES (?, ?, ?, ?, ?, ?, 'live', 1.0) "
-                "ON CONFLICT(peer_id) DO UPDATE SET name = excluded.name",
-                (peer_id, public_key, name, role, now, now),
-            )
-            if account is None:
-                self.accounts.append(
-                    c,
-                    "join",
-                    {"peer_id": peer_id, "public_key": public_key, "name": name, "role": role},
-                    now,
-                )
-                if role == "worker":  # validators stake nothing; they are paid per catch
-                    self.accounts.append(c, "stake", {"peer_id": peer_id, "amount": stake}, now)
-
-    def heartbeat(self, req: schemas.HeartbeatRequest, raw: dict[str, Any]) -> dict[str, Any]:
-        self._check_run(req.run_id)
-        self.authenticate(raw, -1, req.peer_id)
-        self._check_not_banned(req.peer_id)
-        now = time.time()
-        with self.db.transaction() as c:
-            row = c.execute("SELECT state FROM peers WHERE peer_id = ?", (req.peer_id,)).fetchone()
-            if row is None:
-                raise Rejected(404, f"unknown peer {req.peer_id}: join first")
-            if row["state"] == "left":
-                raise Rejected(409, f"peer {req.peer_id} has left: join again")
-            if row["state"] == "dead":
-                self.db.event(c, now, "revived", req.peer_id, {})
-            c.execute(
-                "UPDATE peers SET last_seen = ?, state = 'live', "
-                "step_time_s = COALESCE(?, step_time_s) WHERE peer_id = ?",
-                (now, req.step_time_s, req.peer_id),
-            )
-        return {"ok": True}
-
-    def leave(self, req: schemas.LeaveRequest, raw: dict[str, Any]) -> dict[str, Any]:
-        """The deathrattle: the peer is gone now, and no round waits for it."""
-        self._check_run(req.run_id)
-        self.authenticate(raw, -1, req.peer_id)
-        now = time.time()
-        with self.accounts.transaction() as c:
-            n = c.execute(
-                "UPDATE peers SET state = 'left', last_seen = ? WHERE peer_id = ?",
-                (now, req.peer_id),
-            ).rowcount
-            if n == 0:
-                raise Rejected(404, f"unknown peer {req.peer_id}")
-            self.db.event(c, now, "leave", req.peer_id, {"reason": req.reason})
-            self.accounts.append(c, "leave", {"peer_id": req.peer_id, "reason": req.reason}, now)
-        self._wake.set()
-        row = self.db.one("SELECT name FROM peers WHERE peer_id = ?", (req.peer_id,))
-        log.info("[%s %s] left: %s", row["name"] if row else "?", req.peer_id[:8], req.reason)
-        return {"ok": True}
-
-    def _peer_views(self) -> list[PeerView]:
-        rows = self.db.query("SELECT * FROM peers WHERE role = 'worker'")
-        return [
-            PeerView(
-                r["peer_id"], r["step_time_s"], r["bandwidth_mbps"], r["last_seen"], r["state"]
-            )
-            for r in rows
-        ]
 
     # -- rounds -------------------------------------------------------------------------------
 
