@@ -70,15 +70,14 @@ class Accounts:
         return [json.loads(ledger.to_line(e)) for e in rows]
 
     def find(self, type: str, **match: Any) -> dict[str, Any] | None:
-        """The latest entry of `type` whose payload has these values (receipts)."""
-        rows = self.db.query(
-            "SELECT idx FROM ledger WHERE type = ? ORDER BY idx DESC LIMIT 5000", (type,)
+        """The latest entry of `type` whose payload has these values (receipts), found by
+        SQLite's JSON functions rather than by reading entries one by one."""
+        where = "".join(f" AND json_extract(payload, '$.{key}') = ?" for key in match)
+        row = self.db.one(
+            f"SELECT idx FROM ledger WHERE type = ?{where} ORDER BY idx DESC LIMIT 1",
+            (type, *match.values()),
         )
-        for row in rows:
-            entry = self.entries(row["idx"], 1)[0]
-            if all(entry["payload"].get(k) == v for k, v in match.items()):
-                return entry
-        return None
+        return None if row is None else self.entries(row["idx"], 1)[0]
 
     def _write_balances(self) -> None:
         tmp = self.balances_path.with_suffix(".tmp")

@@ -140,7 +140,7 @@ class Views:
             "parameters": self.parameters,
         }
 
-    def trust_status(self) -> dict[str, Any]:
+    def trust_status(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Verification counts, validators and the ledger's length, for the status page."""
         counts = {
             r["status"]: r["n"]
@@ -152,7 +152,6 @@ class Views:
             {"peer_id": p["peer_id"], "name": p["name"]}
             for p in self.db.query("SELECT * FROM peers WHERE role = 'validator'")
         ]
-        summary = self.accounts.book.summary()
         return {
             "verifying": self.verifying,
             "sample_rate": self.cfg.trust.sample_rate,
@@ -169,7 +168,8 @@ class Views:
         rnd = self.open_round()
         cfg = self.cfg.rounds
         peers = []
-        accounts = self.accounts.book.summary()["accounts"]
+        summary = self.accounts.book.summary()
+        accounts = summary["accounts"]
         for p in self.db.query("SELECT * FROM peers WHERE role = 'worker' ORDER BY joined_at"):
             view = PeerView(p["peer_id"], p["step_time_s"], None, p["last_seen"], p["state"])
             alive = is_alive(now, view, cfg)
@@ -236,7 +236,7 @@ class Views:
             "submitted": submitted,
             "bytes_total": total["b"] if total else 0,
             "coordinator_key": self.identity.public_key,
-            "trust": self.trust_status(),
+            "trust": self.trust_status(summary),
             "weights_hash": self.state_hash,
             "peers": peers,
             "rounds": rounds,

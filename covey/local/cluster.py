@@ -90,35 +90,24 @@ class LocalCluster:
         return path
 
     def start_validator(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
-        proc = self._spawn(
-            name,
-            [
-                "validator",
-                "--coordinator",
-                self.url,
-                "--identity",
-                str(self.key(name)),
-                "--name",
-                name,
-                *extra,
-            ],
-        )
-        self.workers[name] = proc
-        return proc
+        return self._start_peer("validator", name, extra)
 
     def start_worker(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+        store = str((self.run_dir / "peers" / name).resolve())
+        return self._start_peer("worker", name, ("--store-dir", store, *extra))
+
+    def _start_peer(self, kind: str, name: str, extra: Sequence[str]) -> subprocess.Popen[bytes]:
+        """`covey worker|validator` with its own key, named `name` (see `self.ids`)."""
         proc = self._spawn(
             name,
             [
-                "worker",
+                kind,
                 "--coordinator",
                 self.url,
                 "--identity",
                 str(self.key(name)),
                 "--name",
                 name,
-                "--store-dir",
-                str((self.run_dir / "peers" / name).resolve()),
                 *extra,
             ],
         )

@@ -340,11 +340,14 @@ class Worker:
         contribution = Contribution(payload, per_step * claimed, claimed, fragment)
         return contribution, loss_sum / max(done, 1), compute_s, commitments
 
-    def _zeros(self) -> torch.Tensor:
+    def _numel(self) -> int:
+        """Elements of this round's contribution (its fragment's parameters)."""
         assert self.state is not None
-        fragment = self.strategy.round_fragment(self.state.round)
-        names = self.strategy.fragment_names(fragment)
-        return torch.zeros(sum(self.state.params[n].numel() for n in names))
+        names = self.strategy.fragment_names(self.strategy.round_fragment(self.state.round))
+        return sum(self.state.params[n].numel() for n in names)
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self._numel())
 
     def _batch(self, round: int, key: str, step: int) -> torch.Tensor:
         return assignment_batches(self.cfg, self.corpus, self.seq_len, round, key)(step)
@@ -421,7 +424,7 @@ class Worker:
         behavior = self.opts.behavior
         payload = c.payload
         if behavior in adversary.PAYLOAD_CHEATS and behavior != "free-rider":
-            numel = len(self._zeros())
+            numel = self._numel()
             payload = adversary.forge_payload(
                 behavior, payload, self.strategy.codec, numel, info.round
             )
