@@ -12,10 +12,12 @@ import torch
 
 from covey.algorithms import DiLoCo, Strategy, build_strategy
 from covey.algorithms.base import TrainState
+from covey.algorithms.codecs import CodecError, get_codec
 from covey.bench.trust_calibration import CHEATS, cheat_claim
 from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, StreamingDiLoCoConfig
 from covey.data.batches import sample_batch
 from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.peer.adversary import forge_payload
 from covey.trust.sketch import Commitment, distance, sketch, state_hash
 from covey.trust.verify import (
     BatchFn,
@@ -506,3 +508,30 @@ def test_an_unstable_segment_does_not_convict_an_honest_worker(tokens) -> None:
     assert outcomes[False].outcome == "fraud"  # what a referee without the probe would say
     assert outcomes[True].outcome == "inconclusive", outcomes[True].detail
     assert "numerically unstable" in outcomes[True].detail
+
+
+# -- the adversaries' forged payloads -------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["fp32", "fp16", "bf16", "int8", "int4", "topk:0.1", "sign"])
+def test_forged_payloads_are_what_their_behavior_says(form: str) -> None:
+    codec = get_codec(form)
+    honest_update = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    payload = codec.encode(honest_update)
+    honest = codec.decode(payload, 1000)
+
+    def forged(behavior: str) -> torch.Tensor:
+        return codec.decode(forge_payload(behavior, payload, codec, 1000, seed=7), 1000)
+
+    assert torch.equal(forged("free-rider"), torch.zeros(1000))
+    if form in ("fp32", "fp16", "bf16"):  # exact enough to check the arithmetic
+        assert torch.allclose(forged("sign-flip"), -honest)
+        assert torch.allclose(forged("scaled"), honest * 100, rtol=1e-2)
+        noise = forged("noise")
+        assert math.isclose(float(noise.norm()), float(honest.norm()), rel_tol=1e-2)
+        assert abs(float(torch.dot(noise, honest))) < 0.2 * float(honest.norm()) ** 2
+    # a NaN payload has the codec's exact size, and every decoder refuses it
+    nan = forge_payload("nan", payload, codec, 1000, seed=7)
+    assert len(nan) == codec.nbytes(1000)
+    with pytest.raises(CodecError):
+        codec.decode(nan, 1000)

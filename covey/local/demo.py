@@ -177,7 +177,12 @@ def run_local_demo(
         raise ValueError(f"chaos_every_s ({lo}, {hi}) must satisfy 0 < low <= high")
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "run.toml"
-    spec_path.write_text(to_toml(demo_spec(algorithm, model=model, seed=seed)))
+    spec = demo_spec(algorithm, model=model, seed=seed)
+    if adversaries:
+        # no round may be a cheater's alone: one x100 update certified as round 0 wrecks
+        # the model, and then nobody's work can be told from anybody's (README, "Trust")
+        spec["rounds"]["min_peers"] = min(workers, 3)
+    spec_path.write_text(to_toml(spec))
     cfg = load_run_config(spec_path)  # fails here, with the field named, not in a child
 
     cluster = LocalCluster(spec_path, out_dir)

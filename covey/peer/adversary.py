@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from covey.algorithms.codecs import Codec
+from covey.algorithms.codecs import HEADER_BYTES, Codec
 
 BEHAVIORS = (
     "honest",
@@ -68,7 +68,12 @@ def forge_payload(behavior: str, payload: bytes, codec: Codec, numel: int, seed:
     if behavior == "free-rider":
         return codec.encode(torch.zeros(numel))
     if behavior == "nan":
-        return codec.encode(torch.full((numel,), float("nan")))
+        # a codec refuses to encode NaN, so forge the bytes: a valid header and parameters,
+        # then every body byte 0xff, which reads as NaN in each float format (fp32, fp16,
+        # bf16 values and quantization scales)
+        zeros = codec.encode(torch.zeros(numel))
+        head = HEADER_BYTES + codec.params_struct.size
+        return zeros[:head] + b"\xff" * (len(zeros) - head)
     raise ValueError(f"{behavior} does not forge payloads")
 
 
