@@ -18,6 +18,7 @@ from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, Stream
 from covey.data.batches import sample_batch
 from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.peer.adversary import forge_payload
+from covey.trust.referee import judge, referee
 from covey.trust.sketch import Commitment, distance, sketch, state_hash
 from covey.trust.verify import (
     BatchFn,
@@ -26,11 +27,9 @@ from covey.trust.verify import (
     bisect,
     commitment_steps,
     compare,
-    judge,
     local_state_from_bytes,
     local_state_to_bytes,
     reexecute,
-    referee,
     segment_bounds,
     segment_end,
 )

@@ -28,6 +28,7 @@ from covey.config import DDPConfig, DiLoCoConfig
 from covey.data.batches import sample_batch
 from covey.data.corpus import load_corpus
 from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.trust.referee import judge, referee
 from covey.trust.sketch import Commitment, commitment_of
 from covey.trust.verify import (
     DEFAULT_TOLERANCE,
@@ -37,9 +38,7 @@ from covey.trust.verify import (
     Verdict,
     commitment_steps,
     compare,
-    judge,
     reexecute,
-    referee,
     segment_end,
 )
 

@@ -27,7 +27,7 @@ from covey.peer.blobs import BlobError
 from covey.peer.runsetup import assignment_batches
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes
-from covey.trust import verify
+from covey.trust import referee, verify
 from covey.trust.certify import sample
 from covey.trust.identity import canonical_json
 
@@ -448,7 +448,7 @@ class Verification:
                 )
         except (ValueError, CodecError, BlobError) as e:
             return "inconclusive", f"the validator's evidence is unusable: {e}"
-        result = verify.referee(
+        result = referee.referee(
             strategy,
             start,
             segment,
@@ -459,7 +459,7 @@ class Verification:
             claimed_start=claimed[segment] if seg_state is not None else None,
             tolerance=trust.tolerance,
         )
-        verdict = verify.judge(result, worker_end, validator_end, trust.tolerance)
+        verdict = referee.judge(result, worker_end, validator_end, trust.tolerance)
         return verdict.outcome, verdict.detail
 
     def _referee_strategy_for(self) -> Strategy:

@@ -1,10 +1,11 @@
-"""Verification of contributed work: commitments, re-execution, bisection, referee.
+"""Verification of contributed work: commitments, re-execution, bisection.
 
 After Verde (Gensyn, arXiv 2502.19405). A worker training a round commits to
 its local state every k inner steps; a validator re-executes the round from the canonical
 start W_r on the same batches and compares. When they disagree, the committed list is
 bisected to one segment whose start both sides agree on and whose end they do not, and a
-referee recomputes only that segment: at most k inner steps, whatever the round's length.
+referee recomputes only that segment: at most k inner steps, whatever the round's length
+(covey/trust/referee.py).
 
 Segments. A round of `steps` inner steps has commitments at steps 0, k, 2k, ... strictly
 below `steps` (`commitment_steps`): ceil(steps / k) of them, and as many segments.
@@ -31,7 +32,7 @@ import math
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -51,13 +52,8 @@ from covey.trust.sketch import (
 )
 
 BatchFn = Callable[[int], torch.Tensor]  # inner step (0-based, within the round) -> batch
-Outcome = Literal["fraud", "validator wrong", "inconclusive"]
 LOCAL_STATE_FORMAT = "covey-local-state-1"
 DEFAULT_TOLERANCE: float = TrustConfig.model_fields["tolerance"].default
-# The referee's nudge at least: relative to the parameters' norm, some float32 ulps.
-STABILITY_PROBE = 1e-6
-# A disputed end must be this many times farther than the nudge moved it to count as far.
-STABILITY_MARGIN = 10.0
 
 
 def commitment_steps(steps: int, commit_every: int) -> list[int]:
@@ -154,7 +150,7 @@ class Reexecution:
     commit_every: int
 
 
-def _require_reexecutable(strategy: Strategy) -> None:
+def require_reexecutable(strategy: Strategy) -> None:
     if not strategy.reexecutable:
         raise ValueError(
             f"{type(strategy).__name__} with this config is not re-executable: its rounds "
@@ -176,7 +172,7 @@ def reexecute(
 
     `strategy` is the validator's own instance; its local state is overwritten. ValueError
     for a strategy that is not re-executable or a keep_states index the round lacks."""
-    _require_reexecutable(strategy)
+    require_reexecutable(strategy)
     points = commitment_steps(steps, commit_every)
     keep = set(keep_states)
     if bad := sorted(i for i in keep if not 0 <= i < len(points)):
@@ -350,195 +346,6 @@ def segment_end(
     if segment + 1 < len(commitments):
         return commitments[segment + 1]
     return codec.decode(payload, numel)
-
-
-# -- the referee ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RefereeResult:
-    """One recomputed segment.
-
-    end: its end commitment, or the decoded payload for the last segment; None when the
-        referee refused to compute (see detail).
-    start_distance: how far the supplied segment-start state was from the worker's
-        commitment (0 when the referee computed the start itself).
-    stability: how far the segment's end moves when its start is nudged by the size of the
-        disagreement at its start (`STABILITY_PROBE` at least). A segment that amplifies
-        the nudge (a loss spike, say) amplifies the honest differences between two
-        machines too; `judge` raises its noise floor accordingly.
-    """
-
-    segment: int
-    end: Commitment | torch.Tensor | None
-    start_distance: float = 0.0
-    detail: str = ""
-    stability: float = 0.0
-
-
-def _run_segment(
-    strategy: Strategy,
-    start_state: TrainState,
-    batch_fn: BatchFn,
-    first: int,
-    end: int,
-    steps: int,
-    codec: Codec,
-) -> Commitment | torch.Tensor:
-    for step in range(first, end):
-        strategy.inner_step(batch_fn(step))
-    if end == steps:
-        return codec.decode(strategy.make_contribution().payload)
-    return commitment_of(strategy.local_state(copy=False), start_state.params, end)
-
-
-def _nudge(strategy: Strategy, start_state: TrainState, relative: float) -> None:
-    """Perturb the local state with fixed-seed Gaussian noise: the parameters by
-    max(relative * ||params - start||, STABILITY_PROBE * ||params||) in l2 norm, every other
-    floating local tensor (optimizer moments) elementwise by a relative
-    max(relative, STABILITY_PROBE), which keeps signs and zeros (exp_avg_sq stays >= 0)."""
-    params = dict(strategy.model.named_parameters())
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        noise = {n: torch.randn(params[n].shape, generator=g) for n in sorted(params)}
-        size = max(
-            relative * _norm(params[n] - start_state.params[n] for n in params),
-            STABILITY_PROBE * _norm(params.values()),
-        )
-        scale = size / max(_norm(noise.values()), 1e-30)
-        for n, z in noise.items():
-            params[n].add_(z.to(params[n].dtype) * scale)
-        sigma = max(relative, STABILITY_PROBE)
-        for name, t in sorted(strategy.local_state(copy=False).items()):
-            if not name.startswith("param/") and t.is_floating_point() and t.dim() > 0:
-                t.mul_(1 + sigma * torch.randn(t.shape, generator=g).to(t.dtype))
-
-
-def _norm(tensors: Iterable[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
-
-
-def referee(
-    strategy: Strategy,
-    start_state: TrainState,
-    segment: int,
-    segment_start: Mapping[str, torch.Tensor] | None,
-    batch_fn: BatchFn,
-    steps: int,
-    commit_every: int,
-    codec: Codec | None = None,
-    *,
-    claimed_start: Commitment | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
-    probe: bool = True,
-) -> RefereeResult:
-    """Recompute one segment of a round and return its end.
-
-    Segment 0 starts from `start_state` and a fresh strategy state: no blob needed. A later
-    segment starts from `segment_start` (a validator's `Reexecution.states[segment]`),
-    which is checked first against `claimed_start`, the worker's own commitment at that
-    index: unless the hashes are equal or the sketch distance is within `tolerance`, the
-    referee refuses (end None), since a validator must not frame a worker with a made-up
-    state. The check is a sketch, not a proof (covey/trust/sketch.py); where that matters,
-    pass segment_start=None: the referee then recomputes from the round's start, at the
-    cost of the segments before this one.
-
-    With `probe`, the segment is computed a second time from a nudged start
-    (`RefereeResult.stability`), so that `judge` does not convict an honest worker whose
-    run diverged from the validator's through amplified rounding (measured by
-    covey.bench.trust_calibration: it happens, in loss spikes). Costs one more segment.
-
-    ValueError for a strategy that is not re-executable, a segment the round lacks, or a
-    segment_start given without claimed_start. A malformed segment_start is a refusal."""
-    _require_reexecutable(strategy)
-    first, end = segment_bounds(segment, steps, commit_every)
-    codec = codec or strategy.codec
-    strategy.load_state(start_state)
-    start_distance = 0.0
-    if segment_start is not None:
-        if claimed_start is None:
-            raise ValueError("a supplied segment-start state needs the worker's commitment")
-        try:
-            theirs = commitment_of(segment_start, start_state.params, first)
-            start_distance = commitment_distance(theirs, claimed_start)
-            if start_distance > tolerance:
-                return RefereeResult(
-                    segment,
-                    None,
-                    start_distance,
-                    f"supplied state at step {first} is {start_distance:.3g} from the "
-                    f"worker's commitment {segment} (tolerance {tolerance}): refused",
-                )
-            strategy.load_local_state(dict(segment_start))
-        except ValueError as e:
-            return RefereeResult(segment, None, math.inf, f"supplied state rejected: {e}")
-    else:
-        for step in range(first):  # no state supplied: recompute the prefix ourselves
-            strategy.inner_step(batch_fn(step))
-    begin = strategy.local_state() if probe else None
-    result = _run_segment(strategy, start_state, batch_fn, first, end, steps, codec)
-    stability = 0.0
-    if begin is not None:
-        strategy.load_state(start_state)
-        strategy.load_local_state(begin)
-        _nudge(strategy, start_state, start_distance)
-        nudged = _run_segment(strategy, start_state, batch_fn, first, end, steps, codec)
-        stability = _end_distance(result, nudged)
-    return RefereeResult(segment, result, start_distance, "", stability)
-
-
-def _end_distance(a: Commitment | torch.Tensor, b: Commitment | torch.Tensor) -> float:
-    if isinstance(a, Commitment) and isinstance(b, Commitment):
-        return commitment_distance(a, b)
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return distance(a, b) if a.numel() == b.numel() else math.inf
-    raise ValueError(f"cannot compare a {type(a).__name__} with a {type(b).__name__}")
-
-
-@dataclass(frozen=True)
-class Judgement:
-    outcome: Outcome
-    detail: str
-
-
-def judge(
-    result: RefereeResult,
-    claimed: Commitment | torch.Tensor,
-    validator_claim: Commitment | torch.Tensor,
-    tolerance: float,
-) -> Judgement:
-    """Decide a dispute from the referee's recomputed segment end and what the worker
-    (`claimed`) and the validator said it is (`segment_end` of each claim).
-
-    Distances count as "far" beyond the noise floor max(tolerance, STABILITY_MARGIN *
-    result.stability): a segment that amplifies a small nudge of its start may amplify the
-    honest difference between two machines just as much (more: a random nudge
-    underestimated it up to ~3x in covey.bench.trust_calibration's runs, hence the margin).
-
-    "fraud": the worker's end is far from the referee's, the validator's is not.
-    "validator wrong": the reverse. "inconclusive" (nobody is paid or slashed): the
-    referee refused (a made-up segment-start state), or both or neither are far, which a
-    numerically unstable segment (a loss spike) produces for honest parties. ValueError
-    when the ends are of different kinds."""
-    if result.end is None:
-        return Judgement("inconclusive", result.detail)
-    floor = max(tolerance, STABILITY_MARGIN * result.stability)
-    w = _end_distance(result.end, claimed)
-    v = _end_distance(result.end, validator_claim)
-    said = (
-        f"segment {result.segment}: referee is {w:.3g} from the worker and {v:.3g} from the "
-        f"validator"
-    )
-    if w > floor and v <= floor:
-        return Judgement("fraud", said)
-    if w <= floor and v > floor:
-        return Judgement("validator wrong", said)
-    why = (
-        f"numerically unstable: a nudged start moves its end by {result.stability:.3g}"
-        if floor > tolerance
-        else f"tolerance {tolerance}"
-    )
-    return Judgement("inconclusive", f"{said}; {why}")
 
 
 # -- local states on the wire -----------------------------------------------------------
