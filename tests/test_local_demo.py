@@ -32,6 +32,16 @@ def test_every_demo_spec_loads_as_a_run_config(tmp_path: Path) -> None:
         demo_spec("allreduce")
 
 
+@pytest.mark.parametrize(
+    ("workers", "adversaries", "min_peers"), [(4, 0, 1), (4, 1, 3), (4, 2, 2), (6, 2, 3), (2, 2, 1)]
+)
+def test_a_demo_with_cheaters_waits_for_several_workers_but_not_for_more_than_the_honest(
+    workers: int, adversaries: int, min_peers: int
+) -> None:
+    spec = demo_spec("diloco", workers=workers, adversaries=adversaries)
+    assert spec["rounds"]["min_peers"] == min_peers
+
+
 def _children_running_covey() -> list[str]:
     """Command lines of this process's children that still run `covey`."""
     found = []

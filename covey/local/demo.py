@@ -47,9 +47,16 @@ ADVERSARIES = (
 # --- the run spec (pure) ---------------------------------------------------------------------
 
 
-def demo_spec(algorithm: str, *, model: str = "nano", seed: int = 0) -> dict[str, Any]:
+def demo_spec(
+    algorithm: str, *, model: str = "nano", seed: int = 0, workers: int = 1, adversaries: int = 0
+) -> dict[str, Any]:
     """The run spec for a demo of `algorithm`, as the dict its TOML holds. Rounds are sized
-    to take a few seconds on a laptop CPU; the run is bounded by time, not max_rounds."""
+    to take a few seconds on a laptop CPU; the run is bounded by time, not max_rounds.
+
+    With `adversaries` among the `workers`, a round waits for 3 workers, so that none is a
+    cheater's alone (one x100 update certified as round 0 wrecks the model, and then
+    nobody's work can be told from anybody's; README, "Trust"), but for no more than the
+    honest ones, or the run would stop once the cheaters are excluded."""
     if algorithm not in METHODS:
         raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(METHODS)}")
     algo: dict[str, Any] = {"method": algorithm}
@@ -74,6 +81,7 @@ def demo_spec(algorithm: str, *, model: str = "nano", seed: int = 0) -> dict[str
         "data": {"batch_size": 8},
         "algorithm": algo,
         "rounds": {
+            "min_peers": max(1, min(3, workers - adversaries)) if adversaries else 1,
             # caps a slow peer's inner steps; nano's 30 steps fit ~10x over on one core
             "target_compute_s": 3.0,
             "checkpoint_every": 5,
@@ -177,11 +185,7 @@ def run_local_demo(
         raise ValueError(f"chaos_every_s ({lo}, {hi}) must satisfy 0 < low <= high")
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "run.toml"
-    spec = demo_spec(algorithm, model=model, seed=seed)
-    if adversaries:
-        # no round may be a cheater's alone: one x100 update certified as round 0 wrecks
-        # the model, and then nobody's work can be told from anybody's (README, "Trust")
-        spec["rounds"]["min_peers"] = min(workers, 3)
+    spec = demo_spec(algorithm, model=model, seed=seed, workers=workers, adversaries=adversaries)
     spec_path.write_text(to_toml(spec))
     cfg = load_run_config(spec_path)  # fails here, with the field named, not in a child
 
