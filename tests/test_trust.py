@@ -189,6 +189,15 @@ def test_every_cheat_is_refused_or_slashed_within_three_rounds(
     assert report.entries >= len(ledger) and report.compared_at is not None
     if "replay" in behaviors:
         assert "replayed request" in cluster.tail("coordinator", 2000)
+    # each refusal at intake says what was wrong
+    why = {"nan": "NaN or Inf", "stale": "same bytes", "copycat": "same bytes"}
+    for behavior in set(behaviors) & set(why):
+        reasons = [
+            e.payload["reason"]
+            for e in ledger
+            if e.type == "contribution rejected" and e.payload["peer_id"] == ids[behavior]
+        ]
+        assert any(why[behavior] in r for r in reasons), (behavior, reasons)
     summary = cluster.get("/v1/ledger/balances")
     for behavior in set(behaviors) & set(CAUGHT_BY_REEXECUTION):
         account = summary["accounts"][ids[behavior]]
