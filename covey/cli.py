@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,7 +13,9 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from covey import __version__
 from covey.config import SimConfig, load_sim_config
+from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.trust.ledger_cli import register as register_ledger
 
 app = typer.Typer(
@@ -26,8 +30,40 @@ register_ledger(app)
 
 METHODS = "ddp, diloco, streaming, demo"
 
+RUN_ID_OPTION = typer.Option(
+    "--run-id",
+    help="the run id the coordinator printed: refuse a coordinator serving any other run "
+    "(its key is part of the id); without it, the coordinator's word is taken",
+)
+DEBUG = False  # set by `covey --debug`: errors a person can act on also show their traceback
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"covey {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="print the version"),
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="show the traceback behind an error message")
+    ] = False,
+) -> None:
+    global DEBUG
+    DEBUG = debug
+
 
 def _fail(message: str) -> typer.Exit:
+    """Print one actionable line (and, with --debug, the exception being handled); exit 2."""
+    if DEBUG and sys.exc_info()[0] is not None:
+        import traceback
+
+        traceback.print_exc()
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(2)
 
@@ -49,14 +85,25 @@ def _overrides(**flags: Any) -> dict[str, Any]:
 def _load(
     config: Path | None, overrides: dict[str, Any], loader: Callable[..., Any] = load_sim_config
 ) -> Any:
-    """The validated config, or exit 2 with every problem named by its field."""
+    """The validated config, or exit 2 with one line naming every problem by its key."""
     try:
-        return loader(config, **overrides)
+        cfg = loader(config, **overrides)
     except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
-        raise _fail("invalid configuration:\n" + "\n".join(lines)) from None
+        root = typing.get_type_hints(loader).get("return")
+        where = f" in {config}" if config else ""
+        if isinstance(root, type):
+            message = describe_validation_error(root, e)
+            raise _fail(f"invalid configuration{where}: {message}") from None
+        lines = [f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors()]
+        raise _fail(f"invalid configuration{where}: " + "; ".join(lines)) from None
     except (FileNotFoundError, ValueError) as e:
         raise _fail(str(e)) from None
+    data = getattr(cfg, "data", None)
+    try:
+        check_data_paths(getattr(data, "paths", ()))
+    except UserError as e:
+        raise _fail(str(e)) from None
+    return cfg
 
 
 @app.command()
@@ -383,9 +430,11 @@ def coordinator(
         coord = Coordinator(cfg, data_dir, threads=threads)
     except ValueError as e:
         raise _fail(str(e)) from None
-    typer.echo(
-        f"covey coordinator: run {cfg.run_id} ({cfg.name}), status page http://{host}:{port}/"
-    )
+    # the run id covers the coordinator's key: it is what peers are told to trust
+    typer.echo(f"covey coordinator: {cfg.name}, status page http://{host}:{port}/")
+    typer.secho(f"  run id: {coord.run_id}", bold=True)
+    typer.echo(f"  coordinator key: {coord.identity.public_key}")
+    typer.echo(f"  hand out: covey worker --coordinator URL --run-id {coord.run_id}")
     serve(coord, host, port)
 
 
@@ -425,6 +474,7 @@ def worker(
     connect_timeout: Annotated[
         float, typer.Option(help="seconds to keep trying to reach the coordinator at start")
     ] = 120.0,
+    run_id: Annotated[str | None, RUN_ID_OPTION] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
 ) -> None:
     """Join a run and train: fetch the canonical state, train each round's assignment,
@@ -436,6 +486,7 @@ def worker(
     if behavior not in BEHAVIORS:
         raise _fail(f"--behavior must be one of {', '.join(BEHAVIORS)}; got {behavior!r}")
     _check_name(name)
+    _check_coordinator(coordinator, connect_timeout)
     _logging(verbose)
     from covey.peer.worker import Worker, WorkerOptions
     from covey.trust.identity import IdentityError
@@ -455,12 +506,22 @@ def worker(
         store_dir=store_dir,
         max_rounds=max_rounds,
         connect_timeout_s=connect_timeout,
+        run_id=run_id,
     )
     try:
         peer = Worker(opts)
     except IdentityError as e:
         raise _fail(str(e)) from None
     raise typer.Exit(peer.run())
+
+
+def _check_coordinator(url: str, wait_s: float) -> None:
+    """Refuse a URL without a scheme, or a server that is not a covey coordinator, at once
+    (waiting up to `wait_s` only for one that is not reachable yet)."""
+    try:
+        check_coordinator(url, wait_s)
+    except UserError as e:
+        raise _fail(str(e)) from None
 
 
 def _check_name(name: str | None) -> None:
@@ -487,6 +548,7 @@ def validator(
     connect_timeout: Annotated[
         float, typer.Option(help="seconds to keep trying to reach the coordinator at start")
     ] = 120.0,
+    run_id: Annotated[str | None, RUN_ID_OPTION] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
 ) -> None:
     """Re-execute sampled contributions of a run and dispute the ones that disagree.
@@ -495,6 +557,7 @@ def validator(
     is narrowed to one segment of the worker's commitments, which the coordinator's
     referee recomputes. Proven catches are paid in the run's ledger."""
     _check_name(name)
+    _check_coordinator(coordinator, connect_timeout)
     _logging(verbose)
     from covey.peer.validator import Validator, ValidatorOptions
     from covey.trust.identity import IdentityError
@@ -506,6 +569,7 @@ def validator(
         threads=threads,
         max_tasks=max_tasks,
         connect_timeout_s=connect_timeout,
+        run_id=run_id,
     )
     try:
         checker = Validator(opts)
