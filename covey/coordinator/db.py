@@ -5,19 +5,36 @@ it): the run spec, peers, rounds with their members, assignments, contributions 
 certificates, rejections, checkpoints and an event log. A round is committed by one
 transaction that writes its certificate and marks it committed, so a SIGKILL at any point
 leaves each round either committed once or not at all.
+
+The schema has a version (``PRAGMA user_version``, `SCHEMA_VERSION`). Opening a database
+of an older version migrates it, one transaction per step, after a backup copy beside it
+(``coordinator.db.v<N>.bak``); a database of a newer covey, or of a layout older than any
+migration knows, is refused with `SchemaError`, which says what to do. To change the schema:
+edit `SCHEMA` (what a new run directory gets), bump `SCHEMA_VERSION` and add the step that
+brings the previous version there to `MIGRATIONS`; tests/test_migrations.py checks that a
+migrated version-1 database has every table and column of `SCHEMA`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from covey import __version__
 from covey.trust.ledger import LEDGER_SCHEMA
+
+log = logging.getLogger("covey.db")
+
+# Version 1 is covey 0.1.0's layout, written before databases carried a version
+# (user_version 0 with these tables in it).
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -54,12 +71,108 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     round INTEGER PRIMARY KEY, cid TEXT, size INTEGER, weights_hash TEXT, created_at REAL);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, kind TEXT, peer_id TEXT, detail TEXT);
+CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason);
+CREATE INDEX IF NOT EXISTS events_kind ON events (kind);
 """
+
+
+class SchemaError(ValueError):
+    """A database this covey cannot use as it is; the message says what to do."""
+
+
+def _v1_to_v2(conn: sqlite3.Connection) -> None:
+    # Counting rejections by reason and events by kind (the status page, /metrics) no
+    # longer scans whole tables on a long run.
+    conn.execute("CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason)")
+    conn.execute("CREATE INDEX IF NOT EXISTS events_kind ON events (kind)")
+
+
+# MIGRATIONS[n] brings a version-n database to version n + 1 (inside one transaction).
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _v1_to_v2}
+# A database without user_version is version 1 if it has these (added late in 0.1.0).
+V1_MARKERS = {"peers": "role", "contributions": "commitments", "verifications": "report"}
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+
+
+def _legacy_version(conn: sqlite3.Connection, path: Path) -> int:
+    """The version of a database written before versioning: 1, or `SchemaError`."""
+    for table, column in V1_MARKERS.items():
+        if column not in _columns(conn, table):
+            raise SchemaError(
+                f"{path} is from a covey older than 0.1.0 ({table} lacks {column}), which no "
+                "migration reads: finish that run with the covey that started it, or start "
+                "this one in a new --data-dir"
+            )
+    return 1
+
+
+def missing_columns(conn: sqlite3.Connection) -> list[str]:
+    """`table.column` of the current `SCHEMA` (and the ledger's) absent from `conn`."""
+    want = sqlite3.connect(":memory:")
+    try:
+        want.executescript(SCHEMA + LEDGER_SCHEMA)
+        tables = [r[0] for r in want.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return [
+            f"{t}.{c}"
+            for t in tables
+            if not t.startswith("sqlite_")
+            for c in sorted(_columns(want, t) - _columns(conn, t))
+        ]
+    finally:
+        want.close()
+
+
+def prepare(conn: sqlite3.Connection, path: Path) -> int:
+    """Create, migrate or refuse the schema of `conn` (the database at `path`); returns the
+    version it had (0 for a new database). Raises `SchemaError` for a newer covey's database
+    or a layout no migration reads; a failed migration step is rolled back whole."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    has_tables = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table'").fetchone()
+    if version == 0 and not has_tables:
+        conn.executescript(SCHEMA + LEDGER_SCHEMA)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        return 0
+    found = version or _legacy_version(conn, path)
+    if found > SCHEMA_VERSION:
+        raise SchemaError(
+            f"{path} was written by a newer covey (schema version {found}; covey {__version__} "
+            f"reads up to {SCHEMA_VERSION}): upgrade covey (pip install -U covey) to resume "
+            "this run, or start a new --data-dir"
+        )
+    if found < SCHEMA_VERSION:
+        backup = path.with_name(f"{path.name}.v{found}.bak")
+        with sqlite3.connect(backup) as copy:
+            conn.backup(copy)
+        copy.close()
+        for step in range(found, SCHEMA_VERSION):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                MIGRATIONS[step](conn)
+                conn.execute(
+                    "INSERT INTO events (at, kind, peer_id, detail) VALUES (?, ?, '', ?)",
+                    (time.time(), "schema migrated", json.dumps({"from": step, "to": step + 1})),
+                )
+                conn.execute(f"PRAGMA user_version = {step + 1}")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        log.info("migrated %s from schema %d to %d (backup: %s)", path, found, step + 1, backup)
+    if missing := missing_columns(conn):
+        raise SchemaError(
+            f"{path} (schema version {SCHEMA_VERSION}) lacks {', '.join(missing)}: covey's "
+            "schema changed without a migration; report this as a bug"
+        )
+    return found
 
 
 class Database:
     """A thread-safe handle: one connection, serialized by a lock. The coordinator's
-    handlers are short; the heavy work (the outer step, evaluation) runs outside it."""
+    handlers are short; the heavy work (the outer step, evaluation) runs outside it.
+    Opening creates, migrates or refuses the schema (`prepare`; `SchemaError`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -67,7 +180,11 @@ class Database:
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(SCHEMA + LEDGER_SCHEMA)
+        try:
+            self.opened_version = prepare(self._conn, path)
+        except BaseException:
+            self._conn.close()
+            raise
         self.lock = threading.RLock()
 
     @contextmanager
