@@ -133,14 +133,38 @@ AlgorithmConfig = Annotated[
 
 
 class ModelConfig(Frozen):
-    size: str = Field("nano", description="GPT size: nano, micro, mini, small, gpt2")
+    """The model, by source (covey.models.source): covey's GPT, a local Hugging Face
+    directory, or a Python factory."""
+
+    source: str | None = Field(
+        None,
+        description="covey:<preset>, hf:<dir> (config.json, never remote code) or "
+        "py:<module>:<function>; default covey:<size>",
+    )
+    size: str = Field("nano", description="GPT size when no source: nano, micro, mini, small, gpt2")
+    init: str | None = Field(
+        None, description="hf:<dir>: start from its *.safetensors weights; default random init"
+    )
+
+    @property
+    def spec(self) -> str:
+        """The model source this config names (`source`, else covey:<size>)."""
+        return self.source or f"covey:{self.size}"
 
 
 class DataConfig(Frozen):
-    paths: tuple[str, ...] = Field((), description="text/JSONL files or dirs; empty = stdlib")
+    paths: tuple[str, ...] = Field(
+        (),
+        description="text/JSONL/JSON/CSV/Parquet/Arrow files, dirs or save_to_disk dirs; "
+        "empty = stdlib",
+    )
+    tokenizer: str = Field("bytes", description="bytes, or hf:<dir> holding a tokenizer.json")
+    text_column: str = Field("text", min_length=1, description="column holding each row's text")
     val_fraction: float = Field(0.02, gt=0, lt=1, description="held-out share of documents")
     batch_size: int = Field(8, ge=1, description="sequences per worker per inner step")
-    seq_len: int | None = Field(None, ge=2, description="tokens per sequence; default block size")
+    seq_len: int | None = Field(
+        None, ge=2, description="tokens per sequence; default the GPT's block size, else 256"
+    )
 
 
 class NetworkConfig(Frozen):
