@@ -62,37 +62,41 @@ ALL: list[tuple[str, Aggregator]] = [
 
 def test_trimmed_mean_exact() -> None:
     v = vecs([1, 10], [2, -5], [3, 0], [100, 1])
-    # k = floor(0.25 * 4) = 1: coordinate 0 keeps (2, 3), coordinate 1 keeps (0, 1)
+    # equal weights, 0.25 x 4 = 1 value cut at each end: coordinate 0 keeps (2, 3),
+    # coordinate 1 keeps (0, 1)
     assert torch.equal(TrimmedMean(0.25)(v, [1, 1, 1, 1]), torch.tensor([2.5, 0.5]))
     v5 = vecs([1], [7], [-50], [4], [1e6])
-    # k = floor(0.2 * 5) = 1: keeps 1, 4, 7; weights are ignored by the robust rule
-    assert torch.equal(TrimmedMean(0.2)(v5, [1, 9, 1, 1, 5]), torch.tensor([4.0]))
-    # k = 2 of 5: only the median is left
+    # equal weights, 0.4 x 5 = 2 cut at each end: only the median is left
     assert torch.equal(TrimmedMean(0.4)(v5, [1] * 5), torch.tensor([4.0]))
+    # weights 1, 9, 1, 1, 5 (total 17), sorted -50:1, 1:1, 4:1, 7:9, 1e6:5; 0.2 x 17 = 3.4
+    # cut at each end: 7 keeps [3.4, 12] = 8.6 of its 9, 1e6 keeps [12, 13.6] = 1.6
+    want = (8.6 * 7 + 1.6 * 1e6) / 10.2
+    got = float(TrimmedMean(0.2)(v5, [1, 9, 1, 1, 5]))
+    assert got == pytest.approx(want, rel=1e-7)
+    # the heavy value at the top is cut when it holds less than the trimmed weight
+    assert torch.equal(TrimmedMean(0.2)(v5, [1, 9, 1, 1, 3]), torch.tensor([7.0]))
+    # a fraction of a value: 3 equal weights at trim 0.25 keep 0.25, 1, 0.25 of them
+    v3 = vecs([0], [4], [8])
+    assert torch.equal(TrimmedMean(0.25)(v3, [2, 2, 2]), torch.tensor([4.0]))
+    assert float(TrimmedMean(0.25)(vecs([0], [4], [40]), [1, 1, 1])) == pytest.approx(
+        (0.25 * 0 + 4 + 0.25 * 40) / 1.5, rel=1e-7
+    )
 
 
-def test_trim_count() -> None:
-    assert [TrimmedMean(0.25).trim_count(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [
-        0,
-        0,
-        0,
-        1,
-        1,
-        2,
-        4,
-    ]
-    assert TrimmedMean(0.29).trim_count(100) == 29  # 0.29 * 100 == 28.999999999999996
-    assert TrimmedMean(0.4999999999).trim_count(2) == 0  # always keeps a value
-    assert TrimmedMean(0.0).trim_count(50) == 0
-
-
-def test_median_exact() -> None:
+def test_weighted_median_exact() -> None:
     odd = vecs([5, -1], [1, -3], [3, 8])
     assert torch.equal(CoordinateMedian()(odd, [1, 1, 1]), torch.tensor([3.0, -1.0]))
     even = vecs([5, -1], [1, -3], [3, 8], [100, 0])
     assert torch.equal(CoordinateMedian()(even, [1, 1, 1, 1]), torch.tensor([4.0, -0.5]))
-    # two contributions: their unweighted mean, whatever the tokens
-    assert torch.equal(CoordinateMedian()(vecs([0], [1]), [1, 100]), torch.tensor([0.5]))
+    # two contributions: the one holding more than half the tokens
+    assert torch.equal(CoordinateMedian()(vecs([0], [1]), [1, 100]), torch.tensor([1.0]))
+    assert torch.equal(CoordinateMedian()(vecs([0], [1]), [3, 3]), torch.tensor([0.5]))
+    # weights 1, 1, 4 (total 6): cumulative 1, 2, 6 passes 3 at the third value
+    assert torch.equal(CoordinateMedian()(vecs([1], [2], [9]), [1, 1, 4]), torch.tensor([9.0]))
+    # weights 1, 2, 3 with values sorted 1, 2, 9: cumulative 1, 3, 6 -> exactly half at 2
+    assert torch.equal(CoordinateMedian()(vecs([9], [1], [2]), [3, 1, 2]), torch.tensor([5.5]))
+    # a zero weight is never the median
+    assert torch.equal(CoordinateMedian()(vecs([-7], [3]), [0, 5]), torch.tensor([3.0]))
     one = vecs([1.5, -2.0])
     out = CoordinateMedian()(one, [3])
     assert torch.equal(out, one[0]) and out.data_ptr() != one[0].data_ptr()
@@ -110,13 +114,26 @@ def test_norm_clip_exact() -> None:
     assert torch.allclose(out, torch.tensor([1.8, 2.4]), rtol=1e-6, atol=0)
     # factor 2: bound 8, so [30, 40] becomes [4.8, 6.4]
     assert torch.allclose(NormClip(2.0).clip(v)[2], torch.tensor([4.8, 6.4]), rtol=1e-6, atol=0)
+    # tokens 1, 1, 5: the third did 5x the median work, so its bound is 5 x 4 = 20
+    assert torch.allclose(
+        NormClip(1.0).clip(v, [1, 1, 5])[2], torch.tensor([12.0, 16.0]), rtol=1e-6, atol=0
+    )
 
 
 def test_norm_clip_lower_median_for_even_count() -> None:
     v = vecs([1, 0], [0, 2], [3, 0], [0, 4])  # norms 1, 2, 3, 4: lower median 2
     clipped = NormClip(1.0).clip(v)
     assert [round(l2_norm(c), 5) for c in clipped] == [1, 2, 2, 2]
-    assert aggregation.clip_bound([4.0, 1.0, 3.0, 2.0], 1.5) == 3.0
+    assert aggregation.clip_bounds([4.0, 1.0, 3.0, 2.0], [1, 1, 1, 1], 1.5) == [3.0] * 4
+    # tokens: lower median 20; bounds 1.5 x 2 x max(1, w / 20)
+    assert aggregation.clip_bounds([4.0, 1.0, 3.0, 2.0], [10, 20, 40, 80], 1.5) == [
+        3.0,
+        3.0,
+        6.0,
+        12.0,
+    ]
+    # a majority of zero weights: no scaling
+    assert aggregation.clip_bounds([1.0, 2.0, 3.0], [0, 0, 7], 1.0) == [2.0] * 3
 
 
 def test_norm_clip_zero_vectors() -> None:
@@ -133,6 +150,39 @@ def test_norm_clip_factor_zero_is_off() -> None:
     v = vecs([1, 2], [100, -300], [0, 1])
     assert NormClip(0.0).clip(v) == v
     assert torch.equal(NormClip(0.0, TrimmedMean(0.0))(v, [1, 2, 3]), WeightedMean()(v, [1, 2, 3]))
+
+
+def test_honest_token_spread_is_not_clipped() -> None:
+    """Four honest peers with tokens spread 4x whose update norms grow with their tokens
+    (+-10%) pass the default clip untouched, with or without an attacker among them; a
+    x100 attacker is clipped to its bound. (Clipping to the plain median norm cut the 4x
+    peer down: its norm, ~4.4x the smallest, is over 2x the lower median, ~2x.)"""
+    rng = random.Random(0)
+    clip = NormClip(2.0, TrimmedMean(0.25))
+    for case in range(50):
+        base = 1000 * rng.randint(1, 8)
+        tokens = [base * s for s in (1, 2, 3, 4)]
+        rng.shuffle(tokens)
+        g = torch.Generator().manual_seed(case)
+        honest = []
+        for t in tokens:
+            x = torch.randn(500, generator=g)
+            honest.append(x * (t / base * rng.uniform(0.9, 1.1) / l2_norm(x)))
+        if case == 0:  # the lowest and highest of the spread: what the old rule clipped
+            honest[tokens.index(base)] *= 0.9 / l2_norm(honest[tokens.index(base)])
+            honest[tokens.index(2 * base)] *= 1.9 / l2_norm(honest[tokens.index(2 * base)])
+            honest[tokens.index(4 * base)] *= 4.4 / l2_norm(honest[tokens.index(4 * base)])
+        clipped = clip.clip(honest, tokens)
+        assert all(c is h for c, h in zip(clipped, honest, strict=True)), case
+        t_bad = base * rng.choice((1, 2, 3, 4))
+        bad = 100 * honest[0] * (t_bad / tokens[0])
+        clipped = clip.clip([*honest, bad], [*tokens, t_bad])
+        assert all(c is h for c, h in zip(clipped[:4], honest, strict=True)), case
+        assert l2_norm(clipped[4]) < 0.1 * l2_norm(bad), case
+        bounds = aggregation.clip_bounds(
+            [l2_norm(x) for x in [*honest, bad]], [*tokens, t_bad], 2.0
+        )
+        assert l2_norm(clipped[4]) == pytest.approx(bounds[4], rel=1e-5)
 
 
 def test_l2_norm_is_exact_float64() -> None:
@@ -163,29 +213,87 @@ def test_sorting_network_sorts(n: int) -> None:
         assert y == sorted(x)
 
 
+def reference(values: list[float], weights: list[float], trim: float | None) -> float:
+    """The definition, in float64 on one coordinate: trimmed mean (trim) or median (None)."""
+    pairs = sorted(zip(values, weights, strict=True))
+    total = sum(w for _, w in pairs)
+    cum = 0.0
+    if trim is None:
+        lo = next(
+            v for i, (v, _) in enumerate(pairs) if sum(w for _, w in pairs[: i + 1]) >= total / 2
+        )
+        hi = next(
+            v for i, (v, _) in enumerate(pairs) if sum(w for _, w in pairs[: i + 1]) > total / 2
+        )
+        return lo / 2 + hi / 2
+    cut_lo, cut_hi, acc = trim * total, total - trim * total, 0.0
+    for v, w in pairs:
+        acc += max(0.0, min(cum + w, cut_hi) - max(cum, cut_lo)) * v
+        cum += w
+    return acc / (cut_hi - cut_lo)
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_weighted_rules_match_the_definition(case: int) -> None:
+    """Property test on seeded random rounds: contributors, integer token weights (some
+    equal, some zero), values with ties, trim fractions; each coordinate against the
+    float64 definition."""
+    rng = random.Random(case)
+    n = rng.randint(1, 12)
+    weights = [float(rng.choice((0, 1, 7, 64, 1000, rng.randint(1, 5000)))) for _ in range(n)]
+    if sum(weights) == 0:
+        weights[0] = 3.0
+    if case % 5 == 0:
+        weights = [256.0] * n  # the equal-weight path
+    numel = 64
+    g = torch.Generator().manual_seed(case)
+    v = [torch.randn(numel, generator=g) * 10 ** rng.randint(-3, 3) for _ in range(n)]
+    for x in v:  # ties
+        x[: numel // 4] = torch.round(x[: numel // 4])
+    rows = torch.stack(v).double().T.tolist()
+    trim = rng.choice((0.05, 0.1, 0.2, 0.25, 0.3, 0.45))
+    got_t = TrimmedMean(trim)(v, weights).double()
+    got_m = CoordinateMedian()(v, weights).double()
+    want_t = torch.tensor([reference(r, weights, trim) for r in rows], dtype=torch.float64)
+    want_m = torch.tensor([reference(r, weights, None) for r in rows], dtype=torch.float64)
+    assert torch.allclose(got_t, want_t, rtol=1e-6, atol=1e-9), (case, trim, weights)
+    assert torch.equal(got_m, want_m.float().double()), (case, weights)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13, 16, 17])
-def test_robust_rules_match_a_sort(n: int) -> None:
+def test_equal_weights_match_a_sort(n: int) -> None:
     g = torch.Generator().manual_seed(n)
     v = [torch.randn(1000, generator=g) for _ in range(n)]
     ranked = torch.stack(v).sort(dim=0).values.double()
     median = ranked[n // 2] if n % 2 else (ranked[n // 2 - 1] + ranked[n // 2]) / 2
     assert torch.allclose(CoordinateMedian()(v, [1] * n).double(), median, rtol=0, atol=1e-6)
     for trim in (0.1, 0.25, 0.4):
-        k = TrimmedMean(trim).trim_count(n)
-        if k == 0:
-            continue
-        want = ranked[k : n - k].mean(dim=0)
-        got = TrimmedMean(trim)(v, [1] * n).double()
+        k = trim * n
+        if k != int(k) or k == 0:
+            continue  # a whole number of values cut: the unweighted trimmed mean
+        want = ranked[int(k) : n - int(k)].mean(dim=0)
+        got = TrimmedMean(trim)(v, [5] * n).double()
         assert torch.allclose(got, want, rtol=0, atol=1e-6)
 
 
-def test_k_zero_is_weighted_mean_exactly() -> None:
+def test_a_duplicate_is_a_double_weight() -> None:
+    """Weighted rules see tokens, not heads: sending the same vector twice is the same as
+    sending it once with twice the tokens."""
+    g = torch.Generator().manual_seed(2)
+    v = [torch.randn(2000, generator=g) for _ in range(5)]
+    w = [3.0, 1.0, 4.0, 1.0, 5.0]
+    for agg in (TrimmedMean(0.25), CoordinateMedian(), NormClip(2.0, TrimmedMean(0.2))):
+        twice = agg([*v, v[1]], [*w, w[1]])
+        doubled = agg(v, [w[0], 2 * w[1], *w[2:]])
+        assert torch.allclose(twice, doubled, rtol=1e-6, atol=1e-7), agg
+
+
+def test_trim_zero_is_weighted_mean_exactly() -> None:
     g = torch.Generator().manual_seed(3)
-    for n, trim in ((2, 0.25), (3, 0.25), (8, 0.0), (9, 0.1)):
+    for n in (1, 2, 8):
         v = [torch.randn(5000, generator=g) for _ in range(n)]
         w = [float(100 + 37 * i) for i in range(n)]
-        assert TrimmedMean(trim).trim_count(n) == 0
-        assert torch.equal(TrimmedMean(trim)(v, w), WeightedMean()(v, w))
+        assert torch.equal(TrimmedMean(0.0)(v, w), WeightedMean()(v, w))
 
 
 def test_output_dtype_and_shape() -> None:
@@ -203,12 +311,12 @@ def test_output_dtype_and_shape() -> None:
 # sha256 of the outputs on `integer_vectors(7, 100_003)` with weights 1..7: golden values,
 # so a change of summation order (or of semantics) anywhere shows up here
 GOLDEN = {
-    "mean": "5f20cb17734ced97905a12712117d5fd887f5e2cb70734e64ca3e23bfca9929b",
-    "clip+mean": "21d163732bda734538c61a85ca06a6ff917201042f24ea5097b9b2d0984fe8af",
-    "trimmed_mean": "db1d611bfb6057b14efb89a159fab3e987b4488f0031ec762990282ae33a6391",
-    "median": "c30be644e40169d278a72787cdfd7501e1c5e72fbb2a454c0d365dce2d1d43cb",
-    "clip+trimmed_mean": "db39deb7c191c213c33755a05ea565f767145af0382e436da5d30bd1e061c039",
-    "clip+median": "bb1f4cd9096f4ea8188ba10721b8ab6bc14e413b6bd42115903d47862315e6d5",
+    "mean": "bb7f653e5fea811d0b43f544c53423ca17f8a0936aa3237f47a78cd191a17fc4",
+    "clip+mean": "5febf0980380d05057cb645ea4769c2c4f307c367af3664ff70e123481a8df35",
+    "trimmed_mean": "220df64e0430999b5e46fb01a6bb3063dde754da1e1761e663b570e458e3ebad",
+    "median": "17966bb8e094f628172c1605b4802c2ccc17a7408d21bd3e022812e0eb63af0c",
+    "clip+trimmed_mean": "f0361dedcb2db33fa146fef70b92a5cd0eef456aa0854d12b2c473fd8f425c0a",
+    "clip+median": "032473a726d63caa525345bf08557e616a7eaf94809b1cc9b9605aa7fc39fe86",
 }
 
 
@@ -246,11 +354,13 @@ def test_permutation_invariance(name: str, agg: Aggregator) -> None:
     for i, x in enumerate(v):  # ties of +0.0 and -0.0 must not make bytes depend on order
         x[:100] = 0.0
         x[i % 3 : 100 : 3] = -0.0
-    want = digest(agg(v, [1] * 7))
+        x[100:200] = float(i % 2)  # ties of values with different weights
     rng = random.Random(0)
-    for _ in range(5):
-        perm = rng.sample(range(7), 7)
-        assert digest(agg([v[i] for i in perm], [1] * 7)) == want
+    for w in ([1.0] * 7, [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0]):
+        want = digest(agg(v, w))
+        for _ in range(5):
+            perm = rng.sample(range(7), 7)
+            assert digest(agg([v[i] for i in perm], [w[i] for i in perm])) == want
 
 
 # -- robustness -----------------------------------------------------------------------------
@@ -294,8 +404,9 @@ def test_clipping_bounds_the_deviation(scale: float) -> None:
     w = [10.0, 20.0, 30.0, 40.0]
     factor = 2.0
     hm = WeightedMean()(honest, w[:3])
-    bound = aggregation.clip_bound([l2_norm(x) for x in [*honest, bad]], factor)
-    assert all(l2_norm(h) <= bound for h in honest)
+    bounds = aggregation.clip_bounds([l2_norm(x) for x in [*honest, bad]], w, factor)
+    assert all(l2_norm(h) <= b for h, b in zip(honest, bounds, strict=False))
+    bound = bounds[3]
     out = NormClip(factor, WeightedMean())([*honest, bad], w)
     dev = float((out - hm).double().norm())
     assert dev <= w[3] / sum(w) * (bound + float(hm.double().norm())) * (1 + 1e-5)

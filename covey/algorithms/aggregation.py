@@ -1,25 +1,35 @@
 """Aggregation rules: how decoded contributions become one update.
 
 The seam: an `Aggregator` maps (vectors, weights) to one vector, deterministically (fixed
-summation order, float32). The default is the token-weighted mean; the robust rules plug in
-here without touching any strategy:
+summation order, float32 out). Weights are the contributions' tokens. The default is the
+token-weighted mean; the robust rules plug in here without touching any strategy:
 
-    NormClip(factor, inner)   clip each norm to factor x the round's median norm, then inner
-    TrimmedMean(trim)         per coordinate, drop the k smallest and k largest, average
-    CoordinateMedian()        per coordinate median
+    NormClip(factor, inner)   clip each norm to factor x the round's median norm, scaled
+                              by the peer's tokens over the median tokens, then inner
+    TrimmedMean(trim)         per coordinate, drop trim x the total WEIGHT at each end of
+                              the sorted values, weighted mean of the rest
+    CoordinateMedian()        per coordinate weighted median
 
-`build_aggregator` maps `TrustConfig`'s (aggregation, trim_fraction, clip_factor) to one.
+`build_aggregator` maps `TrustConfig`'s (aggregation, trim_fraction, clip_factor) to one;
+the coordinator, the peers and the simulator all build theirs with it from the run spec.
+
+Why weighted: a peer that trained on 4x the tokens of another is 4x the evidence, and an
+unweighted rule would let four small honest contributions outvote it (or, clipping to the
+plain median norm, cut it down for having done more work). Claimed tokens are bounded by
+the coordinator's assignment and checked by re-execution (covey/trust/verify.py), so a
+cheater cannot buy weight it does not pay for in compute, unnoticed.
 
 Determinism is bit-exact across calls, processes, thread counts and CPUs: every result is
-built from element-wise IEEE operations in an order fixed by the code (never from torch's
-reductions or sorts, whose order depends on threads and SIMD width). Per-coordinate rules
-sort with a sorting network of `torch.minimum`/`torch.maximum` over chunks of coordinates,
-so memory stays at about one chunk per contributor beyond the inputs and the output.
+built from element-wise IEEE operations (a multiply and an add are separate kernels, never a
+fused multiply-add, whose use differs between vectorized and scalar loops) in an order fixed
+by the code, never from torch's reductions or sorts, whose order depends on threads and SIMD
+width. Per-coordinate rules sort (value, weight) pairs with a sorting network of compare-
+exchanges over chunks of coordinates, so memory stays at a few chunks per contributor
+beyond the inputs and the output.
 
-Robust rules ignore the token weights (a peer could inflate its claimed tokens; verification,
-not aggregation, checks those) but validate them like the mean does. Vector values are
-expected finite (`Strategy.validate` rejects anything else at submit); a NaN or Inf that gets
-here propagates into the output, except in NormClip, which refuses it (ValueError).
+Vector values are expected finite (`Strategy.validate` rejects anything else at submit);
+NormClip refuses a non-finite vector (ValueError), the other rules give a deterministic but
+meaningless result (NaN where it lands) for one.
 """
 
 from __future__ import annotations
@@ -73,7 +83,9 @@ class WeightedMean:
         total = check_round(vectors, weights)
         out = torch.zeros_like(vectors[0], dtype=torch.float32)
         for v, w in zip(vectors, weights, strict=True):
-            out.add_(v.float(), alpha=w / total)
+            # multiply, then add: add_(alpha=) is a fused multiply-add in torch's vectorized
+            # loop and not in its scalar tail, and threads move where the tail falls
+            out.add_(v.float() * (w / total))
         return out
 
 
@@ -100,21 +112,39 @@ def l2_norm(vector: torch.Tensor) -> float:
     return math.sqrt(total)
 
 
-def clip_bound(norms: Sequence[float], factor: float) -> float:
-    """factor x the lower median of the norms: the largest norm NormClip lets through."""
-    return factor * sorted(norms)[(len(norms) - 1) // 2]
+def lower_median(values: Sequence[float]) -> float:
+    """The middle value, the lower of the two middle ones for an even count."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def clip_bounds(norms: Sequence[float], weights: Sequence[float], factor: float) -> list[float]:
+    """The largest norm NormClip lets through for each vector:
+    factor x median norm x max(1, w_i / median weight) (lower medians).
+
+    Scaled by tokens because a pseudo-gradient grows with the work behind it (DiLoCo's
+    roughly linearly in inner steps): an honest peer with 4x the median tokens may send up
+    to 4x the median norm. Never below factor x the median norm, so a small honest peer
+    is not clipped either (DDP's gradient, a mean over the batch, does not grow)."""
+    m = factor * lower_median(norms)
+    w_med = lower_median(weights)
+    if w_med <= 0:  # a majority of zero weights: scaling by tokens means nothing
+        return [m] * len(norms)
+    return [m * max(1.0, w / w_med) for w in weights]
 
 
 @dataclass(frozen=True)
 class NormClip:
-    """Scale every vector whose l2 norm exceeds `factor` x the round's median norm (the
-    lower median for an even count) down to that bound, then aggregate with `inner`.
+    """Scale every vector whose l2 norm exceeds its bound (`clip_bounds`: `factor` x the
+    round's median norm, scaled up by its tokens over the median tokens) down to that bound,
+    then aggregate with `inner`.
 
     Relative to the median, so there is no absolute threshold to tune, and an attacker in a
     minority cannot push the median outside the range of honest norms: a x100 contribution
-    weighs at most `factor` honest norms. FLAME (Nguyen et al. 2022, arXiv 2101.02281)
-    clips to the median norm the same way. factor 0 turns clipping off; a zero vector stays
-    zero; if the median norm is 0, every vector is clipped to zero.
+    weighs at most `factor` x (its tokens' share) honest norms. FLAME (Nguyen et al. 2022,
+    arXiv 2101.02281) clips to the median norm the same way; the token scaling keeps honest
+    peers whose work differs (4x spread of tokens, norms growing with tokens) unclipped.
+    factor 0 turns clipping off; a zero vector stays zero; if the median norm is 0, every
+    vector is clipped to zero.
 
     Memory: a clipped vector is copied, so at worst the inputs are held twice.
     ValueError on bad input as in `check_round`, or when a vector's norm is not finite.
@@ -127,17 +157,20 @@ class NormClip:
         if not math.isfinite(self.factor) or self.factor < 0:
             raise ValueError(f"clip factor is {self.factor}; need a finite factor >= 0")
 
-    def clip(self, vectors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The vectors after clipping (unclipped ones are returned as given, not copied)."""
+    def clip(
+        self, vectors: Sequence[torch.Tensor], weights: Sequence[float] | None = None
+    ) -> list[torch.Tensor]:
+        """The vectors after clipping (unclipped ones are returned as given, not copied);
+        weights None means equal weights."""
         if self.factor == 0:
             return list(vectors)
         norms = [l2_norm(v) for v in vectors]
         for i, n in enumerate(norms):
             if not math.isfinite(n):
                 raise ValueError(f"vector {i} has norm {n}; values must be finite")
-        bound = clip_bound(norms, self.factor)
+        bounds = clip_bounds(norms, weights or [1.0] * len(vectors), self.factor)
         out = []
-        for v, n in zip(vectors, norms, strict=True):
+        for v, n, bound in zip(vectors, norms, bounds, strict=True):
             if n <= bound:
                 out.append(v)
             elif bound == 0:
@@ -148,7 +181,7 @@ class NormClip:
 
     def __call__(self, vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         check_round(vectors, weights)
-        return self.inner(self.clip(vectors), weights)
+        return self.inner(self.clip(vectors, weights), weights)
 
 
 # -- per-coordinate order statistics ------------------------------------------------------
@@ -176,37 +209,74 @@ def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+#: reduce(values, weights): n rows each, sorted ascending by (value, weight) per coordinate
+Reduce = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+
+
 def per_coordinate(
-    vectors: Sequence[torch.Tensor], reduce: Callable[[list[torch.Tensor]], torch.Tensor]
+    vectors: Sequence[torch.Tensor], weights: Sequence[float], reduce: Reduce
 ) -> torch.Tensor:
-    """Apply `reduce` to the per-coordinate sorted values, a chunk of coordinates at a time.
+    """Apply `reduce` to the per-coordinate sorted (value, weight) pairs, a chunk of
+    coordinates at a time.
 
     `reduce` gets n equally long float32 tensors, rows[r][c] being the r-th smallest value
-    at coordinate c, and returns one tensor of that length. The output has the vectors'
-    shape; its zeros are +0.0, so the result does not depend on the order of the vectors."""
+    at coordinate c, and n float64 tensors, wrows[r][c] being the weight of the vector that
+    value came from (ties of values are ordered by weight, so the pairs' order depends on
+    the pairs alone); it returns one float tensor of that length. The output is float32
+    in the vectors' shape; its zeros are +0.0, so the result does not depend on the order
+    of the vectors."""
     n = len(vectors)
     flats = [v.detach().reshape(-1) for v in vectors]
     out = torch.empty(flats[0].numel(), dtype=torch.float32, device=flats[0].device)
     chunk = max(1, _CHUNK_VALUES // n)
     network = sorting_network(n)
+    uniform = all(w == weights[0] for w in weights)
     for start in range(0, out.numel(), chunk):
         rows = [f[start : start + chunk].float() for f in flats]
-        for i, j in network:
-            lo, hi = rows[i], rows[j]
-            rows[i], rows[j] = torch.minimum(lo, hi), torch.maximum(lo, hi)
+        width = rows[0].numel()
+        if uniform:  # equal weights travel with nothing: min/max is enough
+            for i, j in network:
+                lo, hi = rows[i], rows[j]
+                rows[i], rows[j] = torch.minimum(lo, hi), torch.maximum(lo, hi)
+            w0 = torch.full((width,), float(weights[0]), dtype=torch.float64, device=out.device)
+            wrows = [w0] * n
+        else:
+            wrows = [
+                torch.full((width,), float(w), dtype=torch.float64, device=out.device)
+                for w in weights
+            ]
+            for i, j in network:
+                lo, hi, wlo, whi = rows[i], rows[j], wrows[i], wrows[j]
+                swap = (lo > hi) | ((lo == hi) & (wlo > whi))
+                rows[i], rows[j] = torch.where(swap, hi, lo), torch.where(swap, lo, hi)
+                wrows[i], wrows[j] = torch.where(swap, whi, wlo), torch.where(swap, wlo, whi)
         # -0.0 + 0.0 == +0.0: the network may hand out either zero for a tie of two zeros
-        out[start : start + chunk] = reduce(rows).add_(0.0)
+        out[start : start + chunk] = reduce(rows, wrows).float().add_(0.0)
     return out.view(vectors[0].shape)
+
+
+def _cumulative(wrows: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per coordinate, the weight before each sorted position, and the total, summed in
+    sorted order (exact for integer token counts below 2^53)."""
+    before, cum = [], torch.zeros_like(wrows[0])
+    for w in wrows:
+        before.append(cum)
+        cum = cum + w
+    return before, cum
 
 
 @dataclass(frozen=True)
 class TrimmedMean:
-    """Per coordinate, drop the k = floor(trim_fraction x n) smallest and k largest of the
-    n values and average the rest, unweighted (Yin et al. 2018, arXiv 1803.01498: the
-    coordinate-wise trimmed mean is order-optimal against a minority of Byzantine workers).
+    """Token-weighted trimmed mean: per coordinate, sort the values, drop trim_fraction of
+    the total weight at each end (cutting through a value's weight where the cut falls),
+    and take the weighted mean of what is left (Yin et al. 2018, arXiv 1803.01498, analyse
+    the unweighted coordinate-wise trimmed mean, order-optimal against a minority of
+    Byzantine workers; with equal weights and trim_fraction x n whole, this is it).
 
-    With k == 0 (e.g. 2 or 3 contributions at trim 0.25) this is exactly WeightedMean, the
-    token-weighted mean. ValueError on bad input as in `check_round`.
+    trim_fraction 0 is exactly WeightedMean. An attacker's value moves a coordinate only
+    within the range of values holding the middle (1 - 2 trim) of the weight; so with less
+    than trim of the weight it cannot move it outside the honest values' range.
+    Accumulates in float64, returns float32. ValueError on bad input as in `check_round`.
     """
 
     trim_fraction: float
@@ -215,44 +285,54 @@ class TrimmedMean:
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim fraction is {self.trim_fraction}; need 0 <= trim < 0.5")
 
-    def trim_count(self, n: int) -> int:
-        """k for n contributions; at least one value per coordinate is always kept."""
-        # + 1e-9: a fraction meant as an exact decimal (0.29 x 100) is not cut short by
-        # binary rounding (28.999999999999996)
-        return min(math.floor(self.trim_fraction * n + 1e-9), (n - 1) // 2)
-
     def __call__(self, vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         check_round(vectors, weights)
-        n = len(vectors)
-        k = self.trim_count(n)
-        if k == 0:
+        if self.trim_fraction == 0:
             return WeightedMean()(vectors, weights)
+        trim = self.trim_fraction
 
-        def mean_of_middle(rows: list[torch.Tensor]) -> torch.Tensor:
-            acc = rows[k].clone()
-            for r in rows[k + 1 : n - k]:  # ascending order: fixed by the values alone
-                acc.add_(r)
-            return acc.div_(n - 2 * k)
+        def mean_of_middle(rows: list[torch.Tensor], wrows: list[torch.Tensor]) -> torch.Tensor:
+            before, total = _cumulative(wrows)
+            lo_cut = total * trim
+            hi_cut = total - lo_cut
+            acc = torch.zeros_like(total)
+            for v, w, start in zip(rows, wrows, before, strict=True):
+                # the part of [start, start + w] inside [lo_cut, hi_cut]
+                kept = torch.minimum(start + w, hi_cut).sub_(torch.maximum(start, lo_cut))
+                acc.add_(kept.clamp_(min=0).mul_(v))  # ascending order: fixed by the pairs
+            return acc.div_(hi_cut - lo_cut)
 
-        return per_coordinate(vectors, mean_of_middle)
+        return per_coordinate(vectors, weights, mean_of_middle)
 
 
 @dataclass(frozen=True)
 class CoordinateMedian:
-    """Per-coordinate median, unweighted (Yin et al. 2018, arXiv 1803.01498). For an even
-    count, the mean of the two middle values (computed as a/2 + b/2: symmetric, and no
-    overflow). ValueError on bad input as in `check_round`."""
+    """Token-weighted per-coordinate median: the value at which the cumulative weight of
+    the sorted values reaches half the total (Yin et al. 2018, arXiv 1803.01498, for the
+    unweighted one). Where half the weight ends exactly between two values (an even count
+    of equal weights), the mean of the two, computed as a/2 + b/2: symmetric, and no
+    overflow. ValueError on bad input as in `check_round`."""
 
     def __call__(self, vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         check_round(vectors, weights)
-        n = len(vectors)
 
-        def middle(rows: list[torch.Tensor]) -> torch.Tensor:
-            if n % 2:
-                return rows[n // 2].clone()
-            return rows[n // 2 - 1] * 0.5 + rows[n // 2] * 0.5
+        def middle(rows: list[torch.Tensor], wrows: list[torch.Tensor]) -> torch.Tensor:
+            before, total = _cumulative(wrows)
+            half = total * 0.5
+            lo, hi = rows[-1].clone(), rows[-1].clone()
+            lo_found = torch.zeros(lo.shape, dtype=torch.bool, device=lo.device)
+            hi_found = lo_found.clone()
+            for v, w, start in zip(rows, wrows, before, strict=True):
+                end = start + w
+                take = ~lo_found & (end >= half)  # first value reaching half the weight
+                lo = torch.where(take, v, lo)
+                lo_found |= take
+                take = ~hi_found & (end > half)  # first value passing it
+                hi = torch.where(take, v, hi)
+                hi_found |= take
+            return lo * 0.5 + hi * 0.5
 
-        return per_coordinate(vectors, middle)
+        return per_coordinate(vectors, weights, middle)
 
 
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
