@@ -29,6 +29,7 @@ app.add_typer(bench_app, name="bench")
 register_ledger(app)
 
 METHODS = "ddp, diloco, streaming, demo"
+LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, level, peer, ...)")
 
 RUN_ID_OPTION = typer.Option(
     "--run-id",
@@ -131,6 +132,7 @@ def sim(
     join_prob: Annotated[float | None, typer.Option(help="churn: rejoin chance/round")] = None,
     out: Annotated[Path, typer.Option(help="run directory")] = Path("runs/sim"),
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Simulate N workers training with one algorithm; writes metrics, summary and plot."""
     overrides = _overrides(
@@ -151,6 +153,7 @@ def sim(
         churn__join_prob=join_prob,
     )
     cfg: SimConfig = _load(config, overrides)
+    _logging(False, "sim", log_json)
     from covey.algorithms.codecs import get_codec
     from covey.sim.report import save_run
     from covey.sim.simulator import simulate
@@ -341,6 +344,7 @@ def demo(
         Path | None, typer.Option(help="run directory (default: runs/demo-YYYYmmdd-HHMMSS)")
     ] = None,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """A real run on this machine: a coordinator and N workers as processes on 127.0.0.1.
 
@@ -358,6 +362,7 @@ def demo(
     if adversaries > workers:
         raise _fail(f"--adversaries ({adversaries}) cannot exceed --workers ({workers})")
     out = out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    _logging(False, "demo", log_json)  # --log-json reaches the children through the env
     try:
         summary = run_local_demo(
             workers=workers,
@@ -393,16 +398,11 @@ def bench_compare(
     run_demo(workers=workers, steps=steps, out_dir=out)
 
 
-def _logging(verbose: bool) -> None:
-    import logging
+def _logging(verbose: bool, peer: str = "-", json_lines: bool = False) -> None:
+    """Every entrypoint's logging: dated lines naming the peer (covey.logs)."""
+    from covey.logs import setup_logging
 
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    for noisy in ("httpx", "httpcore"):  # one line per request drowns the round log
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging(peer, verbose=verbose, json_lines=json_lines or None)
 
 
 @app.command()
@@ -415,6 +415,7 @@ def coordinator(
     ] = Path("runs/coordinator"),
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Serve a training run: membership, rounds, blobs, checkpoints and the status page.
 
@@ -422,7 +423,7 @@ def coordinator(
     from covey.config import load_run_config
 
     cfg = _load(config, {}, load_run_config)
-    _logging(verbose)
+    _logging(verbose, "coordinator", log_json)
     from covey.coordinator.app import serve
     from covey.coordinator.service import Coordinator
 
@@ -476,6 +477,7 @@ def worker(
     ] = 120.0,
     run_id: Annotated[str | None, RUN_ID_OPTION] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Join a run and train: fetch the canonical state, train each round's assignment,
     publish contributions, apply certified rounds. Ctrl-C / SIGTERM leave cleanly."""
@@ -487,7 +489,7 @@ def worker(
         raise _fail(f"--behavior must be one of {', '.join(BEHAVIORS)}; got {behavior!r}")
     _check_name(name)
     _check_coordinator(coordinator, connect_timeout)
-    _logging(verbose)
+    _logging(verbose, name or "worker", log_json)
     from covey.peer.worker import Worker, WorkerOptions
     from covey.trust.identity import IdentityError
 
@@ -512,6 +514,9 @@ def worker(
         peer = Worker(opts)
     except IdentityError as e:
         raise _fail(str(e)) from None
+    from covey.logs import set_peer
+
+    set_peer(peer.name)  # the default name is the id's start, known only now
     raise typer.Exit(peer.run())
 
 
@@ -550,6 +555,7 @@ def validator(
     ] = 120.0,
     run_id: Annotated[str | None, RUN_ID_OPTION] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Re-execute sampled contributions of a run and dispute the ones that disagree.
 
@@ -558,7 +564,7 @@ def validator(
     referee recomputes. Proven catches are paid in the run's ledger."""
     _check_name(name)
     _check_coordinator(coordinator, connect_timeout)
-    _logging(verbose)
+    _logging(verbose, name or "validator", log_json)
     from covey.peer.validator import Validator, ValidatorOptions
     from covey.trust.identity import IdentityError
 
@@ -575,6 +581,9 @@ def validator(
         checker = Validator(opts)
     except IdentityError as e:
         raise _fail(str(e)) from None
+    from covey.logs import set_peer
+
+    set_peer(checker.name)
     raise typer.Exit(checker.run())
 
 

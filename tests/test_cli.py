@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,5 +85,73 @@ def test_worker_without_a_coordinator_gives_up_with_a_clear_error(tmp_path: Path
 
     url = f"http://127.0.0.1:{free_port()}"
     r = covey("worker", "--coordinator", url, "--connect-timeout", "3", timeout=60)
-    assert r.returncode == 1
+    assert r.returncode == 2  # checked before the worker starts: a person can act on it
     assert "unreachable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_log_lines_carry_date_level_and_peer_name_text_and_json() -> None:
+    import io
+    import logging
+
+    from covey.logs import set_peer, setup_logging
+
+    text, lines = io.StringIO(), io.StringIO()
+    try:
+        setup_logging("alice", stream=text, json_lines=False)
+        logging.getLogger("covey.worker").info("round %d committed", 3)
+        setup_logging("worker", stream=lines, json_lines=True)
+        set_peer("bob")  # the name known once the identity is loaded
+        logging.getLogger("covey.worker").warning("slow")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logging.getLogger("covey.client").exception("failed")
+    finally:
+        import os
+
+        os.environ.pop("COVEY_LOG_JSON", None)
+        logging.getLogger().handlers.clear()
+    line = text.getvalue().strip()
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}Z INFO  alice covey.worker: round 3 committed",
+        line,
+    ), line
+    first, second = (json.loads(x) for x in lines.getvalue().splitlines()[:2])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
+    assert (first["level"], first["peer"], first["logger"], first["message"]) == (
+        "WARNING",
+        "bob",
+        "covey.worker",
+        "slow",
+    )
+    assert second["message"] == "failed" and "RuntimeError: boom" in second["exc"]
+
+
+@pytest.mark.network
+def test_coordinator_logs_json_lines(tmp_path: Path) -> None:
+    """A real coordinator process with --log-json: its log is one JSON object a line."""
+    import queue
+    import threading
+
+    from covey.local.cluster import free_port
+
+    spec = tmp_path / "run.toml"
+    spec.write_text('name = "logs"\n')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "covey.cli", "coordinator", str(spec), "--log-json",
+         "--port", str(free_port()), "--data-dir", str(tmp_path / "data")],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            entry = json.loads(line)  # every line is JSON, or the test fails here
+            assert entry["peer"] == "coordinator" and entry["time"].endswith("Z")
+            if "created" in entry["message"]:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
