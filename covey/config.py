@@ -395,9 +395,18 @@ class TrustConfig(Frozen):
 
 
 class RunConfig(Frozen):
-    """A training run served by `covey coordinator`. Its hash is the run id."""
+    """A training run served by `covey coordinator`. Its hash is the run id, and the hash
+    covers the coordinator's public key: a peer given the run id trusts no other
+    coordinator (no trust on first use)."""
 
     name: str = Field("covey-run", min_length=1, max_length=80, description="display name")
+    coordinator_key: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the coordinator's Ed25519 public key (hex), which signs certificates, "
+        "ledger entries and draws; empty: `covey coordinator` fills in the key of its data "
+        "dir, and refuses a spec that names another",
+    )
     seed: int = Field(0, description="seeds the model's initial weights and the data")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -414,6 +423,19 @@ class RunConfig(Frozen):
     @property
     def run_id(self) -> str:
         return config_hash(self)
+
+    def with_coordinator_key(self, key: str) -> RunConfig:
+        """This spec bound to the coordinator holding `key`: the field filled in when
+        empty. ValueError when the spec names another coordinator's key."""
+        if self.coordinator_key is None:
+            return RunConfig.model_validate({**self.model_dump(), "coordinator_key": key})
+        if self.coordinator_key != key:
+            raise ValueError(
+                f"the spec's coordinator_key {self.coordinator_key[:16]}... is not this "
+                f"coordinator's key {key[:16]}... (from its data dir): another coordinator's "
+                f"run, or the wrong --data-dir"
+            )
+        return self
 
 
 def to_toml(spec: dict[str, Any]) -> str:

@@ -1,11 +1,14 @@
 """Bad input against a real coordinator process: each request gets a clear 4xx, is
 logged, changes nothing, and the coordinator keeps serving. The test itself is the only
 peer (it joins and heartbeats, signing with its own key), so it controls exactly what is
-submitted, and it forges, replays and re-targets signatures."""
+submitted, and it forges, replays and re-targets signatures (to other rounds, runs and
+endpoints). A worker told another run id than the coordinator's refuses to join."""
 
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +19,17 @@ import pytest
 import torch
 
 from covey.algorithms.codecs import get_codec
+from covey.config import RunConfig
 from covey.local.cluster import LocalCluster
 from covey.protocol.content import content_id
-from covey.trust.identity import Identity, request_message
+from covey.trust.identity import (
+    NO_ROUND,
+    Identity,
+    body_content_id,
+    make_nonce,
+    request_message,
+    request_purpose,
+)
 
 pytestmark = pytest.mark.network
 
@@ -43,6 +54,11 @@ max_blob_bytes = 1048576
 NUMEL = 120_576  # nano GPT's parameters
 
 
+def signed(key: Identity, body: dict[str, Any], path: str, round: int = NO_ROUND) -> dict:
+    """`body` signed by `key` for a POST to `path` (its purpose) and `round`."""
+    return key.sign_request(body, round, purpose=request_purpose(path))
+
+
 class Peer:
     def __init__(self, cluster: LocalCluster) -> None:
         self.http = httpx.Client(base_url=cluster.url, timeout=10, trust_env=False)
@@ -56,7 +72,9 @@ class Peer:
             "name": "tester",
             "step_time_s": 0.01,
         }
-        assert self.http.post("/v1/join", json=self.key.sign_request(join)).status_code == 200
+        assert (
+            self.http.post("/v1/join", json=signed(self.key, join, "/v1/join")).status_code == 200
+        )
         self.stop = threading.Event()
         self.beats = threading.Thread(target=self._beat, daemon=True)
         self.beats.start()
@@ -64,7 +82,7 @@ class Peer:
     def _beat(self) -> None:
         body = {"run_id": self.run_id, "peer_id": self.id}
         while not self.stop.wait(1.0):
-            self.http.post("/v1/heartbeat", json=self.key.sign_request(body))
+            self.http.post("/v1/heartbeat", json=signed(self.key, body, "/v1/heartbeat"))
 
     def contribution(self, cid: str, size: int, **changes: Any) -> dict[str, Any]:
         """A signed contribution (signed for the body's round, after `changes`)."""
@@ -81,7 +99,8 @@ class Peer:
             "inner_steps": 4,
         }
         body = {**body, **changes}
-        return self.key.sign_request(body, body["round"])
+        path = f"/v1/rounds/{body['round']}/contributions"
+        return signed(self.key, body, path, body["round"])
 
     def upload(self, data: bytes) -> str:
         cid = content_id(data)
@@ -130,7 +149,7 @@ CASES = {
     ),
     "unknown field": lambda p: p.http.post(
         "/v1/heartbeat",
-        json=p.key.sign_request({"run_id": p.run_id, "peer_id": p.id, "admin": True}),
+        json=signed(p.key, {"run_id": p.run_id, "peer_id": p.id, "admin": True}, "/v1/heartbeat"),
     ),
     "oversized json": lambda p: p.http.post(
         "/v1/join", json={"run_id": p.run_id, "peer_id": "x", "device": "y" * 5000}
@@ -232,25 +251,25 @@ def test_forged_replayed_and_retargeted_signatures(world: tuple[LocalCluster, Pe
     good = peer.contribution(cid, len(payload))
 
     mallory = Identity.generate()  # signs as if it were the tester
-    forged = mallory.sign_request({k: v for k, v in good.items() if k != "nonce"}, rnd)
+    forged = signed(mallory, {k: v for k, v in good.items() if k != "nonce"}, url, rnd)
     refused(cluster, peer.http.post(url, json=forged), 401, "signature does not verify")
     altered = {**good, "tokens": good["tokens"] - 1}  # signed body, then changed
     refused(cluster, peer.http.post(url, json=altered), 401, "signature does not verify")
     # signed for the next round, then sent as this round's (body says this round)
-    wrong_round = {**good, "signature": peer.key.sign_request(good, rnd + 1)["signature"]}
+    wrong_round = {**good, "signature": signed(peer.key, good, url, rnd + 1)["signature"]}
     refused(cluster, peer.http.post(url, json=wrong_round), 401, "signature does not verify")
     # a signature made for another run's id, with the run id then set to this run
     other = {**good, "run_id": "f" * 16}
-    other = {**peer.key.sign_request(other, rnd), "run_id": peer.run_id}
+    other = {**signed(peer.key, other, url, rnd), "run_id": peer.run_id}
     refused(cluster, peer.http.post(url, json=other), 401, "signature does not verify")
     old = {**good, "nonce": "1000000000000-0000000000000000"}  # 2001: far outside the window
-    old["signature"] = peer.key.sign(request_message(old, rnd))
+    old["signature"] = peer.key.sign(request_message(old, rnd, request_purpose(url)))
     refused(cluster, peer.http.post(url, json=old), 401, "old")
     # heartbeats too: a forged one, then a replay of a genuine one
-    beat = peer.key.sign_request({"run_id": peer.run_id, "peer_id": peer.id})
+    beat = signed(peer.key, {"run_id": peer.run_id, "peer_id": peer.id}, "/v1/heartbeat")
     assert peer.http.post("/v1/heartbeat", json=beat).status_code == 200
     refused(cluster, peer.http.post("/v1/heartbeat", json=beat), 401, "replayed")
-    fake_beat = mallory.sign_request({"run_id": peer.run_id, "peer_id": peer.id})
+    fake_beat = signed(mallory, {"run_id": peer.run_id, "peer_id": peer.id}, "/v1/heartbeat")
     refused(cluster, peer.http.post("/v1/heartbeat", json=fake_beat), 401, "signature")
     # a join whose id is not its key's hash
     join = {
@@ -259,7 +278,9 @@ def test_forged_replayed_and_retargeted_signatures(world: tuple[LocalCluster, Pe
         "public_key": mallory.public_key,
         "step_time_s": 0.01,
     }
-    refused(cluster, peer.http.post("/v1/join", json=mallory.sign_request(join)), 400, "hash")
+    refused(
+        cluster, peer.http.post("/v1/join", json=signed(mallory, join, "/v1/join")), 400, "hash"
+    )
     assert snapshot(cluster)[:4] == before[:4]
 
     # the genuine request is accepted once; sent again verbatim it is a replay
@@ -283,3 +304,60 @@ def test_openapi_document_is_served(world: tuple[LocalCluster, Peer]) -> None:
         "/v1/run",
     ):
         assert path in doc["paths"], path
+
+
+def test_a_signed_body_is_valid_at_its_own_endpoint_only(world: tuple[LocalCluster, Peer]) -> None:
+    """A signature covers the endpoint it was made for: a heartbeat captured on its way to
+    the coordinator is refused as a leave (and a leave as a heartbeat), nothing changes,
+    and the heartbeat still counts where it was meant to go."""
+    cluster, peer = world
+    cluster.wait_for(lambda s: s["phase"] == "open", 30, "the next round to open")
+    before = snapshot(cluster)
+    ledger_before = len(cluster.get("/v1/ledger"))
+    who = {"run_id": peer.run_id, "peer_id": peer.id}
+    beat = signed(peer.key, who, "/v1/heartbeat")  # captured, never delivered
+    refused(cluster, peer.http.post("/v1/leave", json=beat), 401, "at POST /v1/leave")
+    leave = signed(peer.key, who, "/v1/leave")  # the reason left at its default
+    refused(cluster, peer.http.post("/v1/heartbeat", json=leave), 401, "another endpoint")
+    # the same body signed as before purposes existed (covey-request/v1) is refused too
+    legacy = {**who, "nonce": make_nonce()}
+    text = f"covey-request/v1\n{peer.run_id}\n-1\n{body_content_id(legacy)}\n{legacy['nonce']}"
+    legacy["signature"] = peer.key.sign(text.encode())
+    refused(cluster, peer.http.post("/v1/leave", json=legacy), 401, "signature does not verify")
+
+    states = {p["peer_id"]: p["state"] for p in cluster.status()["peers"]}
+    assert states[peer.id] not in ("left", "dead")  # it did not leave
+    assert len(cluster.get("/v1/ledger")) == ledger_before  # no "leave" entry
+    assert snapshot(cluster) == before
+    # refused before its nonce was used: the captured heartbeat is good at its own endpoint
+    assert peer.http.post("/v1/heartbeat", json=beat).status_code == 200
+
+
+def test_a_coordinator_of_another_run_id_is_refused(world: tuple[LocalCluster, Peer]) -> None:
+    """A worker told a run id refuses a coordinator whose spec hashes to another one: here
+    the same spec under another coordinator key (no trust on first use)."""
+    cluster, _ = world
+    spec = cluster.get("/v1/run")["spec"]
+    impostor = {**spec, "coordinator_key": Identity.generate().public_key}
+    wrong = RunConfig.model_validate(impostor).run_id
+    assert wrong != cluster.run_id
+    assert RunConfig.model_validate(spec).run_id == cluster.run_id  # the key is in the id
+    cluster.start_worker("stranger", "--run-id", wrong, "--connect-timeout", "30")
+    assert cluster.wait_exit("stranger", 60) == 1
+    log = cluster.tail("stranger", lines=50)
+    assert f"refusing coordinator {cluster.url}" in log and f"not --run-id {wrong}" in log, log
+    ids = {p["peer_id"] for p in cluster.status()["peers"]}
+    assert cluster.ids["stranger"] not in ids  # it never joined
+
+
+def test_a_coordinator_refuses_a_spec_naming_another_key(tmp_path: Path) -> None:
+    spec = tmp_path / "run.toml"
+    spec.write_text(f'coordinator_key = "{Identity.generate().public_key}"\n' + SPEC)
+    done = subprocess.run(
+        [sys.executable, "-m", "covey", "coordinator", str(spec), "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "is not this coordinator's key" in done.stderr, done.stderr

@@ -25,6 +25,7 @@ from covey.peer.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
 from covey.protocol.content import is_content_id
 
+from .auth import ReceivedAt
 from .service import Coordinator
 from .views import Rejected
 
@@ -249,6 +250,7 @@ def create_app(coord: Coordinator) -> FastAPI:
     app.add_middleware(
         BodyLimit, json_limit=limits.max_json_bytes, blob_limit=limits.max_blob_bytes
     )
+    app.add_middleware(ReceivedAt)  # signatures are checked against the endpoint
     return app
 
 

@@ -1,6 +1,9 @@
-"""Who sent a request: every state-changing request is signed by its sender's Ed25519 key
-over (run id, round, content id, nonce) (covey.trust.identity). A wrong key, an altered
-body, another run's or another round's signature, a stale nonce and a replayed one are all
+"""Who sent a request, and for which endpoint: every state-changing request is signed by
+its sender's Ed25519 key over (purpose, run id, round, content id, nonce)
+(covey.trust.identity). The purpose is the endpoint that received the request, which the
+app layer records for the request's duration (`ReceivedAt`): no service method names it, so
+a new endpoint is covered without being listed anywhere. A wrong key, an altered body, a
+body signed for another endpoint, run or round, a stale nonce and a replayed one are all
 refused with 401 before anything changes. Nonces are remembered in SQLite for the nonce
 window, so a replay is refused even across a coordinator restart.
 """
@@ -9,9 +12,18 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from covey.trust.identity import nonce_time, request_message, verify
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from covey.trust.identity import (
+    IdentityError,
+    nonce_time,
+    request_message,
+    request_purpose,
+    verify,
+)
 
 from .views import Rejected
 
@@ -19,6 +31,31 @@ if TYPE_CHECKING:
     from covey.config import RunConfig
 
     from .db import Database
+
+# the endpoint now handling a request, e.g. "POST /v1/leave" (set by ReceivedAt); copied
+# into the worker thread that runs the service method (starlette's run_in_threadpool)
+_RECEIVED_AT: ContextVar[str | None] = ContextVar("covey_received_at", default=None)
+
+
+class ReceivedAt:
+    """ASGI middleware: every POST/PUT/DELETE is authenticated for the path it arrived at."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        try:
+            purpose = request_purpose(scope["path"], scope["method"])
+        except IdentityError:
+            purpose = None  # no route has such a path: nothing will authenticate
+        token = _RECEIVED_AT.set(purpose)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _RECEIVED_AT.reset(token)
 
 
 class Auth:
@@ -30,8 +67,12 @@ class Auth:
         self, raw: dict[str, Any], round: int, peer_id: str, public_key: str | None = None
     ) -> None:
         """Check `raw` (the request body as received) is signed by `peer_id`'s key (known
-        from its join, or `public_key` for the join itself) for `round`, with a fresh
-        nonce, and use the nonce up. Rejected(401/404) otherwise."""
+        from its join, or `public_key` for the join itself) for the endpoint that received
+        it and for `round`, with a fresh nonce, and use the nonce up. Rejected(401/404)
+        otherwise; Rejected(500) when called outside a request (no endpoint to check)."""
+        purpose = _RECEIVED_AT.get()
+        if purpose is None:
+            raise Rejected(500, "internal error: a signed request outside any endpoint")
         if public_key is None:
             row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (peer_id,))
             if row is None or not row["public_key"]:
@@ -39,12 +80,13 @@ class Auth:
             public_key = row["public_key"]
         signature = raw.get("signature")
         if not isinstance(signature, str) or not verify(
-            public_key, request_message(raw, round), signature
+            public_key, request_message(raw, round, purpose), signature
         ):
             raise Rejected(
                 401,
                 f"signature does not verify for peer {peer_id[:12]}, run {raw.get('run_id')}, "
-                f"round {round}: wrong key, altered body, or signed for another run or round",
+                f"round {round} at {purpose}: wrong key, altered body, or signed for another "
+                f"endpoint, run or round",
             )
         nonce = str(raw.get("nonce"))
         now = time.time()

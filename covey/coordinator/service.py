@@ -55,6 +55,10 @@ ORPHAN_GRACE_S = 600.0
 
 class Coordinator(Membership, Intake, Verification, Auth, Views):
     def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
+        # the coordinator's own key signs certificates and ledger entries; it is part of the
+        # spec, so of the run id (ValueError if the spec names another key)
+        self.identity = Identity.load_or_create(data_dir / "coordinator.key")
+        cfg = cfg.with_coordinator_key(self.identity.public_key)
         self.cfg = cfg
         self.run_id = cfg.run_id
         self.data_dir = data_dir
@@ -69,9 +73,6 @@ class Coordinator(Membership, Intake, Verification, Auth, Views):
                 f"{data_dir} holds run {known}, not this spec's run {self.run_id}; "
                 f"use another --data-dir"
             )
-        # the coordinator's own key signs certificates and ledger entries; it is published
-        # in /v1/run and in the ledger's first entry
-        self.identity = Identity.load_or_create(data_dir / "coordinator.key")
         self.accounts = Accounts(self.db, self.identity, data_dir)
         self.blobs = BlobStore(data_dir / "blobs", cfg.limits.max_blob_bytes)
         self.fetcher = BlobClient(

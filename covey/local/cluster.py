@@ -1,6 +1,10 @@
 """A coordinator and workers as real processes on 127.0.0.1: for `covey demo` and the
 multi-process tests. Every process is started with `python -m covey`, logs to its own
 file, and is stopped with real signals; every wait here has a deadline.
+
+The coordinator's key is made here before the coordinator starts, so the run id (which
+covers it) is known without asking the coordinator, and every peer is started with
+`--run-id`: as an operator would hand it out, with no trust on first use.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from covey.config import load_run_config
 from covey.trust.identity import Identity
 
 
@@ -52,6 +57,10 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}  # validators too, by name
         self.ids: dict[str, str] = {}  # name -> peer id (the hash of its key)
+        self.data_dir = (run_dir / "coordinator").resolve()
+        # the coordinator's key file, created here (the coordinator loads it): the run id
+        coordinator_key = Identity.load_or_create(self.data_dir / "coordinator.key").public_key
+        self.run_id = load_run_config(spec).with_coordinator_key(coordinator_key).run_id
         self._http = httpx.Client(base_url=self.url, timeout=5.0, trust_env=False)
 
     # -- processes --------------------------------------------------------------------------
@@ -75,7 +84,7 @@ class LocalCluster:
                 "--port",
                 str(self.port),
                 "--data-dir",
-                str((self.run_dir / "coordinator").resolve()),
+                str(self.data_dir),
                 "--threads",
                 str(self.coordinator_threads),
             ],
@@ -97,7 +106,10 @@ class LocalCluster:
         return self._start_peer("worker", name, ("--store-dir", store, *extra))
 
     def _start_peer(self, kind: str, name: str, extra: Sequence[str]) -> subprocess.Popen[bytes]:
-        """`covey worker|validator` with its own key, named `name` (see `self.ids`)."""
+        """`covey worker|validator` with its own key, named `name` (see `self.ids`), told
+        the run id (unless `extra` names one)."""
+        if "--run-id" not in extra:
+            extra = ("--run-id", self.run_id, *extra)
         proc = self._spawn(
             name,
             [

@@ -187,7 +187,7 @@ def run_local_demo(
     spec_path = out_dir / "run.toml"
     spec = demo_spec(algorithm, model=model, seed=seed, workers=workers, adversaries=adversaries)
     spec_path.write_text(to_toml(spec))
-    cfg = load_run_config(spec_path)  # fails here, with the field named, not in a child
+    load_run_config(spec_path)  # fails here, with the field named, not in a child
 
     cluster = LocalCluster(spec_path, out_dir)
     say = _Printer()
@@ -197,7 +197,8 @@ def run_local_demo(
     with _sigterm_as_exception():  # also while stopping: a SIGTERM then kills the children
         try:
             say(f"covey demo: {algorithm} on the {model} GPT, {workers} workers, {minutes:g} min")
-            say(f"run {cfg.run_id} in {out_dir}; starting the coordinator ...")
+            # the run id covers the coordinator's key (made by the cluster)
+            say(f"run {cluster.run_id} in {out_dir}; starting the coordinator ...")
             cluster.start_coordinator()
             say(f"status page: {cluster.url}/")
             for i in range(workers):

@@ -7,7 +7,8 @@ retried with capped backoff until `lost_s` has passed since the first failure, t
 waited for forever.
 
 With an identity, every POST is signed (covey.trust.identity) afresh on each attempt, so a
-retry carries a new nonce instead of looking like a replay.
+retry carries a new nonce instead of looking like a replay, and for the path it is sent
+to (its purpose), so callers never name the endpoint twice.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from covey.trust.identity import NO_ROUND, Identity
+from covey.trust.identity import NO_ROUND, Identity, request_purpose
 
 log = logging.getLogger("covey.client")
 
@@ -69,12 +70,13 @@ class CoordinatorClient:
         self, path: str, body: dict[str, Any], timeout_s: float, round: int | None = NO_ROUND
     ) -> Any:
         """One attempt with its own timeout (heartbeats, the deathrattle)."""
-        return self._decode(self._http.post(path, json=self._sign(body, round), timeout=timeout_s))
+        signed = self._sign(path, body, round)
+        return self._decode(self._http.post(path, json=signed, timeout=timeout_s))
 
-    def _sign(self, body: dict[str, Any], round: int | None) -> dict[str, Any]:
+    def _sign(self, path: str, body: dict[str, Any], round: int | None) -> dict[str, Any]:
         if self.identity is None or round is None:
             return body
-        return self.identity.sign_request(body, round)
+        return self.identity.sign_request(body, round, purpose=request_purpose(path))
 
     def close(self) -> None:
         self._http.close()
@@ -93,9 +95,9 @@ class CoordinatorClient:
         while True:
             try:
                 if body is not None:
-                    kwargs["json"] = self._sign(body, round)
+                    kwargs["json"] = self._sign(path, body, round)
                 resp = self._http.request(method, path, **kwargs)
-                if resp.status_code < 500:
+                if resp.status_code < 500 and resp.status_code != 429:  # 429: busy, retry
                     return self._decode(resp)
                 why = f"HTTP {resp.status_code}: {resp.text[:200]}"
             except httpx.TransportError as e:

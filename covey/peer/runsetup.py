@@ -35,18 +35,40 @@ class RunSetup:
     def run_id(self) -> str:
         return self.cfg.run_id
 
+    @property
+    def coordinator_key(self) -> str:
+        """The key certificates and ledger entries must be signed with: the spec's."""
+        assert self.cfg.coordinator_key is not None  # set_up_run refuses a spec without
+        return self.cfg.coordinator_key
 
-def set_up_run(client: CoordinatorClient, threads: int | None) -> RunSetup:
+
+def set_up_run(
+    client: CoordinatorClient, threads: int | None, run_id: str | None = None
+) -> RunSetup:
     """Fetch and check the run, adopt its limits, and build its strategy (with the run's
-    aggregation rule, so that every peer reaches the certificate's hash). RuntimeError
-    when the spec does not hash to the coordinator's run id (another covey version) or
-    this machine's corpus differs from the run's."""
+    aggregation rule, so that every peer reaches the certificate's hash). The run id is
+    recomputed from the spec received, which names the coordinator's key: with `run_id`
+    (what the run's owner handed out) a coordinator serving any other run or holding any
+    other key is refused. RuntimeError when the spec does not hash to `run_id` or to the
+    coordinator's own run id (another covey version), names no coordinator key or another
+    one than the coordinator presents, or this machine's corpus differs from the run's."""
     info = client.get("/v1/run")
     cfg = RunConfig.model_validate(info["spec"])
+    if run_id is not None and cfg.run_id != run_id:
+        raise RuntimeError(
+            f"refusing coordinator {client.base_url}: it serves run {cfg.run_id} "
+            f"(coordinator key {str(cfg.coordinator_key)[:16]}...), not --run-id {run_id}: "
+            f"the wrong address, or a coordinator that is not the run owner's"
+        )
     if cfg.run_id != info["run_id"]:
         raise RuntimeError(
             f"run spec hashes to {cfg.run_id}, coordinator says {info['run_id']}: "
             f"different covey versions?"
+        )
+    if cfg.coordinator_key is None or cfg.coordinator_key != info.get("coordinator_key"):
+        raise RuntimeError(
+            f"the run spec names coordinator key {cfg.coordinator_key}, the coordinator "
+            f"presents {info.get('coordinator_key')}: refusing to trust either"
         )
     limits = cfg.limits
     client.configure(limits.request_timeout_s, limits.coordinator_lost_s)

@@ -42,6 +42,7 @@ class ValidatorOptions:
     poll_s: float = 1.0  # wait between claims when there is nothing to check
     max_tasks: int | None = None  # stop after this many re-executions
     connect_timeout_s: float = 120.0
+    run_id: str | None = None  # refuse a coordinator serving another run (key included)
 
 
 class Validator:
@@ -59,7 +60,7 @@ class Validator:
         self._state: tuple[str, TrainState] | None = None
 
     def _setup(self) -> None:
-        run = set_up_run(self.client, self.opts.threads)
+        run = set_up_run(self.client, self.opts.threads, self.opts.run_id)
         self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
         self.run_id, self.strategy, self.template = run.run_id, run.strategy, run.template
         self.blobs = run.blobs

@@ -40,7 +40,7 @@ from covey.protocol.checkpoint import CheckpointError, state_from_bytes, state_t
 from covey.protocol.content import content_id
 from covey.trust import ledger, verify
 from covey.trust.certify import certificate_is_signed
-from covey.trust.identity import Identity, canonical_json
+from covey.trust.identity import Identity, canonical_json, request_purpose
 
 log = logging.getLogger("covey.worker")
 KEEP_CONTRIBUTIONS = 4  # own contribution blobs kept on the blob server
@@ -65,6 +65,7 @@ class WorkerOptions:
     store_dir: Path | None = None
     max_rounds: int | None = None  # leave after contributing to this many rounds
     connect_timeout_s: float = 120.0  # patience for the first contact, before the spec is known
+    run_id: str | None = None  # refuse a coordinator serving another run (key included)
 
 
 class Stopped(Exception):
@@ -99,9 +100,9 @@ class Worker:
     # -- set-up ---------------------------------------------------------------------------
 
     def _setup(self) -> None:
-        run = set_up_run(self.client, self.opts.threads)
+        run = set_up_run(self.client, self.opts.threads, self.opts.run_id)
         self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
-        self.run_id, self.coordinator_key = run.run_id, run.info["coordinator_key"]
+        self.run_id, self.coordinator_key = run.run_id, run.coordinator_key
         self.strategy, self.template, self.blobs = run.strategy, run.template, run.blobs
         limits = self.cfg.limits
         self.step_time_s = self._measure_step_time()
@@ -400,7 +401,7 @@ class Worker:
             "wall_s": wall_s,
             "commitments": commitments,
         }
-        signed = self.identity.sign_request(body, info.round)
+        signed = self.identity.sign_request(body, info.round, purpose=request_purpose(path))
         self._last_request = (path, signed)
         try:
             self.client.post(path, signed, round=None)

@@ -17,8 +17,10 @@ from covey.trust.identity import Identity, canonical_json, verify
 
 
 def certificate_message(cert: schemas.Certificate) -> bytes:
-    """What a certificate's signature covers: the certificate without its signature."""
-    return canonical_json(cert.model_dump(mode="json", exclude={"signature"})).encode()
+    """What a certificate's signature covers: the certificate without its signature, after
+    a prefix of its own (no other signed kind of message starts with it)."""
+    body = canonical_json(cert.model_dump(mode="json", exclude={"signature"}))
+    return f"covey-certificate/v1\n{body}".encode()
 
 
 def sign_certificate(cert: schemas.Certificate, identity: Identity) -> schemas.Certificate:

@@ -4,11 +4,17 @@ A peer's identity is an Ed25519 key pair kept in a file only its owner can read
 (`~/.covey/identity` by default, mode 600). Its peer id is the hash of the public key, so
 nobody can claim an id without holding the key.
 
-A signed request carries a nonce and a signature over (run id, round, content id, nonce),
-where the content id is the sha256 of the request body's canonical JSON without the
-signature. The run id and round bind the signature to one run and one round (round -1 for
-requests that belong to no round: join, heartbeat, leave); the nonce, which embeds its
-creation time and is accepted once, stops replays.
+A signed request carries a nonce and a signature over (purpose, run id, round, content id,
+nonce), where the content id is the sha256 of the request body's canonical JSON without the
+signature. The purpose is the endpoint the request is sent to (`POST /v1/leave`), so a body
+signed for one endpoint is refused at every other one: a heartbeat captured on its way to
+the coordinator cannot be played back as a leave. The run id and round bind the signature
+to one run and one round (round -1 for requests that belong to no round: join, heartbeat,
+leave); the nonce, which embeds its creation time and is accepted once, stops replays.
+
+Every other kind of message signed with these keys (certificates, ledger entries, sampling
+draws, HALT records) starts with its own `covey-<kind>/v1` prefix, so a signature over one
+kind never verifies as another.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 DEFAULT_PATH = Path("~/.covey/identity")
 NO_ROUND = -1
 _NONCE = re.compile(r"^(\d{13})-([0-9a-f]{16})$")
+_API_PATH = re.compile(r"/[A-Za-z0-9_./{}-]{0,200}")
+_PURPOSE = re.compile(r"(POST|PUT|DELETE) " + _API_PATH.pattern)
 
 
 class IdentityError(ValueError):
@@ -93,11 +101,14 @@ class Identity:
     def sign(self, message: bytes) -> str:
         return self._key.sign(message).hex()
 
-    def sign_request(self, body: dict[str, Any], round: int = NO_ROUND) -> dict[str, Any]:
-        """`body` with a fresh nonce and the signature over it added."""
+    def sign_request(
+        self, body: dict[str, Any], round: int = NO_ROUND, *, purpose: str
+    ) -> dict[str, Any]:
+        """`body` with a fresh nonce and the signature over it added, valid only at the
+        endpoint `purpose` (see `request_purpose`) and for `round`."""
         signed = {k: v for k, v in body.items() if k != "signature"}
         signed["nonce"] = make_nonce()
-        signed["signature"] = self.sign(request_message(signed, round))
+        signed["signature"] = self.sign(request_message(signed, round, purpose))
         return signed
 
 
@@ -126,11 +137,25 @@ def body_content_id(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(unsigned).encode()).hexdigest()
 
 
-def request_message(body: dict[str, Any], round: int) -> bytes:
-    """The bytes a request's signature covers: (run id, round, content id, nonce)."""
+def request_purpose(path: str, method: str = "POST") -> str:
+    """The purpose tag of a request to `path` (the API path, no query): `POST /v1/leave`.
+    IdentityError for a path that is not one (no leading slash, whitespace, a query)."""
+    if not _API_PATH.fullmatch(path):
+        raise IdentityError(f"not an API path: {path[:80]!r}")
+    if method not in ("POST", "PUT", "DELETE"):
+        raise IdentityError(f"requests with method {method!r} are not signed")
+    return f"{method} {path}"
+
+
+def request_message(body: dict[str, Any], round: int, purpose: str) -> bytes:
+    """The bytes a request's signature covers: (purpose, run id, round, content id, nonce).
+    IdentityError if `purpose` is not a `request_purpose` (a newline in it could make two
+    different messages read the same)."""
+    if not _PURPOSE.fullmatch(purpose):
+        raise IdentityError(f"not a request purpose: {purpose[:80]!r}")
     return (
-        f"covey-request/v1\n{body.get('run_id')}\n{round}\n{body_content_id(body)}\n"
-        f"{body.get('nonce')}"
+        f"covey-request/v2\n{purpose}\n{body.get('run_id')}\n{round}\n"
+        f"{body_content_id(body)}\n{body.get('nonce')}"
     ).encode()
 
 

@@ -79,6 +79,12 @@ def entry_hash(index: int, type: str, at: float, payload: dict[str, Any], prev_h
     return hashlib.sha256(canonical_json(fields).encode("ascii")).hexdigest()
 
 
+def signed_message(digest: str) -> bytes:
+    """What an entry's signature covers: its hash, after a prefix of the ledger's own (so
+    no other signed kind of message can pass for an entry)."""
+    return f"covey-ledger/v1\n{digest}".encode("ascii")
+
+
 def append(
     conn: sqlite3.Connection, identity: Identity, type: str, payload: dict[str, Any], at: float
 ) -> Entry:
@@ -109,7 +115,7 @@ def append(
             f"but the ledger is signed by {identity.public_key}"
         )
     digest = entry_hash(index, type, at, payload, prev)
-    signature = identity.sign(digest.encode("ascii"))
+    signature = identity.sign(signed_message(digest))
     conn.execute(
         "INSERT INTO ledger (idx, type, at, payload, prev_hash, hash, signature) "
         "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -229,7 +235,7 @@ def verify_chain(entries: list[Entry], coordinator_key: str | None = None) -> st
         if entry_hash(e.index, e.type, e.at, e.payload, e.prev_hash) != e.hash:
             raise LedgerError(position, "hash does not match its contents")
         if not _SIGNATURE.fullmatch(e.signature) or not verify(
-            key, e.hash.encode("ascii"), e.signature
+            key, signed_message(e.hash), e.signature
         ):
             raise LedgerError(position, "signature is not the coordinator's")
         prev = e.hash
@@ -242,7 +248,7 @@ def check_entry(e: Entry, coordinator_key: str) -> None:
     if entry_hash(e.index, e.type, e.at, e.payload, e.prev_hash) != e.hash:
         raise LedgerError(e.index, "hash does not match its contents")
     if not _SIGNATURE.fullmatch(e.signature) or not verify(
-        coordinator_key, e.hash.encode("ascii"), e.signature
+        coordinator_key, signed_message(e.hash), e.signature
     ):
         raise LedgerError(e.index, "signature is not the coordinator's")
 
