@@ -29,6 +29,9 @@ app.add_typer(bench_app, name="bench")
 register_ledger(app)
 
 METHODS = "ddp, diloco, streaming, demo"
+LOG_TO = typer.Option(
+    "--log", help="also send metrics to tensorboard or wandb (needs covey[tensorboard|wandb])"
+)
 LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, level, peer, ...)")
 
 RUN_ID_OPTION = typer.Option(
@@ -133,6 +136,7 @@ def sim(
     out: Annotated[Path, typer.Option(help="run directory")] = Path("runs/sim"),
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
     log_json: Annotated[bool, LOG_JSON] = False,
+    log: Annotated[str | None, LOG_TO] = None,
 ) -> None:
     """Simulate N workers training with one algorithm; writes metrics, summary and plot."""
     overrides = _overrides(
@@ -154,6 +158,7 @@ def sim(
     )
     cfg: SimConfig = _load(config, overrides)
     _logging(False, "sim", log_json)
+    _check_tracker(log)
     from covey.algorithms.codecs import get_codec
     from covey.sim.report import save_run
     from covey.sim.simulator import simulate
@@ -166,6 +171,7 @@ def sim(
     typer.echo(f"covey sim: {cfg.algorithm.method}, {cfg.workers} workers, {cfg.rounds} rounds")
     result = simulate(cfg, progress=progress)
     save_run(out, cfg.algorithm.method, result.records, result.summary)
+    _track(log, out, f"sim-{cfg.algorithm.method}", cfg.model_dump(mode="json"), result.records)
     s = result.summary
     typer.echo(
         f"final val loss {s['final_val_loss']:.4f}"
@@ -345,6 +351,7 @@ def demo(
     ] = None,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
     log_json: Annotated[bool, LOG_JSON] = False,
+    log: Annotated[str | None, LOG_TO] = None,
 ) -> None:
     """A real run on this machine: a coordinator and N workers as processes on 127.0.0.1.
 
@@ -363,6 +370,7 @@ def demo(
         raise _fail(f"--adversaries ({adversaries}) cannot exceed --workers ({workers})")
     out = out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     _logging(False, "demo", log_json)  # --log-json reaches the children through the env
+    _check_tracker(log)
     try:
         summary = run_local_demo(
             workers=workers,
@@ -380,6 +388,9 @@ def demo(
         raise _fail(f"{e}\n(all logs: {out / 'logs'})") from None
     except KeyboardInterrupt:  # before training started: the children are already stopped
         raise typer.Exit(130) from None
+    if log and (out / "metrics.jsonl").exists():
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        _track(log, out, out.name, {"algorithm": algorithm, "model": model}, map(json.loads, lines))
     if summary["interrupted"]:
         raise typer.Exit(130)
 
@@ -416,6 +427,7 @@ def coordinator(
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
     log_json: Annotated[bool, LOG_JSON] = False,
+    log: Annotated[str | None, LOG_TO] = None,
 ) -> None:
     """Serve a training run: membership, rounds, blobs, checkpoints and the status page.
 
@@ -424,6 +436,7 @@ def coordinator(
 
     cfg = _load(config, {}, load_run_config)
     _logging(verbose, "coordinator", log_json)
+    _check_tracker(log)
     from covey.coordinator.app import serve
     from covey.coordinator.service import Coordinator
 
@@ -436,7 +449,22 @@ def coordinator(
     typer.secho(f"  run id: {coord.run_id}", bold=True)
     typer.echo(f"  coordinator key: {coord.identity.public_key}")
     typer.echo(f"  hand out: covey worker --coordinator URL --run-id {coord.run_id}")
-    serve(coord, host, port)
+    if log is None:
+        serve(coord, host, port)
+        return
+    import threading
+
+    from covey.tracking import follow_rounds, open_tracker
+
+    tracker = open_tracker(log, data_dir, cfg.name, cfg.model_dump(mode="json"))
+    assert tracker is not None  # _check_tracker accepted `log`
+    stop = threading.Event()
+    follower = follow_rounds(tracker, coord.db, stop)
+    try:
+        serve(coord, host, port)
+    finally:
+        stop.set()
+        follower.join(timeout=10)
 
 
 @app.command()
@@ -518,6 +546,29 @@ def worker(
 
     set_peer(peer.name)  # the default name is the id's start, known only now
     raise typer.Exit(peer.run())
+
+
+def _check_tracker(kind: str | None) -> None:
+    """A --log kind that is known and whose extra is installed, or exit 2 before any work."""
+    from covey.tracking import check_kind
+
+    try:
+        check_kind(kind)
+    except UserError as e:
+        raise _fail(str(e)) from None
+
+
+def _track(kind: str | None, out: Path, name: str, config: dict[str, Any], records: Any) -> None:
+    """Send a finished run's per-round records to the --log tracker (if any)."""
+    if kind is None:
+        return
+    from covey.tracking import log_records, open_tracker
+
+    tracker = open_tracker(kind, out, name, config)
+    if tracker is not None:
+        n = log_records(tracker, records)
+        tracker.close()
+        typer.echo(f"logged {n} rounds to {kind} ({out})")
 
 
 def _check_coordinator(url: str, wait_s: float) -> None:

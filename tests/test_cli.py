@@ -28,7 +28,12 @@ def test_help_lists_commands_without_importing_torch() -> None:
 
 
 def test_sim_writes_metrics_summary_and_plot(tmp_path: Path) -> None:
+    """...and, with the tensorboard extra, the same rounds as TensorBoard event files (one
+    sim run for both: the suite's time is shared)."""
+    import importlib.util
+
     out = tmp_path / "run"
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
     r = covey(
         "sim",
         "--method",
@@ -44,6 +49,7 @@ def test_sim_writes_metrics_summary_and_plot(tmp_path: Path) -> None:
         "--no-progress",
         "--out",
         str(out),
+        *(["--log", "tensorboard"] if tensorboard else []),
     )
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -51,6 +57,12 @@ def test_sim_writes_metrics_summary_and_plot(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == "diloco" and summary["config"]["algorithm"]["codec"] == "int8"
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if tensorboard:
+        from tests.test_tracking import read_scalars
+
+        got = read_scalars(out / "tensorboard")
+        assert [step for step, _ in got["val_loss"]] == [1, 2]
+        assert [v for _, v in got["val_loss"]] == pytest.approx([x["val_loss"] for x in records])
 
 
 @pytest.mark.parametrize(
