@@ -81,6 +81,11 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> StreamingDiLoCoConfig:
+        if self.error_feedback:  # covey.algorithms.streaming carries no residual
+            raise ValueError(
+                "error_feedback is not supported by Streaming DiLoCo (its fragments carry "
+                "no residual); set error_feedback = false or use method = 'diloco'"
+            )
         if self.inner_steps % self.fragments:
             raise ValueError(
                 f"inner_steps ({self.inner_steps}) must be a multiple of fragments "

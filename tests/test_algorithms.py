@@ -112,8 +112,47 @@ def test_error_feedback_keeps_what_the_codec_dropped(tokens: torch.Tensor) -> No
     delta = w.pseudo_gradient()
     c = w.make_contribution()
     sent = w.codec.decode(c.payload)
-    assert torch.allclose(sent + w._residual, delta, atol=1e-7)
-    assert float(w._residual.abs().max()) > 0  # the codec is lossy: something was kept back
+    assert torch.allclose(sent + w._pending, delta, atol=1e-7)
+    assert float(w._pending.abs().max()) > 0  # the codec is lossy: something was kept back
+    assert float(w._residual.abs().max()) == 0  # not before the certificate accepted it
+    pending = w._pending.clone()
+    w.adopt(w.apply_round(w.init_state(), [c]))
+    assert torch.equal(w._residual, pending)
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_error_feedback_advances_only_when_accepted(accepted: bool, tokens: torch.Tensor) -> None:
+    """A rejected contribution's residual is restored: its bytes never reached the model."""
+    cfg = DiLoCoConfig(inner_steps=2, optim=ADAMW, codec="int4", error_feedback=True)
+    w = build_strategy(cfg, tiny_gpt(), lm_loss)
+    assert isinstance(w, DiLoCo)
+    state = w.init_state()
+    w.load_state(state)
+    for r in range(2):
+        before = w._residual.clone()
+        for s in range(2):
+            w.inner_step(batch(tokens, r, 0, s))
+        c = w.make_contribution()
+        pending = w._pending.clone()
+        state = w.apply_round(state, [c])
+        w.adopt(state, accepted=accepted)
+        assert torch.equal(w._residual, pending if accepted else before)
+        assert float(w._pending.abs().max()) == 0
+    assert (float(w._residual.abs().max()) > 0) == accepted
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_demo_momentum_keeps_what_a_rejected_round_sent(accepted, tokens) -> None:
+    w = build_strategy(DeMoConfig(topk=8), tiny_gpt(), lm_loss)
+    assert isinstance(w, DeMo)
+    state = w.init_state()
+    w.load_state(state)
+    w.inner_step(batch(tokens, 0, 0, 0))
+    before = w.momentum.clone()
+    c = w.make_contribution()
+    w.adopt(w.apply_round(state, [c]), accepted=accepted)
+    want = before - w.codec.decode(c.payload) if accepted else before
+    assert torch.equal(w.momentum, want)
 
 
 def test_demo_transmitted_plus_residual_equals_momentum(tokens: torch.Tensor) -> None:
@@ -125,6 +164,7 @@ def test_demo_transmitted_plus_residual_equals_momentum(tokens: torch.Tensor) ->
         before = w.momentum.clone()
         payload = w.make_contribution().payload
         transmitted = w.codec.decode(payload)
+        w.adopt(w.init_state())  # the certificate took it: it leaves the momentum
         assert torch.allclose(transmitted + w.momentum, before, atol=1e-6)
         assert float(w.momentum.abs().max()) > 0 and float(transmitted.abs().max()) > 0
 

@@ -73,15 +73,27 @@ def work(s: Strategy, start: TrainState, batch_fn: BatchFn, steps: int, k: int):
 
 
 def test_reexecutable_only_when_a_round_is_a_function_of_its_start() -> None:
-    assert make(DDPConfig()).reexecutable
-    assert make(RESET).reexecutable
-    assert not make(DiLoCoConfig()).reexecutable  # "keep" is the default
-    assert not make(RESET.model_copy(update={"error_feedback": True})).reexecutable
+    # H3: every built-in config is re-executable; those that carry local state from round
+    # to round commit it (tests/test_reexecutable.py)
     streaming = StreamingDiLoCoConfig(inner_steps=4, fragments=2, inner_state="reset")
-    assert not make(streaming).reexecutable
-    assert not make(DeMoConfig()).reexecutable
+    carries = {
+        DDPConfig(): False,
+        RESET: False,
+        DiLoCoConfig(): True,  # "keep" is the default
+        RESET.model_copy(update={"error_feedback": True}): True,
+        streaming: True,
+        DeMoConfig(): True,
+    }
+    for cfg, carried in carries.items():
+        assert make(cfg).reexecutable and make(cfg).carries_local_state == carried, cfg
+    opaque = make(DDPConfig())
+
+    class Opaque(type(opaque)):  # type: ignore[misc]
+        reexecutable = False  # type: ignore[assignment]
+
+    opaque.__class__ = Opaque
     with pytest.raises(ValueError, match="not re-executable"):
-        reexecute(make(DiLoCoConfig(inner_steps=2)), make(RESET).init_state(), lambda s: None, 2, 1)
+        reexecute(opaque, make(RESET).init_state(), lambda s: None, 2, 1)
 
 
 @pytest.mark.parametrize(

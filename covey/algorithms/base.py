@@ -15,10 +15,22 @@ one fragment here instead of copying everything).
 
 For verification (covey/trust/verify.py) a strategy also exposes its worker-local state:
 `local_state()` is everything the next inner steps depend on besides the round's canonical
-start (parameters, inner optimizer moments, DeMo's momentum), and `load_local_state` puts it
-back so that training continues bit for bit. `reexecutable` says whether a round's
-contribution is a pure function of (start state, batches), which is what lets a validator
-re-execute it.
+start (parameters, inner optimizer moments, error-feedback residuals, DeMo's momentum), and
+`load_local_state` puts it back so that training continues bit for bit.
+
+The local-state chain. Every round starts with `begin_round(start_state, previous_end,
+accepted)`, a pure function of committed inputs: the canonical start W_r, the local state
+this worker had at the end of its previous round (`local_state()` right after
+`make_contribution`, committed by content id in that round's signed contribution), and
+whether the certificate accepted that contribution. With no previous end (a fresh peer, or
+one that missed round r-1) it is the algorithm's deterministic init: W_r and zero
+moments/residuals. `adopt(state, accepted)` is the same transition applied live. State that
+only a certificate may advance (the error-feedback residual, what DeMo subtracts from its
+momentum) waits in the end state as "pending" and moves on only when `accepted`: a rejected
+contribution's residual is restored. Every strategy whose `carries_local_state` is False
+(DDP, DiLoCo with inner_state "reset" and no error feedback) starts every round fresh,
+so its round is a function of (W_r, batches) alone. With the chain, every strategy is
+`reexecutable`: a validator re-runs `begin_round` from the committed end state and trains.
 """
 
 from __future__ import annotations
@@ -132,8 +144,15 @@ class Strategy(ABC):
     @property
     def reexecutable(self) -> bool:
         """Whether a round's contribution is a pure function of (the round's start state,
-        its batches): then a validator holding both can recompute it. False when the worker
-        carries state of its own from round to round (momentum, residuals, merged weights)."""
+        the worker's committed previous end state, the certificate's accept flag, its
+        batches): then a validator holding them can recompute it (see `begin_round`)."""
+        return False
+
+    @property
+    def carries_local_state(self) -> bool:
+        """Whether a round's start depends on the worker's previous round (moments kept,
+        residuals, merged weights): then contributions commit their end local state and the
+        next round's start is derived from it. False: every round starts fresh."""
         return False
 
     def __init__(
@@ -160,9 +179,35 @@ class Strategy(ABC):
                 p.copy_(state.params[name])
         self.tokens = self.steps = 0
 
-    def adopt(self, state: TrainState) -> None:
-        """Take the new canonical state after a round (default: full copy)."""
+    def adopt(self, state: TrainState, accepted: bool = True) -> None:
+        """Take the new canonical state after a round (default: full copy). `accepted`:
+        whether this worker's contribution to that round was certified; the pending part of
+        its local state advances only then (see the module docstring)."""
         self.load_state(state)
+
+    def reset_local(self) -> None:
+        """The algorithm's deterministic init of the strategy's own local tensors (fresh
+        optimizer, zero residual/momentum); the parameters are not touched."""
+        return None
+
+    def begin_round(
+        self,
+        start_state: TrainState,
+        previous_end: dict[str, torch.Tensor] | None = None,
+        accepted: bool = True,
+    ) -> None:
+        """Put the worker at the start of a round, as a pure function of committed inputs:
+        `start_state` (W_r), the local state at the end of this worker's previous round
+        (None: fresh start) and whether that round accepted its contribution.
+
+        ValueError (from `load_local_state`) for a previous_end of the wrong names, shapes,
+        dtypes or with NaN/Inf; the strategy is then at the fresh start."""
+        self.load_state(start_state)
+        self.reset_local()
+        if previous_end is None or not self.carries_local_state:
+            return
+        self.load_local_state(previous_end)
+        self.adopt(start_state, accepted)
 
     def forward_backward(self, batch: torch.Tensor) -> float:
         """Loss and gradients on one batch; counts the batch's tokens."""

@@ -5,6 +5,12 @@ sends only the top-k DCT coefficients of each 64-wide chunk of it, and subtracts
 sent from the buffer (error feedback: what was not sent stays and grows until it is). The
 canonical update decodes every worker's coefficients, averages them, applies the sign, and
 takes an SGD step. The momentum buffers never leave the workers.
+
+Verification: what was sent waits as "optim/sent" in the local state and leaves the
+momentum in `adopt(state, accepted=True)`, once the certificate took it; a rejected
+contribution leaves the momentum as it was (nothing of it reached the model). A validator
+re-executes a round from (W_r, the worker's committed end state of its previous round):
+see `Strategy.begin_round`.
 """
 
 from __future__ import annotations
@@ -40,17 +46,33 @@ class DeMo(Strategy):
         super().__init__(model, loss_fn, codec, aggregator)
         self.cfg = cfg
         self.momentum = torch.zeros(sum(p.numel() for p in model.parameters()))
+        self.sent = torch.zeros_like(self.momentum)  # this round's payload, until certified
 
     @property
     def reexecutable(self) -> bool:
+        return True
+
+    @property
+    def carries_local_state(self) -> bool:
         """The momentum buffer carries over from round to round."""
-        return False
+        return True
 
     def _local_extras(self) -> dict[str, torch.Tensor]:
-        return {"optim/momentum": self.momentum}
+        return {"optim/momentum": self.momentum, "optim/sent": self.sent}
 
     def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
         self.momentum = extras["optim/momentum"].clone()
+        self.sent = extras["optim/sent"].clone()
+
+    def reset_local(self) -> None:
+        self.momentum = torch.zeros_like(self.momentum)
+        self.sent = torch.zeros_like(self.sent)
+
+    def adopt(self, state: TrainState, accepted: bool = True) -> None:
+        self.load_state(state)
+        if accepted:  # error feedback: only what was sent and taken leaves the buffer
+            self.momentum.sub_(self.sent)
+        self.sent = torch.zeros_like(self.sent)
 
     def inner_step(self, batch: torch.Tensor) -> float:
         loss = self.forward_backward(batch)
@@ -64,8 +86,7 @@ class DeMo(Strategy):
         return payload, self.codec.decode(payload)
 
     def encode_work(self) -> tuple[bytes, int | None]:
-        payload, transmitted = self.extract()
-        self.momentum.sub_(transmitted)  # error feedback: only what was sent leaves the buffer
+        payload, self.sent = self.extract()  # subtracted from the momentum in `adopt`
         return payload, None
 
     def apply_round(

@@ -7,13 +7,15 @@ lr 0.7, momentum 0.9). Inner optimizer states never leave the worker.
 
 With `error_feedback`, what the codec dropped is kept locally and added to the next
 round's pseudo-gradient (as DeMo does for its momentum, arXiv 2411.19870): covey's
-combination of DiLoCo with DCT top-k / int4 compression.
+combination of DiLoCo with DCT top-k / int4 compression. The new residual waits as
+"optim/pending" until the round's certificate: `adopt(state, accepted=True)` makes it the
+residual, a rejected contribution keeps the old one (its bytes never reached the model).
 
 With `inner_state = "reset"` the inner optimizer starts fresh whenever the worker takes a
-canonical state (`load_state`, `adopt`): every round then starts from (W_r, fresh AdamW),
-so a round's contribution is a pure function of W_r and the round's batches, and a
-validator can re-execute it (covey/trust/verify.py). "keep" carries the moments across
-rounds, as the paper does.
+canonical state (`load_state`, `adopt`): every round then starts from (W_r, fresh AdamW).
+"keep" carries the moments across rounds, as the paper does. Either way a round is
+re-executable (covey/trust/verify.py): what it carries is the worker's committed end state
+of its previous round (`Strategy.begin_round`).
 """
 
 from __future__ import annotations
@@ -54,19 +56,35 @@ class DiLoCo(Strategy):
         self.steps_per_round = cfg.inner_steps
         self.inner_opt = make_inner_optimizer(model, cfg.optim)
         self._start: torch.Tensor | None = None  # flat start weights of the current round
-        self._residual: torch.Tensor | None = None  # error feedback
+        numel = sum(p.numel() for p in model.parameters()) if cfg.error_feedback else 0
+        self._residual = torch.zeros(numel)  # error feedback: carried into the next round
+        self._pending = torch.zeros(numel)  # this round's new residual, until certified
 
     @property
     def reexecutable(self) -> bool:
-        """Only a reset inner optimizer and no carried residual make a round a pure function
-        of its start state and batches."""
-        return self.cfg.inner_state == "reset" and not self.cfg.error_feedback
+        return True
+
+    @property
+    def carries_local_state(self) -> bool:
+        return self.cfg.inner_state == "keep" or self.cfg.error_feedback
 
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
         self._start = flatten([state.params[n] for n in self.names])
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
+
+    def adopt(self, state: TrainState, accepted: bool = True) -> None:
+        self.load_state(state)
+        if self.cfg.error_feedback:
+            if accepted:
+                self._residual = self._pending
+            self._pending = torch.zeros_like(self._residual)
+
+    def reset_local(self) -> None:
+        self.reset_inner_optimizer()
+        self._residual = torch.zeros_like(self._residual)
+        self._pending = torch.zeros_like(self._pending)
 
     def reset_inner_optimizer(self) -> None:
         """A fresh inner optimizer: no moments, step count 0."""
@@ -97,6 +115,9 @@ class DiLoCo(Strategy):
                     f"{sorted(fresh)}: a torch version covey does not support?"
                 )
             out.update({f"optim/{name}/{k}": t.detach() for k, t in have.items()})
+        if self.cfg.error_feedback:
+            out["optim/ef/residual"] = self._residual
+            out["optim/ef/pending"] = self._pending
         return out
 
     def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
@@ -105,6 +126,9 @@ class DiLoCo(Strategy):
             fresh = self._fresh_inner_state(p)
             if fresh:
                 self.inner_opt.state[p] = {k: extras[f"optim/{name}/{k}"].clone() for k in fresh}
+        if self.cfg.error_feedback:
+            self._residual = extras["optim/ef/residual"].clone()
+            self._pending = extras["optim/ef/pending"].clone()
 
     def inner_step(self, batch: torch.Tensor) -> float:
         loss = self.forward_backward(batch)
@@ -117,15 +141,15 @@ class DiLoCo(Strategy):
         if self._start is None:
             raise RuntimeError("load_state must run before the first round")
         delta = self._start - flatten(list(self.model.parameters()))
-        if self.cfg.error_feedback and self._residual is not None:
+        if self.cfg.error_feedback:
             delta += self._residual
         return delta
 
     def encode_work(self) -> tuple[bytes, int | None]:
         delta = self.pseudo_gradient()
         payload = self.codec.encode(delta)
-        if self.cfg.error_feedback:
-            self._residual = delta - self.codec.decode(payload)
+        if self.cfg.error_feedback:  # becomes the residual once the round accepts it
+            self._pending = delta - self.codec.decode(payload)
         return payload, None
 
     def apply_round(

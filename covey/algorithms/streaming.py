@@ -7,6 +7,14 @@ synced every H steps at its own offset. The worker's local parameters persist ac
 after the sync's bytes arrive (tau inner steps later, which hides the transfer), the synced
 fragment is merged as  local = alpha * local + (1 - alpha) * global.  Outer gradients travel
 in 4 bits by default.
+
+Verification: the local parameters (and inner optimizer moments) are the worker's committed
+end state of its previous round; `begin_round` re-applies the merge from it, so a validator
+re-executes a round from (W_r, that end state). The merge does not depend on whether the
+certificate accepted the contribution. A round that follows a gap (the worker missed round
+r-1) starts fresh from W_r, as a joiner does. Error feedback is refused at config load
+(covey.config.StreamingDiLoCoConfig): the outer gradient here is global - local of one
+fragment, and no residual is carried.
 """
 
 from __future__ import annotations
@@ -64,9 +72,9 @@ class StreamingDiLoCo(DiLoCo):
         self._round = 0  # the round whose contribution this worker makes next
 
     @property
-    def reexecutable(self) -> bool:
+    def carries_local_state(self) -> bool:
         """The local weights carry over from round to round (only one fragment is merged)."""
-        return False
+        return True
 
     def fragment_of(self, round: int) -> int:
         return round % self.cfg.fragments
@@ -82,8 +90,9 @@ class StreamingDiLoCo(DiLoCo):
         self._global = dict(state.params)
         self._round = state.round
 
-    def adopt(self, state: TrainState) -> None:
-        """Merge the fragment the last round synced; keep the rest of the local weights."""
+    def adopt(self, state: TrainState, accepted: bool = True) -> None:
+        """Merge the fragment the last round synced; keep the rest of the local weights.
+        The same whether or not this worker's contribution was accepted."""
         fragment = self.fragments[self.fragment_of(state.round - 1)]
         alpha = self.cfg.mixing
         params = dict(self.model.named_parameters())
@@ -91,6 +100,7 @@ class StreamingDiLoCo(DiLoCo):
             for name in fragment:
                 params[name].mul_(alpha).add_(state.params[name], alpha=1 - alpha)
         self._global = dict(state.params)
+        self._round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
 

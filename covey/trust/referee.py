@@ -112,10 +112,13 @@ def referee(
     claimed_start: Commitment | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
     probe: bool = True,
+    previous_end: dict[str, torch.Tensor] | None = None,
+    previous_accepted: bool = True,
 ) -> RefereeResult:
     """Recompute one segment of a round and return its end.
 
-    Segment 0 starts from `start_state` and a fresh strategy state: no blob needed. A later
+    Segment 0 starts from `start_state` and the worker's committed previous end state
+    (`previous_end`, `previous_accepted`: see `Strategy.begin_round`; None: fresh). A later
     segment starts from `segment_start` (a validator's `Reexecution.states[segment]`),
     which is checked first against `claimed_start`, the worker's own commitment at that
     index: unless the hashes are equal or the sketch distance is within `tolerance`, the
@@ -134,7 +137,8 @@ def referee(
     require_reexecutable(strategy)
     first, end = segment_bounds(segment, steps, commit_every)
     codec = codec or strategy.codec
-    strategy.load_state(start_state)
+    # H3: the round starts from the worker's committed previous end state (None: fresh)
+    strategy.begin_round(start_state, previous_end, previous_accepted)
     start_distance = 0.0
     if segment_start is not None:
         if claimed_start is None:

@@ -13,16 +13,19 @@ Segment i runs from commitment i to commitment i + 1; the last one ends at the p
 itself, which is the round's real output, so no commitment is made at the final step. A
 round shorter than k (and DDP's single step) is one segment, from W_r to the payload.
 
-Commitment 0 is the round's start state (W_r's parameters and a fresh inner optimizer),
-so its hash is known exactly to anyone who holds W_r. Later commitments are compared by
-count sketch (covey/trust/sketch.py) within a tolerance, since an honest re-execution on
-another machine differs in the last bits; `covey.bench.trust_calibration` measures honest
-and dishonest distances so the tolerance sits between them. The payload is compared in
+Commitment 0 is the round's start state: `Strategy.begin_round` from W_r and the worker's
+committed end state of its previous round (H3: the local-state chain; a fresh optimizer when
+there is none), so its hash is known exactly to anyone who holds those. Later commitments
+are compared by count sketch (covey/trust/sketch.py) within a tolerance, since an honest
+re-execution on another machine differs in the last bits;
+`covey.bench.trust_calibration` measures honest and dishonest distances so the tolerance
+sits between them. The payload is compared in
 full: the validator holds it.
 
-Only strategies whose round is a pure function of (W_r, batches) can be re-executed
-(`Strategy.reexecutable`): DDP and DiLoCo with `inner_state = "reset"`. Everything here is
-pure: no network, no clock; the caller moves the bytes.
+Strategies are re-executable (`Strategy.reexecutable`) when a round is a pure function of
+(W_r, the previous end state, the accept flag, batches): DDP, DiLoCo (keep or reset, with or
+without error feedback), Streaming DiLoCo and DeMo. Everything here is pure: no network, no
+clock; the caller moves the bytes.
 """
 
 from __future__ import annotations
@@ -148,14 +151,15 @@ class Reexecution:
     states: dict[int, dict[str, torch.Tensor]]
     steps: int
     commit_every: int
+    end: Commitment | None = None  # H3: the local state after make_contribution (step = steps)
+    end_state: dict[str, torch.Tensor] | None = None
 
 
 def require_reexecutable(strategy: Strategy) -> None:
     if not strategy.reexecutable:
         raise ValueError(
             f"{type(strategy).__name__} with this config is not re-executable: its rounds "
-            f"depend on worker-local state (DiLoCo needs inner_state='reset' and no "
-            f"error_feedback)"
+            f"depend on worker-local state it does not commit"
         )
 
 
@@ -166,18 +170,23 @@ def reexecute(
     steps: int,
     commit_every: int,
     keep_states: Iterable[int] = (),
+    previous_end: dict[str, torch.Tensor] | None = None,
+    previous_accepted: bool = True,
 ) -> Reexecution:
-    """Train a round from `start_state` exactly as a worker does (load_state, `steps` inner
-    steps on batch_fn(0..steps-1), make_contribution) and commit every k steps.
+    """Train a round from `start_state` exactly as a worker does (begin_round from
+    `previous_end`/`previous_accepted`, the worker's committed end state of its previous
+    round (None: a fresh start), `steps` inner steps on batch_fn(0..steps-1),
+    make_contribution) and commit every k steps; `end` commits to the state after it.
 
     `strategy` is the validator's own instance; its local state is overwritten. ValueError
-    for a strategy that is not re-executable or a keep_states index the round lacks."""
+    for a strategy that is not re-executable, a keep_states index the round lacks, or an
+    unusable previous_end."""
     require_reexecutable(strategy)
     points = commitment_steps(steps, commit_every)
     keep = set(keep_states)
     if bad := sorted(i for i in keep if not 0 <= i < len(points)):
         raise ValueError(f"keep_states {bad}: the round has commitments 0..{len(points) - 1}")
-    strategy.load_state(start_state)
+    strategy.begin_round(start_state, previous_end, previous_accepted)
     committer = Committer(strategy, start_state, commit_every)
     states = {0: strategy.local_state()} if 0 in keep else {}
     for step in range(steps):
@@ -187,7 +196,11 @@ def reexecute(
         if done % commit_every == 0 and done < steps and done // commit_every in keep:
             states[done // commit_every] = strategy.local_state()
     payload = strategy.make_contribution().payload
-    return Reexecution(payload, committer.commitments, states, steps, commit_every)
+    end_state = strategy.local_state()
+    end = commitment_of(end_state, start_state.params, steps)
+    return Reexecution(
+        payload, committer.commitments, states, steps, commit_every, end, end_state
+    )
 
 
 @dataclass(frozen=True)
@@ -250,7 +263,10 @@ def _structure_fault(
         if not finite:
             return f"commitment {i} sketch has NaN or Inf values"
     if claimed[0].hash != mine.commitments[0].hash:
-        return "commitment 0 is not the round's start state (W_r and a fresh inner optimizer)"
+        return (
+            "commitment 0 is not the round's start state (W_r and the committed local state "
+            "of the worker's previous round, or a fresh one)"
+        )
     try:
         vector = codec.decode(payload, numel)
     except CodecError as e:
@@ -290,8 +306,13 @@ def compare(
     codec: Codec,
     numel: int,
     tolerance: float,
+    claimed_end: Commitment | None = None,
 ) -> Verdict:
     """Compare a worker's claim (commitments and payload) with a re-execution.
+
+    H3: `claimed_end`, the commitment to the end local state the worker published (the next
+    round's start is derived from it), is compared with `mine.end` as part of the payload
+    point: a forged end state is a disagreement in the last segment.
 
     Exact when every hash and the payload bytes are identical. Otherwise the claim agrees
     when every commitment's sketch distance and the decoded payload's distance are within
@@ -301,16 +322,24 @@ def compare(
     segment 0 whose `detail` says what is wrong: anyone can check it without re-executing.
     Never raises on a bad claim."""
     fault = _structure_fault(claimed_commitments, claimed_payload, mine, codec, numel)
+    if fault is None and claimed_end is not None and mine.end is not None:
+        if claimed_end.step != mine.end.step:
+            fault = f"end state is at step {claimed_end.step}, the round has {mine.end.step}"
+        elif math.isinf(commitment_distance(claimed_end, mine.end)):
+            fault = "end state has another layout than the round's local state"
     if fault is not None:
         return Verdict(False, False, math.inf, 0, fault)
     n = len(mine.commitments)
-    if claimed_payload == mine.payload and all(
+    end_exact = claimed_end is None or mine.end is None or claimed_end.hash == mine.end.hash
+    if end_exact and claimed_payload == mine.payload and all(
         a.hash == b.hash for a, b in zip(claimed_commitments, mine.commitments, strict=True)
     ):
         return Verdict(True, True, 0.0, None, "bit-identical", (0.0,) * (n + 1))
     payload_distance = distance(
         codec.decode(claimed_payload, numel), codec.decode(mine.payload, numel)
     )
+    if claimed_end is not None and mine.end is not None:
+        payload_distance = max(payload_distance, commitment_distance(claimed_end, mine.end))
     distances = (
         *(
             commitment_distance(a, b)

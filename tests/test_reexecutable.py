@@ -1,0 +1,198 @@
+"""Every default configuration is re-executable (issue 10, point 3): DiLoCo with inner_state
+"keep", DiLoCo with error feedback, Streaming DiLoCo and DeMo. A worker's round starts from
+W_r and its committed end state of the previous round (`Strategy.begin_round`); a validator
+re-executing from those committed inputs gets the worker's payload bit for bit (one
+process, one thread count), and a start state not chained to the previous round, a wrong
+payload or a forged end state are all detected. One process, tiny GPT."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from covey.algorithms import DiLoCo, Strategy, build_strategy
+from covey.algorithms.base import TrainState
+from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, StreamingDiLoCoConfig
+from covey.data.batches import sample_batch
+from covey.models.gpt import lm_loss
+from covey.trust.sketch import commitment_of
+from covey.trust.verify import (
+    BatchFn,
+    Committer,
+    compare,
+    local_state_from_bytes,
+    local_state_to_bytes,
+    reexecute,
+)
+from tests.conftest import tiny_gpt
+
+TOL = 0.02
+K = 2  # commit every 2 inner steps
+ADAMW = InnerOptim(name="adamw", lr=3e-3, grad_clip=1.0)
+CONFIGS = {
+    "diloco-keep": DiLoCoConfig(inner_steps=4, optim=ADAMW, codec="int4"),
+    "diloco-ef": DiLoCoConfig(inner_steps=4, optim=ADAMW, codec="int4", error_feedback=True),
+    "diloco-reset-ef": DiLoCoConfig(
+        inner_steps=4, optim=ADAMW, codec="int4", error_feedback=True, inner_state="reset"
+    ),
+    "streaming": StreamingDiLoCoConfig(inner_steps=4, fragments=2, optim=ADAMW),
+    "demo": DeMoConfig(topk=8, lr=1e-3),
+}
+
+
+def make(cfg: object) -> Strategy:
+    return build_strategy(cfg, tiny_gpt(), lm_loss)  # type: ignore[arg-type]
+
+
+def batches(tokens: torch.Tensor, r: int, key: str = "peer-0") -> BatchFn:
+    return lambda s: sample_batch(
+        tokens, batch_size=4, seq_len=16, seed=5, round=r, worker=key, step=s
+    )
+
+
+def numel(s: Strategy, state: TrainState) -> int:
+    names = s.fragment_names(s.round_fragment(state.round))
+    return sum(state.params[n].numel() for n in names)
+
+
+def train(s: Strategy, start: TrainState, batch_fn: BatchFn):
+    """One round as covey/peer/worker.py trains it (the strategy already at the round's
+    start): commitments every K steps, the contribution, the end local state."""
+    committer = Committer(s, start, K)
+    for step in range(s.steps_per_round):
+        s.inner_step(batch_fn(step))
+        committer.after_step(step + 1)
+    return committer.commitments, s.make_contribution(), s.local_state()
+
+
+def two_rounds(cfg: object, tokens: torch.Tensor, accepted: bool = True):
+    """A worker's rounds 0 and 1, driven live (adopt after each certificate, as a worker
+    does), beside an honest peer whose contribution is always accepted. `accepted`: whether
+    round 0 accepted the worker's own contribution. -> (round-1 start state, the worker's
+    end state of round 0, its round-1 commitments, contribution and end state)."""
+    w, other = make(cfg), make(cfg)
+    state = w.init_state()
+    for s in (w, other):
+        s.begin_round(state)  # no previous round: the deterministic init
+    _, mine, end0 = train(w, state, batches(tokens, 0))
+    _, theirs, _ = train(other, state, batches(tokens, 0, "peer-1"))
+    state = w.apply_round(state, [mine, theirs] if accepted else [theirs])
+    w.adopt(state, accepted=accepted)
+    commitments, c1, end1 = train(w, state, batches(tokens, 1))
+    return state, end0, commitments, c1, end1
+
+
+def validate(cfg, start, previous_end, previous_accepted, commitments, c, claimed_end, tokens):
+    """A validator's check from committed inputs: the previous end state travels as
+    safetensors bytes and is parsed against the validator's own template."""
+    v = make(cfg)
+    prev = None
+    if previous_end is not None:
+        data = local_state_to_bytes(previous_end)
+        prev = local_state_from_bytes(data, v.local_state(copy=False))
+    steps = c.inner_steps
+    mine = reexecute(
+        v,
+        start,
+        batches(tokens, 1),
+        steps,
+        K,
+        previous_end=prev,
+        previous_accepted=previous_accepted,
+    )
+    end = commitment_of(claimed_end, start.params, steps)
+    return compare(commitments, c.payload, mine, v.codec, numel(v, start), TOL, end), mine
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_reexecution_from_committed_state_is_bit_identical(name, tokens) -> None:
+    cfg = CONFIGS[name]
+    assert make(cfg).reexecutable and make(cfg).carries_local_state
+    start, end0, commitments, c, end1 = two_rounds(cfg, tokens)
+    verdict, mine = validate(cfg, start, end0, True, commitments, c, end1, tokens)
+    assert verdict.agree and verdict.exact, verdict.detail
+    assert mine.payload == c.payload
+    # the start really depends on the committed state: a fresh start is another round
+    fresh, _ = validate(cfg, start, None, True, commitments, c, end1, tokens)
+    assert not fresh.agree and "commitment 0" in fresh.detail
+
+
+@pytest.mark.parametrize("name", ["diloco-ef", "demo"])
+def test_a_rejected_round_restores_error_feedback_and_the_chain_says_so(name, tokens) -> None:
+    cfg = CONFIGS[name]
+    start, end0, commitments, c, end1 = two_rounds(cfg, tokens, accepted=False)
+    verdict, _ = validate(cfg, start, end0, False, commitments, c, end1, tokens)
+    assert verdict.exact, verdict.detail
+    # the certificate's flag is part of the committed inputs: claiming "accepted" is caught
+    lie, _ = validate(cfg, start, end0, True, commitments, c, end1, tokens)
+    assert not lie.agree and lie.segment == 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fabricated_start_state_is_detected(name, tokens) -> None:
+    """The worker trains round 1 from a local state of its choosing (moments and residuals
+    scaled up, local weights moved) instead of the one its round-0 end state chains to."""
+    cfg = CONFIGS[name]
+    w = make(cfg)
+    start, end0, *_ = two_rounds(cfg, tokens)
+    forged = {k: v * 1.5 if v.is_floating_point() else v for k, v in end0.items()}
+    w.begin_round(start, forged, True)
+    commitments, c, end1 = train(w, start, batches(tokens, 1))
+    verdict, _ = validate(cfg, start, end0, True, commitments, c, end1, tokens)
+    assert not verdict.agree and verdict.segment == 0, verdict.detail
+    assert "commitment 0" in verdict.detail
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_wrong_payload_is_detected(name, tokens) -> None:
+    cfg = CONFIGS[name]
+    start, end0, commitments, c, end1 = two_rounds(cfg, tokens)
+    v = make(cfg)
+    noise = torch.randn(numel(v, start), generator=torch.Generator().manual_seed(1))
+    wrong = dataclasses.replace(c, payload=v.codec.encode(noise * 10))
+    verdict, _ = validate(cfg, start, end0, True, commitments, wrong, end1, tokens)
+    assert not verdict.agree and verdict.distance > TOL
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_forged_end_state_is_detected(name, tokens) -> None:
+    """An honest payload with a made-up end state (the next round's start derives from it)."""
+    cfg = CONFIGS[name]
+    start, end0, commitments, c, end1 = two_rounds(cfg, tokens)
+    forged = {k: v * 0.5 if v.is_floating_point() else v for k, v in end1.items()}
+    verdict, _ = validate(cfg, start, end0, True, commitments, c, forged, tokens)
+    assert not verdict.agree, verdict.detail
+    assert verdict.segment == len(commitments) - 1  # the last segment ends at the end state
+
+
+def test_stateless_configs_start_fresh_and_need_no_committed_state(tokens) -> None:
+    for cfg in (DDPConfig(), DiLoCoConfig(inner_steps=2, inner_state="reset")):
+        s = make(cfg)
+        assert s.reexecutable and not s.carries_local_state
+    s = make(DiLoCoConfig(inner_steps=2, inner_state="reset"))
+    assert isinstance(s, DiLoCo)
+    state = s.init_state()
+    s.begin_round(state)
+    fresh = s.local_state()
+    s.inner_step(batches(tokens, 0)(0))
+    s.begin_round(state, s.local_state(), True)  # ignored: nothing carries over
+    assert all(torch.equal(fresh[k], v) for k, v in s.local_state().items())
+
+
+def test_begin_round_refuses_a_malformed_previous_state(tokens) -> None:
+    s = make(CONFIGS["diloco-ef"])
+    state = s.init_state()
+    end = s.local_state()
+    bad = {k: v for k, v in end.items() if k != "optim/ef/residual"}
+    with pytest.raises(ValueError, match="lacks 'optim/ef/residual'"):
+        s.begin_round(state, bad, True)
+    nan = {**end, "optim/ef/pending": torch.full_like(end["optim/ef/pending"], float("nan"))}
+    with pytest.raises(ValueError, match="NaN"):
+        s.begin_round(state, nan, True)
+
+
+def test_streaming_with_error_feedback_is_refused_at_config_load() -> None:
+    with pytest.raises(ValueError, match="error_feedback is not supported by Streaming"):
+        StreamingDiLoCoConfig(inner_steps=4, fragments=2, error_feedback=True)
