@@ -346,6 +346,38 @@ class LimitsConfig(Frozen):
     coordinator_lost_s: float = Field(
         120.0, gt=0, description="a worker exits after this long without reaching the coordinator"
     )
+    # -- the coordinator's defences against cheap requests (covey/coordinator/limits.py) --
+    body_timeout_s: float = Field(
+        10.0, gt=0, description="a request body must arrive within this (plus size/min rate)"
+    )
+    min_upload_bytes_s: int = Field(
+        64 << 10, ge=1024, description="slowest accepted body rate, bytes/s; slower is cut off"
+    )
+    keep_alive_s: float = Field(
+        5.0, gt=0, description="an idle keep-alive connection is closed after this long"
+    )
+    max_connections: int = Field(
+        1024, ge=16, description="concurrent connections; more are answered 503"
+    )
+    peer_rate: float = Field(20.0, gt=0, description="sustained requests/s per peer id")
+    peer_burst: int = Field(40, ge=1, description="requests a peer id may send at once")
+    address_rate: float = Field(
+        200.0, gt=0, description="sustained requests/s per client address (all its peers)"
+    )
+    address_burst: int = Field(400, ge=1, description="requests an address may send at once")
+    max_long_polls: int = Field(256, ge=1, description="certificate long-polls held at once")
+    max_long_polls_per_peer: int = Field(
+        2, ge=1, description="long-polls held at once for one peer id (or one address: x16)"
+    )
+    max_pending_uploads: int = Field(
+        4, ge=1, description="blobs a peer uploaded that no submission or report names yet"
+    )
+    no_show_backoff_s: float = Field(
+        30.0, ge=0, description="a repeated no-show sits out rounds this long, doubling"
+    )
+    no_show_backoff_max_s: float = Field(
+        3600.0, ge=0, description="the longest a no-show is left out of rounds"
+    )
 
 
 class TrustConfig(Frozen):

@@ -462,3 +462,71 @@ def test_upload(tmp_path: Path, scripted: Callable[[Answer], Scripted], client: 
     with pytest.raises(BlobError, match="HTTP 503: try later"):
         client.upload(busy.url, b"data")
     assert busy.requests == client.retries
+
+
+# ---- streamed writes, signed uploads, providers that redirect ------------------------
+
+
+def test_writer_streams_and_checks_count_and_hash(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path, max_blob_bytes=64)
+    data = b"streamed in pieces"
+    w = store.writer(content_id(data), len(data))
+    for i in range(0, len(data), 5):
+        w.write(data[i : i + 5])
+    w.commit()
+    assert store.get(content_id(data)) == data
+    short = store.writer(content_id(b"abc"), 3)
+    short.write(b"ab")
+    with pytest.raises(BlobError, match="2 of 3 bytes"):
+        short.commit()
+    long = store.writer(content_id(b"abc"), 3)
+    with pytest.raises(BlobError, match="more than the declared 3"):
+        long.write(b"abcd")
+    liar = store.writer(content_id(b"abc"), 3)
+    liar.write(b"xyz")
+    with pytest.raises(BlobError, match="hashes to"):
+        liar.commit()
+    with pytest.raises(BlobError, match="max_blob_bytes"):
+        store.writer(content_id(b"big"), 65)  # refused before any file is made
+    assert not store.has(content_id(b"abc"))
+    kept, shard = content_id(data), content_id(b"abc")[:2]
+    # no temporary file is left behind
+    assert all_files(tmp_path) == sorted([kept[:2], f"{kept[:2]}/{kept}", shard])
+
+
+def test_signed_upload_headers(scripted: Callable[[Answer], Scripted], client: BlobClient) -> None:
+    from covey.peer.blobstore import upload_message
+    from covey.trust.identity import Identity, verify
+
+    seen: list[dict[str, str]] = []
+
+    def accept(h: BaseHTTPRequestHandler) -> None:
+        h.rfile.read(int(h.headers["Content-Length"]))
+        seen.append(dict(h.headers))
+        reply(h, 429 if len(seen) == 1 else 200, b"")  # busy once: the retry re-signs
+
+    key = Identity.generate()
+    server = scripted(accept)
+    cid = client.upload(server.url, b"payload", signer=(key, "run-1"))
+    assert len(seen) == 2 and seen[0]["X-Covey-Nonce"] != seen[1]["X-Covey-Nonce"]
+    for h in seen:
+        assert h["X-Covey-Peer"] == key.peer_id
+        message = upload_message("run-1", key.peer_id, cid, 7, h["X-Covey-Nonce"])
+        assert verify(key.public_key, message, h["X-Covey-Signature"])
+        other = upload_message("run-2", key.peer_id, cid, 7, h["X-Covey-Nonce"])
+        assert not verify(key.public_key, other, h["X-Covey-Signature"])
+
+
+def test_fetch_never_follows_redirects_or_odd_schemes(
+    serve: Callable[[bytes], str], scripted: Callable[[Answer], Scripted], client: BlobClient
+) -> None:
+    data = b"the real blob"
+    good = serve(data)
+    bounce = scripted(lambda h: reply(h, 302, b"", Location=f"{good}{h.path}"))
+    with pytest.raises(BlobError, match="HTTP 302"):
+        client.fetch(content_id(data), [bounce.url])
+    assert client.served.get(good, 0) == 0  # never went where the redirect pointed
+    for odd in ("file:///etc/passwd", "ftp://127.0.0.1/", "http://", "gopher://x"):
+        with pytest.raises(BlobError, match="not an http"):
+            client.fetch(content_id(data), [odd])
+    assert client.fetch(content_id(data), ["file:///etc/passwd", good]) == data  # skipped

@@ -9,23 +9,27 @@ logged with the peer and round it concerns; a refused request changes nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import Iterator
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from covey.peer.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
-from covey.protocol.content import is_content_id
 
 from .auth import ReceivedAt
+from .limits import LongPolls, RateLimit
 from .service import Coordinator
 from .views import Rejected
 
@@ -35,10 +39,20 @@ STATIC = resources.files("covey.dashboard") / "static"
 
 class BodyLimit:
     """Refuse request bodies over the configured size with 413 before a handler reads
-    them: by Content-Length when given, else by counting the streamed bytes."""
+    them (by Content-Length when given, else by counting the streamed bytes), and cut off
+    a slow sender: the whole body must arrive within `body_timeout_s` plus its declared
+    length at `min_bytes_s`, else 408 and the connection is closed."""
 
-    def __init__(self, app: ASGIApp, json_limit: int, blob_limit: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        json_limit: int,
+        blob_limit: int,
+        body_timeout_s: float = 10.0,
+        min_bytes_s: int = 64 << 10,
+    ) -> None:
         self.app, self.json_limit, self.blob_limit = app, json_limit, blob_limit
+        self.body_timeout_s, self.min_bytes_s = body_timeout_s, min_bytes_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,12 +64,21 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > limit):
             await _too_large(scope, send, limit)
             return
-        seen = 0
+        loop = asyncio.get_running_loop()
+        declared = int(length) if length is not None else 0
+        deadline = loop.time() + self.body_timeout_s + declared / self.min_bytes_s
+        seen, complete = 0, False
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # the body is in: later reads wait for a disconnect, unbounded
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise _TooSlow(seen) from None
             seen += len(message.get("body", b""))
+            complete = message["type"] != "http.request" or not message.get("more_body")
             if seen > limit:
                 raise _TooLarge(limit)
             return message
@@ -64,11 +87,22 @@ class BodyLimit:
             await self.app(scope, counted, send)
         except _TooLarge:
             await _too_large(scope, send, limit)
+        except _TooSlow as e:
+            log.warning("cut off %s %s: %s", scope["method"], scope["path"], e)
+            response = JSONResponse({"error": f"request body too slow: {e}"}, 408)
+            # if a response had started, the server closes the connection anyway
+            with contextlib.suppress(RuntimeError):
+                await response(scope, _no_receive, send)
 
 
 class _TooLarge(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"body over {limit} bytes")
+
+
+class _TooSlow(Exception):
+    def __init__(self, seen: int) -> None:
+        super().__init__(f"only {seen} bytes of the body arrived before its deadline")
 
 
 async def _too_large(scope: Scope, send: Send, limit: int) -> None:
@@ -79,6 +113,23 @@ async def _too_large(scope: Scope, send: Send, limit: int) -> None:
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
+
+
+_WRITE_BYTES = 1 << 20
+
+
+def _file_range(path: Path, start: int, end: int) -> Iterator[bytes]:
+    """Bytes start..end (inclusive) of a file, a MiB at a time (starlette iterates a sync
+    generator in its thread pool)."""
+    with path.open("rb") as f:
+        f.seek(start)
+        left = end - start + 1
+        while left > 0:
+            piece = f.read(min(left, _WRITE_BYTES))
+            if not piece:
+                return  # the file shrank: the client sees a short body
+            left -= len(piece)
+            yield piece
 
 
 def create_app(coord: Coordinator) -> FastAPI:
@@ -93,7 +144,8 @@ def create_app(coord: Coordinator) -> FastAPI:
         # "not yet" (404) is a normal answer to polling; refusals are worth a warning
         level = logging.DEBUG if exc.status == 404 else logging.WARNING
         log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
-        return JSONResponse({"error": exc.message}, exc.status)
+        retry = {"Retry-After": "1"} if exc.status == 429 else None  # busy, not refused
+        return JSONResponse({"error": exc.message}, exc.status, headers=retry)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -118,6 +170,9 @@ def create_app(coord: Coordinator) -> FastAPI:
         media = "application/javascript" if name.endswith(".js") else "text/plain"
         media = "text/css" if name.endswith(".css") else media
         return Response((STATIC / name).read_bytes(), media_type=media)
+
+    limits = coord.cfg.limits
+    long_polls = LongPolls(limits.max_long_polls, limits.max_long_polls_per_peer)
 
     @app.get("/v1/run")
     def run() -> dict[str, Any]:
@@ -161,15 +216,26 @@ def create_app(coord: Coordinator) -> FastAPI:
 
     @app.get("/v1/rounds/{round}/certificate")
     async def certificate(
-        round: int, wait: float = Query(0.0, ge=0, le=30, description="long-poll seconds")
+        round: int,
+        request: Request,
+        wait: float = Query(0.0, ge=0, le=30, description="long-poll seconds"),
+        peer_id: str | None = Query(None, max_length=64, description="who waits"),
     ) -> schemas.Certificate:
         """The accepted set with weights, the rejections and the new weights hash. With
         `wait`, the request is held until the round commits (or `wait` seconds pass), so
-        peers learn of a commit at once; waiting holds no thread."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + wait
-        while coord.state.round <= round and loop.time() < give_up:
-            await asyncio.sleep(0.02)
+        peers learn of a commit at once; waiting holds no thread. Long-polls held at once
+        are bounded in total and per peer (or per address): past that, 429."""
+        if wait <= 0 or coord.state.round > round:
+            return coord.certificate(round)
+        client = request.client.host if request.client else "-"
+        key, share = (f"peer:{peer_id}", None) if peer_id else (f"address:{client}", 16)
+        with long_polls.hold(key, None if share is None else share * long_polls.per_key) as ok:
+            if not ok:
+                raise Rejected(429, f"too many long-polls held for {key[:40]}: retry shortly")
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + wait
+            while coord.state.round <= round and loop.time() < give_up:
+                await asyncio.sleep(0.02)
         return coord.certificate(round)
 
     @app.post("/v1/validators/join")
@@ -213,19 +279,43 @@ def create_app(coord: Coordinator) -> FastAPI:
 
     @app.put("/v1/blobs/{cid}")
     async def put_blob(cid: str, request: Request) -> dict[str, Any]:
-        """Store bytes under their sha256; refused unless the bytes hash to `cid`."""
-        if not is_content_id(cid):
-            raise Rejected(400, f"not a content id: {cid[:80]!r}")
-        data = await request.body()
+        """Store a blob a member uploads: signed in headers (covey.peer.blobstore.
+        upload_message) by a live worker or a registered validator, of a size this run's
+        model implies; all checked before a byte of the body is read. The body streams to
+        disk and is hashed off the event loop; refused unless it hashes to `cid`."""
+        ticket = await run_in_threadpool(
+            coord.uploads.admit, cid, request.headers, request.headers.get("content-length")
+        )
+        stored = False
         try:
-            coord.blobs.put_verified(cid, data)
+            writer = await run_in_threadpool(coord.blobs.writer, cid, ticket.size)
+            try:
+                pending: list[bytes] = []
+                buffered = 0
+                async for piece in request.stream():
+                    pending.append(piece)
+                    buffered += len(piece)
+                    if buffered >= _WRITE_BYTES:  # one thread hop per MiB, not per packet
+                        await run_in_threadpool(writer.write, b"".join(pending))
+                        pending, buffered = [], 0
+                await run_in_threadpool(writer.write, b"".join(pending))
+                await run_in_threadpool(writer.commit)
+                stored = True
+            finally:
+                if not stored:
+                    writer.abort()
         except BlobError as e:
             raise Rejected(400, str(e)) from None
-        return {"ok": True, "cid": cid, "size": len(data)}
+        except ClientDisconnect:
+            raise Rejected(400, f"upload of {cid[:12]} ended early: client went away") from None
+        finally:
+            coord.uploads.done(ticket, stored)
+        return {"ok": True, "cid": cid, "size": ticket.size}
 
     @app.api_route("/v1/blobs/{cid}", methods=["GET", "HEAD"])
     def get_blob(cid: str, request: Request) -> Response:
-        """Blob bytes; a single `Range: bytes=a-b` gives 206 with that slice."""
+        """Blob bytes; a single `Range: bytes=a-b` gives 206 with that slice (streamed from
+        disk, never read whole into memory)."""
         if not coord.blobs.has(cid):
             raise Rejected(404, f"no blob {cid[:80]!r}")
         size = coord.blobs.size(cid)
@@ -240,15 +330,28 @@ def create_app(coord: Coordinator) -> FastAPI:
                 return Response(headers={"Content-Length": str(size)})
             return FileResponse(coord.blobs.path(cid), media_type="application/octet-stream")
         start, end = byte_range
-        headers = {"Content-Range": f"bytes {start}-{end}/{size}", "Accept-Ranges": "bytes"}
-        body = b"" if request.method == "HEAD" else coord.blobs.read_range(cid, start, end)
+        headers = {
+            "Content-Range": f"bytes {start}-{end}/{size}",
+            "Accept-Ranges": "bytes",
+            "Content-Length": str(end - start + 1),
+        }
         if request.method == "HEAD":
-            headers["Content-Length"] = str(end - start + 1)
-        return Response(body, 206, headers=headers, media_type="application/octet-stream")
+            return Response(None, 206, headers=headers, media_type="application/octet-stream")
+        return StreamingResponse(
+            _file_range(coord.blobs.path(cid), start, end),
+            206,
+            headers=headers,
+            media_type="application/octet-stream",
+        )
 
-    limits = coord.cfg.limits
+    coord.uploads  # noqa: B018 -- sizes implied by the model, worked out before serving
+    app.add_middleware(RateLimit, limits=limits)  # inside BodyLimit: reads bounded bodies
     app.add_middleware(
-        BodyLimit, json_limit=limits.max_json_bytes, blob_limit=limits.max_blob_bytes
+        BodyLimit,
+        json_limit=limits.max_json_bytes,
+        blob_limit=limits.max_blob_bytes,
+        body_timeout_s=limits.body_timeout_s,
+        min_bytes_s=limits.min_upload_bytes_s,
     )
     app.add_middleware(ReceivedAt)  # signatures are checked against the endpoint
     return app
@@ -258,8 +361,15 @@ def serve(coord: Coordinator, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM (uvicorn's graceful shutdown), then stop the driver."""
     import uvicorn
 
+    limits = coord.cfg.limits
     config = uvicorn.Config(
-        create_app(coord), host=host, port=port, log_level="warning", access_log=False
+        create_app(coord),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=int(max(1, limits.keep_alive_s)),  # idle connections close
+        limit_concurrency=limits.max_connections,  # past it: 503, not an unbounded queue
     )
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down; with the default

@@ -7,6 +7,7 @@ certificate, and changes nothing else.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -18,6 +19,7 @@ from covey.peer.blobs import BlobError
 from covey.protocol import schemas
 from covey.trust.identity import body_content_id
 
+from .uploads import UploadGate, blob_sizes
 from .views import Rejected, Views
 
 if TYPE_CHECKING:
@@ -38,6 +40,16 @@ class Intake(Views):
     accounts: Accounts
     authenticate: Any
     _check_not_banned: Any
+    template: Any
+
+    @functools.cached_property
+    def uploads(self) -> UploadGate:
+        """Who may upload which blobs (built once: the sizes come from the model)."""
+        return UploadGate(self.db, self.cfg, blob_sizes(self.strategy, self.template))
+
+    @functools.cached_property
+    def _submitting(self) -> tuple[threading.Lock, set[tuple[str, int]]]:
+        return threading.Lock(), set()
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.run_id:
@@ -53,6 +65,21 @@ class Intake(Views):
         if round_ != req.round:
             raise Rejected(400, f"path says round {round_}, body says round {req.round}")
         self.authenticate(raw, req.round, req.peer_id)
+        lock, busy = self._submitting
+        with lock:  # one submission per peer and round at a time: no racing duplicates
+            if (req.peer_id, req.round) in busy:
+                raise Rejected(
+                    429, f"peer {req.peer_id[:12]} is already submitting to round {req.round}"
+                )
+            busy.add((req.peer_id, req.round))
+        try:
+            return self._submit(req, raw)
+        finally:
+            with lock:
+                busy.discard((req.peer_id, req.round))
+
+    def _submit(self, req: schemas.ContributionRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        round_ = req.round
         try:
             self._check_not_banned(req.peer_id)
             self._check_contribution(round_, req)
@@ -105,6 +132,7 @@ class Intake(Views):
                     "UPDATE peers SET step_time_s = ? WHERE peer_id = ?",
                     (req.compute_s / req.inner_steps, req.peer_id),
                 )
+        self.uploads.named(req.peer_id, (req.cid, getattr(req, "local_state_cid", None)))
         self._wake.set()
         log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
         return {"ok": True, "cid": req.cid}
@@ -158,6 +186,13 @@ class Intake(Views):
             raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None
 
     def _contribution_bytes(self, req: schemas.ContributionRequest) -> bytes:
+        if not self.uploads.sizes.get(req.size, "").startswith("contribution"):
+            # checked before any fetch: no buffer is sized from what a peer declares
+            raise Rejected(
+                422,
+                f"contribution {req.cid[:12]} of {req.size} bytes: not a payload size of "
+                f"this run ({self._payload_sizes()})",
+            )
         if not self.blobs.has(req.cid):
             peer = self.db.one("SELECT * FROM peers WHERE peer_id = ?", (req.peer_id,))
             if not (peer and peer["accepts_connections"] and peer["blob_url"]):
@@ -172,3 +207,7 @@ class Intake(Views):
         if size != req.size:
             raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")
         return self.blobs.get(req.cid)
+
+    def _payload_sizes(self) -> str:
+        sizes = self.uploads.sizes
+        return ", ".join(f"{n} bytes" for n in sorted(sizes) if sizes[n].startswith("contrib"))

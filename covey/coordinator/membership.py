@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from covey.protocol import schemas
-from covey.protocol.rounds import PeerView
+from covey.protocol.rounds import PeerView, no_show_backoff
 from covey.trust.identity import peer_id_of
 
 from .views import Rejected
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
     from .db import Database
 
 log = logging.getLogger("covey.coordinator")
+NO_SHOW_TABLE = (
+    "CREATE TABLE IF NOT EXISTS no_shows (peer_id TEXT PRIMARY KEY, "
+    "consecutive INTEGER NOT NULL, excluded_until REAL NOT NULL)"
+)
 
 
 class Membership:
@@ -153,9 +158,65 @@ class Membership:
 
     def _peer_views(self) -> list[PeerView]:
         rows = self.db.query("SELECT * FROM peers WHERE role = 'worker'")
+        out = self._no_shows()
         return [
             PeerView(
-                r["peer_id"], r["step_time_s"], r["bandwidth_mbps"], r["last_seen"], r["state"]
+                r["peer_id"],
+                r["step_time_s"],
+                r["bandwidth_mbps"],
+                r["last_seen"],
+                r["state"],
+                out.get(r["peer_id"], (0, 0.0))[1],
             )
             for r in rows
         ]
+
+    # -- no-shows: members that neither submit nor leave ------------------------------------
+
+    def _no_shows(self) -> dict[str, tuple[int, float]]:
+        """peer id -> (consecutive no-shows, sits out rounds until)."""
+        if not getattr(self, "_no_show_table", False):  # kept beside db.py's schema
+            with self.db.transaction() as c:
+                c.execute(NO_SHOW_TABLE)
+            self._no_show_table = True
+        rows = self.db.query("SELECT * FROM no_shows")
+        return {r["peer_id"]: (r["consecutive"], r["excluded_until"]) for r in rows}
+
+    def record_no_shows(
+        self, round_: int, absent: Iterable[str], submitted: Iterable[str], now: float
+    ) -> None:
+        """At a round's close: members still alive that did not submit are no-shows. Each
+        is recorded (events, and a signed 'contribution rejected' ledger entry saying so)
+        and, when repeated, sits out rounds for a doubling time (rounds.no_show_backoff);
+        a member that submitted starts its count again."""
+        limits, known = self.cfg.limits, self._no_shows()
+        absent = sorted(set(absent) - set(submitted))
+        with self.accounts.transaction() as c:
+            for peer in set(submitted) & set(known):
+                c.execute("UPDATE no_shows SET consecutive = 0 WHERE peer_id = ?", (peer,))
+            for peer in absent:
+                count = known.get(peer, (0, 0.0))[0] + 1
+                wait = no_show_backoff(
+                    count, limits.no_show_backoff_s, limits.no_show_backoff_max_s
+                )
+                c.execute(
+                    "INSERT OR REPLACE INTO no_shows VALUES (?, ?, ?)", (peer, count, now + wait)
+                )
+                detail = {"round": round_, "consecutive": count, "sits_out_s": wait}
+                self.db.event(c, now, "no show", peer, detail)
+                reason = (
+                    f"no-show: a member of round {round_} that did not submit ({count} in a row)"
+                )
+                self.accounts.append(
+                    c,
+                    "contribution rejected",
+                    {"round": round_, "peer_id": peer, "reason": reason},
+                    now,
+                )
+                log.warning(
+                    "[%s - round %d] no-show (%d in a row): sits out rounds for %.0f s",
+                    peer[:8],
+                    round_,
+                    count,
+                    wait,
+                )

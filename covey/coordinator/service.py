@@ -35,7 +35,7 @@ from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.peer.blobs import BlobClient, BlobStore
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
-from covey.protocol.rounds import close_reason, is_alive, plan_round
+from covey.protocol.rounds import close_reason, is_alive, is_eligible, plan_round
 from covey.sim.simulator import evaluate
 from covey.trust.certify import sign_certificate
 from covey.trust.identity import Identity
@@ -213,10 +213,12 @@ class Coordinator(Membership, Intake, Verification, Auth, Views):
         if now - self._nonces_pruned > 60:
             self.prune_nonces(now)
             self._nonces_pruned = now
-        alive = {p.peer_id for p in self._peer_views() if is_alive(now, p, cfg)}
+        views = self._peer_views()
+        alive = {p.peer_id for p in views if is_alive(now, p, cfg)}
         current = self.open_round()
         if current is None:
-            if not self.finished() and len(alive) >= cfg.min_peers:
+            eligible = [p for p in views if is_eligible(now, p, cfg)]  # no-shows sit out
+            if not self.finished() and len(eligible) >= cfg.min_peers:
                 self._open(now)
             return
         waiting_on = [m for m in current.members if m in alive]
@@ -229,6 +231,7 @@ class Coordinator(Membership, Intake, Verification, Auth, Views):
         ]
         reason = close_reason(now, current.deadline, waiting_on, submitted)
         if reason is not None:
+            self.record_no_shows(current.round, waiting_on, submitted, now)
             self._close(current, reason)
 
     def _open(self, now: float) -> None:

@@ -13,12 +13,24 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
-from covey.peer.blobstore import BLOB_PATH_PREFIX, BlobError, cid_or_error
+from covey.peer.blobstore import (
+    BLOB_PATH_PREFIX,
+    UPLOAD_NONCE_HEADER,
+    UPLOAD_PEER_HEADER,
+    UPLOAD_SIGNATURE_HEADER,
+    BlobError,
+    cid_or_error,
+    upload_message,
+)
 from covey.protocol.content import content_id
+
+if TYPE_CHECKING:
+    from covey.trust.identity import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +39,32 @@ _MIN_RATE_BYTES_S = 64 << 10  # after timeout_s of grace, a transfer slower than
 _RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 T = TypeVar("T")
+
+
+def upload_headers(identity: Identity, run_id: str, cid: str, size: int) -> dict[str, str]:
+    """Headers that sign one upload of blob `cid` of `size` bytes to run `run_id` (fresh
+    nonce: make new headers for every attempt)."""
+    from covey.trust.identity import make_nonce  # the peer side only: keep blobs light
+
+    nonce = make_nonce()
+    signature = identity.sign(upload_message(run_id, identity.peer_id, cid, size, nonce))
+    return {
+        UPLOAD_PEER_HEADER: identity.peer_id,
+        UPLOAD_NONCE_HEADER: nonce,
+        UPLOAD_SIGNATURE_HEADER: signature,
+    }
+
+
+def check_provider(base: str) -> str:
+    """`base` if it is an http(s) URL with a host; BlobError otherwise. Providers are peers'
+    blob servers: a file://, ftp:// or host-less URL is never fetched (no SSRF)."""
+    try:
+        parts = urlsplit(base)
+    except ValueError as e:
+        raise BlobError(f"provider {base[:100]!r} is not a URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BlobError(f"provider {base[:100]!r} is not an http(s) URL with a host")
+    return base
 
 
 class _Failure(Exception):
@@ -54,7 +92,9 @@ class BlobClient:
     exponential backoff `backoff_s * 2**k` (capped at 5 s). Only transport errors and
     408/429/5xx are retried; a 4xx, a wrong length or a wrong hash fails the provider at
     once. `served` counts bytes received per provider. Proxy environment variables are
-    ignored: providers are peers, reached directly. Thread-safe.
+    ignored: providers are peers, reached directly. Only http(s) providers are contacted,
+    and redirects are never followed (a provider cannot send the client elsewhere).
+    Thread-safe.
     """
 
     def __init__(
@@ -87,6 +127,7 @@ class BlobClient:
             ),
             headers={"Accept-Encoding": "identity"},  # ranges must count raw bytes
             trust_env=False,
+            follow_redirects=False,  # a 3xx fails its provider: never fetch from elsewhere
         )
 
     def fetch(self, cid: str, providers: Sequence[str], size: int | None = None) -> bytes:
@@ -106,7 +147,14 @@ class BlobClient:
         if size is not None and self.max_bytes is not None and size > self.max_bytes:
             raise BlobError(f"cannot fetch {cid}: {size} bytes exceeds max_bytes={self.max_bytes}")
         failures: dict[str, str] = {}
-        candidates = list(providers)
+        candidates = []
+        for p in providers:
+            try:
+                candidates.append(check_provider(p))
+            except BlobError as e:
+                failures[p] = str(e)
+        if not candidates:
+            raise self._error("fetch", cid, failures)
         if size is not None and size > self.chunk_bytes:
             data, dead = self._fetch_chunked(cid, candidates, size, failures)
             if data is not None:
@@ -134,8 +182,17 @@ class BlobClient:
                 failures[p] = str(f)
         raise self._error("find size of", cid, failures or {"-": "no providers"})
 
-    def upload(self, base_url: str, data: bytes, cid: str | None = None) -> str:
-        """PUT the blob to {base_url}/v1/blobs/{cid} and return its cid.
+    def upload(
+        self,
+        base_url: str,
+        data: bytes,
+        cid: str | None = None,
+        *,
+        signer: tuple[Identity, str] | None = None,
+    ) -> str:
+        """PUT the blob to {base_url}/v1/blobs/{cid} and return its cid. With `signer`
+        (identity, run id), each attempt carries freshly signed upload headers: the
+        coordinator takes blobs from members only.
 
         BlobError if `cid` is given and is not the data's hash (nothing is sent), or with
         the server's message on a non-retryable 4xx, or after `retries` attempts failing
@@ -147,10 +204,11 @@ class BlobClient:
         url = f"{base_url.rstrip('/')}{BLOB_PATH_PREFIX}{actual}"
 
         def attempt() -> str:
+            headers = {"Content-Type": "application/octet-stream"}
+            if signer is not None:
+                headers.update(upload_headers(signer[0], signer[1], actual, len(data)))
             try:
-                resp = self._http.put(
-                    url, content=data, headers={"Content-Type": "application/octet-stream"}
-                )
+                resp = self._http.put(url, content=data, headers=headers)
             except httpx.TransportError as e:
                 raise _Failure(f"{type(e).__name__}: {e}", retry=True) from e
             if resp.is_success:
@@ -181,7 +239,8 @@ class BlobClient:
         ranges = [
             (s, min(s + self.chunk_bytes, size) - 1) for s in range(0, size, self.chunk_bytes)
         ]
-        out = bytearray(size)
+        # pieces as they arrive: no buffer is allocated from a size someone declared
+        pieces: dict[int, bytes] = {}
         dead: set[str] = set()
         abort = threading.Event()  # one chunk had no provider left: stop the others
 
@@ -204,7 +263,8 @@ class BlobClient:
                         if f.skip:
                             dead.add(p)
                     continue
-                out[start : end + 1] = piece  # disjoint slices of a fixed-size buffer
+                with self._lock:
+                    pieces[i] = piece
                 return True
             abort.set()
             return False
@@ -212,8 +272,10 @@ class BlobClient:
         with ThreadPoolExecutor(max_workers=min(self.parallel, len(ranges))) as pool:
             complete = all(list(pool.map(one, range(len(ranges)))))
         if complete:
+            out = b"".join(pieces[i] for i in range(len(ranges)))
+            pieces.clear()
             if content_id(out) == cid:
-                return bytes(out), dead
+                return out, dead
             failures["chunks"] = "assembled ranges do not hash to the cid"
         return None, dead
 

@@ -8,6 +8,7 @@ path `BLOB_PATH_PREFIX` (`GET|HEAD {base}/v1/blobs/{cid}`, `PUT` on the coordina
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -16,11 +17,24 @@ from pathlib import Path
 from covey.protocol.content import content_id, is_content_id
 
 BLOB_PATH_PREFIX = "/v1/blobs/"
+# A blob upload is signed in headers (its body is the blob): who, which blob, how big
+UPLOAD_PURPOSE = "PUT /v1/blobs"
+UPLOAD_PEER_HEADER = "X-Covey-Peer"
+UPLOAD_NONCE_HEADER = "X-Covey-Nonce"
+UPLOAD_SIGNATURE_HEADER = "X-Covey-Signature"
 _TMP_PREFIX = ".tmp-"  # never a content id, so a crash's leftover is never seen as a blob
 
 
 class BlobError(Exception):
     """A blob could not be stored or fetched; the message names the cid and why."""
+
+
+def upload_message(run_id: str, peer_id: str, cid: str, size: int, nonce: str) -> bytes:
+    """The bytes an upload's signature covers: its purpose, the run, the uploader, the blob
+    and its exact size, and a nonce (covey.trust.identity.make_nonce). Its own prefix keeps
+    it from ever reading as a signed JSON request, and a JSON request from reading as it."""
+    fields = ("covey-upload/v1", UPLOAD_PURPOSE, run_id, peer_id, cid, str(size), nonce)
+    return "\n".join(fields).encode()
 
 
 def is_cid(value: object) -> bool:
@@ -106,6 +120,15 @@ class BlobStore:
             raise BlobError(f"blob {cid}: short read at {start}-{end_inclusive}")
         return data
 
+    def writer(self, cid: str, size: int) -> BlobWriter:
+        """A `BlobWriter` that streams exactly `size` bytes of blob `cid` into the store.
+        BlobError (nothing created) if cid is malformed or size exceeds max_blob_bytes."""
+        cid_or_error(cid)
+        if size < 0:
+            raise BlobError(f"blob {cid}: negative size {size}")
+        self._check_size(cid, size)
+        return BlobWriter(self, cid, size)
+
     def delete(self, cid: str) -> None:
         """Remove the blob; a missing blob is not an error, a malformed cid is (BlobError)."""
         self.path(cid).unlink(missing_ok=True)
@@ -147,6 +170,65 @@ class BlobStore:
                 raise BlobError(f"cannot store blob {cid}: {e}") from e
             raise
         _fsync_dir(final.parent)
+
+
+class BlobWriter:
+    """Streams one blob into a store: `write` pieces as they arrive (hashed and written,
+    never all held in memory), then `commit` (checks the count and the hash, fsyncs,
+    renames into place) or `abort`. A writer never committed leaves nothing under the blob's
+    id: at worst a `.tmp-*` file, and `abort` removes that. Not thread-safe: one caller."""
+
+    def __init__(self, store: BlobStore, cid: str, size: int) -> None:
+        self.cid, self.size, self.received = cid, size, 0
+        self._final = store.path(cid)
+        self._hash = hashlib.sha256()
+        try:
+            self._final.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._final.parent, prefix=_TMP_PREFIX, suffix=".part")
+        except OSError as e:
+            raise BlobError(f"cannot store blob {cid}: {e}") from e
+        self._tmp = Path(tmp)
+        self._file = os.fdopen(fd, "wb")
+
+    def write(self, piece: bytes) -> None:
+        """Append `piece`; BlobError (and the writer aborted) past the declared size."""
+        if self.received + len(piece) > self.size:
+            self.abort()
+            raise BlobError(f"blob {self.cid}: more than the declared {self.size} bytes")
+        self._hash.update(piece)
+        self.received += len(piece)
+        try:
+            self._file.write(piece)
+        except OSError as e:
+            self.abort()
+            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+
+    def commit(self) -> None:
+        """Put the blob in place; BlobError (writer aborted, store unchanged) if fewer bytes
+        than declared arrived or they do not hash to the cid."""
+        try:
+            if self.received != self.size:
+                raise BlobError(f"blob {self.cid}: {self.received} of {self.size} bytes arrived")
+            actual = self._hash.hexdigest()
+            if actual != self.cid:
+                raise BlobError(f"blob {self.cid}: data hashes to {actual}, refusing to store")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self._final)
+        except OSError as e:
+            self.abort()
+            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+        except BlobError:
+            self.abort()
+            raise
+        _fsync_dir(self._final.parent)
+
+    def abort(self) -> None:
+        """Drop what was written; idempotent."""
+        if not self._file.closed:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -169,12 +169,17 @@ class Validator:
         out: dict[str, Any] = {"segment": segment}
         if segment > 0:
             data = verify.local_state_to_bytes(mine.states[segment])
-            out["state_cid"] = self.blobs.upload(sources[0], data, content_id(data))
+            out["state_cid"] = self.blobs.upload(
+                sources[0], data, content_id(data), signer=(self.identity, self.run_id)
+            )
         if segment + 1 < len(mine.commitments):
             out["claim"] = mine.commitments[segment + 1].to_dict()
         else:
             out["payload_cid"] = self.blobs.upload(
-                sources[0], mine.payload, content_id(mine.payload)
+                sources[0],
+                mine.payload,
+                content_id(mine.payload),
+                signer=(self.identity, self.run_id),
             )
         return out
 

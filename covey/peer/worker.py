@@ -384,7 +384,9 @@ class Worker:
             if old not in self._published:
                 self.store.delete(old)
         if self.server is None:
-            self.blobs.upload(self.opts.coordinator, payload, cid)
+            self.blobs.upload(
+                self.opts.coordinator, payload, cid, signer=(self.identity, self.run_id)
+            )
         body = {
             "run_id": self.run_id,
             "round": info.round,

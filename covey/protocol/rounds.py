@@ -24,6 +24,7 @@ class PeerView:
     bandwidth_mbps: float | None
     last_seen: float
     state: str  # "live" | "left" | "dead"
+    excluded_until: float = 0.0  # a repeated no-show sits out rounds until then
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,21 @@ def data_key(run_id: str, round: int, peer_id: str) -> str:
 
 def is_alive(now: float, peer: PeerView, cfg: RoundsConfig) -> bool:
     return peer.state == "live" and now - peer.last_seen <= cfg.dead_after_s
+
+
+def is_eligible(now: float, peer: PeerView, cfg: RoundsConfig) -> bool:
+    """Alive and not sitting out rounds for repeated no-shows: may be made a member."""
+    return is_alive(now, peer, cfg) and now >= peer.excluded_until
+
+
+def no_show_backoff(consecutive: int, base_s: float, max_s: float) -> float:
+    """How long a peer that joined `consecutive` rounds in a row without submitting sits
+    out rounds: nothing for the first (a crash or a slow start happens to anyone), then
+    base_s, doubling with each further no-show, never more than max_s. A free identity
+    therefore stretches at most one round to its deadline before it is left out."""
+    if consecutive < 2:
+        return 0.0
+    return min(max_s, base_s * 2.0 ** min(consecutive - 2, 60))
 
 
 def inner_step_budget(
@@ -65,10 +81,11 @@ def plan_round(
     payload_bytes: int,
     cfg: RoundsConfig,
 ) -> tuple[list[Assignment], float]:
-    """Membership (the live peers, fixed from now on), each one's assignment, and the
-    round's deadline: slack x the slowest expected compute plus the time to upload one
-    payload and download every other, clamped to the configured bounds."""
-    members = sorted((p for p in peers if is_alive(now, p, cfg)), key=lambda p: p.peer_id)
+    """Membership (the eligible peers: live, not sitting out for no-shows; fixed from now
+    on), each one's assignment, and the round's deadline: slack x the slowest expected
+    compute plus the time to upload one payload and download every other, clamped to the
+    configured bounds."""
+    members = sorted((p for p in peers if is_eligible(now, p, cfg)), key=lambda p: p.peer_id)
     assignments, longest = [], 0.0
     for p in members:
         steps = inner_step_budget(p.step_time_s, steps_per_round, flexible, cfg)

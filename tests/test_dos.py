@@ -1,0 +1,387 @@
+"""Nothing unsigned or cheap can stall the run: each attack goes through HTTP (raw sockets
+where the attack is in the framing) against one real coordinator process. The tester is
+its own peers: it joins, heartbeats and signs with keys it makes, so it controls exactly
+what is sent."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from covey.algorithms.codecs import get_codec
+from covey.config import RoundsConfig
+from covey.coordinator.limits import LongPolls, TokenBuckets
+from covey.local.cluster import LocalCluster
+from covey.peer.blobclient import upload_headers
+from covey.protocol.content import content_id
+from covey.protocol.rounds import PeerView, no_show_backoff, plan_round
+from covey.trust.identity import Identity
+
+network = pytest.mark.network  # the attacks; the unit tests at the end need no process
+
+SPEC = """
+name = "dos"
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 64
+[algorithm]
+method = "diloco"
+inner_steps = 4
+[rounds]
+deadline_min_s = 2
+deadline_max_s = 2
+eval_batches = 1
+[limits]
+max_blob_bytes = 1048576
+body_timeout_s = 2
+min_upload_bytes_s = 1048576
+peer_rate = 5
+peer_burst = 10
+no_show_backoff_s = 60
+"""
+NUMEL = 120_576  # nano GPT's parameters
+PAYLOAD = get_codec("fp32").nbytes(NUMEL)  # the only contribution size this run takes
+
+
+class Peer:
+    """A worker that joins and heartbeats (every 0.5 s) and does nothing else unless told."""
+
+    def __init__(self, cluster: LocalCluster, **join: Any) -> None:
+        self.http = httpx.Client(base_url=cluster.url, timeout=10, trust_env=False)
+        self.run_id = cluster.get("/v1/run")["run_id"]
+        self.key = Identity.generate()
+        self.id = self.key.peer_id
+        body = {
+            "run_id": self.run_id,
+            "peer_id": self.id,
+            "public_key": self.key.public_key,
+            "name": "tester",
+            "step_time_s": 0.01,
+            **join,
+        }
+        resp = self.http.post("/v1/join", json=self.sign("/v1/join", body))
+        assert resp.status_code == 200, resp.text
+        self.stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def sign(self, path: str, body: dict[str, Any], round: int = -1) -> dict[str, Any]:
+        return self.key.sign_request(body, round, purpose=f"POST {path}")
+
+    def heartbeat(self) -> httpx.Response:
+        body = {"run_id": self.run_id, "peer_id": self.id}
+        return self.http.post("/v1/heartbeat", json=self.sign("/v1/heartbeat", body))
+
+    def _beat(self) -> None:
+        while not self.stop.wait(0.5):
+            for _ in range(20):  # a 429 from the burst test: try again shortly
+                if self.stop.is_set() or self.heartbeat().status_code != 429:
+                    break
+                time.sleep(0.2)
+
+    def put(self, data: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
+        return self.http.put(f"/v1/blobs/{content_id(data)}", content=data, headers=headers)
+
+    def signed(self, data: bytes) -> dict[str, str]:
+        return upload_headers(self.key, self.run_id, content_id(data), len(data))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Peer]]:
+    tmp: Path = tmp_path_factory.mktemp("dos")
+    spec = tmp / "run.toml"
+    spec.write_text(SPEC)
+    cluster = LocalCluster(spec, tmp)
+    cluster.start_coordinator()
+    peer = Peer(cluster)
+    yield cluster, peer
+    peer.stop.set()
+    cluster.stop()
+
+
+def payload(seed: int) -> bytes:
+    return get_codec("fp32").encode(torch.full((NUMEL,), 1e-4 * (seed + 1)))
+
+
+def raw_request(cluster: LocalCluster, head: str, body: bytes = b"") -> socket.socket:
+    """A socket that has sent `head` (request line and headers) and `body`, nothing more."""
+    sock = socket.create_connection(("127.0.0.1", cluster.port), timeout=15)
+    sock.sendall(head.encode() + b"\r\n" + body)
+    return sock
+
+
+def read_reply(sock: socket.socket) -> tuple[int, str]:
+    """(status, whole reply) once the server answers or closes; every read has a timeout."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+    finally:
+        sock.close()
+    text = data.decode("latin-1")
+    return (int(text.split(" ", 2)[1]) if text.startswith("HTTP/") else 0), text
+
+
+@network
+def test_unsigned_and_stranger_uploads_store_nothing(world: tuple[LocalCluster, Peer]) -> None:
+    _, peer = world
+    data = payload(1)
+    cid = content_id(data)
+    resp = peer.put(data)
+    assert resp.status_code == 401 and "unsigned" in resp.json()["error"], resp.text
+    stranger = Identity.generate()  # signs correctly, but never joined
+    resp = peer.put(data, upload_headers(stranger, peer.run_id, cid, len(data)))
+    assert resp.status_code == 403 and "only members" in resp.json()["error"], resp.text
+    other = payload(2)  # a member's signature for other bytes does not cover these
+    resp = peer.put(data, {**peer.signed(other)})
+    assert resp.status_code == 401 and "signature" in resp.json()["error"], resp.text
+    assert peer.http.get(f"/v1/blobs/{cid}").status_code == 404
+    headers = peer.signed(data)  # the member's own upload is taken, once
+    assert peer.put(data, headers).status_code == 200
+    assert peer.http.get(f"/v1/blobs/{cid}").content == data
+    resp = peer.put(data, headers)
+    assert resp.status_code == 401 and "replayed" in resp.json()["error"], resp.text
+
+
+@network
+def test_wrong_size_refused_before_the_body(world: tuple[LocalCluster, Peer]) -> None:
+    """A signed upload of a size the model does not imply is a 413 with no body sent."""
+    cluster, peer = world
+    size = 512 << 10  # under max_blob_bytes: the old code would wait for and store it
+    cid = "ab" * 32
+    signed = upload_headers(peer.key, peer.run_id, cid, size)
+    head = f"PUT /v1/blobs/{cid} HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in signed.items()
+    )
+    t0 = time.monotonic()
+    status, reply = read_reply(raw_request(cluster, head))
+    assert status == 413, reply
+    assert f"{PAYLOAD} (contribution)" in reply
+    assert time.monotonic() - t0 < 5  # answered at once, not after a body timeout
+
+
+@network
+def test_slow_senders_are_cut_off(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, peer = world
+    body = b'{"run_id": "'  # 12 of 100 declared bytes, then silence
+    head = "POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    t0 = time.monotonic()
+    status, reply = read_reply(raw_request(cluster, head + "Content-Length: 100\r\n", body))
+    assert status == 408 and "too slow" in reply, reply
+    assert 1.5 < time.monotonic() - t0 < 8  # body_timeout_s = 2 (plus 100 B at 1 MiB/s)
+    # a signed blob upload that stalls halfway: cut off, nothing stored, slot released
+    data = payload(3)
+    signed = peer.signed(data)
+    head = (
+        f"PUT /v1/blobs/{content_id(data)} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in signed.items())
+    )
+    status, reply = read_reply(raw_request(cluster, head, data[: len(data) // 2]))
+    assert status == 408, reply
+    assert peer.http.get(f"/v1/blobs/{content_id(data)}").status_code == 404
+    assert peer.put(data, peer.signed(data)).status_code == 200
+
+
+@network
+def test_a_burst_gets_429s_and_others_are_served(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, peer = world
+    bursty = Peer(cluster)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: bursty.heartbeat(), range(100)))
+        limited = [r for r in codes if r.status_code == 429]
+        assert len(limited) >= 50, [r.status_code for r in codes]
+        assert all(r.status_code in (200, 429) for r in codes)
+        assert int(limited[0].headers["Retry-After"]) >= 1
+        assert peer.heartbeat().status_code == 200  # another peer is served meanwhile
+        assert cluster.get("/v1/status")["run_id"]
+        # a stranger replaying the bursty peer's id spends none of its budget for long
+        forged = {"run_id": peer.run_id, "peer_id": bursty.id, "nonce": "x", "signature": "00"}
+        assert peer.http.post("/v1/heartbeat", json=forged).status_code in (401, 422, 429)
+    finally:
+        bursty.stop.set()
+
+
+@network
+def test_long_polls_are_bounded(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, peer = world
+    future = cluster.status()["committed_rounds"] + 1000  # never commits during the test
+
+    def poll() -> httpx.Response:
+        return peer.http.get(
+            f"/v1/rounds/{future}/certificate", params={"wait": 3, "peer_id": peer.id}
+        )
+
+    with ThreadPoolExecutor(3) as pool:
+        held = [pool.submit(poll) for _ in range(2)]
+        time.sleep(0.5)  # both are held (3 s each) by now; a third is refused at once
+        t0 = time.monotonic()
+        third = poll()
+        assert third.status_code == 429, third.text
+        assert time.monotonic() - t0 < 2
+        assert [f.result().status_code for f in held] == [404, 404]
+
+
+class Redirector:
+    """A blob 'server' that answers every request with a redirect to `target`."""
+
+    def __init__(self, target: Callable[[str], str]) -> None:
+        self.hits = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer.hits += 1
+                self.send_response(302)
+                self.send_header("Location", target(self.path))
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_HEAD = do_GET
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def contribution(peer: Peer, cid: str, size: int) -> dict[str, Any]:
+    info = peer.http.get("/v1/round", params={"peer_id": peer.id}).json()
+    body = {
+        "run_id": peer.run_id,
+        "round": info["round"],
+        "attempt": info["attempt"],
+        "peer_id": peer.id,
+        "cid": cid,
+        "start_hash": info["start_hash"],
+        "size": size,
+        "tokens": 4 * 64 * 4,
+        "inner_steps": 4,
+    }
+    return peer.key.sign_request(body, body["round"], purpose=_submit_purpose(body["round"]))
+
+
+def _submit_purpose(round_: int) -> str:
+    return f"POST /v1/rounds/{round_}/contributions"
+
+
+@network
+def test_blob_urls_are_not_ssrf(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, _ = world
+    with pytest.raises(AssertionError, match="422"):  # file:// is not a blob URL
+        Peer(cluster, accepts_connections=True, blob_url="file:///etc/passwd")
+    elsewhere = Redirector(lambda path: "http://unused.invalid/")
+    inside = Redirector(lambda path: f"{elsewhere.url}{path}")  # bounce to another server
+    member = Peer(cluster, accepts_connections=True, blob_url=inside.url)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # a round this peer is a member of
+            info = member.http.get("/v1/round", params={"peer_id": member.id}).json()
+            if info["phase"] == "open" and info["member"] and (info["deadline_in_s"] or 0) > 1:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the redirecting peer never became a member of an open round")
+        body = contribution(member, content_id(payload(4)), PAYLOAD)
+        resp = member.http.post(f"/v1/rounds/{body['round']}/contributions", json=body)
+        assert resp.status_code == 409 and "could not fetch" in resp.text, resp.text
+        assert inside.hits >= 1 and elsewhere.hits == 0  # asked once, never followed
+    finally:
+        member.stop.set()
+        inside.close()
+        elsewhere.close()
+
+
+@network
+def test_no_shows_sit_out_rounds(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, _ = world
+    idle = Peer(cluster)  # joins, heartbeats, never submits
+    try:
+
+        def no_shows() -> int:
+            entries = cluster.get("/v1/ledger", start=0, limit=5000)
+            return sum(
+                1
+                for e in entries
+                if e["type"] == "contribution rejected"
+                and e["payload"]["peer_id"] == idle.id
+                and "no-show" in e["payload"]["reason"]
+            )
+
+        deadline = time.monotonic() + 30
+        while no_shows() < 2:  # two rounds of 2 s, each closed at its deadline
+            assert time.monotonic() < deadline, f"{no_shows()} no-shows recorded in 30 s"
+            time.sleep(0.2)
+        watch_until = time.monotonic() + 5  # more than two rounds' deadlines
+        while time.monotonic() < watch_until:
+            info = idle.http.get("/v1/round", params={"peer_id": idle.id}).json()
+            assert not info["member"], f"a no-show was made a member again: {info}"
+            time.sleep(0.1)
+        assert idle.heartbeat().status_code == 200  # still live: excluded, not dead
+    finally:
+        idle.stop.set()
+
+
+# ---- the arithmetic, without processes ----------------------------------------------
+
+
+def test_token_buckets() -> None:
+    buckets = TokenBuckets(rate=2.0, burst=3)
+    assert [buckets.take("a", 0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert buckets.take("a", 0.0) == pytest.approx(0.5)  # empty: one token in 0.5 s
+    assert buckets.take("b", 0.0) == 0.0  # another key has its own bucket
+    assert buckets.take("a", 0.5) == 0.0  # refilled
+    buckets.give_back("a")  # a request that was not a's: its token comes back
+    assert buckets.take("a", 0.5) == 0.0
+    assert buckets.take("a", 0.5) > 0
+    with pytest.raises(ValueError, match="rate"):
+        TokenBuckets(rate=0, burst=1)
+
+
+def test_long_polls_are_counted_per_key_and_in_total() -> None:
+    polls = LongPolls(total=3, per_key=2)
+    with polls.hold("a") as a1, polls.hold("a") as a2, polls.hold("a") as a3:
+        assert (a1, a2, a3) == (True, True, False)
+        with polls.hold("b") as b1, polls.hold("c") as c1:
+            assert (b1, c1) == (True, False)  # the total is taken
+    with polls.hold("a") as again:
+        assert again  # released when the blocks ended
+
+
+def test_no_show_backoff_and_planning() -> None:
+    assert [no_show_backoff(n, 30, 100) for n in range(6)] == [0, 0, 30, 60, 100, 100]
+    cfg = RoundsConfig()
+    peers = [
+        PeerView("a", 0.1, None, 100.0, "live"),
+        PeerView("b", 0.1, None, 100.0, "live", excluded_until=160.0),
+    ]
+    members, _ = plan_round(
+        100.0, "run", 0, peers, steps_per_round=4, flexible=True, payload_bytes=10, cfg=cfg
+    )
+    assert [m.peer_id for m in members] == ["a"]  # b sits out until 160
+    later = [PeerView(p.peer_id, 0.1, None, 160.0, "live", p.excluded_until) for p in peers]
+    members, _ = plan_round(
+        160.0, "run", 1, later, steps_per_round=4, flexible=True, payload_bytes=10, cfg=cfg
+    )
+    assert [m.peer_id for m in members] == ["a", "b"]
