@@ -170,7 +170,7 @@ def sim(
 
     typer.echo(f"covey sim: {cfg.algorithm.method}, {cfg.workers} workers, {cfg.rounds} rounds")
     result = simulate(cfg, progress=progress)
-    save_run(out, cfg.algorithm.method, result.records, result.summary)
+    plotted = save_run(out, cfg.algorithm.method, result.records, result.summary)
     _track(log, out, f"sim-{cfg.algorithm.method}", cfg.model_dump(mode="json"), result.records)
     s = result.summary
     typer.echo(
@@ -178,7 +178,7 @@ def sim(
         f" | sent/worker {s['bytes_sent_per_worker']:,.0f} B"
         f" | simulated {s['sim_time_s']:.1f} s | utilization {s['utilization']:.1%}"
     )
-    typer.echo(f"wrote {out}/metrics.jsonl, summary.json, plot.png")
+    typer.echo(f"wrote {out}/metrics.jsonl, summary.json" + (", plot.png" if plotted else ""))
 
 
 @bench_app.command("comms")

@@ -69,7 +69,7 @@ def main() -> None:
     elif task == "test":
         setup("[test]")
         # tests/test_dashboard.py drives headless Chromium; as root with apt-get, install it.
-        run(PY, "-m", "covey.dashboard.browser", "install", check=False)
+        run(PY, ROOT / "tests" / "browser.py", "install", check=False)
         if run(PY, "-m", "ruff", "check", "covey", "tests", "scripts", check=False):
             sys.exit("ruff found problems (see above)")
         sys.exit(run(PY, "-m", "pytest", "-q", *rest, check=False))

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import covey.dashboard
-from covey.dashboard.browser import find_chromium, render_dom, screenshot
+from tests.browser import find_chromium, render_dom, screenshot
 
 pytestmark = pytest.mark.network
 

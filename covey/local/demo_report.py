@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.local.cluster import LocalCluster
-from covey.sim.report import human_bytes, write_json, write_jsonl
+from covey.sim.report import human_bytes, pyplot, write_json, write_jsonl
 
 
 def write_demo_outputs(
@@ -25,7 +25,8 @@ def write_demo_outputs(
     return it. `minutes_trained` counts from the first worker's join."""
     rounds = status["rounds"]
     write_jsonl(out_dir / "metrics.jsonl", rounds)
-    plot_demo(out_dir / "loss.png", rounds, [k["committed_rounds"] for k in kills], status)
+    kill_rounds = [k["committed_rounds"] for k in kills]
+    plotted = plot_demo(out_dir / "loss.png", rounds, kill_rounds, status)
     losses = [r["val_loss"] for r in rounds if r["val_loss"] is not None]
     coordinator_dir = out_dir / "coordinator"
     procs = {"coordinator": cluster.coordinator, **cluster.workers}
@@ -63,7 +64,7 @@ def write_demo_outputs(
             ),
             "logs": str(cluster.logs),
             "metrics": str(out_dir / "metrics.jsonl"),
-            "plot": str(out_dir / "loss.png"),
+            "plot": str(out_dir / "loss.png") if plotted else None,
         },
     }
     write_json(out_dir / "summary.json", summary)
@@ -132,20 +133,19 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         "  coordinator/coordinator.db  rounds, certificates, peers, events (SQLite)",
         f"  coordinator/checkpoints/    {len(paths['checkpoints'])} checkpoint(s)",
         "  logs/                       one log per process",
-        "  metrics.jsonl, loss.png, summary.json",
+        "  metrics.jsonl, summary.json" + (", loss.png" if paths["plot"] else ""),
     ]
     return lines
 
 
 def plot_demo(
     path: Path, rounds: Sequence[dict[str, Any]], kill_rounds: Sequence[int], status: dict
-) -> None:
+) -> bool:
     """Two panels: validation and mean training loss against round, and bytes of
-    contributions per round. Dotted lines mark chaos kills."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    contributions per round. Dotted lines mark chaos kills. False (nothing written, a
+    one-line note) without matplotlib."""
+    if (plt := pyplot()) is None:
+        return False
 
     fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
     for key, label, alpha in (
@@ -172,3 +172,4 @@ def plot_demo(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

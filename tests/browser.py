@@ -9,9 +9,9 @@ however slow the server is in real time, and timers cost no real time. What boun
 time is ``timeout_s``: a server that never answers stalls the virtual clock, and the whole
 process group is then killed and reported.
 
-    python -m covey.dashboard.browser install          # apt-get chromium if root and missing
-    python -m covey.dashboard.browser dom URL          # print the DOM after JS ran
-    python -m covey.dashboard.browser shot URL PATH    # save a PNG
+    python tests/browser.py install          # apt-get chromium if root and missing
+    python tests/browser.py dom URL          # print the DOM after JS ran
+    python tests/browser.py shot URL PATH    # save a PNG
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         screenshot(args[1], Path(args[2]))
         return 0
     print(
-        "usage: python -m covey.dashboard.browser install | dom URL | shot URL PATH",
+        "usage: python tests/browser.py install | dom URL | shot URL PATH",
         file=sys.stderr,
     )
     return 2
