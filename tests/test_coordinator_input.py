@@ -21,6 +21,7 @@ import torch
 from covey.algorithms.codecs import get_codec
 from covey.config import RunConfig
 from covey.local.cluster import LocalCluster
+from covey.peer.blobclient import upload_headers
 from covey.protocol.content import content_id
 from covey.trust.identity import (
     NO_ROUND,
@@ -104,7 +105,8 @@ class Peer:
 
     def upload(self, data: bytes) -> str:
         cid = content_id(data)
-        assert self.http.put(f"/v1/blobs/{cid}", content=data).status_code == 200
+        headers = upload_headers(self.key, self.run_id, cid, len(data))  # members only
+        assert self.http.put(f"/v1/blobs/{cid}", content=data, headers=headers).status_code == 200
         return cid
 
 
@@ -176,9 +178,10 @@ def test_oversized_and_mismatched_blobs(world: tuple[LocalCluster, Peer]) -> Non
     before = snapshot(cluster)
     big = b"x" * (1048576 + 1)
     refused(cluster, peer.http.put(f"/v1/blobs/{content_id(big)}", content=big), 413, "limit")
-    data = b"honest bytes"
+    data = fp32_payload(torch.zeros(NUMEL))  # a size this run takes, signed for another cid
     liar = content_id(b"other bytes")
-    refused(cluster, peer.http.put(f"/v1/blobs/{liar}", content=data), 400, "hash")
+    sign = upload_headers(peer.key, peer.run_id, liar, len(data))
+    refused(cluster, peer.http.put(f"/v1/blobs/{liar}", content=data, headers=sign), 400, "hash")
     assert peer.http.get(f"/v1/blobs/{liar}").status_code == 404  # nothing was stored
     refused(cluster, peer.http.put("/v1/blobs/..coordinator.db", content=data), 400, "content id")
     refused(cluster, peer.http.put("/v1/blobs/..%2fdb", content=data), 404, "Not Found")
@@ -200,20 +203,22 @@ def test_bad_contributions_are_refused(world: tuple[LocalCluster, Peer]) -> None
     refused(cluster, submit(other_round, rnd + 1), 409, "not open")
     refused(cluster, submit(peer.contribution(good_cid, len(good), run_id="0" * 16)), 409, "run")
     not_uploaded = content_id(b"never uploaded")
-    refused(cluster, submit(peer.contribution(not_uploaded, 10)), 409, "not uploaded")
+    refused(cluster, submit(peer.contribution(not_uploaded, len(good))), 409, "not uploaded")
     refused(cluster, submit(peer.contribution(good_cid, len(good) + 1)), 422, "bytes")
     stale = peer.contribution(good_cid, len(good), start_hash="a" * 64)
     refused(cluster, submit(stale), 409, "trained from weights")
     greedy = peer.contribution(good_cid, len(good), inner_steps=99, tokens=10**9)
     refused(cluster, submit(greedy), 422, "assigned")
     # wrong shape: a tensor with too few elements
-    short = fp32_payload(torch.zeros(NUMEL - 1))
-    refused(cluster, submit(peer.contribution(peer.upload(short), len(short))), 422, "120576")
+    short = fp32_payload(torch.zeros(NUMEL - 1))  # refused at upload: not the run's size
+    sign = upload_headers(peer.key, peer.run_id, content_id(short), len(short))
+    put = peer.http.put(f"/v1/blobs/{content_id(short)}", content=short, headers=sign)
+    refused(cluster, put, 413, "this run's blobs")
     # wrong dtype: fp16 bytes where the run takes fp32
-    half = get_codec("fp16").encode(torch.zeros(NUMEL))
-    refused(
-        cluster, submit(peer.contribution(peer.upload(half), len(half))), 422, "encoded with 'fp16'"
-    )
+    half = get_codec("fp16").encode(torch.zeros(NUMEL))  # half the size: refused at upload
+    sign = upload_headers(peer.key, peer.run_id, content_id(half), len(half))
+    put = peer.http.put(f"/v1/blobs/{content_id(half)}", content=half, headers=sign)
+    refused(cluster, put, 413, "this run's blobs")
     # NaN and Inf smuggled into otherwise valid fp32 bytes
     for bad in (float("nan"), float("inf")):
         raw = bytearray(good)
@@ -221,7 +226,7 @@ def test_bad_contributions_are_refused(world: tuple[LocalCluster, Peer]) -> None
         blob = bytes(raw)
         resp = submit(peer.contribution(peer.upload(blob), len(blob)))
         refused(cluster, resp, 422, "NaN or Inf")
-    garbage = b"CVY1" + bytes(50)
+    garbage = b"CVY1" + bytes(len(good) - 4)
     resp = submit(peer.contribution(peer.upload(garbage), len(garbage)))
     refused(cluster, resp, 422, "unknown codec id")
     assert snapshot(cluster)[:4] == before[:4]  # blobs were stored, nothing was submitted
