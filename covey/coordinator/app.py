@@ -30,6 +30,7 @@ from covey.protocol import schemas
 
 from .auth import ReceivedAt
 from .limits import LongPolls, RateLimit
+from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
 from .service import Coordinator
 from .views import Rejected
 
@@ -171,8 +172,25 @@ def create_app(coord: Coordinator) -> FastAPI:
         media = "text/css" if name.endswith(".css") else media
         return Response((STATIC / name).read_bytes(), media_type=media)
 
+    metrics = Metrics(coord)
     limits = coord.cfg.limits
     long_polls = LongPolls(limits.max_long_polls, limits.max_long_polls_per_peer)
+
+    @app.get("/healthz", tags=["operations"])
+    def healthz() -> dict[str, Any]:
+        """Liveness: the process answers HTTP. No auth and no database read."""
+        return {"ok": True}
+
+    @app.get(
+        "/metrics",
+        tags=["operations"],
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
+    def prometheus() -> Response:
+        """Prometheus text format: rounds, live peers, contributions accepted and rejected
+        by reason, bytes, request latencies by route, disputes, ledger height."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/run")
     def run() -> dict[str, Any]:
@@ -354,6 +372,8 @@ def create_app(coord: Coordinator) -> FastAPI:
         min_bytes_s=limits.min_upload_bytes_s,
     )
     app.add_middleware(ReceivedAt)  # signatures are checked against the endpoint
+    # last added is outermost: it times and counts every request, 413s included
+    app.add_middleware(HttpMetrics, metrics=metrics)
     return app
 
 

@@ -1,0 +1,263 @@
+"""Prometheus metrics of one coordinator: `/metrics` (text format) and `/healthz`.
+
+Two sources, one per-app `CollectorRegistry` (never the global one, so a test process can
+hold several apps):
+
+- `HttpMetrics`, an ASGI middleware, times every request and counts its bytes in and out,
+  labelled by the route *template* (`/v1/rounds/{round}/certificate`), never the raw path:
+  a client choosing paths must not be able to grow the label set.
+- `RunCollector` reads the run's state from SQLite at scrape time (rounds, live peers,
+  accepted and rejected contributions by reason, verifications, disputes, ledger height),
+  so the service code needs no counter calls and a restarted coordinator reports the
+  same totals it had before. Committed certificates and recorded refusals never change,
+  so they are tallied once: a scrape reads only the rounds and refusals it has not seen.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from .service import Coordinator
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # text/plain; version=0.0.4; charset=utf-8
+# long polls of /v1/rounds/{round}/certificate hold a request up to 30 s
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+MAX_REASONS = 32  # distinct rejection-reason labels; further ones count as "other"
+_HEX = re.compile(r"\b[0-9a-f]{8,}\b")
+_NUM = re.compile(r"\b\d+(\.\d+)?\b")
+_PARENS = re.compile(r"\s*\([^)]*\)")
+
+
+def reason_label(reason: str) -> str:
+    """A rejection reason reduced to its kind: without parentheses, the text before the
+    first ": ", with ids and numbers replaced, at most 80 characters ("round 3.0 is not
+    open (open round: 4.0): late" -> "round <n> is not open")."""
+    head = _PARENS.sub("", reason).split(": ", 1)[0]
+    head = _NUM.sub("<n>", _HEX.sub("<id>", head))
+    return head[:80] or "unknown"
+
+
+def route_label(scope: Scope) -> str:
+    """The matched route's path template, or "unmatched" (404s, refusals before routing)."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"
+
+
+class RunCollector(Collector):
+    """The run's state as metrics, read from the coordinator's database at scrape time."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self._lock = threading.Lock()
+        self._seen_round = -1  # certificates of rounds <= this are in _accepted
+        self._seen_rejection = 0  # rejections with ids <= this are in _rejected
+        self._accepted = 0
+        self._rejected: Tally[str] = Tally()
+
+    def _fold(self) -> None:
+        """Add what was committed or refused since the last scrape to the tallies."""
+        db = self.coord.db
+        with self._lock:
+            rows = db.query(
+                "SELECT round, json_array_length(certificate, '$.accepted') AS n FROM rounds "
+                "WHERE status = 'committed' AND round > ? ORDER BY round",
+                (self._seen_round,),
+            )
+            if rows:
+                self._accepted += sum(r["n"] or 0 for r in rows)
+                self._seen_round = rows[-1]["round"]
+            for r in db.query(
+                "SELECT id, reason FROM rejections WHERE id > ? ORDER BY id",
+                (self._seen_rejection,),
+            ):
+                label = reason_label(str(r["reason"]))
+                if label not in self._rejected and len(self._rejected) >= MAX_REASONS:
+                    label = "other"
+                self._rejected[label] += 1
+                self._seen_rejection = r["id"]
+
+    def collect(self) -> Iterator[Metric]:
+        coord = self.coord
+        db = coord.db
+        self._fold()
+        rounds = CounterMetricFamily(
+            "covey_rounds_committed", "Rounds committed (certificates written)"
+        )
+        rounds.add_metric([], coord.state.round)
+        yield rounds
+
+        open_row = db.one("SELECT round FROM rounds WHERE status IN ('open', 'closing')")
+        current = GaugeMetricFamily(
+            "covey_round", "The open round, or the next one to open when none is open"
+        )
+        current.add_metric([], open_row["round"] if open_row else coord.state.round)
+        yield current
+
+        totals = db.one(
+            "SELECT COALESCE(SUM(bytes), 0) AS b, COALESCE(SUM(tokens), 0) AS t FROM rounds "
+            "WHERE status = 'committed'"
+        )
+        payload = CounterMetricFamily(
+            "covey_contribution_bytes",
+            "Bytes of the contributions in committed rounds",
+        )
+        payload.add_metric([], totals["b"] if totals else 0)
+        yield payload
+        tokens = CounterMetricFamily("covey_tokens", "Tokens of accepted contributions")
+        tokens.add_metric([], totals["t"] if totals else 0)
+        yield tokens
+
+        live_after = time.time() - coord.cfg.rounds.dead_after_s
+        live = GaugeMetricFamily(
+            "covey_live_peers",
+            "Peers that are live and heard from within dead_after_s",
+            labels=["role"],
+        )
+        by_role = dict.fromkeys(("worker", "validator"), 0)
+        for r in db.query(
+            "SELECT role, COUNT(*) AS n FROM peers WHERE state = 'live' AND last_seen >= ? "
+            "GROUP BY role",
+            (live_after,),
+        ):
+            by_role[r["role"]] = r["n"]
+        for role, n in sorted(by_role.items()):
+            live.add_metric([role], n)
+        yield live
+        peers = GaugeMetricFamily(
+            "covey_peers", "Registered peers by role and recorded state", labels=["role", "state"]
+        )
+        for r in db.query(
+            "SELECT role, state, COUNT(*) AS n FROM peers GROUP BY role, state ORDER BY role, state"
+        ):
+            peers.add_metric([r["role"], r["state"]], r["n"])
+        yield peers
+
+        accepted = CounterMetricFamily(
+            "covey_contributions_accepted", "Contributions accepted in committed rounds"
+        )
+        accepted.add_metric([], self._accepted)
+        yield accepted
+        rejected = CounterMetricFamily(
+            "covey_contributions_rejected",
+            "Contributions refused at intake, by kind of reason",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self._rejected.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+
+        checks = GaugeMetricFamily(
+            "covey_verifications", "Verification tasks by status", labels=["status"]
+        )
+        for r in db.query(
+            "SELECT status, COUNT(*) AS n FROM verifications GROUP BY status ORDER BY status"
+        ):
+            checks.add_metric([r["status"]], r["n"])
+        yield checks
+        open_disputes = GaugeMetricFamily("covey_disputes_open", "Disputes the referee has open")
+        row = db.one("SELECT COUNT(*) AS n FROM verifications WHERE status = 'disputed'")
+        open_disputes.add_metric([], row["n"] if row else 0)
+        yield open_disputes
+        settled = CounterMetricFamily(
+            "covey_disputes", "Disputes settled by the referee, by outcome", labels=["outcome"]
+        )
+        for r in db.query(
+            "SELECT json_extract(payload, '$.outcome') AS outcome, COUNT(*) AS n FROM ledger "
+            "WHERE type = 'dispute' GROUP BY outcome ORDER BY outcome"
+        ):
+            settled.add_metric([str(r["outcome"])], r["n"])
+        yield settled
+
+        height = GaugeMetricFamily("covey_ledger_height", "Entries in the signed ledger")
+        row = db.one("SELECT COALESCE(MAX(idx) + 1, 0) AS n FROM ledger")
+        height.add_metric([], row["n"] if row else 0)
+        yield height
+
+
+class Metrics:
+    """The registry of one app: HTTP metrics (filled by `HttpMetrics`) and the run's."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.latency = Histogram(
+            "covey_http_request_duration_seconds",
+            "Time from a request's start to its last response byte, by route template",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "covey_http_requests",
+            "Requests answered, by route template and status code",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.bytes_in = Counter(
+            "covey_http_received_bytes",
+            "Request body bytes received",
+            ["route"],
+            registry=self.registry,
+        )
+        self.bytes_out = Counter(
+            "covey_http_sent_bytes",
+            "Response body bytes sent",
+            ["route"],
+            registry=self.registry,
+        )
+        self.registry.register(RunCollector(coord))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything in this registry."""
+        return generate_latest(self.registry)
+
+
+class HttpMetrics:
+    """ASGI middleware recording each HTTP request in `metrics`. Add it last, so it is the
+    outermost layer and also sees refusals that happen before routing (413)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        received = sent = 0
+        status = 500  # what the client sees when the app raises before answering
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            return message
+
+        async def counting_send(message: Message) -> None:
+            nonlocal sent, status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, counting_send)
+        finally:
+            m, route, method = self.metrics, route_label(scope), scope["method"]
+            m.latency.labels(method, route).observe(time.perf_counter() - start)
+            m.requests.labels(method, route, str(status)).inc()
+            m.bytes_in.labels(route).inc(received)
+            m.bytes_out.labels(route).inc(sent)
