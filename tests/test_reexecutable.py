@@ -196,3 +196,77 @@ def test_begin_round_refuses_a_malformed_previous_state(tokens) -> None:
 def test_streaming_with_error_feedback_is_refused_at_config_load() -> None:
     with pytest.raises(ValueError, match="error_feedback is not supported by Streaming"):
         StreamingDiLoCoConfig(inner_steps=4, fragments=2, error_feedback=True)
+
+
+# -- over the network: a real coordinator, 2 workers and a validator ----------------------
+
+NETWORK_SPEC = """
+name = "reexecutable"
+seed = 4
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 64
+[algorithm]
+method = "diloco"
+inner_steps = 6
+codec = "int4"
+error_feedback = true
+[rounds]
+deadline_min_s = 8
+eval_batches = 1
+min_peers = 2
+[trust]
+min_stake = 10.0
+commit_every = 3
+"""
+
+
+@pytest.mark.network
+def test_validator_reexecutes_diloco_keep_with_error_feedback(tmp_path) -> None:
+    """DiLoCo's defaults (inner_state "keep") with error feedback: every contribution after
+    a worker's first one starts from its committed end state of the round before, and the
+    validator's re-executions of those agree bit for bit (same thread count)."""
+    import sqlite3
+
+    from covey.local.cluster import ClusterError, LocalCluster
+    from covey.trust import audit
+
+    spec = tmp_path / "run.toml"
+    spec.write_text(NETWORK_SPEC)
+    cluster = LocalCluster(spec, tmp_path)
+    db = cluster.data_dir / "coordinator.db"
+
+    def chained_checks() -> list[dict]:
+        """Verification entries of contributions whose start is a committed local state."""
+        entries, _, _ = audit.load(cluster.url)
+        if not db.exists():
+            return []
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            chained = set(
+                conn.execute("SELECT round, peer_id FROM local_states WHERE start_cid IS NOT NULL")
+            )
+        return [
+            e.payload
+            for e in entries
+            if e.type == "verification" and (e.payload["round"], e.payload["peer_id"]) in chained
+        ]
+
+    try:
+        cluster.start_coordinator()
+        for name in ("w0", "w1"):
+            cluster.start_worker(name, "--stake", "100")
+        cluster.start_validator("v0")
+        try:
+            cluster.wait_for(lambda s: len(chained_checks()) >= 2, 240, "2 chained checks")
+        except ClusterError as e:
+            tails = "\n".join(cluster.tail(n, 25) for n in ("coordinator", "w0", "w1", "v0"))
+            raise AssertionError(f"{e}\n{tails}") from None
+        checks = chained_checks()
+        entries, _, _ = audit.load(cluster.url)
+        assert not [e for e in entries if e.type == "contribution rejected"], cluster.tail()
+        assert all(c["outcome"] == "agree" and c["exact"] for c in checks), checks
+        assert "validators will not be given work" not in cluster.tail("coordinator", 500)
+    finally:
+        cluster.stop()

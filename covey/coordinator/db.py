@@ -73,6 +73,9 @@ CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, kind TEXT, peer_id TEXT, detail TEXT);
 CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason);
 CREATE INDEX IF NOT EXISTS events_kind ON events (kind);
+CREATE TABLE IF NOT EXISTS local_states (
+    round INTEGER, attempt INTEGER, peer_id TEXT, start_cid TEXT, end_cid TEXT,
+    end_size INTEGER, PRIMARY KEY (round, attempt, peer_id));
 """
 
 
@@ -87,8 +90,17 @@ def _v1_to_v2(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX IF NOT EXISTS events_kind ON events (kind)")
 
 
+def _v2_to_v3(conn: sqlite3.Connection) -> None:
+    # H3: contributions commit the worker's local states (start and end) by content id
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS local_states (round INTEGER, attempt INTEGER, "
+        "peer_id TEXT, start_cid TEXT, end_cid TEXT, end_size INTEGER, "
+        "PRIMARY KEY (round, attempt, peer_id))"
+    )
+
+
 # MIGRATIONS[n] brings a version-n database to version n + 1 (inside one transaction).
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _v1_to_v2}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
 # A database without user_version is version 1 if it has these (added late in 0.1.0).
 V1_MARKERS = {"peers": "role", "contributions": "commitments", "verifications": "report"}
 

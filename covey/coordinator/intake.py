@@ -127,12 +127,24 @@ class Intake(Views):
                     json.dumps([m.model_dump() for m in req.commitments]),
                 ),
             )
+            if req.end_state_cid is not None:  # H3: the local-state chain
+                c.execute(
+                    "INSERT INTO local_states VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        req.round,
+                        req.attempt,
+                        req.peer_id,
+                        req.local_state_cid,
+                        req.end_state_cid,
+                        req.end_state_size,
+                    ),
+                )
             if req.compute_s > 0:  # the next round plans with the speed seen in this one
                 c.execute(
                     "UPDATE peers SET step_time_s = ? WHERE peer_id = ?",
                     (req.compute_s / req.inner_steps, req.peer_id),
                 )
-        self.uploads.named(req.peer_id, (req.cid, getattr(req, "local_state_cid", None)))
+        self.uploads.named(req.peer_id, (req.cid, req.end_state_cid))
         self._wake.set()
         log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
         return {"ok": True, "cid": req.cid}
@@ -184,6 +196,55 @@ class Intake(Views):
             )
         except RoundError as e:
             raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None
+        self._check_local_state(req)
+
+    def _check_local_state(self, req: schemas.ContributionRequest) -> None:
+        """H3, the local-state chain (covey.algorithms.base): a strategy that carries local
+        state names the state its round started from, which must be exactly the end state
+        its contribution to the previous round named (in that round's certified attempt;
+        none: a fresh start), and its end state, whose blob must be here (uploaded, or
+        fetched from the peer like the payload) with a local state's exact size. Only the
+        hashes are checked here; a validator checks the content by re-execution."""
+        if not self.strategy.carries_local_state:
+            if req.local_state_cid or req.end_state_cid or req.end_state_size:
+                raise Rejected(422, "this run's strategy carries no local state to name")
+            return
+        if req.end_state_cid is None or req.end_state_size is None:
+            raise Rejected(422, "a contribution must name its end local state (end_state_cid)")
+        if self.uploads.sizes.get(req.end_state_size) != "local state":
+            raise Rejected(
+                422,
+                f"end state {req.end_state_cid[:12]} of {req.end_state_size} bytes is not "
+                f"a local state of this run",
+            )
+        prev = self.db.one(
+            "SELECT l.end_cid FROM rounds r JOIN local_states l ON l.round = r.round AND "
+            "l.attempt = r.attempt AND l.peer_id = ? WHERE r.round = ? AND r.status = 'committed'",
+            (req.peer_id, req.round - 1),
+        )
+        want = prev["end_cid"] if prev is not None else None
+        if req.local_state_cid != want:
+            raise Rejected(
+                422,
+                f"starts from local state {(req.local_state_cid or 'fresh')[:12]}, but its "
+                f"contribution to round {req.round - 1} ended at {(want or 'none: fresh')[:12]}",
+            )
+        self._blob_here(req.peer_id, req.end_state_cid, req.end_state_size)
+
+    def _blob_here(self, peer_id: str, cid: str, size: int) -> None:
+        """Make sure blob `cid` of `size` bytes is stored (fetched from the peer if it serves
+        it); Rejected otherwise."""
+        if self.blobs.has(cid):
+            if self.blobs.size(cid) != size:
+                raise Rejected(422, f"blob {cid[:12]} has {self.blobs.size(cid)} bytes, not {size}")
+            return
+        peer = self.db.one("SELECT * FROM peers WHERE peer_id = ?", (peer_id,))
+        if not (peer and peer["accepts_connections"] and peer["blob_url"]):
+            raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
+        try:
+            self.blobs.put_verified(cid, self.fetcher.fetch(cid, [peer["blob_url"]], size=size))
+        except BlobError as e:
+            raise Rejected(409, f"could not fetch blob {cid[:12]} from the peer: {e}") from None
 
     def _contribution_bytes(self, req: schemas.ContributionRequest) -> bytes:
         if not self.uploads.sizes.get(req.size, "").startswith("contribution"):

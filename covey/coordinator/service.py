@@ -466,6 +466,10 @@ class Coordinator(Membership, Intake, Verification, Auth, Views):
             r["cid"]
             for r in self.db.query("SELECT cid FROM contributions WHERE round >= ?", (recent,))
         }
+        keep |= {  # H3: recent end local states (the next rounds' committed starts)
+            r["end_cid"]
+            for r in self.db.query("SELECT end_cid FROM local_states WHERE round >= ?", (recent,))
+        }
         keep |= self.verification_blobs()
         cutoff = time.time() - ORPHAN_GRACE_S
         for cid in self.blobs.cids():

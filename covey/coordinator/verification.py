@@ -210,6 +210,17 @@ class Verification:
             "AND c.peer_id = v.peer_id WHERE v.status IN ('pending', 'claimed', 'disputed')"
         )
         keep = {r["cid"] for r in rows} | {r["start_cid"] for r in rows}
+        keep |= {  # H3: the committed local states a re-execution starts from and ends at
+            cid
+            for r in self.db.query(
+                "SELECT l.start_cid, l.end_cid FROM verifications v "
+                "JOIN rounds r ON r.round = v.round JOIN local_states l ON l.round = v.round "
+                "AND l.attempt = r.attempt AND l.peer_id = v.peer_id "
+                "WHERE v.status IN ('pending', 'claimed', 'disputed')"
+            )
+            for cid in (r["start_cid"], r["end_cid"])
+            if cid is not None
+        }
         for row in self.db.query("SELECT report FROM verifications WHERE status = 'disputed'"):
             report = json.loads(row["report"] or "{}")
             keep |= {report.get("state_cid"), report.get("payload_cid")} - {None}
@@ -268,6 +279,7 @@ class Verification:
         )
         assert c is not None
         assignment = json.loads(rnd["assignments"])[v["peer_id"]]
+        chain = self._local_state_chain(v["round"], rnd["attempt"], v["peer_id"])  # H3
         return schemas.VerifyTask(
             task_id=task_id,
             round=v["round"],
@@ -283,7 +295,29 @@ class Verification:
             start_size=self.blobs.size(rnd["start_cid"]),
             commitments=json.loads(c["commitments"] or "[]"),
             providers=[],
+            **chain,
         )
+
+    def _local_state_chain(self, round_: int, attempt: int, peer_id: str) -> dict[str, Any]:
+        """H3: the committed local states of a contribution (covey.algorithms.base, the
+        local-state chain): its start (the end state of the peer's previous round, checked
+        at intake), whether that round's certificate accepted it, and its end state."""
+        row = self.db.one(
+            "SELECT * FROM local_states WHERE round = ? AND attempt = ? AND peer_id = ?",
+            (round_, attempt, peer_id),
+        )
+        if row is None:
+            return {}
+        out: dict[str, Any] = {"end_state_cid": row["end_cid"], "end_state_size": row["end_size"]}
+        if row["start_cid"] is not None:
+            prev = self.db.one("SELECT certificate FROM rounds WHERE round = ?", (round_ - 1,))
+            cert = json.loads(prev["certificate"] or "{}") if prev is not None else {}
+            out["local_state_cid"] = row["start_cid"]
+            out["local_state_size"] = row["end_size"]  # every local state has one size
+            out["previous_accepted"] = any(
+                a.get("peer_id") == peer_id for a in cert.get("accepted", [])
+            )
+        return out
 
     def report(self, req: schemas.VerifyReport, raw: dict[str, Any]) -> dict[str, Any]:
         self._check_run(req.run_id)
@@ -458,9 +492,22 @@ class Verification:
             trust.commit_every,
             claimed_start=claimed[segment] if seg_state is not None else None,
             tolerance=trust.tolerance,
+            **self._previous_end(task, strategy),  # H3: the committed start local state
         )
         verdict = referee.judge(result, worker_end, validator_end, trust.tolerance)
         return verdict.outcome, verdict.detail
+
+    def _previous_end(self, task: schemas.VerifyTask, strategy: Strategy) -> dict[str, Any]:
+        """H3: referee arguments for the task's committed start local state (none: fresh).
+        ValueError for a blob that is not a local state of this run (checked by hash at
+        intake, so only a coordinator bug gets here)."""
+        if task.local_state_cid is None:
+            return {}
+        data = self.blobs.get(task.local_state_cid)
+        return {
+            "previous_end": verify.local_state_from_bytes(data, strategy.local_state()),
+            "previous_accepted": task.previous_accepted,
+        }
 
     def _referee_strategy_for(self) -> Strategy:
         """The referee's own copy of the strategy (its model is trained on; the round

@@ -115,6 +115,7 @@ class Validator:
         try:
             start = self._start_state(task, sources)
             payload = self.blobs.fetch(task.cid, sources, size=task.size)
+            previous_end, claimed_end = self._local_states(task, start, sources)  # H3
         except (BlobError, CheckpointError, RuntimeError) as e:
             log.warning(
                 "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
@@ -124,7 +125,14 @@ class Validator:
         t0 = time.perf_counter()
         points = len(verify.commitment_steps(task.inner_steps, k))
         mine = verify.reexecute(
-            self.strategy, start, self._batch_fn(task), task.inner_steps, k, range(points)
+            self.strategy,
+            start,
+            self._batch_fn(task),
+            task.inner_steps,
+            k,
+            range(points),
+            previous_end=previous_end,
+            previous_accepted=task.previous_accepted,
         )
         numel = sum(start.params[n].numel() for n in self.strategy.fragment_names(task.fragment))
         verdict = verify.compare(
@@ -134,6 +142,7 @@ class Validator:
             self.strategy.codec,
             numel,
             self.cfg.trust.tolerance,
+            claimed_end,
         )
         compute_s = time.perf_counter() - t0
         self.compute_s += compute_s
@@ -182,6 +191,35 @@ class Validator:
                 signer=(self.identity, self.run_id),
             )
         return out
+
+    def _local_states(
+        self, task: schemas.VerifyTask, start: TrainState, sources: list[str]
+    ) -> tuple[dict[str, Any] | None, verify.Commitment | None]:
+        """H3: the worker's committed local states, fetched by content id (the fetch checks
+        the hash): the end state of its previous round, which this round starts from (None:
+        a fresh start), and the commitment to its end state of this round (None: the
+        strategy carries none). A start that is not a local state of this run re-executes
+        from a fresh start (commitment 0 then disagrees: the worker could not have trained
+        from it); an unusable end state becomes an impossible commitment (a malformed
+        claim). BlobError when a blob is unavailable."""
+        template = self.strategy.local_state(copy=False)
+        previous_end = None
+        if task.local_state_cid is not None:
+            data = self.blobs.fetch(task.local_state_cid, sources, size=task.local_state_size)
+            try:
+                previous_end = verify.local_state_from_bytes(data, template)
+            except ValueError as e:
+                log.warning("[%s] task %d: start state unusable: %s", self.name, task.task_id, e)
+        claimed_end = None
+        if task.end_state_cid is not None:
+            data = self.blobs.fetch(task.end_state_cid, sources, size=task.end_state_size)
+            try:
+                end = verify.local_state_from_bytes(data, template)
+                claimed_end = verify.commitment_of(end, start.params, task.inner_steps)
+            except ValueError as e:
+                log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
+                claimed_end = verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()})
+        return previous_end, claimed_end
 
     def _start_state(self, task: schemas.VerifyTask, sources: list[str]) -> TrainState:
         if self._state is not None and self._state[0] == task.start_cid:

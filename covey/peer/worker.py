@@ -13,6 +13,14 @@ request it sends is signed. Its contributions carry commitments to its state eve
 steps (covey.trust.verify), so that validators can re-execute them and a dispute can be
 narrowed to one segment. Certificates must carry the coordinator's signature, and each
 accepted contribution's signed ledger entry is kept as a receipt (receipts.jsonl).
+
+The local-state chain (covey.algorithms.base; H3): a strategy that carries local state from
+round to round (DiLoCo "keep" or with error feedback, Streaming DiLoCo, DeMo) starts every
+round with `begin_round(W_r, the end state of this worker's contribution to round r-1,
+whether that round's certificate accepted it)`, and fresh when it did not contribute to
+round r-1 (a joiner, a restart, a missed or refused round). Each contribution names the
+start it chained from and publishes its end state as a blob, so the coordinator checks the
+chain by content id at intake and a validator re-executes from the committed state.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +51,7 @@ from covey.trust.certify import certificate_is_signed
 from covey.trust.identity import Identity, canonical_json, request_purpose
 
 log = logging.getLogger("covey.worker")
-KEEP_CONTRIBUTIONS = 4  # own contribution blobs kept on the blob server
+KEEP_CONTRIBUTIONS = 8  # own contribution and end-state blobs kept on the blob server
 PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
 
 
@@ -72,6 +80,19 @@ class Stopped(Exception):
     """SIGINT/SIGTERM arrived: leave cleanly."""
 
 
+@dataclass
+class LocalStates:
+    """H3: a round's committed local states: the start's content id (None: fresh) and the
+    end state (the next round's start, if this contribution is recorded)."""
+
+    start_cid: str | None
+    end: dict[str, torch.Tensor] = field(default_factory=dict)
+    end_bytes: bytes = b""
+    end_cid: str | None = None
+    round: int = -1
+    accepted: bool = False
+
+
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
@@ -89,6 +110,8 @@ class Worker:
         self._last_certificate: schemas.Certificate | None = None  # copycat
         self.excluded: str | None = None
         self._trained_since_adopt = False  # the model moved in a round not yet applied
+        self._chain: LocalStates | None = None  # H3: the last recorded contribution's states
+        self._local: LocalStates | None = None  # H3: this round's
         self.state: TrainState | None = None
         self.state_hash: str | None = None  # self.state.digest(), computed once
         self.rounds_done = 0
@@ -235,7 +258,9 @@ class Worker:
         opened = time.monotonic()
         self._sync_state(info.start_cid, info.start_hash, info.start_size, info.providers)
         assert self.state is not None
+        self._begin_round(info.round)
         contribution, loss, compute_s, commitments = self._train(info, deadline)
+        self._end_round()
         submitted = self._publish(
             info, contribution, loss, compute_s, time.monotonic() - opened, commitments
         )
@@ -244,11 +269,37 @@ class Worker:
             return "aborted"
         self._apply(certificate)
         self._last_certificate = certificate
+        if self._local is not None:  # H3: only a recorded contribution continues the chain
+            self._local.accepted = any(a.peer_id == self.peer_id for a in certificate.accepted)
+            self._chain = self._local if submitted else None
         if submitted:
             self.rounds_done += 1
             if any(a.peer_id == self.peer_id for a in certificate.accepted):
                 self._keep_receipt(certificate.round)
         return "done"
+
+    def _begin_round(self, round_: int) -> None:
+        """H3: put the strategy at the round's start: chained from the end state of our
+        contribution to the previous round, else fresh (see the module docstring)."""
+        assert self.state is not None
+        chain = self._chain if self._chain is not None and self._chain.round == round_ - 1 else None
+        if not self.strategy.carries_local_state:
+            self.strategy.begin_round(self.state)
+            self._local = None
+            return
+        if chain is None:
+            self.strategy.begin_round(self.state)
+        else:
+            self.strategy.begin_round(self.state, chain.end, chain.accepted)
+        self._local = LocalStates(chain.end_cid if chain else None, round=round_)
+
+    def _end_round(self) -> None:
+        """H3: the local state after this round's work, as the blob the contribution names."""
+        if self._local is None:
+            return
+        self._local.end = self.strategy.local_state()
+        self._local.end_bytes = verify.local_state_to_bytes(self._local.end)
+        self._local.end_cid = content_id(self._local.end_bytes)
 
     def _pause(self, seconds: float) -> None:
         if self.stop.wait(seconds):
@@ -387,6 +438,22 @@ class Worker:
             self.blobs.upload(
                 self.opts.coordinator, payload, cid, signer=(self.identity, self.run_id)
             )
+        local: dict[str, Any] = {}
+        if self._local is not None and self._local.end_cid is not None:  # H3: its end state
+            end_cid = self.store.put(self._local.end_bytes)
+            self._published.append(end_cid)
+            if self.server is None:
+                self.blobs.upload(
+                    self.opts.coordinator,
+                    self._local.end_bytes,
+                    end_cid,
+                    signer=(self.identity, self.run_id),
+                )
+            local = {
+                "local_state_cid": self._local.start_cid,
+                "end_state_cid": end_cid,
+                "end_state_size": len(self._local.end_bytes),
+            }
         body = {
             "run_id": self.run_id,
             "round": info.round,
@@ -402,6 +469,7 @@ class Worker:
             "compute_s": compute_s,
             "wall_s": wall_s,
             "commitments": commitments,
+            **local,
         }
         signed = self.identity.sign_request(body, info.round, purpose=request_purpose(path))
         self._last_request = (path, signed)
