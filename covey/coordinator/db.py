@@ -34,7 +34,7 @@ log = logging.getLogger("covey.db")
 
 # Version 1 is covey 0.1.0's layout, written before databases carried a version
 # (user_version 0 with these tables in it).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
