@@ -318,12 +318,23 @@ class RoundsConfig(Frozen):
     bandwidth_mbps: float = Field(
         100.0, gt=0, description="assumed link speed for peers that report none"
     )
+    lease_s: float = Field(
+        20.0,
+        gt=0,
+        description="a worker's participation lease: every accepted heartbeat renews it, and "
+        "a worker whose lease ran out stops training until one is accepted again",
+    )
+
 
     @model_validator(mode="after")
     def _ordered(self) -> RoundsConfig:
         if self.dead_after_s <= self.heartbeat_s:
             raise ValueError(
                 f"dead_after_s ({self.dead_after_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        if self.lease_s <= self.heartbeat_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})"
             )
         if self.deadline_max_s < self.deadline_min_s:
             raise ValueError(
@@ -443,6 +454,12 @@ class RunConfig(Frozen):
         description="the coordinator's Ed25519 public key (hex), which signs certificates, "
         "ledger entries and draws; empty: `covey coordinator` fills in the key of its data "
         "dir, and refuses a spec that names another",
+    )
+    owner_key: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the Ed25519 public key (hex) of the run's owner, who may stop it with "
+        "`covey halt`; empty: the coordinator's key is the owner's",
     )
     seed: int = Field(0, description="seeds the model's initial weights and the data")
     model: ModelConfig = ModelConfig()

@@ -44,6 +44,7 @@ seq_len = 64
 [algorithm]
 method = "diloco"
 inner_steps = 4
+inner_state = "reset"  # a contribution is then its payload alone: no local state to name
 [rounds]
 deadline_min_s = 120
 deadline_max_s = 120

@@ -40,9 +40,13 @@ class Membership:
     _check_run: Any
     _check_not_banned: Any
     authenticate: Any
+    check_not_halted: Any
 
     def join(self, req: schemas.JoinRequest, raw: dict[str, Any]) -> schemas.JoinReply:
+        """Go live; the reply grants the first participation lease. Rejected(410) once the
+        run is halted: nobody joins it again."""
         self._check_run(req.run_id)
+        self.check_not_halted()
         self._register(req.peer_id, req.public_key, req.name, "worker", req.stake, raw)
         now = time.time()
         with self.db.transaction() as c:
@@ -76,6 +80,7 @@ class Membership:
             run_id=self.run_id,
             heartbeat_s=r.heartbeat_s,
             dead_after_s=r.dead_after_s,
+            lease_s=r.lease_s,
         )
 
     def _register(
@@ -118,9 +123,12 @@ class Membership:
                     self.accounts.append(c, "stake", {"peer_id": peer_id, "amount": stake}, now)
 
     def heartbeat(self, req: schemas.HeartbeatRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        """Renew the peer's participation lease for `lease_s` (covey.trust.halt): its reply
+        is the lease. Rejected(410) with the owner's reason once the run is halted."""
         self._check_run(req.run_id)
         self.authenticate(raw, -1, req.peer_id)
         self._check_not_banned(req.peer_id)
+        self.check_not_halted()
         now = time.time()
         with self.db.transaction() as c:
             row = c.execute("SELECT state FROM peers WHERE peer_id = ?", (req.peer_id,)).fetchone()
@@ -135,7 +143,7 @@ class Membership:
                 "step_time_s = COALESCE(?, step_time_s) WHERE peer_id = ?",
                 (now, req.step_time_s, req.peer_id),
             )
-        return {"ok": True}
+        return {"ok": True, "lease_s": self.cfg.rounds.lease_s}
 
     def leave(self, req: schemas.LeaveRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """The deathrattle: the peer is gone now, and no round waits for it."""

@@ -44,6 +44,7 @@ from covey.trust.incentives import Policy
 from .accounts import Accounts
 from .auth import Auth
 from .db import Database
+from .halt import Halting
 from .intake import Intake
 from .membership import Membership
 from .verification import Verification
@@ -53,7 +54,7 @@ log = logging.getLogger("covey.coordinator")
 ORPHAN_GRACE_S = 600.0
 
 
-class Coordinator(Membership, Intake, Verification, Auth, Views):
+class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
     def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
         # the coordinator's own key signs certificates and ledger entries; it is part of the
         # spec, so of the run id (ValueError if the spec names another key)
@@ -117,6 +118,7 @@ class Coordinator(Membership, Intake, Verification, Auth, Views):
                 cfg.algorithm.method,
             )
         Verification.__init__(self)
+        Halting.__init__(self)
 
     # -- start-up and resume ----------------------------------------------------------------
 
@@ -202,6 +204,7 @@ class Coordinator(Membership, Intake, Verification, Auth, Views):
     def tick(self, now: float) -> None:
         """One step of the round state machine: expire silent peers, open a round when
         enough peers are live, close the open one when it is complete or overdue."""
+        self.enforce_halt(now)  # a HALT takes effect here, between rounds' steps
         cfg = self.cfg.rounds
         peers = self._peer_views()
         with self.db.transaction() as c:

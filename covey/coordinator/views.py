@@ -57,6 +57,7 @@ class Views:
     identity: Identity
     accounts: Accounts
     verifying: bool
+    halted: dict[str, Any] | None  # covey.coordinator.halt
 
     def open_round(self) -> OpenRound | None:
         row = self.db.one("SELECT * FROM rounds WHERE status IN ('open', 'closing')")
@@ -72,10 +73,15 @@ class Views:
         )
 
     def finished(self) -> bool:
+        """No round opens again: max_rounds reached, or the owner halted the run."""
         cap = self.cfg.rounds.max_rounds
-        return cap is not None and self.state.round >= cap
+        return self.halted is not None or (cap is not None and self.state.round >= cap)
 
     def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
+        if (halted := self.halted) is not None:
+            return schemas.RoundInfo(
+                run_id=self.run_id, phase="halted", round=self.state.round, halted=halted["reason"]
+            )
         rnd = self.open_round()
         if rnd is None:
             phase = "finished" if self.finished() else "waiting"
@@ -215,6 +221,7 @@ class Views:
         ]
         total = self.db.one("SELECT COALESCE(SUM(bytes), 0) AS b FROM rounds")
         phase = "open" if rnd else ("finished" if self.finished() else "waiting")
+        phase = "halted" if self.halted is not None else phase
         submitted = (
             self.db.one(
                 "SELECT COUNT(*) AS n FROM contributions WHERE round = ? AND attempt = ?",
@@ -236,6 +243,7 @@ class Views:
             "submitted": submitted,
             "bytes_total": total["b"] if total else 0,
             "coordinator_key": self.identity.public_key,
+            "halted": self.halted,
             "trust": self.trust_status(summary),
             "weights_hash": self.state_hash,
             "peers": peers,

@@ -6,7 +6,11 @@ hash-checking it if not: this is how a joiner enters mid-run), train the assigne
 steps on the assigned data, publish the contribution, wait for the round's certificate,
 apply the accepted set with the same pure `apply_round` as everyone else, and check the
 resulting weights hash against the certificate (re-syncing from the canonical state on a
-mismatch). A heartbeat thread keeps the peer alive; SIGINT/SIGTERM send a deathrattle.
+mismatch). A heartbeat thread keeps the peer alive and renews its participation lease
+(covey.peer.lease): when no heartbeat is accepted for the lease's length the worker stops
+training until one is. SIGINT/SIGTERM send a deathrattle. When the run owner halts the
+run (covey.trust.halt), the next heartbeat or /v1/round says so and the worker exits with
+status 3 (EXIT_HALTED), logging the owner's reason.
 
 The peer is its Ed25519 key (covey.trust.identity): its id is the key's hash and every
 request it sends is signed. Its contributions carry commitments to its state every k inner
@@ -42,12 +46,14 @@ from covey.models.gpt import lm_loss
 from covey.peer import adversary
 from covey.peer.blobs import BlobError, BlobServer, BlobStore
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.peer.lease import Lease, LeaseLapsed
 from covey.peer.runsetup import assignment_batches, set_up_run
 from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError, state_from_bytes, state_to_bytes
 from covey.protocol.content import content_id
 from covey.trust import ledger, verify
 from covey.trust.certify import certificate_is_signed
+from covey.trust.halt import EXIT_HALTED
 from covey.trust.identity import Identity, canonical_json, request_purpose
 
 log = logging.getLogger("covey.worker")
@@ -109,6 +115,8 @@ class Worker:
         self._last_request: tuple[str, dict[str, Any]] | None = None  # replay
         self._last_certificate: schemas.Certificate | None = None  # copycat
         self.excluded: str | None = None
+        self.halted: str | None = None  # the owner's reason, once the run is halted
+        self.lease = Lease()
         self._trained_since_adopt = False  # the model moved in a round not yet applied
         self._chain: LocalStates | None = None  # H3: the last recorded contribution's states
         self._local: LocalStates | None = None  # H3: this round's
@@ -154,8 +162,10 @@ class Worker:
             accepts_connections=self.blob_url is not None,
             blob_url=self.blob_url,
         )
+        sent = time.monotonic()
         reply = self.client.post("/v1/join", body)
         self.heartbeat_s = reply["heartbeat_s"]
+        self.lease.renew(sent, reply["lease_s"])
         log.info(
             "[%s %s] joined run %s: %s, %.3f s/step, blobs %s",
             self.name,
@@ -181,22 +191,34 @@ class Worker:
 
     def run(self) -> int:
         """Train until the run finishes, max_rounds, or a signal. Exit status 0 on a clean
-        leave; 1 when the coordinator is lost or refuses this peer."""
+        leave; 1 when the coordinator is lost or refuses this peer; EXIT_HALTED (3) when
+        the run owner halted the run."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         try:
             self._setup()
             beat.start()
             while not self.stop.is_set():
-                if self._one_round() == "finished":
+                try:
+                    outcome = self._one_round()
+                except LeaseLapsed as e:
+                    self._await_lease(str(e))
+                    continue
+                if outcome == "finished":
                     log.info("[%s] the run is finished", self.name)
                     break
+                if outcome == "halted":
+                    return self._exit_halted()
                 if self.opts.max_rounds and self.rounds_done >= self.opts.max_rounds:
                     break
             return 0
         except Stopped:
-            return 1 if self.excluded else 0
+            return self._exit_halted() if self.halted else (1 if self.excluded else 0)
         except (CoordinatorLost, PeerRejected, RuntimeError) as e:
+            if isinstance(e, PeerRejected) and e.status == 410:  # refused: the run is halted
+                self.halted = self.halted or e.message
+            if self.halted:  # whatever was interrupted, the HALT is why
+                return self._exit_halted()
             log.error("[%s] %s", self.name, e)
             return 1
         finally:
@@ -206,6 +228,32 @@ class Worker:
                 self.server.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def _exit_halted(self) -> int:
+        log.warning(
+            "[%s] the run was halted by its owner (%s): exiting with status %d",
+            self.name,
+            self.halted,
+            EXIT_HALTED,
+        )
+        return EXIT_HALTED
+
+    def _await_lease(self, why: str) -> None:
+        """Training stopped because the lease lapsed: wait for a heartbeat to renew it, at
+        most the run's coordinator_lost_s (then CoordinatorLost)."""
+        log.warning("[%s] %s: training stopped until a heartbeat is accepted", self.name, why)
+        patience = self.cfg.limits.coordinator_lost_s
+        if not self.lease.wait_renewed(patience, self.stop):
+            if self.stop.is_set():
+                raise Stopped()
+            raise CoordinatorLost(f"participation lease not renewed for {patience:.0f} s")
+        log.info("[%s] participation lease renewed: training again", self.name)
+
+    def _check_standing(self) -> None:
+        """Stopped on a signal, an exclusion or a HALT; LeaseLapsed when the lease ran out."""
+        if self.stop.is_set():
+            raise Stopped()
+        self.lease.check()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("[%s] %s: leaving", self.name, signal.Signals(signum).name)
@@ -227,9 +275,15 @@ class Worker:
         body = {"run_id": self.run_id, "peer_id": self.peer_id}
         while not self.stop.wait(self.heartbeat_s):
             try:
-                self.client.post_once("/v1/heartbeat", body, timeout_s=self.heartbeat_s)
+                sent = time.monotonic()
+                reply = self.client.post_once("/v1/heartbeat", body, timeout_s=self.heartbeat_s)
+                self.lease.renew(sent, reply["lease_s"])
             except PeerRejected as e:
-                if e.status == 404:  # the coordinator forgot us: join again
+                if e.status == 410:  # the run owner halted the run
+                    log.warning("[%s] heartbeat: %s", self.name, e.message)
+                    self.halted = e.message
+                    self.stop.set()
+                elif e.status == 404:  # the coordinator forgot us: join again
                     log.warning("[%s] unknown to the coordinator: joining again", self.name)
                     try:
                         self._join()
@@ -250,6 +304,9 @@ class Worker:
         )
         if info.phase == "finished":
             return "finished"
+        if info.phase == "halted":
+            self.halted = info.halted or "halted"
+            return "halted"
         if info.phase != "open" or not info.member or info.assignment is None:
             self._pause(min(1.0, self.heartbeat_s / 2))
             return "waiting"
@@ -354,8 +411,7 @@ class Worker:
         compute_s = loss_sum = 0.0
         done = 0
         for step in range(adversary.steps_taken(behavior, steps)):
-            if self.stop.is_set():
-                raise Stopped()
+            self._check_standing()
             if done and self.strategy.flexible_steps:
                 per_step = compute_s / done
                 if time.monotonic() + per_step * 1.5 > deadline - PUBLISH_ALLOWANCE_S:
@@ -522,6 +578,8 @@ class Worker:
         limit = (info.deadline_in_s or 0) + self.cfg.limits.coordinator_lost_s
         give_up = time.monotonic() + limit
         while time.monotonic() < give_up:
+            if self.stop.is_set():  # a signal or a HALT: no certificate is coming for us
+                raise Stopped()
             try:
                 body = self.client.get(
                     f"/v1/rounds/{info.round}/certificate", params={"wait": 5}, quiet=True
@@ -539,6 +597,9 @@ class Worker:
             now = schemas.RoundInfo.model_validate(
                 self.client.get("/v1/round", params={"peer_id": self.peer_id})
             )
+            if now.phase == "halted":
+                self.halted = now.halted or "halted"
+                raise Stopped()
             if (now.round, now.attempt) != (info.round, info.attempt) and now.round <= info.round:
                 log.warning("[%s] round %d was aborted; rejoining", self.name, info.round)
                 return None

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-PEER_ID_PATTERN = r"^[0-9a-f]{32}$"  # sha256(public key)[:32]
-PeerId = Annotated[str, StringConstraints(pattern=PEER_ID_PATTERN)]
+PeerId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]  # sha256(public key)[:32]
 PublicKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Signature = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
 Nonce = Annotated[str, StringConstraints(pattern=r"^[0-9]{13}-[0-9a-f]{16}$")]
@@ -17,40 +16,16 @@ Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 ContentId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 RunId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 Url = Annotated[str, StringConstraints(pattern=r"^https?://[^\s]{1,200}$")]
-# the largest integer a request may carry: exact in a JSON double and in SQLite's INTEGER
-MAX_INT = 2**53 - 1
-
-
-def _whole(value: object) -> object:
-    """JSON Schema counts 2.0 as an integer, strict validation would not: take it as 2."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-# a request's integers, 2 or 2.0 (the bounds sit inside, so that the schema of an optional
-# one still names them as minimum and maximum)
-Count = Annotated[Annotated[int, Field(ge=0, le=MAX_INT)], BeforeValidator(_whole)]
-Positive = Annotated[Annotated[int, Field(gt=0, le=MAX_INT)], BeforeValidator(_whole)]
-
-
-class ErrorReply(BaseModel):
-    """The body of every refusal (4xx): what was wrong, and for an invalid request (422)
-    each field's problem."""
-
-    error: str
-    problems: list[str] | None = None
 
 
 class Request(BaseModel):
-    """A request body. Strict: a value is taken only in the JSON type its schema names
-    (no "1" for 1, no 1 for true; an integer takes 2.0 as 2, as JSON Schema does), so
-    what the served OpenAPI document forbids is exactly what is refused (422)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Signed(Request):
-    """A state-changing request: signed by the sender's key over (run id, round, content id,
-    nonce); see covey.trust.identity."""
+    """A state-changing request: signed by the sender's key over (purpose, run id, round,
+    content id, nonce), the purpose being the endpoint it is sent to; see
+    covey.trust.identity."""
 
     nonce: Nonce
     signature: Signature
@@ -74,6 +49,7 @@ class JoinReply(BaseModel):
     run_id: str
     heartbeat_s: float
     dead_after_s: float
+    lease_s: float  # a worker stops training when no heartbeat renewed its lease this long
 
 
 class HeartbeatRequest(Signed):
@@ -88,6 +64,15 @@ class LeaveRequest(Signed):
     reason: str = Field("shutdown", max_length=200)
 
 
+class HaltRequest(Signed):
+    """POST /v1/halt: the run owner stops the run (covey.trust.halt), signed with the owner
+    key (the spec's owner_key, else the coordinator's key)."""
+
+    run_id: RunId
+    owner_key: PublicKey
+    reason: str = Field("halted by the run owner", min_length=1, max_length=200)
+
+
 class AssignmentOut(BaseModel):
     inner_steps: int
     data_key: str
@@ -97,8 +82,9 @@ class RoundInfo(BaseModel):
     """GET /v1/round: what a peer should do now."""
 
     run_id: str
-    phase: Literal["open", "waiting", "finished"]
+    phase: Literal["open", "waiting", "finished", "halted"]
     round: int  # the open round, or the next one to open
+    halted: str | None = None  # phase "halted": the owner's reason; no round opens again
     attempt: int = 0
     start_cid: str | None = None
     start_hash: str | None = None
@@ -113,17 +99,12 @@ class CommitmentIn(Request):
     """The worker's state after `step` inner steps: a hash and count sketches
     (covey.trust.verify)."""
 
-    step: Count
+    step: int = Field(ge=0)
     hash: ContentId
     sketch: dict[
         Annotated[str, StringConstraints(pattern=r"^[a-z]{1,16}$")],
         Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=1024)],
-    ] = Field(
-        max_length=4,
-        # pydantic documents the key pattern as patternProperties, which alone would let
-        # any other key through; the validator refuses other keys, and so does the schema
-        json_schema_extra={"additionalProperties": False},
-    )
+    ] = Field(max_length=4)
 
 
 class ContributionRequest(Signed):
@@ -131,17 +112,17 @@ class ContributionRequest(Signed):
     the blob `cid` (uploaded first, or served by the peer's own blob server)."""
 
     run_id: RunId
-    round: Count
-    attempt: Count
+    round: int = Field(ge=0)
+    attempt: int = Field(ge=0)
     peer_id: PeerId
     cid: ContentId
     start_hash: str = Field(
         pattern=r"^[0-9a-f]{64}$", description="the weights hash the peer trained from"
     )
-    size: Positive
-    tokens: Positive
-    inner_steps: Positive
-    fragment: Count | None = None
+    size: int = Field(gt=0)
+    tokens: int = Field(gt=0)
+    inner_steps: int = Field(gt=0)
+    fragment: int | None = Field(None, ge=0)
     train_loss: float | None = Field(None, allow_inf_nan=False)
     compute_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     wall_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="round open to submit")
@@ -156,7 +137,7 @@ class ContributionRequest(Signed):
     end_state_cid: ContentId | None = Field(
         None, description="the local state after this round's work (uploaded like `cid`)"
     )
-    end_state_size: Positive | None = None
+    end_state_size: int | None = Field(None, gt=0)
 
 
 class AcceptedContribution(BaseModel):
@@ -251,13 +232,13 @@ class VerifyReport(Signed):
     state at the segment's start (`state_cid`, not needed for segment 0)."""
 
     run_id: RunId
-    round: Count
+    round: int = Field(ge=0)
     validator_id: PeerId
-    task_id: Count
+    task_id: int = Field(ge=0)
     outcome: Literal["agree", "disagree"]
     exact: bool = False
     distance: float | None = Field(None, ge=0, allow_inf_nan=False)
-    segment: Count | None = None
+    segment: int | None = Field(None, ge=0)
     detail: str = Field("", max_length=500)
     state_cid: ContentId | None = None
     payload_cid: ContentId | None = None

@@ -23,6 +23,7 @@ The payload of each entry type is the contract between the coordinator and this 
 - "reward": {round, peer_id, amount, kind: "work"|"catch", tokens (0 for a catch)}
 - "round certificate": {round, new_hash, certificate_hash, accepted: [ids], rejected: [ids]}
 - "checkpoint": {round, cid, weights_hash}
+- "halt": {round, owner_key, reason, request}: the owner's signed HALT (covey.trust.halt)
 
 Fields beyond these are ignored. Amounts are compared exactly: the coordinator computes
 them with the same expressions (`Book.work_reward`, `Book.slash_amount`).
@@ -35,6 +36,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from covey.trust import halt
 from covey.trust.identity import IdentityError, peer_id_of
 from covey.trust.ledger import Entry, LedgerError
 
@@ -115,6 +117,8 @@ class Book:
         self.policy: Policy | None = None
         self.run_id: str | None = None
         self.coordinator_key: str | None = None
+        self.owner_key: str | None = None  # who may halt the run (covey.trust.halt)
+        self.halted: dict[str, Any] | None = None  # the HALT: {index, round, reason}
         self.accounts: dict[str, Account] = {}
         self.entries = 0
         self.certificates = 0
@@ -148,6 +152,8 @@ class Book:
         if entry.type not in SCHEMAS:
             raise LedgerError(i, f"unknown type {entry.type!r}")
         _check(entry)
+        if self.halted is not None and entry.type in halt.AFTER_HALT_FORBIDDEN:
+            raise LedgerError(i, f"{entry.type!r} after the HALT (entry {self.halted['index']})")
         getattr(self, "_" + entry.type.replace(" ", "_"))(i, entry.payload)
         self.entries += 1
 
@@ -210,6 +216,7 @@ class Book:
             "entries": self.entries,
             "certificates": self.certificates,
             "checkpoints": self.checkpoints,
+            "halted": self.halted,
             "totals": {
                 "accounts": len(ordered),
                 "banned": sum(a.banned for a in ordered),
@@ -231,6 +238,7 @@ class Book:
         except ValueError as e:
             raise LedgerError(i, f"run created: {e}") from None
         self.run_id, self.coordinator_key = p["run_id"], p["coordinator_key"]
+        self.owner_key = halt.owner_of(p["spec"], p["coordinator_key"])
 
     def _join(self, i: int, p: dict[str, Any]) -> None:
         peer_id, key = p["peer_id"], p["public_key"]
@@ -349,6 +357,13 @@ class Book:
     def _checkpoint(self, i: int, p: dict[str, Any]) -> None:
         self.checkpoints += 1
 
+    def _halt(self, i: int, p: dict[str, Any]) -> None:
+        if self.halted is not None:
+            raise LedgerError(i, f"halt: the run was halted already (entry {self.halted['index']})")
+        if (problem := halt.halt_problem(p, self.run_id, self.owner_key)) is not None:
+            raise LedgerError(i, f"halt: {problem}")
+        self.halted = {"index": i, "round": p["round"], "reason": p["reason"]}
+
     def _peer(self, i: int, p: dict[str, Any], field: str = "peer_id") -> Account:
         if p[field] not in self.accounts:
             raise LedgerError(i, f"unknown peer {p[field]!r} ({field})")
@@ -381,6 +396,7 @@ _SCHEMA_TEXT = {
     "round certificate": "round:count, new_hash:text, certificate_hash:text, accepted:ids, "
     "rejected:ids",
     "checkpoint": "round:count, cid:text, weights_hash:text",
+    "halt": "round:count, owner_key:text, reason:text, request:object",
 }
 SCHEMAS: dict[str, dict[str, str]] = {
     t: dict(field.split(":", 1) for field in text.split(", ")) for t, text in _SCHEMA_TEXT.items()

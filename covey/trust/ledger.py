@@ -43,6 +43,7 @@ ENTRY_TYPES: tuple[str, ...] = (
     "reward",
     "round certificate",
     "checkpoint",
+    "halt",
 )
 GENESIS = "0" * 64
 LINE_FIELDS = ("at", "hash", "index", "payload", "prev_hash", "signature", "type")
