@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -31,6 +32,8 @@ from covey.protocol import schemas
 from .auth import ReceivedAt
 from .limits import LongPolls, RateLimit
 from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
+from .openapi import BLOB_BODY, BLOB_UPLOAD, errors
+from .openapi import document as document_api
 from .service import Coordinator
 from .views import Rejected
 
@@ -228,21 +231,26 @@ def create_app(coord: Coordinator) -> FastAPI:
         return await run_in_threadpool(coord.halt, req, await request.json())
 
     @app.get("/v1/round")
-    def current_round(peer_id: str | None = Query(None, max_length=64)) -> schemas.RoundInfo:
+    def current_round(
+        peer_id: str | None = Query(None, pattern=schemas.PEER_ID_PATTERN),
+    ) -> schemas.RoundInfo:
         """The open round: start weights, this peer's assignment and the deadline."""
         return coord.round_info(peer_id)
 
     @app.post("/v1/rounds/{round}/contributions")
     async def submit(
-        round: int, req: schemas.ContributionRequest, request: Request
+        round: int = PathParam(ge=0, le=schemas.MAX_INT),
+        *,
+        req: schemas.ContributionRequest,
+        request: Request,
     ) -> dict[str, Any]:
         """A contribution's metadata and commitments, signed for this run and round."""
         return await run_in_threadpool(coord.submit, round, req, await request.json())
 
-    @app.get("/v1/rounds/{round}/certificate")
+    @app.get("/v1/rounds/{round}/certificate", responses=errors(404))
     async def certificate(
-        round: int,
         request: Request,
+        round: int = PathParam(ge=0, le=schemas.MAX_INT),
         wait: float = Query(0.0, ge=0, le=30, description="long-poll seconds"),
         peer_id: str | None = Query(None, max_length=64, description="who waits"),
     ) -> schemas.Certificate:
@@ -279,7 +287,7 @@ def create_app(coord: Coordinator) -> FastAPI:
 
     @app.get("/v1/ledger")
     def ledger_entries(
-        start: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=5000)
+        start: int = Query(0, ge=0, le=schemas.MAX_INT), limit: int = Query(1000, ge=1, le=5000)
     ) -> list[dict[str, Any]]:
         """Ledger entries from `start`, each with its hash and the coordinator's signature."""
         return coord.accounts.entries(start, limit)
@@ -290,8 +298,11 @@ def create_app(coord: Coordinator) -> FastAPI:
         (`covey ledger verify URL` recomputes them from the entries)."""
         return coord.accounts.book.summary()
 
-    @app.get("/v1/ledger/receipt")
-    def receipt(round: int = Query(ge=0), peer_id: str = Query(max_length=64)) -> dict[str, Any]:
+    @app.get("/v1/ledger/receipt", responses=errors(404))
+    def receipt(
+        round: int = Query(ge=0, le=schemas.MAX_INT),
+        peer_id: str = Query(pattern=schemas.PEER_ID_PATTERN),
+    ) -> dict[str, Any]:
         """The signed ledger entry accepting this peer's contribution to this round."""
         entry = coord.accounts.find("contribution accepted", round=round, peer_id=peer_id)
         if entry is None:
@@ -302,7 +313,7 @@ def create_app(coord: Coordinator) -> FastAPI:
     def checkpoints() -> list[schemas.CheckpointEntry]:
         return coord.checkpoints()
 
-    @app.put("/v1/blobs/{cid}")
+    @app.put("/v1/blobs/{cid}", responses=errors(400, 401, 403, 411), openapi_extra=BLOB_UPLOAD)
     async def put_blob(cid: str, request: Request) -> dict[str, Any]:
         """Store a blob a member uploads: signed in headers (covey.peer.blobstore.
         upload_message) by a live worker or a registered validator, of a size this run's
@@ -337,7 +348,12 @@ def create_app(coord: Coordinator) -> FastAPI:
             coord.uploads.done(ticket, stored)
         return {"ok": True, "cid": cid, "size": ticket.size}
 
-    @app.api_route("/v1/blobs/{cid}", methods=["GET", "HEAD"])
+    @app.api_route(
+        "/v1/blobs/{cid}",
+        methods=["GET", "HEAD"],
+        response_class=Response,
+        responses={**BLOB_BODY, **errors(404, 416)},
+    )
     def get_blob(cid: str, request: Request) -> Response:
         """Blob bytes; a single `Range: bytes=a-b` gives 206 with that slice (streamed from
         disk, never read whole into memory)."""
@@ -381,6 +397,7 @@ def create_app(coord: Coordinator) -> FastAPI:
     app.add_middleware(ReceivedAt)  # signatures are checked against the endpoint
     # last added is outermost: it times and counts every request, 413s included
     app.add_middleware(HttpMetrics, metrics=metrics)
+    document_api(app, coord.run_id)  # every status code each operation can answer
     return app
 
 

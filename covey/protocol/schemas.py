@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
-PeerId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]  # sha256(public key)[:32]
+PEER_ID_PATTERN = r"^[0-9a-f]{32}$"  # sha256(public key)[:32]
+PeerId = Annotated[str, StringConstraints(pattern=PEER_ID_PATTERN)]
 PublicKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Signature = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
 Nonce = Annotated[str, StringConstraints(pattern=r"^[0-9]{13}-[0-9a-f]{16}$")]
@@ -16,10 +17,35 @@ Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 ContentId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 RunId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 Url = Annotated[str, StringConstraints(pattern=r"^https?://[^\s]{1,200}$")]
+# the largest integer a request may carry: exact in a JSON double and in SQLite's INTEGER
+MAX_INT = 2**53 - 1
+
+
+def _whole(value: object) -> object:
+    """JSON Schema counts 2.0 as an integer, strict validation would not: take it as 2."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# a request's integers, 2 or 2.0 (the bounds sit inside, so that the schema of an optional
+# one still names them as minimum and maximum)
+Count = Annotated[Annotated[int, Field(ge=0, le=MAX_INT)], BeforeValidator(_whole)]
+Positive = Annotated[Annotated[int, Field(gt=0, le=MAX_INT)], BeforeValidator(_whole)]
+
+
+class ErrorReply(BaseModel):
+    """The body of every refusal (4xx): what was wrong, and for an invalid request (422)
+    each field's problem."""
+
+    error: str
+    problems: list[str] | None = None
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """A request body. Strict: a value is taken only in the JSON type its schema names
+    (no "1" for 1, no 1 for true; an integer takes 2.0 as 2, as JSON Schema does), so
+    what the served OpenAPI document forbids is exactly what is refused (422)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Signed(Request):
@@ -99,12 +125,17 @@ class CommitmentIn(Request):
     """The worker's state after `step` inner steps: a hash and count sketches
     (covey.trust.verify)."""
 
-    step: int = Field(ge=0)
+    step: Count
     hash: ContentId
     sketch: dict[
         Annotated[str, StringConstraints(pattern=r"^[a-z]{1,16}$")],
         Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=1024)],
-    ] = Field(max_length=4)
+    ] = Field(
+        max_length=4,
+        # pydantic documents the key pattern as patternProperties, which alone would let
+        # any other key through; the validator refuses other keys, and so does the schema
+        json_schema_extra={"additionalProperties": False},
+    )
 
 
 class ContributionRequest(Signed):
@@ -112,17 +143,17 @@ class ContributionRequest(Signed):
     the blob `cid` (uploaded first, or served by the peer's own blob server)."""
 
     run_id: RunId
-    round: int = Field(ge=0)
-    attempt: int = Field(ge=0)
+    round: Count
+    attempt: Count
     peer_id: PeerId
     cid: ContentId
     start_hash: str = Field(
         pattern=r"^[0-9a-f]{64}$", description="the weights hash the peer trained from"
     )
-    size: int = Field(gt=0)
-    tokens: int = Field(gt=0)
-    inner_steps: int = Field(gt=0)
-    fragment: int | None = Field(None, ge=0)
+    size: Positive
+    tokens: Positive
+    inner_steps: Positive
+    fragment: Count | None = None
     train_loss: float | None = Field(None, allow_inf_nan=False)
     compute_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     wall_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="round open to submit")
@@ -137,7 +168,7 @@ class ContributionRequest(Signed):
     end_state_cid: ContentId | None = Field(
         None, description="the local state after this round's work (uploaded like `cid`)"
     )
-    end_state_size: int | None = Field(None, gt=0)
+    end_state_size: Positive | None = None
 
 
 class AcceptedContribution(BaseModel):
@@ -232,13 +263,13 @@ class VerifyReport(Signed):
     state at the segment's start (`state_cid`, not needed for segment 0)."""
 
     run_id: RunId
-    round: int = Field(ge=0)
+    round: Count
     validator_id: PeerId
-    task_id: int = Field(ge=0)
+    task_id: Count
     outcome: Literal["agree", "disagree"]
     exact: bool = False
     distance: float | None = Field(None, ge=0, allow_inf_nan=False)
-    segment: int | None = Field(None, ge=0)
+    segment: Count | None = None
     detail: str = Field("", max_length=500)
     state_cid: ContentId | None = None
     payload_cid: ContentId | None = None
