@@ -651,6 +651,7 @@ def halt(
     reason: Annotated[
         str, typer.Option(help="why: written to the ledger and shown to every worker")
     ] = "halted by the run owner",
+    stake: Annotated[float, typer.Option(help="credits to stake at the first join")] = 0.0,
     run_id: Annotated[str | None, RUN_ID_OPTION] = None,
 ) -> None:
     """Stop a run for good, as its owner.
@@ -673,6 +674,7 @@ def halt(
         raise _fail(str(e)) from None
     client = CoordinatorClient(coordinator, timeout_s=30.0, lost_s=30.0, identity=owner)
     try:
+        stake=stake,
         info = client.get("/v1/run")
         spec_run_id = RunConfig.model_validate(info["spec"]).run_id
         if spec_run_id != info["run_id"] or (run_id is not None and spec_run_id != run_id):

@@ -444,6 +444,28 @@ class TrustConfig(Frozen):
 
 class RunConfig(Frozen):
     """A training run served by `covey coordinator`. Its hash is the run id, and the hash
+    min_validator_stake: float = Field(
+        0.0, ge=0, description="credits a validator must stake to join (and so to check)"
+    )
+    validator_slash_fraction: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="share of its stake a validator loses for a false accusation (the "
+        "referee found it wrong) or for agreeing with a canary",
+    )
+    check_reward: float = Field(
+        0.1,
+        ge=0,
+        description="credits to a validator per completed assigned check (a report that "
+        "was accepted); never for holding a check it did not report",
+    )
+    dispute_attempts: int = Field(
+        3,
+        ge=1,
+        description="times the referee tries a dispute whose judging raised, before it is "
+        "closed 'inconclusive' (nobody slashed)",
+    )
     covers the coordinator's public key: a peer given the run id trusts no other
     coordinator (no trust on first use)."""
 

@@ -43,6 +43,9 @@ POLICY = Policy(
     new_peer_contributions=2,
     low_reputation=0.5,
     sample_rate=0.25,
+    min_validator_stake=2.0,
+    validator_slash_fraction=0.5,
+    check_reward=0.25,
 )
 
 
@@ -131,8 +134,9 @@ class Run:
 
 
 def full_run(dir: Path) -> tuple[Run, dict[str, str]]:
-    """Three workers and a validator over two rounds: work paid, one agreement, one proven
-    fraud (slash + catch reward), a rejection, a checkpoint, a leave."""
+    """Three workers and two validators over two rounds: work paid, one agreement (paid as a
+    check), one proven fraud (slash + catch reward), a refused report and a false
+    accusation (penalty) by the second validator, a rejection, a checkpoint, a leave."""
     run = Run(dir)
     ids = {name: run.join(name) for name in ("ada", "bob", "eve")}
     ids["val"] = run.join("val", role="validator", stake=None)
@@ -161,6 +165,22 @@ def full_run(dir: Path) -> tuple[Run, dict[str, str]]:
         reason="fraud",
     )
     run.add("reward", round=0, peer_id=ids["val"], amount=10.0, kind="catch", tokens=0)
+    run.add("reward", round=0, peer_id=ids["val"], amount=0.25, kind="check", tokens=0)
+    ids["liar"] = run.join("liar", role="validator", stake=4.0)
+    run.add(
+        "report refused", round=1, peer_id=ids["liar"], task_id=7, field="segment", reason="99"
+    )
+    lie = {"round": 1, "peer_id": ids["bob"], "validator_id": ids["liar"]}
+    run.add("verification", outcome="disagree", distance=2.0, exact=False, **lie)
+    run.add("dispute", segment=0, outcome="validator wrong", detail="recomputed", **lie)
+    run.add(
+        "penalty",
+        round=1,
+        peer_id=ids["liar"],
+        amount=run.book.penalty_amount(ids["liar"]),
+        kind="false accusation",
+        reason="recomputed",
+    )
     for rnd in (0, 1):
         run.pay(rnd, ids["ada"], tokens["ada"])
         run.pay(rnd, ids["bob"], tokens["bob"])
@@ -243,7 +263,12 @@ def test_replay_recomputes_what_the_coordinator_kept(tmp_path: Path) -> None:
     assert ada["ownership"] == 8192 / (8192 + 4096) and eve["ownership"] == 0.0
     assert eve["banned"] and eve["stake"] == 5.0 and eve["slashed"] == 5.0
     assert eve["counts"]["frauds"] == 1 and eve["counts"]["rejected"] == 1
-    assert val["balance"] == 10.0 and val["counts"]["catches"] == 1 and val["role"] == "validator"
+    assert val["balance"] == 10.25 and val["counts"]["catches"] == 1 and val["role"] == "validator"
+    assert val["counts"]["checks"] == 2 and summary["totals"]["check_rewards"] == 0.25
+    liar = summary["accounts"][ids["liar"]]
+    assert liar["stake"] == 2.0 and liar["slashed"] == 2.0 and not liar["banned"]
+    assert liar["counts"]["false_accusations"] == 1 and liar["counts"]["refused_reports"] == 1
+    assert liar["reputation"] < val["reputation"]
     assert ada["reputation"] == 2 / 3 and eve["reputation"] == 1 / 3 and bob["reputation"] == 0.5
     assert summary["totals"]["tokens_paid"] == 12288 and summary["totals"]["banned"] == 1
     assert summary["entries"] == len(run.entries()) and summary["certificates"] == 2
@@ -270,9 +295,27 @@ VIOLATIONS: dict[str, tuple[str, Violation]] = {
         "unknown peer 'nobody'",
         lambda r, ids: r.add("stake", peer_id="nobody", amount=10.0),
     ),
-    "stake below min_stake": (
-        "below min_stake 5.0",
+    "stake below min_validator_stake": (
+        "below the minimum stake 2.0 of a validator",
         lambda r, ids: r.add("stake", peer_id=ids["val"], amount=1.0),
+    ),
+    "penalty of a wrong amount": (
+        "is not validator_slash_fraction 0.5 x stake 2.0 = 1.0",
+        lambda r, ids: r.add(
+            "penalty", round=1, peer_id=ids["liar"], amount=4.0, kind="canary", reason="x"
+        ),
+    ),
+    "penalty of a worker": (
+        "is a worker, not a validator",
+        lambda r, ids: r.add(
+            "penalty", round=1, peer_id=ids["ada"], amount=0.0, kind="canary", reason="x"
+        ),
+    ),
+    "check reward for no check": (
+        "no unpaid check reported by validator",
+        lambda r, ids: r.add(
+            "reward", round=1, peer_id=ids["val"], amount=0.25, kind="check", tokens=0
+        ),
     ),
     "second join of a key": (
         "a second join of public key",
@@ -525,7 +568,7 @@ def test_audit_compares_the_reported_balances(tmp_path: Path) -> None:
     balances.write_text(json.dumps(run.book.summary()))
     report = audit.verify(tmp_path)
     assert report.compared_at == report.entries == len(run.entries())
-    assert report.summary == run.book.summary() and report.accounts == 4
+    assert report.summary == run.book.summary() and report.accounts == 5
     # Balances written before the last entries were appended cover a prefix: still checked.
     run.accept(5, ids["ada"], 10)
     assert audit.verify(tmp_path).compared_at == report.entries
@@ -560,7 +603,7 @@ def test_cli_verify_ok_and_invalid(tmp_path: Path, cli: Callable[..., Any]) -> N
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"ledger OK: {n} entries, chain and {n} signatures valid")
     assert run.coord.public_key[:16] in result.output
-    assert "balances recomputed for 4 accounts match the coordinator's" in result.output
+    assert "balances recomputed for 5 accounts match the coordinator's" in result.output
     path = export(run, tmp_path / "ledger.jsonl")
     data = bytearray(path.read_bytes())
     third = data.index(b"\n", data.index(b"\n") + 1) + 1  # first byte of entry 2

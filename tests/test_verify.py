@@ -19,7 +19,16 @@ from covey.data.batches import sample_batch
 from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.peer.adversary import forge_payload
 from covey.trust.referee import judge, referee
-from covey.trust.sketch import Commitment, distance, sketch, state_hash
+from covey.trust.sketch import (
+    BUCKETS,
+    Commitment,
+    _hashing,
+    commitment_distance,
+    commitment_of,
+    distance,
+    sketch,
+    state_hash,
+)
 from covey.trust.verify import (
     BatchFn,
     Committer,
@@ -427,7 +436,8 @@ def claimed_by_other_data(tokens: torch.Tensor, start: TrainState) -> list[Commi
 
 def test_a_made_up_segment_start_cannot_frame_a_worker(tokens) -> None:
     """An honest worker; a validator claims the last segment diverges and hands the referee
-    a doctored state for its start: the referee refuses to use it."""
+    a doctored state for its start: the referee ignores it, recomputes the prefix from W_r,
+    and backs the worker."""
     cfg, steps = SETUPS["diloco-fp32"]
     worker, validator = make(cfg), make(cfg)
     start = worker.init_state()
@@ -438,6 +448,7 @@ def test_a_made_up_segment_start_cannot_frame_a_worker(tokens) -> None:
     shifted = {k: (v * 1.5 if k.startswith("param/") else v) for k, v in real.items()}
     moments = {k: (v * 3 if k.endswith("exp_avg_sq") else v) for k, v in real.items()}
     broken = {k: v for k, v in real.items() if not k.endswith("exp_avg")}
+    flipped = -validator.codec.decode(honest.payload)
     for what, made_up in {"params": shifted, "moments": moments, "layout": broken}.items():
         result = referee(
             make(cfg, seed=5),
@@ -450,17 +461,68 @@ def test_a_made_up_segment_start_cannot_frame_a_worker(tokens) -> None:
             claimed_start=claimed[3],
             tolerance=TOL,
         )
-        assert result.end is None, what
-        flipped = -validator.codec.decode(honest.payload)
+        assert result.end is not None and "recomputed" in result.detail, what
         j = judge(result, validator.codec.decode(payload), flipped, TOL)
-        assert j.outcome == "inconclusive", what
-        assert "refused" in j.detail or "rejected" in j.detail, (what, j.detail)
+        assert j.outcome == "validator wrong", (what, j.detail)
     with pytest.raises(ValueError, match="needs the worker's commitment"):
         referee(make(cfg), start, 3, real, batch_fn, steps, K)
-    # the genuine state is accepted, and the referee then backs the worker
+    # the genuine state (hash-equal to the worker's commitment) is used as it is
     result = referee(make(cfg), start, 3, real, batch_fn, steps, K, claimed_start=claimed[3])
-    assert result.end is not None and result.start_distance == 0.0
+    assert result.end is not None and result.detail == ""
     assert judge(result, validator.codec.decode(payload), flipped, TOL).outcome == "validator wrong"
+
+
+def sketch_null_space(state: dict[str, torch.Tensor], size: float) -> dict[str, torch.Tensor]:
+    """`state` moved by a vector of l2 norm ~`size` x its parameters' norm that every count
+    sketch of the parameters maps to 0: the sketch's hashing is public, so anyone can."""
+    names = sorted(k for k in state if k.startswith("param/"))
+    n = sum(state[k].numel() for k in names)
+    index, sign = _hashing(n, BUCKETS)
+    z = torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    # project out the sketch: rows of S are disjoint +-1 indicators, so S S^T is diagonal
+    counts = torch.zeros(BUCKETS, dtype=torch.float64).index_add_(0, index, torch.ones(n).double())
+    s = torch.zeros(BUCKETS, dtype=torch.float64).index_add_(0, index, z * sign)
+    z = z - sign * (s / counts)[index]
+    norm = math.sqrt(sum(float(state[k].double().pow(2).sum()) for k in names))
+    z = z * (size * norm / float(z.norm()))
+    out, at = dict(state), 0
+    for k in names:
+        t = state[k]
+        out[k] = t + z[at : at + t.numel()].reshape(t.shape).to(t.dtype)
+        at += t.numel()
+    return out
+
+
+def test_a_sketch_equal_crafted_state_no_longer_convicts(tokens) -> None:
+    """A validator crafts a segment-start state in the count sketch's null space: its
+    sketch equals the honest worker's commitment (distance ~0, within tolerance), its
+    content does not. It computes its own segment end from there and disputes. The old
+    referee accepted the state on its sketch and found the worker far from it: fraud. Now
+    the state's hash differs from the commitment, so the referee recomputes from W_r."""
+    cfg, steps = SETUPS["diloco-fp32"]
+    worker, validator = make(cfg), make(cfg)
+    start = worker.init_state()
+    batch_fn = batches(tokens)
+    claimed, payload = work(worker, start, batch_fn, steps, K)
+    honest = reexecute(validator, start, batch_fn, steps, K, keep_states=[3])
+    crafted = sketch_null_space(honest.states[3], 0.05)
+    theirs = commitment_of(crafted, start.params, 9)
+    assert theirs.hash != claimed[3].hash
+    assert commitment_distance(theirs, claimed[3]) < TOL / 10  # the sketch cannot tell
+    # the validator's claimed end: the last segment run from its crafted state
+    validator.load_state(start)
+    validator.load_local_state(crafted)
+    validator.inner_step(batch_fn(9))
+    framed_end = validator.codec.decode(validator.make_contribution().payload)
+    worker_end = validator.codec.decode(payload)
+    assert distance(worker_end, framed_end) > 10 * TOL  # a real disagreement to judge
+    result = referee(
+        make(cfg, seed=5), start, 3, crafted, batch_fn, steps, K,
+        claimed_start=claimed[3], tolerance=TOL,
+    )  # fmt: skip
+    j = judge(result, worker_end, framed_end, TOL)
+    assert j.outcome == "validator wrong", j.detail  # the old referee said "fraud"
+    assert "does not hash" in result.detail
 
 
 def test_segment_0_and_prefix_recompute_need_no_blob(tokens) -> None:

@@ -101,7 +101,8 @@ class Membership:
             raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
         if account is not None and account.role != role:
             raise Rejected(409, f"key {peer_id[:12]} is registered as a {account.role}")
-        minimum = self.cfg.trust.min_stake if role == "worker" else 0.0
+        trust = self.cfg.trust
+        minimum = trust.min_stake if role == "worker" else trust.min_validator_stake
         if account is None and stake < minimum:
             raise Rejected(403, f"stake {stake} is below this run's minimum stake {minimum}")
         now = time.time()
@@ -119,8 +120,7 @@ class Membership:
                     {"peer_id": peer_id, "public_key": public_key, "name": name, "role": role},
                     now,
                 )
-                if role == "worker":  # validators stake nothing; they are paid per catch
-                    self.accounts.append(c, "stake", {"peer_id": peer_id, "amount": stake}, now)
+                self.accounts.append(c, "stake", {"peer_id": peer_id, "amount": stake}, now)
 
     def heartbeat(self, req: schemas.HeartbeatRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """Renew the peer's participation lease for `lease_s` (covey.trust.halt): its reply

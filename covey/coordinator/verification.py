@@ -22,6 +22,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from covey.algorithms.codecs import CodecError
 from covey.peer.blobs import BlobError
 from covey.peer.runsetup import assignment_batches
@@ -30,6 +32,7 @@ from covey.protocol.checkpoint import state_from_bytes
 from covey.trust import referee, verify
 from covey.trust.certify import sample
 from covey.trust.identity import canonical_json
+from covey.trust.sketch import commitment_of
 
 from .views import Rejected
 
@@ -67,6 +70,9 @@ class Verification:
         self._disputes: queue.Queue[int | None] = queue.Queue()
         self._referee_thread: threading.Thread | None = None
         self._referee_strategy: Strategy | None = None
+        self._attempts: dict[int, int] = {}  # task id -> times its judging raised
+        self._layout: tuple[int, dict[str, int]] | None = None
+        self._layout_lock = threading.Lock()
 
     # -- membership checks ----------------------------------------------------------------
 
@@ -230,7 +236,7 @@ class Verification:
 
     def validator_join(self, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
         self._check_run(req.run_id)
-        self._register(req.validator_id, req.public_key, req.name, "validator", 0.0, raw)
+        self._register(req.validator_id, req.public_key, req.name, "validator", req.stake, raw)
         log.info("[%s %s] validator joined", req.name, req.validator_id[:8])
         return {"ok": True, "verifying": self.verifying}
 
@@ -320,20 +326,22 @@ class Verification:
         return out
 
     def report(self, req: schemas.VerifyReport, raw: dict[str, Any]) -> dict[str, Any]:
+        """Accept a validator's outcome for a task it holds. The report is validated in full
+        before anything is judged (`_report_fault`): a malformed or unprovable one is
+        refused (422 naming the field), recorded against the validator ("report refused")
+        and the task goes back to be checked by someone."""
         self._check_run(req.run_id)
         self.authenticate(raw, req.round, req.validator_id)
         self._check_role(req.validator_id, "validator")
         v = self.db.one("SELECT * FROM verifications WHERE id = ?", (req.task_id,))
-        if v is None or v["round"] != req.round:
-            raise Rejected(404, f"no verification task {req.task_id} for round {req.round}")
+        if v is None:
+            raise Rejected(404, f"no verification task {req.task_id}")
         if v["status"] != "claimed" or v["validator_id"] != req.validator_id:
             raise Rejected(409, f"task {req.task_id} is not claimed by {req.validator_id[:12]}")
-        if req.outcome == "disagree":
-            if req.segment is None:
-                raise Rejected(422, "a disagreement names the first diverging segment")
-            for cid in (req.state_cid, req.payload_cid):
-                if cid is not None and not self.blobs.has(cid):
-                    raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
+        fault = self._report_fault(self._task(req.task_id), req)
+        if fault is not None:
+            self._refuse_report(v, req, *fault)
+            raise Rejected(422, f"report refused: {fault[0]}: {fault[1]}")
         now = time.time()
         status = "agree" if req.outcome == "agree" else "disputed"
         with self.accounts.transaction() as c:
@@ -368,6 +376,101 @@ class Verification:
             self._disputes.put(req.task_id)
         return {"ok": True, "status": status}
 
+    def _report_fault(
+        self, task: schemas.VerifyTask, req: schemas.VerifyReport
+    ) -> tuple[str, str] | None:
+        """(field, reason) for a report that cannot be judged as it stands, else None: a
+        round other than the task's; a disagreement without a segment, or one the round
+        does not have; evidence missing for the segment (the validator's commitment at its
+        end, or its payload for the last one); a commitment at the wrong step or of the
+        wrong layout; a blob it names that was not uploaded or whose size is not the size
+        this run's model and codec imply."""
+        if req.round != task.round:
+            return "round", f"task {task.task_id} is of round {task.round}, not {req.round}"
+        if req.outcome == "agree":
+            return None
+        k = self.cfg.trust.commit_every
+        n = len(verify.commitment_steps(task.inner_steps, k))
+        if req.segment is None:
+            return "segment", "a disagreement names the first diverging segment"
+        if req.segment >= n:
+            return "segment", (
+                f"segment {req.segment} out of range: a round of {task.inner_steps} inner "
+                f"steps committing every {k} has segments 0..{n - 1}"
+            )
+        state_size, sketch_lengths = self._evidence_layout()
+        last = req.segment == n - 1
+        if last and req.payload_cid is None:
+            return "payload_cid", f"segment {req.segment} is the last: back it with a payload"
+        if not last:
+            if req.claim is None:
+                return "claim", f"segment {req.segment} ends at commitment {req.segment + 1}"
+            try:
+                claim = verify.Commitment.from_dict(req.claim.model_dump())
+            except ValueError as e:
+                return "claim", str(e)
+            if claim.step != (end := (req.segment + 1) * k):
+                return "claim", f"step {claim.step}, segment {req.segment} ends at step {end}"
+            lengths = {g: len(v) for g, v in claim.sketch.items()}
+            if lengths != sketch_lengths:
+                return "claim", f"sketch lengths {lengths}, this run's are {sketch_lengths}"
+        names = self.strategy.fragment_names(task.fragment)
+        numel = sum(self.template.params[n].numel() for n in names)
+        sizes = {
+            "state_cid": (req.state_cid, state_size),
+            "payload_cid": (req.payload_cid, self.strategy.codec.nbytes(numel)),
+        }
+        for field, (cid, size) in sizes.items():
+            if cid is None:
+                continue
+            if not self.blobs.has(cid):
+                return field, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)"
+            if (got := self.blobs.size(cid)) != size:
+                return field, f"blob {cid[:12]} is {got} bytes; this run implies {size}"
+        return None
+
+    def _evidence_layout(self) -> tuple[int, dict[str, int]]:
+        """(bytes of a local state as `verify.local_state_to_bytes` writes it, the sketch
+        lengths of a commitment): fixed by the model and config, computed once from zeros
+        of the strategy's local state's names, shapes and dtypes."""
+        with self._layout_lock:
+            if self._layout is None:
+                live = self.strategy.local_state(copy=False)
+                zeros = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in live.items()}
+                c = commitment_of(zeros, self.template.params, 0)
+                lengths = {g: len(v) for g, v in c.sketch.items()}
+                self._layout = (len(verify.local_state_to_bytes(zeros)), lengths)
+            return self._layout
+
+    def _refuse_report(self, v: Any, req: schemas.VerifyReport, field: str, reason: str) -> None:
+        """Record a refused report against its validator and put the task back."""
+        with self.accounts.transaction() as c:
+            c.execute(
+                "UPDATE verifications SET status = 'pending', validator_id = NULL, "
+                "claimed_at = NULL WHERE id = ?",
+                (v["id"],),
+            )
+            self.accounts.append(
+                c,
+                "report refused",
+                {
+                    "round": v["round"],
+                    "peer_id": req.validator_id,
+                    "task_id": v["id"],
+                    "field": field,
+                    "reason": reason[:500],
+                },
+                time.time(),
+            )
+        log.warning(
+            "[round %d] %s's report on task %d refused: %s: %s",
+            v["round"],
+            req.validator_id[:8],
+            v["id"],
+            field,
+            reason,
+        )
+
     # -- the referee --------------------------------------------------------------------------
 
     def start_referee(self) -> None:
@@ -385,8 +488,53 @@ class Verification:
         while (task_id := self._disputes.get()) is not None:
             try:
                 self._settle(task_id)
-            except Exception:  # a bug must not kill the referee: the dispute stays open
-                log.exception("referee failed on task %d", task_id)
+            except Exception as e:  # a bug must not kill the referee nor convict anyone
+                self._referee_failed(task_id, e)
+
+    def _referee_failed(self, task_id: int, error: Exception) -> None:
+        """A dispute whose judging raised stays open and goes to the back of the queue
+        (other disputes first); after `trust.dispute_attempts` failures it is closed
+        "inconclusive": nobody slashed or paid for it, recorded on the ledger."""
+        attempts = self._attempts.get(task_id, 0) + 1
+        self._attempts[task_id] = attempts
+        log.error(
+            "referee failed on task %d (attempt %d of %d)",
+            task_id,
+            attempts,
+            self.cfg.trust.dispute_attempts,
+            exc_info=error,
+        )
+        if attempts < self.cfg.trust.dispute_attempts:
+            self._disputes.put(task_id)
+            return
+        try:
+            self._close_inconclusive(
+                task_id, f"the referee failed {attempts} times: {type(error).__name__}: {error}"
+            )
+        except Exception:  # the database itself failing: left open for a restart
+            log.exception("could not close dispute %d as inconclusive", task_id)
+
+    def _close_inconclusive(self, task_id: int, detail: str) -> None:
+        """Close an open dispute as "inconclusive" on the ledger (nobody slashed)."""
+        v = self.db.one("SELECT * FROM verifications WHERE id = ?", (task_id,))
+        if v is None or v["status"] != "disputed":
+            return
+        report = json.loads(v["report"] or "{}")
+        with self.accounts.transaction() as c:
+            c.execute("UPDATE verifications SET status = 'inconclusive' WHERE id = ?", (task_id,))
+            self.accounts.append(
+                c,
+                "dispute",
+                {
+                    "round": v["round"],
+                    "peer_id": v["peer_id"],
+                    "validator_id": v["validator_id"],
+                    "segment": int(report.get("segment") or 0),
+                    "outcome": "inconclusive",
+                    "detail": detail[:500],
+                },
+                time.time(),
+            )
 
     def _settle(self, task_id: int) -> None:
         """Recompute the disputed segment alone and write the outcome to the ledger."""
@@ -441,6 +589,19 @@ class Verification:
                     "UPDATE payouts SET status = 'forfeit' WHERE peer_id = ? AND status = 'due'",
                     (task.peer_id,),
                 )
+            elif outcome == "validator wrong":  # a false accusation costs its stake share
+                self.accounts.append(
+                    c,
+                    "penalty",
+                    {
+                        "round": task.round,
+                        "peer_id": report.validator_id,
+                        "amount": self.accounts.book.penalty_amount(report.validator_id),
+                        "kind": "false accusation",
+                        "reason": detail[:500],
+                    },
+                    now,
+                )
         log.warning(
             "[round %d] dispute over %s's contribution (segment %s): %s: %s",
             task.round,
@@ -451,37 +612,52 @@ class Verification:
         )
 
     def _judge(self, task: schemas.VerifyTask, report: schemas.VerifyReport) -> tuple[str, str]:
-        """Recompute the disputed segment (from the validator's state at its start, which
-        must match the worker's own commitment there) and compare its end with what the
-        worker and the validator each claim it is."""
+        """Recompute the disputed segment and compare its end with what the worker and the
+        validator each claim it is. The validator's state at the segment's start is used
+        only when it hashes to the worker's own commitment there (covey.trust.referee);
+        otherwise the referee recomputes from W_r. "fraud" only on the worker's own
+        provable fault: a claim malformed on its face, or an end far from the recomputed
+        one; a report that does not hold together is "inconclusive", never fraud."""
         strategy = self._referee_strategy_for()
         trust = self.cfg.trust
         start = state_from_bytes(self.blobs.get(task.start_cid), self.template)
         numel = sum(start.params[n].numel() for n in strategy.fragment_names(task.fragment))
+        points = verify.commitment_steps(task.inner_steps, trust.commit_every)
+        segment = report.segment
+        if segment is None or not 0 <= segment < len(points):  # validated at report time
+            return "inconclusive", f"segment {segment} is not one of 0..{len(points) - 1}"
         try:
             claimed = [verify.Commitment.from_dict(c) for c in task.commitments]
-            segment = int(report.segment or 0)
+            steps = [c.step for c in claimed]
+            if steps != points:
+                raise ValueError(f"commitments at steps {steps[:8]}, the round's are {points[:8]}")
             worker_end = verify.segment_end(
                 claimed, self.blobs.get(task.cid), segment, strategy.codec, numel
             )
-        except (ValueError, IndexError, CodecError) as e:
+        except (ValueError, CodecError) as e:
             # a claim that is malformed on its face needs no recomputation
             return "fraud", f"the worker's claim is malformed: {e}"
         try:
-            if report.payload_cid is not None:
+            validator_end: Any
+            if segment == len(points) - 1:
+                if report.payload_cid is None:
+                    return "inconclusive", "the validator backed the last segment with no payload"
                 data = self.blobs.get(report.payload_cid)
-                validator_end: Any = strategy.codec.decode(data, numel)
+                validator_end = strategy.codec.decode(data, numel)
             elif report.claim is not None:
                 validator_end = verify.Commitment.from_dict(report.claim.model_dump())
             else:
                 return "inconclusive", "the validator backed its dispute with no claim"
-            seg_state = None
-            if report.state_cid is not None and segment > 0:
+        except (ValueError, CodecError, BlobError) as e:
+            return "inconclusive", f"the validator's evidence is unusable: {e}"
+        seg_state = None
+        if report.state_cid is not None and segment > 0:
+            try:
                 seg_state = verify.local_state_from_bytes(
                     self.blobs.get(report.state_cid), strategy.local_state()
                 )
-        except (ValueError, CodecError, BlobError) as e:
-            return "inconclusive", f"the validator's evidence is unusable: {e}"
+            except (ValueError, BlobError) as e:  # the referee recomputes from W_r instead
+                log.info("task %d: the validator's state is unusable: %s", task.task_id, e)
         result = referee.referee(
             strategy,
             start,

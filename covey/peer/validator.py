@@ -43,6 +43,7 @@ class ValidatorOptions:
     max_tasks: int | None = None  # stop after this many re-executions
     connect_timeout_s: float = 120.0
     run_id: str | None = None  # refuse a coordinator serving another run (key included)
+    stake: float = 0.0  # credits staked at the first join (the run's min_validator_stake)
 
 
 class Validator:
@@ -71,6 +72,7 @@ class Validator:
                 "validator_id": self.validator_id,
                 "public_key": self.identity.public_key,
                 "name": self.name,
+                "stake": self.opts.stake,
             },
         )
         if not reply.get("verifying"):

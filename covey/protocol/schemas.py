@@ -218,10 +218,14 @@ class CheckpointEntry(BaseModel):
 
 
 class ValidatorJoin(Signed):
+    """POST /v1/validators/join. A first join stakes `stake` (at least the run's
+    trust.min_validator_stake): a false accusation or a passed canary costs a share of it."""
+
     run_id: RunId
     validator_id: PeerId
     public_key: PublicKey
     name: Name = "validator"
+    stake: float = Field(0.0, ge=0, le=1e15, allow_inf_nan=False, description="credits staked")
 
 
 class ClaimRequest(Signed):

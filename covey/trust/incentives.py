@@ -12,15 +12,25 @@ The payload of each entry type is the contract between the coordinator and this 
 
 - "run created": {run_id, name, spec: dict, coordinator_key, policy: Policy.to_dict()}
 - "join": {peer_id, public_key, name, role: "worker"|"validator"}  (once per key)
-- "stake": {peer_id, amount};  "leave": {peer_id, reason}
+- "stake": {peer_id, amount} (at least min_stake for a worker, min_validator_stake for a
+  validator);  "leave": {peer_id, reason}
 - "contribution accepted": {round, peer_id, cid, tokens, inner_steps, sampled, rate, draw,
   request_id, nonce, signature};  "contribution rejected": {round, peer_id, reason}
 - "verification": {round, peer_id, validator_id, outcome: "agree"|"disagree"|"expired",
-  distance: float|null, exact: bool}
+  distance: float|null, exact: bool}; "expired" names the validator that held the check
+  and did not report in time (a missed check: it counts against it), or "" (older runs)
+- "report refused": {round, peer_id (the validator), task_id, field, reason}: a validator's
+  report that was malformed or unprovable (segment out of range, a blob missing or of the
+  wrong size); it counts against the validator's reputation
+- "penalty": {round, peer_id, amount, kind: "false accusation"|"canary", reason}: a
+  validator loses validator_slash_fraction of its stake (not banned) for a dispute the
+  referee found it wrong in, or for passing a canary
 - "dispute": {round, peer_id, validator_id, segment, outcome: "fraud"|"validator wrong"|
   "inconclusive", detail}
 - "slash": {round, peer_id, amount, reason}
-- "reward": {round, peer_id, amount, kind: "work"|"catch", tokens (0 for a catch)}
+- "reward": {round, peer_id, amount, kind: "work"|"catch"|"check", tokens (0 unless work)};
+  a "check" pays check_reward to a validator for a completed assigned check, once per
+  reported verification
 - "round certificate": {round, new_hash, certificate_hash, accepted: [ids], rejected: [ids]}
 - "checkpoint": {round, cid, weights_hash}
 - "halt": {round, owner_key, reason, request}: the owner's signed HALT (covey.trust.halt)
@@ -56,6 +66,10 @@ class Policy:
     new_peer_contributions: int
     low_reputation: float
     sample_rate: float
+    # added later: a "run created" entry without them gets these defaults (older ledgers)
+    min_validator_stake: float = 0.0
+    validator_slash_fraction: float = 0.0
+    check_reward: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: TrustConfig) -> Policy:
@@ -66,6 +80,8 @@ class Policy:
         """ValueError naming the field if one is missing, unknown, or not a non-negative
         finite number (new_peer_contributions: an int)."""
         names = [f.name for f in fields(cls)]
+        if isinstance(data, dict):
+            data = {**{n: getattr(_DEFAULTS, n) for n in _LATER_FIELDS}, **data}
         if not isinstance(data, dict) or set(data) != set(names):
             got = sorted(data) if isinstance(data, dict) else data
             raise ValueError(f"policy must have exactly the fields {names}, got {got}")
@@ -102,10 +118,27 @@ class Account:
     catches: int = 0
     slashed: float = 0.0
     banned: bool = False
+    checks: int = 0  # a validator's reports on its checks
+    refused_reports: int = 0
+    missed_checks: int = 0
+    canaries_passed: int = 0
+
+    @property
+    def validator_faults(self) -> int:
+        """What counts against a validator: false accusations, refused reports, checks it
+        held and did not report in time, canaries it agreed with."""
+        return (
+            self.false_accusations + self.refused_reports + self.missed_checks
+            + self.canaries_passed
+        )  # fmt: skip
 
     @property
     def reputation(self) -> float:
-        """(agreed + 1) / (agreed + frauds + 2): 0.5 for a peer nobody has checked."""
+        """A worker: (agreed + 1) / (agreed + frauds + 2). A validator: (checks + 1) /
+        (checks + faults + 2). 0.5 for a peer with no record."""
+        if self.role == "validator":
+            good = max(self.checks - self.false_accusations - self.canaries_passed, 0)
+            return (good + 1) / (good + self.validator_faults + 2)
         return (self.agreed + 1) / (self.agreed + self.frauds + 2)
 
 
@@ -129,6 +162,9 @@ class Book:
         self._accepted: dict[tuple[int, str], int] = {}  # (round, peer) -> tokens
         self._paid: set[tuple[int, str]] = set()
         self._catches_due: dict[tuple[int, str], int] = {}  # (round, validator) -> unpaid
+        self._checks_due: dict[tuple[int, str], int] = {}  # (round, validator) -> unpaid
+        self.check_rewards = 0.0
+        self.penalties = 0.0
 
     @classmethod
     def replay(cls, entries: Iterable[Entry]) -> Book:
@@ -179,6 +215,15 @@ class Book:
         """The amount a slash of this peer must carry now (KeyError if unknown)."""
         return self._policy().slash_fraction * self.accounts[peer_id].stake
 
+    def penalty_amount(self, peer_id: str) -> float:
+        """The amount a validator's "penalty" must carry now (KeyError if unknown)."""
+        return self._policy().validator_slash_fraction * self.accounts[peer_id].stake
+
+    def min_stake_of(self, role: str) -> float:
+        """The stake a peer of `role` must hold: min_stake (worker), min_validator_stake."""
+        policy = self._policy()
+        return policy.min_validator_stake if role == "validator" else policy.min_stake
+
     def ownership(self) -> dict[str, float]:
         """Each account's share of all tokens paid for (all 0.0 before the first reward)."""
         total = sum(a.tokens_paid for a in self.accounts.values())
@@ -207,6 +252,10 @@ class Book:
                     "frauds": a.frauds,
                     "false_accusations": a.false_accusations,
                     "catches": a.catches,
+                    "checks": a.checks,
+                    "refused_reports": a.refused_reports,
+                    "missed_checks": a.missed_checks,
+                    "canaries_passed": a.canaries_passed,
                 },
             }
         ordered = [self.accounts[p] for p in sorted(self.accounts)]
@@ -226,6 +275,8 @@ class Book:
                 "slashed": math.fsum(a.slashed for a in ordered),
                 "work_rewards": self.work_rewards,
                 "catch_rewards": self.catch_rewards,
+                "check_rewards": self.check_rewards,
+                "penalties": self.penalties,
             },
             "accounts": accounts,
         }
@@ -254,12 +305,13 @@ class Book:
         self.accounts[peer_id] = Account(peer_id, p["name"], p["role"], key)
 
     def _stake(self, i: int, p: dict[str, Any]) -> None:
-        acc, amount, min_stake = self._peer(i, p), p["amount"], self._policy().min_stake
+        acc, amount = self._peer(i, p), p["amount"]
+        min_stake = self.min_stake_of(acc.role)
         if acc.stake + amount < min_stake:
             raise LedgerError(
                 i,
                 f"stake: {amount} leaves peer {acc.peer_id} with {acc.stake + amount}, "
-                f"below min_stake {min_stake}",
+                f"below the minimum stake {min_stake} of a {acc.role}",
             )
         acc.stake += amount
 
@@ -288,10 +340,36 @@ class Book:
 
     def _verification(self, i: int, p: dict[str, Any]) -> None:
         acc = self._peer(i, p)
-        if p["outcome"] != "expired":  # an expired check names no validator ("")
-            self._peer(i, p, "validator_id")
+        if p["outcome"] == "expired":  # names the validator that missed it, or "" (older)
+            if p["validator_id"]:
+                self._peer(i, p, "validator_id").missed_checks += 1
+            return
+        validator = self._peer(i, p, "validator_id")
+        validator.checks += 1
+        key = (p["round"], validator.peer_id)
+        self._checks_due[key] = self._checks_due.get(key, 0) + 1
         if p["outcome"] == "agree":
             acc.agreed += 1
+
+    def _report_refused(self, i: int, p: dict[str, Any]) -> None:
+        self._peer(i, p).refused_reports += 1
+
+    def _penalty(self, i: int, p: dict[str, Any]) -> None:
+        acc, amount = self._peer(i, p), p["amount"]
+        expected = self.penalty_amount(acc.peer_id)
+        if acc.role != "validator":
+            raise LedgerError(i, f"penalty: peer {acc.peer_id} is a {acc.role}, not a validator")
+        if amount != expected:
+            raise LedgerError(
+                i,
+                f"penalty: {amount} is not validator_slash_fraction "
+                f"{self._policy().validator_slash_fraction} x stake {acc.stake} = {expected}",
+            )
+        acc.stake -= amount
+        acc.slashed += amount
+        self.penalties += amount
+        if p["kind"] == "canary":
+            acc.canaries_passed += 1
 
     def _dispute(self, i: int, p: dict[str, Any]) -> None:
         acc, validator = self._peer(i, p), self._peer(i, p, "validator_id")
@@ -334,7 +412,12 @@ class Book:
                     f"{policy.reward_per_token} = {self.work_reward(tokens)}"
                 )
         elif tokens != 0:
-            fault = f"a catch reward must carry tokens 0, got {tokens}"
+            fault = f"a {p['kind']} reward must carry tokens 0, got {tokens}"
+        elif p["kind"] == "check":
+            if not self._checks_due.get(key):
+                fault = f"no unpaid check reported by validator {acc.peer_id} in round {rnd}"
+            elif amount != policy.check_reward:
+                fault = f"check reward {amount} is not check_reward {policy.check_reward}"
         elif not self._catches_due.get(key):
             fault = f"no unpaid 'fraud' dispute won by validator {acc.peer_id} in round {rnd}"
         elif amount != policy.catch_reward:
@@ -345,6 +428,9 @@ class Book:
             self._paid.add(key)
             acc.tokens_paid += tokens
             self.work_rewards += amount
+        elif p["kind"] == "check":
+            self._checks_due[key] -= 1
+            self.check_rewards += amount
         else:
             self._catches_due[key] -= 1
             acc.catches += 1
@@ -392,7 +478,9 @@ _SCHEMA_TEXT = {
     "dispute": "round:count, peer_id:id, validator_id:id, segment:count, "
     "outcome:fraud|validator wrong|inconclusive, detail:text",
     "slash": "round:count, peer_id:id, amount:amount, reason:text",
-    "reward": "round:count, peer_id:id, amount:amount, kind:work|catch, tokens:count",
+    "reward": "round:count, peer_id:id, amount:amount, kind:work|catch|check, tokens:count",
+    "report refused": "round:count, peer_id:id, task_id:count, field:text, reason:text",
+    "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary, reason:text",
     "round certificate": "round:count, new_hash:text, certificate_hash:text, accepted:ids, "
     "rejected:ids",
     "checkpoint": "round:count, cid:text, weights_hash:text",
@@ -429,3 +517,7 @@ def _holds(v: Any, kind: str) -> bool:
     if kind == "id":
         return isinstance(v, str) and v != ""
     return isinstance(v, {"text": str, "bool": bool, "object": dict}[kind])
+
+
+_DEFAULTS = Policy(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0)
+_LATER_FIELDS = ("min_validator_stake", "validator_slash_fraction", "check_reward")

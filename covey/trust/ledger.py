@@ -41,6 +41,8 @@ ENTRY_TYPES: tuple[str, ...] = (
     "dispute",
     "slash",
     "reward",
+    "report refused",
+    "penalty",
     "round certificate",
     "checkpoint",
     "halt",

@@ -3,8 +3,11 @@ right (covey.trust.verify bisected the disagreement down to that segment).
 
 After Verde (Gensyn, arXiv 2502.19405): whatever the round's length, the referee's work is
 one segment of at most k inner steps. The referee trusts neither side. A validator may
-supply its state at the segment's start (so the prefix need not be recomputed); it is
-checked against the worker's own commitment there first. And since a segment that
+supply its state at the segment's start (so the prefix need not be recomputed); it is used
+only when its full content hash equals the worker's own commitment there, else the referee
+recomputes the prefix from W_r itself. A sketch is never evidence: its hashing is public, so
+a state can be crafted in its null space (sketch-equal, content-different) to frame an
+honest worker. And since a segment that
 amplifies rounding (a loss spike) would make honest parties look far apart, the referee
 re-runs the segment from a nudged start and raises its noise floor by what the nudge did.
 Pure, like verify: no network, no clock.
@@ -21,7 +24,13 @@ import torch
 
 from covey.algorithms.base import Strategy, TrainState
 from covey.algorithms.codecs import Codec
-from covey.trust.sketch import Commitment, commitment_distance, commitment_of, distance
+from covey.trust.sketch import (
+    Commitment,
+    commitment_distance,
+    commitment_of,
+    distance,
+    state_hash,
+)
 from covey.trust.verify import (
     DEFAULT_TOLERANCE,
     BatchFn,
@@ -42,8 +51,9 @@ class RefereeResult:
 
     end: its end commitment, or the decoded payload for the last segment; None when the
         referee refused to compute (see detail).
-    start_distance: how far the supplied segment-start state was from the worker's
-        commitment (0 when the referee computed the start itself).
+    start_distance: 0: a segment starts from the worker's committed state exactly (a
+        hash-equal supplied one) or from the referee's own recomputation (kept for callers).
+    detail: how the segment's start was obtained, when a supplied state was ignored.
     stability: how far the segment's end moves when its start is nudged by the size of the
         disagreement at its start (`STABILITY_PROBE` at least). A segment that amplifies
         the nudge (a loss spike, say) amplifies the honest differences between two
@@ -119,13 +129,13 @@ def referee(
 
     Segment 0 starts from `start_state` and the worker's committed previous end state
     (`previous_end`, `previous_accepted`: see `Strategy.begin_round`; None: fresh). A later
-    segment starts from `segment_start` (a validator's `Reexecution.states[segment]`),
-    which is checked first against `claimed_start`, the worker's own commitment at that
-    index: unless the hashes are equal or the sketch distance is within `tolerance`, the
-    referee refuses (end None), since a validator must not frame a worker with a made-up
-    state. The check is a sketch, not a proof (covey/trust/sketch.py); where that matters,
-    pass segment_start=None: the referee then recomputes from the round's start, at the
-    cost of the segments before this one.
+    segment may start from `segment_start` (a validator's `Reexecution.states[segment]`), but
+    only when its full content hash (`state_hash`) equals `claimed_start.hash`, the worker's
+    own commitment at that index: then it is the very state the worker committed to. Any
+    other supplied state (a different hash, a sketch within tolerance included, a malformed
+    one) is ignored and the referee recomputes the prefix from the round's start, at the
+    cost of the segments before this one; `detail` says so. A lossy sketch never lets a
+    party's state in: one crafted in the sketch's null space would frame an honest worker.
 
     With `probe`, the segment is computed a second time from a nudged start
     (`RefereeResult.stability`), so that `judge` does not convict an honest worker whose
@@ -133,32 +143,35 @@ def referee(
     covey.bench.trust_calibration: it happens, in loss spikes). Costs one more segment.
 
     ValueError for a strategy that is not re-executable, a segment the round lacks, or a
-    segment_start given without claimed_start. A malformed segment_start is a refusal."""
+    segment_start given without claimed_start."""
     require_reexecutable(strategy)
     first, end = segment_bounds(segment, steps, commit_every)
     codec = codec or strategy.codec
     # H3: the round starts from the worker's committed previous end state (None: fresh)
     strategy.begin_round(start_state, previous_end, previous_accepted)
     start_distance = 0.0
+    detail = ""
+    use_supplied = False
     if segment_start is not None:
         if claimed_start is None:
             raise ValueError("a supplied segment-start state needs the worker's commitment")
         try:
-            theirs = commitment_of(segment_start, start_state.params, first)
-            start_distance = commitment_distance(theirs, claimed_start)
-            if start_distance > tolerance:
-                return RefereeResult(
-                    segment,
-                    None,
-                    start_distance,
-                    f"supplied state at step {first} is {start_distance:.3g} from the "
-                    f"worker's commitment {segment} (tolerance {tolerance}): refused",
-                )
-            strategy.load_local_state(dict(segment_start))
-        except ValueError as e:
-            return RefereeResult(segment, None, math.inf, f"supplied state rejected: {e}")
-    else:
-        for step in range(first):  # no state supplied: recompute the prefix ourselves
+            use_supplied = (
+                claimed_start.step == first and state_hash(segment_start) == claimed_start.hash
+            )
+            if use_supplied:
+                strategy.load_local_state(dict(segment_start))
+        except (ValueError, TypeError, KeyError, RuntimeError) as e:
+            use_supplied, detail = False, f"supplied state at step {first} rejected ({e}); "
+            strategy.begin_round(start_state, previous_end, previous_accepted)
+        if not use_supplied:
+            detail = detail or (
+                f"supplied state at step {first} does not hash to the worker's commitment "
+                f"{segment}: ignored; "
+            )
+            detail += f"recomputed steps 0..{first - 1} from the round's start"
+    if not use_supplied:
+        for step in range(first):  # no usable state supplied: recompute the prefix ourselves
             strategy.inner_step(batch_fn(step))
     begin = strategy.local_state() if probe else None
     result = _run_segment(strategy, start_state, batch_fn, first, end, steps, codec)
@@ -169,7 +182,7 @@ def referee(
         _nudge(strategy, start_state, start_distance)
         nudged = _run_segment(strategy, start_state, batch_fn, first, end, steps, codec)
         stability = _end_distance(result, nudged)
-    return RefereeResult(segment, result, start_distance, "", stability)
+    return RefereeResult(segment, result, start_distance, detail, stability)
 
 
 def _end_distance(a: Commitment | torch.Tensor, b: Commitment | torch.Tensor) -> float:
@@ -213,7 +226,7 @@ def judge(
     said = (
         f"segment {result.segment}: referee is {w:.3g} from the worker and {v:.3g} from the "
         f"validator"
-    )
+    ) + (f" ({result.detail})" if result.detail else "")
     if w > floor and v <= floor:
         return Judgement("fraud", said)
     if w <= floor and v > floor:
