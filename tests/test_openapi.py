@@ -60,7 +60,14 @@ CHECKS = (
     "negative_data_rejection",
 )
 MAX_EXAMPLES = 25  # per operation and phase; the whole run takes ~20-40 s on 2 cores
-SIGNED = ("/v1/join", "/v1/heartbeat", "/v1/leave", "/v1/verify/claim", "/v1/verify/report")
+SIGNED = (
+    "/v1/join",
+    "/v1/heartbeat",
+    "/v1/leave",
+    "/v1/halt",
+    "/v1/verify/claim",
+    "/v1/verify/report",
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +105,7 @@ def test_every_operation_documents_its_refusals(doc: dict[str, Any]) -> None:
                     assert schema == {"$ref": "#/components/schemas/ErrorReply"}, where
     for path in SIGNED:
         codes = set(doc["paths"][path]["post"]["responses"])
-        assert {"200", "400", "401", "403", "404", "409", "422", "429"} <= codes, path
+        assert {"200", "400", "401", "403", "404", "409", "410", "422", "429"} <= codes, path
     assert "HTTPValidationError" not in doc["components"]["schemas"]  # never sent
 
 

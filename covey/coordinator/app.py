@@ -223,7 +223,7 @@ def create_app(coord: Coordinator) -> FastAPI:
         """The deathrattle: sent on Ctrl-C or SIGTERM, so no round waits for this peer."""
         return await run_in_threadpool(coord.leave, req, await request.json())
 
-    @app.post("/v1/halt")
+    @app.post("/v1/halt", responses=errors(503))
     async def halt(req: schemas.HaltRequest, request: Request) -> dict[str, Any]:
         """The run owner stops the run (`covey halt`): a signed HALT goes into the ledger,
         the open round is aborted and none opens again; workers learn it from their

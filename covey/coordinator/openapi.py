@@ -5,9 +5,10 @@ own error shape). The coordinator also answers from layers that no route declare
 middleware (408 slow body, 413 body too large, 429 rate limit), FastAPI itself (400
 unparsable JSON, 422 invalid request) and, for every signed request, the authentication
 and run checks (401 bad signature or nonce, 403 banned or not a member, 404 unknown peer,
-409 another run or a conflicting state). `document` adds those to every operation of the
-served document, each with the `ErrorReply` body that every refusal carries; a route
-declares only what is its own, with `errors(...)` (e.g. 404 and 416 of a blob read).
+409 another run or a conflicting state, 410 a halted run). `document` adds those to
+every operation of the served document, each with the `ErrorReply` body that every
+refusal carries; a route declares only what is its own, with `errors(...)` (e.g. 404 and
+416 of a blob read).
 
 tests/test_openapi.py runs schemathesis against the served document of a real
 coordinator: an undocumented status code, content type or body shape fails it.
@@ -31,16 +32,19 @@ WHY: dict[int, str] = {
     404: "Not found (or not yet: poll again)",
     408: "The request body arrived too slowly",
     409: "Conflicts with the run's state: another run, a closed round, a duplicate",
+    410: "The run was halted by its owner: nobody joins, beats or contributes again",
     411: "A blob upload needs a Content-Length",
     413: "The body, or the size it declares, is over this run's limit",
     416: "The range is outside the blob",
     422: "Invalid request: a field is missing, out of bounds or of the wrong form",
     429: "Too many requests from this peer or address: retry after Retry-After seconds",
+    503: "Accepted but not done yet: ask again",
 }
 # answered by the middleware to any request (covey.coordinator.app, .limits)
 EVERY_REQUEST = (408, 413, 429)
-# a signed body passes authentication, the run id and membership checks (auth, membership)
-SIGNED = (400, 401, 403, 404, 409, 422)
+# a signed body passes authentication, the run id, membership and halt checks (auth,
+# membership, halt)
+SIGNED = (400, 401, 403, 404, 409, 410, 422)
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
 _BYTES = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 # GET/HEAD /v1/blobs/{cid}: the bytes, whole or a single range
