@@ -50,6 +50,8 @@ min_upload_bytes_s = 1048576
 peer_rate = 5
 peer_burst = 10
 no_show_backoff_s = 60
+[trust]
+min_stake = 1
 """
 NUMEL = 120_576  # nano GPT's parameters
 PAYLOAD = get_codec("fp32").nbytes(NUMEL)  # the only contribution size this run takes
@@ -69,6 +71,7 @@ class Peer:
             "public_key": self.key.public_key,
             "name": "tester",
             "step_time_s": 0.01,
+            "stake": 1.0,  # the run's minimum: identities are not free
             **join,
         }
         resp = self.http.post("/v1/join", json=self.sign("/v1/join", body))
@@ -194,6 +197,31 @@ def test_slow_senders_are_cut_off(world: tuple[LocalCluster, Peer]) -> None:
     assert status == 408, reply
     assert peer.http.get(f"/v1/blobs/{content_id(data)}").status_code == 404
     assert peer.put(data, peer.signed(data)).status_code == 200
+
+
+@network
+def test_slow_headers_are_cut_off(world: tuple[LocalCluster, Peer]) -> None:
+    """Slowloris: headers trickling in hold no connection past the deadline."""
+    cluster, _ = world
+    sock = socket.create_connection(("127.0.0.1", cluster.port), timeout=15)
+    t0 = time.monotonic()
+    sock.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends the headers
+    for _ in range(3):  # a byte now and then does not keep it open
+        time.sleep(0.5)
+        try:
+            sock.sendall(b"a")
+        except OSError:
+            break
+    status, reply = read_reply(sock)
+    assert status == 0 and reply == "", reply  # closed without an answer
+    assert time.monotonic() - t0 < 8  # body_timeout_s = 2 also bounds the headers
+
+
+@network
+def test_joining_costs_the_minimum_stake(world: tuple[LocalCluster, Peer]) -> None:
+    cluster, _ = world
+    with pytest.raises(AssertionError, match="below this run's minimum stake"):
+        Peer(cluster, stake=0.5)
 
 
 @network

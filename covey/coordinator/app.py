@@ -30,7 +30,7 @@ from covey.peer.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
 
 from .auth import ReceivedAt
-from .limits import LongPolls, RateLimit
+from .limits import LongPolls, RateLimit, header_deadline_protocol
 from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
 from .openapi import BLOB_BODY, BLOB_UPLOAD, errors
 from .openapi import document as document_api
@@ -413,6 +413,7 @@ def serve(coord: Coordinator, host: str, port: int) -> None:
         log_level="warning",
         access_log=False,
         timeout_keep_alive=int(max(1, limits.keep_alive_s)),  # idle connections close
+        http=header_deadline_protocol(limits.body_timeout_s),  # and slow headers are cut
         limit_concurrency=limits.max_connections,  # past it: 503, not an unbounded queue
     )
     server = uvicorn.Server(config)

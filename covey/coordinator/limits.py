@@ -1,5 +1,6 @@
 """What a request may cost the coordinator: per-peer and per-address rate limits (token
-buckets, 429 with Retry-After), bounded long-polls, and the `RateLimit` ASGI middleware.
+buckets, 429 with Retry-After), bounded long-polls, the `RateLimit` ASGI middleware, and
+`header_deadline_protocol`: uvicorn's HTTP/1.1 protocol with a deadline on request headers.
 
 Buckets are charged before a request runs. The peer bucket is keyed by the peer id a
 request names (JSON `peer_id`/`validator_id`, or the signed upload header) and refunded
@@ -10,6 +11,7 @@ and its own address bucket pays in full. All state is in memory: a restart forge
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from covey.peer.blobstore import UPLOAD_PEER_HEADER
 
@@ -187,3 +190,53 @@ async def _too_many(scope: Scope, send: Send, who: str, wait_s: float) -> None:
 
 async def _disconnected() -> Message:
     return {"type": "http.disconnect"}
+
+
+def header_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol, but a connection whose next request's headers are not all in
+    within `timeout_s` of its first byte (or of the connection, for the first request) is
+    closed. uvicorn has no such limit: its keep-alive timeout stops at the first byte, so a
+    client sending a header byte now and then (slowloris) would hold a connection, and
+    enough of them every connection slot, forever. Bodies have their own deadline
+    (app.BodyLimit)."""
+
+    class HeaderDeadline(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._between_requests():
+                self._arm()  # the first bytes of a request: its headers are now due
+            super().data_received(data)
+            if not self._between_requests():
+                self._disarm()  # the headers are in: the request runs
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _between_requests(self) -> bool:
+            cycle = getattr(self, "cycle", None)
+            return cycle is None or cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self._between_requests() and not self.transport.is_closing():
+                self.logger.warning(
+                    "closed %s: request headers not in within %.0f s", self.client, timeout_s
+                )
+                self.transport.close()
+
+    return HeaderDeadline
