@@ -2,13 +2,13 @@
 
 FastAPI documents what a route declares (its 200 and, with parameters, a 422 in FastAPI's
 own error shape). The coordinator also answers from layers that no route declares: the
-middleware (408 slow body, 413 body too large, 429 rate limit), FastAPI itself (400
-unparsable JSON, 422 invalid request) and, for every signed request, the authentication
-and run checks (401 bad signature or nonce, 403 banned or not a member, 404 unknown peer,
-409 another run or a conflicting state, 410 a halted run). `document` adds those to
-every operation of the served document, each with the `ErrorReply` body that every
-refusal carries; a route declares only what is its own, with `errors(...)` (e.g. 404 and
-416 of a blob read).
+middleware (408 slow body, 413 body too large, 429 rate limit), the server (503 over its
+connection limit), FastAPI itself (400 unparsable JSON, 422 invalid request) and, for
+every signed request, the authentication and run checks (401 bad signature or nonce, 403
+banned or not a member, 404 unknown peer, 409 another run or a conflicting state, 410 a
+halted run). `document` adds those to every operation of the served document, each with
+the `ErrorReply` body that every refusal carries; a route declares only what is its own,
+with `errors(...)` (e.g. 404 and 416 of a blob read).
 
 tests/test_openapi.py runs schemathesis against the served document of a real
 coordinator: an undocumented status code, content type or body shape fails it.
@@ -38,13 +38,22 @@ WHY: dict[int, str] = {
     416: "The range is outside the blob",
     422: "Invalid request: a field is missing, out of bounds or of the wrong form",
     429: "Too many requests from this peer or address: retry after Retry-After seconds",
-    503: "Accepted but not done yet: ask again",
+    503: "Busy: over the server's connection limit (uvicorn's text/plain), or for /v1/halt"
+    " accepted but not written yet (JSON): ask again",
 }
 # answered by the middleware to any request (covey.coordinator.app, .limits)
 EVERY_REQUEST = (408, 413, 429)
 # a signed body passes authentication, the run id, membership and halt checks (auth,
 # membership, halt)
 SIGNED = (400, 401, 403, 404, 409, 410, 422)
+# uvicorn answers past `limits.max_connections` before the app sees the request
+BUSY = {
+    "description": WHY[503],
+    "content": {
+        "text/plain": {"schema": {"type": "string"}},
+        "application/json": {"schema": {"$ref": ERROR_REF}},
+    },
+}
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
 _BYTES = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 # GET/HEAD /v1/blobs/{cid}: the bytes, whole or a single range
@@ -140,6 +149,7 @@ def complete(doc: dict[str, Any], run_id: str) -> dict[str, Any]:
                 codes.update(SIGNED)
             for code in codes:
                 responses.setdefault(str(code), {})
+            responses["503"] = BUSY
             for key in list(responses):
                 if key.isdigit() and 400 <= int(key) < 500:
                     kept = {k: v for k, v in responses[key].items() if k == "headers"}
