@@ -219,6 +219,11 @@ class SimConfig(Frozen):
     network: NetworkConfig = NetworkConfig()
     compute: ComputeConfig = ComputeConfig()
     churn: ChurnConfig = ChurnConfig()
+    trust: TrustConfig = Field(
+        default_factory=lambda: TrustConfig(),  # defined below: built on first use
+        description="a run spec's [trust] table; the simulator aggregates as the run would "
+        "(aggregation, trim_fraction, clip_factor), the rest is for networked runs",
+    )
 
     @model_validator(mode="before")
     @classmethod

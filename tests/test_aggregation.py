@@ -479,3 +479,70 @@ def test_norm_clip_refuses_non_finite_values() -> None:
     v = vecs([1.0, 2.0], [math.inf, 0.0], [0.5, 0.5])
     with pytest.raises(ValueError, match="vector 1 has norm inf"):
         NormClip(2.0, WeightedMean())(v, [1, 1, 1])
+
+
+# -- whole rounds: the canonical weights hash on 1 and 2 threads ----------------------------
+
+
+def test_ddp_clip_norm_is_exact() -> None:
+    """DDP clips the averaged gradient with a norm that is exact float64 (math.fsum of
+    exact squares), not torch's thread- and SIMD-dependent float32 reduction."""
+    from covey.algorithms.ddp import clip_global_norm_, global_norm
+
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(n, generator=g) for n in (70_001, 3, 1_200_000)]
+    exact = math.sqrt(math.fsum(x * x for t in grads for x in t.double().tolist()))
+    assert global_norm(grads) == pytest.approx(exact, rel=1e-15)
+    before = [t.clone() for t in grads]
+    assert clip_global_norm_(grads, 1.0) == global_norm(before)
+    scale = 1.0 / (global_norm(before) + 1e-6)
+    assert all(torch.equal(a, b * scale) for a, b in zip(grads, before, strict=True))
+    assert clip_global_norm_(grads, 0.0) == pytest.approx(1.0, rel=1e-6)  # 0 = off
+
+
+ROUNDS = {
+    "ddp-clip": {"method": "ddp", "optim": {"grad_clip": 0.5}},
+    "diloco-dct": {"method": "diloco", "inner_steps": 2, "codec": "dct:64:8"},
+    "demo-dct2": {"method": "demo", "chunk": 16, "dims": 2, "topk": 16, "values": "fp32"},
+}
+
+
+@pytest.mark.parametrize("method", list(ROUNDS))
+def test_round_weights_hash_same_on_1_and_2_threads(method: str) -> None:
+    """The same accepted set gives the same new weights hash whatever the thread count:
+    decode, token-weighted robust aggregation, clip and outer step together. Contributions
+    carry unequal tokens (1x..4x) and one is an attacker, so every branch runs."""
+    import copy
+
+    from pydantic import TypeAdapter
+
+    from covey.algorithms import Contribution, build_strategy
+    from covey.config import AlgorithmConfig
+    from covey.models.gpt import GPT, gpt_config, lm_loss
+
+    cfg = TypeAdapter(AlgorithmConfig).validate_python(ROUNDS[method])
+    torch.manual_seed(0)
+    model = GPT(gpt_config("nano"))
+    agg = build_aggregator(
+        **TrustConfig().model_dump(include={"aggregation", "trim_fraction", "clip_factor"})
+    )
+    s = build_strategy(cfg, copy.deepcopy(model), lm_loss, agg)
+    start = s.init_state()
+    numel = sum(p.numel() for p in start.params.values())
+    g = torch.Generator().manual_seed(1)
+    contributions = [
+        Contribution(s.codec.encode(torch.randn(numel, generator=g) * k * 1e-2), 512 * k, 1)
+        for k in (1, 2, 3, 4)
+    ]
+    contributions.append(
+        Contribution(s.codec.encode(torch.randn(numel, generator=g) * 5.0), 1024, 1)
+    )
+    threads = torch.get_num_threads()
+    digests = []
+    try:
+        for t in (1, 2, 1, 2):
+            torch.set_num_threads(t)
+            digests.append(s.apply_round(start, contributions).digest())
+    finally:
+        torch.set_num_threads(threads)
+    assert len(set(digests)) == 1, digests

@@ -11,8 +11,10 @@ import torch
 
 from covey.algorithms.codecs import (
     CODEC_SPECS,
+    HEADER_BYTES,
     Codec,
     CodecError,
+    DctCodec,
     decode_any,
     get_codec,
     peek,
@@ -22,7 +24,9 @@ from covey.algorithms.dct import (
     dct_basis,
     dct_chunks,
     idct2_chunks,
+    idct2_sparse,
     idct_chunks,
+    idct_sparse,
     to_chunks,
 )
 
@@ -611,3 +615,70 @@ def test_bad_specs(spec: str) -> None:
     with pytest.raises(ValueError, match="Valid forms") as info:
         get_codec(spec)
     assert repr(spec) in str(info.value)
+
+
+# -- decode determinism ---------------------------------------------------------------------
+
+
+def _fixed_order_reference(payload: bytes, codec: Codec, numel: int) -> torch.Tensor:
+    """The decode's definition in numpy float32: for each kept coefficient j in ascending
+    index order, out += value_j x basis row(s), one IEEE multiply and add at a time. Any
+    implementation that sums in another order (a BLAS matmul) differs in the last bits."""
+    import numpy as np
+
+    assert isinstance(codec, DctCodec)
+    n_chunks = -(-numel // codec.chunk)
+    body = payload[HEADER_BYTES + codec.params_struct.size :]
+    raw = np.frombuffer(body, dtype=codec.index_dtype, count=n_chunks * codec.k)
+    idx = raw.astype(np.int64).reshape(n_chunks, codec.k)
+    vals = np.frombuffer(body, dtype="<f4", count=idx.size, offset=raw.nbytes)  # fp32 values
+    vals = vals.reshape(n_chunks, codec.k).astype(np.float32)
+    out = np.zeros((n_chunks, codec.chunk), dtype=np.float32)
+    if codec.dims == 1:
+        basis = dct_basis(codec.chunk).numpy()
+        for j in range(codec.k):
+            out += basis[idx[:, j]] * vals[:, j : j + 1]
+    else:
+        side = codec.side
+        basis = dct_basis(side).numpy()
+        for j in range(codec.k):
+            rows, cols = basis[idx[:, j] // side], basis[idx[:, j] % side]
+            term = (rows[:, :, None] * cols[:, None, :]) * vals[:, j, None, None]
+            out += term.reshape(n_chunks, -1)
+    return torch.from_numpy(out.reshape(-1)[:numel].copy())
+
+
+@pytest.mark.parametrize("spec", ["dct:64:8", "dct:300:20", "dct2:16:32", "dct2:8:5"])
+def test_dct_decode_is_bit_exact_across_threads_and_cpus(spec: str) -> None:
+    """Every peer decodes every contribution, and their weights hashes must agree: decode
+    gives the same bytes on 1 and 2 threads and equals the fixed-order definition bit for
+    bit (a matmul inverse, as before, sums in BLAS's blocked order and does not)."""
+    codec = get_codec(spec)
+    numel = 200_003
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(8))
+    payload = codec.encode(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = codec.decode(payload, numel)
+        torch.set_num_threads(2)
+        two = codec.decode(payload, numel)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    ref = _fixed_order_reference(payload, codec, numel)
+    assert one.numpy().tobytes() == ref.numpy().tobytes()
+
+
+def test_dense_and_sparse_inverses_agree_bytewise() -> None:
+    g = torch.Generator().manual_seed(9)
+    idx = torch.sort(torch.randperm(64, generator=g)[:8]).values.expand(50, 8).contiguous()
+    vals = torch.randn(50, 8, generator=g)
+    dense = torch.zeros(50, 64).scatter_(1, idx, vals)
+    assert torch.equal(idct_chunks(dense, 50 * 64 - 3), idct_sparse(idx, vals, 50 * 64 - 3, 64))
+    dense2 = torch.zeros(50, 64).scatter_(1, idx, vals)
+    assert torch.equal(idct2_chunks(dense2, 50 * 64, 8), idct2_sparse(idx, vals, 50 * 64, 8))
+    with pytest.raises(ValueError, match="out of range"):
+        idct_sparse(idx + 60, vals, 50 * 64, 64)
+    with pytest.raises(ValueError, match="indices and values"):
+        idct_sparse(idx, vals[:, :3], 50 * 64, 64)

@@ -101,3 +101,22 @@ def test_round_timing_arithmetic() -> None:
     assert t.utilization == pytest.approx(1.5 / 2.3)
     hidden = round_timing([0.0], [1.0], [1_250_000], [0], [link], hidden_s=0.1)
     assert hidden.comm_s == pytest.approx(0.05 + 0.1 + 0.05 - 0.1)
+
+
+def test_simulator_aggregates_as_the_run_spec_says(stdlib_corpus: Corpus) -> None:
+    """The simulator builds its aggregator from the spec's [trust] table, as the coordinator
+    and the peers do: the rule changes the canonical state; the default is the run's
+    default (token-weighted trimmed mean after clipping), not a plain mean."""
+    base = {"method": "diloco", "inner_steps": 2}
+    fast = {"compute": {"step_time_s": 0.01}, "steps": 4, "eval_batches": 1}
+    digests = {}
+    for name, trust in {
+        "default": {},
+        "mean": {"aggregation": "mean", "clip_factor": 0.0},
+        "median": {"aggregation": "median"},
+    }.items():
+        cfg = small(base, trust=trust, **fast)
+        digests[name] = simulate(cfg, stdlib_corpus, progress=False).state.digest()
+    assert len(set(digests.values())) == 3, digests
+    default = small(base, **fast)
+    assert (default.trust.aggregation, default.trust.clip_factor) == ("trimmed_mean", 2.0)

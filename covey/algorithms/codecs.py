@@ -44,7 +44,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from covey.algorithms.dct import dct2_chunks, dct_chunks, idct2_chunks, idct_chunks, to_chunks
+from covey.algorithms.dct import (
+    dct2_chunks,
+    dct_chunks,
+    idct2_chunks,
+    idct2_sparse,
+    idct_chunks,
+    idct_sparse,
+    to_chunks,
+)
 
 MAGIC = b"CVY1"
 _HEADER = struct.Struct("<4sBQ")
@@ -485,8 +493,10 @@ class DctCodec(Codec):
     Bound: the transform is orthonormal, so a chunk's l2 reconstruction error equals the l2 norm
     of its coefficient error, and l_inf <= l2.  Per chunk: sqrt(||dropped||^2 + k * e^2), e the
     value-format error at max|coeff|; the bound is the max over chunks plus the worst-case
-    float32 round-off of both transforms, 2 * chunk^1.5 * (2^-24 * max chunk l2 norm + 2^-149)
-    (relative error 2^-24 per operation, or up to 2^-150 absolute among subnormals).
+    float32 round-off of both transforms, (chunk^1.5 + sqrt(chunk) * (k + 2)) * (2^-24 * max
+    chunk l2 norm + sqrt(chunk) * 2^-149) (relative error 2^-24 per operation, or up to
+    2^-150 absolute among subnormals; the inverse sums the k kept terms one by one in a fixed
+    order, so that decoding is bit-exact on every thread count and CPU).
     Subclasses change only the transform: ``dims`` and ``_transform``/``_inverse``."""
 
     codec_id = 7
@@ -513,6 +523,9 @@ class DctCodec(Codec):
 
     def _inverse(self, coeffs: Tensor, numel: int) -> Tensor:
         return idct_chunks(coeffs, numel)
+
+    def _inverse_sparse(self, idx: Tensor, vals: Tensor, numel: int) -> Tensor:
+        return idct_sparse(idx, vals, numel, self.chunk)
 
     def _body_nbytes(self, numel: int) -> int:
         kept = -(-numel // self.chunk) * self.k
@@ -541,9 +554,9 @@ class DctCodec(Codec):
             raise CodecError("DCT indices are not strictly ascending within a chunk")
         offset += kept * np.dtype(self.index_dtype).itemsize
         vals = _decode_values(buf, offset, kept, self.values).reshape(n_chunks, self.k)
-        coeffs = torch.zeros(n_chunks, self.chunk, dtype=torch.float32)
-        coeffs.scatter_(1, torch.from_numpy(idx), vals)
-        out = self._inverse(coeffs, numel)
+        # from the kept coefficients alone, in a fixed order: bit-exact on every thread
+        # count and CPU, which the canonical weights hash needs (covey/algorithms/dct.py)
+        out = self._inverse_sparse(torch.from_numpy(idx), vals.float(), numel)
         if not np.isfinite(out.numpy()).all():
             raise CodecError("DCT reconstruction overflows float32")
         return out
@@ -555,12 +568,16 @@ class DctCodec(Codec):
         e = _value_bound(_peak(coeffs), self.values)
         per_chunk = np.sqrt(np.square(dropped).sum(axis=1) + self.k * e * e)
         norms = np.linalg.norm(to_chunks(torch.from_numpy(x).double(), self.chunk).numpy(), axis=1)
-        # Each of the 2 * dims matmul passes does dot products of length ``size``: l2 error per
-        # chunk <= size^1.5 * 2^-24 * norm, plus <= 2 * size * 2^-150 per coefficient when the
-        # operands are subnormal.
-        passes = 2 * self.dims
-        roundoff = passes * self.size**1.5 * 2.0**-24 * float(norms.max())
-        subnormal = passes * math.sqrt(self.chunk) * self.size * 2.0**-149
+        # The forward transform is dims matmul passes with dot products of length ``size``:
+        # l2 error per chunk <= dims * size^1.5 * 2^-24 * norm. The inverse (decode, dct.py)
+        # adds the k kept terms one after another, each from at most 2 multiplies, and their
+        # absolute values sum to at most the chunk's norm (Cauchy-Schwarz on an orthonormal
+        # basis): per element <= (k + 2) * 2^-24 * norm, l2 <= sqrt(chunk) times that.
+        # Subnormal operands add up to 2^-149 absolute per operation.
+        forward = self.dims * self.size**1.5
+        inverse = math.sqrt(self.chunk) * (self.k + 2)
+        roundoff = (forward + inverse) * 2.0**-24 * float(norms.max())
+        subnormal = (forward + inverse) * math.sqrt(self.chunk) * 2.0**-149
         return float(per_chunk.max()) + roundoff + subnormal
 
 
@@ -574,9 +591,9 @@ class Dct2Codec(DctCodec):
     Parameters: uint32 side (1..256), uint32 k (1..side^2), uint8 value format.  Body as
     DctCodec with chunk = side^2 (so uint8 indices if side <= 16, else uint16); the index of
     coefficient (r, c) of a block is r * side + c.
-    Bound: as DctCodec with chunk = side^2, except that the round-off term is
-    4 * (side^1.5 * 2^-24 * max block l2 norm + side^2 * 2^-149): two length-side matmul
-    passes per transform."""
+    Bound: as DctCodec with chunk = side^2, except that the forward transform's round-off is
+    2 * side^1.5 (two length-side matmul passes) in place of chunk^1.5; the inverse's, a
+    fixed-order sum of the k kept terms, is as DctCodec's."""
 
     codec_id = 9
     head, size_name, max_size, dims = "dct2", "side", 256, 2
@@ -590,6 +607,9 @@ class Dct2Codec(DctCodec):
 
     def _inverse(self, coeffs: Tensor, numel: int) -> Tensor:
         return idct2_chunks(coeffs, numel, self.side)
+
+    def _inverse_sparse(self, idx: Tensor, vals: Tensor, numel: int) -> Tensor:
+        return idct2_sparse(idx, vals, numel, self.side)
 
 
 # ---------------------------------------------------------------- sign

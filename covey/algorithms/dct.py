@@ -18,13 +18,25 @@ Contract:
   runs of ``side`` elements, stacked.  Either way the transform is orthonormal.
 * ``idct2_chunks(coeffs, numel, side)`` inverts ``dct2_chunks`` (``X = C.T @ Z @ C``) and
   drops the padding.
+* ``idct_sparse(idx, vals, numel, chunk)`` / ``idct2_sparse(idx, vals, numel, side)`` are the
+  same inverses from the kept coefficients only (``idx`` ascending per row): what a codec
+  decodes, in about k / chunk of the work.
+
+The inverses are canonical (every peer decodes every contribution and must agree on the
+weights hash), so they are bit-exact across thread counts and CPUs: a fixed sequence of
+element-wise multiplies and adds over the coefficients in ascending index order, never a
+matmul (BLAS blocks its dot products by thread count and SIMD width). A dense inverse and a
+sparse one of the same coefficients give the same bytes: the terms a sparse one skips are
+zeros, and adding a zero changes no value (``+0.0 + -0.0 == +0.0``).  The forward transforms
+run on one worker only and stay matmuls.
 
 Used by the DeMo-style top-k DCT codec (Peng et al., "DeMo: Decoupled Momentum Optimization",
 arXiv 2411.19870), which transforms each chunk and keeps only its largest coefficients, and
 by its 2-D block variant (DeMo itself uses 2-D DCTs over blocks of each weight matrix).
 Because ``C`` is orthonormal, the l2 norm of the coefficients a codec drops equals the l2 norm
 of the reconstruction error of that chunk, which is what makes the codec's error bound cheap
-to state.  Everything is one (1-D) or two (2-D) batched matmuls: no Python loop over chunks.
+to state.  The forward transforms are one (1-D) or two (2-D) batched matmuls; the inverses
+loop over coefficient indices (chunk of them dense, k sparse), never over chunks.
 """
 
 from __future__ import annotations
@@ -35,7 +47,16 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["dct2_chunks", "dct_basis", "dct_chunks", "idct2_chunks", "idct_chunks", "to_chunks"]
+__all__ = [
+    "dct2_chunks",
+    "dct_basis",
+    "dct_chunks",
+    "idct2_chunks",
+    "idct2_sparse",
+    "idct_chunks",
+    "idct_sparse",
+    "to_chunks",
+]
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,16 +107,49 @@ def _check_numel(numel: int, n_chunks: int, chunk: int) -> None:
         )
 
 
+def _all_indices(rows: int, width: int, device: torch.device) -> Tensor:
+    return torch.arange(width, device=device).expand(rows, width)
+
+
 def idct_chunks(coeffs: Tensor, numel: int) -> Tensor:
-    """Inverse of ``dct_chunks``: (n_chunks, chunk) coefficients -> flat tensor of ``numel``."""
+    """Inverse of ``dct_chunks``: (n_chunks, chunk) coefficients -> flat tensor of ``numel``.
+    Bit-exact across threads and CPUs (see the module docstring): ``idct_sparse`` over every
+    index."""
     if coeffs.dim() != 2:
         raise ValueError(
             f"expected (n_chunks, chunk) coefficients, got shape {tuple(coeffs.shape)}"
         )
     n_chunks, chunk = coeffs.shape
+    return idct_sparse(_all_indices(n_chunks, chunk, coeffs.device), coeffs, numel, chunk)
+
+
+def _check_sparse(idx: Tensor, vals: Tensor, width: int) -> None:
+    if idx.dim() != 2 or vals.shape != idx.shape:
+        raise ValueError(
+            f"expected (n_chunks, k) indices and values, got {tuple(idx.shape)} and "
+            f"{tuple(vals.shape)}"
+        )
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= width):
+        raise ValueError(f"coefficient index out of range [0, {width})")
+
+
+def idct_sparse(idx: Tensor, vals: Tensor, numel: int, chunk: int) -> Tensor:
+    """The inverse DCT of chunks whose only nonzero coefficients are ``vals`` at ``idx``
+    (both (n_chunks, k), indices ascending within a row) -> flat tensor of ``numel``.
+
+    x[c] = sum_j vals[c, j] * C[idx[c, j]], the terms added in the order j = 0, 1, ...
+    each a separate multiply and add: the same bytes on every thread count and CPU.
+    ValueError on mismatched shapes, an index out of range or a numel that does not fit."""
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    _check_sparse(idx, vals, chunk)
+    n_chunks = idx.shape[0]
     _check_numel(numel, n_chunks, chunk)
-    basis = dct_basis(chunk, coeffs.dtype).to(coeffs.device)
-    flat = (coeffs @ basis).reshape(-1)
+    basis = dct_basis(chunk, vals.dtype).to(vals.device)
+    out = torch.zeros(n_chunks, chunk, dtype=vals.dtype, device=vals.device)
+    for j in range(idx.shape[1]):
+        out.add_(basis[idx[:, j]].mul_(vals[:, j : j + 1]))
+    flat = out.reshape(-1)
     return flat[:numel] if numel < flat.numel() else flat
 
 
@@ -117,7 +171,8 @@ def dct2_chunks(x: Tensor, side: int) -> Tensor:
 
 def idct2_chunks(coeffs: Tensor, numel: int, side: int) -> Tensor:
     """Inverse of ``dct2_chunks``: (n_blocks, side * side) or (n_blocks, side, side)
-    coefficients -> flat tensor of ``numel``."""
+    coefficients -> flat tensor of ``numel``. Bit-exact across threads and CPUs (see the
+    module docstring): ``idct2_sparse`` over every index."""
     _check_side(side)
     if tuple(coeffs.shape[1:]) not in ((side * side,), (side, side)):
         raise ValueError(
@@ -125,8 +180,28 @@ def idct2_chunks(coeffs: Tensor, numel: int, side: int) -> Tensor:
             f"got shape {tuple(coeffs.shape)}"
         )
     n_blocks = coeffs.shape[0]
+    vals = coeffs.reshape(n_blocks, side * side)
+    return idct2_sparse(_all_indices(n_blocks, side * side, coeffs.device), vals, numel, side)
+
+
+def idct2_sparse(idx: Tensor, vals: Tensor, numel: int, side: int) -> Tensor:
+    """The inverse 2-D DCT of (side, side) blocks whose only nonzero coefficients are
+    ``vals`` at flat indices ``idx`` (r * side + c; both (n_blocks, k), ascending within a
+    row) -> flat tensor of ``numel``.
+
+    X[b] = sum_j vals[b, j] * outer(C[r_j], C[c_j]) (since X = C.T @ Z @ C), the terms
+    added in the order j = 0, 1, ..., each outer product formed as (C[r] x C[c]) x v by
+    separate multiplies: the same bytes on every thread count and CPU. ValueError as
+    ``idct_sparse``."""
+    _check_side(side)
+    _check_sparse(idx, vals, side * side)
+    n_blocks = idx.shape[0]
     _check_numel(numel, n_blocks, side * side)
-    basis = dct_basis(side, coeffs.dtype).to(coeffs.device)
-    half = (coeffs.reshape(-1, side) @ basis).reshape(n_blocks, side, side)  # Z @ C
-    flat = torch.matmul(basis.T, half).reshape(-1)  # C.T @ (Z @ C)
+    basis = dct_basis(side, vals.dtype).to(vals.device)
+    out = torch.zeros(n_blocks, side, side, dtype=vals.dtype, device=vals.device)
+    for j in range(idx.shape[1]):
+        rows, cols = basis[idx[:, j] // side], basis[idx[:, j] % side]  # (n_blocks, side)
+        term = rows.unsqueeze(2) * cols.unsqueeze(1)  # (n_blocks, side, side)
+        out.add_(term.mul_(vals[:, j : j + 1].unsqueeze(2)))
+    flat = out.reshape(-1)
     return flat[:numel] if numel < flat.numel() else flat

@@ -2,27 +2,51 @@
 
 The optimizer's state (AdamW moments) is part of the canonical TrainState, since every
 peer applies the same averaged gradient: that is what makes DDP's replicas identical.
+The averaged gradient's clip is canonical too, so its norm is `l2_norm`'s (bit-exact on
+every thread count and CPU), never torch's reductions.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from covey.algorithms.aggregation import Aggregator
+from covey.algorithms.aggregation import Aggregator, l2_norm
 from covey.algorithms.base import (
     Contribution,
     LossFn,
+    RoundError,
     Strategy,
     TrainState,
-    clip_grad_,
     flatten,
 )
 from covey.algorithms.codecs import Codec
 from covey.algorithms.optim import adamw
 from covey.config import DDPConfig
+
+
+def global_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The l2 norm of the tensors taken together, bit-identical on every thread count and
+    CPU: each tensor's `l2_norm` (float64), combined in the order given."""
+    return math.sqrt(math.fsum(l2_norm(t) ** 2 for t in tensors))
+
+
+def clip_global_norm_(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+    """Scale the gradients in place so their global l2 norm is at most max_norm (0 = off),
+    as torch.nn.utils.clip_grad_norm_ does (factor max_norm / (norm + 1e-6)), but with a
+    deterministic norm: the canonical step must be the same bytes on every peer. Returns
+    the norm before clipping. RoundError (a ValueError) when it is not finite."""
+    norm = global_norm(grads)
+    if not math.isfinite(norm):
+        raise RoundError(f"gradient norm is {norm}; values must be finite")
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
 
 
 class DDP(Strategy):
@@ -71,7 +95,7 @@ class DDP(Strategy):
         params = [start_state.params[n] for n in self.names]
         grads = list(self.aggregate(start_state, contributions).values())
         opt = self.cfg.optim
-        clip_grad_(grads, opt.grad_clip)
+        clip_global_norm_(grads, opt.grad_clip)
         new_params, outer = {}, {}
         if opt.name == "sgd":
             for n, p, g in zip(self.names, params, grads, strict=True):

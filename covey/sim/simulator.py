@@ -2,9 +2,10 @@
 
 Each virtual worker owns a model replica and a Strategy, trains on its deterministic
 batches, and produces real contribution bytes; the canonical update is computed by the
-same pure `apply_round` the networked peers run. Only the network is modelled
-(covey.sim.network): bytes are the real payload sizes, times are measured compute plus
-modelled transfers. Churn follows a seeded schedule; a joiner downloads the canonical state
+same pure `apply_round` the networked peers run, with the aggregator the run spec's [trust]
+table names (`build_aggregator`, as the coordinator and peers build it). Only the network is
+modelled (covey.sim.network): bytes are the real payload sizes, times are measured compute
+plus modelled transfers. Churn follows a seeded schedule; a joiner downloads the canonical state
 (counted as received bytes) and starts fresh local state, as a real joiner would.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from covey.algorithms import Strategy, TrainState, build_strategy
+from covey.algorithms import Strategy, TrainState, build_aggregator, build_strategy
 from covey.config import SimConfig
 from covey.data.batches import sample_batch, validation_batches
 from covey.data.corpus import Corpus, load_corpus
@@ -84,12 +85,15 @@ def simulate(
         raise ValueError(f"data.seq_len ({seq_len}) exceeds the model's block_size")
     torch.manual_seed(cfg.seed)
     base = GPT(mcfg)
-    canonical = build_strategy(cfg.algorithm, copy.deepcopy(base), lm_loss)
+    # the aggregator a coordinator and its peers build from the same spec (peer/runsetup.py)
+    trust = cfg.trust
+    aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
+    canonical = build_strategy(cfg.algorithm, copy.deepcopy(base), lm_loss, aggregator)
     state = canonical.init_state()
     val = validation_batches(corpus, n_batches=cfg.eval_batches, batch_size=16, seq_len=seq_len)
 
     def new_strategy() -> Strategy:
-        s = build_strategy(cfg.algorithm, copy.deepcopy(base), lm_loss)
+        s = build_strategy(cfg.algorithm, copy.deepcopy(base), lm_loss, aggregator)
         s.load_state(state)
         return s
 
