@@ -193,13 +193,15 @@ class Membership:
     def record_no_shows(
         self, round_: int, absent: Iterable[str], submitted: Iterable[str], now: float
     ) -> None:
-        """At a round's close: members still alive that did not submit are no-shows. Each
-        is recorded (events, and a signed 'contribution rejected' ledger entry saying so)
-        and, when repeated, sits out rounds for a doubling time (rounds.no_show_backoff);
-        a member that submitted starts its count again."""
+        """At a round's close: members still alive without an accepted contribution (none
+        sent, or refused at intake) are no-shows. Each is recorded (the no_shows table and
+        a "no show" event) and, when repeated, sits out rounds for a doubling time
+        (rounds.no_show_backoff); a member that submitted starts its count again. Not in
+        the ledger: a "contribution rejected" entry would read as a refused contribution,
+        and reputation has no no-show term yet (covey/trust/incentives.py)."""
         limits, known = self.cfg.limits, self._no_shows()
         absent = sorted(set(absent) - set(submitted))
-        with self.accounts.transaction() as c:
+        with self.db.transaction() as c:
             for peer in set(submitted) & set(known):
                 c.execute("UPDATE no_shows SET consecutive = 0 WHERE peer_id = ?", (peer,))
             for peer in absent:
@@ -212,15 +214,6 @@ class Membership:
                 )
                 detail = {"round": round_, "consecutive": count, "sits_out_s": wait}
                 self.db.event(c, now, "no show", peer, detail)
-                reason = (
-                    f"no-show: a member of round {round_} that did not submit ({count} in a row)"
-                )
-                self.accounts.append(
-                    c,
-                    "contribution rejected",
-                    {"round": round_, "peer_id": peer, "reason": reason},
-                    now,
-                )
                 log.warning(
                     "[%s - round %d] no-show (%d in a row): sits out rounds for %.0f s",
                     peer[:8],
