@@ -509,12 +509,14 @@ def worker(
 ) -> None:
     """Join a run and train: fetch the canonical state, train each round's assignment,
     publish contributions, apply certified rounds. Ctrl-C / SIGTERM leave cleanly."""
-    from covey.peer.adversary import BEHAVIORS
+    from covey.peer.adversary import check_behavior
 
     if slowdown < 1:
         raise _fail(f"--slowdown must be >= 1, got {slowdown}")
-    if behavior not in BEHAVIORS:
-        raise _fail(f"--behavior must be one of {', '.join(BEHAVIORS)}; got {behavior!r}")
+    try:  # a plain behavior, late:<kind>:<round> or intermittent:<kind>:<fraction>
+        check_behavior(behavior)
+    except ValueError as e:
+        raise _fail(f"--behavior: {e}") from None
     _check_name(name)
     _check_coordinator(coordinator, connect_timeout)
     _logging(verbose, name or "worker", log_json)

@@ -14,10 +14,22 @@ it by re-execution and slash it (../shared/DESIGN.md, "Trust"):
     wrong-data   trains on data other than its assignment
     lazy         takes half the assigned steps, claims all of them
     nan          sends an update full of NaN
+
+Cheaters that pick their moment (`Schedule`, what a careful attacker does once it knows
+that new peers are always checked and old ones only sampled):
+
+    late:<kind>:R            honest in rounds 0..R-1 of the run, <kind> from round R on
+    intermittent:<kind>:p    <kind> in a fraction p of rounds, honest in the others; which
+                             rounds is a hash of (peer id, round), so reproducible
+
+<kind> is one of `SCHEDULED_KINDS`: cheats whose rounds are independent of each other
+(stale, replay and copycat reuse earlier rounds; the state cheats break a chain for good).
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +51,71 @@ BEHAVIORS = (
 )
 # behaviors that alter what honest training produced, after the fact
 PAYLOAD_CHEATS = ("noise", "sign-flip", "scaled", "free-rider", "nan")
+# what a late or intermittent cheater may do in its cheating rounds
+SCHEDULED_KINDS = ("noise", "sign-flip", "scaled", "free-rider", "nan", "wrong-data", "lazy")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a scheduled cheater cheats: `kind` from run round `start` on, in a fraction
+    `rate` of those rounds (1.0: every one)."""
+
+    kind: str
+    start: int = 0
+    rate: float = 1.0
+
+    def cheats(self, round: int, peer_id: str) -> bool:
+        """Whether this peer cheats in `round`: a pure function of (schedule, peer, round)."""
+        if round < self.start:
+            return False
+        if self.rate >= 1.0:
+            return True
+        h = hashlib.sha256(f"covey-intermittent/{peer_id}/{round}".encode()).digest()
+        return int.from_bytes(h[:8], "big") / 2**64 < self.rate
+
+
+def parse_behavior(spec: str) -> Schedule | None:
+    """The schedule of a `late:` or `intermittent:` spec; None for a plain behavior in
+    BEHAVIORS. ValueError naming the spec and what is wrong otherwise."""
+    if spec in BEHAVIORS:
+        return None
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in ("late", "intermittent"):
+        raise ValueError(
+            f"unknown behavior {spec!r}; one of {', '.join(BEHAVIORS)}, "
+            f"late:<kind>:<round> or intermittent:<kind>:<fraction>"
+        )
+    mode, kind, arg = parts
+    if kind not in SCHEDULED_KINDS:
+        raise ValueError(f"{spec!r}: <kind> must be one of {', '.join(SCHEDULED_KINDS)}")
+    try:
+        value = int(arg) if mode == "late" else float(arg)
+    except ValueError:
+        want = "a round number" if mode == "late" else "a fraction"
+        raise ValueError(f"{spec!r}: {arg!r} is not {want}") from None
+    if mode == "late":
+        if value < 0:
+            raise ValueError(f"{spec!r}: the first cheating round must be >= 0, got {value}")
+        return Schedule(kind, start=int(value))
+    if not 0 < value <= 1:
+        raise ValueError(f"{spec!r}: the fraction of rounds must be in (0, 1], got {value}")
+    return Schedule(kind, rate=value)
+
+
+def check_behavior(spec: str) -> None:
+    """ValueError unless `spec` is a behavior or a valid late/intermittent schedule."""
+    parse_behavior(spec)
+
+
+def behavior_at(spec: str, round: int, peer_id: str) -> str:
+    """What a worker started with `--behavior spec` does in `round`: a plain behavior is
+    itself every round; a schedule is its kind in its cheating rounds, else "honest"."""
+    schedule = parse_behavior(spec)
+    if schedule is None:
+        return spec
+    return schedule.kind if schedule.cheats(round, peer_id) else "honest"
+
+
 
 
 def steps_taken(behavior: str, assigned: int) -> int:

@@ -102,8 +102,7 @@ class LocalStates:
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
-        if opts.behavior not in adversary.BEHAVIORS:
-            raise ValueError(f"unknown behavior {opts.behavior!r}; one of {adversary.BEHAVIORS}")
+        adversary.check_behavior(opts.behavior)  # ValueError: a plain, late or intermittent one
         self.identity = Identity.load_or_create(opts.identity)
         self.peer_id = self.identity.peer_id
         self.name = opts.name or self.peer_id[:8]
@@ -403,7 +402,7 @@ class Worker:
         method stops early rather than miss the deadline (its contribution then weighs
         fewer tokens and carries the commitments of the steps it took)."""
         assert info.assignment is not None and self.state is not None
-        behavior = self.opts.behavior
+        behavior = adversary.behavior_at(self.opts.behavior, info.round, self.peer_id)
         steps = info.assignment.inner_steps
         key = adversary.data_key(behavior, info.assignment.data_key)
         committer = verify.Committer(self.strategy, self.state, self.cfg.trust.commit_every)
@@ -548,7 +547,7 @@ class Worker:
 
     def _misbehave(self, info: schemas.RoundInfo, c: Contribution) -> bytes | None:
         """The payload this worker's behavior sends (None: nothing to send this round)."""
-        behavior = self.opts.behavior
+        behavior = adversary.behavior_at(self.opts.behavior, info.round, self.peer_id)
         payload = c.payload
         if behavior in adversary.PAYLOAD_CHEATS and behavior != "free-rider":
             numel = self._numel()

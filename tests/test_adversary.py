@@ -1,0 +1,50 @@
+"""Scheduled cheaters (covey.peer.adversary): late and intermittent."""
+
+from __future__ import annotations
+
+import pytest
+
+from covey.peer import adversary
+from covey.peer.adversary import Schedule, behavior_at, check_behavior, parse_behavior
+
+
+def test_plain_behaviors_are_themselves_every_round() -> None:
+    for b in adversary.BEHAVIORS:
+        assert parse_behavior(b) is None
+        assert [behavior_at(b, r, "p") for r in range(3)] == [b] * 3
+
+
+def test_late_cheater_is_honest_until_its_round() -> None:
+    assert parse_behavior("late:sign-flip:4") == Schedule("sign-flip", start=4)
+    got = [behavior_at("late:sign-flip:4", r, "peer") for r in range(7)]
+    assert got == ["honest"] * 4 + ["sign-flip"] * 3
+
+
+def test_intermittent_cheater_cheats_a_reproducible_fraction() -> None:
+    spec = "intermittent:noise:0.3"
+    assert parse_behavior(spec) == Schedule("noise", rate=0.3)
+    a = [behavior_at(spec, r, "peer-a") for r in range(2000)]
+    assert a == [behavior_at(spec, r, "peer-a") for r in range(2000)]  # a pure function
+    share = a.count("noise") / len(a)
+    assert 0.26 < share < 0.34 and set(a) == {"noise", "honest"}
+    b = [behavior_at(spec, r, "peer-b") for r in range(2000)]
+    assert a != b  # another peer cheats in other rounds
+    assert set(behavior_at("intermittent:lazy:1", r, "x") for r in range(50)) == {"lazy"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("sneaky", "unknown behavior 'sneaky'"),
+        ("late:stale:3", "<kind> must be one of"),
+        ("late:noise:x", "'x' is not a round number"),
+        ("late:noise:-1", "must be >= 0"),
+        ("intermittent:noise:0", r"in \(0, 1\]"),
+        ("intermittent:noise:1.5", r"in \(0, 1\]"),
+        ("intermittent:noise", "unknown behavior"),
+        ("early:noise:3", "unknown behavior"),
+    ],
+)
+def test_bad_schedules_are_refused_by_name(spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_behavior(spec)
