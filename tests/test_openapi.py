@@ -16,10 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
+from covey.coordinator.openapi import document, errors
 from covey.local.cluster import LocalCluster
-
-pytestmark = pytest.mark.network
+from covey.protocol import schemas
 
 SPEC = """
 name = "openapi"
@@ -74,6 +75,35 @@ SIGNED = (
 )
 
 
+def test_document_adds_what_no_route_declares() -> None:
+    """Pure: a plain FastAPI app with one signed POST and one GET gets the middleware's,
+    the server's and authentication's codes, all with the ErrorReply body."""
+    app = FastAPI()
+
+    @app.post("/v1/leave")
+    def leave(req: schemas.LeaveRequest) -> dict[str, Any]:
+        return {}
+
+    @app.get("/v1/thing", responses=errors(404))
+    def thing() -> dict[str, Any]:
+        return {}
+
+    document(app, "0123456789abcdef")
+    doc = app.openapi()
+    post = doc["paths"]["/v1/leave"]["post"]["responses"]
+    get = doc["paths"]["/v1/thing"]["get"]["responses"]
+    everywhere = {"200", "408", "413", "429", "503"}
+    assert set(post) == everywhere | {"400", "401", "403", "404", "409", "410", "422"}
+    assert set(get) == everywhere | {"404"}  # no body and no parameters: no 400 or 422
+    assert doc["components"]["schemas"]["LeaveRequest"]["properties"]["run_id"]["enum"] == [
+        "0123456789abcdef"
+    ]
+    error = {"$ref": "#/components/schemas/ErrorReply"}
+    assert all(post[c]["content"]["application/json"]["schema"] == error for c in ("401", "422"))
+    assert post["429"]["headers"]["Retry-After"]
+    assert app.openapi() is doc  # built once
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     tmp = tmp_path_factory.mktemp("openapi")
@@ -97,6 +127,7 @@ def doc(http: httpx.Client) -> dict[str, Any]:
     return resp.json()
 
 
+@pytest.mark.network
 def test_every_operation_documents_its_refusals(doc: dict[str, Any]) -> None:
     for path, item in doc["paths"].items():
         for method, op in item.items():
@@ -114,6 +145,7 @@ def test_every_operation_documents_its_refusals(doc: dict[str, Any]) -> None:
     assert "HTTPValidationError" not in doc["components"]["schemas"]  # never sent
 
 
+@pytest.mark.network
 def test_blob_endpoints_document_bytes(doc: dict[str, Any]) -> None:
     blob = doc["paths"]["/v1/blobs/{cid}"]
     octet = "application/octet-stream"
@@ -128,6 +160,7 @@ def test_blob_endpoints_document_bytes(doc: dict[str, Any]) -> None:
     assert cid["schema"]["pattern"] == "^[0-9a-f]{64}$"
 
 
+@pytest.mark.network
 def test_request_schemas_say_what_the_server_enforces(
     doc: dict[str, Any], http: httpx.Client
 ) -> None:
@@ -140,6 +173,7 @@ def test_request_schemas_say_what_the_server_enforces(
     assert schemas["ContributionRequest"]["properties"]["round"]["maximum"] == 2**53 - 1
 
 
+@pytest.mark.network
 def test_out_of_range_integers_are_refused_not_a_server_error(http: httpx.Client) -> None:
     huge = 2**70  # past SQLite's INTEGER: was a 500 (OverflowError) before the bounds
     for path, params in (
@@ -153,6 +187,7 @@ def test_out_of_range_integers_are_refused_not_a_server_error(http: httpx.Client
         assert resp.json()["error"] == "invalid request"
 
 
+@pytest.mark.network
 def test_values_of_the_wrong_json_type_are_refused(http: httpx.Client) -> None:
     """A string for a number or a number for a bool is what the schema forbids; lax
     parsing used to take "0.5" as 0.5 and 1 as true. An integral 2.0 is an integer."""
@@ -184,6 +219,7 @@ def test_values_of_the_wrong_json_type_are_refused(http: httpx.Client) -> None:
     assert resp.status_code in (401, 404), resp.text  # unknown peer: authentication
 
 
+@pytest.mark.network
 def test_schemathesis_finds_no_conformance_failure(cluster: LocalCluster, tmp_path: Path) -> None:
     config = tmp_path / "schemathesis.toml"
     config.write_text(SCHEMATHESIS_TOML)
