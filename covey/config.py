@@ -330,7 +330,6 @@ class RoundsConfig(Frozen):
         "a worker whose lease ran out stops training until one is accepted again",
     )
 
-
     @model_validator(mode="after")
     def _ordered(self) -> RoundsConfig:
         if self.dead_after_s <= self.heartbeat_s:
@@ -445,10 +444,6 @@ class TrustConfig(Frozen):
     nonce_window_s: float = Field(
         300.0, gt=0, description="signed requests older (or newer) than this are refused"
     )
-
-
-class RunConfig(Frozen):
-    """A training run served by `covey coordinator`. Its hash is the run id, and the hash
     min_validator_stake: float = Field(
         0.0, ge=0, description="credits a validator must stake to join (and so to check)"
     )
@@ -471,6 +466,22 @@ class RunConfig(Frozen):
         description="times the referee tries a dispute whose judging raised, before it is "
         "closed 'inconclusive' (nobody slashed)",
     )
+    validators_per_check: int = Field(
+        2,
+        ge=1,
+        description="k: validators that each check a sampled contribution of a new or "
+        "low-reputation peer (others: one); fewer when fewer validators are eligible",
+    )
+    validator_round_cap: int = Field(
+        8,
+        ge=1,
+        description="most checks one validator is assigned per round (a single key cannot "
+        "hold every check)",
+    )
+
+
+class RunConfig(Frozen):
+    """A training run served by `covey coordinator`. Its hash is the run id, and the hash
     covers the coordinator's public key: a peer given the run id trusts no other
     coordinator (no trust on first use)."""
 

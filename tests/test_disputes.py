@@ -46,8 +46,9 @@ inner_state = "reset"
 [rounds]
 deadline_min_s = 3
 eval_batches = 1
-max_rounds = 6
+max_rounds = 12
 [trust]
+sample_rate = 1.0
 min_stake = 10.0
 min_validator_stake = 5.0
 validator_slash_fraction = 0.5

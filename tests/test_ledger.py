@@ -93,7 +93,7 @@ class Run:
             self.add("stake", peer_id=me.peer_id, amount=stake)
         return me.peer_id
 
-    def accept(self, round: int, peer: str, tokens: int) -> Entry:
+    def accept(self, round: int, peer: str, tokens: int, sampled: bool = True) -> Entry:
         return self.add(
             "contribution accepted",
             round=round,
@@ -101,12 +101,25 @@ class Run:
             cid="c" * 64,
             tokens=tokens,
             inner_steps=50,
-            sampled=True,
+            sampled=sampled,
             rate=self.book.sampling_rate(peer),
             draw="0.125",
             request_id="q" * 64,
             nonce="1700000000000-00112233aabbccdd",
             signature="5" * 128,
+        )
+
+    def assign(self, round: int, peer: str, reason: str = "draw") -> Entry:
+        """The beacon's draw of validators for a sampled contribution, as the coordinator
+        writes it."""
+        validators = self.book.draw(round, peer, self.book.checks_needed(round, peer))
+        return self.add(
+            "assignment",
+            round=round,
+            peer_id=peer,
+            beacon=self.book.beacon(round),
+            validators=validators,
+            reason=reason,
         )
 
     def pay(self, round: int, peer: str, tokens: int, **override: Any) -> Entry:
@@ -139,14 +152,17 @@ def full_run(dir: Path) -> tuple[Run, dict[str, str]]:
     accusation (penalty) by the second validator, a rejection, a checkpoint, a leave."""
     run = Run(dir)
     ids = {name: run.join(name) for name in ("ada", "bob", "eve")}
-    ids["val"] = run.join("val", role="validator", stake=None)
+    ids["val"] = run.join("val", role="validator", stake=3.0)
     tokens = {"ada": 4096, "bob": 2048, "eve": 1024}
     for rnd in (0, 1):
         for name, n in tokens.items():
             run.accept(rnd, ids[name], n)
+            run.assign(rnd, ids[name])
         run.certify(rnd, [ids[n] for n in tokens])
     verdict = {"round": 0, "validator_id": ids["val"], "distance": 0.001, "exact": False}
     run.add("verification", peer_id=ids["ada"], outcome="agree", **verdict)
+    run.add("verification", peer_id=ids["bob"], outcome="agree", **verdict)
+    run.add("verification", peer_id=ids["ada"], outcome="agree", **verdict | {"round": 1})
     run.add("verification", peer_id=ids["eve"], outcome="disagree", **verdict | {"distance": 3.5})
     run.add(
         "dispute",
@@ -168,8 +184,17 @@ def full_run(dir: Path) -> tuple[Run, dict[str, str]]:
     run.add("reward", round=0, peer_id=ids["val"], amount=0.25, kind="check", tokens=0)
     ids["liar"] = run.join("liar", role="validator", stake=4.0)
     run.add(
-        "report refused", round=1, peer_id=ids["liar"], task_id=7, field="segment", reason="99"
+        "report refused",
+        round=1,
+        peer_id=ids["liar"],
+        worker_id=ids["eve"],
+        task_id=7,
+        field="segment",
+        reason="99",
     )
+    missed = {"round": 1, "peer_id": ids["bob"], "validator_id": ids["val"]}
+    run.add("verification", outcome="expired", distance=None, exact=False, **missed)
+    assert run.assign(1, ids["bob"], "reassign").payload["validators"] == [ids["liar"]]
     lie = {"round": 1, "peer_id": ids["bob"], "validator_id": ids["liar"]}
     run.add("verification", outcome="disagree", distance=2.0, exact=False, **lie)
     run.add("dispute", segment=0, outcome="validator wrong", detail="recomputed", **lie)
@@ -264,12 +289,13 @@ def test_replay_recomputes_what_the_coordinator_kept(tmp_path: Path) -> None:
     assert eve["banned"] and eve["stake"] == 5.0 and eve["slashed"] == 5.0
     assert eve["counts"]["frauds"] == 1 and eve["counts"]["rejected"] == 1
     assert val["balance"] == 10.25 and val["counts"]["catches"] == 1 and val["role"] == "validator"
-    assert val["counts"]["checks"] == 2 and summary["totals"]["check_rewards"] == 0.25
+    assert val["counts"]["checks"] == 4 and val["counts"]["missed_checks"] == 1
+    assert summary["totals"]["check_rewards"] == 0.25
     liar = summary["accounts"][ids["liar"]]
     assert liar["stake"] == 2.0 and liar["slashed"] == 2.0 and not liar["banned"]
     assert liar["counts"]["false_accusations"] == 1 and liar["counts"]["refused_reports"] == 1
     assert liar["reputation"] < val["reputation"]
-    assert ada["reputation"] == 2 / 3 and eve["reputation"] == 1 / 3 and bob["reputation"] == 0.5
+    assert ada["reputation"] == 3 / 4 and eve["reputation"] == 1 / 3 and bob["reputation"] == 2 / 3
     assert summary["totals"]["tokens_paid"] == 12288 and summary["totals"]["banned"] == 1
     assert summary["entries"] == len(run.entries()) and summary["certificates"] == 2
     # Sampling: eve's reputation is low, ada and bob are no longer new, strangers are new.
@@ -297,7 +323,56 @@ VIOLATIONS: dict[str, tuple[str, Violation]] = {
     ),
     "stake below min_validator_stake": (
         "below the minimum stake 2.0 of a validator",
-        lambda r, ids: r.add("stake", peer_id=ids["val"], amount=1.0),
+        lambda r, ids: _poor_validator(r),
+    ),
+    "assignment off the beacon's draw": (
+        "the beacon's draw is",
+        lambda r, ids: (
+            r.accept(2, ids["ada"], 4096),
+            r.add(
+                "assignment",
+                round=2,
+                peer_id=ids["ada"],
+                beacon=r.book.beacon(2),
+                validators=[
+                    v for v in (ids["val"], ids["liar"]) if v not in r.book.draw(2, ids["ada"], 1)
+                ],
+                reason="draw",
+            ),
+        )[1],
+    ),
+    "assignment on another beacon": (
+        "assignment: beacon",
+        lambda r, ids: (
+            r.accept(2, ids["ada"], 4096),
+            r.add(
+                "assignment",
+                round=2,
+                peer_id=ids["ada"],
+                beacon="0" * 64,
+                validators=r.book.draw(2, ids["ada"], 1),
+                reason="draw",
+            ),
+        )[1],
+    ),
+    "verification by an unassigned validator": (
+        "holds no assignment",
+        lambda r, ids: (
+            r.accept(2, ids["ada"], 4096),
+            r.add(
+                "verification",
+                round=2,
+                peer_id=ids["ada"],
+                validator_id=ids["val"],
+                outcome="agree",
+                distance=0.0,
+                exact=True,
+            ),
+        )[1],
+    ),
+    "work paid with its checks skipped": (
+        "its required checks were skipped",
+        lambda r, ids: (r.accept(2, ids["ada"], 4096), r.pay(2, ids["ada"], 4096))[1],
     ),
     "penalty of a wrong amount": (
         "is not validator_slash_fraction 0.5 x stake 2.0 = 1.0",
@@ -314,7 +389,7 @@ VIOLATIONS: dict[str, tuple[str, Violation]] = {
     "check reward for no check": (
         "no unpaid check reported by validator",
         lambda r, ids: r.add(
-            "reward", round=1, peer_id=ids["val"], amount=0.25, kind="check", tokens=0
+            "reward", round=5, peer_id=ids["val"], amount=0.25, kind="check", tokens=0
         ),
     ),
     "second join of a key": (
@@ -347,11 +422,14 @@ VIOLATIONS: dict[str, tuple[str, Violation]] = {
     ),
     "work reward for other tokens": (
         "pays for 999 tokens, but 4096 were accepted",
-        lambda r, ids: (r.accept(2, ids["ada"], 4096), r.pay(2, ids["ada"], 999))[1],
+        lambda r, ids: (r.accept(2, ids["ada"], 4096, False), r.pay(2, ids["ada"], 999))[1],
     ),
     "work reward of a wrong amount": (
         "is not 4096 tokens x reward_per_token",
-        lambda r, ids: (r.accept(2, ids["ada"], 4096), r.pay(2, ids["ada"], 4096, amount=5.0))[1],
+        lambda r, ids: (
+            r.accept(2, ids["ada"], 4096, False),
+            r.pay(2, ids["ada"], 4096, amount=5.0),
+        )[1],
     ),
     "reward to a banned peer": (
         "a reward to banned peer",
@@ -437,6 +515,13 @@ def test_rule_violations_name_the_entry(tmp_path: Path, case: str) -> None:
     assert e.value.index == bad.index
 
 
+def _poor_validator(run: Run) -> Entry:
+    """A validator joining with less than min_validator_stake (its stake entry breaks)."""
+    me = Identity.generate()
+    run.add("join", peer_id=me.peer_id, public_key=me.public_key, name="poor", role="validator")
+    return run.add("stake", peer_id=me.peer_id, amount=1.0)
+
+
 def _unchecked(run: Run) -> Callable[..., Entry]:
     add = Run.add
 
@@ -475,7 +560,7 @@ def test_every_flipped_byte_of_an_export_names_its_entry(tmp_path: Path) -> None
     (tmp_path / "short").mkdir()
     short = Run(tmp_path / "short")
     ada = short.join("ada")
-    short.accept(0, ada, 4096)
+    short.accept(0, ada, 4096, sampled=False)
     short.pay(0, ada, 4096)
     path = export(short, tmp_path / "short.jsonl")
     assert audit.verify(path).entries == 5

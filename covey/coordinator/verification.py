@@ -1,13 +1,16 @@
 """Verification and incentives on the coordinator (../shared/DESIGN.md, "The round" step 6).
 
 At each commit the accepted contributions are written to the ledger, each with the
-coordinator's sampling draw (covey.trust.certify): sampled ones become tasks that
-validators claim (`/v1/verify/claim`), re-execute from the round's start state and report
-(`/v1/verify/report`). A disagreement opens a dispute: the validator names the first
-diverging segment of the worker's commitments, and the referee (a thread here) recomputes
-that one segment alone (covey.trust.verify, after Verde, arXiv 2502.19405) and decides.
-Proven fraud slashes the worker's stake, excludes it and pays the validator. Work is paid
-`challenge_rounds` after it was accepted, unless it is still being checked or was fraud.
+coordinator's sampling draw (covey.trust.certify): sampled ones become tasks assigned to
+validators by the public beacon (covey.coordinator.assignment), which each validator
+claims (`/v1/verify/claim`: only its own), re-executes from the round's start state and
+reports (`/v1/verify/report`: a completed check, paid `check_reward`). A disagreement
+opens a dispute: the validator names the first diverging segment of the worker's
+commitments, and the referee (a thread here) recomputes that one segment alone
+(covey.trust.verify, after Verde, arXiv 2502.19405) and decides. Proven fraud slashes the
+worker's stake, excludes it and pays the validator. Work is paid `challenge_rounds` after
+it was accepted, unless it is still being checked (its checks are not complete: an
+unreported check is reassigned, never paid anyway) or was fraud.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from covey.trust.certify import sample
 from covey.trust.identity import canonical_json
 from covey.trust.sketch import commitment_of
 
+from .assignment import OPEN, Assignments
 from .views import Rejected
 
 if TYPE_CHECKING:
@@ -46,10 +50,9 @@ if TYPE_CHECKING:
     from .db import Database
 
 log = logging.getLogger("covey.coordinator")
-EXPIRE_ROUNDS = 10  # a sampled contribution nobody re-executed this long after is paid anyway
 
 
-class Verification:
+class Verification(Assignments):
     # provided by Coordinator
     cfg: RunConfig
     run_id: str
@@ -73,6 +76,8 @@ class Verification:
         self._attempts: dict[int, int] = {}  # task id -> times its judging raised
         self._layout: tuple[int, dict[str, int]] | None = None
         self._layout_lock = threading.Lock()
+        if getattr(self, "db", None) is not None:
+            self._create_checks_table()
 
     # -- membership checks ----------------------------------------------------------------
 
@@ -127,11 +132,13 @@ class Verification:
                 (round_, r["peer_id"], r["tokens"]),
             )
             if sampled:
-                c.execute(
+                vid = c.execute(
                     "INSERT OR REPLACE INTO verifications (round, peer_id, status) "
                     "VALUES (?, ?, 'pending')",
                     (round_, r["peer_id"]),
-                )
+                ).lastrowid
+                assert vid is not None
+                self._assign(c, vid, round_, r["peer_id"], "draw", now)
         digest = hashlib.sha256(canonical_json(cert.model_dump(mode="json")).encode())
         self.accounts.append(
             c,
@@ -148,9 +155,9 @@ class Verification:
         self._pay_due(c, round_, now)
 
     def _pay_due(self, c: sqlite3.Connection, round_: int, now: float) -> None:
-        """Pay the work accepted `challenge_rounds` ago or earlier: unless its sampled
-        re-execution is still pending (held; expired after EXPIRE_ROUNDS) or disputed
-        (held), or it proved fraud (forfeit)."""
+        """Pay the work accepted `challenge_rounds` ago or earlier: unless its checks are
+        not complete or it is disputed (held: until some validator reports on it, however
+        long), or it proved fraud (forfeit)."""
         trust = self.cfg.trust
         due = c.execute(
             "SELECT p.round, p.peer_id, p.tokens, v.status AS check_status, v.validator_id "
@@ -161,25 +168,6 @@ class Verification:
         ).fetchall()
         for d in due:
             status = d["check_status"]
-            if status in ("pending", "claimed") and d["round"] <= round_ - EXPIRE_ROUNDS:
-                c.execute(
-                    "UPDATE verifications SET status = 'expired' WHERE round = ? AND peer_id = ?",
-                    (d["round"], d["peer_id"]),
-                )
-                self.accounts.append(
-                    c,
-                    "verification",
-                    {
-                        "round": d["round"],
-                        "peer_id": d["peer_id"],
-                        "validator_id": "",
-                        "outcome": "expired",
-                        "distance": None,
-                        "exact": False,
-                    },
-                    now,
-                )
-                status = "expired"
             if status in ("pending", "claimed", "disputed"):
                 continue
             account = self.accounts.book.accounts.get(d["peer_id"])
@@ -241,30 +229,28 @@ class Verification:
         return {"ok": True, "verifying": self.verifying}
 
     def claim(self, req: schemas.ClaimRequest, raw: dict[str, Any]) -> dict[str, Any]:
-        """A sampled contribution nobody is re-executing (a claim not reported within
-        verify_timeout_s goes back), or {"task": None}."""
+        """The oldest check the beacon assigned to this validator, or {"task": None}. A
+        validator staked below min_validator_stake is refused (403). Each claim first
+        sweeps: late checks are missed and reassigned, and open contributions short of
+        validators get the next ones drawn (covey.coordinator.assignment)."""
         self._check_run(req.run_id)
         self.authenticate(raw, -1, req.validator_id)
         self._check_role(req.validator_id, "validator")
-        now = time.time()
-        with self.db.transaction() as c:
-            # peers with the fewest finished checks first: every newcomer's first sampled
-            # contribution is looked at before anyone's second, so a cheater is caught
-            # early even when the validators lag behind the rounds
-            row = c.execute(
-                "SELECT v.* FROM verifications v WHERE v.peer_id != ? AND (v.status = 'pending' "
-                "OR (v.status = 'claimed' AND v.claimed_at < ?)) ORDER BY (SELECT COUNT(*) "
-                "FROM verifications d WHERE d.peer_id = v.peer_id AND d.status NOT IN "
-                "('pending', 'claimed')), v.id LIMIT 1",
-                (req.validator_id, now - self.cfg.trust.verify_timeout_s),
-            ).fetchone()
-            if row is None:
-                return {"task": None}
-            c.execute(
-                "UPDATE verifications SET status = 'claimed', validator_id = ?, claimed_at = ? "
-                "WHERE id = ?",
-                (req.validator_id, now, row["id"]),
+        self._check_not_banned(req.validator_id)
+        account = self.accounts.book.accounts[req.validator_id]
+        if account.stake < self.cfg.trust.min_validator_stake:
+            raise Rejected(
+                403,
+                f"validator {req.validator_id[:12]} has stake {account.stake}, below this "
+                f"run's min_validator_stake {self.cfg.trust.min_validator_stake}",
             )
+        now = time.time()
+        with self.accounts.transaction() as c:
+            self._sweep(c, now)
+            vid = self._assigned_task(c, req.validator_id)
+        if vid is None:
+            return {"task": None}
+        row = {"id": vid}
         task = self._task(row["id"])
         log.info(
             "[round %d] %s re-executes %s's contribution",
@@ -336,19 +322,18 @@ class Verification:
         v = self.db.one("SELECT * FROM verifications WHERE id = ?", (req.task_id,))
         if v is None:
             raise Rejected(404, f"no verification task {req.task_id}")
-        if v["status"] != "claimed" or v["validator_id"] != req.validator_id:
-            raise Rejected(409, f"task {req.task_id} is not claimed by {req.validator_id[:12]}")
+        if not self._holds_check(req.task_id, req.validator_id):
+            raise Rejected(
+                409, f"task {req.task_id} is not assigned to {req.validator_id[:12]} (or ended)"
+            )
         fault = self._report_fault(self._task(req.task_id), req)
         if fault is not None:
             self._refuse_report(v, req, *fault)
             raise Rejected(422, f"report refused: {fault[0]}: {fault[1]}")
         now = time.time()
-        status = "agree" if req.outcome == "agree" else "disputed"
+        book = self.accounts.book
         with self.accounts.transaction() as c:
-            c.execute(
-                "UPDATE verifications SET status = ?, report = ? WHERE id = ?",
-                (status, req.model_dump_json(), req.task_id),
-            )
+            self._end_check(c, req.task_id, req.validator_id, "done")
             self.accounts.append(
                 c,
                 "verification",
@@ -362,6 +347,34 @@ class Verification:
                 },
                 now,
             )
+            if self.cfg.trust.check_reward > 0:  # a completed assigned check is paid
+                self.accounts.append(
+                    c,
+                    "reward",
+                    {
+                        "round": req.round,
+                        "peer_id": req.validator_id,
+                        "amount": self.cfg.trust.check_reward,
+                        "kind": "check",
+                        "tokens": 0,
+                    },
+                    now,
+                )
+            status = v["status"]
+            if status in OPEN and req.outcome == "disagree":
+                status = "disputed"  # the first disagreement is judged
+                c.execute(
+                    "UPDATE verifications SET status = ?, validator_id = ?, report = ? "
+                    "WHERE id = ?",
+                    (status, req.validator_id, req.model_dump_json(), req.task_id),
+                )
+            elif status in OPEN and book.checks_complete(v["round"], v["peer_id"]):
+                status = "agree"
+                c.execute(
+                    "UPDATE verifications SET status = ?, validator_id = ?, report = ? "
+                    "WHERE id = ?",
+                    (status, req.validator_id, req.model_dump_json(), req.task_id),
+                )
         log.log(
             logging.INFO if req.outcome == "agree" else logging.WARNING,
             "[round %d] %s: %s's contribution %s (distance %s%s)",
@@ -372,7 +385,7 @@ class Verification:
             "exact" if req.exact else f"{req.distance}",
             "" if req.segment is None else f", segment {req.segment}",
         )
-        if status == "disputed":
+        if status == "disputed" and v["status"] in OPEN:
             self._disputes.put(req.task_id)
         return {"ok": True, "status": status}
 
@@ -443,19 +456,17 @@ class Verification:
             return self._layout
 
     def _refuse_report(self, v: Any, req: schemas.VerifyReport, field: str, reason: str) -> None:
-        """Record a refused report against its validator and put the task back."""
+        """Record a refused report against its validator and end its check (the next
+        claim draws another validator in its place)."""
         with self.accounts.transaction() as c:
-            c.execute(
-                "UPDATE verifications SET status = 'pending', validator_id = NULL, "
-                "claimed_at = NULL WHERE id = ?",
-                (v["id"],),
-            )
+            self._end_check(c, v["id"], req.validator_id, "refused")
             self.accounts.append(
                 c,
                 "report refused",
                 {
                     "round": v["round"],
                     "peer_id": req.validator_id,
+                    "worker_id": v["peer_id"],
                     "task_id": v["id"],
                     "field": field,
                     "reason": reason[:500],

@@ -19,9 +19,20 @@ The payload of each entry type is the contract between the coordinator and this 
 - "verification": {round, peer_id, validator_id, outcome: "agree"|"disagree"|"expired",
   distance: float|null, exact: bool}; "expired" names the validator that held the check
   and did not report in time (a missed check: it counts against it), or "" (older runs)
-- "report refused": {round, peer_id (the validator), task_id, field, reason}: a validator's
-  report that was malformed or unprovable (segment out of range, a blob missing or of the
-  wrong size); it counts against the validator's reputation
+- "assignment": {round, peer_id, beacon, validators: [ids], reason: "draw"|"reassign"}: which
+  validators must check a sampled contribution, drawn from the public beacon (the hash of
+  the last round certificate before the round was accepted) with the validator ids: each
+  eligible validator (staked at least min_validator_stake, not banned, not the worker, not
+  tried on this contribution, under validator_round_cap checks this round) ranks by
+  sha256(beacon, round, peer, validator), and the first n are assigned, n = the checks still
+  needed. The book recomputes every draw (`Book.draw`); a contribution sampled as new or
+  low-reputation needs validators_per_check checks, others one (fewer if fewer validators
+  are eligible). A "verification" must come from an assigned validator; a work reward of a
+  sampled contribution needs its checks completed (else the round's checks were skipped)
+- "report refused": {round, peer_id (the validator), worker_id, task_id, field, reason}: a
+  validator's report that was malformed or unprovable (segment out of range, a blob missing
+  or of the wrong size); it counts against the validator's reputation and ends its
+  assignment (another validator is drawn)
 - "penalty": {round, peer_id, amount, kind: "false accusation"|"canary", reason}: a
   validator loses validator_slash_fraction of its stake (not banned) for a dispute the
   referee found it wrong in, or for passing a canary
@@ -41,6 +52,7 @@ them with the same expressions (`Book.work_reward`, `Book.slash_amount`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
@@ -70,6 +82,8 @@ class Policy:
     min_validator_stake: float = 0.0
     validator_slash_fraction: float = 0.0
     check_reward: float = 0.0
+    validators_per_check: int = 1
+    validator_round_cap: int = 1_000_000
 
     @classmethod
     def from_config(cls, cfg: TrustConfig) -> Policy:
@@ -87,7 +101,7 @@ class Policy:
             raise ValueError(f"policy must have exactly the fields {names}, got {got}")
         values: dict[str, Any] = {}
         for name in names:
-            v, cast = data[name], int if name == "new_peer_contributions" else float
+            v, cast = data[name], int if name in _INT_FIELDS else float
             ok = isinstance(v, int) if cast is int else isinstance(v, (int, float))
             if not ok or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"policy.{name} must be a non-negative {cast.__name__}, got {v!r}")
@@ -165,6 +179,14 @@ class Book:
         self._checks_due: dict[tuple[int, str], int] = {}  # (round, validator) -> unpaid
         self.check_rewards = 0.0
         self.penalties = 0.0
+        # validator assignment (see the "assignment" entry); keys (round, worker)
+        self._last_certificate: str | None = None
+        self._beacons: dict[int, str] = {}  # round -> its draws' beacon
+        self._required: dict[tuple[int, str], int] = {}  # sampled -> checks it needs
+        self._open: dict[tuple[int, str], set[str]] = {}  # assigned, not yet reported
+        self._tried: dict[tuple[int, str], set[str]] = {}  # ever assigned
+        self._done: dict[tuple[int, str], int] = {}  # completed checks
+        self._load: dict[tuple[int, str], int] = {}  # (round, validator) -> assigned
 
     @classmethod
     def replay(cls, entries: Iterable[Entry]) -> Book:
@@ -206,6 +228,56 @@ class Book:
         return (
             policy.new_peer_rate if acc.reputation < policy.low_reputation else policy.sample_rate
         )
+
+    def beacon(self, round: int) -> str:
+        """The beacon of round `round`'s draws: fixed at its first draw to the hash of the
+        last round certificate then (the run id's hash before any)."""
+        if round in self._beacons:
+            return self._beacons[round]
+        if self._last_certificate is not None:
+            return self._last_certificate
+        return hashlib.sha256(f"covey-genesis-beacon\n{self.run_id}".encode()).hexdigest()
+
+    def draw(self, round: int, peer_id: str, n: int) -> list[str]:
+        """The first `n` eligible validators for the check of `peer_id`'s round-`round`
+        contribution, in beacon order (see the "assignment" entry); fewer if fewer are
+        eligible."""
+        policy, key = self._policy(), (round, peer_id)
+        tried = self._tried.get(key, set())
+        eligible = [
+            a.peer_id
+            for a in self.accounts.values()
+            if a.role == "validator"
+            and not a.banned
+            and a.stake >= policy.min_validator_stake
+            and a.peer_id != peer_id
+            and a.peer_id not in tried
+            and self._load.get((round, a.peer_id), 0) < policy.validator_round_cap
+        ]
+        beacon = self.beacon(round)
+        ranked = sorted(eligible, key=lambda v: draw_rank(beacon, round, peer_id, v))
+        return ranked[: max(n, 0)]
+
+    def checks_needed(self, round: int, peer_id: str) -> int:
+        """How many more validators must be assigned to this contribution now: its
+        required checks less those completed and those assigned and open."""
+        key = (round, peer_id)
+        if key not in self._required:
+            return 0
+        return self._required[key] - self._done.get(key, 0) - len(self._open.get(key, ()))
+
+    def checks_complete(self, round: int, peer_id: str) -> bool:
+        """Whether a sampled contribution was checked enough to be paid: at least one check
+        completed, and all it requires or every eligible validator tried."""
+        key = (round, peer_id)
+        if key not in self._required:
+            return True  # not sampled
+        done = self._done.get(key, 0)
+        return done >= 1 and (done >= self._required[key] or not self.draw(round, peer_id, 1))
+
+    def is_assigned(self, round: int, peer_id: str, validator_id: str) -> bool:
+        """Whether `validator_id` holds an open assignment to check this contribution."""
+        return validator_id in self._open.get((round, peer_id), set())
 
     def work_reward(self, tokens: int) -> float:
         """The amount a "work" reward for `tokens` verified tokens must carry."""
@@ -332,27 +404,65 @@ class Book:
                 f"contribution accepted: peer {acc.peer_id} has stake {acc.stake}, below "
                 f"min_stake {self._policy().min_stake}",
             )
+        if p["sampled"]:  # new or low-reputation peers need k checks, the others one
+            policy = self._policy()
+            new = acc.contributions < policy.new_peer_contributions
+            low = acc.reputation < policy.low_reputation
+            self._required[key] = policy.validators_per_check if new or low else 1
         self._accepted[key] = p["tokens"]
         acc.contributions += 1
+
+    def _assignment(self, i: int, p: dict[str, Any]) -> None:
+        key, rnd = (p["round"], p["peer_id"]), p["round"]
+        if key not in self._required:
+            raise LedgerError(i, f"assignment: no sampled contribution of {key[1]} in round {rnd}")
+        if p["beacon"] != self.beacon(rnd):
+            raise LedgerError(
+                i,
+                f"assignment: beacon {p['beacon'][:16]}, round {rnd}'s is {self.beacon(rnd)[:16]}",
+            )
+        expected = self.draw(rnd, key[1], self.checks_needed(*key))
+        if p["validators"] != expected or not expected:
+            raise LedgerError(
+                i, f"assignment: validators {p['validators']}, the beacon's draw is {expected}"
+            )
+        self._beacons.setdefault(rnd, p["beacon"])
+        for v in expected:
+            self._open.setdefault(key, set()).add(v)
+            self._tried.setdefault(key, set()).add(v)
+            self._load[(rnd, v)] = self._load.get((rnd, v), 0) + 1
 
     def _contribution_rejected(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p).rejected += 1
 
     def _verification(self, i: int, p: dict[str, Any]) -> None:
         acc = self._peer(i, p)
+        validator = self._peer(i, p, "validator_id") if p["validator_id"] else None
+        key = (p["round"], p["peer_id"])
+        if validator is not None and key in self._required:
+            if validator.peer_id not in self._open.get(key, set()):
+                raise LedgerError(
+                    i,
+                    f"verification: validator {validator.peer_id} holds no assignment to check "
+                    f"{key[1]}'s round-{key[0]} contribution",
+                )
+            self._open[key].discard(validator.peer_id)
         if p["outcome"] == "expired":  # names the validator that missed it, or "" (older)
-            if p["validator_id"]:
-                self._peer(i, p, "validator_id").missed_checks += 1
+            if validator is not None:
+                validator.missed_checks += 1
             return
-        validator = self._peer(i, p, "validator_id")
+        if validator is None:
+            raise LedgerError(i, "verification: an outcome names its validator")
         validator.checks += 1
-        key = (p["round"], validator.peer_id)
-        self._checks_due[key] = self._checks_due.get(key, 0) + 1
+        self._done[key] = self._done.get(key, 0) + 1
+        due = (p["round"], validator.peer_id)
+        self._checks_due[due] = self._checks_due.get(due, 0) + 1
         if p["outcome"] == "agree":
             acc.agreed += 1
 
     def _report_refused(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p).refused_reports += 1
+        self._open.get((p["round"], p["worker_id"]), set()).discard(p["peer_id"])
 
     def _penalty(self, i: int, p: dict[str, Any]) -> None:
         acc, amount = self._peer(i, p), p["amount"]
@@ -406,6 +516,12 @@ class Book:
                 fault = f"peer {acc.peer_id}'s round-{rnd} contribution was already paid"
             elif tokens != self._accepted[key]:
                 fault = f"pays for {tokens} tokens, but {self._accepted[key]} were accepted"
+            elif not self.checks_complete(*key):
+                fault = (
+                    f"round {rnd}: peer {acc.peer_id}'s contribution was sampled and needs "
+                    f"{self._required[key]} checks, {self._done.get(key, 0)} completed: "
+                    f"its required checks were skipped"
+                )
             elif amount != self.work_reward(tokens):
                 fault = (
                     f"{amount} is not {tokens} tokens x reward_per_token "
@@ -439,6 +555,7 @@ class Book:
 
     def _round_certificate(self, i: int, p: dict[str, Any]) -> None:
         self.certificates += 1
+        self._last_certificate = p["certificate_hash"]
 
     def _checkpoint(self, i: int, p: dict[str, Any]) -> None:
         self.checkpoints += 1
@@ -479,7 +596,9 @@ _SCHEMA_TEXT = {
     "outcome:fraud|validator wrong|inconclusive, detail:text",
     "slash": "round:count, peer_id:id, amount:amount, reason:text",
     "reward": "round:count, peer_id:id, amount:amount, kind:work|catch|check, tokens:count",
-    "report refused": "round:count, peer_id:id, task_id:count, field:text, reason:text",
+    "report refused": "round:count, peer_id:id, worker_id:id, task_id:count, field:text, "
+    "reason:text",
+    "assignment": "round:count, peer_id:id, beacon:text, validators:ids, reason:draw|reassign",
     "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary, reason:text",
     "round certificate": "round:count, new_hash:text, certificate_hash:text, accepted:ids, "
     "rejected:ids",
@@ -520,4 +639,18 @@ def _holds(v: Any, kind: str) -> bool:
 
 
 _DEFAULTS = Policy(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0)
-_LATER_FIELDS = ("min_validator_stake", "validator_slash_fraction", "check_reward")
+_LATER_FIELDS = (
+    "min_validator_stake",
+    "validator_slash_fraction",
+    "check_reward",
+    "validators_per_check",
+    "validator_round_cap",
+)
+_INT_FIELDS = ("new_peer_contributions", "validators_per_check", "validator_round_cap")
+
+
+def draw_rank(beacon: str, round: int, peer_id: str, validator_id: str) -> str:
+    """A validator's place in the draw for one contribution (lower checks first): public,
+    so anyone recomputes it; unpredictable before the beacon (the previous certificate)."""
+    message = f"covey-assign/v1\n{beacon}\n{round}\n{peer_id}\n{validator_id}"
+    return hashlib.sha256(message.encode()).hexdigest()

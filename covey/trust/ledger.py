@@ -43,6 +43,7 @@ ENTRY_TYPES: tuple[str, ...] = (
     "reward",
     "report refused",
     "penalty",
+    "assignment",
     "round certificate",
     "checkpoint",
     "halt",
