@@ -267,8 +267,9 @@ def bench_network(
 def bench_trust(
     only: Annotated[
         list[str] | None,
-        typer.Option(help="calibration, detection, cost, loss (repeat; default all)"),
+        typer.Option(help="calibration, detection, cost, loss, sparse (repeat; default all)"),
     ] = None,
+    rate: Annotated[float, typer.Option(help="sampling rate of --only sparse")] = 0.2,
     rounds: Annotated[int, typer.Option(min=5, help="rounds per local run (cost, loss)")] = 30,
     attack: Annotated[str, typer.Option(help="the cheat of the loss comparison")] = "sign-flip",
     model: Annotated[str, typer.Option(help="GPT size for the calibration")] = "nano",
@@ -278,10 +279,12 @@ def bench_trust(
     """The cost of trust: honest vs cheating re-execution distances (the tolerance's
     calibration), detection probability against the sampling rate, validator compute as a
     fraction of worker compute, and validation loss with one of four workers cheating."""
-    parts = only or ["calibration", "detection", "cost", "loss"]
-    unknown = set(parts) - {"calibration", "detection", "cost", "loss"}
+    parts = only or ["calibration", "detection", "cost", "loss", "sparse"]
+    unknown = set(parts) - {"calibration", "detection", "cost", "loss", "sparse"}
     if unknown:
-        raise _fail(f"--only takes calibration, detection, cost, loss; got {sorted(unknown)}")
+        raise _fail(
+            f"--only takes calibration, detection, cost, loss, sparse; got {sorted(unknown)}"
+        )
     from covey.peer.adversary import BEHAVIORS
 
     if attack not in BEHAVIORS or attack == "honest":
@@ -318,6 +321,10 @@ def bench_trust(
             f"{attack} of 4: {r['attacked_val_loss']:.4f} ({r['relative']:+.2%}); "
             f"caught: {r['caught']}"
         )
+    if "sparse" in parts:  # late and intermittent cheaters at a sparse sampling rate
+        from covey.bench.trust_sparse import sparse_report
+
+        results["sparse"] = sparse_report(rate, echo=typer.echo)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(results, indent=2) + "\n")

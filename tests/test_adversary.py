@@ -48,3 +48,14 @@ def test_intermittent_cheater_cheats_a_reproducible_fraction() -> None:
 def test_bad_schedules_are_refused_by_name(spec: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         check_behavior(spec)
+
+
+def test_rounds_to_detection_uses_schedules_and_the_real_draw() -> None:
+    from covey.bench.trust_sparse import rounds_to_detection
+
+    full = rounds_to_detection(("late:noise:5", "intermittent:lazy:0.5"), 1.0, cheaters=10)
+    assert all(d["caught"] == 1.0 and d["median_rounds"] == 1 for d in full.values())
+    assert full["late:noise:5"]["mean_cheats_aggregated"] == 1.0
+    # a late cheater skips the new-peer phase: at rate 0.2 it waits about 1 / 0.2 rounds
+    sparse = rounds_to_detection(("late:noise:5",), 0.2, cheaters=60, horizon=40)["late:noise:5"]
+    assert 2 <= sparse["median_rounds"] <= 8 and sparse["caught"] > 0.9

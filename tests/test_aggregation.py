@@ -546,3 +546,25 @@ def test_round_weights_hash_same_on_1_and_2_threads(method: str) -> None:
     finally:
         torch.set_num_threads(threads)
     assert len(set(digests)) == 1, digests
+
+
+@pytest.mark.parametrize("case", range(30))
+def test_one_contribution_moves_the_aggregate_at_most_max_shift(case: int) -> None:
+    """Property test of the bound behind the re-execution tolerance: a contribution
+    changed by ||d|| (a cheat within tolerance, or honest non-determinism) moves the
+    weighted mean by <= share x ||d|| and the weighted trimmed mean by
+    <= share x ||d|| / (1 - 2 trim)."""
+    rng = random.Random(case)
+    n = rng.randint(2, 9)
+    g = torch.Generator().manual_seed(case)
+    v = [torch.randn(3000, generator=g) for _ in range(n)]
+    w = [float(rng.randint(1, 100)) for _ in range(n)]
+    i = rng.randrange(n)
+    d = torch.randn(3000, generator=g) * rng.choice((1e-3, 0.02, 1.0, 30.0))
+    moved = [x + d if j == i else x for j, x in enumerate(v)]
+    share, change = w[i] / sum(w), l2_norm(moved[i] - v[i])
+    for trim in (0.0, 0.1, 0.25, 0.4):
+        agg = TrimmedMean(trim)
+        shift = l2_norm(agg(moved, w) - agg(v, w))
+        bound = aggregation.max_shift(share, change, trim)
+        assert shift <= bound * (1 + 1e-4) + 1e-6, (case, trim, shift, bound)

@@ -335,6 +335,26 @@ class CoordinateMedian:
         return per_coordinate(vectors, weights, middle)
 
 
+def max_shift(share: float, change: float, trim_fraction: float = 0.0) -> float:
+    """The most the aggregate can move when one contribution of weight share `share`
+    (w_i / W) moves by `change` (an l2 distance), other inputs fixed, before clipping:
+    share x change for the weighted mean, share x change / (1 - 2 trim) for the weighted
+    trimmed mean. Why: per coordinate the trimmed mean is the mean of the weighted values'
+    quantile function over [trim, 1 - trim]; moving one value by d moves that function by
+    d on a set of measure `share` at most (Wasserstein-1 <= share x |d|), so the trimmed
+    mean by at most share x |d| / (1 - 2 trim); squared and summed over coordinates, the
+    same bound holds in l2. This is what bounds an undetected cheat (covey/bench/
+    trust_calibration.py: a re-execution within the tolerance tau lets through a change of
+    at most tau / (1 - tau) x the contribution's norm). ValueError on a share outside
+    [0, 1], a negative change or a trim outside [0, 0.5)."""
+    if not 0 <= share <= 1 or change < 0 or not 0 <= trim_fraction < 0.5:
+        raise ValueError(
+            f"need 0 <= share <= 1, change >= 0, 0 <= trim < 0.5; got {share}, {change}, "
+            f"{trim_fraction}"
+        )
+    return share * change / (1 - 2 * trim_fraction)
+
+
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 
 
