@@ -137,8 +137,19 @@ def sim(
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
     log_json: Annotated[bool, LOG_JSON] = False,
     log: Annotated[str | None, LOG_TO] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="continue the run in --out from its checkpoint (written after each round); "
+            "without a config or flags, with the run's own",
+        ),
+    ] = False,
 ) -> None:
-    """Simulate N workers training with one algorithm; writes metrics, summary and plot."""
+    """Simulate N workers training with one algorithm; writes metrics, summary and plot.
+
+    A checkpoint is written to OUT/checkpoint after each round: an interrupted run goes on
+    from there with --resume, as it would have gone on uninterrupted."""
     overrides = _overrides(
         seed=seed,
         workers=workers,
@@ -156,11 +167,16 @@ def sim(
         churn__leave_prob=leave_prob,
         churn__join_prob=join_prob,
     )
+    from covey.sim.resume import read_config
+
+    if resume and config is None and not overrides:
+        overrides = read_config(out) or {}  # the run's own config, as it was checkpointed
     cfg: SimConfig = _load(config, overrides)
     _logging(False, "sim", log_json)
     _check_tracker(log)
     from covey.algorithms.codecs import get_codec
     from covey.sim.report import save_run
+    from covey.sim.resume import SnapshotError, load_snapshot, save_snapshot, write_config
     from covey.sim.simulator import simulate
 
     try:
@@ -168,8 +184,22 @@ def sim(
     except ValueError as e:
         raise _fail(f"algorithm.codec: {e}") from None
 
+    snapshot = None
+    if resume:
+        try:
+            snapshot = load_snapshot(out / "checkpoint", cfg.config_hash())
+        except SnapshotError as e:
+            raise _fail(str(e)) from None
+    write_config(out, cfg.model_dump(mode="json"))
     typer.echo(f"covey sim: {cfg.algorithm.method}, {cfg.workers} workers, {cfg.rounds} rounds")
-    result = simulate(cfg, progress=progress)
+    if snapshot is not None:
+        typer.echo(f"resuming after round {snapshot.round} (checkpoint in {out}/checkpoint)")
+    result = simulate(
+            cfg,
+            progress=progress,
+            on_snapshot=lambda snap: save_snapshot(out / "checkpoint", snap),
+            resume=snapshot,
+        )
     plotted = save_run(out, cfg.algorithm.method, result.records, result.summary)
     _track(log, out, f"sim-{cfg.algorithm.method}", cfg.model_dump(mode="json"), result.records)
     s = result.summary

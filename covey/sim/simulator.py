@@ -28,6 +28,7 @@ from covey.data.corpus import Corpus, load_corpus
 from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.sim.network import Link, make_links, round_timing
 from covey.sim.report import human_bytes
+from covey.sim.resume import SimSnapshot
 
 TOPOLOGY = (
     "gather through a relay: each worker uploads its contribution once and downloads every "
@@ -69,6 +70,8 @@ def simulate(
     *,
     progress: bool = True,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_snapshot: Callable[[SimSnapshot], None] | None = None,
+    resume: SimSnapshot | None = None,
 ) -> SimResult:
     """Run `cfg` to completion; returns per-round records and a summary.
 
@@ -110,8 +113,15 @@ def simulate(
     val_loss = initial_val_loss = evaluate(canonical.model, state, val)
     started = time.perf_counter()
     bar = _progress(cfg.rounds, progress)
+    first = 0
+    if resume is not None:  # covey sim --resume (covey.sim.resume): continue after its round
+        state = resume.state  # before restore: new_strategy() loads it
+        first, records, counters = resume.restore(workers, churn, new_strategy)
+        sim_time, compute_total, wall_total, tokens, val_loss, initial_val_loss = counters
+        tokens = int(tokens)
+        bar.update(first)
 
-    for r in range(cfg.rounds):
+    for r in range(first, cfg.rounds):
         ready = _apply_churn(workers, churn, cfg, r, new_strategy, state)
         live = [w for w in workers if w.strategy is not None]
         contributions, compute, step_s, losses = [], [], [], []
@@ -174,6 +184,10 @@ def simulate(
         records.append(record)
         if on_round:
             on_round(record)
+        if on_snapshot:
+            counters = (sim_time, compute_total, wall_total, tokens, val_loss, initial_val_loss)
+            h = cfg.config_hash()
+            on_snapshot(SimSnapshot.take(h, state, records, workers, churn, counters))
         bar.set_postfix(
             loss=f"{val_loss:.3f}",
             sent=human_bytes(record["bytes_sent_per_worker"]),
