@@ -161,6 +161,26 @@ def test_unsigned_and_stranger_uploads_store_nothing(world: tuple[LocalCluster, 
 
 
 @network
+def test_uploads_nobody_names_are_capped(world: tuple[LocalCluster, Peer]) -> None:
+    """A member cannot fill the disk with blobs no submission names: max_pending_uploads
+    (4), until a signed submission names one (accepted or refused)."""
+    cluster, _ = world
+    hoarder = Peer(cluster)
+    try:
+        blobs = [payload(10 + i) for i in range(5)]
+        for data in blobs[:4]:
+            assert hoarder.put(data, hoarder.signed(data)).status_code == 200
+        resp = hoarder.put(blobs[4], hoarder.signed(blobs[4]))
+        assert resp.status_code == 429 and "no submission names" in resp.text, resp.text
+        assert resp.headers["Retry-After"] == "1"
+        body = contribution(hoarder, content_id(blobs[0]), PAYLOAD)
+        hoarder.http.post(f"/v1/rounds/{body['round']}/contributions", json=body)  # any answer
+        assert hoarder.put(blobs[4], hoarder.signed(blobs[4])).status_code == 200
+    finally:
+        hoarder.stop.set()
+
+
+@network
 def test_wrong_size_refused_before_the_body(world: tuple[LocalCluster, Peer]) -> None:
     """A signed upload of a size the model does not imply is a 413 with no body sent."""
     cluster, peer = world

@@ -77,6 +77,10 @@ class Intake(Views):
         finally:
             with lock:
                 busy.discard((req.peer_id, req.round))
+            # a signed submission named them, accepted or refused: no longer pending uploads
+            # (else an honest peer refused a few times in a row could upload nothing more)
+            named = (req.cid, getattr(req, "end_state_cid", None))
+            self.uploads.named(req.peer_id, named)
 
     def _submit(self, req: schemas.ContributionRequest, raw: dict[str, Any]) -> dict[str, Any]:
         round_ = req.round
