@@ -581,7 +581,9 @@ class Worker:
                 raise Stopped()
             try:
                 body = self.client.get(
-                    f"/v1/rounds/{info.round}/certificate", params={"wait": 5}, quiet=True
+                    f"/v1/rounds/{info.round}/certificate",
+                    params={"wait": 5, "peer_id": self.peer_id},  # long-polls count per peer
+                    quiet=True,
                 )
                 cert = schemas.Certificate.model_validate(body)
                 if not certificate_is_signed(cert, self.coordinator_key):
