@@ -45,7 +45,8 @@ class Intake(Views):
     @functools.cached_property
     def uploads(self) -> UploadGate:
         """Who may upload which blobs (built once: the sizes come from the model)."""
-        return UploadGate(self.db, self.cfg, blob_sizes(self.strategy, self.template))
+        sizes = blob_sizes(self.strategy, self.template)
+        return UploadGate(self.db, self.cfg, sizes, self._check_not_banned)
 
     @functools.cached_property
     def _submitting(self) -> tuple[threading.Lock, set[tuple[str, int]]]:

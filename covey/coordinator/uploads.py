@@ -15,7 +15,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,8 +69,16 @@ class Ticket:
 class UploadGate:
     """Admits signed uploads (`admit`) and remembers them until named (`named`). Thread-safe."""
 
-    def __init__(self, db: Database, cfg: RunConfig, sizes: Mapping[int, str]) -> None:
+    def __init__(
+        self,
+        db: Database,
+        cfg: RunConfig,
+        sizes: Mapping[int, str],
+        check_not_banned: Callable[[str], None] | None = None,
+    ) -> None:
+        """`check_not_banned(peer_id)` raises Rejected(403) for a peer excluded for fraud."""
         self.db, self.run_id, self.sizes = db, cfg.run_id, dict(sizes)
+        self.check_not_banned = check_not_banned
         self.window_s = cfg.trust.nonce_window_s
         self.max_pending = cfg.limits.max_pending_uploads
         self._lock = threading.Lock()
@@ -80,8 +88,9 @@ class UploadGate:
     def admit(self, cid: str, headers: Mapping[str, str], length: str | None) -> Ticket:
         """Check an upload before its body is read. Rejected: 400 malformed cid, 411 no
         Content-Length, 401 unsigned / bad signature / stale or replayed nonce, 403 not a
-        live member or validator, 413 a size this run's model does not imply, 429 another
-        upload of this peer in flight or too many of its uploads not yet named."""
+        live member or validator (or excluded for fraud), 413 a size this run's model does
+        not imply, 429 another upload of this peer in flight or too many of its uploads
+        not yet named."""
         if not is_cid(cid):
             raise Rejected(400, f"not a content id: {cid[:80]!r}")
         if length is None or not length.isdigit():
@@ -106,6 +115,8 @@ class UploadGate:
                 f"upload signature does not verify for peer {peer_id[:12]}, blob {cid[:12]}, "
                 f"{size} bytes: wrong key, or signed for another blob, size or run",
             )
+        if self.check_not_banned is not None:
+            self.check_not_banned(peer_id)
         if row["role"] == "worker" and row["state"] != "live":
             raise Rejected(403, f"peer {peer_id[:12]} is {row['state']}: only live members upload")
         if size not in self.sizes:
