@@ -198,7 +198,7 @@ def test_streaming_with_error_feedback_is_refused_at_config_load() -> None:
         StreamingDiLoCoConfig(inner_steps=4, fragments=2, error_feedback=True)
 
 
-# -- over the network: a real coordinator, 2 workers and a validator ----------------------
+# -- over the network: a real coordinator, 4 workers (2 of them cheating) and a validator ------
 
 NETWORK_SPEC = """
 name = "reexecutable"
@@ -216,57 +216,126 @@ error_feedback = true
 [rounds]
 deadline_min_s = 8
 eval_batches = 1
-min_peers = 2
+min_peers = 4
 [trust]
 min_stake = 10.0
 commit_every = 3
 """
+CHEATS = ("forged-state", "unchained")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """DiLoCo's defaults (inner_state "keep") with error feedback: honest w0 and w1, a
+    worker that trains from a forged local state while naming its committed one, one that
+    names its forged state, and a validator."""
+    from covey.local.cluster import LocalCluster
+
+    tmp = tmp_path_factory.mktemp("reexecutable")
+    spec = tmp / "run.toml"
+    spec.write_text(NETWORK_SPEC)
+    c = LocalCluster(spec, tmp)
+    try:
+        c.start_coordinator()
+        for name in ("w0", "w1", *CHEATS):
+            behavior = name if name in CHEATS else "honest"
+            c.start_worker(name, "--stake", "100", "--behavior", behavior)
+        c.start_validator("v0")
+        yield c
+    finally:
+        c.stop()
+
+
+def ledger(cluster) -> list:
+    from covey.trust import audit
+
+    found, _, _ = audit.load(cluster.url)
+    return found
+
+
+def chained(cluster) -> set[tuple[int, str]]:
+    """(round, peer) of the contributions whose start is a committed local state."""
+    import sqlite3
+
+    db = cluster.data_dir / "coordinator.db"
+    if not db.exists():
+        return set()
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        query = "SELECT round, peer_id FROM local_states WHERE start_cid IS NOT NULL"
+        return set(conn.execute(query))
+
+
+def wait(cluster, done, what: str) -> None:
+    from covey.local.cluster import ClusterError
+
+    try:
+        cluster.wait_for(lambda _: done(), 240, what)
+    except ClusterError as e:
+        names = ("coordinator", "w0", "w1", *CHEATS, "v0")
+        raise AssertionError(f"{e}\n" + "\n".join(cluster.tail(n, 20) for n in names)) from None
 
 
 @pytest.mark.network
-def test_validator_reexecutes_diloco_keep_with_error_feedback(tmp_path) -> None:
-    """DiLoCo's defaults (inner_state "keep") with error feedback: every contribution after
-    a worker's first one starts from its committed end state of the round before, and the
-    validator's re-executions of those agree bit for bit (same thread count)."""
-    import sqlite3
+def test_validator_reexecutes_diloco_keep_with_error_feedback(cluster) -> None:
+    """Every honest contribution after a worker's first starts from its committed end state
+    of the round before; the validator's re-executions of those agree bit for bit (same
+    thread count), and no honest contribution is refused."""
+    honest = {cluster.ids["w0"], cluster.ids["w1"]}
 
-    from covey.local.cluster import ClusterError, LocalCluster
-    from covey.trust import audit
-
-    spec = tmp_path / "run.toml"
-    spec.write_text(NETWORK_SPEC)
-    cluster = LocalCluster(spec, tmp_path)
-    db = cluster.data_dir / "coordinator.db"
-
-    def chained_checks() -> list[dict]:
-        """Verification entries of contributions whose start is a committed local state."""
-        entries, _, _ = audit.load(cluster.url)
-        if not db.exists():
-            return []
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-            chained = set(
-                conn.execute("SELECT round, peer_id FROM local_states WHERE start_cid IS NOT NULL")
-            )
+    def checks() -> list[dict]:
+        links = chained(cluster)
         return [
             e.payload
-            for e in entries
-            if e.type == "verification" and (e.payload["round"], e.payload["peer_id"]) in chained
+            for e in ledger(cluster)
+            if e.type == "verification"
+            and e.payload["outcome"] != "expired"  # nobody got to it in time: no outcome
+            and e.payload["peer_id"] in honest
+            and (e.payload["round"], e.payload["peer_id"]) in links
         ]
 
-    try:
-        cluster.start_coordinator()
-        for name in ("w0", "w1"):
-            cluster.start_worker(name, "--stake", "100")
-        cluster.start_validator("v0")
-        try:
-            cluster.wait_for(lambda s: len(chained_checks()) >= 2, 240, "2 chained checks")
-        except ClusterError as e:
-            tails = "\n".join(cluster.tail(n, 25) for n in ("coordinator", "w0", "w1", "v0"))
-            raise AssertionError(f"{e}\n{tails}") from None
-        checks = chained_checks()
-        entries, _, _ = audit.load(cluster.url)
-        assert not [e for e in entries if e.type == "contribution rejected"], cluster.tail()
-        assert all(c["outcome"] == "agree" and c["exact"] for c in checks), checks
-        assert "validators will not be given work" not in cluster.tail("coordinator", 500)
-    finally:
-        cluster.stop()
+    wait(cluster, lambda: len(checks()) >= 2, "2 checks of honest chained contributions")
+    assert all(c["outcome"] == "agree" and c["exact"] for c in checks()), checks()
+    refused = [
+        e.payload
+        for e in ledger(cluster)
+        if e.type == "contribution rejected" and e.payload["peer_id"] in honest
+    ]
+    assert not refused, refused
+    assert "validators will not be given work" not in cluster.tail("coordinator", 1000)
+
+
+@pytest.mark.network
+def test_a_local_state_not_chained_is_refused_or_caught(cluster) -> None:
+    """Naming a made-up start state is refused at intake by content id; training from one
+    while naming the committed state disagrees with the validator at commitment 0."""
+    unchained, forged = cluster.ids["unchained"], cluster.ids["forged-state"]
+
+    def refusals() -> list[str]:
+        return [
+            e.payload["reason"]
+            for e in ledger(cluster)
+            if e.type == "contribution rejected" and e.payload["peer_id"] == unchained
+        ]
+
+    def caught() -> list[dict]:
+        return [
+            e.payload
+            for e in ledger(cluster)
+            if e.type == "verification"
+            and e.payload["peer_id"] == forged
+            and e.payload["outcome"] == "disagree"
+        ]
+
+    def convicted() -> bool:  # the referee, too, recomputes from the committed state
+        return any(
+            e.type == "dispute"
+            and e.payload["peer_id"] == forged
+            and e.payload["outcome"] == "fraud"
+            for e in ledger(cluster)
+        )
+
+    wait(cluster, lambda: refusals() and caught(), "both state cheats to be refused or caught")
+    assert any("starts from local state" in r for r in refusals()), refusals()
+    links = chained(cluster)
+    assert all((c["round"], forged) in links for c in caught())  # only chained rounds lie
+    wait(cluster, convicted, "the forged state's dispute to end in fraud")

@@ -31,6 +31,23 @@ contribution's residual is restored. Every strategy whose `carries_local_state` 
 (DDP, DiLoCo with inner_state "reset" and no error feedback) starts every round fresh,
 so its round is a function of (W_r, batches) alone. With the chain, every strategy is
 `reexecutable`: a validator re-runs `begin_round` from the committed end state and trains.
+
+What the chain binds (the worker chooses its own local state; these are its limits):
+- exactly, by content id at intake: the start state a contribution names is the end state
+  the same peer's recorded contribution to round r-1 (the certified attempt) named, or
+  none (fresh) when it has no such contribution; the end state is a blob of a local
+  state's exact size, named in the signed contribution;
+- exactly, by re-execution: commitment 0 is the hash of `begin_round(W_r, that end state,
+  the certificate's accept flag)`; the flag comes from the signed certificate, never from
+  the worker; a start that is not the committed one disagrees at segment 0;
+- within the tolerance, by re-execution: the published end state against the validator's
+  (a disagreement in the last segment), as every later commitment and the payload are.
+Not bound: an end state is checked only when its own round is sampled. A worker that
+forges its end state (a residual, moments, Streaming's local weights) in an unsampled round
+starts its next round from the forgery legitimately; the forgery is fraud in the round
+that produced it and is caught at that round's sampling rate, as a forged payload is, and
+what it can do meanwhile passes through this worker's contributions only (robust
+aggregation bounds those). Nor are deviations below the tolerance (honest rounding).
 """
 
 from __future__ import annotations

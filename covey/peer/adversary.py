@@ -14,6 +14,11 @@ it by re-execution and slash it (../shared/DESIGN.md, "Trust"):
     wrong-data   trains on data other than its assignment
     lazy         takes half the assigned steps, claims all of them
     nan          sends an update full of NaN
+    forged-state from its second round on, trains from a local state of its own making
+                 (its committed end state, moments and residuals x1.5) but names the
+                 committed one (H3: caught by re-execution, commitment 0)
+    unchained    from its second round on, trains from that forged state and names it
+                 (H3: refused at intake, the state is not its previous round's end state)
 
 Cheaters that pick their moment (`Schedule`, what a careful attacker does once it knows
 that new peers are always checked and old ones only sampled):
@@ -48,7 +53,11 @@ BEHAVIORS = (
     "wrong-data",
     "lazy",
     "nan",
+    "forged-state",
+    "unchained",
 )
+# behaviors that start a round from a local state not chained to their previous round (H3)
+STATE_CHEATS = ("forged-state", "unchained")
 # behaviors that alter what honest training produced, after the fact
 PAYLOAD_CHEATS = ("noise", "sign-flip", "scaled", "free-rider", "nan")
 # what a late or intermittent cheater may do in its cheating rounds
@@ -116,8 +125,6 @@ def behavior_at(spec: str, round: int, peer_id: str) -> str:
     return schedule.kind if schedule.cheats(round, peer_id) else "honest"
 
 
-
-
 def steps_taken(behavior: str, assigned: int) -> int:
     """How many inner steps the worker really takes (it claims `assigned`)."""
     if behavior == "free-rider":
@@ -125,6 +132,15 @@ def steps_taken(behavior: str, assigned: int) -> int:
     if behavior == "lazy":
         return max(1, assigned // 2)
     return assigned
+
+
+def forge_local_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A made-up local state: every floating tensor but the parameters x1.5 (moments,
+    error-feedback residuals, DeMo's momentum), the parameters moved by 1%."""
+    return {
+        k: (v * 1.01 if k.startswith("param/") else v * 1.5) if v.is_floating_point() else v
+        for k, v in state.items()
+    }
 
 
 def data_key(behavior: str, assigned_key: str) -> str:

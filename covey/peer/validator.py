@@ -13,6 +13,7 @@ catches; a false accusation is recorded against them.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -155,7 +156,8 @@ class Validator:
             "task_id": task.task_id,
             "outcome": "agree" if verdict.agree else "disagree",
             "exact": verdict.exact,
-            "distance": verdict.distance,
+            # a malformed claim is infinitely far: JSON has no inf (H3: commitment 0 faults)
+            "distance": verdict.distance if math.isfinite(verdict.distance) else None,
             "detail": verdict.detail[:500],
             "compute_s": compute_s,
         }

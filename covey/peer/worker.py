@@ -345,9 +345,15 @@ class Worker:
             return
         if chain is None:
             self.strategy.begin_round(self.state)
-        else:
-            self.strategy.begin_round(self.state, chain.end, chain.accepted)
-        self._local = LocalStates(chain.end_cid if chain else None, round=round_)
+            self._local = LocalStates(None, round=round_)
+            return
+        start, start_cid = chain.end, chain.end_cid
+        if self.opts.behavior in adversary.STATE_CHEATS:  # tests and demos only
+            start = adversary.forge_local_state(chain.end)
+            if self.opts.behavior == "unchained":
+                start_cid = content_id(verify.local_state_to_bytes(start))
+        self.strategy.begin_round(self.state, start, chain.accepted)
+        self._local = LocalStates(start_cid, round=round_)
 
     def _end_round(self) -> None:
         """H3: the local state after this round's work, as the blob the contribution names."""
