@@ -265,10 +265,8 @@ def create_app(coord: Coordinator) -> FastAPI:
         with long_polls.hold(key, None if share is None else share * long_polls.per_key) as ok:
             if not ok:
                 raise Rejected(429, f"too many long-polls held for {key[:40]}: retry shortly")
-            loop = asyncio.get_running_loop()
-            give_up = loop.time() + wait
-            while coord.state.round <= round and loop.time() < give_up:
-                await asyncio.sleep(0.02)
+            # woken by the commit itself (CommitSignal, set in service._close), not a timer
+            await coord.commits.wait(lambda: coord.state.round > round, wait)
         return coord.certificate(round)
 
     @app.post("/v1/validators/join")

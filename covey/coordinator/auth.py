@@ -64,7 +64,12 @@ class Auth:
     db: Database
 
     def authenticate(
-        self, raw: dict[str, Any], round: int, peer_id: str, public_key: str | None = None
+        self,
+        raw: dict[str, Any],
+        round: int,
+        peer_id: str,
+        public_key: str | None = None,
+        nonces: Any = None,
     ) -> None:
         """Check `raw` (the request body as received) is signed by `peer_id`'s key (known
         from its join, or `public_key` for the join itself) for the endpoint that received
@@ -94,6 +99,9 @@ class Auth:
         window = self.cfg.trust.nonce_window_s
         if abs(age) > window:
             raise Rejected(401, f"nonce is {age:.0f} s old; requests must be within {window:.0f} s")
+        if nonces is not None:  # heartbeats: spent in memory, flushed in batches (H9)
+            nonces.use_nonce(peer_id, nonce, now)
+            return
         try:
             with self.db.transaction() as c:
                 c.execute("INSERT INTO nonces VALUES (?, ?, ?)", (peer_id, nonce, now))

@@ -16,6 +16,7 @@ from covey.protocol import schemas
 from covey.protocol.rounds import PeerView, no_show_backoff
 from covey.trust.identity import peer_id_of
 
+from .liveness import Liveness
 from .views import Rejected
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .db import Database
 
 log = logging.getLogger("covey.coordinator")
+_LIVENESS_LOCK = threading.Lock()
 NO_SHOW_TABLE = (
     "CREATE TABLE IF NOT EXISTS no_shows (peer_id TEXT PRIMARY KEY, "
     "consecutive INTEGER NOT NULL, excluded_until REAL NOT NULL)"
@@ -37,6 +39,7 @@ class Membership:
     db: Database
     accounts: Accounts
     _wake: threading.Event
+    _stop: threading.Event
     _check_run: Any
     _check_not_banned: Any
     authenticate: Any
@@ -122,27 +125,44 @@ class Membership:
                 )
                 self.accounts.append(c, "stake", {"peer_id": peer_id, "amount": stake}, now)
 
+    @property
+    def liveness(self) -> Liveness:
+        """Heartbeats in memory, flushed to SQLite every FLUSH_S (covey.coordinator.liveness);
+        made on first use, its flusher started with it."""
+        with _LIVENESS_LOCK:
+            live = self.__dict__.get("_liveness")
+            if live is None:
+                live = Liveness(self.db, self.cfg.trust.nonce_window_s)
+                self.__dict__["_liveness"] = live
+                live.start(self._stop)
+        return live
+
     def heartbeat(self, req: schemas.HeartbeatRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """Renew the peer's participation lease for `lease_s` (covey.trust.halt): its reply
-        is the lease. Rejected(410) with the owner's reason once the run is halted."""
+        is the lease. Rejected(410) with the owner's reason once the run is halted. One
+        indexed read and no write: the heartbeat (and its nonce) is kept in memory and
+        flushed in batches (covey.coordinator.liveness); only reviving a dead peer writes
+        at once (its "revived" event)."""
         self._check_run(req.run_id)
-        self.authenticate(raw, -1, req.peer_id)
+        row = self.db.one("SELECT state, public_key FROM peers WHERE peer_id = ?", (req.peer_id,))
+        if row is None or not row["public_key"]:
+            raise Rejected(404, f"unknown peer {req.peer_id}: join first")
+        live = self.liveness
+        self.authenticate(raw, -1, req.peer_id, row["public_key"], nonces=live)
         self._check_not_banned(req.peer_id)
         self.check_not_halted()
         now = time.time()
-        with self.db.transaction() as c:
-            row = c.execute("SELECT state FROM peers WHERE peer_id = ?", (req.peer_id,)).fetchone()
-            if row is None:
-                raise Rejected(404, f"unknown peer {req.peer_id}: join first")
-            if row["state"] == "left":
-                raise Rejected(409, f"peer {req.peer_id} has left: join again")
-            if row["state"] == "dead":
+        if row["state"] == "left":
+            raise Rejected(409, f"peer {req.peer_id} has left: join again")
+        if row["state"] == "dead":
+            with self.db.transaction() as c:
                 self.db.event(c, now, "revived", req.peer_id, {})
-            c.execute(
-                "UPDATE peers SET last_seen = ?, state = 'live', "
-                "step_time_s = COALESCE(?, step_time_s) WHERE peer_id = ?",
-                (now, req.step_time_s, req.peer_id),
-            )
+                c.execute(
+                    "UPDATE peers SET last_seen = ?, state = 'live', "
+                    "step_time_s = COALESCE(?, step_time_s) WHERE peer_id = ?",
+                    (now, req.step_time_s, req.peer_id),
+                )
+        live.beat(req.peer_id, now, req.step_time_s)
         return {"ok": True, "lease_s": self.cfg.rounds.lease_s}
 
     def leave(self, req: schemas.LeaveRequest, raw: dict[str, Any]) -> dict[str, Any]:
@@ -166,13 +186,13 @@ class Membership:
 
     def _peer_views(self) -> list[PeerView]:
         rows = self.db.query("SELECT * FROM peers WHERE role = 'worker'")
-        out = self._no_shows()
+        out, live = self._no_shows(), self.liveness
         return [
             PeerView(
                 r["peer_id"],
                 r["step_time_s"],
                 r["bandwidth_mbps"],
-                r["last_seen"],
+                live.last_seen(r["peer_id"], r["last_seen"]),  # heartbeats not yet flushed
                 r["state"],
                 out.get(r["peer_id"], (0, 0.0))[1],
             )

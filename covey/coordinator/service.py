@@ -185,6 +185,7 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
             if thread is not None:
                 thread.join(timeout_s)
         self.fetcher.close()
+        self.liveness.flush()  # H9: heartbeats kept in memory reach SQLite before it closes
         self.db.close()
 
     def _drive(self) -> None:
@@ -348,6 +349,7 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
                     now,
                 )
         self.state, self.state_cid, self.state_hash = new_state, new_cid, new_hash
+        self.commits.notify()  # H9: wakes the certificate long-polls now
         log.info(
             "[round %d] committed: %d accepted, %d rejected, %s; weights %s",
             rnd.round,

@@ -5,9 +5,13 @@ state; covey.coordinator.service holds the write side and mixes this in.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from covey.protocol import schemas
@@ -21,6 +25,15 @@ if TYPE_CHECKING:
 
     from .accounts import Accounts
     from .db import Database
+    from .liveness import Liveness
+
+# Cached views (H9): /v1/round and /v1/status answer from views rebuilt when what they show
+# changes (the open round's row, the canonical state), not per request over all peers.
+# Peers' liveness changes with every heartbeat, so the parts that list live peers are
+# rebuilt at most once per VIEW_MAX_AGE_S however many requests come.
+VIEW_MAX_AGE_S = 1.0
+_CACHE_LOCK = threading.Lock()
+_STATUS_LOCK = threading.Lock()  # one status rebuild at a time
 
 
 class Rejected(Exception):
@@ -41,6 +54,54 @@ class OpenRound:
     deadline: float
     members: list[str]
     assignments: dict[str, dict[str, Any]]
+    member_set: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def __post_init__(self) -> None:
+        self.member_set = frozenset(self.members)  # O(1) "is this peer a member?"
+
+
+class CommitSignal:
+    """Wakes the certificate long-polls when a round commits: `notify` (from any thread,
+    the round driver's) resolves every waiter's future on its own event loop, so a waiter
+    learns of a commit at once instead of polling a timer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+
+    def notify(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, set()
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nobody waits
+                loop.call_soon_threadsafe(_resolve, future)
+
+    async def wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until `done()` (checked after every commit) or `timeout_s` passes; whether
+        it is done. Holds no thread while waiting."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
+        while not done():
+            left = give_up - loop.time()
+            if left <= 0:
+                return False
+            entry = (loop, loop.create_future())
+            with self._lock:
+                self._waiters.add(entry)
+            try:
+                if done():  # committed between the check and registering: no lost wake-up
+                    return True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(entry[1], left)
+            finally:
+                with self._lock:
+                    self._waiters.discard(entry)
+        return True
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class Views:
@@ -58,12 +119,36 @@ class Views:
     accounts: Accounts
     verifying: bool
     halted: dict[str, Any] | None  # covey.coordinator.halt
+    liveness: Liveness  # covey.coordinator.membership
+
+    @property
+    def commits(self) -> CommitSignal:
+        """Set at every commit (service._close); the certificate long-poll waits on it."""
+        with _CACHE_LOCK:
+            signal = self.__dict__.get("_commits")
+            if signal is None:
+                signal = self.__dict__["_commits"] = CommitSignal()
+        return signal
 
     def open_round(self) -> OpenRound | None:
-        row = self.db.one("SELECT * FROM rounds WHERE status IN ('open', 'closing')")
-        if row is None:
+        """The open (or closing) round: the latest round's row, when it is open. Rounds open
+        in order and only round `state.round` can be open, so the latest row (a primary-key
+        lookup) is the one; its members and assignments are parsed once per (round,
+        attempt, deadline), not per request."""
+        head = self.db.one(
+            "SELECT round, attempt, status, opened_at, deadline FROM rounds "
+            "ORDER BY round DESC LIMIT 1"
+        )
+        if head is None or head["status"] not in ("open", "closing"):
             return None
-        return OpenRound(
+        key = (head["round"], head["attempt"], head["opened_at"], head["deadline"])
+        cached = self.__dict__.get("_open_round")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        row = self.db.one("SELECT * FROM rounds ORDER BY round DESC LIMIT 1")
+        if row is None or row["status"] not in ("open", "closing"):
+            return None
+        rnd = OpenRound(
             row["round"],
             row["attempt"],
             row["opened_at"],
@@ -71,6 +156,20 @@ class Views:
             json.loads(row["members"]),
             json.loads(row["assignments"]),
         )
+        key = (row["round"], row["attempt"], row["opened_at"], row["deadline"])
+        self.__dict__["_open_round"] = (key, rnd)
+        return rnd
+
+    def _start_view(self) -> tuple[int, list[str]]:
+        """(size, providers) of the current state: rebuilt when the state changes, and at
+        most every VIEW_MAX_AGE_S for the providers' liveness."""
+        cid, now = self.state_cid, time.monotonic()
+        cached = self.__dict__.get("_start_view_cache")
+        if cached is not None and cached[0] == cid and now - cached[1] < VIEW_MAX_AGE_S:
+            return cached[2]
+        view = (self.blobs.size(cid), self.state_providers())
+        self.__dict__["_start_view_cache"] = (cid, now, view)
+        return view
 
     def finished(self) -> bool:
         """No round opens again: max_rounds reached, or the owner halted the run."""
@@ -86,7 +185,8 @@ class Views:
         if rnd is None:
             phase = "finished" if self.finished() else "waiting"
             return schemas.RoundInfo(run_id=self.run_id, phase=phase, round=self.state.round)
-        member = peer_id in rnd.members
+        member = peer_id in rnd.member_set
+        start_size, providers = self._start_view()
         return schemas.RoundInfo(
             run_id=self.run_id,
             phase="open",
@@ -94,8 +194,8 @@ class Views:
             attempt=rnd.attempt,
             start_cid=self.state_cid,
             start_hash=self.state_hash,
-            start_size=self.blobs.size(self.state_cid),
-            providers=self.state_providers(),
+            start_size=start_size,
+            providers=providers,
             deadline_in_s=rnd.deadline - time.time(),
             member=member,
             assignment=schemas.AssignmentOut(**rnd.assignments[peer_id]) if member else None,
@@ -169,19 +269,41 @@ class Views:
         }
 
     def status(self) -> dict[str, Any]:
-        """The dashboard's feed (covey/dashboard/static): peers, rounds, losses, bytes."""
-        now = time.time()
+        """The dashboard's feed (covey/dashboard/static): peers, rounds, losses, bytes.
+        Cached: rebuilt after any write to the database (SQLite's total_changes() on the
+        coordinator's one connection: a join, a submission, a commit, a heartbeat flush),
+        and at most every VIEW_MAX_AGE_S otherwise (its peers' ages), whatever the rate of
+        requests."""
         rnd = self.open_round()
+        changes = self.db.one("SELECT total_changes() AS n")
+        key = (
+            None if rnd is None else (rnd.round, rnd.attempt, rnd.deadline),
+            self.state_cid,
+            self.halted is None,
+            changes["n"] if changes else None,
+        )
+        with _STATUS_LOCK:  # one rebuild at a time; the others wait for it, then share it
+            cached = self.__dict__.get("_status_cache")
+            now = time.monotonic()
+            if cached is not None and cached[0] == key and now - cached[1] < VIEW_MAX_AGE_S:
+                return cached[2]
+            view = self._status(rnd)
+            self.__dict__["_status_cache"] = (key, now, view)
+            return view
+
+    def _status(self, rnd: OpenRound | None) -> dict[str, Any]:
+        now = time.time()
         cfg = self.cfg.rounds
         peers = []
         summary = self.accounts.book.summary()
         accounts = summary["accounts"]
         for p in self.db.query("SELECT * FROM peers WHERE role = 'worker' ORDER BY joined_at"):
-            view = PeerView(p["peer_id"], p["step_time_s"], None, p["last_seen"], p["state"])
+            seen = self.liveness.last_seen(p["peer_id"], p["last_seen"])  # unflushed beats
+            view = PeerView(p["peer_id"], p["step_time_s"], None, seen, p["state"])
             alive = is_alive(now, view, cfg)
             state = p["state"] if p["state"] != "live" else "waiting"
             account = accounts.get(p["peer_id"], {})
-            if alive and rnd and p["peer_id"] in rnd.members:
+            if alive and rnd and p["peer_id"] in rnd.member_set:
                 state = "training"
             peers.append(
                 {
@@ -195,7 +317,7 @@ class Views:
                     "step_time_s": p["step_time_s"],
                     "state": state,
                     "alive": alive,
-                    "last_seen_s_ago": round(now - p["last_seen"], 2),
+                    "last_seen_s_ago": round(now - seen, 2),
                     "accepts_connections": bool(p["accepts_connections"]),
                     "contributions": p["contributions"],
                 }

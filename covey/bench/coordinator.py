@@ -1,0 +1,387 @@
+"""`covey bench coordinator`: how a real coordinator process answers many peers.
+
+Starts a coordinator (`python -m covey coordinator`, a nano-model run) and `procs` client
+processes, each an asyncio loop holding its share of `peers` simulated peers: every peer
+has its own Ed25519 key, joins, then heartbeats every `heartbeat_s` and polls
+`/v1/round?peer_id=...` every `poll_s` (random phases), all signed and over real HTTP on
+127.0.0.1 (httpx.AsyncClient, a bounded connection pool per process). `submitters` of the
+peers also train nothing but submit a real contribution to every round they are members
+of: a random fp32 payload of the model's size, uploaded (signed PUT) and submitted through
+the normal signed path, then the certificate long-poll. The others never submit, so after
+two rounds as no-shows they sit out rounds (limits.no_show_backoff_s) and rounds close as
+soon as the submitters are in. Latency is measured from the request's send to its reply,
+over `duration_s` after every peer has joined; any reply but 200 (429 included) and any
+transport error is an error. The coordinator's CPU share comes from /proc/<pid>/stat over
+the same window (1.0 = one core busy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from covey.local.cluster import LocalCluster
+
+SPEC = """
+name = "bench-coordinator"
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 64
+[algorithm]
+method = "diloco"
+inner_steps = 4
+inner_state = "reset"
+[rounds]
+heartbeat_s = {heartbeat_s}
+dead_after_s = {dead_after_s}
+lease_s = {lease_s}
+min_peers = 1
+deadline_min_s = 5
+deadline_max_s = 8
+checkpoint_every = 1000
+eval_every = 1000
+eval_batches = 1
+[limits]
+# what this bench's legitimate traffic needs: every peer shares 127.0.0.1
+address_rate = 100000.0
+address_burst = 100000
+max_connections = 8192
+max_long_polls = 4096
+keep_alive_s = 30.0
+no_show_backoff_s = 3600.0
+"""
+OPS = ("heartbeat", "round", "upload", "submit")
+JOIN_TIMEOUT_S = 300.0
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of process `pid` (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_coordinator_bench(
+    out_dir: Path,
+    *,
+    peers: int = 1000,
+    duration_s: float = 60.0,
+    heartbeat_s: float = 2.0,
+    poll_s: float = 2.0,
+    submitters: int = 4,
+    procs: int = 2,
+    echo: Any = print,
+) -> list[dict[str, Any]]:
+    """Run the bench; rows {op, p50_ms, p99_ms, max_ms, requests, errors, ...} per
+    operation, then one row op="coordinator" with its CPU share, memory and rounds.
+    ClusterError if the coordinator does not come up; RuntimeError if the peers do not
+    all join within JOIN_TIMEOUT_S or a client process fails."""
+    if not 0 <= submitters <= peers or procs < 1 or peers < 1:
+        raise ValueError(f"need 0 <= submitters ({submitters}) <= peers ({peers}), procs >= 1")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = out_dir / "run.toml"
+    spec.write_text(
+        SPEC.format(heartbeat_s=heartbeat_s, dead_after_s=5 * heartbeat_s, lease_s=10 * heartbeat_s)
+    )
+    ctx = mp.get_context("spawn")
+    with LocalCluster(spec, out_dir) as cluster:
+        cluster.start_coordinator()
+        assert cluster.coordinator is not None
+        pid = cluster.coordinator.pid
+        go, results = ctx.Event(), ctx.Queue()
+        shares = [list(range(i, peers, procs)) for i in range(procs)]
+        workers = [
+            ctx.Process(
+                target=_client_main,
+                args=(
+                    cluster.url,
+                    cluster.run_id,
+                    share,
+                    submitters,
+                    heartbeat_s,
+                    poll_s,
+                    duration_s,
+                    go,
+                    results,
+                ),
+                daemon=True,
+            )
+            for share in shares
+        ]
+        for w in workers:
+            w.start()
+        joined, give_up = 0, time.monotonic() + JOIN_TIMEOUT_S
+        while joined < len(workers):
+            message = results.get(timeout=max(1.0, give_up - time.monotonic()))
+            if message[0] != "joined":
+                raise RuntimeError(f"a bench client failed while joining: {message}")
+            joined += 1
+        echo(f"{peers} peers joined; measuring for {duration_s:.0f} s")
+        cpu0, wall0 = _cpu_seconds(pid), time.monotonic()
+        rounds0 = cluster.status()["committed_rounds"]
+        go.set()
+        samples: dict[str, list[float]] = {op: [] for op in OPS}
+        errors: dict[str, int] = dict.fromkeys(OPS, 0)
+        reasons: dict[str, int] = {}
+        late = 0
+        cpu1 = rss = None
+        for _ in workers:
+            message = results.get(timeout=duration_s + 120)
+            if cpu1 is None:  # the first client is done: the window is over
+                cpu1, wall1, rss = _cpu_seconds(pid), time.monotonic(), _rss_mib(pid)
+            if message[0] != "done":
+                raise RuntimeError(f"a bench client failed: {message}")
+            for op, values in message[1].items():
+                samples[op].extend(values)
+            for op, n in message[2].items():
+                errors[op] += n
+            for reason, n in message[3].items():
+                reasons[reason] = reasons.get(reason, 0) + n
+            late += message[4]
+        for w in workers:
+            w.join(30)
+        status = cluster.status()
+    window = wall1 - wall0
+    rows = []
+    for op in OPS:
+        values = samples[op]
+        rows.append(
+            {
+                "op": op,
+                "p50_ms": _ms(_percentile(values, 0.50)),
+                "p99_ms": _ms(_percentile(values, 0.99)),
+                "max_ms": _ms(max(values) if values else None),
+                "requests": len(values) + errors[op],
+                "errors": errors[op],
+                "per_s": round((len(values) + errors[op]) / window, 1),
+                "peers": submitters if op in ("upload", "submit") else peers,
+            }
+        )
+    rows.append(
+        {
+            "op": "coordinator",
+            "p50_ms": None,
+            "p99_ms": None,
+            "requests": sum(r["requests"] for r in rows),
+            "errors": sum(r["errors"] for r in rows),
+            "cpu_share": round((cpu1 - cpu0) / window, 3),
+            "rss_mib": round(rss, 1),
+            "rounds": status["committed_rounds"] - rounds0,
+            "window_s": round(window, 1),
+            "late_ticks": late,
+            "error_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:5]),
+            "peers": peers,
+            "submitters": submitters,
+            "heartbeat_s": heartbeat_s,
+            "poll_s": poll_s,
+            "load_avg": os.getloadavg()[0],
+        }
+    )
+    return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+# -- the client processes ---------------------------------------------------------------------
+
+
+def _client_main(
+    url: str,
+    run_id: str,
+    indices: list[int],
+    submitters: int,
+    heartbeat_s: float,
+    poll_s: float,
+    duration_s: float,
+    go: Any,
+    results: Any,
+) -> None:
+    """One client process: its peers join, then run until `duration_s` after `go`."""
+    try:
+        asyncio.run(
+            _Client(url, run_id, indices, submitters, heartbeat_s, poll_s).run(
+                duration_s, go, results
+            )
+        )
+    except BaseException as e:  # reported, so the parent fails with the reason
+        results.put(("failed", f"{type(e).__name__}: {e}"))
+
+
+class _Client:
+    def __init__(
+        self,
+        url: str,
+        run_id: str,
+        indices: list[int],
+        submitters: int,
+        heartbeat_s: float,
+        poll_s: float,
+    ) -> None:
+        from covey.trust.identity import Identity
+
+        self.url, self.run_id = url, run_id
+        self.keys = {i: Identity.generate() for i in indices}
+        self.submitting = [i for i in indices if i < submitters]
+        self.heartbeat_s, self.poll_s = heartbeat_s, poll_s
+        self.samples: dict[str, list[float]] = {op: [] for op in OPS}
+        self.errors: dict[str, int] = dict.fromkeys(OPS, 0)
+        self.reasons: dict[str, int] = {}
+        self.late = 0
+        self.measuring = False
+
+    async def run(self, duration_s: float, go: Any, results: Any) -> None:
+        import httpx
+
+        limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
+        async with httpx.AsyncClient(
+            base_url=self.url, limits=limits, timeout=30.0, trust_env=False
+        ) as http:
+            self.http = http
+            self.numel = (await http.get("/v1/run")).json()["parameters"]
+            gate = asyncio.Semaphore(16)
+            await asyncio.gather(*(self._join(i, gate) for i in self.keys))
+            results.put(("joined",))
+            while not await asyncio.to_thread(go.wait, 1.0):
+                pass
+            self.measuring = True
+            stop_at = time.monotonic() + duration_s
+            tasks = [self._every(self.heartbeat_s, stop_at, self._heartbeat, i) for i in self.keys]
+            tasks += [self._every(self.poll_s, stop_at, self._poll, i) for i in self.keys]
+            tasks += [self._submit_loop(i, stop_at) for i in self.submitting]
+            await asyncio.gather(*tasks)
+        results.put(("done", self.samples, self.errors, self.reasons, self.late))
+
+    async def _post(self, op: str, path: str, i: int, body: dict[str, Any], round: int) -> Any:
+        from covey.trust.identity import request_purpose
+
+        signed = self.keys[i].sign_request(body, round, purpose=request_purpose(path))
+        return await self._timed(op, self.http.post(path, json=signed))
+
+    async def _timed(self, op: str, request: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            resp = await request
+        except Exception as e:
+            self._error(op, type(e).__name__)
+            return None
+        elapsed = time.perf_counter() - start
+        if resp.status_code != 200:
+            self._error(op, f"{resp.status_code} {resp.text[:80]}")
+            return None
+        if self.measuring:
+            self.samples[op].append(elapsed)
+        return resp.json()
+
+    def _error(self, op: str, reason: str) -> None:
+        if self.measuring:
+            self.errors[op] += 1
+            key = f"{op}: {reason}"
+            self.reasons[key] = self.reasons.get(key, 0) + 1
+
+    async def _join(self, i: int, gate: asyncio.Semaphore) -> None:
+        key = self.keys[i]
+        body = {
+            "run_id": self.run_id,
+            "peer_id": key.peer_id,
+            "public_key": key.public_key,
+            "name": f"sim-{i}",
+            "step_time_s": 0.01,
+        }
+        async with gate:
+            if await self._post("join", "/v1/join", i, body, -1) is None:
+                raise RuntimeError(f"peer sim-{i} could not join: {self.reasons}")
+
+    async def _every(self, period: float, stop_at: float, action: Any, i: int) -> None:
+        """Call action(i) every `period` s (random phase, no drift) until `stop_at`."""
+        next_at = time.monotonic() + random.uniform(0, period)
+        while next_at < stop_at:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if time.monotonic() - next_at > period:  # the client fell behind: say so
+                self.late += 1
+            await action(i)
+            next_at += period
+
+    async def _heartbeat(self, i: int) -> None:
+        body = {"run_id": self.run_id, "peer_id": self.keys[i].peer_id}
+        await self._post("heartbeat", "/v1/heartbeat", i, body, -1)
+
+    async def _poll(self, i: int) -> Any:
+        params = {"peer_id": self.keys[i].peer_id}
+        return await self._timed("round", self.http.get("/v1/round", params=params))
+
+    async def _submit_loop(self, i: int, stop_at: float) -> None:
+        """Submit to every round this peer is a member of, then wait for its certificate."""
+        import torch
+
+        from covey.algorithms.codecs import get_codec
+        from covey.peer.blobclient import upload_headers
+        from covey.protocol.content import content_id
+
+        key, done = self.keys[i], None
+        generator = torch.Generator().manual_seed(i)
+        while time.monotonic() < stop_at:
+            info = await self._poll(i)
+            if info is None or info.get("phase") != "open" or not info.get("member"):
+                await asyncio.sleep(0.25)
+                continue
+            this = (info["round"], info["attempt"])
+            if this == done:
+                await asyncio.sleep(0.25)
+                continue
+            payload = get_codec("fp32").encode(torch.randn(self.numel, generator=generator) * 1e-4)
+            cid = content_id(payload)
+            headers = upload_headers(key, self.run_id, cid, len(payload))
+            put = self.http.put(f"/v1/blobs/{cid}", content=payload, headers=headers)
+            if await self._timed("upload", put) is None:
+                done = this
+                continue
+            steps = info["assignment"]["inner_steps"]
+            body = {
+                "run_id": self.run_id,
+                "round": info["round"],
+                "attempt": info["attempt"],
+                "peer_id": key.peer_id,
+                "cid": cid,
+                "start_hash": info["start_hash"],
+                "size": len(payload),
+                "tokens": 4 * 64 * steps,
+                "inner_steps": steps,
+            }
+            path = f"/v1/rounds/{info['round']}/contributions"
+            await self._post("submit", path, i, body, info["round"])
+            done = this
+            wait = max(0.0, min(5.0, stop_at - time.monotonic()))
+            if wait > 0:  # the worker's long-poll: not timed (it lasts until the commit)
+                cert = f"/v1/rounds/{info['round']}/certificate"
+                with_wait = {"wait": wait, "peer_id": key.peer_id}
+                try:
+                    await self.http.get(cert, params=with_wait, timeout=wait + 10)
+                except Exception as e:
+                    self._error("submit", f"certificate long-poll: {type(e).__name__}")
+
+
+def rows_json(rows: list[dict[str, Any]]) -> str:
+    return json.dumps(rows, indent=2) + "\n"
