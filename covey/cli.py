@@ -293,6 +293,51 @@ def bench_network(
         typer.echo(f"wrote {json_path}")
 
 
+@bench_app.command("coordinator")
+def bench_coordinator(
+    peers: Annotated[int, typer.Option(min=1, help="simulated peers (own keys, real HTTP)")] = 1000,
+    duration: Annotated[float, typer.Option(min=1, help="seconds measured")] = 60.0,
+    heartbeat_s: Annotated[float, typer.Option(help="each peer heartbeats this often")] = 2.0,
+    poll_s: Annotated[float, typer.Option(help="each peer polls /v1/round this often")] = 2.0,
+    submitters: Annotated[int, typer.Option(min=0, help="peers that submit every round")] = 4,
+    procs: Annotated[int, typer.Option(min=1, help="client processes")] = 2,
+    out: Annotated[Path | None, typer.Option(help="run directory")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write rows here")] = None,
+) -> None:
+    """Latency (p50/p99) of heartbeat, round poll, upload and submit against a real
+    coordinator with many simulated peers, and the coordinator's CPU share."""
+    from covey.bench.coordinator import rows_json, run_coordinator_bench
+
+    out = out or Path("runs") / time.strftime("bench-coordinator-%Y%m%d-%H%M%S")
+    rows = run_coordinator_bench(
+        out,
+        peers=peers,
+        duration_s=duration,
+        heartbeat_s=heartbeat_s,
+        poll_s=poll_s,
+        submitters=submitters,
+        procs=procs,
+        echo=typer.echo,
+    )
+    for r in rows[:-1]:
+        typer.echo(
+            f"{r['op']:>9}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, {r['requests']} "
+            f"requests ({r['per_s']}/s), {r['errors']} errors, {r['peers']} peers"
+        )
+    c = rows[-1]
+    typer.echo(
+        f"coordinator: CPU {c['cpu_share']:.0%} of a core, RSS {c['rss_mib']} MiB, "
+        f"{c['rounds']} rounds committed; submissions from {c['submitters']} of "
+        f"{c['peers']} peers (real signed uploads and submits); load {c['load_avg']:.1f}"
+    )
+    if c["error_reasons"]:
+        typer.echo(f"errors: {c['error_reasons']}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(rows_json(rows))
+        typer.echo(f"wrote {json_path}")
+
+
 @bench_app.command("trust")
 def bench_trust(
     only: Annotated[
