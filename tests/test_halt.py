@@ -1,11 +1,14 @@
 """HALT: the run owner stops a run. Unit tests of the participation lease and of the
-ledger's rules for a HALT; then a real coordinator and workers as processes: `covey halt`
-by a stranger is refused, by the owner it is written to the ledger, every worker exits on
-its own with status 3 and says why, nobody joins again, no round opens, the ledger
-verifies and the last certified checkpoint is still served."""
+ledger's rules for a HALT; then a real coordinator and workers as processes: a worker
+whose heartbeats are not answered (the coordinator SIGSTOPped) stops training when its
+lease lapses and trains again once one is accepted; `covey halt` by a stranger is
+refused, by the owner it is written to the ledger, every worker exits on its own with
+status 3 and says why, nobody joins again, no round opens, the ledger verifies and the
+last certified checkpoint is still served."""
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -150,8 +153,9 @@ batch_size = 4
 seq_len = 64
 [algorithm]
 method = "diloco"
-inner_steps = 4
+inner_steps = 12
 [rounds]
+target_compute_s = 30
 heartbeat_s = 1.0
 dead_after_s = 4.0
 lease_s = 4.0
@@ -181,6 +185,36 @@ def covey(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "covey", *args], capture_output=True, text=True, timeout=120
     )
+
+
+def log_has(cluster: LocalCluster, name: str, text: str, timeout_s: float) -> str:
+    """Wait until `name`'s log contains `text`; its tail, or AssertionError at the deadline."""
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        if text in (tail := cluster.tail(name, lines=200)):
+            return tail
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {name}'s log after {timeout_s} s\n{tail}")
+
+
+@pytest.mark.network
+def test_a_worker_stops_training_when_its_lease_lapses(cluster: LocalCluster) -> None:
+    """A slow worker (a round's training takes it ~10-30 s; the lease is checked at every
+    step) loses its coordinator mid-training: once the lease (4 s) has lapsed it stops
+    training, and once the coordinator answers again it trains on."""
+    cluster.start_worker("slow", "--slowdown", "40", "--verbose")
+    log_has(cluster, "slow", "inner steps", 120)  # its first round's training began
+    cluster.signal("coordinator", signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        log_has(cluster, "slow", "participation lease lapsed", 30)
+        assert time.monotonic() - stopped < 20
+    finally:
+        cluster.signal("coordinator", signal.SIGCONT)
+    log = log_has(cluster, "slow", "participation lease renewed: training again", 60)
+    assert "training stopped until a heartbeat is accepted" in log
+    cluster.signal("slow", signal.SIGTERM)  # the HALT test below runs with w1 and w2
+    assert cluster.wait_exit("slow", 60) == 0
 
 
 @pytest.mark.network

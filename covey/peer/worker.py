@@ -413,6 +413,7 @@ class Worker:
         key = adversary.data_key(behavior, info.assignment.data_key)
         committer = verify.Committer(self.strategy, self.state, self.cfg.trust.commit_every)
         self._trained_since_adopt = True
+        log.debug("[%s - round %d] training %d inner steps", self.name, info.round, steps)
         compute_s = loss_sum = 0.0
         done = 0
         for step in range(adversary.steps_taken(behavior, steps)):
