@@ -529,4 +529,7 @@ def test_fetch_never_follows_redirects_or_odd_schemes(
     for odd in ("file:///etc/passwd", "ftp://127.0.0.1/", "http://", "gopher://x"):
         with pytest.raises(BlobError, match="not an http"):
             client.fetch(content_id(data), [odd])
+    for odd in ("http://169.254.169.254", "http://[fe80::1]:80", "http://224.0.0.1"):
+        with pytest.raises(BlobError, match="serves no peer's blobs"):
+            client.fetch(content_id(data), [odd])
     assert client.fetch(content_id(data), ["file:///etc/passwd", good]) == data  # skipped

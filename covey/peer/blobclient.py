@@ -8,6 +8,7 @@ parallel ranged chunks.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -57,13 +58,23 @@ def upload_headers(identity: Identity, run_id: str, cid: str, size: int) -> dict
 
 def check_provider(base: str) -> str:
     """`base` if it is an http(s) URL with a host; BlobError otherwise. Providers are peers'
-    blob servers: a file://, ftp:// or host-less URL is never fetched (no SSRF)."""
+    blob servers: a file://, ftp:// or host-less URL is never fetched, nor an address no
+    peer serves from (link-local: cloud metadata services; multicast), so a registered URL
+    cannot point the coordinator at them (no SSRF). Loopback, unspecified (= this host)
+    and private addresses stay allowed: local clusters and LANs run there."""
     try:
         parts = urlsplit(base)
+        host = parts.hostname
     except ValueError as e:
         raise BlobError(f"provider {base[:100]!r} is not a URL: {e}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not host:
         raise BlobError(f"provider {base[:100]!r} is not an http(s) URL with a host")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return base  # a name: resolved by the connection, never to a file or a redirect
+    if ip.is_link_local or ip.is_multicast:
+        raise BlobError(f"provider {base[:100]!r}: address {ip} serves no peer's blobs")
     return base
 
 
