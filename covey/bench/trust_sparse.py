@@ -310,23 +310,47 @@ def sparse_report(
     rate: float = 0.2,
     *,
     honest_rounds: int = 100,
-    loss_rounds: int = 16,
+    honest_steps: int = 2,
+    loss_rounds: int = 12,
+    loss_steps: int = 5,
     loss_specs: tuple[str, ...] = ("late:sign-flip:5", "intermittent:noise:0.5"),
+    batch_size: int = 4,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Issue 10, point 4, at one sparse sampling rate: rounds to detection per scheduled
     cheater, honest disagreements over 2 x `honest_rounds` verifications on 1 and 2
     threads, verification compute as a share of training, loss impact with 1 of 4 peers
-    cheating. Prints a table (through `echo`); returns {"rows": [...], "details": {...}}:
-    one row per measure and adversary, with its goal and whether it was met."""
+    cheating. The defaults are a short version (nano GPT, few inner steps) that runs in
+    minutes on a shared 2-core machine. Prints each row as it is measured (through
+    `echo`); returns {"rate", "rows": [...], "details"}: one row per measure and
+    adversary, with its goal and whether it was met."""
     if not 0 < rate <= 1:
         raise ValueError(f"sampling rate must be in (0, 1], got {rate}")
     rows: list[dict[str, Any]] = []
-    detection = rounds_to_detection(SCHEDULED, rate)
-    for spec, d in detection.items():
-        rows.append({"measure": "rounds to detection", "adversary": spec, **d})
-    honest = honest_verifications(rounds=honest_rounds)
-    rows.append(
+
+    def add(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if row["measure"] == "rounds to detection":
+            echo(
+                f"  {row['measure']:<20} {row['adversary']:<28} median {row['median_rounds']}, "
+                f"p90 {row['p90_rounds']}, caught {row['caught']:.1%} within 60 rounds, "
+                f"{row['mean_cheats_aggregated']} cheating rounds aggregated"
+            )
+        else:
+            met = "met" if row["met"] else "MISSED"
+            echo(
+                f"  {row['measure']:<20} {row['adversary']:<28} {row['value']} "
+                f"(goal <= {row['goal']}: {met})"
+            )
+
+    echo(f"sampling rate {rate}")
+    for spec, d in rounds_to_detection(SCHEDULED, rate).items():
+        add({"measure": "rounds to detection", "adversary": spec, **d})
+    honest = honest_verifications(
+        rounds=honest_rounds, steps=honest_steps, commit_every=honest_steps, batch_size=batch_size
+    )
+    echo(f"  (honest: {honest})")
+    add(
         {
             "measure": "honest slashed",
             "adversary": "none",
@@ -339,7 +363,7 @@ def sparse_report(
     )
     reexec_1 = honest["reexec_s_per_check"][str(honest["threads"][0])]
     share = verification_share(honest["train_s_per_round"], reexec_1, rate)
-    rows.append(
+    add(
         {
             "measure": "verification share",
             "adversary": "none",
@@ -350,8 +374,10 @@ def sparse_report(
         }
     )
     for spec in loss_specs:
-        loss = loss_with_adversary(spec, rounds=loss_rounds, rate=rate)
-        rows.append(
+        loss = loss_with_adversary(
+            spec, rounds=loss_rounds, rate=rate, steps=loss_steps, batch_size=batch_size
+        )
+        add(
             {
                 "measure": "loss impact",
                 **{k: v for k, v in loss.items() if k != "spec"},
@@ -361,18 +387,4 @@ def sparse_report(
                 "met": loss["relative"] <= GOALS["loss impact"],
             }
         )
-    echo(f"sampling rate {rate}")
-    for r in rows:
-        if r["measure"] == "rounds to detection":
-            echo(
-                f"  {r['measure']:<20} {r['adversary']:<28} median {r['median_rounds']}, "
-                f"p90 {r['p90_rounds']}, caught {r['caught']:.1%} within 60 rounds, "
-                f"{r['mean_cheats_aggregated']} cheating rounds aggregated before"
-            )
-        else:
-            met = "met" if r["met"] else "MISSED"
-            echo(
-                f"  {r['measure']:<20} {r['adversary']:<28} {r['value']} "
-                f"(goal <= {r['goal']}: {met})"
-            )
     return {"rate": rate, "rows": rows, "details": {"honest": honest}}
