@@ -24,9 +24,9 @@ import pytest
 from covey.config import TrustConfig
 from covey.local.cluster import LocalCluster
 from covey.peer.lease import Lease, LeaseLapsed
-from covey.trust import ledger
+from covey.trust import audit, ledger
 from covey.trust.halt import EXIT_HALTED, HALT_PATH, halt_problem
-from covey.trust.identity import NO_ROUND, Identity, canonical_json, request_purpose
+from covey.trust.identity import NO_ROUND, Identity, request_purpose
 from covey.trust.incentives import Book, Policy
 from covey.trust.ledger import LedgerError
 
@@ -178,6 +178,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.start_coordinator()
         for name in WORKERS:
             c.start_worker(name)
+        c.start_worker("slow", "--slowdown", "20", "--verbose")  # the lease test's
         yield c
 
 
@@ -200,9 +201,8 @@ def log_has(cluster: LocalCluster, name: str, text: str, timeout_s: float) -> st
 @pytest.mark.network
 def test_a_worker_stops_training_when_its_lease_lapses(cluster: LocalCluster) -> None:
     """A slow worker (a round's training takes it ~10-30 s; the lease is checked at every
-    step) loses its coordinator mid-training: once the lease (4 s) has lapsed it stops
+    step, ~1-3 s apart) loses its coordinator mid-training: once the lease (4 s) has lapsed it stops
     training, and once the coordinator answers again it trains on."""
-    cluster.start_worker("slow", "--slowdown", "40", "--verbose")
     log_has(cluster, "slow", "inner steps", 120)  # its first round's training began
     cluster.signal("coordinator", signal.SIGSTOP)
     stopped = time.monotonic()
@@ -214,7 +214,7 @@ def test_a_worker_stops_training_when_its_lease_lapses(cluster: LocalCluster) ->
     log = log_has(cluster, "slow", "participation lease renewed: training again", 60)
     assert "training stopped until a heartbeat is accepted" in log
     cluster.signal("slow", signal.SIGTERM)  # the HALT test below runs with w1 and w2
-    assert cluster.wait_exit("slow", 60) == 0
+    assert cluster.wait_exit("slow", 30) == 0
 
 
 @pytest.mark.network
@@ -254,20 +254,20 @@ def test_covey_halt_stops_every_worker_and_the_run_stays_auditable(
     round_info = cluster.get("/v1/round")
     assert round_info["phase"] == "halted" and round_info["halted"] == REASON
 
-    # nobody joins a halted run
-    late = cluster.start_worker("late")
-    assert late.wait(60) == EXIT_HALTED, cluster.tail("late")
-    assert "halted" in cluster.tail("late")
+    # nobody joins a halted run (a worker refused so exits with EXIT_HALTED too)
+    late = Identity.generate()
+    join = {"run_id": cluster.run_id, "peer_id": late.peer_id, "public_key": late.public_key}
+    join = late.sign_request({**join, "step_time_s": 0.1}, purpose=request_purpose("/v1/join"))
+    refused = httpx.post(f"{url}/v1/join", json=join, timeout=30, trust_env=False)
+    assert refused.status_code == 410 and REASON in refused.json()["error"]
 
     # the owner's HALT is in the ledger, and the whole ledger verifies
     entries = cluster.get("/v1/ledger")
     halts = [e for e in entries if e["type"] == "halt"]
     assert len(halts) == 1 and halts[0]["payload"]["reason"] == REASON
-    book = Book.replay(ledger.parse_line(canonical_json(e), n) for n, e in enumerate(entries))
-    assert book.halted is not None and book.halted["index"] == halts[0]["index"]
-    verified = covey("ledger", "verify", url)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
-    assert "ledger OK" in verified.stdout
+    report = audit.verify(url)  # what `covey ledger verify URL` runs: chain, rules, balances
+    assert report.entries == len(entries) and report.compared_at == len(entries)
+    assert report.summary["halted"]["index"] == halts[0]["index"]
 
     # the last certified model is still served
     checkpoints = cluster.get("/v1/checkpoints")

@@ -433,7 +433,8 @@ class Worker:
             loss_sum += self.strategy.inner_step(batch)
             elapsed = time.perf_counter() - t0
             if self.opts.slowdown > 1:
-                time.sleep(elapsed * (self.opts.slowdown - 1))  # emulated slower hardware
+                # emulated slower hardware; a signal or a HALT ends the wait
+                self.stop.wait(elapsed * (self.opts.slowdown - 1))
             compute_s += time.perf_counter() - t0
             done += 1
             committer.after_step(done)
