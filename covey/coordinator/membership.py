@@ -16,7 +16,7 @@ from covey.protocol import schemas
 from covey.protocol.rounds import PeerView, no_show_backoff
 from covey.trust.identity import peer_id_of
 
-from .liveness import Liveness
+from .liveness import FLUSH_S, Liveness
 from .views import Rejected
 
 if TYPE_CHECKING:
@@ -127,12 +127,14 @@ class Membership:
 
     @property
     def liveness(self) -> Liveness:
-        """Heartbeats in memory, flushed to SQLite every FLUSH_S (covey.coordinator.liveness);
+        """Heartbeats in memory, flushed to SQLite every FLUSH_S or heartbeat_s if shorter;
         made on first use, its flusher started with it."""
         with _LIVENESS_LOCK:
             live = self.__dict__.get("_liveness")
             if live is None:
-                live = Liveness(self.db, self.cfg.trust.nonce_window_s)
+                # never staler than a heartbeat period: /metrics counts live peers from SQLite
+                flush_s = min(FLUSH_S, self.cfg.rounds.heartbeat_s)
+                live = Liveness(self.db, self.cfg.trust.nonce_window_s, flush_s)
                 self.__dict__["_liveness"] = live
                 live.start(self._stop)
         return live
