@@ -478,6 +478,14 @@ class TrustConfig(Frozen):
         description="most checks one validator is assigned per round (a single key cannot "
         "hold every check)",
     )
+    canary_rate: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="chance per round per validator that the coordinator plants a canary "
+        "among its checks (an accepted contribution's payload sign-flipped): agreeing with "
+        "one costs validator_slash_fraction of stake and the check's pay",
+    )
 
 
 class RunConfig(Frozen):

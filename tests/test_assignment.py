@@ -49,15 +49,19 @@ validators_per_check = 2
 validator_round_cap = 8
 check_reward = 0.5
 challenge_rounds = 1
-verify_timeout_s = 8
+verify_timeout_s = 6
 commit_every = 2
+canary_rate = 0.5
+validator_slash_fraction = 0.5
 """
 
 
 class Squatter:
-    """A staked validator key that claims checks in a loop and never reports one."""
+    """A staked validator key that claims checks in a loop and never reports one (or,
+    with `stamp`, reports every one "agree" at once without re-executing anything)."""
 
-    def __init__(self, cluster: LocalCluster, stake: float) -> None:
+    def __init__(self, cluster: LocalCluster, stake: float, stamp: bool = False) -> None:
+        self.stamp = stamp
         self.http = httpx.Client(base_url=cluster.url, timeout=20, trust_env=False)
         self.run_id = cluster.get("/v1/run")["run_id"]
         self.key = Identity.generate()
@@ -75,8 +79,8 @@ class Squatter:
         assert reply.status_code == 200, reply.text
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        signed = self.key.sign_request(body, NO_ROUND, purpose=request_purpose(path))
+    def post(self, path: str, body: dict[str, Any], round: int = NO_ROUND) -> httpx.Response:
+        signed = self.key.sign_request(body, round, purpose=request_purpose(path))
         return self.http.post(path, json=signed)
 
     def _loop(self) -> None:
@@ -87,23 +91,42 @@ class Squatter:
                 )
             except httpx.HTTPError:
                 continue
-            if reply.status_code == 200 and reply.json()["task"] is not None:
-                self.tasks.append(reply.json()["task"])
+            if reply.status_code != 200 or (task := reply.json()["task"]) is None:
+                continue
+            self.tasks.append(task)
+            if self.stamp:
+                body = {
+                    "run_id": self.run_id,
+                    "round": task["round"],
+                    "validator_id": self.id,
+                    "task_id": task["task_id"],
+                    "outcome": "agree",
+                    "distance": 0.0,
+                }
+                try:
+                    self.post("/v1/verify/report", body, round=task["round"])
+                except httpx.HTTPError:
+                    continue
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Squatter]]:
+def world(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LocalCluster, Squatter, Squatter]]:
     tmp: Path = tmp_path_factory.mktemp("assignment")
     spec = tmp / "run.toml"
     spec.write_text(SPEC)
     cluster = LocalCluster(spec, tmp)
     cluster.start_coordinator()
     squatter = Squatter(cluster, stake=5.0)
+    stamp = Squatter(cluster, stake=8.0, stamp=True)
     squatter.thread.start()
+    stamp.thread.start()
     cluster.start_worker("honest", "--stake", "20")
     cluster.start_validator("checker", "--stake", "5")
-    yield cluster, squatter
+    yield cluster, squatter, stamp
     squatter.stop.set()
+    stamp.stop.set()
     cluster.stop()
 
 
@@ -113,9 +136,9 @@ def ledger(cluster: LocalCluster) -> list[Entry]:
 
 
 def test_a_squatting_validator_checks_nothing_and_blocks_nothing(
-    world: tuple[LocalCluster, Squatter],
+    world: tuple[LocalCluster, Squatter, Squatter],
 ) -> None:
-    cluster, squatter = world
+    cluster, squatter, _ = world
     checker, worker = cluster.ids["checker"], cluster.ids["honest"]
 
     def enough(entries: list[Entry]) -> bool:
@@ -127,9 +150,9 @@ def test_a_squatting_validator_checks_nothing_and_blocks_nothing(
             for e in entries
             if e.type == "assignment"
             and e.payload["reason"] == "reassign"
-            and checker in e.payload["validators"]
+            and squatter.id not in e.payload["validators"]
         ]
-        return len(done) >= 4 and len(missed) >= 2 and bool(reassigned)
+        return len(done) >= 3 and len(missed) >= 2 and bool(reassigned)
 
     end = time.monotonic() + 150
     while not enough(entries := ledger(cluster)):
@@ -141,8 +164,14 @@ def test_a_squatting_validator_checks_nothing_and_blocks_nothing(
         for e in entries
         if e.type == "assignment" and squatter.id in e.payload["validators"]
     }
-    assert squatter.tasks, "the squatter was never drawn"
-    assert {(t["round"], t["peer_id"]) for t in squatter.tasks} <= drawn
+    accepted = {
+        (e.payload["round"], e.payload["peer_id"]): e.payload["cid"]
+        for e in entries
+        if e.type == "contribution accepted"
+    }
+    real = [t for t in squatter.tasks if accepted.get((t["round"], t["peer_id"])) == t["cid"]]
+    assert real, "the squatter was never drawn"
+    assert {(t["round"], t["peer_id"]) for t in real} <= drawn  # the others are canaries
     # new peers' contributions are drawn for k = 2 validators
     first = [e for e in entries if e.type == "assignment" and e.payload["reason"] == "draw"]
     assert any(len(e.payload["validators"]) == 2 for e in first)
@@ -151,10 +180,11 @@ def test_a_squatting_validator_checks_nothing_and_blocks_nothing(
     assert all(
         e.payload["outcome"] == "expired" for e in mine if e.payload["validator_id"] == squatter.id
     )
-    # (and the one it missed went to the checker in its place: `enough` waited for that)
-    # paid: the checker per completed check; the squatter never
+    # (and one it missed went to another validator in its place: `enough` waited for that)
+    # paid: a validator per completed check; the squatter never
     checks_paid = [e for e in entries if e.type == "reward" and e.payload["kind"] == "check"]
-    assert checks_paid and {e.payload["peer_id"] for e in checks_paid} == {checker}
+    payees = {e.payload["peer_id"] for e in checks_paid}
+    assert checker in payees and squatter.id not in payees
     # a sampled contribution is paid only after a validator reported on it
     done_at: dict[tuple[int, str], int] = {}
     for e in entries:
@@ -172,8 +202,45 @@ def test_a_squatting_validator_checks_nothing_and_blocks_nothing(
     audit.verify(cluster.url)
 
 
-def test_an_unstaked_validator_cannot_check(world: tuple[LocalCluster, Squatter]) -> None:
-    cluster, _ = world
+def test_a_rubber_stamp_validator_passes_canaries_and_pays_for_it(
+    world: tuple[LocalCluster, Squatter, Squatter],
+) -> None:
+    """A validator that agrees with everything it is given without re-executing: the
+    canaries among its checks (a real contribution's payload, sign-flipped) catch it."""
+    cluster, _, stamp = world
+    checker = cluster.ids["checker"]
+
+    def revealed(entries: list[Entry]) -> bool:
+        canaries = [e for e in entries if e.type == "canary"]
+        return any(e.payload["peer_id"] == stamp.id for e in canaries) and any(
+            e.payload["peer_id"] == checker and e.payload["outcome"] == "caught" for e in canaries
+        )
+
+    end = time.monotonic() + 120
+    while not revealed(entries := ledger(cluster)):
+        assert time.monotonic() < end, cluster.tail()
+        time.sleep(1.0)  # polling the ledger under a deadline
+    canaries = [e for e in entries if e.type == "canary"]
+    assert {e.payload["outcome"] for e in canaries if e.payload["peer_id"] == stamp.id} == {
+        "passed"
+    }
+    penalties = [e for e in entries if e.type == "penalty" and e.payload["peer_id"] == stamp.id]
+    assert penalties and all(e.payload["kind"] == "canary" for e in penalties)
+    # the honest validator catches every canary it reported on, and is paid for it
+    assert {e.payload["outcome"] for e in canaries if e.payload["peer_id"] == checker} <= {
+        "caught",
+        "missed",
+    }
+    accounts = cluster.get("/v1/ledger/balances")["accounts"]
+    assert accounts[stamp.id]["stake"] < 8.0 and accounts[stamp.id]["counts"]["canaries_passed"]
+    assert accounts[stamp.id]["reputation"] < accounts[checker]["reputation"]
+    audit.verify(cluster.url)  # every canary's draw is the coordinator's, below canary_rate
+
+
+def test_an_unstaked_validator_cannot_check(
+    world: tuple[LocalCluster, Squatter, Squatter],
+) -> None:
+    cluster, _, _ = world
     http = httpx.Client(base_url=cluster.url, timeout=20, trust_env=False)
     key = Identity.generate()
     body = {

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from covey.config import TrustConfig
 from covey.trust import audit
+from covey.trust.certify import canary_message
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book, Policy
 from covey.trust.ledger import (
@@ -46,6 +47,7 @@ POLICY = Policy(
     min_validator_stake=2.0,
     validator_slash_fraction=0.5,
     check_reward=0.25,
+    canary_rate=1.0,
 )
 
 
@@ -120,6 +122,20 @@ class Run:
             beacon=self.book.beacon(round),
             validators=validators,
             reason=reason,
+        )
+
+    def canary(self, round: int, validator: str, worker: str, outcome: str, **override: Any):
+        """A revealed canary, its draw signed by the coordinator."""
+        draw = self.coord.sign(canary_message("r" * 16, round, validator))
+        payload = {"draw": draw, **override}
+        return self.add(
+            "canary",
+            round=round,
+            peer_id=validator,
+            worker_id=worker,
+            cid="f" * 64,
+            outcome=outcome,
+            **payload,
         )
 
     def pay(self, round: int, peer: str, tokens: int, **override: Any) -> Entry:
@@ -209,6 +225,16 @@ def full_run(dir: Path) -> tuple[Run, dict[str, str]]:
     for rnd in (0, 1):
         run.pay(rnd, ids["ada"], tokens["ada"])
         run.pay(rnd, ids["bob"], tokens["bob"])
+    run.canary(1, ids["val"], ids["ada"], "caught")
+    run.canary(1, ids["liar"], ids["ada"], "passed")
+    run.add(
+        "penalty",
+        round=1,
+        peer_id=ids["liar"],
+        amount=run.book.penalty_amount(ids["liar"]),
+        kind="canary",
+        reason="agreed with a canary",
+    )
     run.add("contribution rejected", round=2, peer_id=ids["eve"], reason="banned")
     run.add("checkpoint", round=2, cid="d" * 64, weights_hash="e" * 64)
     run.add("leave", peer_id=ids["bob"], reason="done")
@@ -289,10 +315,10 @@ def test_replay_recomputes_what_the_coordinator_kept(tmp_path: Path) -> None:
     assert eve["banned"] and eve["stake"] == 5.0 and eve["slashed"] == 5.0
     assert eve["counts"]["frauds"] == 1 and eve["counts"]["rejected"] == 1
     assert val["balance"] == 10.25 and val["counts"]["catches"] == 1 and val["role"] == "validator"
-    assert val["counts"]["checks"] == 4 and val["counts"]["missed_checks"] == 1
+    assert val["counts"]["checks"] == 5 and val["counts"]["missed_checks"] == 1
     assert summary["totals"]["check_rewards"] == 0.25
     liar = summary["accounts"][ids["liar"]]
-    assert liar["stake"] == 2.0 and liar["slashed"] == 2.0 and not liar["banned"]
+    assert liar["stake"] == 1.0 and liar["slashed"] == 3.0 and not liar["banned"]
     assert liar["counts"]["false_accusations"] == 1 and liar["counts"]["refused_reports"] == 1
     assert liar["reputation"] < val["reputation"]
     assert ada["reputation"] == 3 / 4 and eve["reputation"] == 1 / 3 and bob["reputation"] == 2 / 3
@@ -370,12 +396,22 @@ VIOLATIONS: dict[str, tuple[str, Violation]] = {
             ),
         )[1],
     ),
+    "canary drawn by another key": (
+        "draw is not the coordinator's signature",
+        lambda r, ids: r.canary(
+            0, ids["val"], ids["bob"], "caught", draw=Identity.generate().sign(b"covey")
+        ),
+    ),
+    "second canary in a round": (
+        "a second one for",
+        lambda r, ids: r.canary(1, ids["val"], ids["bob"], "caught"),
+    ),
     "work paid with its checks skipped": (
         "its required checks were skipped",
         lambda r, ids: (r.accept(2, ids["ada"], 4096), r.pay(2, ids["ada"], 4096))[1],
     ),
     "penalty of a wrong amount": (
-        "is not validator_slash_fraction 0.5 x stake 2.0 = 1.0",
+        "is not validator_slash_fraction 0.5 x stake 1.0 = 0.5",
         lambda r, ids: r.add(
             "penalty", round=1, peer_id=ids["liar"], amount=4.0, kind="canary", reason="x"
         ),

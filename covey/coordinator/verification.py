@@ -38,6 +38,7 @@ from covey.trust.identity import canonical_json
 from covey.trust.sketch import commitment_of
 
 from .assignment import OPEN, Assignments
+from .canary import Canaries
 from .views import Rejected
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("covey.coordinator")
 
 
-class Verification(Assignments):
+class Verification(Assignments, Canaries):
     # provided by Coordinator
     cfg: RunConfig
     run_id: str
@@ -78,6 +79,7 @@ class Verification(Assignments):
         self._layout_lock = threading.Lock()
         if getattr(self, "db", None) is not None:
             self._create_checks_table()
+            self._create_canary_table()
 
     # -- membership checks ----------------------------------------------------------------
 
@@ -139,6 +141,8 @@ class Verification(Assignments):
                 ).lastrowid
                 assert vid is not None
                 self._assign(c, vid, round_, r["peer_id"], "draw", now)
+        if self.verifying:
+            self._plant_canaries(c, round_, now)
         digest = hashlib.sha256(canonical_json(cert.model_dump(mode="json")).encode())
         self.accounts.append(
             c,
@@ -215,6 +219,7 @@ class Verification(Assignments):
             for cid in (r["start_cid"], r["end_cid"])
             if cid is not None
         }
+        keep |= self.canary_blobs()
         for row in self.db.query("SELECT report FROM verifications WHERE status = 'disputed'"):
             report = json.loads(row["report"] or "{}")
             keep |= {report.get("state_cid"), report.get("payload_cid")} - {None}
@@ -247,10 +252,21 @@ class Verification(Assignments):
         now = time.time()
         with self.accounts.transaction() as c:
             self._sweep(c, now)
-            vid = self._assigned_task(c, req.validator_id)
-        if vid is None:
+            self._sweep_canaries(c, now)
+            found = [
+                vid
+                for vid in (
+                    self._assigned_task(c, req.validator_id),
+                    self._next_canary(c, req.validator_id),
+                )
+                if vid is not None
+            ]
+        if not found:
             return {"task": None}
-        row = {"id": vid}
+        canary = self._canary(min(found))
+        if canary is not None:  # looks like any other check
+            return {"task": self._canary_task(canary).model_dump()}
+        row = {"id": min(found)}
         task = self._task(row["id"])
         log.info(
             "[round %d] %s re-executes %s's contribution",
@@ -319,8 +335,11 @@ class Verification(Assignments):
         self._check_run(req.run_id)
         self.authenticate(raw, req.round, req.validator_id)
         self._check_role(req.validator_id, "validator")
+        canary = self._canary(req.task_id)
+        if canary is not None and canary["validator_id"] == req.validator_id:
+            return self._report_canary(canary, req)
         v = self.db.one("SELECT * FROM verifications WHERE id = ?", (req.task_id,))
-        if v is None:
+        if v is None or v["status"] == "canary":
             raise Rejected(404, f"no verification task {req.task_id}")
         if not self._holds_check(req.task_id, req.validator_id):
             raise Rejected(
@@ -388,6 +407,19 @@ class Verification(Assignments):
         if status == "disputed" and v["status"] in OPEN:
             self._disputes.put(req.task_id)
         return {"ok": True, "status": status}
+
+    def _report_canary(self, canary: Any, req: schemas.VerifyReport) -> dict[str, Any]:
+        """A report on a canary: answered as a report on a real check would be."""
+        if canary["status"] != "assigned":
+            raise Rejected(
+                409, f"task {req.task_id} is not assigned to {req.validator_id[:12]} (or ended)"
+            )
+        if req.round != canary["round"]:
+            raise Rejected(422, f"report refused: round: task {req.task_id} is of another round")
+        caught = req.outcome == "disagree"
+        with self.accounts.transaction() as c:
+            self._resolve_canary(c, canary, "caught" if caught else "passed", time.time())
+        return {"ok": True, "status": "disputed" if caught else "agree"}
 
     def _report_fault(
         self, task: schemas.VerifyTask, req: schemas.VerifyReport

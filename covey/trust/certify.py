@@ -51,3 +51,23 @@ def check_draw(
 ) -> bool:
     """Whether `draw` is the coordinator's genuine draw for this contribution."""
     return verify(coordinator_key, draw_message(run_id, round, peer_id, cid), draw)
+
+
+def canary_message(run_id: str, round: int, validator_id: str) -> bytes:
+    """What the coordinator signs to decide whether `validator_id` gets a canary in round
+    `round`: secret until revealed in the ledger (so a validator cannot tell a canary from
+    a real check), verifiable afterwards (so none can be made up to punish a validator)."""
+    return f"covey-canary/v1\n{run_id}\n{round}\n{validator_id}".encode()
+
+
+def canary_draw(identity: Identity, run_id: str, round: int, validator_id: str, rate: float):
+    """(planted, draw): whether this validator gets a canary this round, and the proof."""
+    draw = identity.sign(canary_message(run_id, round, validator_id))
+    return draw_value(draw) < rate, draw
+
+
+def check_canary_draw(
+    coordinator_key: str, run_id: str, round: int, validator_id: str, draw: str
+) -> bool:
+    """Whether `draw` is the coordinator's genuine canary draw for this validator and round."""
+    return verify(coordinator_key, canary_message(run_id, round, validator_id), draw)

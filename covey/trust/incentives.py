@@ -29,6 +29,12 @@ The payload of each entry type is the contract between the coordinator and this 
   low-reputation needs validators_per_check checks, others one (fewer if fewer validators
   are eligible). A "verification" must come from an assigned validator; a work reward of a
   sampled contribution needs its checks completed (else the round's checks were skipped)
+- "canary": {round, peer_id (the validator), worker_id, cid, draw, outcome: "caught"|
+  "passed"|"missed"}: a known-bad contribution (the worker's payload sign-flipped) the
+  coordinator planted among the validator's checks, revealed once resolved; `draw` is the
+  coordinator's signature (covey.trust.certify.canary_message), below canary_rate. Caught:
+  a completed check (paid check_reward); passed: a "penalty" (kind canary) follows, no pay;
+  missed: a missed check
 - "report refused": {round, peer_id (the validator), worker_id, task_id, field, reason}: a
   validator's report that was malformed or unprovable (segment out of range, a blob missing
   or of the wrong size); it counts against the validator's reputation and ends its
@@ -59,6 +65,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from covey.trust import halt
+from covey.trust.certify import check_canary_draw, draw_value
 from covey.trust.identity import IdentityError, peer_id_of
 from covey.trust.ledger import Entry, LedgerError
 
@@ -84,6 +91,7 @@ class Policy:
     check_reward: float = 0.0
     validators_per_check: int = 1
     validator_round_cap: int = 1_000_000
+    canary_rate: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: TrustConfig) -> Policy:
@@ -187,6 +195,7 @@ class Book:
         self._tried: dict[tuple[int, str], set[str]] = {}  # ever assigned
         self._done: dict[tuple[int, str], int] = {}  # completed checks
         self._load: dict[tuple[int, str], int] = {}  # (round, validator) -> assigned
+        self._canaries: set[tuple[int, str]] = set()  # (round, validator) resolved
 
     @classmethod
     def replay(cls, entries: Iterable[Entry]) -> Book:
@@ -460,6 +469,31 @@ class Book:
         if p["outcome"] == "agree":
             acc.agreed += 1
 
+    def _canary(self, i: int, p: dict[str, Any]) -> None:
+        validator = self._peer(i, p)
+        self._peer(i, p, "worker_id")
+        if validator.role != "validator":
+            raise LedgerError(i, f"canary: peer {validator.peer_id} is not a validator")
+        if (p["round"], validator.peer_id) in self._canaries:
+            raise LedgerError(
+                i, f"canary: a second one for {validator.peer_id} in round {p['round']}"
+            )
+        key, run_id = self.coordinator_key or "", self.run_id or ""
+        rate = self._policy().canary_rate
+        if not check_canary_draw(key, run_id, p["round"], validator.peer_id, p["draw"]):
+            raise LedgerError(i, "canary: draw is not the coordinator's signature")
+        if draw_value(p["draw"]) >= rate:
+            raise LedgerError(
+                i, f"canary: its draw is {draw_value(p['draw']):.3g}, not below {rate}"
+            )
+        if p["outcome"] == "caught":
+            validator.checks += 1
+            due = (p["round"], validator.peer_id)
+            self._checks_due[due] = self._checks_due.get(due, 0) + 1
+        elif p["outcome"] == "missed":
+            validator.missed_checks += 1
+        self._canaries.add((p["round"], validator.peer_id))
+
     def _report_refused(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p).refused_reports += 1
         self._open.get((p["round"], p["worker_id"]), set()).discard(p["peer_id"])
@@ -599,6 +633,8 @@ _SCHEMA_TEXT = {
     "report refused": "round:count, peer_id:id, worker_id:id, task_id:count, field:text, "
     "reason:text",
     "assignment": "round:count, peer_id:id, beacon:text, validators:ids, reason:draw|reassign",
+    "canary": "round:count, peer_id:id, worker_id:id, cid:text, draw:text, "
+    "outcome:caught|passed|missed",
     "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary, reason:text",
     "round certificate": "round:count, new_hash:text, certificate_hash:text, accepted:ids, "
     "rejected:ids",
@@ -645,6 +681,7 @@ _LATER_FIELDS = (
     "check_reward",
     "validators_per_check",
     "validator_round_cap",
+    "canary_rate",
 )
 _INT_FIELDS = ("new_peer_contributions", "validators_per_check", "validator_round_cap")
 

@@ -44,6 +44,7 @@ ENTRY_TYPES: tuple[str, ...] = (
     "report refused",
     "penalty",
     "assignment",
+    "canary",
     "round certificate",
     "checkpoint",
     "halt",
