@@ -380,6 +380,10 @@ class LimitsConfig(Frozen):
         200.0, gt=0, description="sustained requests/s per client address (all its peers)"
     )
     address_burst: int = Field(400, ge=1, description="requests an address may send at once")
+    join_rate: float = Field(
+        1.0, gt=0, description="sustained joins/s per client address (each writes the ledger)"
+    )
+    join_burst: int = Field(20, ge=1, description="joins an address may send at once")
     max_long_polls: int = Field(256, ge=1, description="certificate long-polls held at once")
     max_long_polls_per_peer: int = Field(
         2, ge=1, description="long-polls held at once for one peer id (or one address: x16)"

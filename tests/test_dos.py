@@ -74,7 +74,11 @@ class Peer:
             "stake": 1.0,  # the run's minimum: identities are not free
             **join,
         }
-        resp = self.http.post("/v1/join", json=self.sign("/v1/join", body))
+        for _ in range(20):  # the join-burst test may have spent this address's joins
+            resp = self.http.post("/v1/join", json=self.sign("/v1/join", body))
+            if resp.status_code != 429:
+                break
+            time.sleep(int(resp.headers["Retry-After"]))
         assert resp.status_code == 200, resp.text
         self.stop = threading.Event()
         threading.Thread(target=self._beat, daemon=True).start()
@@ -262,6 +266,34 @@ def test_a_burst_gets_429s_and_others_are_served(world: tuple[LocalCluster, Peer
         assert peer.http.post("/v1/heartbeat", json=forged).status_code in (401, 422, 429)
     finally:
         bursty.stop.set()
+
+
+@network
+def test_fresh_keys_cannot_flood_joins(world: tuple[LocalCluster, Peer]) -> None:
+    """Each join of a new key writes signed ledger entries: one address gets join_burst
+    (20 in a row) and then 429s, while its other requests are still served."""
+    cluster, peer = world
+    before = len(cluster.get("/v1/ledger", start=0, limit=5000))
+
+    def join(_: int) -> int:
+        key = Identity.generate()
+        body = {
+            "run_id": peer.run_id,
+            "peer_id": key.peer_id,
+            "public_key": key.public_key,
+            "name": "sybil",
+            "step_time_s": 0.01,
+            "stake": 1.0,
+        }
+        signed = key.sign_request(body, -1, purpose="POST /v1/join")
+        return peer.http.post("/v1/join", json=signed).status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(join, range(40)))
+    assert codes.count(429) >= 10 and set(codes) <= {200, 429}, codes
+    assert peer.heartbeat().status_code == 200
+    added = len(cluster.get("/v1/ledger", start=0, limit=5000)) - before
+    assert added <= 2 * codes.count(200) + 10  # join + stake per admitted key (+ rounds)
 
 
 @network

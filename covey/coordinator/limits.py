@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 _MAX_KEYS = 10_000  # buckets kept; beyond this, full (idle) ones are forgotten
 _NOT_THEIRS = frozenset({401, 403, 404})  # the request was refused as not this peer's
+_JOINS = frozenset({"/v1/join", "/v1/validators/join"})  # a fresh key writes the ledger
 
 
 class TokenBuckets:
@@ -102,14 +103,16 @@ class LongPolls:
 
 class RateLimit:
     """ASGI middleware: every HTTP request takes a token from its client address's bucket
-    and, when it names a peer, from that peer's; an empty bucket is a 429 with Retry-After
-    and the handler never runs. JSON bodies (already bounded by BodyLimit) are read here to
-    find the peer id, then handed to the app unchanged."""
+    and, when it names a peer, from that peer's; a join also from its address's (much
+    smaller) join bucket, since every new key costs signed ledger entries. An empty bucket
+    is a 429 with Retry-After and the handler never runs. JSON bodies (already bounded by
+    BodyLimit) are read here to find the peer id, then handed to the app unchanged."""
 
     def __init__(self, app: ASGIApp, limits: LimitsConfig) -> None:
         self.app = app
         self.peers = TokenBuckets(limits.peer_rate, limits.peer_burst)
         self.addresses = TokenBuckets(limits.address_rate, limits.address_burst)
+        self.joins = TokenBuckets(limits.join_rate, limits.join_burst)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -121,6 +124,11 @@ class RateLimit:
         if wait:
             await _too_many(scope, send, f"client address {address}", wait)
             return
+        if scope["method"] == "POST" and scope["path"] in _JOINS:
+            wait = self.joins.take(address, time.monotonic())
+            if wait:
+                await _too_many(scope, send, f"client address {address} (joins)", wait)
+                return
         peer, receive = await _peer_of(scope, receive)
         if peer is None:
             await self.app(scope, receive, send)
