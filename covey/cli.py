@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from covey import __version__
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
+from covey.io.cli import register as register_io
 from covey.trust.ledger_cli import register as register_ledger
 
 app = typer.Typer(
@@ -27,6 +28,7 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks (results go in BENCHMARKS.md).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 register_ledger(app)
+register_io(app)  # tokenizer train, export, generate
 
 METHODS = "ddp, diloco, streaming, demo"
 LOG_TO = typer.Option(
@@ -122,8 +124,14 @@ def sim(
         typer.Option(help="payload codec: fp32 fp16 bf16 int8 int4 topk:R dct:C:K sign"),
     ] = None,
     error_feedback: Annotated[bool | None, typer.Option(help="DiLoCo error feedback")] = None,
-    model: Annotated[str | None, typer.Option(help="nano micro mini small gpt2")] = None,
-    data: Annotated[list[str] | None, typer.Option(help="text/JSONL file or dir; repeat")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="covey:nano|micro|mini|small|gpt2, hf:DIR, py:MOD:FN")
+    ] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="bytes or hf:DIR (tokenizer.json)")] = None,
+    text_column: Annotated[str | None, typer.Option(help="data column with the text")] = None,
+    data: Annotated[
+        list[str] | None, typer.Option(help="text/JSONL/JSON/CSV/Parquet/Arrow file or dir; repeat")
+    ] = None,
     seed: Annotated[int | None, typer.Option()] = None,
     uplink_mbps: Annotated[float | None, typer.Option(help="per-worker uplink")] = None,
     downlink_mbps: Annotated[float | None, typer.Option(help="per-worker downlink")] = None,
@@ -154,8 +162,10 @@ def sim(
         seed=seed,
         workers=workers,
         steps=steps,
-        model__size=model,
+        model__source=model,
         data__paths=data,
+        data__tokenizer=tokenizer,
+        data__text_column=text_column,
         algorithm__method=method,
         algorithm__inner_steps=inner_steps,
         algorithm__codec=codec,
@@ -194,14 +204,20 @@ def sim(
     typer.echo(f"covey sim: {cfg.algorithm.method}, {cfg.workers} workers, {cfg.rounds} rounds")
     if snapshot is not None:
         typer.echo(f"resuming after round {snapshot.round} (checkpoint in {out}/checkpoint)")
-    result = simulate(
+    try:
+        result = simulate(
             cfg,
             progress=progress,
             on_snapshot=lambda snap: save_snapshot(out / "checkpoint", snap),
             resume=snapshot,
         )
+    except ValueError as e:  # model, tokenizer and data that do not fit: before training
+        raise _fail(str(e)) from None
     plotted = save_run(out, cfg.algorithm.method, result.records, result.summary)
     _track(log, out, f"sim-{cfg.algorithm.method}", cfg.model_dump(mode="json"), result.records)
+    from covey.io.export import save_sim_run
+
+    save_sim_run(out, cfg, result.state)  # checkpoint, model and tokenizer for covey export
     s = result.summary
     typer.echo(
         f"final val loss {s['final_val_loss']:.4f}"

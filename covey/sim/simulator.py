@@ -25,7 +25,8 @@ from covey.algorithms import Strategy, TrainState, build_aggregator, build_strat
 from covey.config import SimConfig
 from covey.data.batches import sample_batch, validation_batches
 from covey.data.corpus import Corpus, load_corpus
-from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.models.gpt import lm_loss
+from covey.models.source import LossFn, build_run_model
 from covey.sim.network import Link, make_links, round_timing
 from covey.sim.report import human_bytes
 from covey.sim.resume import SimSnapshot
@@ -56,12 +57,14 @@ class SimResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, state: TrainState, batches: list[torch.Tensor]) -> float:
+def evaluate(
+    model: nn.Module, state: TrainState, batches: list[torch.Tensor], loss_fn: LossFn = lm_loss
+) -> float:
     """Mean held-out loss of the canonical parameters."""
     for name, p in model.named_parameters():
         p.copy_(state.params[name])
     model.eval()
-    return sum(float(lm_loss(model, b)) for b in batches) / len(batches)
+    return sum(float(loss_fn(model, b)) for b in batches) / len(batches)
 
 
 def simulate(
@@ -81,22 +84,21 @@ def simulate(
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    corpus = corpus or load_corpus(list(cfg.data.paths), cfg.data.val_fraction)
-    mcfg = gpt_config(cfg.model.size)
-    seq_len = cfg.data.seq_len or mcfg.block_size
-    if seq_len > mcfg.block_size:
-        raise ValueError(f"data.seq_len ({seq_len}) exceeds the model's block_size")
-    torch.manual_seed(cfg.seed)
-    base = GPT(mcfg)
+    d = cfg.data
+    corpus = corpus or load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
+    # the model its source names, checked against the tokenizer and context before training
+    base, loss_fn, _, seq_len = build_run_model(
+        cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=d.seq_len
+    )
     # the aggregator a coordinator and its peers build from the same spec (peer/runsetup.py)
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
-    canonical = build_strategy(cfg.algorithm, copy.deepcopy(base), lm_loss, aggregator)
+    canonical = build_strategy(cfg.algorithm, copy.deepcopy(base), loss_fn, aggregator)
     state = canonical.init_state()
     val = validation_batches(corpus, n_batches=cfg.eval_batches, batch_size=16, seq_len=seq_len)
 
     def new_strategy() -> Strategy:
-        s = build_strategy(cfg.algorithm, copy.deepcopy(base), lm_loss, aggregator)
+        s = build_strategy(cfg.algorithm, copy.deepcopy(base), loss_fn, aggregator)
         s.load_state(state)
         return s
 
@@ -110,7 +112,7 @@ def simulate(
     records: list[dict[str, Any]] = []
     sim_time = compute_total = wall_total = 0.0
     tokens = 0
-    val_loss = initial_val_loss = evaluate(canonical.model, state, val)
+    val_loss = initial_val_loss = evaluate(canonical.model, state, val, loss_fn)
     started = time.perf_counter()
     bar = _progress(cfg.rounds, progress)
     first = 0
@@ -164,7 +166,7 @@ def simulate(
         wall_total += timing.wall_s
         evaluated = (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds
         if evaluated:
-            val_loss = evaluate(canonical.model, state, val)
+            val_loss = evaluate(canonical.model, state, val, loss_fn)
         record = {
             "round": r + 1,
             "inner_steps": (r + 1) * canonical.steps_per_round,
