@@ -74,10 +74,11 @@ class Auth:
         """Check `raw` (the request body as received) is signed by `peer_id`'s key (known
         from its join, or `public_key` for the join itself) for the endpoint that received
         it and for `round`, with a fresh nonce, and use the nonce up. Rejected(401/404)
-        otherwise; Rejected(500) when called outside a request (no endpoint to check)."""
+        otherwise, also when no purpose is known (a path no client can sign for, or a call
+        outside any request)."""
         purpose = _RECEIVED_AT.get()
         if purpose is None:
-            raise Rejected(500, "internal error: a signed request outside any endpoint")
+            raise Rejected(401, "no signature is valid for this path")
         if public_key is None:
             row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (peer_id,))
             if row is None or not row["public_key"]:
