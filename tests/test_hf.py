@@ -4,6 +4,7 @@ loads must encode exactly as covey does."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,73 @@ def test_cli_tokenizer_train(tmp_path: Path) -> None:
         app, ["tokenizer", "train", "--vocab", "10", "--data", str(data), "--out", str(out)]
     )
     assert bad.exit_code == 2 and "vocab (10)" in bad.output
+
+
+NETWORK_SPEC = """
+name = "tiny-llama"
+seed = 3
+[model]
+source = "hf:{model}"
+[data]
+paths = ["{data}"]
+tokenizer = "hf:{model}"
+batch_size = 2
+seq_len = 16
+val_fraction = 0.2
+[algorithm]
+method = "diloco"
+inner_steps = 2
+codec = "fp32"
+inner_state = "reset"
+[rounds]
+deadline_min_s = 3
+eval_batches = 1
+max_rounds = 3
+checkpoint_every = 1
+[trust]
+sample_rate = 1.0
+"""
+
+
+@pytest.mark.network
+def test_network_run_trains_verifies_and_exports_a_tiny_llama(tmp_path: Path) -> None:
+    """Coordinator, worker and validator processes on a tiny Llama run spec: rounds commit,
+    the validator re-executes the HF model's contributions and agrees, and the coordinator's
+    data dir exports to a directory transformers loads with covey's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from covey.io.export import export_run, load_checkpoint_into, read_run
+    from covey.local.cluster import LocalCluster
+    from covey.models.source import build_model
+    from covey.trust import audit
+    from tests.tiny_hf import tiny_llama
+
+    model_dir = tiny_llama(tiny_tokenizer(tmp_path / "DIR", 300), vocab_size=300)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))
+    spec = tmp_path / "run.toml"
+    spec.write_text(NETWORK_SPEC.format(model=model_dir, data=data))
+    with LocalCluster(spec, tmp_path / "run") as cluster:
+        cluster.start_coordinator()
+        cluster.start_worker("w0", "--threads", "1")
+        cluster.start_validator("v0", "--threads", "1")
+        cluster.wait_for(lambda s: s["committed_rounds"] >= 3, 240, "3 rounds")
+        give_up = time.monotonic() + 120
+        checks: list[str] = []
+        while time.monotonic() < give_up and "agree" not in checks:
+            found, _, _ = audit.load(cluster.url)
+            checks = [e.payload["outcome"] for e in found if e.type == "verification"]
+            time.sleep(0.5)
+        assert "agree" in checks, (checks, cluster.tail("v0"))
+        assert "disagree" not in checks and "fraud" not in checks, checks
+    out = tmp_path / "exported"
+    assert export_run(cluster.data_dir, out)["round"] == 3
+    run = read_run(cluster.data_dir)
+    model, _, _ = build_model(run.model.spec, run.seed)
+    load_checkpoint_into(model, run.checkpoint()[1])
+    ids = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(1))
+    exported = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=False)
+    with torch.no_grad():
+        diff = model.eval()(input_ids=ids).logits - exported.eval()(input_ids=ids).logits
+    assert float(diff.abs().max()) < 1e-5

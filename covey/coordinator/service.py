@@ -31,7 +31,7 @@ from covey.algorithms import (
 from covey.config import RunConfig, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import load_corpus
-from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.models.source import build_run_model
 from covey.peer.blobs import BlobClient, BlobStore
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
@@ -81,18 +81,20 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
             retries=cfg.limits.retries,
             max_bytes=cfg.limits.max_blob_bytes,
         )
-        self.corpus = load_corpus(list(cfg.data.paths), cfg.data.val_fraction)
+        d = cfg.data
+        self.corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
         self.corpus_fingerprint = self.corpus.fingerprint
-        mcfg = gpt_config(cfg.model.size)
-        self.seq_len = cfg.data.seq_len or mcfg.block_size
-        torch.manual_seed(cfg.seed)
-        model = GPT(mcfg)
+        model, self.loss_fn, _, self.seq_len = build_run_model(
+            cfg.model, cfg.seed, tokenizer_vocab=self.corpus.vocab_size, seq_len=d.seq_len
+        )
         self.parameters = sum(p.numel() for p in model.parameters())
         trust = cfg.trust
         self.aggregator = build_aggregator(
             trust.aggregation, trust.trim_fraction, trust.clip_factor
         )
-        self.strategy: Strategy = build_strategy(cfg.algorithm, model, lm_loss, self.aggregator)
+        self.strategy: Strategy = build_strategy(
+            cfg.algorithm, model, self.loss_fn, self.aggregator
+        )
         self._eval_model = copy.deepcopy(model)
         self.template = self.strategy.init_state()
         self.steps_per_round = steps_per_round(cfg.algorithm)
@@ -368,7 +370,7 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
         """Held-out loss of each queued canonical state, stored with the round that made it."""
         while (state := self._evals.get()) is not None:
             try:
-                loss = evaluate(self._eval_model, state, self._val)
+                loss = evaluate(self._eval_model, state, self._val, self.loss_fn)
                 with self.db.transaction() as c:
                     c.execute(
                         "UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, state.round - 1)

@@ -16,7 +16,7 @@ from covey.algorithms import Strategy, TrainState, build_aggregator, build_strat
 from covey.config import RunConfig
 from covey.data.batches import sample_batch
 from covey.data.corpus import Corpus, load_corpus
-from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.models.source import build_run_model
 from covey.peer.blobs import BlobClient
 from covey.peer.client import CoordinatorClient
 
@@ -74,25 +74,26 @@ def set_up_run(
     client.configure(limits.request_timeout_s, limits.coordinator_lost_s)
     if threads:
         torch.set_num_threads(threads)
-    corpus = load_corpus(list(cfg.data.paths), cfg.data.val_fraction)
+    d = cfg.data
+    corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
     if corpus.fingerprint != info["corpus_fingerprint"]:
         raise RuntimeError(
             f"this machine's corpus ({corpus.describe()}) differs from the run's "
             f"(fingerprint {info['corpus_fingerprint'][:12]} vs "
             f"{corpus.fingerprint[:12]}): same Python version and --data needed"
         )
-    mcfg = gpt_config(cfg.model.size)
-    torch.manual_seed(cfg.seed)
+    model, loss_fn, _, seq_len = build_run_model(
+        cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=d.seq_len
+    )
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
-    strategy = build_strategy(cfg.algorithm, GPT(mcfg), lm_loss, aggregator)
+    strategy = build_strategy(cfg.algorithm, model, loss_fn, aggregator)
     blobs = BlobClient(
         timeout_s=limits.request_timeout_s,
         retries=limits.retries,
         chunk_bytes=limits.chunk_bytes,
         max_bytes=limits.max_blob_bytes,
     )
-    seq_len = cfg.data.seq_len or mcfg.block_size
     return RunSetup(cfg, info, corpus, seq_len, strategy, strategy.init_state(), blobs)
 
 

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from covey.algorithms import Contribution, TrainState
-from covey.models.gpt import lm_loss
 from covey.peer import adversary
 from covey.peer.blobs import BlobError, BlobServer, BlobStore
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
@@ -182,7 +181,7 @@ class Worker:
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            lm_loss(model, batch).backward()
+            self.strategy.loss_fn(model, batch).backward()
             times.append(time.perf_counter() - t0)
         return sorted(times)[1] * self.opts.slowdown
 
