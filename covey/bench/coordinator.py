@@ -53,6 +53,8 @@ eval_batches = 1
 # what this bench's legitimate traffic needs: every peer shares 127.0.0.1
 address_rate = 100000.0
 address_burst = 100000
+join_rate = 100000.0
+join_burst = 100000
 max_connections = 8192
 max_long_polls = 4096
 keep_alive_s = 30.0
@@ -178,6 +180,7 @@ def run_coordinator_bench(
                 "peers": submitters if op in ("upload", "submit") else peers,
             }
         )
+    answered = sum(len(samples[op]) + errors[op] for op in OPS)
     rows.append(
         {
             "op": "coordinator",
@@ -186,6 +189,8 @@ def run_coordinator_bench(
             "requests": sum(r["requests"] for r in rows),
             "errors": sum(r["errors"] for r in rows),
             "cpu_share": round((cpu1 - cpu0) / window, 3),
+            # load-independent: the coordinator's CPU time per answered request
+            "cpu_ms_per_request": round(1000 * (cpu1 - cpu0) / max(1, answered), 3),
             "rss_mib": round(rss, 1),
             "rounds": status["committed_rounds"] - rounds0,
             "window_s": round(window, 1),
@@ -251,6 +256,7 @@ class _Client:
         self.reasons: dict[str, int] = {}
         self.late = 0
         self.measuring = False
+        self.last_failure = ""
 
     async def run(self, duration_s: float, go: Any, results: Any) -> None:
         import httpx
@@ -266,7 +272,7 @@ class _Client:
             results.put(("joined",))
             while not await asyncio.to_thread(go.wait, 1.0):
                 pass
-            self.measuring = True
+            self.measuring, self.reasons = True, {}
             stop_at = time.monotonic() + duration_s
             tasks = [self._every(self.heartbeat_s, stop_at, self._heartbeat, i) for i in self.keys]
             tasks += [self._every(self.poll_s, stop_at, self._poll, i) for i in self.keys]
@@ -298,8 +304,10 @@ class _Client:
     def _error(self, op: str, reason: str) -> None:
         if self.measuring:
             self.errors[op] += 1
-            key = f"{op}: {reason}"
-            self.reasons[key] = self.reasons.get(key, 0) + 1
+        else:
+            self.last_failure = f"{op}: {reason}"
+        key = f"{op}: {reason}"
+        self.reasons[key] = self.reasons.get(key, 0) + 1
 
     async def _join(self, i: int, gate: asyncio.Semaphore) -> None:
         key = self.keys[i]
@@ -312,7 +320,7 @@ class _Client:
         }
         async with gate:
             if await self._post("join", "/v1/join", i, body, -1) is None:
-                raise RuntimeError(f"peer sim-{i} could not join: {self.reasons}")
+                raise RuntimeError(f"peer sim-{i} could not join: {self.last_failure}")
 
     async def _every(self, period: float, stop_at: float, action: Any, i: int) -> None:
         """Call action(i) every `period` s (random phase, no drift) until `stop_at`."""
