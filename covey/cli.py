@@ -342,7 +342,8 @@ def bench_coordinator(
         )
     c = rows[-1]
     typer.echo(
-        f"coordinator: CPU {c['cpu_share']:.0%} of a core, RSS {c['rss_mib']} MiB, "
+        f"coordinator: CPU {c['cpu_share']:.0%} of a core ({c['cpu_ms_per_request']} ms a "
+        f"request), RSS {c['rss_mib']} MiB, "
         f"{c['rounds']} rounds committed; submissions from {c['submitters']} of "
         f"{c['peers']} peers (real signed uploads and submits); load {c['load_avg']:.1f}"
     )
