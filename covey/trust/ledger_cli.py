@@ -54,6 +54,11 @@ def verify(source: Source) -> None:
         f"coordinator key {key[:16]}...; balances recomputed for {report.accounts} accounts "
         f"{compared}"
     )
+    if (halted := report.summary.get("halted")) is not None:  # the owner's signed HALT
+        typer.echo(
+            f"run HALTED by its owner at round {halted['round']} (entry {halted['index']}): "
+            f"{halted['reason']}; no round after it"
+        )
 
 
 def show(
