@@ -118,7 +118,8 @@ sample_rate = 1.0
 
 @pytest.mark.network
 def test_network_run_trains_verifies_and_exports_a_tiny_llama(tmp_path: Path) -> None:
-    """Coordinator, worker and validator processes on a tiny Llama run spec: rounds commit,
+    """Coordinator, worker and validator processes on a tiny Llama run spec, the peers
+    without the model's files (fetched from the coordinator by content id): rounds commit,
     the validator re-executes the HF model's contributions and agrees, and the coordinator's
     data dir exports to a directory transformers loads with covey's logits."""
     import torch
@@ -137,6 +138,8 @@ def test_network_run_trains_verifies_and_exports_a_tiny_llama(tmp_path: Path) ->
     spec.write_text(NETWORK_SPEC.format(model=model_dir, data=data))
     with LocalCluster(spec, tmp_path / "run") as cluster:
         cluster.start_coordinator()
+        # the peers have no model files: they fetch config and tokenizer from the blob plane
+        hidden = model_dir.rename(tmp_path / "hidden")
         cluster.start_worker("w0", "--threads", "1")
         cluster.start_validator("v0", "--threads", "1")
         cluster.wait_for(lambda s: s["committed_rounds"] >= 3, 240, "3 rounds")
@@ -148,6 +151,7 @@ def test_network_run_trains_verifies_and_exports_a_tiny_llama(tmp_path: Path) ->
             time.sleep(0.5)
         assert "agree" in checks, (checks, cluster.tail("v0"))
         assert "disagree" not in checks and "fraud" not in checks, checks
+    hidden.rename(model_dir)  # the run owner exports with the files the spec names
     out = tmp_path / "exported"
     assert export_run(cluster.data_dir, out)["round"] == 3
     run = read_run(cluster.data_dir)

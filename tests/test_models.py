@@ -147,3 +147,32 @@ def test_mismatches_fail_before_training_naming_both_values(tmp_path: Path) -> N
         ModelConfig(size="nano"), 0, tokenizer_vocab=300, seq_len=None
     )
     assert (seq_len, info.vocab_size) == (64, 300)  # a covey preset takes the tokenizer's vocab
+
+
+def test_model_files_bundle_round_trips_and_refuses_anything_but_json(tmp_path: Path) -> None:
+    from covey.models.bundle import bundle_model_files, local_sources, unpack_model_files
+
+    d = tiny_llama(tmp_path / "m")
+    (d / "tokenizer.json").write_text('{"version": "1.0"}')
+    (d / "modeling_evil.py").write_text("import os")  # never bundled
+    data = bundle_model_files(f"hf:{d}", f"hf:{d}")
+    assert data is not None and b"modeling_evil" not in data
+    assert bundle_model_files("covey:nano", "bytes") is None
+    out = unpack_model_files(data, tmp_path / "got")
+    assert json.loads((out["model"] / "config.json").read_text())["model_type"] == "llama"
+    evil = json.loads(data)
+    evil["model"]["modeling_evil.py"] = "import os"
+    with pytest.raises(ValueError, match="must be among"):
+        unpack_model_files(json.dumps(evil).encode(), tmp_path / "x")
+    with pytest.raises(ValueError, match="not JSON"):
+        unpack_model_files(b"\x80abc", tmp_path / "x")
+    with pytest.raises(ValueError, match="format"):
+        unpack_model_files(b'{"format": "zip"}', tmp_path / "x")
+    # a peer without the files fetches them; with them, it keeps its own
+    cfg = ModelConfig(source=f"hf:{tmp_path / 'absent'}")
+    got, tok = local_sources(cfg, f"hf:{tmp_path / 'absent'}", "cid", lambda cid: data)
+    assert build_model(got.spec, 0)[2].kind == "hf" and tok.startswith("hf:")
+    with pytest.raises(RuntimeError, match="publishes no model files"):
+        local_sources(cfg, "bytes", None, lambda cid: data)
+    same = ModelConfig(source=f"hf:{d}")
+    assert local_sources(same, "bytes", None, lambda cid: b"") == (same, "bytes")

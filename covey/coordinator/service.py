@@ -31,6 +31,7 @@ from covey.algorithms import (
 from covey.config import RunConfig, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import load_corpus
+from covey.models.bundle import publish_model_files
 from covey.models.source import build_run_model
 from covey.peer.blobs import BlobClient, BlobStore
 from covey.protocol import schemas
@@ -87,6 +88,8 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
         model, self.loss_fn, _, self.seq_len = build_run_model(
             cfg.model, cfg.seed, tokenizer_vocab=self.corpus.vocab_size, seq_len=d.seq_len
         )
+        # hf: config and tokenizer files on the blob plane: workers need no model files
+        self.model_files_cid = publish_model_files(self.blobs.put, cfg.model.spec, d.tokenizer)
         self.parameters = sum(p.numel() for p in model.parameters())
         trust = cfg.trust
         self.aggregator = build_aggregator(
@@ -463,7 +466,7 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
         than ORPHAN_GRACE_S (an upload whose submission may still be on its way). Whatever
         else was uploaded, garbage included, goes."""
         recent = round_ - 3
-        keep = {self.state_cid, self.db.get_meta("initial_cid")}
+        keep = {self.state_cid, self.db.get_meta("initial_cid"), self.model_files_cid}
         keep |= {r["cid"] for r in self.db.query("SELECT cid FROM checkpoints")}
         keep |= {
             r["new_cid"]

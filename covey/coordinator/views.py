@@ -115,6 +115,7 @@ class Views:
     state_hash: str
     parameters: int
     corpus_fingerprint: str
+    model_files_cid: str | None
     identity: Identity
     accounts: Accounts
     verifying: bool
@@ -244,6 +245,7 @@ class Views:
             "spec": self.cfg.model_dump(mode="json"),
             "corpus_fingerprint": self.corpus_fingerprint,
             "parameters": self.parameters,
+            "model_files_cid": self.model_files_cid,  # covey.models.bundle; None: no hf: files
         }
 
     def trust_status(self, summary: dict[str, Any]) -> dict[str, Any]:

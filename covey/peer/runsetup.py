@@ -16,6 +16,7 @@ from covey.algorithms import Strategy, TrainState, build_aggregator, build_strat
 from covey.config import RunConfig
 from covey.data.batches import sample_batch
 from covey.data.corpus import Corpus, load_corpus
+from covey.models.bundle import local_sources
 from covey.models.source import build_run_model
 from covey.peer.blobs import BlobClient
 from covey.peer.client import CoordinatorClient
@@ -75,7 +76,14 @@ def set_up_run(
     if threads:
         torch.set_num_threads(threads)
     d = cfg.data
-    corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
+    fetcher = BlobClient(
+        timeout_s=limits.request_timeout_s, retries=limits.retries, max_bytes=limits.max_blob_bytes
+    )
+    model_cfg, tokenizer = local_sources(  # hf: files this machine lacks: from the blob plane
+        cfg.model, d.tokenizer, info.get("model_files_cid"),
+        lambda cid: fetcher.fetch(cid, [client.base_url]),
+    )  # fmt: skip
+    corpus = load_corpus(list(d.paths), d.val_fraction, tokenizer, d.text_column)
     if corpus.fingerprint != info["corpus_fingerprint"]:
         raise RuntimeError(
             f"this machine's corpus ({corpus.describe()}) differs from the run's "
@@ -83,7 +91,7 @@ def set_up_run(
             f"{corpus.fingerprint[:12]}): same Python version and --data needed"
         )
     model, loss_fn, _, seq_len = build_run_model(
-        cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=d.seq_len
+        model_cfg, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=d.seq_len
     )
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
