@@ -1,0 +1,175 @@
+"""Seeded sampling that a validator can re-check token by token.
+
+The token at generated position i is argmax(logits_i / T + g_i), the Gumbel-max trick
+(sampling from softmax(logits / T) exactly), where the Gumbel noise g_i comes from a
+torch.Generator seeded by sha256(seed, i). The seed itself is a hash of
+(run, step, worker, prompt index, sample index), so a worker cannot choose its noise, and a
+validator regenerates the noise of any position without the others.
+
+Works with covey's GPT (the hidden state is the output of `ln_f`, the input of the LM head)
+and with a Hugging Face causal LM (`hidden_states[-1]` with output_hidden_states=True).
+No KV cache: each step reruns the prefix, which is the simple and exact choice for the
+small policies this runs on; the hidden state kept for position j is the one computed when
+j was the last position, as an incremental decoder would produce it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from covey.models.gpt import GPT
+
+
+def _h64(*parts: object) -> int:
+    text = "|".join(str(p) for p in parts).encode()
+    return struct.unpack(">Q", hashlib.sha256(text).digest()[:8])[0]
+
+
+def sample_seed(
+    run_id: str, step: int, worker_id: str, prompt_index: int, sample_index: int
+) -> int:
+    """The 64-bit sampling seed of one completion: sha256 of the five fields."""
+    return _h64("covey-rl-sample", run_id, step, worker_id, prompt_index, sample_index)
+
+
+def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise (float32, CPU, shape (vocab_size,)) for one generated position.
+
+    Depends only on (seed, position): a validator regenerates any position on its own."""
+    g = torch.Generator().manual_seed(_h64("covey-rl-gumbel", seed, position))
+    u = torch.rand(vocab_size, generator=g, dtype=torch.float64)
+    u = u.clamp_(1e-12, 1.0 - 1e-12)
+    return (-torch.log(-torch.log(u))).float()
+
+
+def forward_hidden(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) token ids -> (logits (B, L, V) float32, last hidden states (B, L, D) float32).
+
+    Right padding is safe: attention is causal, so a position never sees later pads."""
+    if isinstance(model, GPT):
+        captured: list[torch.Tensor] = []
+        handle = model.ln_f.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        try:
+            logits = model(ids)
+        finally:
+            handle.remove()
+        return logits.float(), captured[0].float()
+    out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return out.logits.float(), out.hidden_states[-1].float()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One seeded completion: `tokens` (generated ids, eos included if reached),
+    `logprobs` (log-softmax at temperature T of each generated token, float32, (n,)),
+    `hidden` (last hidden state at each generated token's position, float32, (n, D))."""
+
+    tokens: list[int]
+    logprobs: torch.Tensor
+    hidden: torch.Tensor
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_id: int | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` with seeded Gumbel-max
+    sampling; stops after `eos_id`. ValueError on an empty prompt or T <= 0."""
+    _check_temperature(temperature)
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty")
+    device = next(model.parameters()).device
+    seq = list(prompt_ids)
+    tokens: list[int] = []
+    logprobs: list[torch.Tensor] = []
+    hidden: list[torch.Tensor] = []
+    for i in range(max_new_tokens):
+        logits, h = forward_hidden(model, torch.tensor([seq], device=device))
+        if i > 0:  # hidden state of the previous generated token, now the last position
+            hidden.append(h[0, -1].cpu())
+        scaled = logits[0, -1].cpu() / temperature
+        tok = int(torch.argmax(scaled + gumbel_noise(seed, i, scaled.numel())))
+        logprobs.append(torch.log_softmax(scaled, dim=-1)[tok])
+        tokens.append(tok)
+        seq.append(tok)
+        if eos_id is not None and tok == eos_id:
+            break
+    if tokens:
+        _, h = forward_hidden(model, torch.tensor([seq], device=device))
+        hidden.append(h[0, -1].cpu())
+    d = hidden[0].numel() if hidden else 0
+    return Generation(
+        tokens=tokens,
+        logprobs=torch.stack(logprobs) if logprobs else torch.zeros(0),
+        hidden=torch.stack(hidden) if hidden else torch.zeros(0, d),
+    )
+
+
+@dataclass(frozen=True)
+class SamplingCheck:
+    """Per generated position: `agree` (the token is the argmax of the perturbed scores, or
+    within `tolerance` of it), `gap` (best perturbed score minus the token's, >= 0),
+    `logprobs` (recomputed log-softmax at T of each token). `mismatches` counts disagreements."""
+
+    agree: torch.Tensor
+    gap: torch.Tensor
+    logprobs: torch.Tensor
+
+    @property
+    def mismatches(self) -> int:
+        return int((~self.agree).sum())
+
+
+def sampling_scores(
+    logits: torch.Tensor, tokens: list[int], seed: int, temperature: float
+) -> SamplingCheck:
+    """The sampling check on the logits (n, V) that predicted each of the n `tokens`,
+    with no tolerance (gap > 0 means the token was not the argmax)."""
+    scaled = logits.float().cpu() / temperature
+    idx = torch.tensor(tokens, dtype=torch.long)
+    noise = torch.stack([gumbel_noise(seed, i, scaled.shape[-1]) for i in range(len(tokens))])
+    perturbed = scaled + noise
+    gap = perturbed.max(dim=-1).values - perturbed.gather(1, idx[:, None])[:, 0]
+    lp = torch.log_softmax(scaled, dim=-1).gather(1, idx[:, None])[:, 0]
+    return SamplingCheck(agree=gap <= 0, gap=gap, logprobs=lp)
+
+
+# A token counts as a mismatch only when the claimed token's perturbed score is more than
+# this far below the best one. Honest recomputation noise in fp32 is ~1e-5 in the scores;
+# see `python -m covey.rl.calibrate`.
+SAMPLING_TOLERANCE = 1e-3
+
+
+@torch.no_grad()
+def check_sampling(
+    model: nn.Module,
+    prompt: list[int],
+    tokens: list[int],
+    seed: int,
+    temperature: float,
+    tolerance: float = SAMPLING_TOLERANCE,
+) -> SamplingCheck:
+    """Re-check every generated token with one prefill of prompt + tokens: each must be the
+    argmax of logits/T + the regenerated noise, up to `tolerance` in the perturbed scores."""
+    _check_temperature(temperature)
+    if not tokens:
+        return SamplingCheck(torch.zeros(0, dtype=torch.bool), torch.zeros(0), torch.zeros(0))
+    device = next(model.parameters()).device
+    logits, _ = forward_hidden(model, torch.tensor([prompt + tokens[:-1]], device=device))
+    raw = sampling_scores(logits[0, len(prompt) - 1 :], tokens, seed, temperature)
+    return SamplingCheck(agree=raw.gap <= tolerance, gap=raw.gap, logprobs=raw.logprobs)
