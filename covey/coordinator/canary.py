@@ -22,6 +22,8 @@ import logging
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
+from covey.algorithms.codecs import CodecError
+from covey.peer.blobs import BlobError
 from covey.protocol import schemas
 from covey.trust.certify import canary_draw
 
@@ -90,8 +92,12 @@ class Canaries:
                 self.template.params[n].numel() for n in self.strategy.fragment_names(task.fragment)
             )
             codec = self.strategy.codec
-            bad = codec.encode(-codec.decode(self.blobs.get(task.cid), numel))
-            cid = self.blobs.put(bad)
+            try:
+                bad = codec.encode(-codec.decode(self.blobs.get(task.cid), numel))
+                cid = self.blobs.put(bad)
+            except (BlobError, CodecError) as e:  # never fail a commit for a canary
+                log.warning("[round %d] no canary for %s: %s", round_, v.peer_id[:8], e)
+                continue
             vid = c.execute(
                 "INSERT INTO verifications (round, peer_id, status) VALUES (?, ?, 'canary')",
                 (-1 - round_, f"canary:{v.peer_id}:{real['peer_id']}"),

@@ -174,6 +174,8 @@ class Verification(Assignments, Canaries):
             status = d["check_status"]
             if status in ("pending", "claimed", "disputed"):
                 continue
+            if not self.accounts.book.checks_complete(d["round"], d["peer_id"]):
+                continue  # a dispute closed, more checks to go (the sweep draws them)
             account = self.accounts.book.accounts.get(d["peer_id"])
             if status == "fraud" or (account is not None and account.banned):
                 c.execute(
@@ -589,7 +591,11 @@ class Verification(Assignments, Canaries):
         now = time.time()
         trust = self.cfg.trust
         with self.accounts.transaction() as c:
-            c.execute("UPDATE verifications SET status = ? WHERE id = ?", (outcome, task_id))
+            # not fraud, and more checks required: open again for the next validators
+            book = self.accounts.book
+            reopen = outcome != "fraud" and not book.checks_complete(task.round, task.peer_id)
+            status = "pending" if reopen else outcome
+            c.execute("UPDATE verifications SET status = ? WHERE id = ?", (status, task_id))
             self.accounts.append(
                 c,
                 "dispute",
