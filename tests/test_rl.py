@@ -77,3 +77,75 @@ def test_edited_token_is_a_sampling_mismatch(policy: GPT) -> None:
 def test_bad_temperature_is_named() -> None:
     with pytest.raises(ValueError, match="temperature"):
         sampling.generate(rl_gpt(), PROMPT, 2, 0.0, seed=1)
+
+
+# --- loss ---------------------------------------------------------------------------
+
+from covey.rl.loss import LossConfig, group_advantages, grpo_loss  # noqa: E402
+
+
+def test_group_advantages_mean_only_and_std_option() -> None:
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(r, 4)
+    assert torch.allclose(adv, torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]))
+    std = group_advantages(r, 4, std_normalize=True)
+    assert std[0] > 1.5 and torch.all(std[4:] == 0)
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(r, 3)
+
+
+def _lp(values: list[float]) -> torch.Tensor:
+    return torch.tensor([values], requires_grad=True)
+
+
+def test_gradient_sign_follows_advantage() -> None:
+    for a, sign in ((1.0, -1), (-1.0, 1)):
+        lp = _lp([-1.0, -2.0])
+        loss, _ = grpo_loss(lp, lp.detach().clone(), torch.tensor([a]), torch.ones(1, 2))
+        loss.backward()
+        # minimizing the loss raises logprobs of positive-advantage tokens
+        assert torch.all(torch.sign(lp.grad) == sign)
+
+
+def test_zero_advantage_group_gives_zero_loss_and_grad() -> None:
+    lp = torch.randn(4, 5, requires_grad=True)
+    adv = group_advantages(torch.ones(4), 4)
+    loss, _ = grpo_loss(lp, lp.detach() - 0.3, adv, torch.ones(4, 5))
+    loss.backward()
+    assert float(loss) == 0.0 and torch.all(lp.grad == 0)
+
+
+def test_clipping_boundaries() -> None:
+    cfg = LossConfig(eps_low=0.2, eps_high=0.28, delta=4.0, max_tokens=1)
+    old = torch.zeros(1, 1)
+    import math
+
+    def grad(rho: float, a: float) -> float:
+        lp = torch.tensor([[math.log(rho)]], requires_grad=True)
+        loss, _ = grpo_loss(lp, old, torch.tensor([a]), torch.ones(1, 1), cfg)
+        loss.backward()
+        return float(lp.grad)
+
+    assert grad(1.2, 1.0) != 0  # inside the range
+    assert grad(1.3, 1.0) == 0  # above 1 + eps_high with A > 0: clipped
+    assert grad(0.5, 1.0) != 0  # below 1 - eps_low with A > 0: min keeps the unclipped term
+    assert grad(0.7, -1.0) == 0  # below 1 - eps_low with A < 0: clipped
+    assert grad(3.0, -1.0) != 0  # large ratio, A < 0, under delta: still pushed down
+    assert grad(5.0, -1.0) == 0  # above delta with A < 0: bounded
+
+
+def test_loss_divides_by_fixed_token_budget() -> None:
+    cfg = LossConfig(max_tokens=10)
+    lp = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    loss, stats = grpo_loss(lp, lp, torch.tensor([1.0]), mask, cfg)
+    assert float(loss) == pytest.approx(-2 / 10) and stats["tokens"] == 2
+
+
+def test_kl_option() -> None:
+    lp = torch.zeros(1, 3, requires_grad=True)
+    cfg = LossConfig(kl_coef=0.1, max_tokens=3)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 3), cfg)
+    loss, _ = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 3), cfg, lp.detach() - 1)
+    assert float(loss) > 0
