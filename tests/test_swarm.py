@@ -1,0 +1,96 @@
+"""The pure core of SWARM pipeline training (covey/swarm): plan, stages, codecs, routing,
+rebalancing and a convergence check, all in one process, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from covey.models.gpt import GPT, GPTConfig
+from covey.swarm.plan import block_param_costs, plan_stages, stage_modules
+
+SMALL = GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32)
+
+
+def small_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(SMALL)
+
+
+def tiny_hf(kind: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    else:
+        cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=4, n_head=2)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.config.use_cache = False
+    return model.eval()
+
+
+def run_stages(stages: list[nn.Module], idx: torch.Tensor) -> torch.Tensor:
+    x = idx
+    for s in stages:
+        x = s(x)
+    return x
+
+
+# ---- plan -------------------------------------------------------------------------------
+
+
+def test_plan_balances_costs_contiguously() -> None:
+    assert plan_stages([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert plan_stages([4, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4]]
+    # Embedding and head costs land on the first and last stage.
+    assert plan_stages([1, 1, 1, 1, 1, 1], 3, embed_cost=3, head_cost=3) == [[0], [1, 2, 3, 4], [5]]
+    assert plan_stages([3, 3, 3], 3) == [[0], [1], [2]]
+    plan = plan_stages([5, 1, 7, 2, 2, 9, 1, 1], 3)
+    assert [i for s in plan for i in s] == list(range(8))
+    assert max(sum([5, 1, 7, 2, 2, 9, 1, 1][i] for i in s) for s in plan) == 11
+
+
+def test_plan_errors_name_values() -> None:
+    with pytest.raises(
+        ValueError, match=r"Number of stages \(5\) cannot be greater than blocks \(4\)"
+    ):
+        plan_stages([1, 1, 1, 1], 5)
+    with pytest.raises(ValueError, match=r"Number of stages \(0\)"):
+        plan_stages([1], 0)
+    with pytest.raises(ValueError, match="-1"):
+        plan_stages([1, -1], 2)
+    with pytest.raises(ValueError, match="must cut blocks"):
+        stage_modules(small_gpt(), [[0, 2], [1, 3]])
+
+
+@torch.no_grad()
+def test_gpt_stages_in_sequence_equal_the_whole_model() -> None:
+    model = small_gpt().eval()
+    plan = plan_stages(block_param_costs(model), 3)
+    assert len(plan) == 3
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(
+        run_stages(stage_modules(model, plan), idx), model(idx), atol=1e-6, rtol=0
+    )
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@torch.no_grad()
+def test_hf_stages_in_sequence_equal_the_whole_model(kind: str) -> None:
+    model = tiny_hf(kind)
+    plan = plan_stages(block_param_costs(model), 3)
+    idx = torch.randint(0, 64, (2, 12))
+    whole = model(input_ids=idx, use_cache=False).logits
+    torch.testing.assert_close(
+        run_stages(stage_modules(model, plan), idx), whole, atol=1e-6, rtol=0
+    )
