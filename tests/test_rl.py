@@ -148,4 +148,72 @@ def test_kl_option() -> None:
     with pytest.raises(ValueError, match="ref_logprobs"):
         grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 3), cfg)
     loss, _ = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 3), cfg, lp.detach() - 1)
-    assert float(loss) > 0
+    assert loss.detach().item() > 0
+
+
+# --- tasks --------------------------------------------------------------------------
+
+from covey.rl.tasks import (  # noqa: E402
+    ArithmeticTask,
+    JsonlTask,
+    TaskError,
+    assigned_prompts,
+    load_reward,
+)
+
+
+def reward_contains(record: dict, completion: str) -> float:
+    """A py: reward for the JSONL test: 1 if the completion holds the record's answer."""
+    return 1.0 if record["answer"] in completion else 0.0
+
+
+def test_arithmetic_split_is_disjoint_and_deterministic() -> None:
+    task = ArithmeticTask(seed=3, max_operand=30, ops="+-")
+    again = ArithmeticTask(seed=3, max_operand=30, ops="+-")
+    train = {task.prompt(i) for i in range(len(task))}
+    test = {p for p, _ in task.test_prompts()}
+    assert train.isdisjoint(test) and len(train) + len(test) == 2 * 31 * 31
+    assert 0.05 < len(test) / (len(train) + len(test)) < 0.15
+    assert [task.prompt(i) for i in range(20)] == [again.prompt(i) for i in range(20)]
+    # another seed reorders training prompts but never moves a problem across the split
+    other = ArithmeticTask(seed=4, max_operand=30, ops="+-")
+    assert {p for p, _ in other.test_prompts()} == test
+
+
+def test_arithmetic_reward_format() -> None:
+    task = ArithmeticTask(seed=0, max_operand=20, format_reward=0.1)
+    p = task.prompt(0)
+    a, b = (int(x) for x in p[:-1].split("+"))
+    right = str(a + b)
+    assert task.reward(0, right + "\nmore") == 1.0
+    assert task.reward(0, right) == 1.0
+    assert task.reward(0, str(a + b + 1) + "\n") == 0.1
+    assert task.reward(0, " " + right) == 0.0
+    assert task.reward(0, "x\n") == 0.0
+    assert ArithmeticTask(max_operand=20).reward(0, str(a + b + 1)) == 0.0
+    with pytest.raises(TaskError, match="out of range"):
+        task.prompt(len(task))
+
+
+def test_assigned_prompts_deterministic_per_run_step_worker() -> None:
+    a = assigned_prompts("run", 5, "w1", 8, num_prompts=1000)
+    assert a == assigned_prompts("run", 5, "w1", 8, num_prompts=1000)
+    assert a != assigned_prompts("run", 6, "w1", 8, num_prompts=1000)
+    assert a != assigned_prompts("run", 5, "w2", 8, num_prompts=1000)
+    assert all(0 <= i < 1000 for i in a)
+
+
+def test_jsonl_task_with_py_reward(tmp_path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        '{"prompt": "capital of France?", "answer": "Paris"}\n\n{"prompt": "2*3=", "answer": "6"}\n'
+    )
+    task = JsonlTask(path, "py:tests.test_rl:reward_contains")
+    assert len(task) == 2 and task.prompt(1) == "2*3="
+    assert task.reward(0, "It is Paris.") == 1.0 and task.reward(1, "5") == 0.0
+    for bad in ("tests.test_rl:reward_contains", "py:tests.test_rl:nope", "py:no_such_mod:f"):
+        with pytest.raises(TaskError, match="reward spec"):
+            load_reward(bad)
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(TaskError, match=r"bad\.jsonl:1"):
+        JsonlTask(tmp_path / "bad.jsonl", "py:tests.test_rl:reward_contains")
