@@ -94,3 +94,45 @@ def test_hf_stages_in_sequence_equal_the_whole_model(kind: str) -> None:
     torch.testing.assert_close(
         run_stages(stage_modules(model, plan), idx), whole, atol=1e-6, rtol=0
     )
+
+
+# ---- stage ------------------------------------------------------------------------------
+
+
+def test_stage_backward_recomputes_and_matches_whole_model_grads() -> None:
+    from covey.models.gpt import lm_loss
+    from covey.swarm.stage import Stage
+
+    model = small_gpt()
+    batch = torch.randint(0, 64, (3, 17))
+    lm_loss(model, batch).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    modules = stage_modules(model, plan_stages(block_param_costs(model), 3))
+    stages = [
+        Stage(m, lambda ps: torch.optim.SGD(ps, lr=0.1), last=k == 2) for k, m in enumerate(modules)
+    ]
+    # Forward chain (no autograd state kept), then backward chain in reverse, each stage
+    # recomputing from the input it is handed.
+    acts = [batch[:, :-1]]
+    for s in stages[:-1]:
+        acts.append(s.forward(acts[-1]))
+    assert not acts[-1].requires_grad
+    loss, g = stages[-1].backward_loss(acts[-1], batch[:, 1:])
+    for k in (1, 0):
+        g = stages[k].backward(acts[k], g)
+    assert g is None  # stage 0 takes token ids
+    assert loss == pytest.approx(float(lm_loss(model, batch).detach()), rel=1e-6)
+    # The tied wte/lm_head Parameter is shared by stages 0 and 2 here, so its grad sums both
+    # uses, as loss.backward() does on the whole model. Grads are sample-weighted sums.
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad / 3, want[n], atol=1e-6, rtol=1e-5, msg=n)
+    before = [p.detach().clone() for p in stages[1].params]
+    assert stages[1].target_samples == 1 and stages[1].maybe_step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, stages[1].params, strict=True))
+    assert all(p.grad is None for p in stages[1].params) and stages[1].samples == 0
+    with pytest.raises(ValueError, match="no accumulated"):
+        stages[1].step()
+    with pytest.raises(ValueError, match="grad_outputs shape"):
+        stages[1].backward(acts[1], torch.zeros(1, 2, 3))
