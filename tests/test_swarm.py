@@ -136,3 +136,70 @@ def test_stage_backward_recomputes_and_matches_whole_model_grads() -> None:
         stages[1].step()
     with pytest.raises(ValueError, match="grad_outputs shape"):
         stages[1].backward(acts[1], torch.zeros(1, 2, 3))
+
+
+# ---- codecs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", [64, 256])
+def test_int8_codec_round_trip_error_and_exact_size(block: int) -> None:
+    from covey.swarm.codecs import decode_int8, encode_int8, int8_nbytes
+
+    x = torch.randn(3, 7, 33) * torch.logspace(-3, 2, 33)  # scales vary across columns
+    data = encode_int8(x, block)
+    assert len(data) == int8_nbytes(x.shape, block) == 8 + 12 + 4 * -(-693 // block) + 693
+    y = decode_int8(data)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    # Error within half a step of each block's scale.
+    flat, blocks = x.reshape(-1), -(-x.numel() // block)
+    pad = torch.zeros(blocks * block)
+    pad[: x.numel()] = flat
+    step = pad.view(blocks, block).abs().amax(1) / 127
+    bound = step.repeat_interleave(block)[: x.numel()] / 2 + 1e-7
+    assert bool(((y.reshape(-1) - flat).abs() <= bound).all())
+    assert torch.equal(decode_int8(encode_int8(torch.zeros(5), block)), torch.zeros(5))
+
+
+def test_int8_codec_rejects_malformed_input() -> None:
+    from covey.swarm.codecs import CodecError, decode_int8, encode_int8
+
+    good = encode_int8(torch.randn(4, 10))
+    bad = {
+        "shorter than": good[:5],
+        "magic": b"XXXX" + good[4:],
+        "block size 65": good[:6] + (65).to_bytes(2, "little") + good[8:],
+        "needs": good[:-1],
+        "max_numel": None,
+        "finite": good[:16] + b"\x00\x00\xc0\x7f" + good[20:],  # nan scale
+        "-128": good[:-1] + b"\x80",
+    }
+    for match, data in bad.items():
+        with pytest.raises(CodecError, match=match):
+            if data is None:
+                decode_int8(good, max_numel=39)
+            else:
+                decode_int8(data)
+    with pytest.raises(ValueError, match="inf or nan"):
+        encode_int8(torch.tensor([1.0, float("inf")]))
+    with pytest.raises(ValueError, match="block size 100"):
+        encode_int8(torch.randn(3), 100)
+
+
+def test_subspace_codec_is_exact_on_its_subspace_and_reports_bytes() -> None:
+    from covey.swarm.codecs import SubspaceCodec, bytes_per_token
+
+    codec = SubspaceCodec(32, 8, seed=7)
+    u = codec.basis
+    torch.testing.assert_close(u.T @ u, torch.eye(8), atol=1e-6, rtol=0)
+    assert torch.equal(SubspaceCodec(32, 8, seed=7).basis, u)  # every peer rebuilds it
+    assert not torch.equal(SubspaceCodec(32, 8, seed=8).basis, u)
+    e_tok, h = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    p = codec.project(h, e_tok)
+    c = codec.encode(p, e_tok)
+    assert c.shape == (2, 5, 8)
+    torch.testing.assert_close(codec.decode(c, e_tok), p, atol=1e-5, rtol=0)
+    torch.testing.assert_close(codec.project(p, e_tok), p, atol=1e-5, rtol=0)  # idempotent
+    with pytest.raises(ValueError, match="rank"):
+        SubspaceCodec(4, 5)
+    b = bytes_per_token(768, 64, 64)
+    assert b == {"fp32": 3072.0, "int8": 816.0, "subspace": 256.0, "subspace_int8": 68.0}
