@@ -203,3 +203,115 @@ def test_subspace_codec_is_exact_on_its_subspace_and_reports_bytes() -> None:
         SubspaceCodec(4, 5)
     b = bytes_per_token(768, 64, 64)
     assert b == {"fp32": 3072.0, "int8": 816.0, "subspace": 256.0, "subspace_int8": 68.0}
+
+
+# ---- routing and rebalancing ----------------------------------------------------------
+
+
+def test_router_prefers_least_expected_finish_and_probes_new_servers() -> None:
+    from covey.swarm.routing import NoServerError, Router
+
+    r = Router(ema=0.5, probe_rate=0.0, seed=1)
+    for name, stage in (("a", 0), ("b", 0), ("c", 1)):
+        r.add_server(name, stage)
+    assert r.choose(0, now=0.0) in {"a", "b"}  # nothing measured: probe
+    r.started("a")
+    r.finished("a", samples=8, seconds=1.0)  # a: 8/s
+    r.started("b")
+    r.finished("b", samples=8, seconds=2.0)  # b: 4/s
+    assert r.choose(0, 0.0) == "a"
+    for _ in range(2):
+        r.started("a")  # a's queue of 2: finish 3/8 s, b's 1/4 s
+    assert r.expected_finish("a") == pytest.approx(3 / 8)
+    assert r.choose(0, 0.0) == "b"
+    r.finished("a", 8, 1.0)
+    r.finished("a", 16, 1.0)  # EMA: 0.5 * 8 + 0.5 * 16
+    assert r.servers["a"].throughput == pytest.approx(12.0)
+    # A new server is probed at about probe_rate, with a seeded generator.
+    r2 = Router(probe_rate=0.2, seed=3)
+    r2.add_server("old", 0)
+    r2.started("old")
+    r2.finished("old", 10, 1.0)
+    r2.add_server("new", 0)
+    picks = [r2.choose(0, 0.0) for _ in range(1000)]
+    assert 150 < picks.count("new") < 250
+    r3 = Router(probe_rate=0.2, seed=3, servers=r2.servers)
+    assert [r3.choose(0, 0.0) for _ in range(1000)] == picks  # seeded: runs replay
+    with pytest.raises(NoServerError, match="stage 5"):
+        r.choose(5, 0.0)
+
+
+def test_router_timeout_reroutes_and_invalid_reply_bans() -> None:
+    from covey.swarm.routing import NoServerError, Router
+
+    r = Router(probe_rate=0.0, slow_s=10.0)
+    for name in ("fast", "slow"):
+        r.add_server(name, 0)
+        r.started(name)
+    r.finished("fast", 10, 1.0)
+    r.finished("slow", 5, 1.0)
+    assert r.choose(0, now=0.0) == "fast"
+    r.started("fast")
+    r.timed_out("fast", now=100.0)
+    assert r.reroutes == 1 and r.servers["fast"].throughput == 5.0
+    assert r.choose(0, now=101.0) == "slow"  # fast is marked slow until 110
+    assert r.choose(0, now=111.0) == "fast"  # ties on expected finish broken by name
+    r.invalid("slow", "non-finite activations")
+    r.timed_out("fast", now=200.0)
+    assert r.choose(0, now=201.0) == "fast"  # every server slow: still better than none
+    assert r.banned() == {"slow": "non-finite activations"}
+    r.invalid("fast", "bad shape")
+    with pytest.raises(NoServerError, match="stage 0"):
+        r.choose(0, now=300.0)
+
+
+def test_rebalance_moves_a_server_to_the_bottleneck_only_past_hysteresis() -> None:
+    from covey.swarm.rebalance import plan_move, stage_throughputs
+
+    costs = [1.0, 1.0, 1.0]
+    servers = {"a": (0, 1.0), "b": (0, 1.0), "c": (0, 1.0), "d": (1, 1.0), "e": (2, 1.0)}
+    # Stages 1 and 2 are both at the minimum: moving one server raises neither alone.
+    assert stage_throughputs(costs, servers) == [3.0, 1.0, 1.0]
+    assert plan_move(costs, servers, hysteresis=1.1) is None
+    servers = {"a": (0, 1.0), "b": (0, 1.0), "c": (0, 1.0), "d": (1, 1.0), "e": (2, 2.0)}
+    move = plan_move(costs, servers, hysteresis=1.1)
+    assert move is not None and (move.server, move.from_stage, move.to_stage) == ("a", 0, 1)
+    assert (move.min_before, move.min_after) == (1.0, 2.0)
+    # A marginal gain (min 1.0 -> 1.05) does not pay for a move under hysteresis 1.2.
+    load = {"a": (0, 2.0), "b": (0, 0.1), "c": (1, 1.0), "d": (2, 1.05)}
+    assert plan_move(costs, load, hysteresis=1.2) is None
+    small = plan_move(costs, load, hysteresis=1.01)
+    assert small is not None and small.server == "b" and small.min_after == pytest.approx(1.05)
+    with pytest.raises(ValueError, match=r"hysteresis \(1.0\)"):
+        plan_move(costs, servers, hysteresis=1.0)
+
+
+def test_rebalance_repeated_calls_on_a_fixed_load_do_not_oscillate() -> None:
+    import random
+
+    from covey.swarm.rebalance import plan_move, stage_throughputs
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n_stages = rng.randint(2, 5)
+        costs = [rng.uniform(0.5, 3.0) for _ in range(n_stages)]
+        servers = {
+            f"s{i}": (rng.randrange(n_stages), rng.choice([1.0, 2.0, 4.0]) * rng.uniform(0.9, 1.1))
+            for i in range(rng.randint(n_stages, 12))
+        }
+        seen = {tuple(sorted(servers.items()))}
+        low = min(stage_throughputs(costs, servers))
+        for _moves in range(100):
+            move = plan_move(costs, servers, hysteresis=1.05)
+            if move is None:
+                break
+            servers = {**servers, move.server: (move.to_stage, servers[move.server][1])}
+            state = tuple(sorted(servers.items()))
+            assert state not in seen  # never back to an earlier assignment
+            seen.add(state)
+            new_low = min(stage_throughputs(costs, servers))
+            assert new_low == pytest.approx(move.min_after) and new_low > 1.05 * low
+            low = new_low
+        else:
+            pytest.fail(f"no fixed point after 100 moves: {servers}")
+        assert plan_move(costs, servers, hysteresis=1.05) is None  # stable once settled

@@ -1,0 +1,125 @@
+"""Which server of each stage gets the next microbatch: pure routing math (SWARM sec. 3.2).
+
+Each server's throughput (samples/s) is an exponential moving average of its measured
+replies; the expected finish time of a new microbatch on a server is
+(queue + 1) / throughput, and a trainer picks, per stage, the server with the least.
+Servers never measured are probed with probability `probe_rate` (a seeded generator, so
+runs replay), or always when no measured server is left. A timeout marks a server slow
+for `slow_s` seconds (the trainer reroutes to another server of the stage); an invalid
+reply bans it for the run with the reason kept for the report. The clock is an argument.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+class NoServerError(RuntimeError):
+    """No usable server is left for a stage; the message names the stage."""
+
+
+@dataclass
+class ServerState:
+    server: str
+    stage: int
+    throughput: float | None = None  # EMA samples/s; None until measured
+    queue: int = 0  # microbatches sent and not yet answered
+    slow_until: float = 0.0
+    banned: str | None = None  # reason, once banned
+    timeouts: int = 0
+    replies: int = 0
+
+
+@dataclass
+class Router:
+    """Routing state of one trainer. `ema`: weight of the newest measurement."""
+
+    ema: float = 0.3
+    probe_rate: float = 0.05
+    slow_s: float = 30.0
+    seed: int = 0
+    servers: dict[str, ServerState] = field(default_factory=dict)
+    reroutes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ema <= 1 or not 0 <= self.probe_rate <= 1:
+            raise ValueError(
+                f"ema ({self.ema}) must be in (0, 1], probe_rate ({self.probe_rate}) in [0, 1]"
+            )
+        self._rng = random.Random(self.seed)
+
+    def add_server(self, server: str, stage: int) -> None:
+        """Register (or move) `server` to `stage`; a moved server is measured afresh."""
+        old = self.servers.get(server)
+        if old is not None and old.stage == stage:
+            return
+        banned = old.banned if old is not None else None
+        self.servers[server] = ServerState(server, stage, banned=banned)
+
+    def remove_server(self, server: str) -> None:
+        self.servers.pop(server, None)
+
+    def expected_finish(self, server: str) -> float:
+        """(queue + 1) / throughput in seconds; inf when not yet measured."""
+        s = self.servers[server]
+        if not s.throughput:
+            return float("inf")
+        return (s.queue + 1) / s.throughput
+
+    def choose(self, stage: int, now: float) -> str:
+        """The server of `stage` for the next microbatch. Not banned; not slow unless every
+        server of the stage is slow. NoServerError when none is left."""
+        usable = [s for s in self.servers.values() if s.stage == stage and s.banned is None]
+        if not usable:
+            raise NoServerError(f"stage {stage} has no server that is not banned")
+        fresh = [s for s in usable if s.slow_until <= now]
+        pool = fresh or usable
+        new = sorted((s for s in pool if s.throughput is None), key=lambda s: (s.queue, s.server))
+        measured = [s for s in pool if s.throughput is not None]
+        if new and (not measured or self._rng.random() < self.probe_rate):
+            least = [s for s in new if s.queue == new[0].queue]
+            return self._rng.choice(least).server
+        return min(measured, key=lambda s: (self.expected_finish(s.server), s.server)).server
+
+    def route(self, n_stages: int, now: float) -> list[str]:
+        """One server per stage, 0..n_stages-1."""
+        return [self.choose(k, now) for k in range(n_stages)]
+
+    def started(self, server: str) -> None:
+        self.servers[server].queue += 1
+
+    def finished(self, server: str, samples: int, seconds: float) -> None:
+        """A valid reply for `samples` samples that took `seconds` (send to answer)."""
+        if samples <= 0 or seconds <= 0:
+            raise ValueError(f"samples ({samples}) and seconds ({seconds}) must be > 0")
+        s = self.servers[server]
+        s.queue = max(0, s.queue - 1)
+        s.replies += 1
+        rate = samples / seconds
+        s.throughput = (
+            rate if s.throughput is None else (1 - self.ema) * s.throughput + self.ema * rate
+        )
+        s.slow_until = 0.0
+
+    def timed_out(self, server: str, now: float) -> None:
+        """No answer within the deadline: slow for `slow_s`, its estimate halved, and the
+        microbatch is rerouted (counted)."""
+        s = self.servers[server]
+        s.queue = max(0, s.queue - 1)
+        s.timeouts += 1
+        s.slow_until = now + self.slow_s
+        if s.throughput is not None:
+            s.throughput /= 2
+        self.reroutes += 1
+
+    def invalid(self, server: str, reason: str) -> None:
+        """An invalid reply (malformed bytes, wrong shape, non-finite): banned for the run."""
+        s = self.servers[server]
+        s.queue = max(0, s.queue - 1)
+        s.banned = reason
+        self.reroutes += 1
+
+    def banned(self) -> dict[str, str]:
+        """Banned servers and why, for the run's report."""
+        return {s.server: s.banned for s in self.servers.values() if s.banned is not None}
