@@ -15,7 +15,6 @@ unreported check is reassigned, never paid anyway) or was fraud.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -25,20 +24,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from covey.algorithms.codecs import CodecError
-from covey.peer.blobs import BlobError
-from covey.peer.runsetup import assignment_batches
 from covey.protocol import schemas
-from covey.protocol.checkpoint import state_from_bytes
-from covey.trust import referee, verify
 from covey.trust.certify import sample
 from covey.trust.identity import canonical_json
-from covey.trust.sketch import commitment_of
 
 from .assignment import OPEN, Assignments
 from .canary import Canaries
+from .disputes import Disputes
 from .views import Rejected
 
 if TYPE_CHECKING:
@@ -53,7 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("covey.coordinator")
 
 
-class Verification(Assignments, Canaries):
+class Verification(Assignments, Canaries, Disputes):
     # provided by Coordinator
     cfg: RunConfig
     run_id: str
@@ -423,72 +415,6 @@ class Verification(Assignments, Canaries):
             self._resolve_canary(c, canary, "caught" if caught else "passed", time.time())
         return {"ok": True, "status": "disputed" if caught else "agree"}
 
-    def _report_fault(
-        self, task: schemas.VerifyTask, req: schemas.VerifyReport
-    ) -> tuple[str, str] | None:
-        """(field, reason) for a report that cannot be judged as it stands, else None: a
-        round other than the task's; a disagreement without a segment, or one the round
-        does not have; evidence missing for the segment (the validator's commitment at its
-        end, or its payload for the last one); a commitment at the wrong step or of the
-        wrong layout; a blob it names that was not uploaded or whose size is not the size
-        this run's model and codec imply."""
-        if req.round != task.round:
-            return "round", f"task {task.task_id} is of round {task.round}, not {req.round}"
-        if req.outcome == "agree":
-            return None
-        k = self.cfg.trust.commit_every
-        n = len(verify.commitment_steps(task.inner_steps, k))
-        if req.segment is None:
-            return "segment", "a disagreement names the first diverging segment"
-        if req.segment >= n:
-            return "segment", (
-                f"segment {req.segment} out of range: a round of {task.inner_steps} inner "
-                f"steps committing every {k} has segments 0..{n - 1}"
-            )
-        state_size, sketch_lengths = self._evidence_layout()
-        last = req.segment == n - 1
-        if last and req.payload_cid is None:
-            return "payload_cid", f"segment {req.segment} is the last: back it with a payload"
-        if not last:
-            if req.claim is None:
-                return "claim", f"segment {req.segment} ends at commitment {req.segment + 1}"
-            try:
-                claim = verify.Commitment.from_dict(req.claim.model_dump())
-            except ValueError as e:
-                return "claim", str(e)
-            if claim.step != (end := (req.segment + 1) * k):
-                return "claim", f"step {claim.step}, segment {req.segment} ends at step {end}"
-            lengths = {g: len(v) for g, v in claim.sketch.items()}
-            if lengths != sketch_lengths:
-                return "claim", f"sketch lengths {lengths}, this run's are {sketch_lengths}"
-        names = self.strategy.fragment_names(task.fragment)
-        numel = sum(self.template.params[n].numel() for n in names)
-        sizes = {
-            "state_cid": (req.state_cid, state_size),
-            "payload_cid": (req.payload_cid, self.strategy.codec.nbytes(numel)),
-        }
-        for field, (cid, size) in sizes.items():
-            if cid is None:
-                continue
-            if not self.blobs.has(cid):
-                return field, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)"
-            if (got := self.blobs.size(cid)) != size:
-                return field, f"blob {cid[:12]} is {got} bytes; this run implies {size}"
-        return None
-
-    def _evidence_layout(self) -> tuple[int, dict[str, int]]:
-        """(bytes of a local state as `verify.local_state_to_bytes` writes it, the sketch
-        lengths of a commitment): fixed by the model and config, computed once from zeros
-        of the strategy's local state's names, shapes and dtypes."""
-        with self._layout_lock:
-            if self._layout is None:
-                live = self.strategy.local_state(copy=False)
-                zeros = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in live.items()}
-                c = commitment_of(zeros, self.template.params, 0)
-                lengths = {g: len(v) for g, v in c.sketch.items()}
-                self._layout = (len(verify.local_state_to_bytes(zeros)), lengths)
-            return self._layout
-
     def _refuse_report(self, v: Any, req: schemas.VerifyReport, field: str, reason: str) -> None:
         """Record a refused report against its validator and end its check (the next
         claim draws another validator in its place)."""
@@ -515,231 +441,3 @@ class Verification(Assignments, Canaries):
             field,
             reason,
         )
-
-    # -- the referee --------------------------------------------------------------------------
-
-    def start_referee(self) -> None:
-        for row in self.db.query("SELECT id FROM verifications WHERE status = 'disputed'"):
-            self._disputes.put(row["id"])  # disputes left open by a restart
-        self._referee_thread = threading.Thread(target=self._referee, name="referee", daemon=True)
-        self._referee_thread.start()
-
-    def stop_referee(self) -> None:
-        self._disputes.put(None)
-        if self._referee_thread is not None:
-            self._referee_thread.join(30)
-
-    def _referee(self) -> None:
-        while (task_id := self._disputes.get()) is not None:
-            try:
-                self._settle(task_id)
-            except Exception as e:  # a bug must not kill the referee nor convict anyone
-                self._referee_failed(task_id, e)
-
-    def _referee_failed(self, task_id: int, error: Exception) -> None:
-        """A dispute whose judging raised stays open and goes to the back of the queue
-        (other disputes first); after `trust.dispute_attempts` failures it is closed
-        "inconclusive": nobody slashed or paid for it, recorded on the ledger."""
-        attempts = self._attempts.get(task_id, 0) + 1
-        self._attempts[task_id] = attempts
-        log.error(
-            "referee failed on task %d (attempt %d of %d)",
-            task_id,
-            attempts,
-            self.cfg.trust.dispute_attempts,
-            exc_info=error,
-        )
-        if attempts < self.cfg.trust.dispute_attempts:
-            self._disputes.put(task_id)
-            return
-        try:
-            self._close_inconclusive(
-                task_id, f"the referee failed {attempts} times: {type(error).__name__}: {error}"
-            )
-        except Exception:  # the database itself failing: left open for a restart
-            log.exception("could not close dispute %d as inconclusive", task_id)
-
-    def _close_inconclusive(self, task_id: int, detail: str) -> None:
-        """Close an open dispute as "inconclusive" on the ledger (nobody slashed)."""
-        v = self.db.one("SELECT * FROM verifications WHERE id = ?", (task_id,))
-        if v is None or v["status"] != "disputed":
-            return
-        report = json.loads(v["report"] or "{}")
-        with self.accounts.transaction() as c:
-            c.execute("UPDATE verifications SET status = 'inconclusive' WHERE id = ?", (task_id,))
-            self.accounts.append(
-                c,
-                "dispute",
-                {
-                    "round": v["round"],
-                    "peer_id": v["peer_id"],
-                    "validator_id": v["validator_id"],
-                    "segment": int(report.get("segment") or 0),
-                    "outcome": "inconclusive",
-                    "detail": detail[:500],
-                },
-                time.time(),
-            )
-
-    def _settle(self, task_id: int) -> None:
-        """Recompute the disputed segment alone and write the outcome to the ledger."""
-        task = self._task(task_id)
-        row = self.db.one("SELECT report FROM verifications WHERE id = ?", (task_id,))
-        assert row is not None
-        report = schemas.VerifyReport.model_validate_json(row["report"])
-        outcome, detail = self._judge(task, report)
-        now = time.time()
-        trust = self.cfg.trust
-        with self.accounts.transaction() as c:
-            # not fraud, and more checks required: open again for the next validators
-            book = self.accounts.book
-            reopen = outcome != "fraud" and not book.checks_complete(task.round, task.peer_id)
-            status = "pending" if reopen else outcome
-            c.execute("UPDATE verifications SET status = ? WHERE id = ?", (status, task_id))
-            self.accounts.append(
-                c,
-                "dispute",
-                {
-                    "round": task.round,
-                    "peer_id": task.peer_id,
-                    "validator_id": report.validator_id,
-                    "segment": report.segment,
-                    "outcome": outcome,
-                    "detail": detail,
-                },
-                now,
-            )
-            if outcome == "fraud":
-                self.accounts.append(
-                    c,
-                    "slash",
-                    {
-                        "round": task.round,
-                        "peer_id": task.peer_id,
-                        "amount": self.accounts.book.slash_amount(task.peer_id),
-                        "reason": detail,
-                    },
-                    now,
-                )
-                self.accounts.append(
-                    c,
-                    "reward",
-                    {
-                        "round": task.round,
-                        "peer_id": report.validator_id,
-                        "amount": trust.catch_reward,
-                        "kind": "catch",
-                        "tokens": 0,
-                    },
-                    now,
-                )
-                c.execute("UPDATE peers SET state = 'banned' WHERE peer_id = ?", (task.peer_id,))
-                c.execute(
-                    "UPDATE payouts SET status = 'forfeit' WHERE peer_id = ? AND status = 'due'",
-                    (task.peer_id,),
-                )
-            elif outcome == "validator wrong":  # a false accusation costs its stake share
-                self.accounts.append(
-                    c,
-                    "penalty",
-                    {
-                        "round": task.round,
-                        "peer_id": report.validator_id,
-                        "amount": self.accounts.book.penalty_amount(report.validator_id),
-                        "kind": "false accusation",
-                        "reason": detail[:500],
-                    },
-                    now,
-                )
-        log.warning(
-            "[round %d] dispute over %s's contribution (segment %s): %s: %s",
-            task.round,
-            task.peer_id[:8],
-            report.segment,
-            outcome.upper() if outcome == "fraud" else outcome,
-            detail,
-        )
-
-    def _judge(self, task: schemas.VerifyTask, report: schemas.VerifyReport) -> tuple[str, str]:
-        """Recompute the disputed segment and compare its end with what the worker and the
-        validator each claim it is. The validator's state at the segment's start is used
-        only when it hashes to the worker's own commitment there (covey.trust.referee);
-        otherwise the referee recomputes from W_r. "fraud" only on the worker's own
-        provable fault: a claim malformed on its face, or an end far from the recomputed
-        one; a report that does not hold together is "inconclusive", never fraud."""
-        strategy = self._referee_strategy_for()
-        trust = self.cfg.trust
-        start = state_from_bytes(self.blobs.get(task.start_cid), self.template)
-        numel = sum(start.params[n].numel() for n in strategy.fragment_names(task.fragment))
-        points = verify.commitment_steps(task.inner_steps, trust.commit_every)
-        segment = report.segment
-        if segment is None or not 0 <= segment < len(points):  # validated at report time
-            return "inconclusive", f"segment {segment} is not one of 0..{len(points) - 1}"
-        try:
-            claimed = [verify.Commitment.from_dict(c) for c in task.commitments]
-            steps = [c.step for c in claimed]
-            if steps != points:
-                raise ValueError(f"commitments at steps {steps[:8]}, the round's are {points[:8]}")
-            worker_end = verify.segment_end(
-                claimed, self.blobs.get(task.cid), segment, strategy.codec, numel
-            )
-        except (ValueError, CodecError) as e:
-            # a claim that is malformed on its face needs no recomputation
-            return "fraud", f"the worker's claim is malformed: {e}"
-        try:
-            validator_end: Any
-            if segment == len(points) - 1:
-                if report.payload_cid is None:
-                    return "inconclusive", "the validator backed the last segment with no payload"
-                data = self.blobs.get(report.payload_cid)
-                validator_end = strategy.codec.decode(data, numel)
-            elif report.claim is not None:
-                validator_end = verify.Commitment.from_dict(report.claim.model_dump())
-            else:
-                return "inconclusive", "the validator backed its dispute with no claim"
-        except (ValueError, CodecError, BlobError) as e:
-            return "inconclusive", f"the validator's evidence is unusable: {e}"
-        seg_state = None
-        if report.state_cid is not None and segment > 0:
-            try:
-                seg_state = verify.local_state_from_bytes(
-                    self.blobs.get(report.state_cid), strategy.local_state()
-                )
-            except (ValueError, BlobError) as e:  # the referee recomputes from W_r instead
-                log.info("task %d: the validator's state is unusable: %s", task.task_id, e)
-        result = referee.referee(
-            strategy,
-            start,
-            segment,
-            seg_state,
-            self._batch_fn(task.round, task.data_key),
-            task.inner_steps,
-            trust.commit_every,
-            claimed_start=claimed[segment] if seg_state is not None else None,
-            tolerance=trust.tolerance,
-            **self._previous_end(task, strategy),  # H3: the committed start local state
-        )
-        verdict = referee.judge(result, worker_end, validator_end, trust.tolerance)
-        return verdict.outcome, verdict.detail
-
-    def _previous_end(self, task: schemas.VerifyTask, strategy: Strategy) -> dict[str, Any]:
-        """H3: referee arguments for the task's committed start local state (none: fresh).
-        ValueError for a blob that is not a local state of this run (checked by hash at
-        intake, so only a coordinator bug gets here)."""
-        if task.local_state_cid is None:
-            return {}
-        data = self.blobs.get(task.local_state_cid)
-        return {
-            "previous_end": verify.local_state_from_bytes(data, strategy.local_state()),
-            "previous_accepted": task.previous_accepted,
-        }
-
-    def _referee_strategy_for(self) -> Strategy:
-        """The referee's own copy of the strategy (its model is trained on; the round
-        driver's is not touched)."""
-        if self._referee_strategy is None:
-            self._referee_strategy = copy.deepcopy(self.strategy)
-        return self._referee_strategy
-
-    def _batch_fn(self, round_: int, data_key: str) -> Any:
-        return assignment_batches(self.cfg, self.corpus, self.seq_len, round_, data_key)
