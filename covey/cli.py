@@ -443,7 +443,13 @@ def demo(
     validators: Annotated[
         int, typer.Option(min=0, help="validator processes re-executing sampled work")
     ] = 1,
-    model: Annotated[str, typer.Option(help="GPT size: nano micro mini small gpt2")] = "nano",
+    model: Annotated[
+        str, typer.Option(help="covey:nano|micro|mini|small|gpt2 (or the bare size), hf:DIR")
+    ] = "nano",
+    tokenizer: Annotated[str, typer.Option(help="bytes or hf:DIR (tokenizer.json)")] = "bytes",
+    data: Annotated[
+        list[str] | None, typer.Option(help="text/JSONL/Parquet/... file or dir; repeat")
+    ] = None,
     seed: Annotated[int, typer.Option(help="seeds the model, the data and the chaos")] = 0,
     out: Annotated[
         Path | None, typer.Option(help="run directory (default: runs/demo-YYYYmmdd-HHMMSS)")
@@ -482,6 +488,8 @@ def demo(
             model=model,
             seed=seed,
             progress=progress,
+            tokenizer=tokenizer,
+            data=tuple(data or ()),
         )
     except ClusterError as e:
         raise _fail(f"{e}\n(all logs: {out / 'logs'})") from None

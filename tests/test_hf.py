@@ -162,3 +162,20 @@ def test_network_run_trains_verifies_and_exports_a_tiny_llama(tmp_path: Path) ->
     with torch.no_grad():
         diff = model.eval()(input_ids=ids).logits - exported.eval()(input_ids=ids).logits
     assert float(diff.abs().max()) < 1e-5
+
+
+def test_demo_spec_names_hf_model_tokenizer_and_data_by_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`covey demo --model hf:DIR --tokenizer hf:DIR --data train.parquet`: the processes run
+    in the run directory, so the spec holds absolute paths."""
+    from covey.config import RunConfig
+    from covey.local.demo import demo_spec
+
+    monkeypatch.chdir(tmp_path)
+    spec = demo_spec("diloco", model="hf:DIR", tokenizer="hf:DIR", data=("train.parquet",))
+    cfg = RunConfig.model_validate(spec)
+    assert cfg.model.source == f"hf:{tmp_path / 'DIR'}"
+    assert cfg.data.tokenizer == f"hf:{tmp_path / 'DIR'}"
+    assert cfg.data.paths == (str(tmp_path / "train.parquet"),)
+    assert RunConfig.model_validate(demo_spec("diloco", model="micro")).model.spec == "covey:micro"

@@ -48,7 +48,14 @@ ADVERSARIES = (
 
 
 def demo_spec(
-    algorithm: str, *, model: str = "nano", seed: int = 0, workers: int = 1, adversaries: int = 0
+    algorithm: str,
+    *,
+    model: str = "nano",
+    seed: int = 0,
+    workers: int = 1,
+    adversaries: int = 0,
+    tokenizer: str = "bytes",
+    data: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The run spec for a demo of `algorithm`, as the dict its TOML holds. Rounds are sized
     to take a few seconds on a laptop CPU; the run is bounded by time, not max_rounds.
@@ -77,8 +84,13 @@ def demo_spec(
     return {
         "name": f"covey-demo-{algorithm}",
         "seed": seed,
-        "model": {"size": model},
-        "data": {"batch_size": 8},
+        "model": {"size": model} if ":" not in model else {"source": _absolute(model)},
+        # absolute: the peers run in the run directory (the stdlib corpus when no paths)
+        "data": {
+            "batch_size": 8,
+            "tokenizer": _absolute(tokenizer),
+            "paths": [str(Path(p).expanduser().resolve()) for p in data],
+        },
         "algorithm": algo,
         "rounds": {
             "min_peers": max(1, min(3, workers - adversaries)) if adversaries else 1,
@@ -94,6 +106,13 @@ def demo_spec(
         # stakes are small and rewards visible: 30 steps x 8 x 256 tokens earn ~61 credits
         "trust": {"min_stake": 10.0, "commit_every": 10},
     }
+
+
+def _absolute(source: str) -> str:
+    """hf:<dir> with an absolute dir (the processes run elsewhere); others unchanged."""
+    if source.startswith("hf:"):
+        return f"hf:{Path(source[3:]).expanduser().resolve()}"
+    return source
 
 
 # --- chaos -------------------------------------------------------------------------------------
@@ -161,6 +180,8 @@ def run_local_demo(
     chaos_every_s: tuple[float, float] = (15.0, 25.0),
     adversaries: int = 0,
     validators: int = 1,
+    tokenizer: str = "bytes",
+    data: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Train for `minutes` with a coordinator and `workers` worker processes in `out_dir`,
     then write metrics.jsonl, loss.png and summary.json there and return the summary. The
@@ -185,7 +206,15 @@ def run_local_demo(
         raise ValueError(f"chaos_every_s ({lo}, {hi}) must satisfy 0 < low <= high")
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "run.toml"
-    spec = demo_spec(algorithm, model=model, seed=seed, workers=workers, adversaries=adversaries)
+    spec = demo_spec(
+        algorithm,
+        model=model,
+        seed=seed,
+        workers=workers,
+        adversaries=adversaries,
+        tokenizer=tokenizer,
+        data=data,
+    )
     spec_path.write_text(to_toml(spec))
     load_run_config(spec_path)  # fails here, with the field named, not in a child
 
