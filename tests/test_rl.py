@@ -217,3 +217,58 @@ def test_jsonl_task_with_py_reward(tmp_path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(TaskError, match=r"bad\.jsonl:1"):
         JsonlTask(tmp_path / "bad.jsonl", "py:tests.test_rl:reward_contains")
+
+
+# --- proofs -------------------------------------------------------------------------
+
+from covey.rl import proofs  # noqa: E402
+from covey.rl.calibrate import bf16_rounded, perturbed, trained  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def honest_gen(policy: GPT) -> sampling.Generation:
+    return sampling.generate(policy, PROMPT, 40, 1.0, seed=21)  # a full chunk and a part
+
+
+def test_proof_size_meets_goal() -> None:
+    assert proofs.proof_size(32, 64) == 258 and proofs.proof_size(32, 4096) == 258
+    assert proofs.proof_size(40, 64) == 258 + 258  # 8 tokens x 64 dims still hold 128 values
+    assert proofs.proof_size(33, 2) == (2 + 2 * 64) + (2 + 2 * 2)  # fewer values than k
+
+
+def test_honest_proof_verifies_on_1_and_2_threads(policy: GPT, honest_gen) -> None:
+    proof = proofs.build_proof(honest_gen.hidden)
+    assert len(proof) == proofs.proof_size(40, RL_CFG.n_embd)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            verdict = proofs.verify_proof(policy, PROMPT, honest_gen.tokens, proof)
+            assert verdict.ok, verdict.reason
+            assert all(c.overlap == 1.0 and c.mean_ulp < 0.1 for c in verdict.chunks)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_proof_from_other_weights_is_rejected(policy: GPT) -> None:
+    for cheat in (perturbed(policy, 1e-3), bf16_rounded(policy), trained(policy, steps=1)):
+        gen = sampling.generate(cheat, PROMPT, 32, 1.0, seed=21)
+        verdict = proofs.verify_proof(policy, PROMPT, gen.tokens, proofs.build_proof(gen.hidden))
+        assert not verdict.ok
+
+
+def test_proof_of_altered_prompt_or_tokens_is_rejected(policy: GPT, honest_gen) -> None:
+    proof = proofs.build_proof(honest_gen.hidden)
+    other_prompt = list(b"13+7=")
+    assert not proofs.verify_proof(policy, other_prompt, honest_gen.tokens, proof).ok
+    edited = list(honest_gen.tokens)
+    edited[3] = (edited[3] + 1) % 256
+    assert not proofs.verify_proof(policy, PROMPT, edited, proof).ok
+
+
+def test_malformed_proof_is_a_verdict_not_an_exception(policy: GPT, honest_gen) -> None:
+    proof = proofs.build_proof(honest_gen.hidden)
+    short = proofs.verify_proof(policy, PROMPT, honest_gen.tokens, proof[:-1])
+    assert not short.ok and "bytes" in short.reason
+    bad_mod = (1).to_bytes(2, "little") + proof[2:]
+    assert "modulus" in proofs.verify_proof(policy, PROMPT, honest_gen.tokens, bad_mod).reason

@@ -173,3 +173,18 @@ def check_sampling(
     logits, _ = forward_hidden(model, torch.tensor([prompt + tokens[:-1]], device=device))
     raw = sampling_scores(logits[0, len(prompt) - 1 :], tokens, seed, temperature)
     return SamplingCheck(agree=raw.gap <= tolerance, gap=raw.gap, logprobs=raw.logprobs)
+
+
+@torch.no_grad()
+def prefill(
+    model: nn.Module, sequences: list[list[int]], pad_id: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batched forward of `sequences`, right-padded with `pad_id` (causal attention: pads
+    never reach real positions) -> per sequence (logits (L, V), hidden (L, D)), float32, CPU."""
+    if not sequences or any(not s for s in sequences):
+        raise ValueError("prefill needs non-empty sequences")
+    device = next(model.parameters()).device
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences], device=device)
+    logits, hidden = forward_hidden(model, ids)
+    return [(logits[i, : len(s)].cpu(), hidden[i, : len(s)].cpu()) for i, s in enumerate(sequences)]

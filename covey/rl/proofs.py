@@ -1,0 +1,201 @@
+"""TOPLOC-style proofs of inference (after Ong et al., arXiv:2501.16007), covey's own code.
+
+For each chunk of `chunk` (32) generated tokens, the worker commits to the k (128) entries
+of largest magnitude among ALL the chunk's last hidden states (the (chunk, D) block
+flattened), with their flat indices. Encoding (TOPLOC's polynomial trick): a modulus m is
+chosen so the indices are distinct mod m; the polynomial p over GF(65521) of degree < k with
+p(index mod m) = fp16 bits of the value is stored as k 16-bit coefficients. A chunk proof is
+2 + 2k bytes (258 for k = 128): the indices cost nothing extra, since a verifier only ever
+asks "what value did you commit for this index?" by evaluating p there.
+
+The validator recomputes the hidden states with one prefill of prompt + tokens, takes ITS
+top-k indices per chunk and evaluates p at them. An index the worker did not commit gives
+a pseudo-random 16-bit pattern, which almost never lands near the true value; a committed
+one gives the worker's fp16 value. A chunk is accepted when enough of the top-k agree
+(`min_overlap`) and the agreeing values differ by few fp16 units in the last place on
+average (`max_mean_ulp`). Thresholds come from `python -m covey.rl.calibrate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PRIME = 65521  # largest prime below 2**16: coefficients fit in 16 bits
+CHUNK = 32
+TOPK = 128
+_FP16_MAX = 65504.0
+
+
+class ProofError(ValueError):
+    """A proof is malformed: wrong length or an impossible header."""
+
+
+def chunk_proof_bytes(n_values: int, k: int = TOPK) -> int:
+    """Bytes of one chunk's proof: 2 (modulus) + 2 per committed value."""
+    return 2 + 2 * min(k, n_values)
+
+
+def proof_size(n_tokens: int, hidden_dim: int, chunk: int = CHUNK, k: int = TOPK) -> int:
+    """Total bytes of a proof for `n_tokens` generated tokens of hidden size `hidden_dim`."""
+    full, rest = divmod(n_tokens, chunk)
+    size = full * chunk_proof_bytes(chunk * hidden_dim, k)
+    return size + (chunk_proof_bytes(rest * hidden_dim, k) if rest else 0)
+
+
+def _fp16_bits(values: torch.Tensor) -> list[int]:
+    half = values.float().clamp(-_FP16_MAX, _FP16_MAX).half()
+    return [int(b) & 0xFFFF for b in half.view(torch.int16).tolist()]
+
+
+def _bits_to_float(bits: list[int]) -> torch.Tensor:
+    signed = [b - 0x10000 if b >= 0x8000 else b for b in bits]
+    return torch.tensor(signed, dtype=torch.int16).view(torch.float16).float()
+
+
+def _injective_modulus(indices: list[int]) -> int:
+    for m in range(PRIME, len(indices) - 1, -1):
+        if len({i % m for i in indices}) == len(indices):
+            return m
+    raise ProofError(f"no modulus makes {len(indices)} indices distinct")  # unreachable
+
+
+def _interpolate(xs: list[int], ys: list[int]) -> list[int]:
+    """Monomial coefficients (low degree first) over GF(PRIME) through the points."""
+    n = len(xs)
+    a = [y % PRIME for y in ys]
+    for j in range(1, n):  # Newton divided differences, in place
+        for i in range(n - 1, j - 1, -1):
+            a[i] = (a[i] - a[i - 1]) * pow(xs[i] - xs[i - j], PRIME - 2, PRIME) % PRIME
+    poly = [a[n - 1]]
+    for j in range(n - 2, -1, -1):  # poly = poly * (x - xs[j]) + a[j]
+        nxt = [0] * (len(poly) + 1)
+        for d, c in enumerate(poly):
+            nxt[d + 1] = (nxt[d + 1] + c) % PRIME
+            nxt[d] = (nxt[d] - c * xs[j]) % PRIME
+        nxt[0] = (nxt[0] + a[j]) % PRIME
+        poly = nxt
+    return poly
+
+
+def _evaluate(coeffs: list[int], x: int) -> int:
+    acc = 0
+    for c in reversed(coeffs):
+        acc = (acc * x + c) % PRIME
+    return acc
+
+
+def _top(block: torch.Tensor, k: int) -> tuple[list[int], torch.Tensor]:
+    flat = block.float().reshape(-1)
+    idx = torch.topk(flat.abs(), min(k, flat.numel())).indices
+    return idx.tolist(), flat[idx]
+
+
+def _chunks(hidden: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    if hidden.dim() != 2:
+        raise ProofError(f"hidden states must be (tokens, dim), got {tuple(hidden.shape)}")
+    return [hidden[i : i + chunk] for i in range(0, hidden.shape[0], chunk)]
+
+
+def build_proof(hidden: torch.Tensor, chunk: int = CHUNK, k: int = TOPK) -> bytes:
+    """The proof of the generated tokens' last hidden states (n, D): one commitment per
+    chunk of `chunk` tokens, concatenated (see `proof_size`)."""
+    out = bytearray()
+    for block in _chunks(hidden, chunk):
+        indices, values = _top(block, k)
+        m = _injective_modulus(indices)
+        coeffs = _interpolate([i % m for i in indices], _fp16_bits(values))
+        out += m.to_bytes(2, "little")
+        for c in coeffs:
+            out += c.to_bytes(2, "little")
+    return bytes(out)
+
+
+@dataclass(frozen=True)
+class ChunkCheck:
+    overlap: float  # share of the recomputed top-k whose committed value agrees
+    mean_ulp: float  # mean |fp16 units| between committed and recomputed agreeing values
+
+
+@dataclass(frozen=True)
+class ProofThresholds:
+    """A chunk passes when overlap >= min_overlap and mean_ulp <= max_mean_ulp.
+
+    Defaults from `python -m covey.rl.calibrate` (fp32 policy): honest runs across 1/2
+    threads and batch 1/4 give overlap >= 0.98 and mean_ulp <= 0.05; cheats are far."""
+
+    min_overlap: float = 0.9
+    max_mean_ulp: float = 0.5
+    agree_rel: float = 0.05  # a committed value "agrees" within this relative error
+
+
+@dataclass(frozen=True)
+class ProofVerdict:
+    ok: bool
+    chunks: list[ChunkCheck]
+    reason: str = ""
+
+
+def compare_proof(
+    proof: bytes,
+    hidden: torch.Tensor,
+    thresholds: ProofThresholds = ProofThresholds(),
+    chunk: int = CHUNK,
+    k: int = TOPK,
+) -> ProofVerdict:
+    """Check `proof` against recomputed hidden states (n, D) of the same generated tokens.
+    A malformed proof (wrong length, bad modulus) is a failed verdict, never an exception."""
+    blocks = _chunks(hidden, chunk)
+    expected = proof_size(hidden.shape[0], hidden.shape[1], chunk, k)
+    if len(proof) != expected:
+        return ProofVerdict(False, [], f"proof is {len(proof)} bytes, expected {expected}")
+    checks: list[ChunkCheck] = []
+    pos = 0
+    for n, block in enumerate(blocks):
+        size = chunk_proof_bytes(block.numel(), k)
+        raw = proof[pos : pos + size]
+        pos += size
+        m = int.from_bytes(raw[:2], "little")
+        if not min(k, block.numel()) <= m <= PRIME:
+            return ProofVerdict(False, checks, f"chunk {n}: bad modulus {m}")
+        coeffs = [int.from_bytes(raw[i : i + 2], "little") for i in range(2, size, 2)]
+        indices, values = _top(block, k)
+        claimed = _bits_to_float([_evaluate(coeffs, i % m) for i in indices])
+        mine_bits = torch.tensor(_fp16_bits(values), dtype=torch.int64)
+        claimed_bits = torch.tensor(_fp16_bits(claimed), dtype=torch.int64)
+        mine = _bits_to_float(mine_bits.tolist())
+        agree = (claimed - mine).abs() <= thresholds.agree_rel * mine.abs()
+        agree &= torch.isfinite(claimed)
+        overlap = float(agree.float().mean())
+        # same sign when agreeing, so fp16 bit patterns are monotone: their gap is in ULPs
+        ulp = (claimed_bits - mine_bits).abs()[agree].float()
+        mean_ulp = float(ulp.mean()) if ulp.numel() else float("inf")
+        checks.append(ChunkCheck(overlap, mean_ulp))
+        if overlap < thresholds.min_overlap:
+            return ProofVerdict(False, checks, f"chunk {n}: top-k overlap {overlap:.3f} "
+                                f"< {thresholds.min_overlap}")
+        if mean_ulp > thresholds.max_mean_ulp:
+            return ProofVerdict(False, checks, f"chunk {n}: mean value error {mean_ulp:.3f} "
+                                f"fp16 ulp > {thresholds.max_mean_ulp}")
+    return ProofVerdict(True, checks)
+
+
+def verify_proof(
+    model: torch.nn.Module,
+    prompt: list[int],
+    tokens: list[int],
+    proof: bytes,
+    thresholds: ProofThresholds = ProofThresholds(),
+    chunk: int = CHUNK,
+    k: int = TOPK,
+) -> ProofVerdict:
+    """Recompute the generated tokens' hidden states with one prefill of prompt + tokens
+    and compare them with `proof` (see `compare_proof`)."""
+    from covey.rl.sampling import prefill
+
+    if not tokens:
+        ok = len(proof) == 0
+        return ProofVerdict(ok, [], "" if ok else "proof for an empty completion")
+    _, hidden = prefill(model, [prompt + tokens])[0]
+    return compare_proof(proof, hidden[len(prompt) :], thresholds, chunk, k)
