@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 import torch
 
@@ -272,3 +274,137 @@ def test_malformed_proof_is_a_verdict_not_an_exception(policy: GPT, honest_gen) 
     assert not short.ok and "bytes" in short.reason
     bad_mod = (1).to_bytes(2, "little") + proof[2:]
     assert "modulus" in proofs.verify_proof(policy, PROMPT, honest_gen.tokens, bad_mod).reason
+
+
+# --- batch checks ---------------------------------------------------------------------
+
+from covey.rl.batch import (  # noqa: E402
+    Problem,
+    RolloutBatch,
+    RolloutSpec,
+    Sample,
+    check_batch,
+    rollout,
+)
+
+SPEC = RolloutSpec(run_id="run-rl", prompts_per_step=2, group_size=2, temperature=1.0,
+                   max_new_tokens=8, vocab_size=256, eos_id=None)
+TASK = ArithmeticTask(seed=0, max_operand=20)
+CID = "cid-v3"
+
+
+def _batch(model: GPT, worker: str = "w1", step: int = 3) -> RolloutBatch:
+    return rollout(model, TASK, SPEC, step=step, worker_id=worker, policy_version=3,
+                   policy_cid=CID)
+
+
+@pytest.fixture(scope="module")
+def honest_batch(policy: GPT) -> RolloutBatch:
+    return _batch(policy)
+
+
+def _check(model: GPT, batch: RolloutBatch, step: int = 3):
+    return check_batch(batch, spec=SPEC, step=step, policy_cid=CID, model=model, task=TASK)
+
+
+def _with_sample(batch: RolloutBatch, i: int, **changes) -> RolloutBatch:
+    samples = list(batch.samples)
+    samples[i] = samples[i].model_copy(update=changes)
+    return batch.model_copy(update={"samples": samples})
+
+
+def test_honest_batch_passes_on_1_and_2_threads(policy: GPT) -> None:
+    before = torch.get_num_threads()
+    try:
+        batches = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            batches[threads] = _batch(policy)
+        for gen_threads, batch in batches.items():
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                verdict = _check(policy, batch)
+                assert verdict.ok, (gen_threads, threads, verdict)
+    finally:
+        torch.set_num_threads(before)
+    # the schema round-trips through JSON, the wire format
+    batch = batches[1]
+    assert RolloutBatch.model_validate_json(batch.model_dump_json()) == batch
+
+
+def test_batch_from_other_weights_is_rejected(policy: GPT) -> None:
+    for cheat in (perturbed(policy, 1e-3), bf16_rounded(policy), trained(policy, steps=1)):
+        verdict = _check(policy, _batch(cheat))
+        assert not verdict.ok and verdict.problem in (Problem.PROOF, Problem.SAMPLING), verdict
+
+
+def test_altered_prompt_is_rejected(policy: GPT, honest_batch: RolloutBatch) -> None:
+    # sample 0 generated for another prompt, claimed for the assigned one
+    other = list(b"1+1=")
+    seed = sampling.sample_seed(SPEC.run_id, 3, "w1", honest_batch.prompt_indices[0], 0)
+    gen = sampling.generate(policy, other, SPEC.max_new_tokens, 1.0, seed)
+    forged = _with_sample(honest_batch, 0, tokens=gen.tokens, logprobs=gen.logprobs.tolist(),
+                          proof=base64.b64encode(proofs.build_proof(gen.hidden)).decode(),
+                          reward=TASK.reward(honest_batch.prompt_indices[0],
+                                             bytes(gen.tokens).decode("utf-8", "replace")))
+    verdict = _check(policy, forged)
+    assert not verdict.ok and verdict.sample == 0 and verdict.problem is Problem.PROOF
+
+
+def test_edited_tokens_are_rejected(policy: GPT, honest_batch: RolloutBatch) -> None:
+    s = honest_batch.samples[1]
+    for pos in (0, 4, 7):
+        tokens = list(s.tokens)
+        tokens[pos] = (tokens[pos] + 7) % 256
+        text = bytes(tokens).decode("utf-8", "replace")
+        forged = _with_sample(honest_batch, 1, tokens=tokens,
+                              reward=TASK.reward(honest_batch.prompt_indices[0], text))
+        verdict = _check(policy, forged)
+        assert not verdict.ok and verdict.sample == 1, verdict
+        assert verdict.problem in (Problem.PROOF, Problem.SAMPLING)
+
+
+def test_fabricated_logprobs_are_rejected(policy: GPT, honest_batch: RolloutBatch) -> None:
+    s = honest_batch.samples[2]
+    forged = _with_sample(honest_batch, 2, logprobs=[x + 0.01 for x in s.logprobs])
+    assert _check(policy, forged).problem is Problem.LOGPROBS
+
+
+def test_inflated_reward_is_rejected(policy: GPT, honest_batch: RolloutBatch) -> None:
+    s = honest_batch.samples[3]
+    verdict = _check(policy, _with_sample(honest_batch, 3, reward=s.reward + 1.0))
+    assert verdict.problem is Problem.REWARD and verdict.sample == 3
+
+
+def test_dropped_samples_and_skipped_prompts_are_rejected(
+    policy: GPT, honest_batch: RolloutBatch
+) -> None:
+    dropped = honest_batch.model_copy(update={"samples": honest_batch.samples[:-1]})
+    assert _check(policy, dropped).problem is Problem.GROUP
+    smaller_g = honest_batch.model_copy(
+        update={"samples": honest_batch.samples[::2], "group_size": 1})
+    assert _check(policy, smaller_g).problem is Problem.GROUP
+    skipped = honest_batch.model_copy(update={
+        "prompt_indices": honest_batch.prompt_indices[:1], "samples": honest_batch.samples[:2]})
+    assert _check(policy, skipped).problem is Problem.PROMPTS
+    chosen = honest_batch.model_copy(update={"prompt_indices": [0, 1]})
+    assert _check(policy, chosen).problem is Problem.PROMPTS
+
+
+def test_replayed_or_stale_batch_is_rejected(policy: GPT, honest_batch: RolloutBatch) -> None:
+    replay = honest_batch.model_copy(update={"worker_id": "w2"})
+    assert _check(policy, replay).problem is Problem.PROMPTS
+    assert _check(policy, honest_batch, step=4).problem is Problem.WRONG_STEP
+    other_policy = honest_batch.model_copy(update={"policy_cid": "cid-v2"})
+    assert _check(policy, other_policy).problem is Problem.WRONG_POLICY
+
+
+def test_schema_limits_and_bad_proof() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="base64"):
+        Sample(tokens=[1], logprobs=[0.0], reward=0.0, proof="not base64!")
+    with pytest.raises(ValidationError):
+        Sample(tokens=[1] * 5000, logprobs=[0.0] * 5000, reward=0.0, proof="")
+    with pytest.raises(ValidationError):
+        Sample(tokens=[1], logprobs=[0.0], reward=0.0, proof="", extra=1)
