@@ -3,12 +3,24 @@ rebalancing and a convergence check, all in one process, no sockets."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
 
 from covey.models.gpt import GPT, GPTConfig
 from covey.swarm.plan import block_param_costs, plan_stages, stage_modules
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny matrices: extra torch threads only contend for the machine's 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 SMALL = GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32)
 
@@ -371,19 +383,11 @@ def test_int8_pipeline_converges_like_one_process() -> None:
     sharing GPT's tied wte/lm_head Parameter vs the whole GPT, and (b) each stage its own
     copy (as on real servers: the tie is untied) vs those same copies trained as one
     module with one optimizer."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: extra threads only contend for the 2 cores
-    try:
-        _converges(steps=30, lr=3e-3)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _converges(steps: int, lr: float) -> None:
     import copy
 
     from covey.models.gpt import lm_loss
 
+    steps, lr = 30, 3e-3
     data = _markov_batches(steps + 4, 8, 17)
     batches, held_out = data[:steps], data[steps:]
     base = small_gpt()
