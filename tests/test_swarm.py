@@ -148,6 +148,9 @@ def test_stage_backward_recomputes_and_matches_whole_model_grads() -> None:
         stages[1].step()
     with pytest.raises(ValueError, match="grad_outputs shape"):
         stages[1].backward(acts[1], torch.zeros(1, 2, 3))
+    gpt2 = tiny_hf("gpt2").train()  # HF GPT-2 defaults to dropout 0.1
+    with pytest.raises(ValueError, match=r"Dropout\(p=0.1\)"):
+        Stage(stage_modules(gpt2, [[0, 1, 2, 3]])[0], torch.optim.SGD)
 
 
 # ---- codecs -----------------------------------------------------------------------------

@@ -37,6 +37,14 @@ class Stage:
     ) -> None:
         if target_samples < 1:
             raise ValueError(f"target_samples ({target_samples}) must be at least 1")
+        # Recomputation must reproduce the forward exactly; a dropout mask drawn anew in
+        # backward would differ from the one the next stage saw.
+        for name, m in module.named_modules():
+            if isinstance(m, nn.Dropout) and m.p > 0 and m.training:
+                raise ValueError(
+                    f"stage module {name} is Dropout(p={m.p}) in training mode: backward "
+                    "recomputes forward, so dropout must be 0 (or the module in eval mode)"
+                )
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = optimizer(self.params)
