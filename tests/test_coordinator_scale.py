@@ -31,7 +31,7 @@ from covey.peer.blobclient import upload_headers
 from covey.protocol.content import content_id
 from covey.trust.identity import Identity, request_purpose
 
-SPEC = BENCH_SPEC.format(heartbeat_s=1.0, dead_after_s=5.0, lease_s=10.0)
+SPEC = BENCH_SPEC.format(heartbeat_s=1.0, dead_after_s=5.0, lease_s=10.0, min_peers=1)
 
 
 def signed(key: Identity, body: dict[str, Any], path: str, round: int = -1) -> dict[str, Any]:

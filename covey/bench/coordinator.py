@@ -43,7 +43,7 @@ inner_state = "reset"
 heartbeat_s = {heartbeat_s}
 dead_after_s = {dead_after_s}
 lease_s = {lease_s}
-min_peers = 1
+min_peers = {min_peers}  # the first round waits for every simulated peer
 deadline_min_s = 5
 deadline_max_s = 8
 checkpoint_every = 1000
@@ -104,7 +104,12 @@ def run_coordinator_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "run.toml"
     spec.write_text(
-        SPEC.format(heartbeat_s=heartbeat_s, dead_after_s=5 * heartbeat_s, lease_s=10 * heartbeat_s)
+        SPEC.format(
+            heartbeat_s=heartbeat_s,
+            dead_after_s=5 * heartbeat_s,
+            lease_s=10 * heartbeat_s,
+            min_peers=peers,
+        )
     )
     ctx = mp.get_context("spawn")
     with LocalCluster(spec, out_dir) as cluster:
