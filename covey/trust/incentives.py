@@ -58,14 +58,13 @@ them with the same expressions (`Book.work_reward`, `Book.slash_amount`).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from covey.trust import halt
-from covey.trust.certify import check_canary_draw, draw_value
+from covey.trust.draws import Draws
 from covey.trust.identity import IdentityError, peer_id_of
 from covey.trust.ledger import Entry, LedgerError
 
@@ -164,7 +163,7 @@ class Account:
         return (self.agreed + 1) / (self.agreed + self.frauds + 2)
 
 
-class Book:
+class Book(Draws):
     """The run's accounts as of the entries applied so far. Build with `replay`, or apply
     entries one by one as they are appended."""
 
@@ -237,56 +236,6 @@ class Book:
         return (
             policy.new_peer_rate if acc.reputation < policy.low_reputation else policy.sample_rate
         )
-
-    def beacon(self, round: int) -> str:
-        """The beacon of round `round`'s draws: fixed at its first draw to the hash of the
-        last round certificate then (the run id's hash before any)."""
-        if round in self._beacons:
-            return self._beacons[round]
-        if self._last_certificate is not None:
-            return self._last_certificate
-        return hashlib.sha256(f"covey-genesis-beacon\n{self.run_id}".encode()).hexdigest()
-
-    def draw(self, round: int, peer_id: str, n: int) -> list[str]:
-        """The first `n` eligible validators for the check of `peer_id`'s round-`round`
-        contribution, in beacon order (see the "assignment" entry); fewer if fewer are
-        eligible."""
-        policy, key = self._policy(), (round, peer_id)
-        tried = self._tried.get(key, set())
-        eligible = [
-            a.peer_id
-            for a in self.accounts.values()
-            if a.role == "validator"
-            and not a.banned
-            and a.stake >= policy.min_validator_stake
-            and a.peer_id != peer_id
-            and a.peer_id not in tried
-            and self._load.get((round, a.peer_id), 0) < policy.validator_round_cap
-        ]
-        beacon = self.beacon(round)
-        ranked = sorted(eligible, key=lambda v: draw_rank(beacon, round, peer_id, v))
-        return ranked[: max(n, 0)]
-
-    def checks_needed(self, round: int, peer_id: str) -> int:
-        """How many more validators must be assigned to this contribution now: its
-        required checks less those completed and those assigned and open."""
-        key = (round, peer_id)
-        if key not in self._required:
-            return 0
-        return self._required[key] - self._done.get(key, 0) - len(self._open.get(key, ()))
-
-    def checks_complete(self, round: int, peer_id: str) -> bool:
-        """Whether a sampled contribution was checked enough to be paid: at least one check
-        completed, and all it requires or every eligible validator tried."""
-        key = (round, peer_id)
-        if key not in self._required:
-            return True  # not sampled
-        done = self._done.get(key, 0)
-        return done >= 1 and (done >= self._required[key] or not self.draw(round, peer_id, 1))
-
-    def is_assigned(self, round: int, peer_id: str, validator_id: str) -> bool:
-        """Whether `validator_id` holds an open assignment to check this contribution."""
-        return validator_id in self._open.get((round, peer_id), set())
 
     def work_reward(self, tokens: int) -> float:
         """The amount a "work" reward for `tokens` verified tokens must carry."""
@@ -421,26 +370,6 @@ class Book:
         self._accepted[key] = p["tokens"]
         acc.contributions += 1
 
-    def _assignment(self, i: int, p: dict[str, Any]) -> None:
-        key, rnd = (p["round"], p["peer_id"]), p["round"]
-        if key not in self._required:
-            raise LedgerError(i, f"assignment: no sampled contribution of {key[1]} in round {rnd}")
-        if p["beacon"] != self.beacon(rnd):
-            raise LedgerError(
-                i,
-                f"assignment: beacon {p['beacon'][:16]}, round {rnd}'s is {self.beacon(rnd)[:16]}",
-            )
-        expected = self.draw(rnd, key[1], self.checks_needed(*key))
-        if p["validators"] != expected or not expected:
-            raise LedgerError(
-                i, f"assignment: validators {p['validators']}, the beacon's draw is {expected}"
-            )
-        self._beacons.setdefault(rnd, p["beacon"])
-        for v in expected:
-            self._open.setdefault(key, set()).add(v)
-            self._tried.setdefault(key, set()).add(v)
-            self._load[(rnd, v)] = self._load.get((rnd, v), 0) + 1
-
     def _contribution_rejected(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p).rejected += 1
 
@@ -468,31 +397,6 @@ class Book:
         self._checks_due[due] = self._checks_due.get(due, 0) + 1
         if p["outcome"] == "agree":
             acc.agreed += 1
-
-    def _canary(self, i: int, p: dict[str, Any]) -> None:
-        validator = self._peer(i, p)
-        self._peer(i, p, "worker_id")
-        if validator.role != "validator":
-            raise LedgerError(i, f"canary: peer {validator.peer_id} is not a validator")
-        if (p["round"], validator.peer_id) in self._canaries:
-            raise LedgerError(
-                i, f"canary: a second one for {validator.peer_id} in round {p['round']}"
-            )
-        key, run_id = self.coordinator_key or "", self.run_id or ""
-        rate = self._policy().canary_rate
-        if not check_canary_draw(key, run_id, p["round"], validator.peer_id, p["draw"]):
-            raise LedgerError(i, "canary: draw is not the coordinator's signature")
-        if draw_value(p["draw"]) >= rate:
-            raise LedgerError(
-                i, f"canary: its draw is {draw_value(p['draw']):.3g}, not below {rate}"
-            )
-        if p["outcome"] == "caught":
-            validator.checks += 1
-            due = (p["round"], validator.peer_id)
-            self._checks_due[due] = self._checks_due.get(due, 0) + 1
-        elif p["outcome"] == "missed":
-            validator.missed_checks += 1
-        self._canaries.add((p["round"], validator.peer_id))
 
     def _report_refused(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p).refused_reports += 1
@@ -684,10 +588,3 @@ _LATER_FIELDS = (
     "canary_rate",
 )
 _INT_FIELDS = ("new_peer_contributions", "validators_per_check", "validator_round_cap")
-
-
-def draw_rank(beacon: str, round: int, peer_id: str, validator_id: str) -> str:
-    """A validator's place in the draw for one contribution (lower checks first): public,
-    so anyone recomputes it; unpredictable before the beacon (the previous certificate)."""
-    message = f"covey-assign/v1\n{beacon}\n{round}\n{peer_id}\n{validator_id}"
-    return hashlib.sha256(message.encode()).hexdigest()

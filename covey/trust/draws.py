@@ -1,0 +1,143 @@
+"""The book's validator draws: who must check which contribution, and canaries
+(the "assignment" and "canary" ledger entries; their contract is in covey.trust.incentives).
+
+Pure, like the book: each draw is recomputed from the beacon (the hash of the last round
+certificate before the round's draws) and the validators' standing as the ledger left it,
+so every replay of the ledger, `covey ledger verify`'s included, checks every draw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from covey.trust.certify import check_canary_draw, draw_value
+from covey.trust.ledger import LedgerError
+
+if TYPE_CHECKING:
+    from covey.trust.incentives import Account, Policy
+
+
+class Draws:
+    """Mixed into `Book`, which holds this state and applies the entries."""
+
+    accounts: dict[str, Account]
+    run_id: str | None
+    coordinator_key: str | None
+    _last_certificate: str | None
+    _beacons: dict[int, str]
+    _required: dict[tuple[int, str], int]
+    _open: dict[tuple[int, str], set[str]]
+    _tried: dict[tuple[int, str], set[str]]
+    _done: dict[tuple[int, str], int]
+    _load: dict[tuple[int, str], int]
+    _canaries: set[tuple[int, str]]
+    _checks_due: dict[tuple[int, str], int]
+
+    def _policy(self) -> Policy:
+        raise NotImplementedError
+
+    def _peer(self, i: int, p: dict[str, Any], field: str = "peer_id") -> Account:
+        raise NotImplementedError
+
+    def beacon(self, round: int) -> str:
+        """The beacon of round `round`'s draws: fixed at its first draw to the hash of the
+        last round certificate then (the run id's hash before any)."""
+        if round in self._beacons:
+            return self._beacons[round]
+        if self._last_certificate is not None:
+            return self._last_certificate
+        return hashlib.sha256(f"covey-genesis-beacon\n{self.run_id}".encode()).hexdigest()
+
+    def draw(self, round: int, peer_id: str, n: int) -> list[str]:
+        """The first `n` eligible validators for the check of `peer_id`'s round-`round`
+        contribution, in beacon order (see the "assignment" entry); fewer if fewer are
+        eligible."""
+        policy, key = self._policy(), (round, peer_id)
+        tried = self._tried.get(key, set())
+        eligible = [
+            a.peer_id
+            for a in self.accounts.values()
+            if a.role == "validator"
+            and not a.banned
+            and a.stake >= policy.min_validator_stake
+            and a.peer_id != peer_id
+            and a.peer_id not in tried
+            and self._load.get((round, a.peer_id), 0) < policy.validator_round_cap
+        ]
+        beacon = self.beacon(round)
+        ranked = sorted(eligible, key=lambda v: draw_rank(beacon, round, peer_id, v))
+        return ranked[: max(n, 0)]
+
+    def checks_needed(self, round: int, peer_id: str) -> int:
+        """How many more validators must be assigned to this contribution now: its
+        required checks less those completed and those assigned and open."""
+        key = (round, peer_id)
+        if key not in self._required:
+            return 0
+        return self._required[key] - self._done.get(key, 0) - len(self._open.get(key, ()))
+
+    def checks_complete(self, round: int, peer_id: str) -> bool:
+        """Whether a sampled contribution was checked enough to be paid: at least one check
+        completed, and all it requires or every eligible validator tried."""
+        key = (round, peer_id)
+        if key not in self._required:
+            return True  # not sampled
+        done = self._done.get(key, 0)
+        return done >= 1 and (done >= self._required[key] or not self.draw(round, peer_id, 1))
+
+    def is_assigned(self, round: int, peer_id: str, validator_id: str) -> bool:
+        """Whether `validator_id` holds an open assignment to check this contribution."""
+        return validator_id in self._open.get((round, peer_id), set())
+
+    def _assignment(self, i: int, p: dict[str, Any]) -> None:
+        key, rnd = (p["round"], p["peer_id"]), p["round"]
+        if key not in self._required:
+            raise LedgerError(i, f"assignment: no sampled contribution of {key[1]} in round {rnd}")
+        if p["beacon"] != self.beacon(rnd):
+            raise LedgerError(
+                i,
+                f"assignment: beacon {p['beacon'][:16]}, round {rnd}'s is {self.beacon(rnd)[:16]}",
+            )
+        expected = self.draw(rnd, key[1], self.checks_needed(*key))
+        if p["validators"] != expected or not expected:
+            raise LedgerError(
+                i, f"assignment: validators {p['validators']}, the beacon's draw is {expected}"
+            )
+        self._beacons.setdefault(rnd, p["beacon"])
+        for v in expected:
+            self._open.setdefault(key, set()).add(v)
+            self._tried.setdefault(key, set()).add(v)
+            self._load[(rnd, v)] = self._load.get((rnd, v), 0) + 1
+
+    def _canary(self, i: int, p: dict[str, Any]) -> None:
+        validator = self._peer(i, p)
+        self._peer(i, p, "worker_id")
+        if validator.role != "validator":
+            raise LedgerError(i, f"canary: peer {validator.peer_id} is not a validator")
+        if (p["round"], validator.peer_id) in self._canaries:
+            raise LedgerError(
+                i, f"canary: a second one for {validator.peer_id} in round {p['round']}"
+            )
+        key, run_id = self.coordinator_key or "", self.run_id or ""
+        rate = self._policy().canary_rate
+        if not check_canary_draw(key, run_id, p["round"], validator.peer_id, p["draw"]):
+            raise LedgerError(i, "canary: draw is not the coordinator's signature")
+        if draw_value(p["draw"]) >= rate:
+            raise LedgerError(
+                i, f"canary: its draw is {draw_value(p['draw']):.3g}, not below {rate}"
+            )
+        if p["outcome"] == "caught":
+            validator.checks += 1
+            due = (p["round"], validator.peer_id)
+            self._checks_due[due] = self._checks_due.get(due, 0) + 1
+        elif p["outcome"] == "missed":
+            validator.missed_checks += 1
+        self._canaries.add((p["round"], validator.peer_id))
+
+
+def draw_rank(beacon: str, round: int, peer_id: str, validator_id: str) -> str:
+    """A validator's place in the draw for one contribution (lower checks first): public,
+    so anyone recomputes it; unpredictable before the beacon (the previous certificate)."""
+    message = f"covey-assign/v1\n{beacon}\n{round}\n{peer_id}\n{validator_id}"
+    return hashlib.sha256(message.encode()).hexdigest()
