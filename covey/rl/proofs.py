@@ -122,8 +122,11 @@ class ChunkCheck:
 class ProofThresholds:
     """A chunk passes when overlap >= min_overlap and mean_ulp <= max_mean_ulp.
 
-    Defaults from `python -m covey.rl.calibrate` (fp32 policy): honest runs across 1/2
-    threads and batch 1/4 give overlap >= 0.98 and mean_ulp <= 0.05; cheats are far."""
+    Defaults from `python -m covey.rl.calibrate` (fp32 policy, 4-layer 128-wide GPT, 8 x 64
+    tokens): honest runs across 1/2 threads and batch 1/4 give overlap 1.000 and mean_ulp
+    <= 0.008 per chunk; weights perturbed by 1e-3 relative give mean_ulp >= 1.09, weights
+    rounded to bf16 >= 1.11, an older checkpoint overlap 0. 0.5 sits 60x above honest noise
+    and 2x below the closest cheat. A bf16 run needs its own thresholds (see calibrate)."""
 
     min_overlap: float = 0.9
     max_mean_ulp: float = 0.5
