@@ -112,6 +112,11 @@ def calibrate(n_seq: int = 8, n_new: int = 64) -> list[Row]:
         _verify("honest: gen 1 thread, verify 2 threads, batch 4", model, prompts, honest1, 2, 4),
         _verify("honest: gen 2 threads, verify 1 thread, batch 4", model, prompts, honest2, 1, 4),
     ]
+    # A run that says bf16: the policy itself in bf16 on both sides (its own thresholds).
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    gens16 = _generate(model16, prompts, n_new, threads=1)
+    rows.append(_verify("bf16 run, honest: gen 1 thread, verify 2 thr, b4", model16, prompts,
+                        gens16, 2, 4))
     cheats = {
         "cheat: weights perturbed 1e-3 rel": perturbed(model, 1e-3),
         "cheat: weights rounded to bf16": bf16_rounded(model),
