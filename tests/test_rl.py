@@ -408,3 +408,17 @@ def test_schema_limits_and_bad_proof() -> None:
         Sample(tokens=[1] * 5000, logprobs=[0.0] * 5000, reward=0.0, proof="")
     with pytest.raises(ValidationError):
         Sample(tokens=[1], logprobs=[0.0], reward=0.0, proof="", extra=1)
+
+
+def test_hf_causal_lm_generates_and_verifies(tmp_path) -> None:
+    from covey.models.hf import build_hf_model
+    from tests.tiny_hf import tiny_llama
+
+    model = build_hf_model(tiny_llama(tmp_path / "llama"), seed=0).eval()
+    prompt = [5, 17, 42]
+    gen = sampling.generate(model, prompt, 12, 0.8, seed=9)
+    assert len(gen.tokens) == 12 and gen.hidden.shape == (12, 64)
+    assert sampling.check_sampling(model, prompt, gen.tokens, 9, 0.8).mismatches == 0
+    proof = proofs.build_proof(gen.hidden)
+    assert proofs.verify_proof(model, prompt, gen.tokens, proof).ok
+    assert not proofs.verify_proof(model, [5, 17, 43], gen.tokens, proof).ok

@@ -157,7 +157,8 @@ def check_batch(
 ) -> BatchVerdict:
     """All checks on `batch` against the run's `spec`, the expected `step` and policy blob
     (`model` must be that policy). `verify_samples` picks which samples get the prefill
-    checks (a)/(b) (all when None); (c), (d) and token sanity run on every sample."""
+    checks (a)/(b) (all when None; ValueError when out of range); (c), (d) and token
+    sanity run on every sample. A bad batch is a verdict, never an exception."""
     thresholds = thresholds or proofs.ProofThresholds()
     if batch.run_id != spec.run_id:
         return _bad(Problem.WRONG_RUN, f"run {batch.run_id!r}, expected {spec.run_id!r}")
@@ -185,6 +186,8 @@ def check_batch(
     chosen = range(len(batch.samples)) if verify_samples is None else verify_samples
     prompts = {p: encode(task.prompt(p)) for p in set(want)}
     chosen = list(chosen)
+    if any(not 0 <= i < len(batch.samples) for i in chosen):
+        raise ValueError(f"verify_samples {chosen} out of range [0, {len(batch.samples)})")
     for start in range(0, len(chosen), prefill_batch):
         part = chosen[start : start + prefill_batch]
         seqs = [prompts[want[i // g]] + batch.samples[i].tokens for i in part]
