@@ -422,3 +422,14 @@ def test_hf_causal_lm_generates_and_verifies(tmp_path) -> None:
     proof = proofs.build_proof(gen.hidden)
     assert proofs.verify_proof(model, prompt, gen.tokens, proof).ok
     assert not proofs.verify_proof(model, [5, 17, 43], gen.tokens, proof).ok
+
+
+def test_calibration_separates_honest_from_cheats() -> None:
+    from covey.rl.calibrate import calibrate
+
+    rows = {r.name: r for r in calibrate(n_seq=2, n_new=8)}
+    for name, row in rows.items():
+        if name.startswith("honest"):
+            assert row.rejected == 0 and row.max_mean_ulp < 0.1, row
+        elif name.startswith("cheat"):
+            assert row.rejected == row.sequences, row

@@ -101,6 +101,15 @@ def _verify(
 
 
 def calibrate(n_seq: int = 8, n_new: int = 64) -> list[Row]:
+    """The table's rows; restores torch's thread count afterwards."""
+    before = torch.get_num_threads()
+    try:
+        return _calibrate(n_seq, n_new)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate(n_seq: int, n_new: int) -> list[Row]:
     task = ArithmeticTask(seed=0)
     prompts = [list(task.prompt(i).encode()) for i in range(n_seq)]
     model = policy()
