@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +140,24 @@ def _calibrate(n_seq: int, n_new: int) -> list[Row]:
     return rows
 
 
+def measure_costs(n_new: int) -> dict[str, float]:
+    """Wall ms on this machine for one `n_new`-token completion: generation (no KV cache),
+    the validator's prefill, proof build and proof check."""
+    model, prompt = policy(), list(b"12+7=")
+    t0 = time.perf_counter()
+    gen = sampling.generate(model, prompt, n_new, 1.0, seed=1)
+    t1 = time.perf_counter()
+    _, hidden = sampling.prefill(model, [prompt + gen.tokens])[0]
+    t2 = time.perf_counter()
+    proof = proofs.build_proof(gen.hidden)
+    t3 = time.perf_counter()
+    proofs.compare_proof(proof, hidden[len(prompt) :])
+    t4 = time.perf_counter()
+    ms = 1000.0
+    return {"generate": (t1 - t0) * ms, "prefill": (t2 - t1) * ms,
+            "build_proof": (t3 - t2) * ms, "check_proof": (t4 - t3) * ms}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sequences", type=int, default=8)
@@ -151,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
           f"sampling tolerance {sampling.SAMPLING_TOLERANCE}")
     print(f"{'condition':48s} {'min ovl':>8s} {'ulp min':>8s} {'ulp max':>8s} {'max gap':>9s} "
           f"{'mism':>5s} {'tokens':>6s} {'rejected':>9s}")
+    costs = measure_costs(args.tokens)
+    print("costs (1 sequence, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
     for r in calibrate(args.sequences, args.tokens):
         print(f"{r.name:48s} {r.min_overlap:8.3f} {r.min_mean_ulp:8.3f} {r.max_mean_ulp:8.3f} "
               f"{r.max_gap:9.2e} {r.mismatches:5d} {r.tokens:6d} {r.rejected:4d}/{r.sequences}")
