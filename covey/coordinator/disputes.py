@@ -329,7 +329,7 @@ class Disputes:
             self._batch_fn(task.round, task.data_key),
             task.inner_steps,
             trust.commit_every,
-            claimed_start=claimed[segment] if seg_state is not None else None,
+            claimed_start=claimed[segment],
             tolerance=trust.tolerance,
             **self._previous_end(task, strategy),  # H3: the committed start local state
         )

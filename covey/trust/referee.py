@@ -51,8 +51,10 @@ class RefereeResult:
 
     end: its end commitment, or the decoded payload for the last segment; None when the
         referee refused to compute (see detail).
-    start_distance: 0: a segment starts from the worker's committed state exactly (a
-        hash-equal supplied one) or from the referee's own recomputation (kept for callers).
+    start_distance: the sketch distance of the referee's own segment start from the worker's
+        commitment there (given `claimed_start`; capped at the tolerance). It only sizes
+        the stability probe, which can only make a verdict more lenient to the worker:
+        a sketch may decide how hard to look, never a verdict.
     detail: how the segment's start was obtained, when a supplied state was ignored.
     stability: how far the segment's end moves when its start is nudged by the size of the
         disagreement at its start (`STABILITY_PROBE` at least). A segment that amplifies
@@ -140,7 +142,9 @@ def referee(
     With `probe`, the segment is computed a second time from a nudged start
     (`RefereeResult.stability`), so that `judge` does not convict an honest worker whose
     run diverged from the validator's through amplified rounding (measured by
-    covey.bench.trust_calibration: it happens, in loss spikes). Costs one more segment.
+    covey.bench.trust_calibration: it happens, in loss spikes). The nudge is as large as
+    the sketch distance between the referee's start and `claimed_start` (capped at
+    `tolerance`), at least STABILITY_PROBE. Costs one more segment.
 
     ValueError for a strategy that is not re-executable, a segment the round lacks, or a
     segment_start given without claimed_start."""
@@ -173,6 +177,12 @@ def referee(
     if not use_supplied:
         for step in range(first):  # no usable state supplied: recompute the prefix ourselves
             strategy.inner_step(batch_fn(step))
+    if claimed_start is not None:  # how far apart the two machines already were here
+        try:
+            ours = commitment_of(strategy.local_state(copy=False), start_state.params, first)
+            start_distance = min(commitment_distance(ours, claimed_start), tolerance)
+        except ValueError:
+            start_distance = tolerance
     begin = strategy.local_state() if probe else None
     result = _run_segment(strategy, start_state, batch_fn, first, end, steps, codec)
     stability = 0.0
