@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"policy: covey GPT {CALIB_CFG}; proof bytes per {proofs.CHUNK} tokens: {size}")
     print(f"thresholds: min_overlap {t.min_overlap}, max_mean_ulp {t.max_mean_ulp}, "
           f"sampling tolerance {sampling.SAMPLING_TOLERANCE}")
-    print(f"{'condition':48s} {'min ovl':>8s} {'ulp min':>8s} {'ulp max':>8s} {'max gap':>9s} "
-          f"{'mism':>5s} {'tokens':>6s} {'rejected':>9s}")
     costs = measure_costs(args.tokens)
     print("costs (1 sequence, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
+    print(f"{'condition':48s} {'min ovl':>8s} {'ulp min':>8s} {'ulp max':>8s} {'max gap':>9s} "
+          f"{'mism':>5s} {'tokens':>6s} {'rejected':>9s}")
     for r in calibrate(args.sequences, args.tokens):
         print(f"{r.name:48s} {r.min_overlap:8.3f} {r.min_mean_ulp:8.3f} {r.max_mean_ulp:8.3f} "
               f"{r.max_gap:9.2e} {r.mismatches:5d} {r.tokens:6d} {r.rejected:4d}/{r.sequences}")
