@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -526,6 +527,8 @@ class RunConfig(Frozen):
 
     @property
     def run_id(self) -> str:
+        """The hash of the spec alone. The id a run is known by also covers its data: see
+        `run_id_of`."""
         return config_hash(self)
 
     def with_coordinator_key(self, key: str) -> RunConfig:
@@ -540,6 +543,20 @@ class RunConfig(Frozen):
                 f"run, or the wrong --data-dir"
             )
         return self
+
+
+def run_id_of(spec: RunConfig, data_fingerprint: str) -> str:
+    """The run id: a hash of the spec (which names the coordinator's key) and of the
+    fingerprint of its tokenized data (covey.data.corpus.Corpus.fingerprint), so two runs
+    with one spec on different data have different ids, and a peer handed the id refuses a
+    coordinator serving other data before it trains. The coordinator, `LocalCluster` and
+    every peer's `--run-id` check compute it here. ValueError for a fingerprint that is not
+    a lowercase hex digest."""
+    if not re.fullmatch(r"[0-9a-f]{16,64}", data_fingerprint):
+        raise ValueError(f"data fingerprint {data_fingerprint!r} is not a hex digest")
+    body = {"spec": spec.model_dump(mode="json"), "data_fingerprint": data_fingerprint}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def to_toml(spec: dict[str, Any]) -> str:

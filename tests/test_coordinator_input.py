@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from covey.algorithms.codecs import get_codec
-from covey.config import RunConfig
+from covey.config import RunConfig, run_id_of
 from covey.local.cluster import LocalCluster
 from covey.peer.blobclient import upload_headers
 from covey.protocol.content import content_id
@@ -347,7 +347,8 @@ def test_a_coordinator_of_another_run_id_is_refused(world: tuple[LocalCluster, P
     impostor = {**spec, "coordinator_key": Identity.generate().public_key}
     wrong = RunConfig.model_validate(impostor).run_id
     assert wrong != cluster.run_id
-    assert RunConfig.model_validate(spec).run_id == cluster.run_id  # the key is in the id
+    served = cluster.get("/v1/run")["corpus_fingerprint"]
+    assert run_id_of(RunConfig.model_validate(spec), served) == cluster.run_id  # key in the id
     cluster.start_worker("stranger", "--run-id", wrong, "--connect-timeout", "30")
     assert cluster.wait_exit("stranger", 60) == 1
     log = cluster.tail("stranger", lines=50)

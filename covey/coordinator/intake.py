@@ -46,7 +46,7 @@ class Intake(Views):
     def uploads(self) -> UploadGate:
         """Who may upload which blobs (built once: the sizes come from the model)."""
         sizes = blob_sizes(self.strategy, self.template)
-        return UploadGate(self.db, self.cfg, sizes, self._check_not_banned)
+        return UploadGate(self.db, self.cfg, sizes, self._check_not_banned, run_id=self.run_id)
 
     @functools.cached_property
     def _submitting(self) -> tuple[threading.Lock, set[tuple[str, int]]]:

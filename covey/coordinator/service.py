@@ -28,7 +28,7 @@ from covey.algorithms import (
     build_aggregator,
     build_strategy,
 )
-from covey.config import RunConfig, steps_per_round
+from covey.config import RunConfig, run_id_of, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import load_corpus
 from covey.models.bundle import publish_model_files
@@ -62,12 +62,16 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
         self.identity = Identity.load_or_create(data_dir / "coordinator.key")
         cfg = cfg.with_coordinator_key(self.identity.public_key)
         self.cfg = cfg
-        self.run_id = cfg.run_id
         self.data_dir = data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / "checkpoints").mkdir(exist_ok=True)
         if threads:
             torch.set_num_threads(threads)
+        d = cfg.data
+        self.corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
+        self.corpus_fingerprint = self.corpus.fingerprint
+        # the run id covers the data: one spec on other data is another run
+        self.run_id = run_id_of(cfg, self.corpus_fingerprint)
         self.db = Database(data_dir / "coordinator.db")
         known = self.db.get_meta("run_id")
         if known is not None and known != self.run_id:
@@ -82,9 +86,6 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
             retries=cfg.limits.retries,
             max_bytes=cfg.limits.max_blob_bytes,
         )
-        d = cfg.data
-        self.corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
-        self.corpus_fingerprint = self.corpus.fingerprint
         model, self.loss_fn, _, self.seq_len = build_run_model(
             cfg.model, cfg.seed, tokenizer_vocab=self.corpus.vocab_size, seq_len=d.seq_len
         )

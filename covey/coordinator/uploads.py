@@ -75,9 +75,12 @@ class UploadGate:
         cfg: RunConfig,
         sizes: Mapping[int, str],
         check_not_banned: Callable[[str], None] | None = None,
+        *,
+        run_id: str,
     ) -> None:
-        """`check_not_banned(peer_id)` raises Rejected(403) for a peer excluded for fraud."""
-        self.db, self.run_id, self.sizes = db, cfg.run_id, dict(sizes)
+        """`check_not_banned(peer_id)` raises Rejected(403) for a peer excluded for fraud;
+        `run_id`: the run's id (covey.config.run_id_of), uploads are signed for it."""
+        self.db, self.run_id, self.sizes = db, run_id, dict(sizes)
         self.check_not_banned = check_not_banned
         self.window_s = cfg.trust.nonce_window_s
         self.max_pending = cfg.limits.max_pending_uploads

@@ -2,9 +2,10 @@
 multi-process tests. Every process is started with `python -m covey`, logs to its own
 file, and is stopped with real signals; every wait here has a deadline.
 
-The coordinator's key is made here before the coordinator starts, so the run id (which
-covers it) is known without asking the coordinator, and every peer is started with
-`--run-id`: as an operator would hand it out, with no trust on first use.
+The coordinator's key is made here before the coordinator starts, and the run's data is
+tokenized here as the coordinator will, so the run id (which covers both: see
+covey.config.run_id_of) is known without asking the coordinator, and every peer is started
+with `--run-id`: as an operator would hand it out, with no trust on first use.
 """
 
 from __future__ import annotations
@@ -16,13 +17,42 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from covey.config import load_run_config
+from covey.config import RunConfig, load_run_config, run_id_of
 from covey.trust.identity import Identity
+
+# (data config, files' sizes and mtimes) -> fingerprint: the stdlib corpus takes seconds to
+# tokenize, and a test module may start several clusters on it
+_FINGERPRINTS: dict[str, str] = {}
+
+
+def data_fingerprint(cfg: RunConfig, cwd: Path) -> str:
+    """The fingerprint of the corpus `cfg` names, as a process started in `cwd` (where the
+    cluster starts its coordinator) loads it: relative data and tokenizer paths are taken
+    from `cwd` (documents are named by file name, so resolving keeps the fingerprint).
+    Raises what covey.data.corpus.load_corpus raises for missing or bad data."""
+    from covey.data.corpus import load_corpus  # torch: only when a run id is needed
+
+    d = cfg.data
+    paths = [str(cwd / p) for p in d.paths]  # an absolute p stays itself
+    tokenizer = d.tokenizer
+    if tokenizer.startswith("hf:"):
+        tokenizer = "hf:" + str(cwd / tokenizer[3:])
+    stats = []
+    for p in paths:
+        path = Path(p)
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    key = repr((d.model_dump(mode="json"), paths, tokenizer, stats))
+    if key not in _FINGERPRINTS:
+        corpus = load_corpus(paths, d.val_fraction, tokenizer, d.text_column)
+        _FINGERPRINTS[key] = corpus.fingerprint
+    return _FINGERPRINTS[key]
 
 
 def free_port() -> int:
@@ -60,8 +90,14 @@ class LocalCluster:
         self.data_dir = (run_dir / "coordinator").resolve()
         # the coordinator's key file, created here (the coordinator loads it): the run id
         coordinator_key = Identity.load_or_create(self.data_dir / "coordinator.key").public_key
-        self.run_id = load_run_config(spec).with_coordinator_key(coordinator_key).run_id
+        self.config = load_run_config(spec).with_coordinator_key(coordinator_key)
         self._http = httpx.Client(base_url=self.url, timeout=5.0, trust_env=False)
+
+    @cached_property
+    def run_id(self) -> str:
+        """The id peers are handed: spec (with the coordinator's key) and data fingerprint,
+        computed here from the files, never asked of the coordinator."""
+        return run_id_of(self.config, data_fingerprint(self.config, self.run_dir))
 
     # -- processes --------------------------------------------------------------------------
 
@@ -89,6 +125,7 @@ class LocalCluster:
                 str(self.coordinator_threads),
             ],
         )
+        self.run_id  # noqa: B018 -- from the data as it is now, while the coordinator boots
         self.wait_for(lambda s: True, timeout_s, "the coordinator to serve /v1/status")
 
     def key(self, name: str) -> Path:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from covey.algorithms import Strategy, TrainState, build_aggregator, build_strategy
-from covey.config import RunConfig
+from covey.config import RunConfig, run_id_of
 from covey.data.batches import sample_batch
 from covey.data.corpus import Corpus, load_corpus
 from covey.models.bundle import local_sources
@@ -31,10 +31,7 @@ class RunSetup:
     strategy: Strategy
     template: TrainState  # the round-0 state: names, shapes and dtypes of every state
     blobs: BlobClient
-
-    @property
-    def run_id(self) -> str:
-        return self.cfg.run_id
+    run_id: str  # covey.config.run_id_of(spec, data fingerprint), recomputed here
 
     @property
     def coordinator_key(self) -> str:
@@ -50,21 +47,25 @@ def set_up_run(
     aggregation rule, so that every peer reaches the certificate's hash). The run id is
     recomputed from the spec received, which names the coordinator's key: with `run_id`
     (what the run's owner handed out) a coordinator serving any other run or holding any
-    other key is refused. RuntimeError when the spec does not hash to `run_id` or to the
+    other key is refused; the id covers the data fingerprint too (covey.config.run_id_of).
+    RuntimeError when spec and fingerprint do not hash to `run_id` or to the
     coordinator's own run id (another covey version), names no coordinator key or another
     one than the coordinator presents, or this machine's corpus differs from the run's."""
     info = client.get("/v1/run")
     cfg = RunConfig.model_validate(info["spec"])
-    if run_id is not None and cfg.run_id != run_id:
+    # the id covers spec and data: checked before any work, then the data itself below
+    served = run_id_of(cfg, str(info["corpus_fingerprint"]))
+    if run_id is not None and served != run_id:
         raise RuntimeError(
-            f"refusing coordinator {client.base_url}: it serves run {cfg.run_id} "
-            f"(coordinator key {str(cfg.coordinator_key)[:16]}...), not --run-id {run_id}: "
-            f"the wrong address, or a coordinator that is not the run owner's"
+            f"refusing coordinator {client.base_url}: it serves run {served} "
+            f"(coordinator key {str(cfg.coordinator_key)[:16]}..., data fingerprint "
+            f"{str(info['corpus_fingerprint'])[:12]}), not --run-id {run_id}: "
+            f"the wrong address, other data, or a coordinator that is not the run owner's"
         )
-    if cfg.run_id != info["run_id"]:
+    if served != info["run_id"]:
         raise RuntimeError(
-            f"run spec hashes to {cfg.run_id}, coordinator says {info['run_id']}: "
-            f"different covey versions?"
+            f"run spec and data fingerprint hash to {served}, coordinator says "
+            f"{info['run_id']}: different covey versions?"
         )
     if cfg.coordinator_key is None or cfg.coordinator_key != info.get("coordinator_key"):
         raise RuntimeError(
@@ -102,7 +103,7 @@ def set_up_run(
         chunk_bytes=limits.chunk_bytes,
         max_bytes=limits.max_blob_bytes,
     )
-    return RunSetup(cfg, info, corpus, seq_len, strategy, strategy.init_state(), blobs)
+    return RunSetup(cfg, info, corpus, seq_len, strategy, strategy.init_state(), blobs, served)
 
 
 def assignment_batches(
