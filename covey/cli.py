@@ -355,6 +355,41 @@ def bench_coordinator(
         typer.echo(f"wrote {json_path}")
 
 
+@bench_app.command("model")
+def bench_model(
+    steps: Annotated[int, typer.Option(min=1, help="timed inner steps per block")] = 10,
+    repeats: Annotated[int, typer.Option(min=1, help="timed blocks per side, alternating")] = 5,
+    hidden: Annotated[int, typer.Option(min=32, help="the tiny Llama's hidden size")] = 256,
+    layers: Annotated[int, typer.Option(min=1, help="the tiny Llama's layers")] = 4,
+    batch_size: Annotated[int, typer.Option(min=1, help="sequences per step")] = 8,
+    seq_len: Annotated[int, typer.Option(min=2, help="tokens per sequence")] = 128,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 1,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the result here")] = None,
+) -> None:
+    """A worker's inner-step throughput (covey's DiLoCo strategy on build_model('hf:DIR'))
+    against a bare transformers + AdamW loop on the same batches, on a tiny Llama built in
+    a temp dir: tokens/s of each and covey's overhead (goal: at most 3%)."""
+    from covey.bench.model import run_model_bench
+
+    r = run_model_bench(
+        steps=steps, repeats=repeats, hidden=hidden, layers=layers, batch_size=batch_size,
+        seq_len=seq_len, threads=threads, device=device, echo=typer.echo,
+    )  # fmt: skip
+    verdict = "goal met" if r["met"] else f"MISSED the {r['goal_pct']}% goal"
+    typer.echo(
+        f"tiny Llama ({r['model']['parameters']:,} parameters), {r['device']}, "
+        f"{r['threads']} threads: bare {r['bare_tokens_per_s']:,.0f} tokens/s, covey "
+        f"{r['covey_tokens_per_s']:,.0f} tokens/s, overhead {r['overhead_pct']:+.1f}% "
+        f"({verdict}; paired blocks {r['paired_overhead_pct']:+.1f}%, bare blocks spread "
+        f"{r['bare_spread_pct']:.1f}%); load {r['load_avg']:.1f}"
+    )
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(r, indent=1) + "\n")
+        typer.echo(f"wrote {json_path}")
+
+
 @bench_app.command("trust")
 def bench_trust(
     only: Annotated[
@@ -714,6 +749,7 @@ def validator(
         float, typer.Option(help="seconds to keep trying to reach the coordinator at start")
     ] = 120.0,
     run_id: Annotated[str | None, RUN_ID_OPTION] = None,
+    stake: Annotated[float, typer.Option(help="credits to stake at the first join")] = 0.0,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
     log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
@@ -736,6 +772,7 @@ def validator(
         max_tasks=max_tasks,
         connect_timeout_s=connect_timeout,
         run_id=run_id,
+        stake=stake,
     )
     try:
         checker = Validator(opts)
@@ -760,7 +797,6 @@ def halt(
     reason: Annotated[
         str, typer.Option(help="why: written to the ledger and shown to every worker")
     ] = "halted by the run owner",
-    stake: Annotated[float, typer.Option(help="credits to stake at the first join")] = 0.0,
     run_id: Annotated[str | None, RUN_ID_OPTION] = None,
 ) -> None:
     """Stop a run for good, as its owner.
@@ -773,7 +809,7 @@ def halt(
     if not key.is_file():
         raise _fail(f"no key file at {key}")
     _check_coordinator(coordinator, 10.0)
-    from covey.config import RunConfig
+    from covey.config import RunConfig, run_id_of
     from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
     from covey.trust.identity import Identity, IdentityError
 
@@ -783,9 +819,10 @@ def halt(
         raise _fail(str(e)) from None
     client = CoordinatorClient(coordinator, timeout_s=30.0, lost_s=30.0, identity=owner)
     try:
-        stake=stake,
         info = client.get("/v1/run")
-        spec_run_id = RunConfig.model_validate(info["spec"]).run_id
+        spec_run_id = run_id_of(  # spec and data: the id the owner handed out
+            RunConfig.model_validate(info["spec"]), str(info["corpus_fingerprint"])
+        )
         if spec_run_id != info["run_id"] or (run_id is not None and spec_run_id != run_id):
             raise _fail(
                 f"the coordinator serves run {info['run_id']} (its spec hashes to "
