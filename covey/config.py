@@ -321,6 +321,15 @@ class RoundsConfig(Frozen):
     keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept on disk")
     eval_every: int = Field(1, ge=1, description="evaluate the canonical state every N rounds")
     eval_batches: int = Field(4, ge=1, description="held-out batches per evaluation")
+    samples_every: int = Field(
+        5, ge=0, description="refresh the status page's samples every N rounds; 0 = none"
+    )
+    sample_prompts: tuple[str, ...] = Field(
+        ("def ", "import ", "The "),
+        max_length=8,
+        description="prompts the status page shows the model's continuations of",
+    )
+    sample_tokens: int = Field(40, ge=1, le=256, description="tokens generated per prompt")
     bandwidth_mbps: float = Field(
         100.0, gt=0, description="assumed link speed for peers that report none"
     )

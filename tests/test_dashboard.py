@@ -83,6 +83,16 @@ def canned_status(n_rounds: int = 25) -> dict[str, Any]:
             },
         ],
         "rounds": rounds,
+        "samples": {
+            "round": 20,
+            "temperature": 0.8,
+            "seed": 0,
+            "max_new_tokens": 40,
+            "samples": [
+                {"prompt": "def ", "text": "main():\n    return 0"},
+                {"prompt": "The ", "text": EVIL},  # model output is text, never markup
+            ],
+        },
     }
 
 
@@ -283,6 +293,14 @@ def test_dashboard_renders_status(chromium: str, server: StatusServer) -> None:
     assert [td.text for td in round_rows[1].find("td")][4] == "—"  # round 24: no eval
     assert newest[9].startswith("19191919")
 
+    # Samples: one row per prompt, the model's text as text (EVIL made no <img> above).
+    sample_rows = doc.by_id("samples").find("tbody")[0].find("tr")
+    assert [[td.text for td in tr.find("td")] for tr in sample_rows] == [
+        ['"def "', "main():\n    return 0"],
+        ['"The "', EVIL],
+    ]
+    assert doc.by_id("samples-line").text.startswith("after round 20 · 40 tokens")
+
 
 def test_dashboard_shows_poll_errors(chromium: str, server: StatusServer) -> None:
     server.code = 500
@@ -349,3 +367,4 @@ def test_dashboard_served_by_a_real_coordinator(chromium: str, tmp_path: Path) -
     (val,) = doc.by_id("loss-chart").find("path", **{"class": "val"})
     assert path_points(val.attrs["d"]) >= 3
     assert len(doc.by_id("bytes-chart").find("rect")) >= 3
+    assert len(doc.by_id("samples").find("tbody")[0].find("tr")) == 3  # the default prompts

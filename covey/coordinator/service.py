@@ -48,6 +48,7 @@ from .db import Database
 from .halt import Halting
 from .intake import Intake
 from .membership import Membership
+from .samples import draw_samples
 from .verification import Verification
 from .views import OpenRound, Views
 
@@ -112,6 +113,7 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
         self._driver: threading.Thread | None = None
         # evaluation runs beside the rounds, never between a commit and the next open
         self._evals: queue.Queue[TrainState | None] = queue.Queue()
+        self.samples: dict[str, Any] | None = None  # the status page's, by the evaluator
         self._evaluator: threading.Thread | None = None
         self.state, self.state_cid = self._load_or_create()
         self.state_hash = self.state.digest()  # hashed once per state, not per request
@@ -371,16 +373,40 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
         self._prune(new_state.round)
 
     def _evaluate(self) -> None:
-        """Held-out loss of each queued canonical state, stored with the round that made it."""
+        """Held-out loss of each queued canonical state, stored with the round that made it;
+        every `rounds.samples_every` rounds (and the first time) also the status page's
+        samples of that state (covey.coordinator.samples), kept in memory."""
         while (state := self._evals.get()) is not None:
             try:
                 loss = evaluate(self._eval_model, state, self._val, self.loss_fn)
+                self._refresh_samples(state.round)  # the weights evaluate() just loaded
                 with self.db.transaction() as c:
                     c.execute(
                         "UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, state.round - 1)
                     )
             except Exception:
                 log.exception("evaluation of round %d failed", state.round - 1)
+
+    def _refresh_samples(self, round: int) -> None:
+        every = self.cfg.rounds.samples_every
+        last = self.samples["round"] if self.samples else None
+        if not every or (last is not None and round // every <= last // every):
+            return
+        from covey.data.tokenizer import load_tokenizer
+        from covey.models.source import parse_source
+
+        tokenizer = self.__dict__.get("_sample_tokenizer")
+        if tokenizer is None:
+            tokenizer = self.__dict__["_sample_tokenizer"] = load_tokenizer(self.cfg.data.tokenizer)
+        self.samples = draw_samples(
+            self._eval_model,
+            tokenizer,
+            self.cfg.rounds.sample_prompts,
+            round=round,
+            window=self.seq_len,
+            max_new_tokens=self.cfg.rounds.sample_tokens,
+            hf=parse_source(self.cfg.model.spec)[0] == "hf",
+        )
 
     def _abort(self, rnd: OpenRound, why: str) -> None:
         """Nothing to commit: the round reopens (next attempt) with fresh membership."""

@@ -120,6 +120,7 @@ class Views:
     accounts: Accounts
     verifying: bool
     halted: dict[str, Any] | None  # covey.coordinator.halt
+    samples: dict[str, Any] | None  # covey.coordinator.samples, refreshed by the evaluator
     liveness: Liveness  # covey.coordinator.membership
 
     @property
@@ -283,6 +284,7 @@ class Views:
             self.state_cid,
             self.halted is None,
             changes["n"] if changes else None,
+            self.samples["round"] if self.samples else None,
         )
         with _STATUS_LOCK:  # one rebuild at a time; the others wait for it, then share it
             cached = self.__dict__.get("_status_cache")
@@ -372,4 +374,5 @@ class Views:
             "weights_hash": self.state_hash,
             "peers": peers,
             "rounds": rounds,
+            "samples": self.samples,  # covey.coordinator.samples; None until the first
         }
