@@ -163,3 +163,47 @@ def test_the_coordinator_command_refuses_an_old_run_directory_in_one_line(
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "older than 0.1.0" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_a_version_1_ledger_signed_the_old_way_audits_after_opening(tmp_path: Path) -> None:
+    """covey 0.1.0 signed each ledger entry over its bare hash; today's entries are signed
+    behind the ledger's own prefix. Opening the run directory re-signs the old entries with
+    the coordinator's own key (same key, same hashes, same chain), so it audits."""
+    from covey.coordinator.accounts import Accounts
+    from covey.trust import ledger
+    from covey.trust.identity import Identity
+
+    root = v1_run_dir(tmp_path / "run")
+    identity = Identity.generate()
+    conn = sqlite3.connect(root / "coordinator.db")
+    from covey.config import TrustConfig
+    from covey.trust.incentives import Policy
+
+    new_fields = {"min_validator_stake", "validator_slash_fraction", "check_reward",
+                  "validators_per_check", "validator_round_cap", "canary_rate"}
+    policy = {k: v for k, v in Policy.from_config(TrustConfig()).to_dict().items()
+              if k not in new_fields}  # the policy 0.1.0 wrote
+    created = {"run_id": "abc123", "name": "old", "spec": {},
+               "coordinator_key": identity.public_key, "policy": policy}
+    ledger.append(conn, identity, "run created", created, 1.0)
+    for idx, digest in conn.execute("SELECT idx, hash FROM ledger").fetchall():
+        old = identity.sign(ledger.legacy_signed_message(digest))  # as 0.1.0 signed it
+        conn.execute("UPDATE ledger SET signature = ? WHERE idx = ?", (old, idx))
+    conn.commit()
+    before = ledger.read_entries(conn)
+    conn.close()
+    with pytest.raises(ledger.LedgerError, match="signature"):
+        ledger.verify_chain(before, identity.public_key)
+
+    db = Database(root / "coordinator.db")
+    Accounts(db, identity, root)
+    after = ledger.read_entries(db._conn)
+    db.close()
+    assert [e.hash for e in after] == [e.hash for e in before]  # the chain is unchanged
+    assert ledger.verify_chain(after, identity.public_key) == identity.public_key
+    # a stranger's signature is not "re-signed" into the coordinator's
+    conn = sqlite3.connect(root / "coordinator.db")
+    stranger = Identity.generate().sign(ledger.legacy_signed_message(after[0].hash))
+    conn.execute("UPDATE ledger SET signature = ? WHERE idx = 0", (stranger,))
+    assert ledger.resign_legacy(conn, identity) == 0
+    conn.close()

@@ -31,6 +31,10 @@ class Accounts:
         self.identity = identity
         self.balances_path = data_dir / "ledger-balances.json"
         self._local = threading.local()
+        if 0 < db.opened_version < 2:  # covey 0.1.0 signed entries without the prefix
+            with db.transaction() as c:
+                if n := ledger.resign_legacy(c, identity):
+                    log.info("re-signed %d ledger entries of covey 0.1.0 with the prefix", n)
         with db.lock:
             self.book = Book.replay(ledger.read_entries(db._conn))
         self._write_balances()

@@ -90,6 +90,31 @@ def signed_message(digest: str) -> bytes:
     return f"covey-ledger/v1\n{digest}".encode("ascii")
 
 
+def legacy_signed_message(digest: str) -> bytes:
+    """What covey 0.1.0 signed for an entry: its bare hash (no ledger prefix)."""
+    return digest.encode("ascii")
+
+
+def resign_legacy(conn: sqlite3.Connection, identity: Identity) -> int:
+    """Re-sign, inside the caller's transaction, every entry that `identity` signed the
+    covey 0.1.0 way (over the bare hash) with today's prefixed message; returns how many.
+    Hashes and the chain do not change: the same key attests the same hash, now behind the
+    ledger's own prefix, so a migrated run directory audits with `covey ledger verify`. An
+    entry whose signature is neither form is left alone (verification will name it)."""
+    rows = conn.execute("SELECT idx, hash, signature FROM ledger ORDER BY idx").fetchall()
+    changed = 0
+    for idx, digest, signature in rows:
+        if verify(identity.public_key, signed_message(digest), signature):
+            continue
+        if verify(identity.public_key, legacy_signed_message(digest), signature):
+            conn.execute(
+                "UPDATE ledger SET signature = ? WHERE idx = ?",
+                (identity.sign(signed_message(digest)), idx),
+            )
+            changed += 1
+    return changed
+
+
 def append(
     conn: sqlite3.Connection, identity: Identity, type: str, payload: dict[str, Any], at: float
 ) -> Entry:
