@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from covey.peer.blobs import (
+from covey.blobs import (
     BlobClient,
     BlobError,
     BlobServer,
@@ -495,7 +495,7 @@ def test_writer_streams_and_checks_count_and_hash(tmp_path: Path) -> None:
 
 
 def test_signed_upload_headers(scripted: Callable[[Answer], Scripted], client: BlobClient) -> None:
-    from covey.peer.blobstore import upload_message
+    from covey.blobs.store import upload_message
     from covey.trust.identity import Identity, verify
 
     seen: list[dict[str, str]] = []

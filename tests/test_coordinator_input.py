@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from covey.algorithms.codecs import get_codec
+from covey.blobs.client import upload_headers
 from covey.config import RunConfig, run_id_of
 from covey.local.cluster import LocalCluster
-from covey.peer.blobclient import upload_headers
 from covey.protocol.content import content_id
 from covey.trust.identity import (
     NO_ROUND,

@@ -21,13 +21,13 @@ from fastapi.testclient import TestClient
 from covey.algorithms.codecs import get_codec
 from covey.bench.coordinator import SPEC as BENCH_SPEC
 from covey.bench.coordinator import run_coordinator_bench
+from covey.blobs.client import upload_headers
 from covey.config import load_run_config
 from covey.coordinator.app import create_app
 from covey.coordinator.liveness import FLUSH_S, Liveness
 from covey.coordinator.service import Coordinator
 from covey.coordinator.views import CommitSignal
 from covey.local.cluster import LocalCluster
-from covey.peer.blobclient import upload_headers
 from covey.protocol.content import content_id
 from covey.trust.identity import Identity, request_purpose
 

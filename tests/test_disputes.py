@@ -19,11 +19,11 @@ import pytest
 
 from covey.algorithms import build_strategy
 from covey.algorithms.codecs import get_codec
+from covey.blobs.client import BlobClient
 from covey.config import load_run_config
 from covey.coordinator.verification import Verification
 from covey.local.cluster import LocalCluster
 from covey.models.gpt import GPT, gpt_config, lm_loss
-from covey.peer.blobclient import BlobClient
 from covey.protocol.content import content_id
 from covey.trust import audit
 from covey.trust.identity import NO_ROUND, Identity, request_purpose

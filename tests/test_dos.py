@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from covey.algorithms.codecs import get_codec
+from covey.blobs.client import upload_headers
 from covey.config import RoundsConfig
 from covey.coordinator.limits import LongPolls, TokenBuckets
 from covey.local.cluster import LocalCluster
-from covey.peer.blobclient import upload_headers
 from covey.protocol.content import content_id
 from covey.protocol.rounds import PeerView, no_show_backoff, plan_round
 from covey.trust.identity import Identity

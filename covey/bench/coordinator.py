@@ -418,7 +418,7 @@ class _Client:
         import torch
 
         from covey.algorithms.codecs import get_codec
-        from covey.peer.blobclient import upload_headers
+        from covey.blobs.client import upload_headers
         from covey.protocol.content import content_id
 
         key, done = self.keys[i], None

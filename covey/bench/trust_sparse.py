@@ -244,10 +244,10 @@ def loss_with_adversary(
     round convicts it, and it is excluded from the next round on (its convicted round is
     already in the model, as in a real run, where verification follows the round)."""
     from covey.algorithms import Contribution
+    from covey.algorithms.evaluate import evaluate
     from covey.bench.trust_calibration import num_threads
     from covey.peer.adversary import behavior_at, forge_payload
     from covey.protocol.content import content_id
-    from covey.sim.simulator import evaluate
     from covey.trust.certify import sample
     from covey.trust.identity import Identity
 

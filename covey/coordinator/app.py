@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from covey.peer.blobs import BlobError, RangeNotSatisfiable, parse_range
+from covey.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
 
 from .auth import ReceivedAt
@@ -324,7 +324,7 @@ def create_app(coord: Coordinator) -> FastAPI:
 
     @app.put("/v1/blobs/{cid}", responses=errors(400, 401, 403, 411), openapi_extra=BLOB_UPLOAD)
     async def put_blob(cid: str, request: Request) -> dict[str, Any]:
-        """Store a blob a member uploads: signed in headers (covey.peer.blobstore.
+        """Store a blob a member uploads: signed in headers (covey.blobs.store.
         upload_message) by a live worker or a registered validator, of a size this run's
         model implies; all checked before a byte of the body is read. The body streams to
         disk and is hashed off the event loop; refused unless it hashes to `cid`."""

@@ -23,14 +23,14 @@ import sqlite3
 from typing import TYPE_CHECKING, Any
 
 from covey.algorithms.codecs import CodecError
-from covey.peer.blobs import BlobError
+from covey.blobs import BlobError
 from covey.protocol import schemas
 from covey.trust.certify import canary_draw
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
+    from covey.blobs import BlobStore
     from covey.config import RunConfig
-    from covey.peer.blobs import BlobStore
 
     from .accounts import Accounts
     from .db import Database

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from covey.algorithms.codecs import CodecError
-from covey.peer.blobs import BlobError
-from covey.peer.runsetup import assignment_batches
+from covey.blobs import BlobError
+from covey.data.batches import assignment_batches
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes
 from covey.trust import referee, verify
@@ -34,9 +34,9 @@ from covey.trust.sketch import commitment_of
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
+    from covey.blobs import BlobStore
     from covey.config import RunConfig
     from covey.data.corpus import Corpus
-    from covey.peer.blobs import BlobStore
 
     from .accounts import Accounts
     from .db import Database

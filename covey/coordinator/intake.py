@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from covey.algorithms import Contribution, RoundError
-from covey.peer.blobs import BlobError
+from covey.blobs import BlobError
 from covey.protocol import schemas
 from covey.trust.identity import body_content_id
 
@@ -24,7 +24,7 @@ from .views import Rejected, Views
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy
-    from covey.peer.blobs import BlobClient
+    from covey.blobs import BlobClient
 
     from .accounts import Accounts
 

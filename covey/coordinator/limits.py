@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from covey.peer.blobstore import UPLOAD_PEER_HEADER
+from covey.blobs.store import UPLOAD_PEER_HEADER
 
 if TYPE_CHECKING:
     from covey.config import LimitsConfig

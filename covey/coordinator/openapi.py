@@ -79,7 +79,7 @@ def _header(name: str, pattern: str, what: str) -> dict[str, Any]:
     }
 
 
-# PUT /v1/blobs/{cid}: raw bytes, signed in headers (covey.peer.blobstore.upload_message);
+# PUT /v1/blobs/{cid}: raw bytes, signed in headers (covey.blobs.store.upload_message);
 # the handler reads the stream itself, so FastAPI cannot describe the body on its own
 BLOB_UPLOAD: dict[str, Any] = {
     "requestBody": {"required": True, "content": _BYTES},

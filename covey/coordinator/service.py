@@ -28,16 +28,16 @@ from covey.algorithms import (
     build_aggregator,
     build_strategy,
 )
+from covey.algorithms.evaluate import evaluate
+from covey.blobs import BlobClient, BlobStore
 from covey.config import RunConfig, run_id_of, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import load_corpus
 from covey.models.bundle import publish_model_files
 from covey.models.source import build_run_model
-from covey.peer.blobs import BlobClient, BlobStore
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
 from covey.protocol.rounds import close_reason, is_alive, is_eligible, plan_round
-from covey.sim.simulator import evaluate
 from covey.trust.certify import sign_certificate
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy

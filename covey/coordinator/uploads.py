@@ -1,7 +1,7 @@
 """Who may upload a blob to the coordinator, which one and how big: the check that runs on
 a PUT's headers before a byte of its body is read.
 
-An upload is signed in headers (covey.peer.blobstore.upload_message: purpose, run, peer,
+An upload is signed in headers (covey.blobs.store.upload_message: purpose, run, peer,
 cid, size, nonce) by a live worker or a registered validator. Its size must be one the
 run's model implies: a contribution payload (the codec's exact size for each fragment) or
 a local state (verification evidence, committed worker state). Each peer has one upload in
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from covey.peer.blobstore import (
+from covey.blobs.store import (
     UPLOAD_NONCE_HEADER,
     UPLOAD_PEER_HEADER,
     UPLOAD_SIGNATURE_HEADER,

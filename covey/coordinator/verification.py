@@ -35,9 +35,9 @@ from .views import Rejected
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
+    from covey.blobs import BlobClient, BlobStore
     from covey.config import RunConfig
     from covey.data.corpus import Corpus
-    from covey.peer.blobs import BlobClient, BlobStore
 
     from .accounts import Accounts
     from .db import Database

@@ -19,8 +19,8 @@ from covey.protocol.rounds import PeerView, is_alive
 
 if TYPE_CHECKING:
     from covey.algorithms import TrainState
+    from covey.blobs import BlobStore
     from covey.config import RunConfig
-    from covey.peer.blobs import BlobStore
     from covey.trust.identity import Identity
 
     from .accounts import Accounts

@@ -9,10 +9,15 @@ versions), and the tokens are gathered from the corpus by plain indexing.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from covey.data.corpus import Corpus
+
+if TYPE_CHECKING:
+    from covey.config import RunConfig
 
 
 def window_offsets(
@@ -67,3 +72,23 @@ def validation_batches(
         )
         for i in range(n_batches)
     ]
+
+
+def assignment_batches(
+    cfg: RunConfig, corpus: Corpus, seq_len: int, round: int, data_key: str
+) -> Callable[[int], torch.Tensor]:
+    """Inner step -> batch of an assignment: a pure function of (run seed, round, data key,
+    step), so that a validator or a referee sees exactly the worker's data."""
+
+    def batch(step: int) -> torch.Tensor:
+        return sample_batch(
+            corpus.train,
+            batch_size=cfg.data.batch_size,
+            seq_len=seq_len,
+            seed=cfg.seed,
+            round=round,
+            worker=data_key,
+            step=step,
+        )
+
+    return batch

@@ -6,19 +6,17 @@ function of an assignment, shared by workers, validators and the referee.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from covey.algorithms import Strategy, TrainState, build_aggregator, build_strategy
+from covey.blobs import BlobClient
 from covey.config import RunConfig, run_id_of
-from covey.data.batches import sample_batch
 from covey.data.corpus import Corpus, load_corpus
 from covey.models.bundle import local_sources
 from covey.models.source import build_run_model
-from covey.peer.blobs import BlobClient
 from covey.peer.client import CoordinatorClient
 
 
@@ -104,23 +102,3 @@ def set_up_run(
         max_bytes=limits.max_blob_bytes,
     )
     return RunSetup(cfg, info, corpus, seq_len, strategy, strategy.init_state(), blobs, served)
-
-
-def assignment_batches(
-    cfg: RunConfig, corpus: Corpus, seq_len: int, round: int, data_key: str
-) -> Callable[[int], torch.Tensor]:
-    """Inner step -> batch of an assignment: a pure function of (run seed, round, data key,
-    step), so that a validator or a referee sees exactly the worker's data."""
-
-    def batch(step: int) -> torch.Tensor:
-        return sample_batch(
-            corpus.train,
-            batch_size=cfg.data.batch_size,
-            seq_len=seq_len,
-            seed=cfg.seed,
-            round=round,
-            worker=data_key,
-            step=step,
-        )
-
-    return batch

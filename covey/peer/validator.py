@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from covey.algorithms import TrainState
-from covey.peer.blobs import BlobError
+from covey.blobs import BlobError
+from covey.data.batches import assignment_batches
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
-from covey.peer.runsetup import assignment_batches, set_up_run
+from covey.peer.runsetup import set_up_run
 from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError, state_from_bytes
 from covey.protocol.content import content_id

@@ -42,11 +42,12 @@ from typing import Any
 import torch
 
 from covey.algorithms import Contribution, TrainState
+from covey.blobs import BlobError, BlobServer, BlobStore
+from covey.data.batches import assignment_batches
 from covey.peer import adversary
-from covey.peer.blobs import BlobError, BlobServer, BlobStore
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.lease import Lease, LeaseLapsed
-from covey.peer.runsetup import assignment_batches, set_up_run
+from covey.peer.runsetup import set_up_run
 from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError, state_from_bytes, state_to_bytes
 from covey.protocol.content import content_id
@@ -321,7 +322,7 @@ class Worker:
         )
         certificate = self._await_certificate(info)
         if certificate is None:
-            return "aborted"
+            return "aborted"  # the chain stays: the retried round starts where this did
         self._apply(certificate)
         self._last_certificate = certificate
         if self._local is not None:  # H3: only a recorded contribution continues the chain

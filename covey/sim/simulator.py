@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from covey.algorithms import Strategy, TrainState, build_aggregator, build_strategy
+from covey.algorithms.evaluate import evaluate
 from covey.config import SimConfig
 from covey.data.batches import sample_batch, validation_batches
 from covey.data.corpus import Corpus, load_corpus
-from covey.models.gpt import lm_loss
-from covey.models.source import LossFn, build_run_model
+from covey.models.source import build_run_model
 from covey.sim.network import Link, make_links, round_timing
 from covey.sim.report import human_bytes
 from covey.sim.resume import SimSnapshot
@@ -54,17 +53,6 @@ class SimResult:
     records: list[dict[str, Any]]
     summary: dict[str, Any]
     state: TrainState = field(repr=False)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, state: TrainState, batches: list[torch.Tensor], loss_fn: LossFn = lm_loss
-) -> float:
-    """Mean held-out loss of the canonical parameters."""
-    for name, p in model.named_parameters():
-        p.copy_(state.params[name])
-    model.eval()
-    return sum(float(loss_fn(model, b)) for b in batches) / len(batches)
 
 
 def simulate(

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from covey.peer.blobstore import (
+from covey.blobs.store import (
     BLOB_PATH_PREFIX,
     UPLOAD_NONCE_HEADER,
     UPLOAD_PEER_HEADER,

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import BinaryIO
 from urllib.parse import urlsplit
 
-from covey.peer.blobstore import (
+from covey.blobs.store import (
     BLOB_PATH_PREFIX,
     BlobStore,
     RangeNotSatisfiable,

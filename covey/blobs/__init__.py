@@ -1,11 +1,11 @@
 """The blob plane: immutable content-addressed bytes, stored, served and fetched by sha256.
 
 Three layers, each usable alone and each in its own module; this module re-exports them:
-- `BlobStore` (covey.peer.blobstore): a directory of blobs named by content id, written
+- `BlobStore` (covey.blobs.store): a directory of blobs named by content id, written
   atomically; also `parse_range` for single HTTP byte ranges.
-- `BlobServer` (covey.peer.blobserver): a peer's own read-only HTTP server over a store
+- `BlobServer` (covey.blobs.server): a peer's own read-only HTTP server over a store
   (GET/HEAD, single Range).
-- `BlobClient` (covey.peer.blobclient): fetches a blob from an ordered list of providers,
+- `BlobClient` (covey.blobs.client): fetches a blob from an ordered list of providers,
   with bounded retries, provider fallback, and parallel ranged chunks for large blobs.
 
 Trust model (as in hivemind, every record from the network passes a validator): a provider
@@ -15,9 +15,9 @@ requested id. Wire format: `GET|HEAD {base}/v1/blobs/{cid}`, `PUT` on the coordi
 
 from __future__ import annotations
 
-from covey.peer.blobclient import BlobClient
-from covey.peer.blobserver import BlobServer
-from covey.peer.blobstore import (
+from covey.blobs.client import BlobClient
+from covey.blobs.server import BlobServer
+from covey.blobs.store import (
     BLOB_PATH_PREFIX,
     BlobError,
     BlobStore,

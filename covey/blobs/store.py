@@ -1,7 +1,7 @@
 """The blob store: immutable content-addressed bytes in a directory, named by sha256.
 
 `BlobStore` writes each blob atomically under its content id; `parse_range` reads the single
-HTTP byte range that the blob server (covey.peer.blobserver) and the coordinator serve.
+HTTP byte range that the blob server (covey.blobs.server) and the coordinator serve.
 Shared by both ends of the blob plane: `BlobError`, the content-id checks, and the wire
 path `BLOB_PATH_PREFIX` (`GET|HEAD {base}/v1/blobs/{cid}`, `PUT` on the coordinator only).
 """

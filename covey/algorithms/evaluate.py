@@ -1,0 +1,21 @@
+"""Held-out loss of a canonical state: what the simulator, the coordinator's evaluator
+and the benchmarks report as validation loss. Pure: no network, no clock."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from covey.algorithms.base import LossFn, TrainState
+from covey.models.gpt import lm_loss
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, state: TrainState, batches: list[torch.Tensor], loss_fn: LossFn = lm_loss
+) -> float:
+    """Mean held-out loss of the canonical parameters."""
+    for name, p in model.named_parameters():
+        p.copy_(state.params[name])
+    model.eval()
+    return sum(float(loss_fn(model, b)) for b in batches) / len(batches)
