@@ -178,7 +178,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.start_coordinator()
         for name in WORKERS:
             c.start_worker(name)
-        c.start_worker("slow", "--slowdown", "20", "--verbose")  # the lease test's
+        # the lease test's: a nano step here takes ~5-10 ms, so x300 makes a 12-step round
+        # take ~20-40 s whatever the machine's load (x20 finished before the lease lapsed)
+        c.start_worker("slow", "--slowdown", "300", "--verbose")
         yield c
 
 
@@ -200,9 +202,10 @@ def log_has(cluster: LocalCluster, name: str, text: str, timeout_s: float) -> st
 
 @pytest.mark.network
 def test_a_worker_stops_training_when_its_lease_lapses(cluster: LocalCluster) -> None:
-    """A slow worker (a round's training takes it ~10-30 s; the lease is checked at every
-    step, ~1-3 s apart) loses its coordinator mid-training: once the lease (4 s) has lapsed it stops
-    training, and once the coordinator answers again it trains on."""
+    """A slow worker (a round's training takes it ~20-40 s; the lease is checked before
+    every step and twice a second while it waits out its emulated slowness) loses its
+    coordinator mid-training: once the lease (4 s) has lapsed it stops training, and once
+    the coordinator answers again it trains on."""
     log_has(cluster, "slow", "inner steps", 120)  # its first round's training began
     cluster.signal("coordinator", signal.SIGSTOP)
     stopped = time.monotonic()

@@ -248,6 +248,15 @@ class Worker:
             raise CoordinatorLost(f"participation lease not renewed for {patience:.0f} s")
         log.info("[%s] participation lease renewed: training again", self.name)
 
+    def _emulate_slowdown(self, seconds: float) -> None:
+        """Emulated slower hardware: wait `seconds`, checking twice a second that this peer
+        may still train (a signal or a HALT ends the wait, a lapsed lease raises
+        LeaseLapsed), as a real slow step would be checked before the next one."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.stop.wait(min(0.5, left))
+            self._check_standing()
+
     def _check_standing(self) -> None:
         """Stopped on a signal, an exclusion or a HALT; LeaseLapsed when the lease ran out."""
         if self.stop.is_set():
@@ -433,8 +442,7 @@ class Worker:
             loss_sum += self.strategy.inner_step(batch)
             elapsed = time.perf_counter() - t0
             if self.opts.slowdown > 1:
-                # emulated slower hardware; a signal or a HALT ends the wait
-                self.stop.wait(elapsed * (self.opts.slowdown - 1))
+                self._emulate_slowdown(elapsed * (self.opts.slowdown - 1))
             compute_s += time.perf_counter() - t0
             done += 1
             committer.after_step(done)
