@@ -37,16 +37,16 @@ from covey.models.bundle import publish_model_files
 from covey.models.source import build_run_model
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
-from covey.protocol.rounds import close_reason, is_alive, is_eligible, plan_round
+from covey.protocol.rounds import PeerView, close_reason, is_alive, is_eligible, plan_round
 from covey.trust.certify import sign_certificate
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
 from .accounts import Accounts
-from .auth import Auth
 from .db import Database
 from .halt import Halting
 from .intake import Intake
+from .liveness import Liveness
 from .membership import Membership
 from .samples import draw_samples
 from .verification import Verification
@@ -56,7 +56,7 @@ log = logging.getLogger("covey.coordinator")
 ORPHAN_GRACE_S = 600.0
 
 
-class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
+class Coordinator(Intake, Verification, Halting, Views):
     def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
         # the coordinator's own key signs certificates and ledger entries; it is part of the
         # spec, so of the run id (ValueError if the spec names another key)
@@ -81,6 +81,17 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
                 f"use another --data-dir"
             )
         self.accounts = Accounts(self.db, self.identity, data_dir)
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # a contribution or a leave: look at the round now
+        self.membership = Membership(
+            self.db,
+            cfg,
+            self.accounts,
+            self.run_id,
+            wake=self._wake,
+            stop=self._stop,
+            check_not_halted=self.check_not_halted,
+        )
         self.blobs = BlobStore(data_dir / "blobs", cfg.limits.max_blob_bytes)
         self.fetcher = BlobClient(
             timeout_s=cfg.limits.request_timeout_s,
@@ -107,8 +118,6 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
             self.corpus, n_batches=cfg.rounds.eval_batches, batch_size=16, seq_len=self.seq_len
         )
         self._payload_bytes = _payload_estimate(self.strategy, self.template)
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # a contribution or a leave: look at the round now
         self._nonces_pruned = 0.0
         self._driver: threading.Thread | None = None
         # evaluation runs beside the rounds, never between a commit and the next open
@@ -127,6 +136,45 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
             )
         Verification.__init__(self)
         Halting.__init__(self)
+
+    # -- membership (covey.coordinator.membership): the facade's calls, delegated ------------
+
+    def join(self, req: schemas.JoinRequest, raw: dict[str, Any]) -> schemas.JoinReply:
+        return self.membership.join(req, raw)
+
+    def heartbeat(self, req: schemas.HeartbeatRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.membership.heartbeat(req, raw)
+
+    def leave(self, req: schemas.LeaveRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.membership.leave(req, raw)
+
+    @property
+    def liveness(self) -> Liveness:
+        return self.membership.liveness
+
+    def authenticate(
+        self,
+        raw: dict[str, Any],
+        round: int,
+        peer_id: str,
+        public_key: str | None = None,
+        nonces: Any = None,
+    ) -> None:
+        self.membership.authenticate(raw, round, peer_id, public_key, nonces)
+
+    def _check_run(self, run_id: str) -> None:
+        self.membership.check_run(run_id)
+
+    def _check_not_banned(self, peer_id: str) -> None:
+        self.membership.check_not_banned(peer_id)
+
+    def _register(
+        self, peer_id: str, public_key: str, name: str, role: str, stake: float, raw: dict
+    ) -> None:
+        self.membership.register(peer_id, public_key, name, role, stake, raw)
+
+    def _peer_views(self) -> list[PeerView]:
+        return self.membership.peer_views()
 
     # -- start-up and resume ----------------------------------------------------------------
 
@@ -223,7 +271,7 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
                     self.db.event(c, now, "dead", p.peer_id, {"silent_s": now - p.last_seen})
                     log.warning("[%s] silent for %.1f s: dead", p.peer_id, now - p.last_seen)
         if now - self._nonces_pruned > 60:
-            self.prune_nonces(now)
+            self.membership.prune_nonces(now)
             self._nonces_pruned = now
         views = self._peer_views()
         alive = {p.peer_id for p in views if is_alive(now, p, cfg)}
@@ -243,7 +291,7 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
         ]
         reason = close_reason(now, current.deadline, waiting_on, submitted)
         if reason is not None:
-            self.record_no_shows(current.round, waiting_on, submitted, now)
+            self.membership.record_no_shows(current.round, waiting_on, submitted, now)
             self._close(current, reason)
 
     def _open(self, now: float) -> None:

@@ -61,6 +61,7 @@ class Verification(Assignments, Canaries, Disputes):
     authenticate: Any
     _check_run: Any
     _register: Any
+    _check_not_banned: Any
 
     def __init__(self) -> None:
         self._disputes: queue.Queue[int | None] = queue.Queue()
@@ -74,11 +75,6 @@ class Verification(Assignments, Canaries, Disputes):
             self._create_canary_table()
 
     # -- membership checks ----------------------------------------------------------------
-
-    def _check_not_banned(self, peer_id: str) -> None:
-        account = self.accounts.book.accounts.get(peer_id)
-        if account is not None and account.banned:
-            raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
 
     def _check_role(self, peer_id: str, role: str) -> None:
         account = self.accounts.book.accounts.get(peer_id)
