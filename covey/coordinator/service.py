@@ -56,7 +56,7 @@ log = logging.getLogger("covey.coordinator")
 ORPHAN_GRACE_S = 600.0
 
 
-class Coordinator(Intake, Verification, Halting, Views):
+class Coordinator(Intake, Halting, Views):
     def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
         # the coordinator's own key signs certificates and ledger entries; it is part of the
         # spec, so of the run id (ValueError if the spec names another key)
@@ -134,7 +134,19 @@ class Coordinator(Intake, Verification, Halting, Views):
                 "the intake checks still apply",
                 cfg.algorithm.method,
             )
-        Verification.__init__(self)
+        self.verification = Verification(
+            self.db,
+            cfg,
+            self.accounts,
+            self.membership,
+            self.blobs,
+            run_id=self.run_id,
+            strategy=self.strategy,
+            template=self.template,
+            corpus=self.corpus,
+            seq_len=self.seq_len,
+            verifying=self.verifying,
+        )
         Halting.__init__(self)
 
     # -- membership (covey.coordinator.membership): the facade's calls, delegated ------------
@@ -175,6 +187,17 @@ class Coordinator(Intake, Verification, Halting, Views):
 
     def _peer_views(self) -> list[PeerView]:
         return self.membership.peer_views()
+
+    # -- verification (covey.coordinator.verification): the facade's calls, delegated --------
+
+    def validator_join(self, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.verification.validator_join(req, raw)
+
+    def claim(self, req: schemas.ClaimRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.verification.claim(req, raw)
+
+    def report(self, req: schemas.VerifyReport, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.verification.report(req, raw)
 
     # -- start-up and resume ----------------------------------------------------------------
 
@@ -231,12 +254,12 @@ class Coordinator(Intake, Verification, Halting, Views):
         self._driver.start()
         self._evaluator = threading.Thread(target=self._evaluate, name="evaluator", daemon=True)
         self._evaluator.start()
-        self.start_referee()
+        self.verification.start_referee()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
         self._evals.put(None)
-        self.stop_referee()
+        self.verification.stop_referee()
         for thread in (self._driver, self._evaluator):
             if thread is not None:
                 thread.join(timeout_s)
@@ -396,7 +419,7 @@ class Coordinator(Intake, Verification, Halting, Views):
                     "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
                     (new_state.round, new_cid, len(data), new_hash, now),
                 )
-            self._record_round(c, rnd.round, rows, certificate, now)
+            self.verification.record_round(c, rnd.round, rows, certificate, now)
             if checkpoint:
                 self.accounts.append(
                     c,
@@ -555,7 +578,7 @@ class Coordinator(Intake, Verification, Halting, Views):
             r["end_cid"]
             for r in self.db.query("SELECT end_cid FROM local_states WHERE round >= ?", (recent,))
         }
-        keep |= self.verification_blobs()
+        keep |= self.verification.verification_blobs()
         cutoff = time.time() - ORPHAN_GRACE_S
         for cid in self.blobs.cids():
             if cid not in keep and self.blobs.path(cid).stat().st_mtime < cutoff:
