@@ -32,7 +32,7 @@ log = logging.getLogger("covey.coordinator")
 
 
 class Intake(Views):
-    # provided by Coordinator
+    # provided by the rounds mode (covey.coordinator.rounds)
     strategy: Strategy
     fetcher: BlobClient
     seq_len: int

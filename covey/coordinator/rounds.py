@@ -28,14 +28,13 @@ from covey.blobs import BlobClient, BlobStore
 from covey.config import RunConfig, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import Corpus
-from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
 from covey.protocol.rounds import PeerView, close_reason, is_alive, is_eligible, plan_round
-from covey.trust.certify import sign_certificate
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
 from .accounts import Accounts
+from .certificates import make_certificate
 from .db import Database
 from .halt import Halting
 from .intake import Intake
@@ -320,7 +319,19 @@ class Rounds(Intake, Halting, Views):
         new_cid = self.blobs.put(data)
         new_hash = new_state.digest()
         now = time.time()
-        certificate = self._certificate(rnd, rows, new_hash, new_cid, len(data), now, reason)
+        certificate = make_certificate(
+            self.db,
+            self.identity,
+            self.run_id,
+            self.state_hash,
+            rnd,
+            rows,
+            new_hash,
+            new_cid,
+            len(data),
+            now,
+            reason,
+        )
         prev = self.db.one("SELECT closed_at FROM rounds WHERE round = ?", (rnd.round - 1,))
         cycle = now - (prev["closed_at"] if prev else rnd.opened_at)
         util = sum(r["compute_s"] for r in rows) / len(rows) / cycle if cycle > 0 else None
@@ -420,67 +431,6 @@ class Rounds(Intake, Halting, Views):
             c.execute("UPDATE rounds SET status = 'aborted' WHERE round = ?", (rnd.round,))
             self.db.event(c, now, "round aborted", "", {"round": rnd.round, "why": why})
         log.warning("[round %d.%d] aborted: %s", rnd.round, rnd.attempt, why)
-
-    def _certificate(
-        self,
-        rnd: OpenRound,
-        rows: list[Any],
-        new_hash: str,
-        new_cid: str,
-        new_size: int,
-        now: float,
-        reason: str,
-    ) -> schemas.Certificate:
-        total = sum(r["tokens"] for r in rows)
-        names = {p["peer_id"]: p["name"] or "" for p in self.db.query("SELECT * FROM peers")}
-        urls = {
-            p["peer_id"]: p["blob_url"]
-            for p in self.db.query("SELECT peer_id, blob_url, accepts_connections FROM peers")
-            if p["accepts_connections"] and p["blob_url"]
-        }
-        accepted = [
-            schemas.AcceptedContribution(
-                peer_id=r["peer_id"],
-                name=names.get(r["peer_id"], ""),
-                cid=r["cid"],
-                size=r["size"],
-                tokens=r["tokens"],
-                inner_steps=r["inner_steps"],
-                fragment=r["fragment"],
-                weight=r["tokens"] / total,
-                providers=[urls[r["peer_id"]]] if r["peer_id"] in urls else [],
-            )
-            for r in rows
-        ]
-        done = {r["peer_id"] for r in rows}
-        rejected = {
-            x["peer_id"]: x["reason"]
-            for x in self.db.query(
-                "SELECT peer_id, reason FROM rejections WHERE round = ? AND attempt = ? "
-                "ORDER BY id",
-                (rnd.round, rnd.attempt),
-            )
-            if x["peer_id"] not in done
-        }
-        for m in rnd.members:
-            rejected.setdefault(m, "no contribution") if m not in done else None
-        unsigned = schemas.Certificate(
-            run_id=self.run_id,
-            round=rnd.round,
-            attempt=rnd.attempt,
-            start_hash=self.state_hash,
-            new_hash=new_hash,
-            new_cid=new_cid,
-            new_size=new_size,
-            accepted=accepted,
-            rejected=[
-                schemas.Rejection(peer_id=p, name=names.get(p, ""), reason=w)
-                for p, w in sorted(rejected.items())
-            ],
-            closed_at=now,
-            reason=reason,
-        )
-        return sign_certificate(unsigned, self.identity)
 
     def _write_checkpoint(self, round_: int, data: bytes) -> None:
         folder = self.data_dir / "checkpoints"
