@@ -60,7 +60,7 @@ def test_heartbeats_do_not_write_sqlite_per_request(tmp_path: Path) -> None:
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC)
     coord = Coordinator(load_run_config(spec), tmp_path / "coord")
-    coord.__dict__["_liveness"] = live = Liveness(coord.db, 300.0, flush_s=3600)  # by hand
+    coord.membership._liveness = live = Liveness(coord.db, 300.0, flush_s=3600)  # by hand
     try:
         http = TestClient(create_app(coord))
         key = Identity.generate()
@@ -84,7 +84,7 @@ def test_heartbeats_do_not_write_sqlite_per_request(tmp_path: Path) -> None:
         assert changes(coord) == before + 1 + 30  # one peer row, thirty nonces
         stored = coord.db.one("SELECT last_seen FROM peers WHERE peer_id = ?", (key.peer_id,))
         assert stored["last_seen"] == pytest.approx(view.last_seen)
-        coord.__dict__["_liveness"] = Liveness(coord.db, 300.0, flush_s=3600)  # a restart
+        coord.membership._liveness = Liveness(coord.db, 300.0, flush_s=3600)  # a restart
         replay = http.post("/v1/heartbeat", json=beats[0])
         assert replay.status_code == 401 and "replayed" in replay.text
     finally:

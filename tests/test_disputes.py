@@ -228,7 +228,7 @@ class _FailingReferee(Verification):
     """The referee loop alone: judging task 1 always raises, task 2 settles."""
 
     def __init__(self, attempts: int) -> None:
-        super().__init__()
+        self._init_referee()
         self.cfg = type("C", (), {"trust": type("T", (), {"dispute_attempts": attempts})})()
         self.settled: list[int] = []
         self.tries: list[int] = []

@@ -28,8 +28,6 @@ from covey.trust.identity import (
 from .views import Rejected
 
 if TYPE_CHECKING:
-    from covey.config import RunConfig
-
     from .db import Database
 
 # the endpoint now handling a request, e.g. "POST /v1/leave" (set by ReceivedAt); copied
@@ -59,9 +57,11 @@ class ReceivedAt:
 
 
 class Auth:
-    # provided by Coordinator
-    cfg: RunConfig
-    db: Database
+    """Signature and nonce checks over the peers table and the nonces table of `db`."""
+
+    def __init__(self, db: Database, nonce_window_s: float) -> None:
+        self.db = db
+        self.nonce_window_s = nonce_window_s
 
     def authenticate(
         self,
@@ -97,7 +97,7 @@ class Auth:
         nonce = str(raw.get("nonce"))
         now = time.time()
         age = now - nonce_time(nonce)
-        window = self.cfg.trust.nonce_window_s
+        window = self.nonce_window_s
         if abs(age) > window:
             raise Rejected(401, f"nonce is {age:.0f} s old; requests must be within {window:.0f} s")
         if nonces is not None:  # heartbeats: spent in memory, flushed in batches (H9)
@@ -112,4 +112,4 @@ class Auth:
     def prune_nonces(self, now: float) -> None:
         """Forget nonces older than the window: requests that old are refused anyway."""
         with self.db.transaction() as c:
-            c.execute("DELETE FROM nonces WHERE at < ?", (now - 2 * self.cfg.trust.nonce_window_s,))
+            c.execute("DELETE FROM nonces WHERE at < ?", (now - 2 * self.nonce_window_s,))

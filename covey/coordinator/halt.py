@@ -38,7 +38,7 @@ class _PendingHalt:
 
 
 class Halting:
-    # provided by Coordinator
+    # provided by the rounds mode (covey.coordinator.rounds)
     cfg: RunConfig
     db: Database
     accounts: Accounts

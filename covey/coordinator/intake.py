@@ -32,13 +32,14 @@ log = logging.getLogger("covey.coordinator")
 
 
 class Intake(Views):
-    # provided by Coordinator
+    # provided by the rounds mode (covey.coordinator.rounds)
     strategy: Strategy
     fetcher: BlobClient
     seq_len: int
     _wake: threading.Event
     accounts: Accounts
     authenticate: Any
+    _check_run: Any
     _check_not_banned: Any
     template: Any
 
@@ -51,10 +52,6 @@ class Intake(Views):
     @functools.cached_property
     def _submitting(self) -> tuple[threading.Lock, set[tuple[str, int]]]:
         return threading.Lock(), set()
-
-    def _check_run(self, run_id: str) -> None:
-        if run_id != self.run_id:
-            raise Rejected(409, f"run_id {run_id} is not this coordinator's run {self.run_id}")
 
     def submit(
         self, round_: int, req: schemas.ContributionRequest, raw: dict[str, Any]

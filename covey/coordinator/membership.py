@@ -1,7 +1,11 @@
 """Membership: peers join with their key and stake, heartbeat, and leave (the
 deathrattle). A first join is recorded in the ledger; an excluded key, a short stake or a
-worker key posing as a validator (or the reverse) is refused. The round driver reads the
-live peers from here (covey.protocol.rounds decides who is alive).
+worker key posing as a validator (or the reverse) is refused. Whoever drives the run (the
+rounds mode) reads the live peers and records no-shows here (covey.protocol.rounds decides
+who is alive). Signed requests are authenticated here too (covey.coordinator.auth).
+
+A component: it owns its state (the liveness overlay, the no-show table) and reaches the
+rest of the coordinator only through what `__init__` is given. It knows nothing of rounds.
 """
 
 from __future__ import annotations
@@ -9,13 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from covey.protocol import schemas
 from covey.protocol.rounds import PeerView, no_show_backoff
 from covey.trust.identity import peer_id_of
 
+from .auth import Auth
 from .liveness import FLUSH_S, Liveness
 from .views import Rejected
 
@@ -26,7 +31,6 @@ if TYPE_CHECKING:
     from .db import Database
 
 log = logging.getLogger("covey.coordinator")
-_LIVENESS_LOCK = threading.Lock()
 NO_SHOW_TABLE = (
     "CREATE TABLE IF NOT EXISTS no_shows (peer_id TEXT PRIMARY KEY, "
     "consecutive INTEGER NOT NULL, excluded_until REAL NOT NULL)"
@@ -34,23 +38,72 @@ NO_SHOW_TABLE = (
 
 
 class Membership:
-    # provided by Coordinator
-    cfg: RunConfig
-    db: Database
-    accounts: Accounts
-    _wake: threading.Event
-    _stop: threading.Event
-    _check_run: Any
-    _check_not_banned: Any
-    authenticate: Any
-    check_not_halted: Any
+    """Who takes part: joins, heartbeats, leaves, no-shows, and the signatures and nonces
+    of every signed request."""
+
+    def __init__(
+        self,
+        db: Database,
+        cfg: RunConfig,
+        accounts: Accounts,
+        run_id: str,
+        *,
+        wake: threading.Event,
+        stop: threading.Event,
+        check_not_halted: Callable[[], None],
+    ) -> None:
+        """`wake` is set when a peer leaves (the run's driver looks at once); `stop` ends
+        the liveness flusher; `check_not_halted` raises Rejected(410) once the run is
+        halted (joins and heartbeats are then refused)."""
+        self.db = db
+        self.cfg = cfg
+        self.accounts = accounts
+        self.run_id = run_id
+        self._wake = wake
+        self._stop = stop
+        self.check_not_halted = check_not_halted
+        self.auth = Auth(db, cfg.trust.nonce_window_s)
+        self._liveness: Liveness | None = None
+        self._liveness_lock = threading.Lock()
+        self._no_show_table = False
+
+    # -- checks every endpoint uses ---------------------------------------------------------
+
+    def authenticate(
+        self,
+        raw: dict[str, Any],
+        round: int,
+        peer_id: str,
+        public_key: str | None = None,
+        nonces: Any = None,
+    ) -> None:
+        """covey.coordinator.auth.Auth.authenticate: Rejected(401/404) unless `raw` is
+        signed by `peer_id` for the receiving endpoint and `round`, with a fresh nonce."""
+        self.auth.authenticate(raw, round, peer_id, public_key, nonces)
+
+    def prune_nonces(self, now: float) -> None:
+        """Forget nonces older than the window: requests that old are refused anyway."""
+        self.auth.prune_nonces(now)
+
+    def check_run(self, run_id: str) -> None:
+        """Rejected(409) for a request naming another run."""
+        if run_id != self.run_id:
+            raise Rejected(409, f"run_id {run_id} is not this coordinator's run {self.run_id}")
+
+    def check_not_banned(self, peer_id: str) -> None:
+        """Rejected(403) for a key the ledger excluded for fraud."""
+        account = self.accounts.book.accounts.get(peer_id)
+        if account is not None and account.banned:
+            raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
+
+    # -- joins, heartbeats, leaves ------------------------------------------------------------
 
     def join(self, req: schemas.JoinRequest, raw: dict[str, Any]) -> schemas.JoinReply:
         """Go live; the reply grants the first participation lease. Rejected(410) once the
         run is halted: nobody joins it again."""
-        self._check_run(req.run_id)
+        self.check_run(req.run_id)
         self.check_not_halted()
-        self._register(req.peer_id, req.public_key, req.name, "worker", req.stake, raw)
+        self.register(req.peer_id, req.public_key, req.name, "worker", req.stake, raw)
         now = time.time()
         with self.db.transaction() as c:
             c.execute(
@@ -86,7 +139,7 @@ class Membership:
             lease_s=r.lease_s,
         )
 
-    def _register(
+    def register(
         self, peer_id: str, public_key: str, name: str, role: str, stake: float, raw: dict
     ) -> None:
         """Authenticate a join with the key it presents; record a first join (and its
@@ -129,13 +182,13 @@ class Membership:
     def liveness(self) -> Liveness:
         """Heartbeats in memory, flushed to SQLite every FLUSH_S or heartbeat_s if shorter;
         made on first use, its flusher started with it."""
-        with _LIVENESS_LOCK:
-            live = self.__dict__.get("_liveness")
+        with self._liveness_lock:
+            live = self._liveness
             if live is None:
                 # never staler than a heartbeat period: /metrics counts live peers from SQLite
                 flush_s = min(FLUSH_S, self.cfg.rounds.heartbeat_s)
                 live = Liveness(self.db, self.cfg.trust.nonce_window_s, flush_s)
-                self.__dict__["_liveness"] = live
+                self._liveness = live
                 live.start(self._stop)
         return live
 
@@ -145,13 +198,13 @@ class Membership:
         indexed read and no write: the heartbeat (and its nonce) is kept in memory and
         flushed in batches (covey.coordinator.liveness); only reviving a dead peer writes
         at once (its "revived" event)."""
-        self._check_run(req.run_id)
+        self.check_run(req.run_id)
         row = self.db.one("SELECT state, public_key FROM peers WHERE peer_id = ?", (req.peer_id,))
         if row is None or not row["public_key"]:
             raise Rejected(404, f"unknown peer {req.peer_id}: join first")
         live = self.liveness
         self.authenticate(raw, -1, req.peer_id, row["public_key"], nonces=live)
-        self._check_not_banned(req.peer_id)
+        self.check_not_banned(req.peer_id)
         self.check_not_halted()
         now = time.time()
         if row["state"] == "left":
@@ -169,7 +222,7 @@ class Membership:
 
     def leave(self, req: schemas.LeaveRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """The deathrattle: the peer is gone now, and no round waits for it."""
-        self._check_run(req.run_id)
+        self.check_run(req.run_id)
         self.authenticate(raw, -1, req.peer_id)
         now = time.time()
         with self.accounts.transaction() as c:
@@ -186,9 +239,9 @@ class Membership:
         log.info("[%s %s] left: %s", row["name"] if row else "?", req.peer_id[:8], req.reason)
         return {"ok": True}
 
-    def _peer_views(self) -> list[PeerView]:
+    def peer_views(self) -> list[PeerView]:
         rows = self.db.query("SELECT * FROM peers WHERE role = 'worker'")
-        out, live = self._no_shows(), self.liveness
+        out, live = self.no_shows(), self.liveness
         return [
             PeerView(
                 r["peer_id"],
@@ -203,9 +256,9 @@ class Membership:
 
     # -- no-shows: members that neither submit nor leave ------------------------------------
 
-    def _no_shows(self) -> dict[str, tuple[int, float]]:
+    def no_shows(self) -> dict[str, tuple[int, float]]:
         """peer id -> (consecutive no-shows, sits out rounds until)."""
-        if not getattr(self, "_no_show_table", False):  # kept beside db.py's schema
+        if not self._no_show_table:  # kept beside db.py's schema
             with self.db.transaction() as c:
                 c.execute(NO_SHOW_TABLE)
             self._no_show_table = True
@@ -221,7 +274,7 @@ class Membership:
         (rounds.no_show_backoff); a member that submitted starts its count again. Not in
         the ledger: a "contribution rejected" entry would read as a refused contribution,
         and reputation has no no-show term yet (covey/trust/incentives.py)."""
-        limits, known = self.cfg.limits, self._no_shows()
+        limits, known = self.cfg.limits, self.no_shows()
         absent = sorted(set(absent) - set(submitted))
         with self.db.transaction() as c:
             for peer in set(submitted) & set(known):

@@ -1,63 +1,48 @@
-"""The coordinator: membership, rounds, canonical state. Transport-free: the FastAPI app
+"""The coordinator: a facade over its components. Transport-free: the FastAPI app
 (covey.coordinator.app) turns HTTP into calls here and `Rejected` into 4xx replies.
 
-One driver thread ticks the round state machine (covey.protocol.rounds decides; this
-module records) and computes each round's canonical state with the same pure
-`apply_round` every peer runs. Everything durable goes through SQLite (covey.coordinator.db)
-and the content-addressed blob store; a restarted coordinator resumes from them.
+The components (../shared/DESIGN.md) each own their state and take what they need in
+`__init__`: Membership (peers, liveness, signatures and nonces, no-shows), the blob store
+and fetcher, Accounts (ledger and book), Verification (assignments, canaries, disputes and
+the referee). One mode uses them: Rounds (covey.coordinator.rounds: open, close, commit,
+intake, certificates, evaluation, HALT, the read side). This class builds them in order
+and forwards the calls the app, the CLI and the tests make; it holds no logic of its own.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
-import queue
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from covey.algorithms import (
-    Contribution,
-    RoundError,
-    Strategy,
-    TrainState,
-    build_aggregator,
-    build_strategy,
-)
-from covey.algorithms.evaluate import evaluate
+from covey.algorithms import TrainState
 from covey.blobs import BlobClient, BlobStore
-from covey.config import RunConfig, run_id_of, steps_per_round
-from covey.data.batches import validation_batches
+from covey.config import RunConfig, run_id_of
 from covey.data.corpus import load_corpus
-from covey.models.bundle import publish_model_files
-from covey.models.source import build_run_model
 from covey.protocol import schemas
-from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
-from covey.protocol.rounds import close_reason, is_alive, is_eligible, plan_round
-from covey.trust.certify import sign_certificate
+from covey.protocol.rounds import PeerView
 from covey.trust.identity import Identity
-from covey.trust.incentives import Policy
 
 from .accounts import Accounts
-from .auth import Auth
 from .db import Database
-from .halt import Halting
-from .intake import Intake
+from .liveness import Liveness
 from .membership import Membership
-from .samples import draw_samples
+from .model import build_model
+from .rounds import Rounds
+from .uploads import UploadGate
 from .verification import Verification
-from .views import OpenRound, Views
+from .views import CommitSignal, OpenRound
 
 log = logging.getLogger("covey.coordinator")
-ORPHAN_GRACE_S = 600.0
 
 
-class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
+class Coordinator:
     def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
+        """Open (or create) the run in `data_dir`. ValueError if the spec names another
+        coordinator key, or `data_dir` holds another run."""
         # the coordinator's own key signs certificates and ledger entries; it is part of the
         # spec, so of the run id (ValueError if the spec names another key)
         self.identity = Identity.load_or_create(data_dir / "coordinator.key")
@@ -70,9 +55,8 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
             torch.set_num_threads(threads)
         d = cfg.data
         self.corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
-        self.corpus_fingerprint = self.corpus.fingerprint
         # the run id covers the data: one spec on other data is another run
-        self.run_id = run_id_of(cfg, self.corpus_fingerprint)
+        self.run_id = run_id_of(cfg, self.corpus.fingerprint)
         self.db = Database(data_dir / "coordinator.db")
         known = self.db.get_meta("run_id")
         if known is not None and known != self.run_id:
@@ -81,442 +65,168 @@ class Coordinator(Membership, Intake, Verification, Halting, Auth, Views):
                 f"use another --data-dir"
             )
         self.accounts = Accounts(self.db, self.identity, data_dir)
+        self._stop = threading.Event()
+        wake = threading.Event()  # a contribution or a leave: look at the round now
+        self.membership = Membership(
+            self.db,
+            cfg,
+            self.accounts,
+            self.run_id,
+            wake=wake,
+            stop=self._stop,
+            check_not_halted=lambda: self.rounds.check_not_halted(),  # built below
+        )
         self.blobs = BlobStore(data_dir / "blobs", cfg.limits.max_blob_bytes)
         self.fetcher = BlobClient(
             timeout_s=cfg.limits.request_timeout_s,
             retries=cfg.limits.retries,
             max_bytes=cfg.limits.max_blob_bytes,
         )
-        model, self.loss_fn, _, self.seq_len = build_run_model(
-            cfg.model, cfg.seed, tokenizer_vocab=self.corpus.vocab_size, seq_len=d.seq_len
+        model = build_model(cfg, self.corpus, self.blobs)
+        verifying = model.strategy.reexecutable
+        self.verification = Verification(
+            self.db,
+            cfg,
+            self.accounts,
+            self.membership,
+            self.blobs,
+            run_id=self.run_id,
+            strategy=model.strategy,
+            template=model.template,
+            corpus=self.corpus,
+            seq_len=model.seq_len,
+            verifying=verifying,
         )
-        # hf: config and tokenizer files on the blob plane: workers need no model files
-        self.model_files_cid = publish_model_files(self.blobs.put, cfg.model.spec, d.tokenizer)
-        self.parameters = sum(p.numel() for p in model.parameters())
-        trust = cfg.trust
-        self.aggregator = build_aggregator(
-            trust.aggregation, trust.trim_fraction, trust.clip_factor
+        self.rounds = Rounds(
+            cfg,
+            data_dir,
+            identity=self.identity,
+            db=self.db,
+            accounts=self.accounts,
+            membership=self.membership,
+            verification=self.verification,
+            blobs=self.blobs,
+            fetcher=self.fetcher,
+            corpus=self.corpus,
+            run_id=self.run_id,
+            model=model,
+            wake=wake,
+            stop=self._stop,
         )
-        self.strategy: Strategy = build_strategy(
-            cfg.algorithm, model, self.loss_fn, self.aggregator
-        )
-        self._eval_model = copy.deepcopy(model)
-        self.template = self.strategy.init_state()
-        self.steps_per_round = steps_per_round(cfg.algorithm)
-        self._val = validation_batches(
-            self.corpus, n_batches=cfg.rounds.eval_batches, batch_size=16, seq_len=self.seq_len
-        )
-        self._payload_bytes = _payload_estimate(self.strategy, self.template)
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # a contribution or a leave: look at the round now
-        self._nonces_pruned = 0.0
-        self._driver: threading.Thread | None = None
-        # evaluation runs beside the rounds, never between a commit and the next open
-        self._evals: queue.Queue[TrainState | None] = queue.Queue()
-        self.samples: dict[str, Any] | None = None  # the status page's, by the evaluator
-        self._evaluator: threading.Thread | None = None
-        self.state, self.state_cid = self._load_or_create()
-        self.state_hash = self.state.digest()  # hashed once per state, not per request
-        self.verifying = self.strategy.reexecutable
-        if not self.verifying:
+        if not verifying:
             log.warning(
                 "contributions of this run cannot be re-executed (%s keeps worker-local state "
                 "across rounds): validators will not be given work; robust aggregation and "
                 "the intake checks still apply",
                 cfg.algorithm.method,
             )
-        Verification.__init__(self)
-        Halting.__init__(self)
-
-    # -- start-up and resume ----------------------------------------------------------------
-
-    def _load_or_create(self) -> tuple[TrainState, str]:
-        now = time.time()
-        last = self.db.one(
-            "SELECT new_cid FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
-        )
-        if last is None and self.db.get_meta("run_id") is None:
-            data = state_to_bytes(self.template)
-            cid = self.blobs.put(data)
-            with self.accounts.transaction() as c:
-                for key, value in (
-                    ("run_id", self.run_id),
-                    ("spec", self.cfg.model_dump_json()),
-                    ("created_at", repr(now)),
-                    ("corpus_fingerprint", self.corpus.fingerprint),
-                    ("initial_cid", cid),
-                ):
-                    c.execute("INSERT INTO meta VALUES (?, ?)", (key, value))
-                self.db.event(c, now, "run created", "", {"run_id": self.run_id})
-                self.accounts.append(
-                    c,
-                    "run created",
-                    {
-                        "run_id": self.run_id,
-                        "name": self.cfg.name,
-                        "spec": self.cfg.model_dump(mode="json"),
-                        "coordinator_key": self.identity.public_key,
-                        "policy": Policy.from_config(self.cfg.trust).to_dict(),
-                    },
-                    now,
-                )
-            log.info("run %s created in %s", self.run_id, self.data_dir)
-            return self.template, cid
-        cid = last["new_cid"] if last else self.db.get_meta("initial_cid")
-        assert cid is not None
-        state = state_from_bytes(self.blobs.get(cid), self.template)
-        with self.db.transaction() as c:
-            # a close interrupted by a crash never committed: the round is open again, and
-            # every peer gets a fresh deadline to reconnect and finish it
-            c.execute(
-                "UPDATE rounds SET status = 'open', deadline = MAX(deadline, ?) "
-                "WHERE status IN ('open', 'closing')",
-                (now + self.cfg.rounds.deadline_min_s + self.cfg.rounds.dead_after_s,),
-            )
-            c.execute("UPDATE peers SET last_seen = ? WHERE state = 'live'", (now,))
-            self.db.event(c, now, "coordinator restarted", "", {"round": state.round})
-        log.info("resumed run %s at round %d (state %s)", self.run_id, state.round, cid[:12])
-        return state, cid
 
     def start(self) -> None:
-        self._driver = threading.Thread(target=self._drive, name="round-driver", daemon=True)
-        self._driver.start()
-        self._evaluator = threading.Thread(target=self._evaluate, name="evaluator", daemon=True)
-        self._evaluator.start()
-        self.start_referee()
+        self.rounds.start()
+        self.verification.start_referee()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
-        self._evals.put(None)
-        self.stop_referee()
-        for thread in (self._driver, self._evaluator):
-            if thread is not None:
-                thread.join(timeout_s)
+        self.verification.stop_referee()
+        self.rounds.stop(timeout_s)
         self.fetcher.close()
-        self.liveness.flush()  # H9: heartbeats kept in memory reach SQLite before it closes
+        self.membership.liveness.flush()  # H9: heartbeats in memory reach SQLite first
         self.db.close()
 
-    def _drive(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(0.1)
-            self._wake.clear()
-            try:
-                self.tick(time.time())
-            except Exception:  # one bad tick must not kill the run: log loudly and go on
-                log.exception("round driver tick failed")
+    # -- membership (covey.coordinator.membership): the facade's calls, delegated ------------
 
-    # -- rounds -------------------------------------------------------------------------------
+    def join(self, req: schemas.JoinRequest, raw: dict[str, Any]) -> schemas.JoinReply:
+        return self.membership.join(req, raw)
 
-    def committed_rounds(self) -> int:
-        return self.state.round
+    def heartbeat(self, req: schemas.HeartbeatRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.membership.heartbeat(req, raw)
+
+    def leave(self, req: schemas.LeaveRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.membership.leave(req, raw)
+
+    @property
+    def liveness(self) -> Liveness:
+        return self.membership.liveness
+
+    def _peer_views(self) -> list[PeerView]:
+        return self.membership.peer_views()
+
+    # -- verification (covey.coordinator.verification): the facade's calls, delegated --------
+
+    def validator_join(self, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.verification.validator_join(req, raw)
+
+    def claim(self, req: schemas.ClaimRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.verification.claim(req, raw)
+
+    def report(self, req: schemas.VerifyReport, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.verification.report(req, raw)
+
+    # -- the rounds mode (covey.coordinator.rounds): the facade's calls, delegated ----------
+
+    @property
+    def state(self) -> TrainState:
+        return self.rounds.state
+
+    @property
+    def state_cid(self) -> str:
+        return self.rounds.state_cid
+
+    @property
+    def state_hash(self) -> str:
+        return self.rounds.state_hash
+
+    @property
+    def verifying(self) -> bool:
+        return self.verification.verifying
+
+    @property
+    def commits(self) -> CommitSignal:
+        return self.rounds.commits
+
+    @property
+    def uploads(self) -> UploadGate:
+        return self.rounds.uploads
+
+    @property
+    def halted(self) -> dict[str, Any] | None:
+        return self.rounds.halted
+
+    @property
+    def samples(self) -> dict[str, Any] | None:
+        return self.rounds.samples
 
     def tick(self, now: float) -> None:
-        """One step of the round state machine: expire silent peers, open a round when
-        enough peers are live, close the open one when it is complete or overdue."""
-        self.enforce_halt(now)  # a HALT takes effect here, between rounds' steps
-        cfg = self.cfg.rounds
-        peers = self._peer_views()
-        with self.db.transaction() as c:
-            for p in peers:
-                if p.state == "live" and not is_alive(now, p, cfg):
-                    c.execute("UPDATE peers SET state = 'dead' WHERE peer_id = ?", (p.peer_id,))
-                    self.db.event(c, now, "dead", p.peer_id, {"silent_s": now - p.last_seen})
-                    log.warning("[%s] silent for %.1f s: dead", p.peer_id, now - p.last_seen)
-        if now - self._nonces_pruned > 60:
-            self.prune_nonces(now)
-            self._nonces_pruned = now
-        views = self._peer_views()
-        alive = {p.peer_id for p in views if is_alive(now, p, cfg)}
-        current = self.open_round()
-        if current is None:
-            eligible = [p for p in views if is_eligible(now, p, cfg)]  # no-shows sit out
-            if not self.finished() and len(eligible) >= cfg.min_peers:
-                self._open(now)
-            return
-        waiting_on = [m for m in current.members if m in alive]
-        submitted = [
-            r["peer_id"]
-            for r in self.db.query(
-                "SELECT peer_id FROM contributions WHERE round = ? AND attempt = ?",
-                (current.round, current.attempt),
-            )
-        ]
-        reason = close_reason(now, current.deadline, waiting_on, submitted)
-        if reason is not None:
-            self.record_no_shows(current.round, waiting_on, submitted, now)
-            self._close(current, reason)
+        self.rounds.tick(now)
 
-    def _open(self, now: float) -> None:
-        r = self.state.round
-        prev = self.db.one("SELECT attempt FROM rounds WHERE round = ?", (r,))
-        attempt = 0 if prev is None else prev["attempt"] + 1
-        assignments, deadline = plan_round(
-            now,
-            self.run_id,
-            r,
-            self._peer_views(),
-            steps_per_round=self.steps_per_round,
-            flexible=self.strategy.flexible_steps,
-            payload_bytes=self._payload_bytes,
-            cfg=self.cfg.rounds,
-        )
-        members = [a.peer_id for a in assignments]
-        table = {
-            a.peer_id: {"inner_steps": a.inner_steps, "data_key": a.data_key} for a in assignments
-        }
-        with self.db.transaction() as c:
-            c.execute("DELETE FROM rounds WHERE round = ?", (r,))
-            c.execute(
-                "INSERT INTO rounds (round, attempt, status, opened_at, deadline, members, "
-                "assignments, start_cid, start_hash) "
-                "VALUES (?, ?, 'open', ?, ?, ?, ?, ?, ?)",
-                (
-                    r,
-                    attempt,
-                    now,
-                    deadline,
-                    json.dumps(members),
-                    json.dumps(table),
-                    self.state_cid,
-                    self.state_hash,
-                ),
-            )
-        log.info(
-            "[round %d.%d] open: %d members, deadline in %.1f s",
-            r,
-            attempt,
-            len(members),
-            deadline - now,
-        )
+    def committed_rounds(self) -> int:
+        return self.rounds.committed_rounds()
 
-    def _close(self, rnd: OpenRound, reason: str) -> None:
-        with self.db.transaction() as c:
-            c.execute("UPDATE rounds SET status = 'closing' WHERE round = ?", (rnd.round,))
-            rows = c.execute(
-                "SELECT * FROM contributions WHERE round = ? AND attempt = ? ORDER BY peer_id",
-                (rnd.round, rnd.attempt),
-            ).fetchall()
-        banned = {p for p, a in self.accounts.book.accounts.items() if a.banned}
-        rows = [r for r in rows if r["peer_id"] not in banned]  # excluded since it submitted
-        contributions = [
-            Contribution(self.blobs.get(r["cid"]), r["tokens"], r["inner_steps"], r["fragment"])
-            for r in rows
-        ]
-        if not contributions:
-            self._abort(rnd, f"no contributions ({reason})")
-            return
-        try:
-            new_state = self.strategy.apply_round(self.state, contributions)
-        except (RoundError, ValueError) as e:  # validated at submit: a bug; never commit it
-            log.error("[round %d] apply_round failed: %s", rnd.round, e)
-            self._abort(rnd, f"apply_round failed: {e}")
-            return
-        data = state_to_bytes(new_state)
-        new_cid = self.blobs.put(data)
-        new_hash = new_state.digest()
-        now = time.time()
-        certificate = self._certificate(rnd, rows, new_hash, new_cid, len(data), now, reason)
-        prev = self.db.one("SELECT closed_at FROM rounds WHERE round = ?", (rnd.round - 1,))
-        cycle = now - (prev["closed_at"] if prev else rnd.opened_at)
-        util = sum(r["compute_s"] for r in rows) / len(rows) / cycle if cycle > 0 else None
-        losses = [r["train_loss"] for r in rows if r["train_loss"] is not None]
-        checkpoint = (new_state.round % self.cfg.rounds.checkpoint_every) == 0
-        with self.accounts.transaction() as c:
-            c.execute(
-                "UPDATE rounds SET status = 'committed', certificate = ?, new_cid = ?, "
-                "new_hash = ?, closed_at = ?, train_loss = ?, bytes = ?, tokens = ?, "
-                "utilization = ? WHERE round = ?",
-                (
-                    certificate.model_dump_json(),
-                    new_cid,
-                    new_hash,
-                    now,
-                    sum(losses) / len(losses) if losses else None,
-                    sum(r["size"] for r in rows),
-                    sum(r["tokens"] for r in rows),
-                    min(util, 1.0) if util is not None else None,
-                    rnd.round,
-                ),
-            )
-            for r in rows:
-                c.execute(
-                    "UPDATE peers SET contributions = contributions + 1 WHERE peer_id = ?",
-                    (r["peer_id"],),
-                )
-            if checkpoint:
-                c.execute(
-                    "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
-                    (new_state.round, new_cid, len(data), new_hash, now),
-                )
-            self._record_round(c, rnd.round, rows, certificate, now)
-            if checkpoint:
-                self.accounts.append(
-                    c,
-                    "checkpoint",
-                    {"round": new_state.round, "cid": new_cid, "weights_hash": new_hash},
-                    now,
-                )
-        self.state, self.state_cid, self.state_hash = new_state, new_cid, new_hash
-        self.commits.notify()  # H9: wakes the certificate long-polls now
-        log.info(
-            "[round %d] committed: %d accepted, %d rejected, %s; weights %s",
-            rnd.round,
-            len(certificate.accepted),
-            len(certificate.rejected),
-            reason,
-            new_hash[:12],
-        )
-        if checkpoint:
-            self._write_checkpoint(new_state.round, data)
-        if new_state.round % self.cfg.rounds.eval_every == 0 or self.finished():
-            self._evals.put(new_state)
-        self._prune(new_state.round)
+    def open_round(self) -> OpenRound | None:
+        return self.rounds.open_round()
 
-    def _evaluate(self) -> None:
-        """Held-out loss of each queued canonical state, stored with the round that made it;
-        every `rounds.samples_every` rounds (and the first time) also the status page's
-        samples of that state (covey.coordinator.samples), kept in memory."""
-        while (state := self._evals.get()) is not None:
-            try:
-                loss = evaluate(self._eval_model, state, self._val, self.loss_fn)
-                self._refresh_samples(state.round)  # the weights evaluate() just loaded
-                with self.db.transaction() as c:
-                    c.execute(
-                        "UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, state.round - 1)
-                    )
-            except Exception:
-                log.exception("evaluation of round %d failed", state.round - 1)
+    def finished(self) -> bool:
+        return self.rounds.finished()
 
-    def _refresh_samples(self, round: int) -> None:
-        every = self.cfg.rounds.samples_every
-        last = self.samples["round"] if self.samples else None
-        if not every or (last is not None and round // every <= last // every):
-            return
-        from covey.data.tokenizer import load_tokenizer
-        from covey.models.source import parse_source
+    def submit(
+        self, round_: int, req: schemas.ContributionRequest, raw: dict[str, Any]
+    ) -> dict[str, Any]:
+        return self.rounds.submit(round_, req, raw)
 
-        tokenizer = self.__dict__.get("_sample_tokenizer")
-        if tokenizer is None:
-            tokenizer = self.__dict__["_sample_tokenizer"] = load_tokenizer(self.cfg.data.tokenizer)
-        self.samples = draw_samples(
-            self._eval_model,
-            tokenizer,
-            self.cfg.rounds.sample_prompts,
-            round=round,
-            window=self.seq_len,
-            max_new_tokens=self.cfg.rounds.sample_tokens,
-            hf=parse_source(self.cfg.model.spec)[0] == "hf",
-        )
+    def halt(self, req: schemas.HaltRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        return self.rounds.halt(req, raw)
 
-    def _abort(self, rnd: OpenRound, why: str) -> None:
-        """Nothing to commit: the round reopens (next attempt) with fresh membership."""
-        now = time.time()
-        with self.db.transaction() as c:
-            c.execute("UPDATE rounds SET status = 'aborted' WHERE round = ?", (rnd.round,))
-            self.db.event(c, now, "round aborted", "", {"round": rnd.round, "why": why})
-        log.warning("[round %d.%d] aborted: %s", rnd.round, rnd.attempt, why)
+    def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
+        return self.rounds.round_info(peer_id)
 
-    def _certificate(
-        self,
-        rnd: OpenRound,
-        rows: list[Any],
-        new_hash: str,
-        new_cid: str,
-        new_size: int,
-        now: float,
-        reason: str,
-    ) -> schemas.Certificate:
-        total = sum(r["tokens"] for r in rows)
-        names = {p["peer_id"]: p["name"] or "" for p in self.db.query("SELECT * FROM peers")}
-        urls = {
-            p["peer_id"]: p["blob_url"]
-            for p in self.db.query("SELECT peer_id, blob_url, accepts_connections FROM peers")
-            if p["accepts_connections"] and p["blob_url"]
-        }
-        accepted = [
-            schemas.AcceptedContribution(
-                peer_id=r["peer_id"],
-                name=names.get(r["peer_id"], ""),
-                cid=r["cid"],
-                size=r["size"],
-                tokens=r["tokens"],
-                inner_steps=r["inner_steps"],
-                fragment=r["fragment"],
-                weight=r["tokens"] / total,
-                providers=[urls[r["peer_id"]]] if r["peer_id"] in urls else [],
-            )
-            for r in rows
-        ]
-        done = {r["peer_id"] for r in rows}
-        rejected = {
-            x["peer_id"]: x["reason"]
-            for x in self.db.query(
-                "SELECT peer_id, reason FROM rejections WHERE round = ? AND attempt = ? "
-                "ORDER BY id",
-                (rnd.round, rnd.attempt),
-            )
-            if x["peer_id"] not in done
-        }
-        for m in rnd.members:
-            rejected.setdefault(m, "no contribution") if m not in done else None
-        unsigned = schemas.Certificate(
-            run_id=self.run_id,
-            round=rnd.round,
-            attempt=rnd.attempt,
-            start_hash=self.state_hash,
-            new_hash=new_hash,
-            new_cid=new_cid,
-            new_size=new_size,
-            accepted=accepted,
-            rejected=[
-                schemas.Rejection(peer_id=p, name=names.get(p, ""), reason=w)
-                for p, w in sorted(rejected.items())
-            ],
-            closed_at=now,
-            reason=reason,
-        )
-        return sign_certificate(unsigned, self.identity)
+    def certificate(self, round_: int) -> schemas.Certificate:
+        return self.rounds.certificate(round_)
 
-    def _write_checkpoint(self, round_: int, data: bytes) -> None:
-        folder = self.data_dir / "checkpoints"
-        path = folder / f"round-{round_:06d}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
-        keep = self.cfg.rounds.keep_checkpoints
-        for old in sorted(folder.glob("round-*.safetensors"))[:-keep]:
-            old.unlink(missing_ok=True)
+    def checkpoints(self) -> list[schemas.CheckpointEntry]:
+        return self.rounds.checkpoints()
 
-    def _prune(self, round_: int) -> None:
-        """Drop blobs no peer needs any more. Kept: the current and initial states, kept
-        checkpoints, the last few rounds' states and contributions, and anything younger
-        than ORPHAN_GRACE_S (an upload whose submission may still be on its way). Whatever
-        else was uploaded, garbage included, goes."""
-        recent = round_ - 3
-        keep = {self.state_cid, self.db.get_meta("initial_cid"), self.model_files_cid}
-        keep |= {r["cid"] for r in self.db.query("SELECT cid FROM checkpoints")}
-        keep |= {
-            r["new_cid"]
-            for r in self.db.query("SELECT new_cid FROM rounds WHERE round >= ?", (recent,))
-        }
-        keep |= {
-            r["cid"]
-            for r in self.db.query("SELECT cid FROM contributions WHERE round >= ?", (recent,))
-        }
-        keep |= {  # H3: recent end local states (the next rounds' committed starts)
-            r["end_cid"]
-            for r in self.db.query("SELECT end_cid FROM local_states WHERE round >= ?", (recent,))
-        }
-        keep |= self.verification_blobs()
-        cutoff = time.time() - ORPHAN_GRACE_S
-        for cid in self.blobs.cids():
-            if cid not in keep and self.blobs.path(cid).stat().st_mtime < cutoff:
-                self.blobs.delete(cid)
+    def run_spec(self) -> dict[str, Any]:
+        return self.rounds.run_spec()
 
-
-def _payload_estimate(strategy: Strategy, state: TrainState) -> int:
-    """Bytes of one contribution, for deadline planning: encode a zero update once."""
-    numel = sum(
-        state.params[n].numel() for n in strategy.fragment_names(strategy.round_fragment(0))
-    )
-    return len(strategy.codec.encode(torch.zeros(numel)))
+    def status(self) -> dict[str, Any]:
+        return self.rounds.status()

@@ -11,6 +11,11 @@ commitments, and the referee (a thread here) recomputes that one segment alone
 worker's stake, excludes it and pays the validator. Work is paid `challenge_rounds` after
 it was accepted, unless it is still being checked (its checks are not complete: an
 unreported check is reassigned, never paid anyway) or was fraud.
+
+A component: it owns the verification tables, the referee thread and its queue, and
+reaches membership (signatures, registration, exclusions) only through the `Membership`
+it is given. Whoever commits work calls `record_round` inside the commit's transaction
+and keeps the blobs `verification_blobs` names.
 """
 
 from __future__ import annotations
@@ -35,50 +40,64 @@ from .views import Rejected
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
-    from covey.blobs import BlobClient, BlobStore
+    from covey.blobs import BlobStore
     from covey.config import RunConfig
     from covey.data.corpus import Corpus
 
     from .accounts import Accounts
     from .db import Database
+    from .membership import Membership
 
 log = logging.getLogger("covey.coordinator")
 
 
 class Verification(Assignments, Canaries, Disputes):
-    # provided by Coordinator
-    cfg: RunConfig
-    run_id: str
-    db: Database
-    accounts: Accounts
-    blobs: BlobStore
-    fetcher: BlobClient
-    strategy: Strategy
-    template: TrainState
-    corpus: Corpus
-    seq_len: int
-    verifying: bool
-    authenticate: Any
-    _check_run: Any
-    _register: Any
+    """Validators, their checks (assignments and canaries) and the referee. The three
+    bases are this one component's parts (one file each), not shared-state mixins of the
+    coordinator."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        db: Database,
+        cfg: RunConfig,
+        accounts: Accounts,
+        membership: Membership,
+        blobs: BlobStore,
+        *,
+        run_id: str,
+        strategy: Strategy,
+        template: TrainState,
+        corpus: Corpus,
+        seq_len: int,
+        verifying: bool,
+    ) -> None:
+        """`strategy`/`template` re-execute and size contributions; `corpus`/`seq_len` give
+        the referee a contribution's batches; `verifying` False: validators get no work."""
+        self.db = db
+        self.cfg = cfg
+        self.accounts = accounts
+        self.membership = membership
+        self.blobs = blobs
+        self.run_id = run_id
+        self.strategy = strategy
+        self.template = template
+        self.corpus = corpus
+        self.seq_len = seq_len
+        self.verifying = verifying
+        self._init_referee()
+        self._create_checks_table()
+        self._create_canary_table()
+
+    def _init_referee(self) -> None:
+        """The referee's queue and its judging state (also a bare referee's, in tests)."""
         self._disputes: queue.Queue[int | None] = queue.Queue()
         self._referee_thread: threading.Thread | None = None
         self._referee_strategy: Strategy | None = None
         self._attempts: dict[int, int] = {}  # task id -> times its judging raised
         self._layout: tuple[int, dict[str, int]] | None = None
         self._layout_lock = threading.Lock()
-        if getattr(self, "db", None) is not None:
-            self._create_checks_table()
-            self._create_canary_table()
 
     # -- membership checks ----------------------------------------------------------------
-
-    def _check_not_banned(self, peer_id: str) -> None:
-        account = self.accounts.book.accounts.get(peer_id)
-        if account is not None and account.banned:
-            raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
 
     def _check_role(self, peer_id: str, role: str) -> None:
         account = self.accounts.book.accounts.get(peer_id)
@@ -87,7 +106,7 @@ class Verification(Assignments, Canaries, Disputes):
 
     # -- at each commit ---------------------------------------------------------------------
 
-    def _record_round(
+    def record_round(
         self,
         c: sqlite3.Connection,
         round_: int,
@@ -222,8 +241,10 @@ class Verification(Assignments, Canaries, Disputes):
     # -- validators -------------------------------------------------------------------------
 
     def validator_join(self, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
-        self._check_run(req.run_id)
-        self._register(req.validator_id, req.public_key, req.name, "validator", req.stake, raw)
+        self.membership.check_run(req.run_id)
+        self.membership.register(
+            req.validator_id, req.public_key, req.name, "validator", req.stake, raw
+        )
         log.info("[%s %s] validator joined", req.name, req.validator_id[:8])
         return {"ok": True, "verifying": self.verifying}
 
@@ -232,10 +253,10 @@ class Verification(Assignments, Canaries, Disputes):
         validator staked below min_validator_stake is refused (403). Each claim first
         sweeps: late checks are missed and reassigned, and open contributions short of
         validators get the next ones drawn (covey.coordinator.assignment)."""
-        self._check_run(req.run_id)
-        self.authenticate(raw, -1, req.validator_id)
+        self.membership.check_run(req.run_id)
+        self.membership.authenticate(raw, -1, req.validator_id)
         self._check_role(req.validator_id, "validator")
-        self._check_not_banned(req.validator_id)
+        self.membership.check_not_banned(req.validator_id)
         account = self.accounts.book.accounts[req.validator_id]
         if account.stake < self.cfg.trust.min_validator_stake:
             raise Rejected(
@@ -326,8 +347,8 @@ class Verification(Assignments, Canaries, Disputes):
         before anything is judged (`_report_fault`): a malformed or unprovable one is
         refused (422 naming the field), recorded against the validator ("report refused")
         and the task goes back to be checked by someone."""
-        self._check_run(req.run_id)
-        self.authenticate(raw, req.round, req.validator_id)
+        self.membership.check_run(req.run_id)
+        self.membership.authenticate(raw, req.round, req.validator_id)
         self._check_role(req.validator_id, "validator")
         canary = self._canary(req.task_id)
         if canary is not None and canary["validator_id"] == req.validator_id:

@@ -1,6 +1,6 @@
 """The coordinator's read side: what peers and the status page see (round info,
 certificates, checkpoints, the run spec, the dashboard's status feed). Reads never change
-state; covey.coordinator.service holds the write side and mixes this in.
+state; the rounds mode (covey.coordinator.rounds) holds the write side and mixes this in.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 class Views:
-    # provided by Coordinator
+    # provided by the rounds mode (covey.coordinator.rounds)
     cfg: RunConfig
     run_id: str
     db: Database
@@ -125,7 +125,7 @@ class Views:
 
     @property
     def commits(self) -> CommitSignal:
-        """Set at every commit (service._close); the certificate long-poll waits on it."""
+        """Set at every commit (rounds._close); the certificate long-poll waits on it."""
         with _CACHE_LOCK:
             signal = self.__dict__.get("_commits")
             if signal is None:

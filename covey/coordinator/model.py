@@ -1,0 +1,55 @@
+"""The run's model as the coordinator's components need it: the strategy and its initial
+state, the loss, the sequence length, an evaluation copy, and the model files on the blob
+plane. Built once by the facade (covey.coordinator.service) and handed to verification and
+to the rounds mode."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from covey.algorithms import Strategy, TrainState, build_aggregator, build_strategy
+from covey.blobs import BlobStore
+from covey.config import RunConfig
+from covey.data.corpus import Corpus
+from covey.models.bundle import publish_model_files
+from covey.models.source import build_run_model
+
+
+@dataclass(frozen=True)
+class RunModel:
+    strategy: Strategy
+    template: TrainState
+    loss_fn: Callable[..., Any]
+    seq_len: int
+    parameters: int
+    eval_model: torch.nn.Module
+    model_files_cid: str | None
+
+
+def build_model(cfg: RunConfig, corpus: Corpus, blobs: BlobStore) -> RunModel:
+    """The run's model from its spec (seeded: every peer builds the same); hf config and
+    tokenizer files are put on `blobs` so workers need no model files. Raises what
+    covey.models.source raises for a spec it cannot build."""
+    model, loss_fn, _, seq_len = build_run_model(
+        cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=cfg.data.seq_len
+    )
+    model_files_cid = publish_model_files(blobs.put, cfg.model.spec, cfg.data.tokenizer)
+    trust = cfg.trust
+    aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
+    parameters = sum(p.numel() for p in model.parameters())
+    strategy = build_strategy(cfg.algorithm, model, loss_fn, aggregator)
+    eval_model = copy.deepcopy(model)
+    return RunModel(
+        strategy=strategy,
+        template=strategy.init_state(),
+        loss_fn=loss_fn,
+        seq_len=seq_len,
+        parameters=parameters,
+        eval_model=eval_model,
+        model_files_cid=model_files_cid,
+    )

@@ -1,0 +1,477 @@
+"""The rounds mode: data-parallel rounds over the coordinator's components.
+
+One driver thread ticks the round state machine (covey.protocol.rounds decides; this
+module records) and computes each round's canonical state with the same pure
+`apply_round` every peer runs; contributions come in through intake
+(covey.coordinator.intake), the owner's HALT through covey.coordinator.halt, and the read
+side is covey.coordinator.views: those three are this mode's parts. It uses the
+components it is given (membership, verification, accounts, the blob store), never their
+attributes. Everything durable goes through SQLite (covey.coordinator.db) and the
+content-addressed blob store; a restarted coordinator resumes from them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from covey.algorithms import Contribution, RoundError, Strategy, TrainState
+from covey.algorithms.evaluate import evaluate
+from covey.blobs import BlobClient, BlobStore
+from covey.config import RunConfig, steps_per_round
+from covey.data.batches import validation_batches
+from covey.data.corpus import Corpus
+from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
+from covey.protocol.rounds import PeerView, close_reason, is_alive, is_eligible, plan_round
+from covey.trust.identity import Identity
+from covey.trust.incentives import Policy
+
+from .accounts import Accounts
+from .certificates import make_certificate
+from .db import Database
+from .halt import Halting
+from .intake import Intake
+from .liveness import Liveness
+from .membership import Membership
+from .model import RunModel
+from .samples import draw_samples
+from .verification import Verification
+from .views import OpenRound, Views
+
+log = logging.getLogger("covey.coordinator")
+ORPHAN_GRACE_S = 600.0
+
+
+class Rounds(Intake, Halting, Views):
+    """Open, close and commit rounds; take contributions; sign certificates; evaluate."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        data_dir: Path,
+        *,
+        identity: Identity,
+        db: Database,
+        accounts: Accounts,
+        membership: Membership,
+        verification: Verification,
+        blobs: BlobStore,
+        fetcher: BlobClient,
+        corpus: Corpus,
+        run_id: str,
+        model: RunModel,
+        wake: threading.Event,
+        stop: threading.Event,
+    ) -> None:
+        """Resume the run from `db` and `blobs`, or record its creation (ValueError never:
+        the facade checked the run id). `wake` is set to look at the round now; `stop`
+        ends the driver and the evaluator."""
+        self.cfg = cfg
+        self.data_dir = data_dir
+        self.identity = identity
+        self.db = db
+        self.accounts = accounts
+        self.membership = membership
+        self.verification = verification
+        self.blobs = blobs
+        self.fetcher = fetcher
+        self.corpus = corpus
+        self.corpus_fingerprint = corpus.fingerprint
+        self.run_id = run_id
+        self.strategy = model.strategy
+        self.template = model.template
+        self.loss_fn = model.loss_fn
+        self.seq_len = model.seq_len
+        self.parameters = model.parameters
+        self.model_files_cid = model.model_files_cid
+        self._eval_model = model.eval_model
+        self.verifying = verification.verifying
+        self._wake = wake
+        self._stop = stop
+        self.steps_per_round = steps_per_round(cfg.algorithm)
+        self._val = validation_batches(
+            corpus, n_batches=cfg.rounds.eval_batches, batch_size=16, seq_len=self.seq_len
+        )
+        self._payload_bytes = _payload_estimate(self.strategy, self.template)
+        self._nonces_pruned = 0.0
+        self._driver: threading.Thread | None = None
+        # evaluation runs beside the rounds, never between a commit and the next open
+        self._evals: queue.Queue[TrainState | None] = queue.Queue()
+        self.samples: dict[str, Any] | None = None  # the status page's, by the evaluator
+        self._evaluator: threading.Thread | None = None
+        self.state, self.state_cid = self._load_or_create()
+        self.state_hash = self.state.digest()  # hashed once per state, not per request
+        Halting.__init__(self)
+
+    # -- membership's checks, as this mode's parts (intake, halt, views) call them ----------
+
+    @property
+    def liveness(self) -> Liveness:
+        return self.membership.liveness
+
+    def authenticate(
+        self,
+        raw: dict[str, Any],
+        round: int,
+        peer_id: str,
+        public_key: str | None = None,
+        nonces: Any = None,
+    ) -> None:
+        self.membership.authenticate(raw, round, peer_id, public_key, nonces)
+
+    def _check_run(self, run_id: str) -> None:
+        self.membership.check_run(run_id)
+
+    def _check_not_banned(self, peer_id: str) -> None:
+        self.membership.check_not_banned(peer_id)
+
+    def _peer_views(self) -> list[PeerView]:
+        return self.membership.peer_views()
+
+    # -- start-up and resume ----------------------------------------------------------------
+
+    def _load_or_create(self) -> tuple[TrainState, str]:
+        now = time.time()
+        last = self.db.one(
+            "SELECT new_cid FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
+        )
+        if last is None and self.db.get_meta("run_id") is None:
+            data = state_to_bytes(self.template)
+            cid = self.blobs.put(data)
+            with self.accounts.transaction() as c:
+                for key, value in (
+                    ("run_id", self.run_id),
+                    ("spec", self.cfg.model_dump_json()),
+                    ("created_at", repr(now)),
+                    ("corpus_fingerprint", self.corpus.fingerprint),
+                    ("initial_cid", cid),
+                ):
+                    c.execute("INSERT INTO meta VALUES (?, ?)", (key, value))
+                self.db.event(c, now, "run created", "", {"run_id": self.run_id})
+                self.accounts.append(
+                    c,
+                    "run created",
+                    {
+                        "run_id": self.run_id,
+                        "name": self.cfg.name,
+                        "spec": self.cfg.model_dump(mode="json"),
+                        "coordinator_key": self.identity.public_key,
+                        "policy": Policy.from_config(self.cfg.trust).to_dict(),
+                    },
+                    now,
+                )
+            log.info("run %s created in %s", self.run_id, self.data_dir)
+            return self.template, cid
+        cid = last["new_cid"] if last else self.db.get_meta("initial_cid")
+        assert cid is not None
+        state = state_from_bytes(self.blobs.get(cid), self.template)
+        with self.db.transaction() as c:
+            # a close interrupted by a crash never committed: the round is open again, and
+            # every peer gets a fresh deadline to reconnect and finish it
+            c.execute(
+                "UPDATE rounds SET status = 'open', deadline = MAX(deadline, ?) "
+                "WHERE status IN ('open', 'closing')",
+                (now + self.cfg.rounds.deadline_min_s + self.cfg.rounds.dead_after_s,),
+            )
+            c.execute("UPDATE peers SET last_seen = ? WHERE state = 'live'", (now,))
+            self.db.event(c, now, "coordinator restarted", "", {"round": state.round})
+        log.info("resumed run %s at round %d (state %s)", self.run_id, state.round, cid[:12])
+        return state, cid
+
+    def start(self) -> None:
+        """Start the round driver and the evaluator threads."""
+        self._driver = threading.Thread(target=self._drive, name="round-driver", daemon=True)
+        self._driver.start()
+        self._evaluator = threading.Thread(target=self._evaluate, name="evaluator", daemon=True)
+        self._evaluator.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the driver and the evaluator, waiting up to `timeout_s` for each."""
+        self._stop.set()
+        self._evals.put(None)
+        for thread in (self._driver, self._evaluator):
+            if thread is not None:
+                thread.join(timeout_s)
+
+    def _drive(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.1)
+            self._wake.clear()
+            try:
+                self.tick(time.time())
+            except Exception:  # one bad tick must not kill the run: log loudly and go on
+                log.exception("round driver tick failed")
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    def committed_rounds(self) -> int:
+        return self.state.round
+
+    def tick(self, now: float) -> None:
+        """One step of the round state machine: expire silent peers, open a round when
+        enough peers are live, close the open one when it is complete or overdue."""
+        self.enforce_halt(now)  # a HALT takes effect here, between rounds' steps
+        cfg = self.cfg.rounds
+        peers = self._peer_views()
+        with self.db.transaction() as c:
+            for p in peers:
+                if p.state == "live" and not is_alive(now, p, cfg):
+                    c.execute("UPDATE peers SET state = 'dead' WHERE peer_id = ?", (p.peer_id,))
+                    self.db.event(c, now, "dead", p.peer_id, {"silent_s": now - p.last_seen})
+                    log.warning("[%s] silent for %.1f s: dead", p.peer_id, now - p.last_seen)
+        if now - self._nonces_pruned > 60:
+            self.membership.prune_nonces(now)
+            self._nonces_pruned = now
+        views = self._peer_views()
+        alive = {p.peer_id for p in views if is_alive(now, p, cfg)}
+        current = self.open_round()
+        if current is None:
+            eligible = [p for p in views if is_eligible(now, p, cfg)]  # no-shows sit out
+            if not self.finished() and len(eligible) >= cfg.min_peers:
+                self._open(now)
+            return
+        waiting_on = [m for m in current.members if m in alive]
+        submitted = [
+            r["peer_id"]
+            for r in self.db.query(
+                "SELECT peer_id FROM contributions WHERE round = ? AND attempt = ?",
+                (current.round, current.attempt),
+            )
+        ]
+        reason = close_reason(now, current.deadline, waiting_on, submitted)
+        if reason is not None:
+            self.membership.record_no_shows(current.round, waiting_on, submitted, now)
+            self._close(current, reason)
+
+    def _open(self, now: float) -> None:
+        r = self.state.round
+        prev = self.db.one("SELECT attempt FROM rounds WHERE round = ?", (r,))
+        attempt = 0 if prev is None else prev["attempt"] + 1
+        assignments, deadline = plan_round(
+            now,
+            self.run_id,
+            r,
+            self._peer_views(),
+            steps_per_round=self.steps_per_round,
+            flexible=self.strategy.flexible_steps,
+            payload_bytes=self._payload_bytes,
+            cfg=self.cfg.rounds,
+        )
+        members = [a.peer_id for a in assignments]
+        table = {
+            a.peer_id: {"inner_steps": a.inner_steps, "data_key": a.data_key} for a in assignments
+        }
+        with self.db.transaction() as c:
+            c.execute("DELETE FROM rounds WHERE round = ?", (r,))
+            c.execute(
+                "INSERT INTO rounds (round, attempt, status, opened_at, deadline, members, "
+                "assignments, start_cid, start_hash) "
+                "VALUES (?, ?, 'open', ?, ?, ?, ?, ?, ?)",
+                (
+                    r,
+                    attempt,
+                    now,
+                    deadline,
+                    json.dumps(members),
+                    json.dumps(table),
+                    self.state_cid,
+                    self.state_hash,
+                ),
+            )
+        log.info(
+            "[round %d.%d] open: %d members, deadline in %.1f s",
+            r,
+            attempt,
+            len(members),
+            deadline - now,
+        )
+
+    def _close(self, rnd: OpenRound, reason: str) -> None:
+        with self.db.transaction() as c:
+            c.execute("UPDATE rounds SET status = 'closing' WHERE round = ?", (rnd.round,))
+            rows = c.execute(
+                "SELECT * FROM contributions WHERE round = ? AND attempt = ? ORDER BY peer_id",
+                (rnd.round, rnd.attempt),
+            ).fetchall()
+        banned = {p for p, a in self.accounts.book.accounts.items() if a.banned}
+        rows = [r for r in rows if r["peer_id"] not in banned]  # excluded since it submitted
+        contributions = [
+            Contribution(self.blobs.get(r["cid"]), r["tokens"], r["inner_steps"], r["fragment"])
+            for r in rows
+        ]
+        if not contributions:
+            self._abort(rnd, f"no contributions ({reason})")
+            return
+        try:
+            new_state = self.strategy.apply_round(self.state, contributions)
+        except (RoundError, ValueError) as e:  # validated at submit: a bug; never commit it
+            log.error("[round %d] apply_round failed: %s", rnd.round, e)
+            self._abort(rnd, f"apply_round failed: {e}")
+            return
+        data = state_to_bytes(new_state)
+        new_cid = self.blobs.put(data)
+        new_hash = new_state.digest()
+        now = time.time()
+        certificate = make_certificate(
+            self.db,
+            self.identity,
+            self.run_id,
+            self.state_hash,
+            rnd,
+            rows,
+            new_hash,
+            new_cid,
+            len(data),
+            now,
+            reason,
+        )
+        prev = self.db.one("SELECT closed_at FROM rounds WHERE round = ?", (rnd.round - 1,))
+        cycle = now - (prev["closed_at"] if prev else rnd.opened_at)
+        util = sum(r["compute_s"] for r in rows) / len(rows) / cycle if cycle > 0 else None
+        losses = [r["train_loss"] for r in rows if r["train_loss"] is not None]
+        checkpoint = (new_state.round % self.cfg.rounds.checkpoint_every) == 0
+        with self.accounts.transaction() as c:
+            c.execute(
+                "UPDATE rounds SET status = 'committed', certificate = ?, new_cid = ?, "
+                "new_hash = ?, closed_at = ?, train_loss = ?, bytes = ?, tokens = ?, "
+                "utilization = ? WHERE round = ?",
+                (
+                    certificate.model_dump_json(),
+                    new_cid,
+                    new_hash,
+                    now,
+                    sum(losses) / len(losses) if losses else None,
+                    sum(r["size"] for r in rows),
+                    sum(r["tokens"] for r in rows),
+                    min(util, 1.0) if util is not None else None,
+                    rnd.round,
+                ),
+            )
+            for r in rows:
+                c.execute(
+                    "UPDATE peers SET contributions = contributions + 1 WHERE peer_id = ?",
+                    (r["peer_id"],),
+                )
+            if checkpoint:
+                c.execute(
+                    "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
+                    (new_state.round, new_cid, len(data), new_hash, now),
+                )
+            self.verification.record_round(c, rnd.round, rows, certificate, now)
+            if checkpoint:
+                self.accounts.append(
+                    c,
+                    "checkpoint",
+                    {"round": new_state.round, "cid": new_cid, "weights_hash": new_hash},
+                    now,
+                )
+        self.state, self.state_cid, self.state_hash = new_state, new_cid, new_hash
+        self.commits.notify()  # H9: wakes the certificate long-polls now
+        log.info(
+            "[round %d] committed: %d accepted, %d rejected, %s; weights %s",
+            rnd.round,
+            len(certificate.accepted),
+            len(certificate.rejected),
+            reason,
+            new_hash[:12],
+        )
+        if checkpoint:
+            self._write_checkpoint(new_state.round, data)
+        if new_state.round % self.cfg.rounds.eval_every == 0 or self.finished():
+            self._evals.put(new_state)
+        self._prune(new_state.round)
+
+    def _evaluate(self) -> None:
+        """Held-out loss of each queued canonical state, stored with the round that made it;
+        every `rounds.samples_every` rounds (and the first time) also the status page's
+        samples of that state (covey.coordinator.samples), kept in memory."""
+        while (state := self._evals.get()) is not None:
+            try:
+                loss = evaluate(self._eval_model, state, self._val, self.loss_fn)
+                self._refresh_samples(state.round)  # the weights evaluate() just loaded
+                with self.db.transaction() as c:
+                    c.execute(
+                        "UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, state.round - 1)
+                    )
+            except Exception:
+                log.exception("evaluation of round %d failed", state.round - 1)
+
+    def _refresh_samples(self, round: int) -> None:
+        every = self.cfg.rounds.samples_every
+        last = self.samples["round"] if self.samples else None
+        if not every or (last is not None and round // every <= last // every):
+            return
+        from covey.data.tokenizer import load_tokenizer
+        from covey.models.source import parse_source
+
+        tokenizer = self.__dict__.get("_sample_tokenizer")
+        if tokenizer is None:
+            tokenizer = self.__dict__["_sample_tokenizer"] = load_tokenizer(self.cfg.data.tokenizer)
+        self.samples = draw_samples(
+            self._eval_model,
+            tokenizer,
+            self.cfg.rounds.sample_prompts,
+            round=round,
+            window=self.seq_len,
+            max_new_tokens=self.cfg.rounds.sample_tokens,
+            hf=parse_source(self.cfg.model.spec)[0] == "hf",
+        )
+
+    def _abort(self, rnd: OpenRound, why: str) -> None:
+        """Nothing to commit: the round reopens (next attempt) with fresh membership."""
+        now = time.time()
+        with self.db.transaction() as c:
+            c.execute("UPDATE rounds SET status = 'aborted' WHERE round = ?", (rnd.round,))
+            self.db.event(c, now, "round aborted", "", {"round": rnd.round, "why": why})
+        log.warning("[round %d.%d] aborted: %s", rnd.round, rnd.attempt, why)
+
+    def _write_checkpoint(self, round_: int, data: bytes) -> None:
+        folder = self.data_dir / "checkpoints"
+        path = folder / f"round-{round_:06d}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        keep = self.cfg.rounds.keep_checkpoints
+        for old in sorted(folder.glob("round-*.safetensors"))[:-keep]:
+            old.unlink(missing_ok=True)
+
+    def _prune(self, round_: int) -> None:
+        """Drop blobs no peer needs any more. Kept: the current and initial states, kept
+        checkpoints, the last few rounds' states and contributions, and anything younger
+        than ORPHAN_GRACE_S (an upload whose submission may still be on its way). Whatever
+        else was uploaded, garbage included, goes."""
+        recent = round_ - 3
+        keep = {self.state_cid, self.db.get_meta("initial_cid"), self.model_files_cid}
+        keep |= {r["cid"] for r in self.db.query("SELECT cid FROM checkpoints")}
+        keep |= {
+            r["new_cid"]
+            for r in self.db.query("SELECT new_cid FROM rounds WHERE round >= ?", (recent,))
+        }
+        keep |= {
+            r["cid"]
+            for r in self.db.query("SELECT cid FROM contributions WHERE round >= ?", (recent,))
+        }
+        keep |= {  # H3: recent end local states (the next rounds' committed starts)
+            r["end_cid"]
+            for r in self.db.query("SELECT end_cid FROM local_states WHERE round >= ?", (recent,))
+        }
+        keep |= self.verification.verification_blobs()
+        cutoff = time.time() - ORPHAN_GRACE_S
+        for cid in self.blobs.cids():
+            if cid not in keep and self.blobs.path(cid).stat().st_mtime < cutoff:
+                self.blobs.delete(cid)
+
+
+def _payload_estimate(strategy: Strategy, state: TrainState) -> int:
+    """Bytes of one contribution, for deadline planning: encode a zero update once."""
+    numel = sum(
+        state.params[n].numel() for n in strategy.fragment_names(strategy.round_fragment(0))
+    )
+    return len(strategy.codec.encode(torch.zeros(numel)))
