@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from covey.algorithms.codecs import get_codec
 from covey.blobs.client import upload_headers
@@ -296,6 +297,22 @@ def test_fresh_keys_cannot_flood_joins(world: tuple[LocalCluster, Peer]) -> None
     assert added <= 2 * codes.count(200) + 10  # join + stake per admitted key (+ rounds)
 
 
+def held_long_polls(cluster: LocalCluster) -> float:
+    """The coordinator's own count of held long-polls, from /metrics."""
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "covey_long_polls_held":
+            return family.samples[0].value
+    raise AssertionError("/metrics has no covey_long_polls_held")
+
+
+def wait_until(ok: Callable[[], bool], timeout_s: float, what: str) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < give_up, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
 @network
 def test_long_polls_are_bounded(world: tuple[LocalCluster, Peer]) -> None:
     cluster, peer = world
@@ -308,7 +325,8 @@ def test_long_polls_are_bounded(world: tuple[LocalCluster, Peer]) -> None:
 
     with ThreadPoolExecutor(3) as pool:
         held = [pool.submit(poll) for _ in range(2)]
-        time.sleep(0.5)  # both are held (3 s each) by now; a third is refused at once
+        wait_until(lambda: held_long_polls(cluster) >= 2, 5, "both long-polls held")
+        # both are held (3 s each); a third is refused at once
         t0 = time.monotonic()
         third = poll()
         assert third.status_code == 429, third.text
@@ -440,6 +458,8 @@ def test_long_polls_are_counted_per_key_and_in_total() -> None:
         assert (a1, a2, a3) == (True, True, False)
         with polls.hold("b") as b1, polls.hold("c") as c1:
             assert (b1, c1) == (True, False)  # the total is taken
+            assert polls.held() == 3  # refusals hold nothing
+    assert polls.held() == 0
     with polls.hold("a") as again:
         assert again  # released when the blocks ended
 

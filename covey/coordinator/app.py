@@ -189,6 +189,7 @@ def create_app(coord: Coordinator) -> FastAPI:
     metrics = Metrics(coord)
     limits = coord.cfg.limits
     long_polls = LongPolls(limits.max_long_polls, limits.max_long_polls_per_peer)
+    metrics.gauge("covey_long_polls_held", "Certificate long-polls held now", long_polls.held)
 
     @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, Any]:

@@ -82,6 +82,11 @@ class LongPolls:
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def held(self) -> int:
+        """Long-polls held right now, over every key."""
+        with self._lock:
+            return sum(self._held.values())
+
     @contextmanager
     def hold(self, key: str, per_key: int | None = None) -> Iterator[bool]:
         """Yields True with a slot held until the block ends, or False (nothing held) when

@@ -19,10 +19,10 @@ import re
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -218,6 +218,10 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(RunCollector(coord))
+
+    def gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        """A gauge whose value is `read()` at scrape time."""
+        Gauge(name, documentation, registry=self.registry).set_function(read)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of everything in this registry."""
