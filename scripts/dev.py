@@ -3,6 +3,7 @@
 
     python3 scripts/dev.py demo     # set up, then `covey demo`
     python3 scripts/dev.py test     # set up with test extras, then ruff + pytest
+    python3 scripts/dev.py test --all   # ... including the long end-to-end tests
     python3 scripts/dev.py setup    # set up only
 
 PyTorch is installed first, as the CPU build (`torch==2.13.0`, which the package index
@@ -72,6 +73,8 @@ def main() -> None:
         run(PY, ROOT / "tests" / "browser.py", "install", check=False)
         if run(PY, "-m", "ruff", "check", "covey", "tests", "scripts", check=False):
             sys.exit("ruff found problems (see above)")
+        if "--all" in rest:  # also the long end-to-end tests (marked `long`)
+            rest = ["-m", "", *(a for a in rest if a != "--all")]
         sys.exit(run(PY, "-m", "pytest", "-q", *rest, check=False))
     else:
         sys.exit(f"usage: python3 scripts/dev.py [demo|test|setup] [args...]; got {task!r}")
