@@ -8,159 +8,25 @@ it proves. Ownership of the model is each peer's share of the tokens paid for (P
 Protocol Learning). The coordinator keeps one Book updated entry by entry and reports its
 `summary()`; `covey ledger verify` replays the ledger from scratch and must get the same.
 
-The payload of each entry type is the contract between the coordinator and this module:
-
-- "run created": {run_id, name, spec: dict, coordinator_key, policy: Policy.to_dict()}
-- "join": {peer_id, public_key, name, role: "worker"|"validator"}  (once per key)
-- "stake": {peer_id, amount} (at least min_stake for a worker, min_validator_stake for a
-  validator);  "leave": {peer_id, reason}
-- "contribution accepted": {round, peer_id, cid, tokens, inner_steps, sampled, rate, draw,
-  request_id, nonce, signature};  "contribution rejected": {round, peer_id, reason}
-- "verification": {round, peer_id, validator_id, outcome: "agree"|"disagree"|"expired",
-  distance: float|null, exact: bool}; "expired" names the validator that held the check
-  and did not report in time (a missed check: it counts against it), or "" (older runs)
-- "assignment": {round, peer_id, beacon, validators: [ids], reason: "draw"|"reassign"}: which
-  validators must check a sampled contribution, drawn from the public beacon (the hash of
-  the last round certificate before the round was accepted) with the validator ids: each
-  eligible validator (staked at least min_validator_stake, not banned, not the worker, not
-  tried on this contribution, under validator_round_cap checks this round) ranks by
-  sha256(beacon, round, peer, validator), and the first n are assigned, n = the checks still
-  needed. The book recomputes every draw (`Book.draw`); a contribution sampled as new or
-  low-reputation needs validators_per_check checks, others one (fewer if fewer validators
-  are eligible). A "verification" must come from an assigned validator; a work reward of a
-  sampled contribution needs its checks completed (else the round's checks were skipped)
-- "canary": {round, peer_id (the validator), worker_id, cid, draw, outcome: "caught"|
-  "passed"|"missed"}: a known-bad contribution (the worker's payload sign-flipped) the
-  coordinator planted among the validator's checks, revealed once resolved; `draw` is the
-  coordinator's signature (covey.trust.certify.canary_message), below canary_rate. Caught:
-  a completed check (paid check_reward); passed: a "penalty" (kind canary) follows, no pay;
-  missed: a missed check
-- "report refused": {round, peer_id (the validator), worker_id, task_id, field, reason}: a
-  validator's report that was malformed or unprovable (segment out of range, a blob missing
-  or of the wrong size); it counts against the validator's reputation and ends its
-  assignment (another validator is drawn)
-- "penalty": {round, peer_id, amount, kind: "false accusation"|"canary", reason}: a
-  validator loses validator_slash_fraction of its stake (not banned) for a dispute the
-  referee found it wrong in, or for passing a canary
-- "dispute": {round, peer_id, validator_id, segment, outcome: "fraud"|"validator wrong"|
-  "inconclusive", detail}
-- "slash": {round, peer_id, amount, reason}
-- "reward": {round, peer_id, amount, kind: "work"|"catch"|"check", tokens (0 unless work)};
-  a "check" pays check_reward to a validator for a completed assigned check, once per
-  reported verification
-- "round certificate": {round, new_hash, certificate_hash, accepted: [ids], rejected: [ids]}
-- "checkpoint": {round, cid, weights_hash}
-- "halt": {round, owner_key, reason, request}: the owner's signed HALT (covey.trust.halt)
-
-Fields beyond these are ignored. Amounts are compared exactly: the coordinator computes
-them with the same expressions (`Book.work_reward`, `Book.slash_amount`).
+The payload of each entry type (its contract with the coordinator) is documented and
+checked in covey.trust.entry_schemas; the rules (`Policy`) and a peer's standing
+(`Account`) are in covey.trust.policy.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from covey.trust import halt
 from covey.trust.draws import Draws
+from covey.trust.entry_schemas import SCHEMAS, check_payload
 from covey.trust.identity import IdentityError, peer_id_of
 from covey.trust.ledger import Entry, LedgerError
+from covey.trust.policy import Account, Policy
 
-if TYPE_CHECKING:
-    from covey.config import TrustConfig
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The incentive rules a run was created with (see covey.config.TrustConfig)."""
-
-    min_stake: float
-    reward_per_token: float
-    slash_fraction: float
-    catch_reward: float
-    new_peer_rate: float
-    new_peer_contributions: int
-    low_reputation: float
-    sample_rate: float
-    # added later: a "run created" entry without them gets these defaults (older ledgers)
-    min_validator_stake: float = 0.0
-    validator_slash_fraction: float = 0.0
-    check_reward: float = 0.0
-    validators_per_check: int = 1
-    validator_round_cap: int = 1_000_000
-    canary_rate: float = 0.0
-
-    @classmethod
-    def from_config(cls, cfg: TrustConfig) -> Policy:
-        return cls.from_dict({f.name: getattr(cfg, f.name) for f in fields(cls)})
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Policy:
-        """ValueError naming the field if one is missing, unknown, or not a non-negative
-        finite number (new_peer_contributions: an int)."""
-        names = [f.name for f in fields(cls)]
-        if isinstance(data, dict):
-            data = {**{n: getattr(_DEFAULTS, n) for n in _LATER_FIELDS}, **data}
-        if not isinstance(data, dict) or set(data) != set(names):
-            got = sorted(data) if isinstance(data, dict) else data
-            raise ValueError(f"policy must have exactly the fields {names}, got {got}")
-        values: dict[str, Any] = {}
-        for name in names:
-            v, cast = data[name], int if name in _INT_FIELDS else float
-            ok = isinstance(v, int) if cast is int else isinstance(v, (int, float))
-            if not ok or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"policy.{name} must be a non-negative {cast.__name__}, got {v!r}")
-            values[name] = cast(v)
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The "run created" entry's `policy` payload."""
-        return asdict(self)
-
-
-@dataclass
-class Account:
-    """One peer's standing. `slashed` is the amount of stake lost."""
-
-    peer_id: str
-    name: str
-    role: str
-    public_key: str
-    stake: float = 0.0
-    balance: float = 0.0
-    tokens_paid: int = 0
-    contributions: int = 0
-    rejected: int = 0
-    agreed: int = 0
-    frauds: int = 0
-    false_accusations: int = 0
-    catches: int = 0
-    slashed: float = 0.0
-    banned: bool = False
-    checks: int = 0  # a validator's reports on its checks
-    refused_reports: int = 0
-    missed_checks: int = 0
-    canaries_passed: int = 0
-
-    @property
-    def validator_faults(self) -> int:
-        """What counts against a validator: false accusations, refused reports, checks it
-        held and did not report in time, canaries it agreed with."""
-        return (
-            self.false_accusations + self.refused_reports + self.missed_checks
-            + self.canaries_passed
-        )  # fmt: skip
-
-    @property
-    def reputation(self) -> float:
-        """A worker: (agreed + 1) / (agreed + frauds + 2). A validator: (checks + 1) /
-        (checks + faults + 2). 0.5 for a peer with no record."""
-        if self.role == "validator":
-            good = max(self.checks - self.false_accusations - self.canaries_passed, 0)
-            return (good + 1) / (good + self.validator_faults + 2)
-        return (self.agreed + 1) / (self.agreed + self.frauds + 2)
+__all__ = ["SCHEMAS", "Account", "Book", "Policy"]
 
 
 class Book(Draws):
@@ -217,7 +83,7 @@ class Book(Draws):
             raise LedgerError(i, "a second 'run created' entry")
         if entry.type not in SCHEMAS:
             raise LedgerError(i, f"unknown type {entry.type!r}")
-        _check(entry)
+        check_payload(entry)
         if self.halted is not None and entry.type in halt.AFTER_HALT_FORBIDDEN:
             raise LedgerError(i, f"{entry.type!r} after the HALT (entry {self.halted['index']})")
         getattr(self, "_" + entry.type.replace(" ", "_"))(i, entry.payload)
@@ -514,77 +380,3 @@ class Book(Draws):
         if self.policy is None:
             raise ValueError("no 'run created' entry applied yet: the run has no policy")
         return self.policy
-
-
-# Each entry type's payload: "field:kind" where kind is id (non-empty text), text, count
-# (int >= 0), amount (finite number >= 0), amount? (or null), bool, object, ids (a list of
-# ids), or a|b|c (one of these strings). Fields beyond these are ignored.
-_SCHEMA_TEXT = {
-    "run created": "run_id:text, name:text, spec:object, coordinator_key:text, policy:object",
-    "join": "peer_id:id, public_key:text, name:text, role:worker|validator",
-    "stake": "peer_id:id, amount:amount",
-    "leave": "peer_id:id, reason:text",
-    "contribution accepted": "round:count, peer_id:id, cid:text, tokens:count, "
-    "inner_steps:count, sampled:bool, rate:amount, draw:text, request_id:text, nonce:text, "
-    "signature:text",
-    "contribution rejected": "round:count, peer_id:id, reason:text",
-    "verification": "round:count, peer_id:id, validator_id:text, outcome:agree|disagree|expired, "
-    "distance:amount?, exact:bool",
-    "dispute": "round:count, peer_id:id, validator_id:id, segment:count, "
-    "outcome:fraud|validator wrong|inconclusive, detail:text",
-    "slash": "round:count, peer_id:id, amount:amount, reason:text",
-    "reward": "round:count, peer_id:id, amount:amount, kind:work|catch|check, tokens:count",
-    "report refused": "round:count, peer_id:id, worker_id:id, task_id:count, field:text, "
-    "reason:text",
-    "assignment": "round:count, peer_id:id, beacon:text, validators:ids, reason:draw|reassign",
-    "canary": "round:count, peer_id:id, worker_id:id, cid:text, draw:text, "
-    "outcome:caught|passed|missed",
-    "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary, reason:text",
-    "round certificate": "round:count, new_hash:text, certificate_hash:text, accepted:ids, "
-    "rejected:ids",
-    "checkpoint": "round:count, cid:text, weights_hash:text",
-    "halt": "round:count, owner_key:text, reason:text, request:object",
-}
-SCHEMAS: dict[str, dict[str, str]] = {
-    t: dict(field.split(":", 1) for field in text.split(", ")) for t, text in _SCHEMA_TEXT.items()
-}
-
-
-def _check(entry: Entry) -> None:
-    """LedgerError naming the entry if a payload field is missing or holds the wrong kind."""
-    for name, kind in SCHEMAS[entry.type].items():
-        if name not in entry.payload:
-            raise LedgerError(entry.index, f"{entry.type}: payload lacks field {name!r}")
-        if not _holds(entry.payload[name], kind):
-            want = f"one of {kind.split('|')}" if "|" in kind else f"{kind}"
-            got = repr(entry.payload[name])[:80]
-            raise LedgerError(
-                entry.index, f"{entry.type}: field {name!r} must be {want}, got {got}"
-            )
-
-
-def _holds(v: Any, kind: str) -> bool:
-    if "|" in kind:
-        return isinstance(v, str) and v in kind.split("|")
-    if kind == "amount?":
-        return v is None or _holds(v, "amount")
-    if kind in ("amount", "count"):
-        number = isinstance(v, int if kind == "count" else (int, float))
-        return number and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-    if kind == "ids":
-        return isinstance(v, list) and all(_holds(x, "id") for x in v)
-    if kind == "id":
-        return isinstance(v, str) and v != ""
-    return isinstance(v, {"text": str, "bool": bool, "object": dict}[kind])
-
-
-_DEFAULTS = Policy(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0)
-_LATER_FIELDS = (
-    "min_validator_stake",
-    "validator_slash_fraction",
-    "check_reward",
-    "validators_per_check",
-    "validator_round_cap",
-    "canary_rate",
-)
-_INT_FIELDS = ("new_peer_contributions", "validators_per_check", "validator_round_cap")

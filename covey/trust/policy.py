@@ -1,0 +1,115 @@
+"""The incentive rules a run was created with (`Policy`, from the "run created" entry) and
+one peer's standing under them (`Account`), as covey.trust.incentives.Book replays them.
+Pure: no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from covey.config import TrustConfig
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The incentive rules a run was created with (see covey.config.TrustConfig)."""
+
+    min_stake: float
+    reward_per_token: float
+    slash_fraction: float
+    catch_reward: float
+    new_peer_rate: float
+    new_peer_contributions: int
+    low_reputation: float
+    sample_rate: float
+    # added later: a "run created" entry without them gets these defaults (older ledgers)
+    min_validator_stake: float = 0.0
+    validator_slash_fraction: float = 0.0
+    check_reward: float = 0.0
+    validators_per_check: int = 1
+    validator_round_cap: int = 1_000_000
+    canary_rate: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: TrustConfig) -> Policy:
+        return cls.from_dict({f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Policy:
+        """ValueError naming the field if one is missing, unknown, or not a non-negative
+        finite number (new_peer_contributions: an int)."""
+        names = [f.name for f in fields(cls)]
+        if isinstance(data, dict):
+            data = {**{n: getattr(_DEFAULTS, n) for n in _LATER_FIELDS}, **data}
+        if not isinstance(data, dict) or set(data) != set(names):
+            got = sorted(data) if isinstance(data, dict) else data
+            raise ValueError(f"policy must have exactly the fields {names}, got {got}")
+        values: dict[str, Any] = {}
+        for name in names:
+            v, cast = data[name], int if name in _INT_FIELDS else float
+            ok = isinstance(v, int) if cast is int else isinstance(v, (int, float))
+            if not ok or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"policy.{name} must be a non-negative {cast.__name__}, got {v!r}")
+            values[name] = cast(v)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The "run created" entry's `policy` payload."""
+        return asdict(self)
+
+
+@dataclass
+class Account:
+    """One peer's standing. `slashed` is the amount of stake lost."""
+
+    peer_id: str
+    name: str
+    role: str
+    public_key: str
+    stake: float = 0.0
+    balance: float = 0.0
+    tokens_paid: int = 0
+    contributions: int = 0
+    rejected: int = 0
+    agreed: int = 0
+    frauds: int = 0
+    false_accusations: int = 0
+    catches: int = 0
+    slashed: float = 0.0
+    banned: bool = False
+    checks: int = 0  # a validator's reports on its checks
+    refused_reports: int = 0
+    missed_checks: int = 0
+    canaries_passed: int = 0
+
+    @property
+    def validator_faults(self) -> int:
+        """What counts against a validator: false accusations, refused reports, checks it
+        held and did not report in time, canaries it agreed with."""
+        return (
+            self.false_accusations + self.refused_reports + self.missed_checks
+            + self.canaries_passed
+        )  # fmt: skip
+
+    @property
+    def reputation(self) -> float:
+        """A worker: (agreed + 1) / (agreed + frauds + 2). A validator: (checks + 1) /
+        (checks + faults + 2). 0.5 for a peer with no record."""
+        if self.role == "validator":
+            good = max(self.checks - self.false_accusations - self.canaries_passed, 0)
+            return (good + 1) / (good + self.validator_faults + 2)
+        return (self.agreed + 1) / (self.agreed + self.frauds + 2)
+
+
+_DEFAULTS = Policy(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0)
+_LATER_FIELDS = (
+    "min_validator_stake",
+    "validator_slash_fraction",
+    "check_reward",
+    "validators_per_check",
+    "validator_round_cap",
+    "canary_rate",
+)
+_INT_FIELDS = ("new_peer_contributions", "validators_per_check", "validator_round_cap")
