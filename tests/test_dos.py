@@ -26,6 +26,7 @@ from covey.coordinator.limits import LongPolls, TokenBuckets
 from covey.local.cluster import LocalCluster
 from covey.protocol.content import content_id
 from covey.protocol.rounds import PeerView, no_show_backoff, plan_round
+from covey.trust import audit
 from covey.trust.identity import Identity
 
 network = pytest.mark.network  # the attacks; the unit tests at the end need no process
@@ -432,6 +433,16 @@ def test_no_shows_sit_out_rounds(world: tuple[LocalCluster, Peer]) -> None:
             assert not info["member"], f"a no-show was made a member again: {info}"
             time.sleep(0.1)
         assert idle.heartbeat().status_code == 200  # still live: excluded, not dead
+        # on the ledger, replayed by `covey ledger verify`: the repeated one costs reputation
+        entries = cluster.get("/v1/ledger", start=0, limit=5000)
+        mine = [e["payload"] for e in entries if e["type"] == "no show"]
+        mine = [p for p in mine if p["peer_id"] == idle.id]
+        assert [p["consecutive"] for p in mine][:2] == [1, 2], mine
+        assert mine[0]["sits_out_s"] == 0 and mine[1]["sits_out_s"] == 60, mine
+        account = cluster.get("/v1/ledger/balances")["accounts"][idle.id]
+        assert account["counts"]["no_shows"] >= 1 and account["reputation"] < 0.5, account
+        report = audit.verify(cluster.url)
+        assert report.summary["accounts"][idle.id]["counts"]["no_shows"] >= 1
     finally:
         idle.stop.set()
 

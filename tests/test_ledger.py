@@ -238,6 +238,9 @@ def full_run(dir: Path) -> tuple[Run, dict[str, str]]:
     run.add("contribution rejected", round=2, peer_id=ids["eve"], reason="banned")
     run.add("checkpoint", round=2, cid="d" * 64, weights_hash="e" * 64)
     run.add("leave", peer_id=ids["bob"], reason="done")
+    ids["ned"] = run.join("ned")  # joins rounds and never submits: two no-shows in a row
+    run.add("no show", round=2, peer_id=ids["ned"], consecutive=1, sits_out_s=0.0)
+    run.add("no show", round=3, peer_id=ids["ned"], consecutive=2, sits_out_s=30.0)
     return run, ids
 
 
@@ -329,6 +332,19 @@ def test_replay_recomputes_what_the_coordinator_kept(tmp_path: Path) -> None:
     rates = {n: run.book.sampling_rate(ids[n]) for n in ("ada", "bob", "eve")}
     assert rates == {"ada": 0.25, "bob": 0.25, "eve": 1.0}
     assert run.book.sampling_rate("unknown") == 1.0
+    # a first no-show is forgiven, a repeated one costs reputation: sampled as a new peer
+    ned = summary["accounts"][ids["ned"]]
+    assert ned["counts"]["no_shows"] == 1 and ned["reputation"] == 1 / 3
+
+
+def test_no_show_entries_are_checked(tmp_path: Path) -> None:
+    run, ids = full_run(tmp_path)
+    with pytest.raises(LedgerError, match="is a validator, not a worker"):
+        run.add("no show", round=4, peer_id=ids["val"], consecutive=2, sits_out_s=30.0)
+    with pytest.raises(LedgerError, match="consecutive must be at least 1"):
+        run.add("no show", round=4, peer_id=ids["ned"], consecutive=0, sits_out_s=0.0)
+    with pytest.raises(LedgerError, match="unknown peer"):
+        run.add("no show", round=4, peer_id="f" * 32, consecutive=1, sits_out_s=0.0)
 
 
 def test_policy_from_config_and_payload() -> None:
@@ -690,7 +706,7 @@ def test_audit_compares_the_reported_balances(tmp_path: Path) -> None:
     balances.write_text(json.dumps(run.book.summary()))
     report = audit.verify(tmp_path)
     assert report.compared_at == report.entries == len(run.entries())
-    assert report.summary == run.book.summary() and report.accounts == 5
+    assert report.summary == run.book.summary() and report.accounts == 6
     # Balances written before the last entries were appended cover a prefix: still checked.
     run.accept(5, ids["ada"], 10)
     assert audit.verify(tmp_path).compared_at == report.entries
@@ -725,7 +741,7 @@ def test_cli_verify_ok_and_invalid(tmp_path: Path, cli: Callable[..., Any]) -> N
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"ledger OK: {n} entries, chain and {n} signatures valid")
     assert run.coord.public_key[:16] in result.output
-    assert "balances recomputed for 5 accounts match the coordinator's" in result.output
+    assert "balances recomputed for 6 accounts match the coordinator's" in result.output
     path = export(run, tmp_path / "ledger.jsonl")
     data = bytearray(path.read_bytes())
     third = data.index(b"\n", data.index(b"\n") + 1) + 1  # first byte of entry 2

@@ -271,12 +271,14 @@ class Membership:
         """At a round's close: members still alive without an accepted contribution (none
         sent, or refused at intake) are no-shows. Each is recorded (the no_shows table and
         a "no show" event) and, when repeated, sits out rounds for a doubling time
-        (rounds.no_show_backoff); a member that submitted starts its count again. Not in
-        the ledger: a "contribution rejected" entry would read as a refused contribution,
-        and reputation has no no-show term yet (covey/trust/incentives.py)."""
+        (rounds.no_show_backoff); a member that submitted starts its count again. Each is a
+        "no show" ledger entry (covey.trust.entry_schemas) with its count and backoff, so
+        `covey ledger verify` replays it: repeated no-shows lower the worker's reputation,
+        and a low reputation has its contributions sampled as a new peer's."""
         limits, known = self.cfg.limits, self.no_shows()
         absent = sorted(set(absent) - set(submitted))
-        with self.db.transaction() as c:
+        workers = self.accounts.book.accounts
+        with self.accounts.transaction() as c:
             for peer in set(submitted) & set(known):
                 c.execute("UPDATE no_shows SET consecutive = 0 WHERE peer_id = ?", (peer,))
             for peer in absent:
@@ -289,6 +291,8 @@ class Membership:
                 )
                 detail = {"round": round_, "consecutive": count, "sits_out_s": wait}
                 self.db.event(c, now, "no show", peer, detail)
+                if peer in workers and workers[peer].role == "worker":
+                    self.accounts.append(c, "no show", {"peer_id": peer, **detail}, now)
                 log.warning(
                     "[%s - round %d] no-show (%d in a row): sits out rounds for %.0f s",
                     peer[:8],

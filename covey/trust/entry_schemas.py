@@ -43,6 +43,10 @@ The payload of each entry type is the contract between the coordinator and covey
   reported verification
 - "round certificate": {round, new_hash, certificate_hash, accepted: [ids], rejected: [ids]}
 - "checkpoint": {round, cid, weights_hash}
+- "no show": {round, peer_id, consecutive, sits_out_s}: a live member of a round that
+  neither submitted nor left (consecutive: its no-shows in a row, this one included);
+  from the second in a row it sits out rounds for sits_out_s (covey.protocol.rounds.
+  no_show_backoff) and each such repeated no-show lowers its reputation
 - "halt": {round, owner_key, reason, request}: the owner's signed HALT (covey.trust.halt)
 
 Fields beyond these are ignored. Amounts are compared exactly: the coordinator computes
@@ -84,6 +88,7 @@ _SCHEMA_TEXT = {
     "rejected:ids",
     "checkpoint": "round:count, cid:text, weights_hash:text",
     "halt": "round:count, owner_key:text, reason:text, request:object",
+    "no show": "round:count, peer_id:id, consecutive:count, sits_out_s:amount",
 }
 SCHEMAS: dict[str, dict[str, str]] = {
     t: dict(field.split(":", 1) for field in text.split(", ")) for t, text in _SCHEMA_TEXT.items()

@@ -152,6 +152,7 @@ class Book(Draws):
                     "refused_reports": a.refused_reports,
                     "missed_checks": a.missed_checks,
                     "canaries_passed": a.canaries_passed,
+                    "no_shows": a.no_shows,
                 },
             }
         ordered = [self.accounts[p] for p in sorted(self.accounts)]
@@ -370,6 +371,15 @@ class Book(Draws):
         if (problem := halt.halt_problem(p, self.run_id, self.owner_key)) is not None:
             raise LedgerError(i, f"halt: {problem}")
         self.halted = {"index": i, "round": p["round"], "reason": p["reason"]}
+
+    def _no_show(self, i: int, p: dict[str, Any]) -> None:
+        acc = self._peer(i, p)
+        if acc.role != "worker":
+            raise LedgerError(i, f"no show: peer {acc.peer_id} is a {acc.role}, not a worker")
+        if p["consecutive"] < 1:
+            raise LedgerError(i, f"no show: consecutive must be at least 1, got {p['consecutive']}")
+        if p["consecutive"] >= 2:  # repeated: it sits out rounds and loses reputation
+            acc.no_shows += 1
 
     def _peer(self, i: int, p: dict[str, Any], field: str = "peer_id") -> Account:
         if p[field] not in self.accounts:

@@ -48,6 +48,7 @@ ENTRY_TYPES: tuple[str, ...] = (
     "round certificate",
     "checkpoint",
     "halt",
+    "no show",
 )
 GENESIS = "0" * 64
 LINE_FIELDS = ("at", "hash", "index", "payload", "prev_hash", "signature", "type")

@@ -83,6 +83,7 @@ class Account:
     refused_reports: int = 0
     missed_checks: int = 0
     canaries_passed: int = 0
+    no_shows: int = 0  # repeated ones (the second in a row and later): they cost reputation
 
     @property
     def validator_faults(self) -> int:
@@ -95,12 +96,13 @@ class Account:
 
     @property
     def reputation(self) -> float:
-        """A worker: (agreed + 1) / (agreed + frauds + 2). A validator: (checks + 1) /
+        """A worker: (agreed + 1) / (agreed + frauds + no_shows + 2), counting repeated
+        no-shows only (a first one is a crash anyone may have). A validator: (checks + 1) /
         (checks + faults + 2). 0.5 for a peer with no record."""
         if self.role == "validator":
             good = max(self.checks - self.false_accusations - self.canaries_passed, 0)
             return (good + 1) / (good + self.validator_faults + 2)
-        return (self.agreed + 1) / (self.agreed + self.frauds + 2)
+        return (self.agreed + 1) / (self.agreed + self.frauds + self.no_shows + 2)
 
 
 _DEFAULTS = Policy(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0)
