@@ -287,15 +287,21 @@ from covey.rl.batch import (  # noqa: E402
     rollout,
 )
 
-SPEC = RolloutSpec(run_id="run-rl", prompts_per_step=2, group_size=2, temperature=1.0,
-                   max_new_tokens=8, vocab_size=256, eos_id=None)
+SPEC = RolloutSpec(
+    run_id="run-rl",
+    prompts_per_step=2,
+    group_size=2,
+    temperature=1.0,
+    max_new_tokens=8,
+    vocab_size=256,
+    eos_id=None,
+)
 TASK = ArithmeticTask(seed=0, max_operand=20)
 CID = "cid-v3"
 
 
 def _batch(model: GPT, worker: str = "w1", step: int = 3) -> RolloutBatch:
-    return rollout(model, TASK, SPEC, step=step, worker_id=worker, policy_version=3,
-                   policy_cid=CID)
+    return rollout(model, TASK, SPEC, step=step, worker_id=worker, policy_version=3, policy_cid=CID)
 
 
 @pytest.fixture(scope="module")
@@ -303,8 +309,17 @@ def honest_batch(policy: GPT) -> RolloutBatch:
     return _batch(policy)
 
 
-def _check(model: GPT, batch: RolloutBatch, step: int = 3):
-    return check_batch(batch, spec=SPEC, step=step, policy_cid=CID, model=model, task=TASK)
+def _check(model: GPT, batch: RolloutBatch, step: int = 3, submitter: str = "w1", **kw):
+    return check_batch(
+        batch,
+        spec=SPEC,
+        submitter=submitter,
+        step=step,
+        policy_cid=CID,
+        model=model,
+        task=TASK,
+        **kw,
+    )
 
 
 def _with_sample(batch: RolloutBatch, i: int, **changes) -> RolloutBatch:
@@ -343,10 +358,16 @@ def test_altered_prompt_is_rejected(policy: GPT, honest_batch: RolloutBatch) -> 
     other = list(b"1+1=")
     seed = sampling.sample_seed(SPEC.run_id, 3, "w1", honest_batch.prompt_indices[0], 0)
     gen = sampling.generate(policy, other, SPEC.max_new_tokens, 1.0, seed)
-    forged = _with_sample(honest_batch, 0, tokens=gen.tokens, logprobs=gen.logprobs.tolist(),
-                          proof=base64.b64encode(proofs.build_proof(gen.hidden)).decode(),
-                          reward=TASK.reward(honest_batch.prompt_indices[0],
-                                             bytes(gen.tokens).decode("utf-8", "replace")))
+    forged = _with_sample(
+        honest_batch,
+        0,
+        tokens=gen.tokens,
+        logprobs=gen.logprobs.tolist(),
+        proof=base64.b64encode(proofs.build_proof(gen.hidden)).decode(),
+        reward=TASK.reward(
+            honest_batch.prompt_indices[0], bytes(gen.tokens).decode("utf-8", "replace")
+        ),
+    )
     verdict = _check(policy, forged)
     assert not verdict.ok and verdict.sample == 0 and verdict.problem is Problem.PROOF
 
@@ -357,8 +378,9 @@ def test_edited_tokens_are_rejected(policy: GPT, honest_batch: RolloutBatch) -> 
         tokens = list(s.tokens)
         tokens[pos] = (tokens[pos] + 7) % 256
         text = bytes(tokens).decode("utf-8", "replace")
-        forged = _with_sample(honest_batch, 1, tokens=tokens,
-                              reward=TASK.reward(honest_batch.prompt_indices[0], text))
+        forged = _with_sample(
+            honest_batch, 1, tokens=tokens, reward=TASK.reward(honest_batch.prompt_indices[0], text)
+        )
         verdict = _check(policy, forged)
         assert not verdict.ok and verdict.sample == 1, verdict
         assert verdict.problem in (Problem.PROOF, Problem.SAMPLING)
@@ -382,18 +404,26 @@ def test_dropped_samples_and_skipped_prompts_are_rejected(
     dropped = honest_batch.model_copy(update={"samples": honest_batch.samples[:-1]})
     assert _check(policy, dropped).problem is Problem.GROUP
     smaller_g = honest_batch.model_copy(
-        update={"samples": honest_batch.samples[::2], "group_size": 1})
+        update={"samples": honest_batch.samples[::2], "group_size": 1}
+    )
     assert _check(policy, smaller_g).problem is Problem.GROUP
-    skipped = honest_batch.model_copy(update={
-        "prompt_indices": honest_batch.prompt_indices[:1], "samples": honest_batch.samples[:2]})
+    skipped = honest_batch.model_copy(
+        update={
+            "prompt_indices": honest_batch.prompt_indices[:1],
+            "samples": honest_batch.samples[:2],
+        }
+    )
     assert _check(policy, skipped).problem is Problem.PROMPTS
     chosen = honest_batch.model_copy(update={"prompt_indices": [0, 1]})
     assert _check(policy, chosen).problem is Problem.PROMPTS
 
 
 def test_replayed_or_stale_batch_is_rejected(policy: GPT, honest_batch: RolloutBatch) -> None:
+    # w2 resubmits w1's batch as it is (its signature names w1), or relabelled as its own
+    assert _check(policy, honest_batch, submitter="w2").problem is Problem.WRONG_WORKER
     replay = honest_batch.model_copy(update={"worker_id": "w2"})
-    assert _check(policy, replay).problem is Problem.PROMPTS
+    assert _check(policy, replay, submitter="w2").problem is Problem.PROMPTS
+    assert _check(policy, honest_batch, policy_version=4).problem is Problem.WRONG_POLICY
     assert _check(policy, honest_batch, step=4).problem is Problem.WRONG_STEP
     other_policy = honest_batch.model_copy(update={"policy_cid": "cid-v2"})
     assert _check(policy, other_policy).problem is Problem.WRONG_POLICY

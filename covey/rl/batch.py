@@ -16,6 +16,8 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,11 +80,38 @@ class RolloutSpec:
     max_new_tokens: int
     vocab_size: int
     eos_id: int | None = None
-    logprob_tolerance: float = 1e-3  # honest recomputation differs by ~1e-6 in fp32
+    precision: str = "fp32"  # the policy's dtype on workers and validators: a key of TOLERANCES
+
+    def __post_init__(self) -> None:
+        if self.precision not in TOLERANCES:
+            raise ValueError(f"precision {self.precision!r}, expected one of {list(TOLERANCES)}")
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """How far a validator's prefill may differ from the worker's generation and still be
+    honest: the proof's thresholds, the sampling gap (how far below the seeded argmax a
+    token's perturbed score may be) and the largest |claimed - recomputed| logprob."""
+
+    proof: proofs.ProofThresholds
+    sampling_gap: float
+    logprob: float
+
+
+# Calibrated by `python -m covey.bench.rl_verify` (numbers in README, "RL verification"):
+# honest fp32 rollouts (1 and 2 threads, generation batch 1/4/8, prefill batch 1/4) reach
+# mean_ulp <= 0.06, sampling gap <= 2e-5 and logprob error <= 3e-6; the thresholds sit well
+# above that and below every cheat's smallest signal. A bf16 run (policy in bf16 on both
+# sides) is noisier: its own row.
+TOLERANCES: dict[str, Tolerances] = {
+    "fp32": Tolerances(proofs.ProofThresholds(min_overlap=0.9, max_mean_ulp=0.5), 1e-3, 1e-3),
+    "bf16": Tolerances(proofs.ProofThresholds(min_overlap=0.5, max_mean_ulp=8.0), 0.25, 0.1),
+}
 
 
 class Problem(enum.Enum):
     WRONG_RUN = "wrong_run"
+    WRONG_WORKER = "wrong_worker"  # not the submitter's own batch: a replay
     WRONG_STEP = "wrong_step"
     WRONG_POLICY = "wrong_policy"
     PROMPTS = "prompts"  # not the assigned prompts, or some skipped
@@ -141,31 +170,168 @@ def completion_text(
     return decode(tokens)
 
 
+def batch_digest(batch: RolloutBatch) -> str:
+    """sha256 (hex) of the batch's canonical JSON: what a worker signs. It covers the run,
+    step, policy version and content id and the worker id, so a signature binds the batch
+    to its submitter and step (a replayed batch carries its first worker's signature)."""
+    return hashlib.sha256(b"covey-rl-batch|" + batch.model_dump_json().encode()).hexdigest()
+
+
+def verified_subset(digest: str, beacon: str, n_samples: int, k: int) -> list[int]:
+    """The `k` sample indices (sorted, distinct, all when k >= n_samples) a validator
+    prefills: ranked by sha256(digest, beacon, i). The beacon (e.g. the validator's
+    assignment id) is unknown to the worker when it generates, so it cannot know which
+    samples will be checked; anyone holding both can recompute the choice."""
+    if n_samples < 0 or k < 0:
+        raise ValueError(f"bad n_samples={n_samples} or k={k}")
+    rank = sorted(
+        range(n_samples),
+        key=lambda i: hashlib.sha256(f"covey-rl-verify|{digest}|{beacon}|{i}".encode()).digest(),
+    )
+    return sorted(rank[: min(k, n_samples)])
+
+
+@dataclass(frozen=True)
+class SampleStats:
+    """What one prefill measured of one sample: the proof's worst chunk (`overlap` lowest,
+    `mean_ulp` highest; `proof_error` when the proof is malformed), the largest sampling
+    gap and the largest logprob error. Honest samples give ~1, ~0, ~0, ~0."""
+
+    overlap: float
+    mean_ulp: float
+    gap: float
+    logprob_err: float
+    proof_error: str = ""
+    gap_pos: int = 0
+    logprob_pos: int = 0
+
+
+_MEASURE = proofs.ProofThresholds(min_overlap=0.0, max_mean_ulp=math.inf)
+
+
+def measure_samples(
+    batch: RolloutBatch,
+    indices: list[int],
+    *,
+    spec: RolloutSpec,
+    model: torch.nn.Module,
+    task: Task,
+    encode: Callable[[str], list[int]] = byte_encode,
+    prefill_batch: int = 4,
+) -> dict[int, SampleStats]:
+    """Prefill samples `indices` of `batch` (prompts are the batch's own `prompt_indices`,
+    G from `spec`) under `model` and measure proof, sampling and logprobs against it. The
+    caller has checked the batch's shape (`check_batch` does). ValueError on an index out
+    of range."""
+    n, g = len(batch.samples), spec.group_size
+    if any(not 0 <= i < n for i in indices):
+        raise ValueError(f"verify_samples {indices} out of range [0, {n})")
+    prompts = {p: encode(task.prompt(p)) for p in set(batch.prompt_indices)}
+    out: dict[int, SampleStats] = {}
+    for start in range(0, len(indices), prefill_batch):
+        part = indices[start : start + prefill_batch]
+        seqs = [prompts[batch.prompt_indices[i // g]] + batch.samples[i].tokens for i in part]
+        for i, (logits, hidden) in zip(part, sampling.prefill(model, seqs), strict=True):
+            out[i] = _measure(
+                batch, i, len(prompts[batch.prompt_indices[i // g]]), logits, hidden, spec
+            )
+    return out
+
+
+def _measure(
+    batch: RolloutBatch,
+    i: int,
+    prompt_len: int,
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    spec: RolloutSpec,
+) -> SampleStats:
+    s, g = batch.samples[i], spec.group_size
+    proof = proofs.compare_proof(s.proof_bytes(), hidden[prompt_len:], _MEASURE)
+    seed = sampling.sample_seed(
+        spec.run_id, batch.step, batch.worker_id, batch.prompt_indices[i // g], i % g
+    )
+    check = sampling.sampling_scores(logits[prompt_len - 1 : -1], s.tokens, seed, spec.temperature)
+    err = (check.logprobs - torch.tensor(s.logprobs)).abs()
+    err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+    return SampleStats(
+        overlap=min((c.overlap for c in proof.chunks), default=0.0),
+        mean_ulp=max((c.mean_ulp for c in proof.chunks), default=math.inf),
+        gap=float(check.gap.max()),
+        logprob_err=float(err.max()),
+        proof_error="" if proof.ok else proof.reason,
+        gap_pos=int(check.gap.argmax()),
+        logprob_pos=int(err.argmax()),
+    )
+
+
+def judge(stats: SampleStats, tol: Tolerances, i: int | None = None) -> BatchVerdict:
+    """The verdict on one sample's measurements: proof, then sampling, then logprobs."""
+    t = tol.proof
+    if stats.proof_error:
+        return _bad(Problem.PROOF, stats.proof_error, i)
+    if stats.overlap < t.min_overlap:
+        return _bad(Problem.PROOF, f"top-k overlap {stats.overlap:.3f} < {t.min_overlap}", i)
+    if stats.mean_ulp > t.max_mean_ulp:
+        return _bad(
+            Problem.PROOF, f"mean value error {stats.mean_ulp:.3f} fp16 ulp > {t.max_mean_ulp}", i
+        )
+    if stats.gap > tol.sampling_gap:
+        return _bad(
+            Problem.SAMPLING,
+            f"token {stats.gap_pos} is {stats.gap:.4f} below the "
+            f"seeded argmax (tolerance {tol.sampling_gap})",
+            i,
+        )
+    if stats.logprob_err > tol.logprob:
+        return _bad(
+            Problem.LOGPROBS,
+            f"logprob off by {stats.logprob_err:.2e} at token "
+            f"{stats.logprob_pos} (tolerance {tol.logprob})",
+            i,
+        )
+    return BatchVerdict(True)
+
+
 def check_batch(
     batch: RolloutBatch,
     *,
     spec: RolloutSpec,
+    submitter: str,
     step: int,
     policy_cid: str,
     model: torch.nn.Module,
     task: Task,
+    policy_version: int | None = None,
     encode: Callable[[str], list[int]] = byte_encode,
     decode: Callable[[list[int]], str] = byte_decode,
     verify_samples: list[int] | None = None,
-    thresholds: proofs.ProofThresholds | None = None,
+    tolerances: Tolerances | None = None,
     prefill_batch: int = 4,
 ) -> BatchVerdict:
-    """All checks on `batch` against the run's `spec`, the expected `step` and policy blob
-    (`model` must be that policy). `verify_samples` picks which samples get the prefill
-    checks (a)/(b) (all when None; ValueError when out of range); (c), (d) and token
-    sanity run on every sample. A bad batch is a verdict, never an exception."""
-    thresholds = thresholds or proofs.ProofThresholds()
+    """All checks on `batch` as submitted by `submitter` (the authenticated worker id)
+    against the run's `spec`, the expected `step` and policy blob (`model` must be that
+    policy; `policy_version` is checked when given). `verify_samples` picks which samples
+    get the prefill checks (a)/(b) (all when None; see `verified_subset`; ValueError when
+    out of range); the run/worker/step/policy binding, (c), (d) and token sanity run on
+    every sample. `tolerances` default to TOLERANCES[spec.precision]. A bad batch is a
+    verdict naming the first problem found, never an exception."""
+    tol = tolerances or TOLERANCES[spec.precision]
     if batch.run_id != spec.run_id:
         return _bad(Problem.WRONG_RUN, f"run {batch.run_id!r}, expected {spec.run_id!r}")
+    if batch.worker_id != submitter:
+        return _bad(
+            Problem.WRONG_WORKER, f"batch of worker {batch.worker_id!r} submitted by {submitter!r}"
+        )
     if batch.step != step:
         return _bad(Problem.WRONG_STEP, f"step {batch.step}, expected {step}")
     if batch.policy_cid != policy_cid:
         return _bad(Problem.WRONG_POLICY, f"policy {batch.policy_cid!r}, expected {policy_cid!r}")
+    if policy_version is not None and batch.policy_version != policy_version:
+        return _bad(
+            Problem.WRONG_POLICY,
+            f"policy version {batch.policy_version}, expected {policy_version}",
+        )
     want = assigned_prompts(
         spec.run_id, step, batch.worker_id, spec.prompts_per_step, num_prompts=len(task)
     )
@@ -174,58 +340,26 @@ def check_batch(
         return _bad(Problem.PROMPTS, f"prompts {got[:8]}..., assigned {want[:8]}...")
     g = spec.group_size
     if batch.group_size != g or len(batch.samples) != len(want) * g:
-        return _bad(Problem.GROUP, f"{len(batch.samples)} samples with G={batch.group_size}, "
-                    f"expected {len(want)} prompts x {g}")
+        return _bad(
+            Problem.GROUP,
+            f"{len(batch.samples)} samples with G={batch.group_size}, "
+            f"expected {len(want)} prompts x {g}",
+        )
     for i, s in enumerate(batch.samples):
         if why := _token_problem(s, spec):
             return _bad(Problem.TOKENS, why, i)
     for i, s in enumerate(batch.samples):
         reward = task.reward(want[i // g], completion_text(s.tokens, spec.eos_id, decode))
-        if abs(reward - s.reward) > 1e-6:
+        if not abs(reward - s.reward) <= 1e-6:  # NaN claims fail too
             return _bad(Problem.REWARD, f"reward {s.reward}, recomputed {reward}", i)
-    chosen = range(len(batch.samples)) if verify_samples is None else verify_samples
-    prompts = {p: encode(task.prompt(p)) for p in set(want)}
-    chosen = list(chosen)
-    if any(not 0 <= i < len(batch.samples) for i in chosen):
-        raise ValueError(f"verify_samples {chosen} out of range [0, {len(batch.samples)})")
-    for start in range(0, len(chosen), prefill_batch):
-        part = chosen[start : start + prefill_batch]
-        seqs = [prompts[want[i // g]] + batch.samples[i].tokens for i in part]
-        for i, (logits, hidden) in zip(part, sampling.prefill(model, seqs), strict=True):
-            if verdict := _check_sample(batch, i, prompts[want[i // g]], logits, hidden, spec,
-                                        thresholds):
-                return verdict
+    chosen = list(range(len(batch.samples))) if verify_samples is None else list(verify_samples)
+    stats = measure_samples(
+        batch, chosen, spec=spec, model=model, task=task, encode=encode, prefill_batch=prefill_batch
+    )
+    for i in chosen:
+        if not (verdict := judge(stats[i], tol, i)).ok:
+            return verdict
     return BatchVerdict(True)
-
-
-def _check_sample(
-    batch: RolloutBatch,
-    i: int,
-    prompt: list[int],
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    spec: RolloutSpec,
-    thresholds: proofs.ProofThresholds,
-) -> BatchVerdict | None:
-    s = batch.samples[i]
-    proof = proofs.compare_proof(s.proof_bytes(), hidden[len(prompt) :], thresholds)
-    if not proof.ok:
-        return _bad(Problem.PROOF, proof.reason, i)
-    g = spec.group_size
-    seed = sampling.sample_seed(spec.run_id, batch.step, batch.worker_id,
-                                batch.prompt_indices[i // g], i % g)
-    check = sampling.sampling_scores(logits[len(prompt) - 1 : -1], s.tokens, seed,
-                                     spec.temperature)
-    bad = (check.gap > sampling.SAMPLING_TOLERANCE).nonzero()
-    if bad.numel():
-        pos = int(bad[0])
-        return _bad(Problem.SAMPLING, f"token {pos} is {float(check.gap[pos]):.4f} below the "
-                    f"seeded argmax", i)
-    err = (check.logprobs - torch.tensor(s.logprobs)).abs()
-    if float(err.max()) > spec.logprob_tolerance:
-        return _bad(Problem.LOGPROBS, f"logprob off by {float(err.max()):.2e} at token "
-                    f"{int(err.argmax())}", i)
-    return None
 
 
 def rollout(
@@ -239,25 +373,46 @@ def rollout(
     policy_cid: str,
     encode: Callable[[str], list[int]] = byte_encode,
     decode: Callable[[list[int]], str] = byte_decode,
+    gen_batch: int = 1,
 ) -> RolloutBatch:
     """What an honest worker submits for `step`: its assigned prompts, G seeded samples
-    each, rewards from `task`, and a proof per sample."""
+    each (generated `gen_batch` sequences at a time), rewards from `task`, and a proof per
+    sample."""
+    if gen_batch < 1:
+        raise ValueError(f"gen_batch must be >= 1, got {gen_batch}")
     indices = assigned_prompts(
         spec.run_id, step, worker_id, spec.prompts_per_step, num_prompts=len(task)
     )
+    jobs = [(p, j) for p in indices for j in range(spec.group_size)]
+    prompts = {p: encode(task.prompt(p)) for p in set(indices)}
     samples = []
-    for p in indices:
-        prompt = encode(task.prompt(p))
-        for j in range(spec.group_size):
-            seed = sampling.sample_seed(spec.run_id, step, worker_id, p, j)
-            gen = sampling.generate(model, prompt, spec.max_new_tokens, spec.temperature, seed,
-                                    spec.eos_id)
-            samples.append(Sample(
-                tokens=gen.tokens,
-                logprobs=gen.logprobs.tolist(),
-                reward=task.reward(p, completion_text(gen.tokens, spec.eos_id, decode)),
-                proof=base64.b64encode(proofs.build_proof(gen.hidden)).decode(),
-            ))
-    return RolloutBatch(run_id=spec.run_id, step=step, policy_version=policy_version,
-                        policy_cid=policy_cid, worker_id=worker_id, prompt_indices=indices,
-                        group_size=spec.group_size, samples=samples)
+    for start in range(0, len(jobs), gen_batch):
+        part = jobs[start : start + gen_batch]
+        seeds = [sampling.sample_seed(spec.run_id, step, worker_id, p, j) for p, j in part]
+        gens = sampling.generate_batch(
+            model,
+            [prompts[p] for p, _ in part],
+            spec.max_new_tokens,
+            spec.temperature,
+            seeds,
+            spec.eos_id,
+        )
+        for (p, _), gen in zip(part, gens, strict=True):
+            samples.append(
+                Sample(
+                    tokens=gen.tokens,
+                    logprobs=gen.logprobs.tolist(),
+                    reward=task.reward(p, completion_text(gen.tokens, spec.eos_id, decode)),
+                    proof=base64.b64encode(proofs.build_proof(gen.hidden)).decode(),
+                )
+            )
+    return RolloutBatch(
+        run_id=spec.run_id,
+        step=step,
+        policy_version=policy_version,
+        policy_cid=policy_cid,
+        worker_id=worker_id,
+        prompt_indices=indices,
+        group_size=spec.group_size,
+        samples=samples,
+    )

@@ -90,34 +90,67 @@ def generate(
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with seeded Gumbel-max
     sampling; stops after `eos_id`. ValueError on an empty prompt or T <= 0."""
+    return generate_batch(model, [prompt_ids], max_new_tokens, temperature, [seed], eos_id)[0]
+
+
+@torch.no_grad()
+def generate_batch(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seeds: list[int],
+    eos_id: int | None = None,
+) -> list[Generation]:
+    """`generate` for several prompts at once (one seed each): every step is one forward of
+    the unfinished sequences, right-padded (causal attention: pads never reach real
+    positions). The tokens are the ones one-at-a-time generation picks, up to float noise
+    from the different shapes, which the validator's tolerances absorb. ValueError on an
+    empty prompt, T <= 0 or a seed count that differs from the prompt count."""
     _check_temperature(temperature)
-    if not prompt_ids:
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    if any(not p for p in prompts):
         raise ValueError("prompt_ids is empty")
     device = next(model.parameters()).device
-    seq = list(prompt_ids)
-    tokens: list[int] = []
-    logprobs: list[torch.Tensor] = []
-    hidden: list[torch.Tensor] = []
-    for i in range(max_new_tokens):
-        logits, h = forward_hidden(model, torch.tensor([seq], device=device))
-        if i > 0:  # hidden state of the previous generated token, now the last position
-            hidden.append(h[0, -1].cpu())
-        scaled = logits[0, -1].cpu() / temperature
-        tok = int(torch.argmax(scaled + gumbel_noise(seed, i, scaled.numel())))
-        logprobs.append(torch.log_softmax(scaled, dim=-1)[tok])
-        tokens.append(tok)
-        seq.append(tok)
-        if eos_id is not None and tok == eos_id:
+    seqs = [list(p) for p in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
+    hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
+    live = list(range(len(prompts))) if max_new_tokens > 0 else []
+    for i in range(max_new_tokens + 1):
+        if not live:
             break
-    if tokens:
-        _, h = forward_hidden(model, torch.tensor([seq], device=device))
-        hidden.append(h[0, -1].cpu())
-    d = hidden[0].numel() if hidden else 0
-    return Generation(
-        tokens=tokens,
-        logprobs=torch.stack(logprobs) if logprobs else torch.zeros(0),
-        hidden=torch.stack(hidden) if hidden else torch.zeros(0, d),
-    )
+        width = max(len(seqs[r]) for r in live)
+        ids = torch.tensor([seqs[r] + [0] * (width - len(seqs[r])) for r in live], device=device)
+        logits, h = forward_hidden(model, ids)
+        still = []
+        for row, r in enumerate(live):
+            last = len(seqs[r]) - 1
+            if i > 0:  # hidden state of the previous generated token, now the last position
+                hidden[r].append(h[row, last].cpu())
+            if len(tokens[r]) == max_new_tokens or (
+                eos_id is not None and tokens[r][-1:] == [eos_id]
+            ):
+                continue  # done: this pass only collected its last token's hidden state
+            scaled = logits[row, last].cpu() / temperature
+            tok = int(torch.argmax(scaled + gumbel_noise(seeds[r], i, scaled.numel())))
+            logprobs[r].append(torch.log_softmax(scaled, dim=-1)[tok])
+            tokens[r].append(tok)
+            seqs[r].append(tok)
+            still.append(r)
+        live = still  # one that just emitted eos stays for one pass: its last hidden state
+    out = []
+    for r in range(len(prompts)):
+        d = hidden[r][0].numel() if hidden[r] else 0
+        out.append(
+            Generation(
+                tokens=tokens[r],
+                logprobs=torch.stack(logprobs[r]) if logprobs[r] else torch.zeros(0),
+                hidden=torch.stack(hidden[r]) if hidden[r] else torch.zeros(0, d),
+            )
+        )
+    return out
 
 
 @dataclass(frozen=True)
