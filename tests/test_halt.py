@@ -1,10 +1,10 @@
-"""HALT: the run owner stops a run. Unit tests of the participation lease and of the
-ledger's rules for a HALT; then a real coordinator and workers as processes: a worker
-whose heartbeats are not answered (the coordinator SIGSTOPped) stops training when its
-lease lapses and trains again once one is accepted; `covey halt` by a stranger is
-refused, by the owner it is written to the ledger, every worker exits on its own with
-status 3 and says why, nobody joins again, no round opens, the ledger verifies and the
-last certified checkpoint is still served."""
+"""HALT: the run owner stops a run. Unit tests of the participation lease and of the ledger's
+rules for a HALT; then a real coordinator and workers as processes: a worker whose
+heartbeats are not answered (the coordinator SIGSTOPped) stops training when its lease
+lapses and trains again once one is accepted; `covey halt` by a stranger is refused, by
+the owner it is written to the ledger, every worker exits on its own with status 3 and
+says why, and so does the validator, nobody joins again, no round opens, the ledger
+verifies and the last certified checkpoint is still served."""
 
 from __future__ import annotations
 
@@ -166,6 +166,7 @@ checkpoint_every = 1
 eval_batches = 1
 """
 WORKERS = ("w1", "w2")
+VALIDATOR = "v1"
 REASON = "enough for today"
 
 
@@ -181,6 +182,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         # the lease test's: a nano step here takes ~5-10 ms, so x300 makes a 12-step round
         # take ~20-40 s whatever the machine's load (x20 finished before the lease lapsed)
         c.start_worker("slow", "--slowdown", "300", "--verbose")
+        c.start_validator(VALIDATOR)  # it checks rounds, and must stop at the HALT too
         yield c
 
 
@@ -249,7 +251,11 @@ def test_covey_halt_stops_every_worker_and_the_run_stays_auditable(
         log = cluster.tail(name, lines=40)
         assert "halted by its owner" in log and REASON in log, log
         assert f"exiting with status {EXIT_HALTED}" in log, log
-    assert time.monotonic() - halted_at < 30
+    # the validator learns it from its next claim (410) and exits with the workers' status
+    assert cluster.wait_exit(VALIDATOR, 30) == EXIT_HALTED, cluster.tail(VALIDATOR)
+    log = cluster.tail(VALIDATOR, lines=40)
+    assert "halted by its owner" in log and REASON in log, log
+    assert time.monotonic() - halted_at < 60
 
     status = cluster.status()
     assert status["phase"] == "halted" and status["halted"]["reason"] == REASON

@@ -154,9 +154,14 @@ class Coordinator:
     # -- verification (covey.coordinator.verification): the facade's calls, delegated --------
 
     def validator_join(self, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
+        """Rejected(410) once the run is halted: nobody joins it again."""
+        self.rounds.check_not_halted()
         return self.verification.validator_join(req, raw)
 
     def claim(self, req: schemas.ClaimRequest, raw: dict[str, Any]) -> dict[str, Any]:
+        """Rejected(410) with the owner's reason once the run is halted: validators learn
+        of a HALT here and stop (reports of checks already claimed are still taken)."""
+        self.rounds.check_not_halted()
         return self.verification.claim(req, raw)
 
     def report(self, req: schemas.VerifyReport, raw: dict[str, Any]) -> dict[str, Any]:

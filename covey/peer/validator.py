@@ -25,11 +25,12 @@ from covey.algorithms import TrainState
 from covey.blobs import BlobError
 from covey.data.batches import assignment_batches
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
-from covey.peer.runsetup import set_up_run
+from covey.peer.runsetup import fetch_state, set_up_run
 from covey.protocol import schemas
-from covey.protocol.checkpoint import CheckpointError, state_from_bytes
+from covey.protocol.checkpoint import CheckpointError
 from covey.protocol.content import content_id
 from covey.trust import verify
+from covey.trust.halt import EXIT_HALTED
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.validator")
@@ -83,7 +84,8 @@ class Validator:
 
     def run(self) -> int:
         """Claim and check tasks until a signal or max_tasks. 0 on a clean stop, 1 when
-        the coordinator is lost or refuses this validator."""
+        the coordinator is lost or refuses this validator, EXIT_HALTED (3, as a worker)
+        when the run owner halted the run (a claim or the join is answered 410)."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._setup()
@@ -99,6 +101,14 @@ class Validator:
                 self.check(schemas.VerifyTask.model_validate(reply["task"]))
             return 0
         except (CoordinatorLost, PeerRejected, RuntimeError) as e:
+            if isinstance(e, PeerRejected) and e.status == 410:
+                log.warning(
+                    "[%s] the run was halted by its owner (%s): exiting with status %d",
+                    self.name,
+                    e.message,
+                    EXIT_HALTED,
+                )
+                return EXIT_HALTED
             if self.stop.is_set() and isinstance(e, CoordinatorLost):
                 return 0
             log.error("[%s] %s", self.name, e)
@@ -229,8 +239,7 @@ class Validator:
     def _start_state(self, task: schemas.VerifyTask, sources: list[str]) -> TrainState:
         if self._state is not None and self._state[0] == task.start_cid:
             return self._state[1]
-        data = self.blobs.fetch(task.start_cid, sources, size=task.start_size)
-        state = state_from_bytes(data, self.template)
+        state = fetch_state(self.blobs, task.start_cid, sources, task.start_size, self.template)
         if state.digest() != task.start_hash:
             raise RuntimeError(f"start state {task.start_cid[:12]} does not hash to the task's")
         self._state = (task.start_cid, state)
