@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PRIME = 65521  # largest prime below 2**16: coefficients fit in 16 bits
@@ -61,22 +62,46 @@ def _injective_modulus(indices: list[int]) -> int:
     raise ProofError(f"no modulus makes {len(indices)} indices distinct")  # unreachable
 
 
+_INV: np.ndarray | None = None  # modular inverses of 0..PRIME-1 (0 -> 0), built once
+
+
+def _inverses() -> np.ndarray:
+    global _INV
+    if _INV is None:  # Fermat: x^(p-2), square-and-multiply over the whole field at once
+        base = np.arange(PRIME, dtype=np.int64)
+        acc, e = np.ones(PRIME, dtype=np.int64), PRIME - 2
+        while e:
+            if e & 1:
+                acc = acc * base % PRIME
+            base, e = base * base % PRIME, e >> 1
+        _INV = acc
+    return _INV
+
+
 def _interpolate(xs: list[int], ys: list[int]) -> list[int]:
-    """Monomial coefficients (low degree first) over GF(PRIME) through the points."""
+    """Monomial coefficients (low degree first) over GF(PRIME) through the points (xs
+    distinct). Newton form, vectorised: O(n) array steps instead of O(n^2) Python ones."""
     n = len(xs)
-    a = [y % PRIME for y in ys]
-    for j in range(1, n):  # Newton divided differences, in place
-        for i in range(n - 1, j - 1, -1):
-            a[i] = (a[i] - a[i - 1]) * pow(xs[i] - xs[i - j], PRIME - 2, PRIME) % PRIME
-    poly = [a[n - 1]]
-    for j in range(n - 2, -1, -1):  # poly = poly * (x - xs[j]) + a[j]
-        nxt = [0] * (len(poly) + 1)
-        for d, c in enumerate(poly):
-            nxt[d + 1] = (nxt[d + 1] + c) % PRIME
-            nxt[d] = (nxt[d] - c * xs[j]) % PRIME
-        nxt[0] = (nxt[0] + a[j]) % PRIME
-        poly = nxt
-    return poly
+    x = np.asarray(xs, dtype=np.int64) % PRIME
+    a = np.asarray(ys, dtype=np.int64) % PRIME
+    inv = _inverses()
+    for j in range(1, n):  # divided differences: a[i] = (a[i] - a[i-1]) / (x[i] - x[i-j])
+        a[j:] = (a[j:] - a[j - 1 : -1]) % PRIME * inv[(x[j:] - x[: n - j]) % PRIME] % PRIME
+    poly = np.zeros(n + 1, dtype=np.int64)
+    poly[0] = a[n - 1]
+    for j in range(n - 2, -1, -1):  # poly = poly * (X - x[j]) + a[j]
+        poly[1:] = (poly[:-1] - poly[1:] * x[j]) % PRIME  # new c_d = c_{d-1} - x c_d
+        poly[0] = (a[j] - poly[0] * x[j]) % PRIME
+    return poly[:n].tolist()
+
+
+def _evaluate_many(coeffs: list[int], points: list[int]) -> list[int]:
+    """The polynomial at each point, over GF(PRIME) (Horner, vectorised over points)."""
+    x = np.asarray(points, dtype=np.int64) % PRIME
+    acc = np.zeros_like(x)
+    for c in reversed(coeffs):
+        acc = (acc * x + c) % PRIME
+    return acc.tolist()
 
 
 def _evaluate(coeffs: list[int], x: int) -> int:
@@ -164,7 +189,7 @@ def compare_proof(
             return ProofVerdict(False, checks, f"chunk {n}: bad modulus {m}")
         coeffs = [int.from_bytes(raw[i : i + 2], "little") for i in range(2, size, 2)]
         indices, values = _top(block, k)
-        claimed = _bits_to_float([_evaluate(coeffs, i % m) for i in indices])
+        claimed = _bits_to_float(_evaluate_many(coeffs, [i % m for i in indices]))
         mine_bits = torch.tensor(_fp16_bits(values), dtype=torch.int64)
         claimed_bits = torch.tensor(_fp16_bits(claimed), dtype=torch.int64)
         mine = _bits_to_float(mine_bits.tolist())
@@ -176,11 +201,15 @@ def compare_proof(
         mean_ulp = float(ulp.mean()) if ulp.numel() else float("inf")
         checks.append(ChunkCheck(overlap, mean_ulp))
         if overlap < thresholds.min_overlap:
-            return ProofVerdict(False, checks, f"chunk {n}: top-k overlap {overlap:.3f} "
-                                f"< {thresholds.min_overlap}")
+            return ProofVerdict(
+                False, checks, f"chunk {n}: top-k overlap {overlap:.3f} < {thresholds.min_overlap}"
+            )
         if mean_ulp > thresholds.max_mean_ulp:
-            return ProofVerdict(False, checks, f"chunk {n}: mean value error {mean_ulp:.3f} "
-                                f"fp16 ulp > {thresholds.max_mean_ulp}")
+            return ProofVerdict(
+                False,
+                checks,
+                f"chunk {n}: mean value error {mean_ulp:.3f} fp16 ulp > {thresholds.max_mean_ulp}",
+            )
     return ProofVerdict(True, checks)
 
 
