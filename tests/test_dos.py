@@ -28,6 +28,7 @@ from covey.protocol.content import content_id
 from covey.protocol.rounds import PeerView, no_show_backoff, plan_round
 from covey.trust import audit
 from covey.trust.identity import Identity
+from covey.trust.polls import poll_headers
 
 network = pytest.mark.network  # the attacks; the unit tests at the end need no process
 
@@ -51,6 +52,7 @@ body_timeout_s = 2
 min_upload_bytes_s = 1048576
 peer_rate = 5
 peer_burst = 10
+max_long_polls_per_peer = 1
 no_show_backoff_s = 60
 [trust]
 min_stake = 1
@@ -315,24 +317,38 @@ def wait_until(ok: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 @network
-def test_long_polls_are_bounded(world: tuple[LocalCluster, Peer]) -> None:
+def test_long_polls_are_bounded_by_who_signs_them(world: tuple[LocalCluster, Peer]) -> None:
+    """A long-poll counts against a peer only when that peer signed it (covey.trust.polls);
+    an unsigned one counts against its address, whatever `peer_id` it names. So polls
+    naming a victim's id cannot take the victim's slots, and polls spread over made-up ids
+    are still bounded (max_long_polls_per_peer = 1: an address holds 16)."""
     cluster, peer = world
     future = cluster.status()["committed_rounds"] + 1000  # never commits during the test
+    path = f"/v1/rounds/{future}/certificate"
 
-    def poll() -> httpx.Response:
-        return peer.http.get(
-            f"/v1/rounds/{future}/certificate", params={"wait": 3, "peer_id": peer.id}
-        )
+    def poll(peer_id: str, headers: dict[str, str] | None = None) -> httpx.Response:
+        return peer.http.get(path, params={"wait": 3, "peer_id": peer_id}, headers=headers)
 
-    with ThreadPoolExecutor(3) as pool:
-        held = [pool.submit(poll) for _ in range(2)]
-        wait_until(lambda: held_long_polls(cluster) >= 2, 5, "both long-polls held")
-        # both are held (3 s each); a third is refused at once
+    def signed() -> dict[str, str]:
+        return poll_headers(peer.key, peer.run_id, future)
+
+    with ThreadPoolExecutor(20) as pool:
+        squatters = [pool.submit(poll, peer.id) for _ in range(2)]  # the victim's id, unsigned
+        wait_until(lambda: held_long_polls(cluster) >= 2, 5, "the squatters' polls held")
+        mine = pool.submit(poll, peer.id, signed())
+        wait_until(lambda: held_long_polls(cluster) >= 3, 5, "the victim's own poll held")
         t0 = time.monotonic()
-        third = poll()
-        assert third.status_code == 429, third.text
-        assert time.monotonic() - t0 < 2
-        assert [f.result().status_code for f in held] == [404, 404]
+        second = poll(peer.id, signed())  # the victim's cap (1) is its own to spend
+        assert second.status_code == 429 and "peer:" in second.text, second.text
+        forged = poll(peer.id, {**signed(), "X-Covey-Signature": "00" * 64})
+        assert forged.status_code == 401 and "does not verify" in forged.text, forged.text
+        spread = [pool.submit(poll, f"{i:032x}") for i in range(14)]  # 2 + 14 = the address's 16
+        wait_until(lambda: held_long_polls(cluster) >= 17, 10, "16 unsigned polls held")
+        one_more = poll("f" * 32)
+        assert one_more.status_code == 429 and "address:" in one_more.text, one_more.text
+        assert time.monotonic() - t0 < 8
+        held = [*squatters, mine, *spread]
+        assert {f.result().status_code for f in held} == {404}
 
 
 class Redirector:

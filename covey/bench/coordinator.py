@@ -420,6 +420,7 @@ class _Client:
         from covey.algorithms.codecs import get_codec
         from covey.blobs.client import upload_headers
         from covey.protocol.content import content_id
+        from covey.trust.polls import poll_headers
 
         key, done = self.keys[i], None
         generator = torch.Generator().manual_seed(i)
@@ -458,8 +459,9 @@ class _Client:
             if wait > 0:  # the worker's long-poll: not timed (it lasts until the commit)
                 cert = f"/v1/rounds/{info['round']}/certificate"
                 with_wait = {"wait": wait, "peer_id": key.peer_id}
+                signed = poll_headers(key, self.run_id, info["round"])  # counted per peer
                 try:
-                    await self.http.get(cert, params=with_wait, timeout=wait + 10)
+                    await self.http.get(cert, params=with_wait, headers=signed, timeout=wait + 10)
                 except Exception as e:
                     self._error("submit", f"certificate long-poll: {type(e).__name__}")
 

@@ -259,21 +259,26 @@ def create_app(coord: Coordinator) -> FastAPI:
         """A contribution's metadata and commitments, signed for this run and round."""
         return await run_in_threadpool(coord.submit, round, req, await request.json())
 
-    @app.get("/v1/rounds/{round}/certificate", responses=errors(404))
+    @app.get("/v1/rounds/{round}/certificate", responses=errors(401, 404))
     async def certificate(
         request: Request,
         round: int = PathParam(ge=0, le=schemas.MAX_INT),
         wait: float = Query(0.0, ge=0, le=30, description="long-poll seconds"),
-        peer_id: str | None = Query(None, max_length=64, description="who waits"),
+        peer_id: str | None = Query(
+            None, max_length=64, description="who waits (informational: not counted on)"
+        ),
     ) -> schemas.Certificate:
         """The accepted set with weights, the rejections and the new weights hash. With
         `wait`, the request is held until the round commits (or `wait` seconds pass), so
         peers learn of a commit at once; waiting holds no thread. Long-polls held at once
-        are bounded in total and per peer (or per address): past that, 429."""
+        are bounded in total and per peer, past that 429: a poll counts against a peer
+        only when signed by it in headers (covey.trust.polls; a forged one is 401), else
+        against its client address (16 peers' share), whatever `peer_id` says."""
         if wait <= 0 or coord.state.round > round:
             return coord.certificate(round)
         client = request.client.host if request.client else "-"
-        key, share = (f"peer:{peer_id}", None) if peer_id else (f"address:{client}", 16)
+        signer = coord.membership.poll_signer(request.headers, round)
+        key, share = (f"peer:{signer}", None) if signer else (f"address:{client}", 16)
         with long_polls.hold(key, None if share is None else share * long_polls.per_key) as ok:
             if not ok:
                 raise Rejected(429, f"too many long-polls held for {key[:40]}: retry shortly")

@@ -10,11 +10,15 @@ window, so a replay is refused even across a coordinator restart.
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import time
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from covey.trust.identity import (
@@ -22,7 +26,12 @@ from covey.trust.identity import (
     nonce_time,
     request_message,
     request_purpose,
-    verify,
+)
+from covey.trust.polls import (
+    POLL_NONCE_HEADER,
+    POLL_PEER_HEADER,
+    POLL_SIGNATURE_HEADER,
+    poll_message,
 )
 
 from .views import Rejected
@@ -33,6 +42,30 @@ if TYPE_CHECKING:
 # the endpoint now handling a request, e.g. "POST /v1/leave" (set by ReceivedAt); copied
 # into the worker thread that runs the service method (starlette's run_in_threadpool)
 _RECEIVED_AT: ContextVar[str | None] = ContextVar("covey_received_at", default=None)
+
+
+@functools.lru_cache(maxsize=16384)
+def _public_key(public_key_hex: str) -> Ed25519PublicKey | None:
+    """A parsed key, kept: parsing costs about as much as a verification, and the same few
+    thousand peers sign every request. None for a malformed key."""
+    try:
+        raw = bytes.fromhex(public_key_hex)
+        return Ed25519PublicKey.from_public_bytes(raw) if len(raw) == 32 else None
+    except ValueError:
+        return None
+
+
+def verify(public_key_hex: str, message: bytes, signature_hex: str) -> bool:
+    """covey.trust.identity.verify with the parsed key cached: whether `signature_hex` is
+    the key's signature of `message` (False if either is malformed)."""
+    key = _public_key(public_key_hex)
+    if key is None:
+        return False
+    try:
+        key.verify(bytes.fromhex(signature_hex), message)
+        return True
+    except (InvalidSignature, ValueError):
+        return False
 
 
 class ReceivedAt:
@@ -108,6 +141,37 @@ class Auth:
                 c.execute("INSERT INTO nonces VALUES (?, ?, ?)", (peer_id, nonce, now))
         except sqlite3.IntegrityError:
             raise Rejected(401, f"replayed request: nonce {nonce} was already used") from None
+
+    def poll_signer(
+        self,
+        headers: Mapping[str, str],
+        round_: int,
+        run_id: str,
+        public_key_of: Callable[[str], str | None],
+    ) -> str | None:
+        """The peer that signed this certificate long-poll (covey.trust.polls), or None for
+        an unsigned one (counted against its address). Rejected(401) for a signature that
+        does not verify for the peer it names (or a peer `public_key_of` does not know) or
+        a nonce outside the window: naming a peer proves nothing without its key."""
+        peer_id = headers.get(POLL_PEER_HEADER)
+        if peer_id is None:
+            return None
+        nonce = headers.get(POLL_NONCE_HEADER, "")
+        signature = headers.get(POLL_SIGNATURE_HEADER, "")
+        key = public_key_of(peer_id)
+        if key is None or not verify(key, poll_message(run_id, peer_id, round_, nonce), signature):
+            raise Rejected(
+                401, f"long-poll signature does not verify for peer {peer_id[:12]}, round {round_}"
+            )
+        try:
+            age = time.time() - nonce_time(nonce)
+        except IdentityError as e:
+            raise Rejected(401, f"long-poll: {e}") from None
+        if abs(age) > self.nonce_window_s:
+            raise Rejected(
+                401, f"long-poll nonce is {age:.0f} s old (window {self.nonce_window_s:.0f} s)"
+            )
+        return peer_id
 
     def prune_nonces(self, now: float) -> None:
         """Forget nonces older than the window: requests that old are refused anyway."""

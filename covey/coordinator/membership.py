@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from covey.protocol import schemas
@@ -80,6 +80,17 @@ class Membership:
         """covey.coordinator.auth.Auth.authenticate: Rejected(401/404) unless `raw` is
         signed by `peer_id` for the receiving endpoint and `round`, with a fresh nonce."""
         self.auth.authenticate(raw, round, peer_id, public_key, nonces)
+
+    def poll_signer(self, headers: Mapping[str, str], round_: int) -> str | None:
+        """Auth.poll_signer over the ledger's registered keys (no database read): the
+        member that signed this long-poll, None when unsigned, Rejected(401) when forged."""
+        accounts = self.accounts.book.accounts
+
+        def key_of(peer_id: str) -> str | None:
+            account = accounts.get(peer_id)
+            return None if account is None else account.public_key
+
+        return self.auth.poll_signer(headers, round_, self.run_id, key_of)
 
     def prune_nonces(self, now: float) -> None:
         """Forget nonces older than the window: requests that old are refused anyway."""

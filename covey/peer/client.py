@@ -58,8 +58,14 @@ class CoordinatorClient:
         self.timeout_s, self.lost_s = timeout_s, lost_s
         self._http.timeout = httpx.Timeout(timeout_s)
 
-    def get(self, path: str, params: dict[str, Any] | None = None, quiet: bool = False) -> Any:
-        return self._patient("GET", path, params=params, quiet=quiet)
+    def get(
+        self,
+        path: str,
+        params: dict[str, Any] | None = None,
+        quiet: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        return self._patient("GET", path, params=params, quiet=quiet, headers=headers)
 
     def post(self, path: str, body: dict[str, Any], round: int | None = NO_ROUND) -> Any:
         """POST JSON, signed for `round` when the client has an identity (round None: the
