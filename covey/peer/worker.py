@@ -55,6 +55,7 @@ from covey.trust import ledger, verify
 from covey.trust.certify import certificate_is_signed
 from covey.trust.halt import EXIT_HALTED
 from covey.trust.identity import Identity, canonical_json, request_purpose
+from covey.trust.polls import poll_headers
 
 log = logging.getLogger("covey.worker")
 KEEP_CONTRIBUTIONS = 8  # own contribution and end-state blobs kept on the blob server
@@ -598,8 +599,9 @@ class Worker:
             try:
                 body = self.client.get(
                     f"/v1/rounds/{info.round}/certificate",
-                    params={"wait": 5, "peer_id": self.peer_id},  # long-polls count per peer
-                    quiet=True,
+                    params={"wait": 5, "peer_id": self.peer_id},
+                    quiet=True,  # signed: long-polls count per peer (covey.trust.polls)
+                    headers=poll_headers(self.identity, self.run_id, info.round),
                 )
                 cert = schemas.Certificate.model_validate(body)
                 if not certificate_is_signed(cert, self.coordinator_key):
