@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
@@ -25,6 +26,8 @@ from covey.blobs.store import (
     UPLOAD_PEER_HEADER,
     UPLOAD_SIGNATURE_HEADER,
     BlobError,
+    BlobStore,
+    BlobWriter,
     cid_or_error,
     upload_message,
 )
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 5.0
 _MIN_RATE_BYTES_S = 64 << 10  # after timeout_s of grace, a transfer slower than this is cut
 _RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_WRITE_BYTES = 1 << 20  # a ranged fetch writes to disk in pieces of about this size
 
 T = TypeVar("T")
 
@@ -158,12 +162,7 @@ class BlobClient:
         if size is not None and self.max_bytes is not None and size > self.max_bytes:
             raise BlobError(f"cannot fetch {cid}: {size} bytes exceeds max_bytes={self.max_bytes}")
         failures: dict[str, str] = {}
-        candidates = []
-        for p in providers:
-            try:
-                candidates.append(check_provider(p))
-            except BlobError as e:
-                failures[p] = str(e)
+        candidates = self._candidates(providers, failures)
         if not candidates:
             raise self._error("fetch", cid, failures)
         if size is not None and size > self.chunk_bytes:
@@ -177,10 +176,102 @@ class BlobClient:
         limit = size if size is not None else self.max_bytes
         for p in candidates:
             try:
-                return self._with_retries(lambda p=p: self._get(p, cid, None, limit, True))
+                return self._with_retries(lambda p=p: self._get_bytes(p, cid, limit))
             except _Failure as f:
                 failures[p] = str(f)
         raise self._error("fetch", cid, failures)
+
+    def fetch_into(
+        self,
+        store: BlobStore,
+        cid: str,
+        providers: Sequence[str],
+        size: int | None = None,
+        *,
+        max_bytes: int | None = None,
+    ) -> Path:
+        """Fetch blob `cid` into `store` and return its path there; the bytes stream to disk
+        and are never held whole in memory. Providers, retries, fallback and parallel
+        ranges as in `fetch`: a whole body is hashed as it arrives; ranges are written
+        where they belong as they arrive, from several providers at once, and the file is
+        hashed once complete. Nothing is stored under `cid` unless the bytes hash to it.
+        A blob already stored is not fetched again.
+
+        `max_bytes` (default: the client's) bounds the blob: the caller passes what the
+        run's model implies for it (a state of any size), and a provider that sends more
+        fails. BlobError naming each provider's last failure if none delivers."""
+        cid_or_error(cid)
+        if store.has(cid):
+            return store.path(cid)
+        cap = self.max_bytes if max_bytes is None else max_bytes
+        if size is not None and cap is not None and size > cap:
+            raise BlobError(f"cannot fetch {cid}: {size} bytes exceeds max_bytes={cap}")
+        failures: dict[str, str] = {}
+        candidates = self._candidates(providers, failures)
+        if not candidates:
+            raise self._error("fetch", cid, failures or {"-": "no providers"})
+        if size is not None and size > self.chunk_bytes:
+            dead = self._fetch_ranges_into(store, cid, candidates, size, failures)
+            if store.has(cid):
+                return store.path(cid)
+            candidates = [p for p in candidates if p not in dead]
+            logger.warning(
+                "blob %s: ranged fetch failed, trying whole body from %s", cid, candidates
+            )
+        limit = size if size is not None else cap
+        for p in candidates:
+            try:
+                self._with_retries(lambda p=p: self._get_into(store, p, cid, size, limit))
+                return store.path(cid)
+            except _Failure as f:
+                failures[p] = str(f)
+        raise self._error("fetch", cid, failures)
+
+    def _candidates(self, providers: Sequence[str], failures: dict[str, str]) -> list[str]:
+        out = []
+        for p in providers:
+            try:
+                out.append(check_provider(p))
+            except BlobError as e:
+                failures[p] = str(e)
+        return out
+
+    def _get_bytes(self, base: str, cid: str, limit: int | None) -> bytes:
+        """One whole-body attempt into memory, checked against `cid`."""
+        buf = bytearray()
+        self._get(base, cid, None, limit, buf.extend)
+        if (actual := content_id(buf)) != cid:
+            raise _Failure(f"served {len(buf)} bytes hashing to {actual}", retry=False)
+        return bytes(buf)
+
+    def _get_into(
+        self, store: BlobStore, base: str, cid: str, size: int | None, limit: int | None
+    ) -> None:
+        """One whole-body attempt streamed into the store, hashed as it arrives. Without
+        a known size the body's Content-Length (bounded by `limit`) sizes the writer."""
+        box: list[BlobWriter] = []
+
+        def sink(piece: bytes) -> None:
+            box[0].write(piece)
+
+        def on_length(declared: int) -> None:
+            if size is not None and declared not in (-1, size):
+                raise _Failure(f"body of {declared} bytes, expected {size}", retry=False)
+            n = size if size is not None else declared
+            if n < 0:
+                raise _Failure("no Content-Length: cannot stream to disk", retry=False)
+            box.append(store.writer(cid, n, capped=False))
+
+        try:
+            self._get(base, cid, None, limit, sink, on_length)
+            if not box:
+                raise _Failure("no body", retry=False)
+            box[0].commit()
+        except BlobError as e:
+            raise _Failure(str(e), retry=False) from None
+        finally:
+            if box:
+                box[0].abort()  # a no-op once committed
 
     def head_size(self, cid: str, providers: Sequence[str]) -> int:
         """The blob's size from the first provider answering HEAD with 200; BlobError if none."""
@@ -264,7 +355,7 @@ class BlobClient:
                         continue
                 try:
                     piece = self._with_retries(
-                        lambda p=p: self._get(p, cid, (start, end), None, False), abort
+                        lambda p=p: self._get_range(p, cid, start, end), abort
                     )
                 except _Aborted:
                     return False
@@ -290,6 +381,80 @@ class BlobClient:
             failures["chunks"] = "assembled ranges do not hash to the cid"
         return None, dead
 
+    def _get_range(self, base: str, cid: str, start: int, end: int) -> bytes:
+        buf = bytearray()
+        self._get(base, cid, (start, end), None, buf.extend)
+        return bytes(buf)
+
+    def _fetch_ranges_into(
+        self,
+        store: BlobStore,
+        cid: str,
+        providers: list[str],
+        size: int,
+        failures: dict[str, str],
+    ) -> set[str]:
+        """Ranges of `chunk_bytes` streamed into a RangeWriter, chunk i from provider
+        i % len(providers) first, `parallel` at a time; the blob is stored if every range
+        arrived and the file hashes to `cid`. Returns the providers to skip from now on.
+        A retried range rewrites its own bytes: the writer counts each range once."""
+        ranges = [
+            (s, min(s + self.chunk_bytes, size) - 1) for s in range(0, size, self.chunk_bytes)
+        ]
+        writer = store.range_writer(cid, size, capped=False)
+        dead: set[str] = set()
+        abort = threading.Event()
+
+        def attempt(p: str, start: int, end: int) -> None:
+            offset = start
+            buf = bytearray()  # at most one network piece: flushed as it arrives
+
+            def sink(piece: bytes) -> None:
+                nonlocal offset
+                buf.extend(piece)
+                if len(buf) >= _WRITE_BYTES:
+                    writer.write_at(offset, bytes(buf))
+                    offset += len(buf)
+                    buf.clear()
+
+            self._get(p, cid, (start, end), None, sink)
+            writer.write_at(offset, bytes(buf))
+
+        def one(i: int) -> bool:
+            start, end = ranges[i]
+            k = i % len(providers)
+            for p in providers[k:] + providers[:k]:
+                with self._lock:
+                    if p in dead:
+                        continue
+                try:
+                    self._with_retries(lambda p=p: attempt(p, start, end), abort)
+                except _Aborted:
+                    return False
+                except _Failure as f:
+                    with self._lock:
+                        failures[p] = str(f)
+                        if f.skip:
+                            dead.add(p)
+                    continue
+                return True
+            abort.set()
+            return False
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(self.parallel, len(ranges))) as pool:
+                complete = all(list(pool.map(one, range(len(ranges)))))
+            if complete:
+                # a failed attempt may have written part of a range that a retry rewrote:
+                # count by ranges, not by writes
+                writer.received = size
+                writer.commit()
+        except BlobError as e:
+            failures["chunks"] = str(e)  # e.g. the assembled ranges do not hash to the cid
+        finally:
+            writer.abort()  # a no-op once committed
+        return dead
+
     def _with_retries(self, attempt: Callable[[], T], abort: threading.Event | None = None) -> T:
         last: _Failure | None = None
         for k in range(self.retries):
@@ -311,13 +476,18 @@ class BlobClient:
         cid: str,
         byte_range: tuple[int, int] | None,
         limit: int | None,
-        verify: bool,
-    ) -> bytes:
-        """One GET attempt: the body (or the range), checked for status, length and hash."""
+        sink: Callable[[bytes], None],
+        on_length: Callable[[int], None] | None = None,
+    ) -> int:
+        """One GET attempt: status and length checked, each piece handed to `sink` as it
+        arrives (never collected here); returns the byte count. `on_length(declared)`
+        sees the Content-Length (-1: none) before the first piece. The caller checks the
+        hash; a sink's BlobError fails the attempt without a retry."""
         url = f"{base.rstrip('/')}{BLOB_PATH_PREFIX}{cid}"
         headers = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
         expected = byte_range[1] - byte_range[0] + 1 if byte_range else None
         t0 = time.monotonic()
+        n = 0
         try:
             with self._http.stream("GET", url, headers=headers) as resp:
                 self._check_status(resp, byte_range)
@@ -326,25 +496,27 @@ class BlobClient:
                     raise _Failure(f"range of {expected} bytes came as {declared}", retry=False)
                 if limit is not None and declared > limit:
                     raise _Failure(f"body of {declared} bytes exceeds limit {limit}", retry=False)
-                buf = bytearray()
+                if on_length is not None:
+                    on_length(declared)
+                cap = expected if expected is not None else limit
                 for piece in resp.iter_bytes():
-                    buf += piece
+                    n += len(piece)
                     with self._lock:
                         self.served[base] = self.served.get(base, 0) + len(piece)
-                    cap = expected if expected is not None else limit
-                    if cap is not None and len(buf) > cap:
+                    if cap is not None and n > cap:
                         raise _Failure(f"body exceeds {cap} bytes", retry=False)
-                    if time.monotonic() - t0 > self.timeout_s + len(buf) / _MIN_RATE_BYTES_S:
+                    sink(piece)
+                    if time.monotonic() - t0 > self.timeout_s + n / _MIN_RATE_BYTES_S:
                         raise _Failure(f"slower than {_MIN_RATE_BYTES_S} B/s", retry=False)
         except httpx.TransportError as e:
             raise _Failure(f"{type(e).__name__}: {e}", retry=True) from e
+        except BlobError as e:
+            raise _Failure(str(e), retry=False) from e
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
             raise _Failure(f"{type(e).__name__}: {e}", retry=False) from e
-        if expected is not None and len(buf) != expected:
-            raise _Failure(f"range of {expected} bytes came as {len(buf)}", retry=False)
-        if verify and (actual := content_id(buf)) != cid:
-            raise _Failure(f"served {len(buf)} bytes hashing to {actual}", retry=False)
-        return bytes(buf)
+        if expected is not None and n != expected:
+            raise _Failure(f"range of {expected} bytes came as {n}", retry=False)
+        return n
 
     @staticmethod
     def _check_status(resp: httpx.Response, byte_range: tuple[int, int] | None) -> None:

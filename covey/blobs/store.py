@@ -9,12 +9,14 @@ path `BLOB_PATH_PREFIX` (`GET|HEAD {base}/v1/blobs/{cid}`, `PUT` on the coordina
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 
-from covey.protocol.content import content_id, is_content_id
+from covey.protocol.content import content_id, file_content_id, is_content_id
 
 BLOB_PATH_PREFIX = "/v1/blobs/"
 # A blob upload is signed in headers (its body is the blob): who, which blob, how big
@@ -108,6 +110,20 @@ class BlobStore:
         except FileNotFoundError:
             raise BlobError(f"blob {cid} is not stored") from None
 
+    def view(self, cid: str) -> memoryview:
+        """The blob's bytes mapped read-only from its file: pages are read as they are used
+        and the kernel may drop them again, so N big blobs viewed at once are not N blobs
+        of process memory (as `get` would make them). BlobError if missing or malformed."""
+        try:
+            with self.path(cid).open("rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return memoryview(b"")
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        except FileNotFoundError:
+            raise BlobError(f"blob {cid} is not stored") from None
+        except OSError as e:
+            raise BlobError(f"cannot map blob {cid}: {e}") from e
+
     def read_range(self, cid: str, start: int, end_inclusive: int) -> bytes:
         """Bytes start..end_inclusive of the blob; BlobError if missing or out of bounds."""
         size = self.size(cid)
@@ -120,14 +136,61 @@ class BlobStore:
             raise BlobError(f"blob {cid}: short read at {start}-{end_inclusive}")
         return data
 
-    def writer(self, cid: str, size: int) -> BlobWriter:
+    def writer(self, cid: str, size: int, *, capped: bool = True) -> BlobWriter:
         """A `BlobWriter` that streams exactly `size` bytes of blob `cid` into the store.
-        BlobError (nothing created) if cid is malformed or size exceeds max_blob_bytes."""
+        BlobError (nothing created) if cid is malformed or, when `capped` (bytes a peer
+        sends us unasked), size exceeds max_blob_bytes. Uncapped: a blob this process
+        asked for, whose size the caller checked against what the run's model implies."""
         cid_or_error(cid)
         if size < 0:
             raise BlobError(f"blob {cid}: negative size {size}")
-        self._check_size(cid, size)
+        if capped:
+            self._check_size(cid, size)
         return BlobWriter(self, cid, size)
+
+    def range_writer(self, cid: str, size: int, *, capped: bool = True) -> RangeWriter:
+        """A `RangeWriter`: blob `cid` of `size` bytes arriving as disjoint ranges in any
+        order, from several threads. BlobError as for `writer`."""
+        cid_or_error(cid)
+        if size < 0:
+            raise BlobError(f"blob {cid}: negative size {size}")
+        if capped:
+            self._check_size(cid, size)
+        return RangeWriter(self, cid, size)
+
+    def scratch(self) -> Path:
+        """A new empty temporary file inside the store (same filesystem, so `adopt` is a
+        rename); never listed or served. The caller writes it, then adopts or deletes it."""
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=_TMP_PREFIX, suffix=".part")
+        except OSError as e:
+            raise BlobError(f"cannot create a file in {self.root}: {e}") from e
+        os.close(fd)
+        return Path(tmp)
+
+    def adopt(self, path: Path, cid: str | None = None) -> tuple[str, int]:
+        """Move a file this process wrote (e.g. in `scratch()`) into the store as a blob;
+        returns (cid, size). Its hash is computed by reading it in pieces unless `cid` is
+        given (the writer hashed it on the way out). Not capped by max_blob_bytes: the
+        store's owner may keep states of any size. The file is gone afterwards either way.
+        BlobError on I/O errors or a malformed cid."""
+        path = Path(path)
+        try:
+            cid = cid_or_error(cid) if cid is not None else file_content_id(path)
+            size = path.stat().st_size
+            final = self.path(cid)
+            if final.is_file():  # immutable: same id, same bytes
+                path.unlink()
+                return cid, size
+            final.parent.mkdir(exist_ok=True)
+            with path.open("rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(path, final)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise BlobError(f"cannot store {path.name}: {e}") from e
+        _fsync_dir(final.parent)
+        return cid, size
 
     def delete(self, cid: str) -> None:
         """Remove the blob; a missing blob is not an error, a malformed cid is (BlobError)."""
@@ -228,6 +291,75 @@ class BlobWriter:
         """Drop what was written; idempotent."""
         if not self._file.closed:
             self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+class RangeWriter:
+    """Streams one blob into a store as disjoint byte ranges, in any order and from any
+    number of threads (`write_at` is a positional write: no shared file offset). `commit`
+    checks that exactly `size` bytes arrived, hashes the file in order (its pages are
+    still cached), fsyncs and renames it into place; on any failure the writer is aborted
+    and nothing is stored under the id. Nothing is held in memory beyond one piece."""
+
+    def __init__(self, store: BlobStore, cid: str, size: int) -> None:
+        self.cid, self.size, self.received = cid, size, 0
+        self._final = store.path(cid)
+        self._lock = threading.Lock()
+        try:
+            self._final.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._final.parent, prefix=_TMP_PREFIX, suffix=".part")
+        except OSError as e:
+            raise BlobError(f"cannot store blob {cid}: {e}") from e
+        self._fd: int | None = fd
+        self._tmp = Path(tmp)
+
+    def write_at(self, offset: int, piece: bytes) -> None:
+        """Write `piece` at `offset`; BlobError past the declared size or on I/O errors.
+        The caller's ranges must not overlap (each byte is counted once)."""
+        if offset < 0 or offset + len(piece) > self.size:
+            raise BlobError(
+                f"blob {self.cid}: bytes {offset}-{offset + len(piece)} outside 0-{self.size}"
+            )
+        fd = self._fd
+        if fd is None:
+            raise BlobError(f"blob {self.cid}: writer already closed")
+        view = memoryview(piece)
+        try:
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as e:
+            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+        with self._lock:
+            self.received += len(piece)
+
+    def commit(self) -> None:
+        """Put the blob in place; BlobError (writer aborted, store unchanged) if fewer
+        bytes than declared arrived or they do not hash to the cid."""
+        try:
+            if self.received != self.size:
+                raise BlobError(f"blob {self.cid}: {self.received} of {self.size} bytes arrived")
+            assert self._fd is not None
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            actual = file_content_id(self._tmp)
+            if actual != self.cid:
+                raise BlobError(f"blob {self.cid}: data hashes to {actual}, refusing to store")
+            os.replace(self._tmp, self._final)
+        except OSError as e:
+            self.abort()
+            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+        except BlobError:
+            self.abort()
+            raise
+        _fsync_dir(self._final.parent)
+
+    def abort(self) -> None:
+        """Drop what was written; idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._tmp.unlink(missing_ok=True)
 
 

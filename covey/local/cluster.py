@@ -87,6 +87,7 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}  # validators too, by name
         self.ids: dict[str, str] = {}  # name -> peer id (the hash of its key)
+        self.peak_rss: dict[str, int] = {}  # name -> peak resident bytes seen (sample_rss)
         self.data_dir = (run_dir / "coordinator").resolve()
         # the coordinator's key file, created here (the coordinator loads it): the run id
         coordinator_key = Identity.load_or_create(self.data_dir / "coordinator.key").public_key
@@ -198,6 +199,19 @@ class LocalCluster:
 
     # -- observing --------------------------------------------------------------------------
 
+    def sample_rss(self) -> dict[str, int]:
+        """Update and return `peak_rss`: each live process's peak resident set (the
+        kernel's VmHWM, so a peak between two samples is not missed) in bytes. Linux only;
+        elsewhere, and for a process that has exited, nothing is recorded."""
+        procs = {"coordinator": self.coordinator, **self.workers}
+        for name, proc in procs.items():
+            if proc is None or proc.poll() is not None:
+                continue
+            peak = _vm_hwm(proc.pid)
+            if peak is not None:
+                self.peak_rss[name] = max(peak, self.peak_rss.get(name, 0))
+        return self.peak_rss
+
     def get(self, path: str, **params: Any) -> Any:
         resp = self._http.get(path, params=params or None)
         resp.raise_for_status()
@@ -230,6 +244,18 @@ class LocalCluster:
         path = self.logs / f"{name}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         return f"--- {name}.log ---\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def _vm_hwm(pid: int) -> int | None:
+    """The peak resident set of process `pid` in bytes, from /proc (None if unreadable)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    return None
 
 
 def _reap(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:

@@ -56,9 +56,16 @@ def demo_spec(
     adversaries: int = 0,
     tokenizer: str = "bytes",
     data: tuple[str, ...] = (),
+    rounds: int | None = None,
+    inner_steps: int | None = None,
+    batch_size: int = 8,
+    seq_len: int | None = None,
 ) -> dict[str, Any]:
     """The run spec for a demo of `algorithm`, as the dict its TOML holds. Rounds are sized
-    to take a few seconds on a laptop CPU; the run is bounded by time, not max_rounds.
+    to take a few seconds on a laptop CPU; the run is bounded by time, and by `rounds`
+    committed rounds when given (max_rounds). `inner_steps` (H), `batch_size` and `seq_len`
+    size a big model's rounds to this machine; with `inner_steps` a slow peer's H is not
+    cut to fit the few seconds a nano round takes.
 
     With `adversaries` among the `workers`, a round waits for 3 workers, so that none is a
     cheater's alone (one x100 update certified as round 0 wrecks the model, and then
@@ -81,15 +88,25 @@ def demo_spec(
     elif algorithm == "demo":
         # sign updates (arXiv 2411.19870) at 1e-3 barely move in the ~100 steps of a demo
         algo |= {"lr": 3e-3, "chunk": 64, "topk": 32}
+    if inner_steps is not None and algorithm not in PER_STEP_METHODS:
+        algo["inner_steps"] = inner_steps
+        if algorithm == "streaming":  # a fragment syncs every inner_steps / fragments steps
+            algo["fragments"] = max(1, min(4, inner_steps // 2))
+            algo["inner_steps"] = inner_steps - inner_steps % algo["fragments"]
+    rounds_cfg: dict[str, Any] = {"max_rounds": rounds} if rounds is not None else {}
+    if inner_steps is not None:
+        # a big model's step takes seconds: let the H asked for fit the round
+        rounds_cfg |= {"target_compute_s": 600.0, "deadline_max_s": 1800.0}
     return {
         "name": f"covey-demo-{algorithm}",
         "seed": seed,
         "model": {"size": model} if ":" not in model else {"source": _absolute(model)},
         # absolute: the peers run in the run directory (the stdlib corpus when no paths)
         "data": {
-            "batch_size": 8,
+            "batch_size": batch_size,
             "tokenizer": _absolute(tokenizer),
             "paths": [str(Path(p).expanduser().resolve()) for p in data],
+            **({"seq_len": seq_len} if seq_len is not None else {}),
         },
         "algorithm": algo,
         "rounds": {
@@ -102,6 +119,7 @@ def demo_spec(
             # the coordinator's driver thread from becoming the bottleneck
             "eval_every": 2 if algorithm in PER_STEP_METHODS else 1,
             "eval_batches": 4,
+            **rounds_cfg,
         },
         # stakes are small and rewards visible: 30 steps x 8 x 256 tokens earn ~61 credits
         "trust": {"min_stake": 10.0, "commit_every": 10},
@@ -182,10 +200,15 @@ def run_local_demo(
     validators: int = 1,
     tokenizer: str = "bytes",
     data: tuple[str, ...] = (),
+    rounds: int | None = None,
+    inner_steps: int | None = None,
+    batch_size: int = 8,
+    seq_len: int | None = None,
 ) -> dict[str, Any]:
-    """Train for `minutes` with a coordinator and `workers` worker processes in `out_dir`,
-    then write metrics.jsonl, loss.png and summary.json there and return the summary. The
-    minutes count from the first worker's join (start-up is not training); with `chaos`,
+    """Train for `minutes` (or until `rounds` rounds are committed, if sooner) with a
+    coordinator and `workers` worker processes in `out_dir`, then write metrics.jsonl,
+    loss.png and summary.json there (with each process's peak RSS) and return the summary.
+    The minutes count from the first worker's join (start-up is not training); with `chaos`,
     a worker is SIGKILLed and replaced every uniform(*chaos_every_s) seconds, the first
     time only once a round has committed.
 
@@ -214,6 +237,10 @@ def run_local_demo(
         adversaries=adversaries,
         tokenizer=tokenizer,
         data=data,
+        rounds=rounds,
+        inner_steps=inner_steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
     )
     spec_path.write_text(to_toml(spec))
     load_run_config(spec_path)  # fails here, with the field named, not in a child
@@ -245,9 +272,11 @@ def run_local_demo(
                 # torch and read the corpus takes ~15 s on 2 busy cores, and is not training
                 say("waiting for the workers to join (importing torch, reading the corpus) ...")
                 t0 = time.monotonic()
-                cluster.wait_for(_someone_alive, JOIN_TIMEOUT_S, "the first worker to join")
+                # a big model takes minutes to build and time on busy cores: up to half the run
+                join_s = max(JOIN_TIMEOUT_S, minutes * 30.0)
+                cluster.wait_for(_someone_alive, join_s, "the first worker to join")
                 say(f"first worker joined after {time.monotonic() - t0:.0f} s; training")
-                _watch(cluster, minutes * 60.0, chaos_state, say, progress, seen)
+                _watch(cluster, minutes * 60.0, chaos_state, say, progress, seen, rounds)
             except (KeyboardInterrupt, _Terminated, _CoordinatorStopped) as e:
                 # Ctrl-C in a terminal reaches the children too (one process group): the
                 # coordinator may be gone already, and the last status read stands in
@@ -290,8 +319,10 @@ def _watch(
     say: _Printer,
     progress: bool,
     seen: dict[str, Any],
+    rounds: int | None = None,
 ) -> None:
-    """Poll /v1/status about once a second for duration_s, keeping the last answer in
+    """Poll /v1/status about once a second for duration_s (or until `rounds` rounds are
+    committed), keeping the last answer in
     seen["status"]; run the chaos schedule; report workers that exit on their own.
     ClusterError if the coordinator crashes, _CoordinatorStopped if it was stopped."""
     start = time.monotonic()
@@ -317,6 +348,7 @@ def _watch(
                 raise _CoordinatorStopped(f"the coordinator exited (status {code})")
             raise ClusterError(f"the coordinator exited with status {code}\n{cluster.tail()}")
         seen["elapsed_s"] = now - start
+        cluster.sample_rss()
         try:
             last = seen["status"] = cluster.status()
             answering = True
@@ -335,6 +367,8 @@ def _watch(
         if say.bar is not None:
             say.bar.n = min(round(now - start), say.bar.total)
             say.bar.set_postfix_str(_progress_line(last), refresh=True)
+        if rounds is not None and last is not None and last["committed_rounds"] >= rounds:
+            break
         time.sleep(max(0.0, 1.0 - (time.monotonic() - now)))
     seen["elapsed_s"] = time.monotonic() - start
     if say.bar is not None:
@@ -398,6 +432,7 @@ def _progress_line(status: dict[str, Any] | None) -> str:
 def _stop_workers_then_status(cluster: LocalCluster) -> dict[str, Any] | None:
     """SIGTERM the live workers (each sends its deathrattle), wait, then read the final
     status while the coordinator still serves it. None if it does not answer."""
+    cluster.sample_rss()  # the last look at every peak before the processes exit
     live = [(n, p) for n, p in cluster.workers.items() if p.poll() is None]
     for _, proc in live:
         proc.send_signal(signal.SIGTERM)

@@ -51,7 +51,13 @@ def write_demo_outputs(
             status["committed_rounds"] - kills[0]["committed_rounds"] if kills else None
         ),
         "processes": {
-            name: {"pid": p.pid, "exit_code": p.returncode}
+            name: {
+                "pid": p.pid,
+                "exit_code": p.returncode,
+                "peak_rss_mb": round(cluster.peak_rss[name] / 2**20, 1)
+                if name in cluster.peak_rss
+                else None,
+            }
             for name, p in procs.items()
             if p is not None
         },
@@ -114,6 +120,9 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         f"{s['tokens_total']:,} tokens trained",
         f"peers seen       {len(s['peers_seen'])}: {', '.join(s['peers_seen'])}",
     ]
+    peaks = [f"{n} {p['peak_rss_mb']:.0f}" for n, p in s["processes"].items() if p["peak_rss_mb"]]
+    if peaks:
+        lines.append(f"peak RSS (MiB)   {', '.join(peaks)}")
     trust = s["trust"]
     lines.append(f"ledger           {trust['ledger']}")
     if trust["banned"]:

@@ -4,16 +4,25 @@ Layout: tensors "params/<name>" and "outer/<name>", metadata {"format": FORMAT, 
 safetensors orders tensors deterministically, so equal states give equal bytes and hence
 equal content ids: a peer that applied a round correctly holds the very blob the
 coordinator published, and can serve it to joiners.
+
+States of any size: `write_state` streams the same bytes as `state_to_bytes` to a file,
+tensor by tensor, hashing them on the way (safetensors' own writers first copy every
+tensor to bytes, which doubles a big model's memory), and `state_from_file` reads one
+back from disk without a second copy of the file in memory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
+from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 
 from covey.algorithms import TrainState
@@ -25,14 +34,113 @@ class CheckpointError(ValueError):
     """Bytes that are not a valid state for this run; the message says what is wrong."""
 
 
-def state_to_bytes(state: TrainState) -> bytes:
-    """Bytes that depend only on the state's content (names sorted), never on dict order."""
+# safetensors' dtype names, and the order in which it lays tensors out: by dtype, largest
+# alignment first (its Dtype enum, descending), then by name. write_state must match it
+# byte for byte: tests/test_blobs_large.py checks it against safetensors itself.
+_DTYPES: dict[torch.dtype, tuple[int, str]] = {
+    torch.int64: (0, "I64"),
+    torch.float64: (1, "F64"),
+    torch.float32: (2, "F32"),
+    torch.int32: (3, "I32"),
+    torch.bfloat16: (4, "BF16"),
+    torch.float16: (5, "F16"),
+    torch.int16: (6, "I16"),
+    torch.int8: (7, "I8"),
+    torch.uint8: (8, "U8"),
+    torch.bool: (9, "BOOL"),
+}
+_WRITE_BYTES = 8 << 20  # write_state hands the file this much of a tensor at a time
+
+
+def _named(state: TrainState) -> dict[str, torch.Tensor]:
     named = {f"params/{n}": t for n, t in state.params.items()}
     named.update({f"outer/{n}": t for n, t in state.outer.items()})
-    tensors = {k: named[k].detach().contiguous().cpu() for k in sorted(named)}
+    return {k: named[k].detach() for k in sorted(named)}
+
+
+def _meta(state: TrainState) -> dict[str, str]:
     # one metadata key: safetensors writes its metadata map in a per-process random order
-    meta = json.dumps({"format": FORMAT, "round": state.round}, sort_keys=True)
-    return st_save(tensors, metadata={"covey": meta})
+    return {"covey": json.dumps({"format": FORMAT, "round": state.round}, sort_keys=True)}
+
+
+def max_state_bytes(template: TrainState) -> int:
+    """The most bytes a canonical state of this run can take: its parameters and up to
+    three optimizer tensors of each (AdamW's two moments, a momentum), plus room for the
+    header and optimizer scalars. A peer fetches states up to this size and no further:
+    the bound comes from the run's model, never from what a provider declares."""
+    params = sum(t.numel() * t.element_size() for t in template.params.values())
+    return 4 * params + (64 << 20)
+
+
+def state_to_bytes(state: TrainState) -> bytes:
+    """Bytes that depend only on the state's content (names sorted), never on dict order.
+    Holds the whole state twice in memory: big states go through `write_state`."""
+    tensors = {k: t.contiguous().cpu() for k, t in _named(state).items()}
+    return st_save(tensors, metadata=_meta(state))
+
+
+def write_state(state: TrainState, f: BinaryIO) -> tuple[str, int]:
+    """Write exactly `state_to_bytes(state)` to `f`, one tensor (in pieces) at a time, and
+    return (content id, size). Memory beyond the state: one tensor's contiguous CPU copy
+    when it is not already one. ValueError for a dtype safetensors has no name for here."""
+    named = _named(state)
+    for k, t in named.items():
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{k}: dtype {t.dtype} cannot be written as a state")
+    order = sorted(named, key=lambda k: (_DTYPES[named[k].dtype][0], k))
+    header: dict[str, object] = {"__metadata__": _meta(state)}
+    offset = 0
+    for k in order:
+        t = named[k]
+        n = t.numel() * t.element_size()
+        header[k] = {
+            "dtype": _DTYPES[t.dtype][1],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes with spaces
+    h = hashlib.sha256()
+    size = 0
+
+    def out(piece: bytes | memoryview) -> None:
+        nonlocal size
+        h.update(piece)
+        f.write(piece)
+        size += len(piece)
+
+    out(struct.pack("<Q", len(text)) + text)
+    for k in order:
+        t = named[k].contiguous().cpu().reshape(-1)
+        raw = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        for start in range(0, len(raw), _WRITE_BYTES):
+            out(raw[start : start + _WRITE_BYTES])
+    return h.hexdigest(), size
+
+
+def state_to_file(state: TrainState, path: Path) -> tuple[str, int]:
+    """`write_state` into a new file at `path`; returns (content id, size). OSError on I/O."""
+    with open(path, "wb") as f:
+        return write_state(state, f)
+
+
+def state_from_file(path: Path, template: TrainState) -> TrainState:
+    """`state_from_bytes` for a file, read from disk tensor by tensor (the file is never
+    held whole in memory). CheckpointError on any mismatch, as there."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError("shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 << 20:
+                raise ValueError(f"header of {n} bytes")
+            meta = _header_metadata(f.read(n))
+        tensors = st_load_file(str(path))
+    except (SafetensorError, ValueError, OSError) as e:
+        raise CheckpointError(f"not a safetensors state: {e}") from None
+    return _checked(tensors, meta, template)
 
 
 def state_from_bytes(data: bytes, template: TrainState) -> TrainState:
@@ -44,6 +152,12 @@ def state_from_bytes(data: bytes, template: TrainState) -> TrainState:
         meta = _metadata(data)
     except (SafetensorError, ValueError) as e:
         raise CheckpointError(f"not a safetensors state: {e}") from None
+    return _checked(tensors, meta, template)
+
+
+def _checked(
+    tensors: dict[str, torch.Tensor], meta: dict[str, object], template: TrainState
+) -> TrainState:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"format {meta.get('format')!r} is not {FORMAT!r}")
     round_ = meta.get("round")
@@ -74,7 +188,13 @@ def state_from_bytes(data: bytes, template: TrainState) -> TrainState:
 
 def _metadata(data: bytes) -> dict[str, object]:
     (n,) = struct.unpack("<Q", data[:8])  # st_load already checked the header's bounds
-    header = json.loads(data[8 : 8 + n])
+    return _header_metadata(data[8 : 8 + n])
+
+
+def _header_metadata(raw: bytes) -> dict[str, object]:
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a table")
     meta = json.loads((header.get("__metadata__") or {}).get("covey", "{}"))
     if not isinstance(meta, dict):
         raise ValueError("covey metadata is not a table")

@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import Path
 
 _CID = re.compile(r"^[0-9a-f]{64}$")
 
 
 def content_id(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def file_content_id(path: str | Path, piece_bytes: int = 1 << 20) -> str:
+    """The content id of a file's bytes, read `piece_bytes` at a time (never whole into
+    memory). OSError if it cannot be read."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(piece_bytes):
+            h.update(piece)
+    return h.hexdigest()
 
 
 def is_content_id(value: str) -> bool:
