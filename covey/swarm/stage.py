@@ -52,6 +52,9 @@ class Stage:
         self.last = last
         self.samples = 0  # backwarded since the last step
         self.steps = 0
+        # per-parameter gradient norms of the last backward: what a duplicated microbatch
+        # is compared on when the stage has no input gradient to return (stage 0)
+        self.last_sketch: list[float] = []
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -105,6 +108,9 @@ class Stage:
         grads = torch.autograd.grad(
             out, inputs, grad_outputs=None if grad is None else grad, allow_unused=True
         )
+        self.last_sketch = [
+            0.0 if g is None else float(g.norm()) for g in grads[: len(self.params)]
+        ]
         for p, g in zip(self.params, grads, strict=False):
             if g is None:
                 continue

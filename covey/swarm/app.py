@@ -1,0 +1,121 @@
+"""HTTP for the swarm coordinator: signed JSON POSTs, status JSON and a static status page.
+
+Every POST is authenticated for the endpoint it arrived at (covey.coordinator.auth's
+ReceivedAt middleware, the same as a data-parallel coordinator's); `Rejected` becomes its
+4xx with {"error": message}.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from covey.coordinator.auth import ReceivedAt
+from covey.coordinator.views import Rejected
+from covey.swarm.service import SwarmCoordinator
+
+PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>covey swarm</title>
+<style>body{font:14px system-ui;margin:2em}table{border-collapse:collapse}
+td,th{border:1px solid #ccc;padding:3px 8px}</style></head><body>
+<h1>covey swarm <span id="run"></span></h1><div id="totals"></div>
+<h2>Stages</h2><table id="stages"></table><h2>Servers</h2><table id="servers"></table>
+<h2>Rebalances</h2><pre id="moves"></pre><h2>Disputes</h2><pre id="disputes"></pre>
+<script>
+function rows(el, head, data){el.innerHTML='<tr>'+head.map(h=>'<th>'+h+'</th>').join('')+
+ '</tr>'+data.map(r=>'<tr>'+r.map(c=>'<td>'+c+'</td>').join('')+'</tr>').join('')}
+async function tick(){const s=await (await fetch('/v1/swarm/status')).json();
+ document.getElementById('run').textContent=s.name+' '+s.run_id;
+ const t=Object.values(s.trainers);
+ document.getElementById('totals').textContent='samples '+t.reduce((a,x)=>a+(x.samples||0),0)+
+  ' | loss '+t.map(x=>x.loss==null?'-':x.loss.toFixed(3)).join(' ')+' | reroutes '+s.reroutes+
+  ' | rebalances '+s.rebalances+' | banned '+s.banned.length;
+ rows(document.getElementById('stages'),['stage','servers','samples/s','step','rounds'],
+  s.stages.map((x,i)=>[x.stage,x.servers.join(', '),x.throughput,s.averaging[i].step,
+  s.averaging[i].rounds]));
+ rows(document.getElementById('servers'),['server','stage','samples/s','queue','step','served'],
+  s.servers.map(x=>[x.name,x.stage,x.throughput.toFixed(2),x.queue,x.step,x.served]));
+ document.getElementById('moves').textContent=s.moves.map(m=>m.server+': '+m.from+' -> '+m.to+
+  ' ('+m.min_before+' -> '+m.min_after+')').join('\\n');
+ document.getElementById('disputes').textContent=JSON.stringify(s.disputes,null,1);}
+tick();setInterval(tick,1000);</script></body></html>"""
+
+
+def create_app(coord: SwarmCoordinator) -> FastAPI:
+    app = FastAPI(title="covey swarm", description="SWARM stage servers, trainers, rebalancing.")
+
+    @app.exception_handler(Rejected)
+    async def rejected(_: Request, e: Rejected) -> JSONResponse:
+        return JSONResponse({"error": e.message}, status_code=e.status)
+
+    async def call(fn: Any, request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise Rejected(400, "body is not JSON") from None
+        if not isinstance(body, dict):
+            raise Rejected(400, "body must be a JSON object")
+        try:
+            return await run_in_threadpool(fn, body)
+        except (KeyError, TypeError, ValueError) as e:
+            raise Rejected(400, f"malformed request: {type(e).__name__}: {e}") from None
+
+    @app.post("/v1/swarm/join")
+    async def join(request: Request) -> Any:
+        return await call(coord.join, request)
+
+    @app.post("/v1/swarm/heartbeat")
+    async def heartbeat(request: Request) -> Any:
+        return await call(coord.heartbeat, request)
+
+    @app.post("/v1/swarm/round")
+    async def round_report(request: Request) -> Any:
+        return await call(coord.round_report, request)
+
+    @app.post("/v1/swarm/report")
+    async def report(request: Request) -> Any:
+        return await call(coord.trainer_report, request)
+
+    @app.post("/v1/swarm/dispute")
+    async def dispute(request: Request) -> Any:
+        return await call(coord.dispute, request)
+
+    @app.get("/v1/swarm/servers")
+    def servers() -> Any:
+        return coord.servers_view()
+
+    @app.get("/v1/swarm/status")
+    def status() -> Any:
+        return coord.status()
+
+    @app.get("/v1/swarm/spec")
+    def spec() -> Any:
+        return {"run_id": coord.run_id, "spec": coord.cfg.model_dump(mode="json")}
+
+    @app.get("/", response_class=HTMLResponse)
+    def page() -> str:
+        return PAGE
+
+    app.add_middleware(ReceivedAt)
+    return app
+
+
+def serve(coord: SwarmCoordinator, host: str, port: int) -> None:
+    """Run until SIGINT/SIGTERM, then stop the driver."""
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(coord), host=host, port=port, log_level="warning", access_log=False
+        )
+    )
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    coord.start()
+    try:
+        server.run()
+    finally:
+        coord.stop()
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,173 @@
+"""Within a stage: servers average their accumulated updates in all-or-nothing rounds.
+
+Pure state, the clock an argument (torchft's quorum style). A stage holds `step`, the
+number of committed rounds, and the agreed state id at that step. Once the live, synced
+servers of a stage report `target_samples` pending samples between them, a round opens
+with them as members. Each member snapshots its accumulated gradient sum, publishes it as a
+blob and reports (cid, samples). The round commits when every member reported, or at the
+deadline with those that did if any sample is in; a member that missed it is not waited
+for and resyncs. After a commit every reporting member fetches every reported blob
+(hash-checked), applies sum / samples with its optimizer and reports its new state id;
+the id most members report is the stage's agreed state, and a server holding another
+resyncs from it. An update is accepted when its round commits: a round without any
+sample in by the deadline aborts, and its members keep their gradients for the next.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class AvgRound:
+    stage: int
+    id: int
+    step: int  # the stage step this round moves from
+    members: list[str]
+    opened: float
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # peer -> cid, samples, url
+    status: str = "open"  # open | committed | aborted
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "id": self.id,
+            "step": self.step,
+            "members": self.members,
+            "status": self.status,
+            "reports": dict(sorted(self.reports.items())),
+        }
+
+
+@dataclass
+class StageBook:
+    stage: int
+    step: int = 0
+    agreed: str | None = None  # state id at `step`, once a server reported one
+    states: dict[str, str] = field(default_factory=dict)  # peer -> state id at `step`
+    round: AvgRound | None = None
+    last: AvgRound | None = None  # the last committed round
+    committed_at: float = 0.0
+    history: dict[int, AvgRound] = field(default_factory=dict)  # step -> committed round
+    rounds: int = 0
+    aborted: int = 0
+    samples: int = 0  # accepted samples
+
+
+class Averaging:
+    """The rounds of every stage. `live` arguments map peer -> (stage, step, pending)."""
+
+    def __init__(self, n_stages: int, target_samples: int, round_timeout_s: float) -> None:
+        self.stages = [StageBook(k) for k in range(n_stages)]
+        self.target = target_samples
+        self.timeout_s = round_timeout_s
+        self._next_id = 0
+
+    def tick(self, live: dict[str, tuple[int, int, int]], busy: set[str], now: float) -> None:
+        """Open rounds where enough samples wait; close rounds past their deadline or
+        complete. `busy`: servers that must not join a round (moving, resyncing)."""
+        for book in self.stages:
+            r = book.round
+            if r is not None:
+                gone = [m for m in r.members if m not in live and m not in r.reports]
+                waiting = set(r.members) - set(gone) - set(r.reports)
+                everyone = not waiting and bool(r.reports)
+                if everyone or now - r.opened > self.timeout_s or not set(r.members) - set(gone):
+                    self._close(book, now)
+                continue
+            synced = {
+                p: pending
+                for p, (k, step, pending) in live.items()
+                if k == book.stage
+                and step == book.step
+                and p not in busy
+                and (book.agreed is None or book.states.get(p) in (None, book.agreed))
+            }
+            # the last round's members apply it first, so the next round has them all
+            last = book.last
+            behind = last is not None and any(
+                p in live and p not in book.states for p in last.reports
+            )
+            if behind and now - book.committed_at <= self.timeout_s:
+                continue
+            if synced and sum(synced.values()) >= self.target:
+                book.round = AvgRound(book.stage, self._next_id, book.step, sorted(synced), now)
+                self._next_id += 1
+
+    def report(self, peer: str, stage: int, round_id: int, cid: str, samples: int, url: str) -> str:
+        """A member's gradient blob. Returns "ok", or why it is refused."""
+        book = self._book(stage)
+        r = book.round
+        if r is None or r.id != round_id:
+            return f"round {round_id} of stage {stage} is not open"
+        if peer not in r.members:
+            return f"peer {peer[:8]} is not a member of round {round_id}"
+        if samples < 0:
+            return f"samples ({samples}) must be >= 0"
+        r.reports[peer] = {"cid": cid, "samples": samples, "url": url}
+        return "ok"
+
+    def _close(self, book: StageBook, now: float) -> None:
+        r = book.round
+        assert r is not None
+        total = sum(x["samples"] for x in r.reports.values())
+        book.round = None
+        if total <= 0:
+            r.status = "aborted"
+            book.aborted += 1
+            return
+        r.status = "committed"
+        book.last, book.committed_at = r, now
+        book.history[r.step] = r
+        book.history.pop(r.step - 8, None)
+        book.rounds += 1
+        book.samples += total
+        book.step += 1
+        book.agreed, book.states = None, {}
+
+    def state(self, peer: str, stage: int, step: int, cid: str) -> None:
+        """A server's state id after applying rounds up to `step`."""
+        book = self._book(stage)
+        if step != book.step:
+            return
+        book.states[peer] = cid
+        votes = Counter(book.states.values())
+        book.agreed = max(votes, key=lambda c: (votes[c], c))
+
+    def directive(self, peer: str, stage: int, step: int, cid: str | None) -> dict[str, Any]:
+        """What a server of `stage` at `step` holding state `cid` does next: join the open
+        round, apply the last committed one, or resync to the agreed state."""
+        book = self._book(stage)
+        out: dict[str, Any] = {"step": book.step, "agreed": book.agreed}
+        if book.round is not None and peer in book.round.members:
+            out["round"] = book.round.view()
+        done = book.history.get(step)
+        if done is not None and peer in done.reports:
+            out["apply"] = done.view()
+        elif book.agreed is not None and (step != book.step or cid != book.agreed):
+            out["resync"] = book.agreed
+        return out
+
+    def in_round(self, peer: str) -> bool:
+        return any(b.round is not None and peer in b.round.members for b in self.stages)
+
+    def _book(self, stage: int) -> StageBook:
+        if not 0 <= stage < len(self.stages):
+            raise ValueError(f"stage {stage}; stages are 0..{len(self.stages) - 1}")
+        return self.stages[stage]
+
+    def status(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "stage": b.stage,
+                "step": b.step,
+                "agreed": b.agreed,
+                "rounds": b.rounds,
+                "aborted": b.aborted,
+                "samples": b.samples,
+                "open_round": None if b.round is None else b.round.id,
+            }
+            for b in self.stages
+        ]

@@ -1,0 +1,171 @@
+"""`covey swarm ...`: coordinator, server, trainer and demo of SWARM pipeline training.
+
+Arguments are parsed before torch is imported, so --help is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+COORD = typer.Option(
+    "--coordinator", help="the swarm coordinator's URL, e.g. http://127.0.0.1:8100"
+)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _quiet_http() -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def register(app: typer.Typer) -> None:
+    """Add `covey swarm` to the main app."""
+    swarm = typer.Typer(
+        help="SWARM pipeline training: a model cut into stages, several servers per stage.",
+        no_args_is_help=True,
+    )
+    app.add_typer(swarm, name="swarm")
+
+    @swarm.command("coordinator")
+    def coordinator(
+        data_dir: Annotated[Path, typer.Option(help="run directory (ledger, keys)")] = Path(
+            "swarm-run"
+        ),
+        host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="port to listen on")] = 8100,
+        set_: Annotated[
+            list[str] | None,
+            typer.Option("--set", help="a SwarmConfig field, KEY=VALUE (JSON value); repeat"),
+        ] = None,
+    ) -> None:
+        """Serve a SWARM run: stage assignment, averaging rounds, rebalancing, ledger."""
+        cfg = _config(set_ or [])
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        _quiet_http()
+        from covey.swarm.app import serve
+        from covey.swarm.service import SwarmCoordinator
+
+        coord = SwarmCoordinator(cfg, data_dir)
+        typer.echo(f"swarm run {coord.run_id} on http://{host}:{port} (status page: /)")
+        serve(coord, host, port)
+
+    @swarm.command("server")
+    def server(
+        coordinator: Annotated[str, COORD],
+        name: Annotated[str, typer.Option(help="display name")] = "server",
+        slowdown: Annotated[
+            float, typer.Option(help="emulate a device this many times slower")
+        ] = 1.0,
+        emulate_s: Annotated[
+            float, typer.Option(help="emulated compute seconds per request (x slowdown)")
+        ] = 0.0,
+        behavior: Annotated[
+            str, typer.Option(help="honest, or an adversary: wrong, noise, zero, stale")
+        ] = "honest",
+        stake: Annotated[float, typer.Option(help="credits staked on joining")] = 0.0,
+        port: Annotated[int, typer.Option(help="port for forward/backward; 0 = any")] = 0,
+    ) -> None:
+        """Serve one pipeline stage (assigned by the coordinator): forward and backward."""
+        from covey.swarm.server import BEHAVIORS
+
+        if behavior not in BEHAVIORS:
+            _fail(f"--behavior {behavior!r} must be one of {', '.join(BEHAVIORS)}")
+        if slowdown < 1 or emulate_s < 0:
+            _fail(f"--slowdown ({slowdown}) must be >= 1 and --emulate-s ({emulate_s}) >= 0")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        _quiet_http()
+        import torch
+
+        from covey.swarm.server import StageServer, serve
+
+        torch.set_num_threads(1)
+        s = StageServer(
+            coordinator, name=name, slowdown=slowdown, emulate_s=emulate_s, behavior=behavior,
+            stake=stake, port=port,
+        )  # fmt: skip
+        _stop_on_signals(s.stop)
+        serve(s)
+
+    @swarm.command("trainer")
+    def trainer(
+        coordinator: Annotated[str, COORD],
+        name: Annotated[str, typer.Option(help="display name (also seeds its data)")] = "trainer",
+        samples: Annotated[int | None, typer.Option(help="stop after this many samples")] = None,
+        seconds: Annotated[float | None, typer.Option(help="stop after this long")] = None,
+        inflight: Annotated[int, typer.Option(help="microbatches in flight at once")] = 2,
+        fixed: Annotated[
+            bool, typer.Option(help="GPipe-style baseline: one fixed server per stage")
+        ] = False,
+        json_out: Annotated[Path | None, typer.Option("--json", help="write a summary")] = None,
+    ) -> None:
+        """Train: route microbatches through one server per stage, forward then backward."""
+        if samples is None and seconds is None:
+            _fail("give --samples or --seconds")
+        if inflight < 1:
+            _fail(f"--inflight ({inflight}) must be at least 1")
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        import torch
+
+        from covey.swarm.trainer import SwarmTrainer, summary
+
+        torch.set_num_threads(1)
+        t = SwarmTrainer(coordinator, name=name, inflight=inflight, fixed=fixed, progress=print)
+        _stop_on_signals(t.stop)
+        t.train(samples=samples, seconds=seconds)
+        out = summary(t)
+        typer.echo(json.dumps(out))
+        if json_out is not None:
+            json_out.write_text(json.dumps(out, indent=1))
+        t.close()
+
+    @swarm.command("demo")
+    def demo(
+        minutes: Annotated[float, typer.Option(help="how long to train")] = 2.0,
+        kill_every: Annotated[
+            float | None, typer.Option(help="SIGKILL a server every S seconds (it comes back)")
+        ] = None,
+        servers: Annotated[int, typer.Option(help="stage servers of mixed speeds")] = 5,
+        port: Annotated[int, typer.Option(help="the coordinator's port")] = 8100,
+    ) -> None:
+        """Coordinator, stage servers of mixed speeds and a trainer on 127.0.0.1."""
+        if minutes <= 0 or servers < 2 or (kill_every is not None and kill_every <= 0):
+            _fail(f"need --minutes > 0 ({minutes}), --servers >= 2 ({servers}), --kill-every > 0")
+        from covey.swarm.demo import run_demo
+
+        sys.exit(run_demo(minutes=minutes, kill_every=kill_every, n_servers=servers, port=port))
+
+
+def _config(pairs: list[str]) -> Any:
+    from pydantic import ValidationError
+
+    from covey.swarm.config import SwarmConfig
+
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        if not eq:
+            _fail(f"--set {pair!r}: expected KEY=VALUE")
+        try:
+            values[key] = json.loads(raw)
+        except ValueError:
+            values[key] = raw
+    try:
+        return SwarmConfig.model_validate(values)
+    except ValidationError as e:
+        _fail(f"bad swarm config: {e}")

@@ -1,0 +1,79 @@
+"""A SWARM run's configuration: the model and its stages, data, pacing, verification.
+
+Frozen and hashed into the run id like a data-parallel run's spec (STYLE.md rule 4). The
+coordinator owns it; servers and trainers read it from `GET /v1/swarm/spec`, so every
+peer builds the same model, plan and batches.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from covey.config import Frozen, RunConfig, TrustConfig, config_hash
+
+
+class SwarmConfig(Frozen):
+    """One SWARM run. Every wait below is bounded by a field here."""
+
+    name: str = Field("covey-swarm", min_length=1, max_length=80, description="display name")
+    seed: int = Field(0, description="seeds the initial weights of every stage and the data")
+    n_layer: int = Field(4, ge=1, description="GPT blocks, cut into `stages` stages")
+    n_embd: int = Field(32, ge=8, description="GPT hidden size")
+    n_head: int = Field(2, ge=1, description="GPT attention heads")
+    seq_len: int = Field(32, ge=2, description="tokens per sequence (the GPT's block size)")
+    stages: int = Field(2, ge=1, description="pipeline stages")
+    microbatch: int = Field(4, ge=1, description="sequences per microbatch")
+    target_samples: int = Field(
+        16, ge=1, description="a stage's servers average their updates once they hold this many"
+    )
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate of every stage")
+    data_paths: tuple[str, ...] = Field((), description="text files or dirs; empty = stdlib")
+    codec: str = Field("int8", pattern="^(int8|plain)$", description="activations on the wire")
+    heartbeat_s: float = Field(0.5, gt=0, description="servers heartbeat this often")
+    dead_after_s: float = Field(5.0, gt=0, description="a server silent this long is dead")
+    round_timeout_s: float = Field(
+        10.0, gt=0, description="an averaging round drops members silent for this long"
+    )
+    request_timeout_s: float = Field(
+        10.0, gt=0, description="a trainer reroutes a hop unanswered for this long"
+    )
+    rebalance_s: float = Field(10.0, gt=0, description="the rebalancer looks every T seconds")
+    hysteresis: float = Field(1.2, gt=1, description="a move must raise min throughput this much")
+    verify_rate: float = Field(
+        0.1, ge=0, le=1, description="share of microbatches also sent to a second server"
+    )
+    tolerance: float = Field(
+        0.05, gt=0, description="relative L2 distance above which two replies disagree"
+    )
+    payout_s: float = Field(
+        5.0, gt=0, description="the ledger pays verified microbatches this often"
+    )
+    min_stake: float = Field(0.0, ge=0, description="credits a server stakes to join")
+    slash_fraction: float = Field(0.5, ge=0, le=1, description="stake a proven liar loses")
+
+    @model_validator(mode="after")
+    def _fits(self) -> SwarmConfig:
+        if self.stages > self.n_layer:
+            raise ValueError(
+                f"stages ({self.stages}) cannot be greater than n_layer ({self.n_layer})"
+            )
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        return self
+
+    @property
+    def run_id(self) -> str:
+        return config_hash(self)
+
+    def membership_config(self) -> RunConfig:
+        """The data-parallel RunConfig whose trust and liveness fields Membership reads."""
+        return RunConfig.model_validate(
+            {
+                "name": self.name,
+                "seed": self.seed,
+                "rounds": {"heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s},
+                "trust": TrustConfig(
+                    min_stake=self.min_stake, slash_fraction=self.slash_fraction, sample_rate=0.0
+                ).model_dump(),
+            }
+        )

@@ -1,0 +1,104 @@
+"""Start a swarm coordinator and stage servers as processes on 127.0.0.1 (demo, bench,
+tests). Every wait has a deadline; processes are ended by their own handle."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll `cond` until it returns something truthy; TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def status(url: str) -> dict[str, Any] | None:
+    try:
+        r = httpx.get(f"{url}/v1/swarm/status", timeout=5.0, trust_env=False)
+        return r.json() if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+class Swarm:
+    """A coordinator process and its server processes, logs under `workdir`."""
+
+    def __init__(self, workdir: Path, settings: dict[str, Any], port: int | None = None) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.settings = settings
+        self.coordinator: subprocess.Popen | None = None
+        self.servers: dict[str, subprocess.Popen] = {}
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{log_name}.log", "ab")  # noqa: SIM115 -- the child's
+        return subprocess.Popen(
+            [sys.executable, "-m", "covey", "swarm", *args], stdout=log, stderr=log
+        )
+
+    def start_coordinator(self, timeout: float = 120.0) -> None:
+        sets = [f"--set={k}={json.dumps(v)}" for k, v in self.settings.items()]
+        self.coordinator = self._spawn(
+            ["coordinator", "--data-dir", str(self.workdir / "run"), "--port", str(self.port),
+             *sets],
+            "coordinator",
+        )  # fmt: skip
+        wait_for(lambda: status(self.url), timeout, f"the swarm coordinator at {self.url}")
+
+    def start_server(self, name: str, *extra: str) -> subprocess.Popen:
+        p = self._spawn(["server", "--coordinator", self.url, "--name", name, *extra], name)
+        self.servers[name] = p
+        return p
+
+    def ready(self, names: list[str], timeout: float = 120.0) -> dict[str, Any]:
+        """Wait until every named server is live with a state; the status."""
+
+        def check() -> dict[str, Any] | None:
+            s = status(self.url)
+            if s is None:
+                return None
+            up = {x["name"] for x in s["servers"] if x["state"] and not x["moving"]}
+            return s if set(names) <= up else None
+
+        return wait_for(check, timeout, f"servers {names} to be live")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a server (no goodbye)."""
+        p = self.servers.pop(name)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
+
+    def close(self) -> None:
+        procs = [*self.servers.values(), *([self.coordinator] if self.coordinator else [])]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        self.servers.clear()

@@ -1,0 +1,356 @@
+"""A SWARM stage server: `covey swarm server --coordinator URL`.
+
+Joins (signed), is assigned a stage, builds it from the run's seed or fetches the stage's
+agreed state from its peers by content id (hash-checked), and serves
+`POST /v1/swarm/forward` and `/v1/swarm/backward` (covey.swarm.compute) over stdlib HTTP,
+one request at a time (a device). Every reply is signed over (stage, state id, request
+hash, reply hash). Heartbeats carry measured throughput, queue and pending samples; the
+reply says when to join an averaging round (snapshot the accumulated gradient sum into a
+blob, report it), apply a committed one (fetch every member's blob, hash-checked, apply
+their mean with AdamW), resync, or move to another stage. `slowdown` and `emulate_s`
+emulate a slower device by sleeping; `behavior` makes it an adversary for tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from covey.blobs import BlobClient, BlobServer, BlobStore
+from covey.peer.client import CoordinatorClient, PeerRejected
+from covey.swarm import compute
+from covey.swarm.config import SwarmConfig
+from covey.swarm.stage import Stage
+from covey.swarm.wire import (
+    WireError,
+    build_stage,
+    decode_tensor,
+    encode_tensor,
+    load_state,
+    pack,
+    reply_message,
+    sha,
+    state_bytes,
+    unpack,
+)
+from covey.trust.identity import Identity
+
+log = logging.getLogger("covey.swarm.server")
+BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale")
+MAX_BODY = 64 << 20
+
+
+class StageServer:
+    def __init__(
+        self,
+        coordinator: str,
+        *,
+        name: str,
+        slowdown: float = 1.0,
+        emulate_s: float = 0.0,
+        behavior: str = "honest",
+        stake: float = 0.0,
+        port: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if behavior not in BEHAVIORS:
+            raise ValueError(f"behavior {behavior!r} must be one of {BEHAVIORS}")
+        if slowdown < 1:
+            raise ValueError(f"slowdown ({slowdown}) must be >= 1")
+        self.name, self.slowdown, self.emulate_s = name, slowdown, emulate_s
+        self.behavior, self.stake, self.port = behavior, stake, port
+        self.identity = Identity.generate()
+        self.client = CoordinatorClient(coordinator, identity=self.identity, lost_s=30.0)
+        self.tmp = tempfile.TemporaryDirectory(prefix="covey-swarm-")
+        self.store = BlobStore(Path(self.tmp.name) / "blobs")
+        self.blobs = BlobServer(self.store)
+        self.fetcher = BlobClient(timeout_s=10.0, retries=2)
+        self.lock = threading.Lock()  # the device: one computation or state change at a time
+        self.stop = threading.Event()
+        self.rng = random.Random(seed)
+        self.stage: Stage | None = None
+        self.k = -1
+        self.state: str | None = None
+        self.throughput, self.waiting, self.reported = 0.0, 0, -1
+        self.cfg: SwarmConfig | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        # AdamW's first construction imports torch's compiler stack (seconds on a loaded
+        # machine): pay it before joining, or the first heartbeat comes too late
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+        blob_url = self.blobs.start()
+        self.http = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
+        self.http.daemon_threads = True
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        spec = self.client.get("/v1/swarm/spec")
+        self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
+        body = {
+            "run_id": self.run_id,
+            "peer_id": self.identity.peer_id,
+            "role": "server",
+            "public_key": self.identity.public_key,
+            "name": self.name,
+            "stake": self.stake,
+            "url": url,
+            "blob_url": blob_url,
+        }
+        reply = self.client.post("/v1/swarm/join", body)
+        self._become(int(reply["stage"]), None, [])
+        log.info(
+            "[%s] serving stage %d at %s (%s, x%.1f)",
+            self.name,
+            self.k,
+            url,
+            self.behavior,
+            self.slowdown,
+        )
+
+    def run(self) -> None:
+        """Heartbeat until stopped; rejoin when the coordinator forgot this server."""
+        assert self.cfg is not None
+        while not self.stop.wait(self.cfg.heartbeat_s):
+            try:
+                self._beat()
+            except PeerRejected as e:
+                if e.status == 403:
+                    log.error("[%s] banned: %s", self.name, e.message)
+                    return
+                log.warning("[%s] heartbeat refused (%s); joining again", self.name, e.message)
+                self.start_join_again()
+
+    def start_join_again(self) -> None:
+        assert self.cfg is not None
+        body = {
+            "run_id": self.run_id,
+            "peer_id": self.identity.peer_id,
+            "role": "server",
+            "public_key": self.identity.public_key,
+            "name": self.name,
+            "stake": self.stake,
+            "url": f"http://127.0.0.1:{self.http.server_address[1]}",
+            "blob_url": self.blobs.url,
+        }
+        reply = self.client.post("/v1/swarm/join", body)
+        if int(reply["stage"]) != self.k:
+            self._become(int(reply["stage"]), None, [])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.http.shutdown()
+        self.blobs.close()
+        self.tmp.cleanup()
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        assert self.stage is not None
+        self.state = self.store.put(state_bytes(self.stage))
+
+    def _become(self, k: int, agreed: str | None, providers: list[str]) -> None:
+        """Serve stage `k` at the agreed state (fetched, hash-checked) or the seed's."""
+        assert self.cfg is not None
+        stage = build_stage(self.cfg, k)
+        if agreed is not None:
+            load_state(stage, self.fetcher.fetch(agreed, providers))
+        with self.lock:
+            self.stage, self.k, self.reported = stage, k, -1
+            self._publish()
+            if agreed is not None:
+                self.state = agreed if self.behavior == "stale" else self.state
+
+    def _beat(self) -> None:
+        assert self.cfg is not None and self.stage is not None
+        body = {
+            "run_id": self.run_id,
+            "peer_id": self.identity.peer_id,
+            "stage": self.k,
+            "step": self.stage.steps,
+            "state": self.state,
+            "pending": self.stage.samples,
+            "throughput": self.throughput,
+            "queue": self.waiting,
+        }
+        d = self.client.post_once("/v1/swarm/heartbeat", body, timeout_s=10.0)
+        if int(d["stage"]) != self.k:
+            log.info("[%s] moved: stage %d -> %d", self.name, self.k, d["stage"])
+            self._become(int(d["stage"]), d.get("agreed"), d["providers"])
+            return
+        if d.get("round") and d["round"]["id"] != self.reported:
+            self._report(d["round"])
+        if d.get("apply"):
+            self._apply(d["apply"])
+        elif d.get("resync"):
+            if self.behavior == "stale":
+                self.state = d["resync"]  # claims the agreed state, keeps its old weights
+                self.stage.steps = int(d["step"])
+            else:
+                log.info("[%s] resync stage %d to %s", self.name, self.k, d["resync"][:12])
+                self._become(self.k, d["resync"], d["providers"])
+
+    def _report(self, rnd: dict[str, Any]) -> None:
+        assert self.stage is not None
+        with self.lock:  # snapshot: later microbatches accumulate for the next round
+            s = self.stage
+            grads = {
+                f"g.{i}": (torch.zeros_like(p) if p.grad is None else p.grad.clone())
+                for i, p in enumerate(s.params)
+            }
+            samples = s.samples
+            for p in s.params:
+                p.grad = None
+            s.samples = 0
+        grads["samples"] = torch.tensor([samples], dtype=torch.int64)
+        cid = self.store.put(st_save(grads))
+        self.reported = rnd["id"]
+        body = {
+            "run_id": self.run_id,
+            "peer_id": self.identity.peer_id,
+            "stage": self.k,
+            "round": rnd["id"],
+            "cid": cid,
+            "samples": samples,
+        }
+        try:
+            self.client.post("/v1/swarm/round", body)
+        except PeerRejected as e:
+            log.warning("[%s] round %d report refused: %s", self.name, rnd["id"], e.message)
+
+    def _apply(self, rnd: dict[str, Any]) -> None:
+        """Apply a committed round: the mean of every member's gradient sum."""
+        assert self.stage is not None
+        s = self.stage
+        total, acc = 0, [torch.zeros_like(p) for p in s.params]
+        for peer, r in sorted(rnd["reports"].items()):
+            data = (
+                self.store.get(r["cid"])
+                if self.store.has(r["cid"])
+                else self.fetcher.fetch(r["cid"], [r["url"]])
+            )
+            t = st_load(data)
+            n = int(t["samples"][0])
+            if n != r["samples"]:
+                raise WireError(f"round {rnd['id']}: {peer[:8]}'s blob holds {n} samples")
+            total += n
+            for i, a in enumerate(acc):
+                a.add_(t[f"g.{i}"])
+        with self.lock:
+            if self.behavior != "stale":
+                saved, saved_n = [p.grad for p in s.params], s.samples
+                for p, a in zip(s.params, acc, strict=True):
+                    p.grad = a / total
+                s.optimizer.step()
+                for p, g in zip(s.params, saved, strict=True):
+                    p.grad = g
+                s.samples = saved_n
+            s.steps += 1
+            if self.behavior != "stale":
+                self._publish()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def handle(self, kind: str, k: int, body: bytes) -> tuple[bytes, str]:
+        """(reply, signature) for a forward or backward request for stage `k`."""
+        assert self.cfg is not None
+        self.waiting += 1
+        try:
+            with self.lock:
+                if k != self.k or self.stage is None or self.state is None:
+                    raise LookupError(f"this server serves stage {self.k}, not {k}")
+                t0 = time.perf_counter()
+                run = compute.forward if kind == "forward" else compute.backward
+                reply = self._misbehave(kind, run(self.cfg, k, self.stage, body))
+                busy = time.perf_counter() - t0
+                extra = (self.slowdown - 1) * busy + self.slowdown * self.emulate_s
+                if extra > 0:
+                    time.sleep(extra)
+                rows = _rows(body)
+                rate = rows / (busy + extra)
+                self.throughput = (
+                    rate if not self.throughput else 0.7 * self.throughput + 0.3 * rate
+                )
+                sig = self.identity.sign(reply_message(k, self.state, sha(body), sha(reply)))
+                return reply, self.state + " " + sig
+        finally:
+            self.waiting -= 1
+
+    def _misbehave(self, kind: str, reply: bytes) -> bytes:
+        if self.behavior in ("honest", "stale"):
+            return reply
+        out, meta = unpack(reply, 2)
+        meta_d = json.loads(meta)
+        if not out:
+            if self.behavior == "zero" or kind == "backward":
+                meta_d["sketch"] = [0.0 for _ in meta_d["sketch"]]
+            return pack(out, json.dumps(meta_d).encode())
+        x = decode_tensor(out)
+        if self.behavior == "wrong":
+            x = torch.randn_like(x)
+        elif self.behavior == "noise":
+            x = x + 0.5 * x.std() * torch.randn_like(x)
+        elif self.behavior == "zero" and kind == "backward":
+            x = torch.zeros_like(x)
+            meta_d["sketch"] = [0.0 for _ in meta_d["sketch"]]
+        assert self.cfg is not None
+        return pack(encode_tensor(x, self.cfg.codec), json.dumps(meta_d).encode())
+
+
+def _rows(body: bytes) -> int:
+    try:
+        return int(decode_tensor(unpack(body, int.from_bytes(body[:4], "little"))[0]).shape[0])
+    except (WireError, ValueError):
+        return 1
+
+
+def _handler(server: StageServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug(format, *args)
+
+        def do_POST(self) -> None:
+            kind = self.path.rsplit("/", 1)[-1]
+            try:
+                n = int(self.headers.get("Content-Length", "-1"))
+                k = int(self.headers.get("X-Covey-Stage", "-1"))
+                if kind not in ("forward", "backward") or not 0 <= n <= MAX_BODY:
+                    return self._send(404 if n >= 0 else 411, b"no such request")
+                reply, sig = server.handle(kind, k, self.rfile.read(n))
+                self._send(200, reply, {"X-Covey-Signature": sig})
+            except LookupError as e:
+                self._send(409, str(e).encode())
+            except (WireError, ValueError) as e:
+                self._send(400, str(e).encode())
+
+        def _send(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            for key, v in (headers or {}).items():
+                self.send_header(key, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
+def serve(server: StageServer) -> None:
+    """Start, heartbeat until SIGTERM/SIGINT (the caller sets `server.stop`), close."""
+    server.start()
+    try:
+        server.run()
+    finally:
+        server.close()

@@ -1,0 +1,469 @@
+"""The swarm coordinator mode: stage assignment, liveness, averaging rounds, rebalancing,
+payouts and disputes, over the coordinator's components.
+
+Transport-free (covey/swarm/app.py turns HTTP into calls here and `Rejected` into 4xx).
+It REUSES, not copies: Membership (signed joins and requests, nonces, bans), Accounts (the
+hash-chained ledger and its Book: stakes, rewards, slashes) and the Database of
+covey.coordinator; stage states travel on the blob plane (covey.blobs) between servers by
+content id. What it adds is SWARM's: which server serves which stage, per-stage averaging
+rounds (covey.swarm.averaging), the rebalancer (covey.swarm.rebalance), pay per verified
+microbatch and the referee for duplicated microbatches (covey.swarm.referee).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from covey.coordinator.accounts import Accounts
+from covey.coordinator.db import Database
+from covey.coordinator.membership import Membership
+from covey.coordinator.views import Rejected
+from covey.swarm.averaging import Averaging
+from covey.swarm.config import SwarmConfig
+from covey.swarm.rebalance import plan_move, speeds_from_measurements
+from covey.trust.identity import Identity
+from covey.trust.incentives import Policy
+
+log = logging.getLogger("covey.swarm")
+
+
+@dataclass
+class ServerInfo:
+    peer_id: str
+    name: str
+    stage: int
+    url: str
+    blob_url: str
+    last_seen: float
+    step: int = -1  # -1: no state loaded yet
+    state: str | None = None
+    pending: int = 0
+    throughput: float = 0.0  # samples/s while busy, measured by the server
+    queue: int = 0
+    moving: bool = False  # told to move; busy until it reports the new stage
+    served: int = 0
+
+
+class SwarmCoordinator:
+    def __init__(self, cfg: SwarmConfig, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.run_id = cfg.run_id
+        self.identity = Identity.load_or_create(data_dir / "coordinator.key")
+        self.db = Database(data_dir / "swarm.db")
+        known = self.db.get_meta("run_id")
+        if known is not None and known != self.run_id:
+            raise ValueError(f"{data_dir} holds run {known}, not this spec's run {self.run_id}")
+        self.accounts = Accounts(self.db, self.identity, data_dir)
+        self._stop = threading.Event()
+        mcfg = cfg.membership_config()
+        self.membership = Membership(
+            self.db,
+            mcfg,
+            self.accounts,
+            self.run_id,
+            wake=threading.Event(),
+            stop=self._stop,
+            check_not_halted=lambda: None,
+        )
+        if known is None:
+            self._create(mcfg)
+        self.lock = threading.RLock()
+        self.servers: dict[str, ServerInfo] = {}
+        self.trainers: dict[str, dict[str, Any]] = {}
+        self.averaging = Averaging(cfg.stages, cfg.target_samples, cfg.round_timeout_s)
+        self.rebalances: list[dict[str, Any]] = []
+        self.unpaid: dict[str, int] = {}
+        self.epoch = 0
+        self.disputes: list[dict[str, Any]] = []
+        self._last_rebalance = self._last_payout = time.time()
+        self._thread: threading.Thread | None = None
+        from covey.swarm.referee import Referee  # torch: imported once the app is built
+
+        self.referee = Referee(cfg)
+
+    def _create(self, mcfg: Any) -> None:
+        now = time.time()
+        with self.accounts.transaction() as c:
+            c.execute("INSERT INTO meta VALUES (?, ?)", ("run_id", self.run_id))
+            c.execute("INSERT INTO meta VALUES (?, ?)", ("spec", self.cfg.model_dump_json()))
+            self.accounts.append(
+                c,
+                "run created",
+                {
+                    "run_id": self.run_id,
+                    "name": self.cfg.name,
+                    "spec": self.cfg.model_dump(mode="json"),
+                    "coordinator_key": self.identity.public_key,
+                    "policy": Policy.from_config(mcfg.trust).to_dict(),
+                },
+                now,
+            )
+
+    # -- the clock ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        # the referee's first stage build imports torch's optimizer stack: warm it up now
+        threading.Thread(target=self.referee.warm_up, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="swarm-driver", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.membership.liveness.flush()
+        self.db.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(0.2, self.cfg.heartbeat_s / 2)):
+            try:
+                self.tick(time.time())
+            except Exception:  # the driver must outlive one bad tick; the error is logged
+                log.exception("swarm tick failed")
+
+    def tick(self, now: float) -> None:
+        """Expire dead servers, drive averaging rounds, rebalance every rebalance_s, pay
+        every payout_s."""
+        with self.lock:
+            for p, s in list(self.servers.items()):
+                if now - s.last_seen > self.cfg.dead_after_s:
+                    log.warning(
+                        "[server %s stage %d] dead: silent %.1f s",
+                        s.name,
+                        s.stage,
+                        now - s.last_seen,
+                    )
+                    del self.servers[p]
+            busy = {p for p, s in self.servers.items() if s.moving}
+            live = {p: (s.stage, s.step, s.pending) for p, s in self.servers.items()}
+            self.averaging.tick(live, busy, now)
+            if now - self._last_rebalance >= self.cfg.rebalance_s:
+                self._last_rebalance = now
+                self._rebalance(now)
+        if now - self._last_payout >= self.cfg.payout_s:
+            self._last_payout = now
+            self.pay(now)
+
+    def _rebalance(self, now: float) -> None:
+        measured = {
+            p: (s.stage, s.throughput)
+            for p, s in self.servers.items()
+            if not s.moving and not self.averaging.in_round(p)
+        }
+        if len(measured) != len(self.servers) or any(tp <= 0 for _, tp in measured.values()):
+            return  # a server unmeasured or busy: look again next time
+        costs = [1.0] * self.cfg.stages
+        if any(not any(k == st for st, _ in measured.values()) for k in range(len(costs))):
+            # a stage without any server: move the fastest server of the fullest stage
+            empty = next(
+                k for k in range(len(costs)) if all(st != k for st, _ in measured.values())
+            )
+            counts = {k: sum(st == k for st, _ in measured.values()) for k in range(len(costs))}
+            donor = max(counts, key=lambda k: counts[k])
+            if counts[donor] < 2:
+                return
+            name = max(
+                (p for p, (st, _) in measured.items() if st == donor), key=lambda p: measured[p][1]
+            )
+            self._move(name, donor, empty, 0.0, 0.0, now)
+            return
+        move = plan_move(
+            costs, speeds_from_measurements(costs, measured), hysteresis=self.cfg.hysteresis
+        )
+        if move is not None:
+            self._move(
+                move.server, move.from_stage, move.to_stage, move.min_before, move.min_after, now
+            )
+
+    def _move(self, peer: str, src: int, dst: int, before: float, after: float, now: float) -> None:
+        s = self.servers[peer]
+        s.stage, s.moving, s.step, s.state, s.pending = dst, True, -1, None, 0
+        entry = {
+            "at": now,
+            "server": s.name,
+            "from": src,
+            "to": dst,
+            "min_before": round(before, 3),
+            "min_after": round(after, 3),
+        }
+        self.rebalances.append(entry)
+        log.info(
+            "[rebalance] %s: stage %d -> %d (min stage %.2f -> %.2f samples/s)",
+            s.name,
+            src,
+            dst,
+            before,
+            after,
+        )
+
+    # -- servers -----------------------------------------------------------------------------
+
+    def join(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A server or trainer joins with its key (Membership: signature, stake, bans).
+        A server is assigned the stage with the fewest servers, then the least throughput."""
+        self.membership.check_run(body.get("run_id", ""))
+        role = body.get("role")
+        if role not in ("server", "trainer"):
+            raise Rejected(400, f"role {role!r} must be 'server' or 'trainer'")
+        peer, name = str(body.get("peer_id")), str(body.get("name", ""))[:40]
+        self.membership.register(
+            peer, str(body.get("public_key")), name, "worker", float(body.get("stake", 0.0)), body
+        )
+        if role == "trainer":
+            with self.lock:
+                self.trainers[peer] = {
+                    "name": name,
+                    "samples": 0,
+                    "loss": None,
+                    "reroutes": 0,
+                    "banned": {},
+                }
+            return {"run_id": self.run_id, "spec": self.cfg.model_dump(mode="json")}
+        with self.lock:
+            load = [
+                (
+                    sum(s.stage == k for s in self.servers.values()),
+                    sum(s.throughput for s in self.servers.values() if s.stage == k),
+                    k,
+                )
+                for k in range(self.cfg.stages)
+            ]
+            stage = min(load)[2]
+            self.servers[peer] = ServerInfo(
+                peer, name, stage, str(body.get("url")), str(body.get("blob_url")), time.time()
+            )
+        log.info("[server %s] joined: stage %d", name, stage)
+        return {"run_id": self.run_id, "stage": stage, "spec": self.cfg.model_dump(mode="json")}
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A server's measurements in; its stage, round, apply or resync directive out.
+        Rejected(404) for a server this coordinator does not know (dead: join again)."""
+        peer = str(body.get("peer_id"))
+        self.membership.check_run(body.get("run_id", ""))
+        self.membership.authenticate(body, -1, peer, nonces=self.membership.liveness)
+        self.membership.check_not_banned(peer)
+        with self.lock:
+            s = self.servers.get(peer)
+            if s is None:
+                raise Rejected(404, f"server {peer[:8]} is not live here: join again")
+            s.last_seen = time.time()
+            if s.moving and int(body["stage"]) == s.stage:
+                s.moving = False
+            if int(body["stage"]) == s.stage:
+                s.step, s.state = int(body["step"]), body.get("state")
+                s.pending, s.queue = int(body["pending"]), int(body["queue"])
+                s.throughput = float(body["throughput"])
+                if s.state is not None:
+                    self.averaging.state(peer, s.stage, s.step, s.state)
+            out = self.averaging.directive(peer, s.stage, s.step, s.state)
+            out["stage"] = s.stage
+            out["providers"] = [
+                x.blob_url
+                for x in self.servers.values()
+                if x.stage == s.stage and x.peer_id != peer
+            ]
+            return out
+
+    def round_report(self, body: dict[str, Any]) -> dict[str, Any]:
+        peer = str(body.get("peer_id"))
+        self.membership.check_run(body.get("run_id", ""))
+        self.membership.authenticate(body, -1, peer)
+        self.membership.check_not_banned(peer)
+        with self.lock:
+            s = self.servers.get(peer)
+            url = s.blob_url if s else ""
+            why = self.averaging.report(
+                peer,
+                int(body["stage"]),
+                int(body["round"]),
+                str(body["cid"]),
+                int(body["samples"]),
+                url,
+            )
+        if why != "ok":
+            raise Rejected(409, why)
+        return {"ok": True}
+
+    def servers_view(self) -> dict[str, Any]:
+        """Live, synced servers per stage, for trainers' routing."""
+        with self.lock:
+            stages: list[list[dict[str, Any]]] = [[] for _ in range(self.cfg.stages)]
+            for s in self.servers.values():
+                book = self.averaging.stages[s.stage]
+                if not s.moving and s.step >= 0 and s.step >= book.step - 1:
+                    stages[s.stage].append({"peer_id": s.peer_id, "name": s.name, "url": s.url})
+            return {"stages": stages}
+
+    # -- trainers: reports, payouts, disputes -----------------------------------------------
+
+    def trainer_report(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Microbatches each server completed (paid at the next payout unless it is convicted
+        first), the trainer's loss, reroutes and bans."""
+        peer = str(body.get("peer_id"))
+        self.membership.check_run(body.get("run_id", ""))
+        self.membership.authenticate(body, -1, peer)
+        with self.lock:
+            t = self.trainers.setdefault(peer, {"name": "?"})
+            t.update(
+                samples=int(body["samples"]),
+                loss=body.get("loss"),
+                reroutes=int(body["reroutes"]),
+                banned=dict(body.get("banned", {})),
+            )
+            for server, n in dict(body.get("served", {})).items():
+                self.unpaid[server] = self.unpaid.get(server, 0) + int(n)
+                if server in self.servers:
+                    self.servers[server].served += int(n)
+        return {"ok": True}
+
+    def pay(self, now: float) -> None:
+        """One "contribution accepted" and "reward" (work) per server with verified
+        microbatches since the last payout; tokens = microbatches x microbatch x seq_len."""
+        with self.lock:
+            due, self.unpaid = self.unpaid, {}
+        book = self.accounts.book
+        due = {
+            p: n
+            for p, n in due.items()
+            if n > 0 and p in book.accounts and not book.accounts[p].banned
+        }
+        if not due:
+            return
+        self.epoch += 1
+        with self.accounts.transaction() as c:
+            for peer, n in sorted(due.items()):
+                tokens = n * self.cfg.microbatch * self.cfg.seq_len
+                self.accounts.append(
+                    c,
+                    "contribution accepted",
+                    {
+                        "round": self.epoch,
+                        "peer_id": peer,
+                        "cid": "",
+                        "tokens": tokens,
+                        "inner_steps": n,
+                        "sampled": False,
+                        "rate": self.cfg.verify_rate,
+                        "draw": "",
+                        "request_id": f"swarm-{self.epoch}",
+                        "nonce": "",
+                        "signature": "",
+                    },
+                    now,
+                )
+                self.accounts.append(
+                    c,
+                    "reward",
+                    {
+                        "round": self.epoch,
+                        "peer_id": peer,
+                        "tokens": tokens,
+                        "kind": "work",
+                        "amount": self.accounts.book.work_reward(tokens),
+                    },
+                    now,
+                )
+
+    def dispute(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Two servers of a stage disagreed on a duplicated microbatch: the referee
+        recomputes from the signed stage input and state; each server whose reply is off
+        is slashed and banned (ledger "dispute" + "slash")."""
+        peer = str(body.get("peer_id"))
+        self.membership.check_run(body.get("run_id", ""))
+        self.membership.authenticate(body, -1, peer)
+        with self.lock:
+            providers = [s.blob_url for s in self.servers.values()]
+        keys = {}
+        for r in body.get("replies", []):
+            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (r.get("server"),))
+            if row is None:
+                raise Rejected(404, f"unknown server {str(r.get('server'))[:12]}")
+            keys[r["server"]] = row["public_key"]
+        verdict = self.referee.settle(body, keys, providers)
+        liars, honest = verdict["liars"], verdict["honest"]
+        now = time.time()
+        self.epoch += 1
+        with self.accounts.transaction() as c:
+            for liar in liars:
+                if self.accounts.book.accounts[liar].banned:
+                    continue
+                self.accounts.append(
+                    c,
+                    "dispute",
+                    {
+                        "round": self.epoch,
+                        "peer_id": liar,
+                        "validator_id": honest[0] if honest else peer,
+                        "segment": int(body["stage"]),
+                        "outcome": "fraud",
+                        "detail": verdict["detail"][:200],
+                    },
+                    now,
+                )
+                self.accounts.append(
+                    c,
+                    "slash",
+                    {
+                        "round": self.epoch,
+                        "peer_id": liar,
+                        "reason": "swarm: wrong reply",
+                        "amount": self.accounts.book.slash_amount(liar),
+                    },
+                    now,
+                )
+        with self.lock:
+            for liar in liars:
+                self.servers.pop(liar, None)
+                log.warning(
+                    "[referee] server %s lied on stage %s: slashed and banned",
+                    liar[:8],
+                    body["stage"],
+                )
+            self.disputes.append(
+                {
+                    "at": now,
+                    "stage": body["stage"],
+                    "kind": body["kind"],
+                    "liars": liars,
+                    "honest": honest,
+                }
+            )
+        return verdict
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            servers = [
+                {k: v for k, v in asdict(s).items() if k not in ("url", "blob_url")}
+                for s in self.servers.values()
+            ]
+            per_stage = [
+                {
+                    "stage": k,
+                    "servers": [s["name"] for s in servers if s["stage"] == k],
+                    "throughput": round(
+                        sum(s["throughput"] for s in servers if s["stage"] == k), 3
+                    ),
+                }
+                for k in range(self.cfg.stages)
+            ]
+            book = self.accounts.book
+            return {
+                "run_id": self.run_id,
+                "name": self.cfg.name,
+                "stages": per_stage,
+                "averaging": self.averaging.status(),
+                "servers": servers,
+                "trainers": dict(self.trainers),
+                "reroutes": sum(int(t.get("reroutes", 0)) for t in self.trainers.values()),
+                "rebalances": len(self.rebalances),
+                "moves": self.rebalances[-20:],
+                "disputes": self.disputes[-20:],
+                "banned": sorted(p for p, a in book.accounts.items() if a.banned),
+                "balances": {p: a.balance for p, a in book.accounts.items() if a.balance},
+            }

@@ -1,0 +1,370 @@
+"""A SWARM trainer: `covey swarm trainer --coordinator URL`.
+
+Draws microbatches from covey's data layer (seeded windows of the corpus,
+covey.data.batches), and sends each through one server per stage: forward 0..S-1 (the last
+stage computes the loss and starts backward), then backward S-2..0, each hop carrying the
+stage input it needs to recompute forward. Each hop goes to the server with the least
+expected finish time (covey.swarm.routing); a timeout or a server no longer on that stage
+reroutes the hop to another server of the stage, an invalid reply bans the server for the
+run and is reported. A `verify_rate` share of hops also goes to a second server of the
+stage: replies on one state that disagree go to the coordinator's referee, and the
+microbatch is dropped. `inflight` microbatches run at once (threads), so servers of every
+stage are busy. Loss, served microbatches per server, reroutes and bans are reported.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from covey.peer.client import CoordinatorClient
+from covey.swarm import compute
+from covey.swarm.config import SwarmConfig
+from covey.swarm.routing import NoServerError, Router
+from covey.swarm.wire import WireError, encode_tensor, pack
+from covey.trust.identity import Identity
+
+log = logging.getLogger("covey.swarm.trainer")
+
+
+class Dropped(Exception):
+    """A microbatch given up: no server of a stage answered, or a check disagreed."""
+
+
+@dataclass
+class Hop:
+    server: str
+    state: str
+    reply: bytes
+    sig: str
+
+
+@dataclass
+class TrainerStats:
+    microbatches: int = 0
+    samples: int = 0
+    dropped: int = 0
+    checks: int = 0
+    disputes: int = 0
+    bytes_between_stages: int = 0
+    losses: list[float] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+
+class SwarmTrainer:
+    def __init__(
+        self,
+        coordinator: str,
+        *,
+        name: str = "trainer",
+        inflight: int = 2,
+        seed: int = 0,
+        fixed: bool = False,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        """`fixed`: GPipe-style baseline for benchmarks: the first server seen per stage
+        is the only one used, never rerouted (a dead one stalls the pipeline)."""
+        self.name, self.inflight, self.fixed = name, inflight, fixed
+        self.identity = Identity.generate()
+        self.client = CoordinatorClient(coordinator, identity=self.identity, lost_s=30.0)
+        self.http = httpx.Client(trust_env=False)
+        self.rng = random.Random(seed)
+        self.router = Router(seed=seed, slow_s=5.0)
+        self.urls: dict[str, str] = {}
+        self.pinned: dict[int, str] = {}
+        self.stats = TrainerStats()
+        self.served: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.progress = progress or (lambda line: log.info("%s", line))
+        spec = self.client.get("/v1/swarm/spec")
+        self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
+        self.client.post(
+            "/v1/swarm/join",
+            {
+                "run_id": self.run_id,
+                "peer_id": self.identity.peer_id,
+                "role": "trainer",
+                "public_key": self.identity.public_key,
+                "name": name,
+                "stake": 0.0,
+            },
+        )
+        from covey.data.corpus import load_corpus
+
+        self.tokens = load_corpus(list(self.cfg.data_paths) or None).train
+        self._next = 0
+
+    # -- the server list ---------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        view = self.client.get("/v1/swarm/servers", quiet=True)
+        seen = set()
+        with self.lock:
+            for k, servers in enumerate(view["stages"]):
+                for s in servers:
+                    seen.add(s["peer_id"])
+                    self.urls[s["peer_id"]] = s["url"]
+                    self.router.add_server(s["peer_id"], k)
+                    if self.fixed and k not in self.pinned:
+                        self.pinned[k] = s["peer_id"]
+            for p in list(self.router.servers):
+                if p not in seen and self.router.servers[p].banned is None:
+                    self.router.remove_server(p)
+
+    # -- one hop, one microbatch -----------------------------------------------------------
+
+    def _send(self, server: str, k: int, kind: str, body: bytes) -> Hop:
+        """One request; raises TimeoutError (reroute) or WireError (invalid: ban)."""
+        url = self.urls[server]
+        try:
+            r = self.http.post(
+                f"{url}/v1/swarm/{kind}",
+                content=body,
+                headers={"X-Covey-Stage": str(k)},
+                timeout=self.cfg.request_timeout_s,
+            )
+        except httpx.HTTPError as e:
+            raise TimeoutError(f"{type(e).__name__}: {e}") from None
+        if r.status_code in (409, 503):
+            raise TimeoutError(f"HTTP {r.status_code}: {r.text[:100]}")
+        if r.status_code != 200:
+            raise WireError(f"HTTP {r.status_code}: {r.text[:100]}")
+        state, _, sig = r.headers.get("X-Covey-Signature", "").partition(" ")
+        compute.parse_reply(r.content)  # WireError when malformed
+        return Hop(server, state, r.content, sig)
+
+    def hop(self, k: int, kind: str, body: bytes, rows: int, exclude: str | None = None) -> Hop:
+        deadline = time.monotonic() + 3 * self.cfg.request_timeout_s
+        while not self.stop.is_set():
+            now = time.time()
+            with self.lock:
+                try:
+                    server = self.pinned[k] if self.fixed else self._choose(k, now, exclude)
+                except (NoServerError, KeyError):
+                    server = None
+                if server is not None:
+                    self._note("started", server)
+            if server is None:
+                if time.monotonic() > deadline:
+                    raise Dropped(f"stage {k}: no server")
+                time.sleep(0.2)
+                self.refresh()
+                continue
+            t0 = time.monotonic()
+            try:
+                h = self._send(server, k, kind, body)
+            except TimeoutError as e:
+                with self.lock:
+                    self._note("timed_out", server, time.time())
+                log.warning(
+                    "[%s] stage %d %s on %s: %s; rerouting", self.name, k, kind, server[:8], e
+                )
+                if time.monotonic() > deadline:
+                    raise Dropped(f"stage {k}: {e}") from None
+                continue
+            except WireError as e:
+                with self.lock:
+                    self._note("invalid", server, str(e)[:200])
+                log.warning("[%s] banned %s: %s", self.name, server[:8], e)
+                continue
+            with self.lock:
+                self._note("finished", server, rows, max(time.monotonic() - t0, 1e-6))
+            return h
+        raise Dropped("stopped")
+
+    def _note(self, event: str, server: str, *args: Any) -> None:
+        """Tell the router, unless a refresh dropped the server meanwhile."""
+        if server in self.router.servers:
+            getattr(self.router, event)(server, *args)
+
+    def _choose(self, k: int, now: float, exclude: str | None) -> str:
+        if exclude is None:
+            return self.router.choose(k, now)
+        others = [
+            s.server
+            for s in self.router.servers.values()
+            if s.stage == k and s.banned is None and s.server != exclude
+        ]
+        if not others:
+            raise NoServerError(f"stage {k}: no second server")
+        return min(others, key=lambda s: (self.router.expected_finish(s), s))
+
+    def checked_hop(self, k: int, kind: str, body: bytes, rows: int) -> Hop:
+        h = self.hop(k, kind, body, rows)
+        if self.fixed or self.rng.random() >= self.cfg.verify_rate:
+            return h
+        try:
+            h2 = self.hop(k, kind, body, rows, exclude=h.server)
+        except Dropped:
+            return h  # no second server now: unchecked
+        with self.lock:
+            self.stats.checks += 1
+        if h2.state != h.state or compute.reply_distance(h.reply, h2.reply) <= self.cfg.tolerance:
+            return h
+        self.stats.disputes += 1
+        verdict = self.client.post(
+            "/v1/swarm/dispute",
+            {
+                "run_id": self.run_id,
+                "peer_id": self.identity.peer_id,
+                "stage": k,
+                "kind": kind,
+                "request": base64.b64encode(body).decode(),
+                "replies": [
+                    {
+                        "server": x.server,
+                        "state": x.state,
+                        "sig": x.sig,
+                        "reply": base64.b64encode(x.reply).decode(),
+                    }
+                    for x in (h, h2)
+                ],
+            },
+        )
+        with self.lock:
+            for liar in verdict["liars"]:
+                self._note("invalid", liar, f"convicted by the referee: {verdict['detail']}")
+        log.warning("[%s] stage %d %s disagreement: %s", self.name, k, kind, verdict["detail"])
+        raise Dropped(f"stage {k} replies disagreed")
+
+    def microbatch(self, i: int) -> float:
+        """Forward and backward microbatch `i`; its loss. Dropped when it cannot finish."""
+        from covey.data.batches import sample_batch
+
+        cfg = self.cfg
+        batch = sample_batch(
+            self.tokens,
+            batch_size=cfg.microbatch,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
+            round=0,
+            worker=self.name,
+            step=i,
+        )
+        rows, S = batch.shape[0], cfg.stages
+        inputs, used = [encode_tensor(batch[:, :-1], cfg.codec)], []
+        for k in range(S - 1):
+            h = self.checked_hop(k, "forward", pack(inputs[k]), rows)
+            out, _ = _parts(h.reply)
+            inputs.append(out)
+            self.stats.bytes_between_stages += len(out)
+        h = self.checked_hop(
+            S - 1, "backward", pack(inputs[-1], encode_tensor(batch[:, 1:], "")), rows
+        )
+        used.append(h.server)
+        grad, _ = _parts(h.reply)
+        loss = float(compute.parse_reply(h.reply)[1]["loss"])
+        for k in range(S - 2, -1, -1):
+            self.stats.bytes_between_stages += len(grad)
+            h = self.checked_hop(k, "backward", pack(inputs[k], grad), rows)
+            used.append(h.server)
+            grad, _ = _parts(h.reply)
+        with self.lock:
+            for s in used:
+                self.served[s] = self.served.get(s, 0) + 1
+        return loss
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def train(self, *, samples: int | None = None, seconds: float | None = None) -> TrainerStats:
+        """Train until `samples` samples or `seconds` passed (either may be None, not both)."""
+        if samples is None and seconds is None:
+            raise ValueError("give samples or seconds (or both)")
+        self.refresh()
+        end = None if seconds is None else time.monotonic() + seconds
+        st = self.stats
+
+        def more() -> bool:
+            done = samples is not None and st.samples >= samples
+            return not done and (end is None or time.monotonic() < end) and not self.stop.is_set()
+
+        def worker() -> None:
+            while more():
+                with self.lock:
+                    i, self._next = self._next, self._next + 1
+                try:
+                    loss = self.microbatch(i)
+                except Dropped as e:
+                    with self.lock:
+                        st.dropped += 1
+                    log.warning("[%s] microbatch %d dropped: %s", self.name, i, e)
+                    continue
+                with self.lock:
+                    st.microbatches += 1
+                    st.samples += self.cfg.microbatch
+                    st.losses.append(loss)
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.inflight)]
+        for t in threads:
+            t.start()
+        last = time.monotonic()
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.1)
+            if time.monotonic() - last >= 1.0:
+                last = time.monotonic()
+                self.refresh()
+                self.report()
+        self.report()
+        return st
+
+    def loss(self, last: int = 10) -> float | None:
+        tail = self.stats.losses[-last:]
+        return sum(tail) / len(tail) if tail else None
+
+    def report(self) -> None:
+        with self.lock:
+            served, self.served = self.served, {}
+            st = self.stats
+            body = {
+                "run_id": self.run_id,
+                "peer_id": self.identity.peer_id,
+                "served": served,
+                "samples": st.samples,
+                "loss": self.loss(),
+                "reroutes": self.router.reroutes,
+                "banned": self.router.banned(),
+            }
+        self.client.post("/v1/swarm/report", body)
+        loss = body["loss"]
+        self.progress(
+            f"[{self.name}] {st.samples} samples, loss {loss if loss is None else round(loss, 4)}, "
+            f"{st.samples / max(time.time() - st.started, 1e-9):.1f} samples/s, reroutes "
+            f"{self.router.reroutes}, dropped {st.dropped}, disputes {st.disputes}"
+        )
+
+    def close(self) -> None:
+        self.stop.set()
+        self.http.close()
+        self.client.close()
+
+
+def _parts(reply: bytes) -> tuple[bytes, bytes]:
+    from covey.swarm.wire import unpack
+
+    out, meta = unpack(reply, 2)
+    return out, meta
+
+
+def summary(t: SwarmTrainer) -> dict[str, Any]:
+    st = t.stats
+    return {
+        "samples": st.samples,
+        "microbatches": st.microbatches,
+        "dropped": st.dropped,
+        "loss": t.loss(),
+        "reroutes": t.router.reroutes,
+        "checks": st.checks,
+        "disputes": st.disputes,
+        "bytes_between_stages": st.bytes_between_stages,
+        "banned": t.router.banned(),
+        "seconds": time.time() - st.started,
+    }
