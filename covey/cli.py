@@ -17,6 +17,7 @@ from covey import __version__
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.io.cli import register as register_io
+from covey.rl.cli import register as register_rl
 from covey.swarm.cli import register as register_swarm
 from covey.trust.ledger_cli import register as register_ledger
 
@@ -31,6 +32,7 @@ app.add_typer(bench_app, name="bench")
 register_ledger(app)
 register_io(app)  # tokenizer train, export, generate
 register_swarm(app)  # swarm coordinator, server, trainer, demo
+register_rl(app)  # rl trainer, worker, validator, demo
 
 METHODS = "ddp, diloco, streaming, demo"
 LOG_TO = typer.Option(

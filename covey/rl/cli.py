@@ -1,0 +1,181 @@
+"""`covey rl trainer | worker | validator | demo`: the RL roles from the command line.
+
+Only typer is imported at module level: torch loads when a command runs, so `covey rl
+--help` is instant. Bad input exits 2 with `error: ...`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+rl_app = typer.Typer(
+    help="Decentralized RL post-training: a trainer, untrusted rollout "
+    "workers and staked validators (issue 14).",
+    no_args_is_help=True,
+)
+
+TrainerUrl = Annotated[
+    str, typer.Option("--trainer", help="the trainer's URL, e.g. http://127.0.0.1:8700")
+]
+IdentityPath = Annotated[
+    Path | None,
+    typer.Option(
+        help="Ed25519 key file (created mode 600 if missing); default: a fresh key per process"
+    ),
+]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `rl` command group to the main `covey` app."""
+    app.add_typer(rl_app, name="rl")
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
+def _logging(verbose: bool = True) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+
+
+def _identity(path: Path | None):
+    from covey.trust.identity import Identity, IdentityError
+
+    try:
+        return Identity.generate() if path is None else Identity.load_or_create(path)
+    except IdentityError as e:
+        raise _fail(str(e)) from None
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+@rl_app.command("trainer")
+def trainer(
+    data_dir: Annotated[Path, typer.Option(help="run directory: database, blobs, key")],
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            help="starting policy: a policy directory (covey rl sft) or covey:<preset>; "
+            "needed only when DATA_DIR holds no run yet"
+        ),
+    ] = None,
+    spec: Annotated[Path | None, typer.Option(help="TOML of the run's RLSpec fields")] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on", min=1, max=65535)] = 8700,
+    threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+) -> None:
+    """Serve an RL run: publish policy versions, take verified batches, train, pay."""
+    from covey.config import load_toml
+    from covey.rl.runspec import RLSpec
+    from covey.rl.service import serve
+    from covey.rl.trainer import Trainer
+
+    _logging()
+    _threads(threads)
+    try:
+        rl_spec = RLSpec.model_validate(load_toml(spec)) if spec else None
+        if rl_spec is None and policy is not None:
+            rl_spec = RLSpec()
+        t = Trainer(data_dir, spec=rl_spec, policy_dir=policy, url=f"http://{host}:{port}")
+    except (ValueError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"trainer of run {t.run_id} at http://{host}:{port} (policy v{t.version})")
+    serve(t, host, port)
+
+
+@rl_app.command("worker")
+def worker(
+    trainer_url: TrainerUrl,
+    behavior: Annotated[
+        str,
+        typer.Option(help="honest, or a cheat (tests/demo): replay, and covey.rl.cheats.CHEATS"),
+    ] = "honest",
+    identity: IdentityPath = None,
+    name: Annotated[str, typer.Option(help="name shown on the status page")] = "worker",
+    stake: Annotated[float, typer.Option(help="credits staked on joining", min=0)] = 1.0,
+    max_steps: Annotated[int | None, typer.Option(help="stop after this many batches")] = None,
+    serve_blobs: Annotated[bool, typer.Option(help="serve fetched policies to others")] = False,
+    run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
+    threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+) -> None:
+    """Generate rollout batches for a trainer and get paid per verified token."""
+    from covey.peer.client import CoordinatorLost
+    from covey.rl.worker import RolloutWorker
+
+    _logging()
+    _threads(threads)
+    stop = _stop_on_signals()
+    try:
+        w = RolloutWorker(
+            trainer_url,
+            _identity(identity),
+            name=name,
+            stake=stake,
+            behavior=behavior,
+            serve_blobs=serve_blobs,
+            run_id=run_id,
+            stop=stop,
+        )
+        n = w.run_loop(max_steps)
+    except CoordinatorLost as e:
+        raise _fail(str(e)) from None
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"worker {name}: {n} batches submitted")
+
+
+@rl_app.command("validator")
+def validator(
+    trainer_url: TrainerUrl,
+    behavior: Annotated[str, typer.Option(help="honest; lazy or accuse (tests/demo)")] = "honest",
+    identity: IdentityPath = None,
+    name: Annotated[str, typer.Option(help="name shown on the status page")] = "validator",
+    stake: Annotated[float, typer.Option(help="credits staked on joining", min=0)] = 10.0,
+    max_checks: Annotated[int | None, typer.Option(help="stop after this many checks")] = None,
+    run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
+    threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+) -> None:
+    """Check rollout batches the trainer assigns; earn per check and per proven catch."""
+    from covey.peer.client import CoordinatorLost
+    from covey.rl.validator import RolloutValidator
+
+    _logging()
+    _threads(threads)
+    stop = _stop_on_signals()
+    try:
+        v = RolloutValidator(
+            trainer_url,
+            _identity(identity),
+            name=name,
+            stake=stake,
+            behavior=behavior,
+            run_id=run_id,
+            stop=stop,
+        )
+        n = v.run_loop(max_checks)
+    except (CoordinatorLost, ValueError) as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"validator {name}: {n} checks reported")

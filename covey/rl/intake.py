@@ -1,0 +1,309 @@
+"""The RL mode's intake and verification: submitted rollout batches, validator assignment,
+reports, and the verdicts written to the ledger.
+
+- A submission is signed by the worker over the whole batch for the step it names (the
+  request signature's round), so the batch is bound to worker, step and policy version.
+  A batch naming another worker, signed by this one, is a replay: refused (403) and
+  slashed. Wrong run, a step outside [version - async_level, version], a policy that is
+  not that step's, a second batch for a step: refused (409), nothing changes.
+- Every batch is checked. It is assigned to one live validator, ranked by
+  sha256(batch cid, validator id) (not first come); the sequences it prefills are drawn
+  from the trainer's signature over (run, batch cid, validator), which the worker cannot
+  know when it generates. A check not reported within verify_timeout_s is recorded as
+  missed and reassigned; with no eligible validator the trainer checks it itself.
+- A verdict rests on recomputation: a rejection is re-checked by the trainer before the
+  worker is slashed (the validator wins a catch), and a rejection the trainer cannot
+  reproduce costs the validator a penalty (false accusation) while the batch is accepted.
+  `audit_rate` of accepted batches are re-checked in full; a bad one is rejected, its
+  worker slashed and the validator penalized (ledger kind "canary": it passed a batch
+  known to be bad). Workers are paid per token of accepted batches only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sqlite3
+import time
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from covey.coordinator.views import Rejected
+from covey.protocol.schemas import PeerId, RunId, Signed
+from covey.rl.batch import RolloutBatch, verified_subset
+from covey.rl.verdicts import Judge
+from covey.trust.identity import NO_ROUND
+
+if TYPE_CHECKING:
+    from covey.rl.trainer import Trainer
+
+log = logging.getLogger("covey.rl.intake")
+RL_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS rl_versions (version INTEGER PRIMARY KEY, cid TEXT NOT NULL, "
+    "at REAL NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS rl_batches (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+    "step INTEGER NOT NULL, worker_id TEXT NOT NULL, cid TEXT NOT NULL, samples INTEGER, "
+    "tokens INTEGER, status TEXT NOT NULL, validator_id TEXT, tried TEXT NOT NULL DEFAULT "
+    "'[]', claimed_at REAL, draw TEXT, problem TEXT, detail TEXT, submitted_at REAL, "
+    "nonce TEXT, signature TEXT, consumed_by INTEGER, UNIQUE (step, worker_id))",
+)
+
+
+class SubmitBatch(Signed):
+    """POST /v1/rl/batch, signed for round = batch.step."""
+
+    run_id: RunId
+    peer_id: PeerId
+    batch: RolloutBatch
+
+
+class ClaimCheck(Signed):
+    """POST /v1/rl/claim: a validator asks for its next assigned batch."""
+
+    run_id: RunId
+    peer_id: PeerId
+
+
+class ReportCheck(Signed):
+    """POST /v1/rl/report: a validator's verdict on the batch it was assigned."""
+
+    run_id: RunId
+    peer_id: PeerId
+    batch_cid: str = Field(pattern=r"^[0-9a-f]{64}$")
+    ok: bool
+    problem: str | None = Field(None, max_length=64)
+    detail: str = Field("", max_length=500)
+    sample: int | None = Field(None, ge=0)
+
+
+def _h(*parts: object) -> str:
+    return hashlib.sha256("|".join(str(p) for p in parts).encode()).hexdigest()
+
+
+def draw_samples(cid: str, draw: str, n: int, k: int) -> list[int]:
+    """The k (of n) sample indices a validator prefills (covey.rl.batch.verified_subset
+    with the trainer's draw as the beacon)."""
+    return verified_subset(cid, draw, n, k)
+
+
+class Intake:
+    def __init__(self, trainer: Trainer) -> None:
+        self.t = trainer
+        self.judge = Judge(trainer)
+
+    # -- submissions ----------------------------------------------------------------------
+
+    def submit(self, req: SubmitBatch, raw: dict[str, Any]) -> dict[str, Any]:
+        t, m, b = self.t, self.t.membership, req.batch
+        m.check_run(req.run_id)
+        self._role(req.peer_id, "worker")
+        m.authenticate(raw, b.step, req.peer_id)
+        m.check_not_banned(req.peer_id)
+        if b.worker_id != req.peer_id:
+            self._slash_replay(
+                req,
+                f"batch.worker_id is {b.worker_id[:12]}, signed by "
+                f"{req.peer_id[:12]}: a replay of another worker's batch",
+            )
+            raise Rejected(
+                403,
+                f"batch.worker_id {b.worker_id[:12]} is not the signer "
+                f"{req.peer_id[:12]}: replay refused and slashed",
+            )
+        if b.run_id != t.run_id:
+            raise Rejected(409, f"batch.run_id {b.run_id} is not this run {t.run_id}")
+        with t.lock:
+            v, oldest = t.version, t.version - t.spec.async_level
+            cid_of_step = t.cids.get(b.step)
+        if not oldest <= b.step <= v:
+            raise Rejected(
+                409,
+                f"batch.step {b.step} is outside [{oldest}, {v}] (policy "
+                f"v{v}, async_level {t.spec.async_level}): fetch the policy",
+            )
+        if b.policy_version != b.step or b.policy_cid != cid_of_step:
+            raise Rejected(
+                409,
+                f"batch.policy_version/policy_cid ({b.policy_version}, "
+                f"{b.policy_cid[:12]}) are not step {b.step}'s policy "
+                f"({b.step}, {str(cid_of_step)[:12]})",
+            )
+        data = b.model_dump_json().encode()
+        tokens = sum(len(s.tokens) for s in b.samples)
+        cid = t.blobs.put(data)
+        try:
+            with t.db.transaction() as c:
+                c.execute(
+                    "INSERT INTO rl_batches (step, worker_id, cid, samples, tokens, status, "
+                    "submitted_at, nonce, signature) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
+                    (
+                        b.step,
+                        req.peer_id,
+                        cid,
+                        len(b.samples),
+                        tokens,
+                        time.time(),
+                        req.nonce,
+                        req.signature,
+                    ),
+                )
+        except sqlite3.IntegrityError:
+            raise Rejected(
+                409, f"worker {req.peer_id[:12]} already submitted a batch for step {b.step}"
+            ) from None
+        log.info(
+            "[%s - step %d] batch %s: %d samples, %d tokens",
+            req.peer_id[:8],
+            b.step,
+            cid[:12],
+            len(b.samples),
+            tokens,
+        )
+        return {"ok": True, "cid": cid, "tokens": tokens}
+
+    def _role(self, peer_id: str, role: str) -> None:
+        row = self.t.db.one("SELECT role FROM peers WHERE peer_id = ?", (peer_id,))
+        if row is None:
+            raise Rejected(404, f"unknown peer {peer_id}: join first")
+        if row["role"] != role:
+            raise Rejected(403, f"peer {peer_id[:12]} is a {row['role']}, not a {role}")
+
+    def _slash_replay(self, req: SubmitBatch, reason: str) -> None:
+        t, now, step = self.t, time.time(), req.batch.step
+        with t.accounts.transaction() as c:
+            c.execute(
+                "INSERT OR IGNORE INTO rl_batches (step, worker_id, cid, samples, tokens, "
+                "status, problem, detail, submitted_at) VALUES (?, ?, '', ?, 0, "
+                "'rejected', 'replay', ?, ?)",
+                (step, req.peer_id, len(req.batch.samples), reason, now),
+            )
+            self.judge.reject_entries(c, step, req.peer_id, None, reason, 0, now)
+
+    # -- validators -----------------------------------------------------------------------
+
+    def claim(self, req: ClaimCheck, raw: dict[str, Any]) -> dict[str, Any]:
+        t, m = self.t, self.t.membership
+        m.check_run(req.run_id)
+        self._role(req.peer_id, "validator")
+        m.authenticate(raw, NO_ROUND, req.peer_id)
+        m.check_not_banned(req.peer_id)
+        live = set(self._live_validators())
+        with t.db.transaction() as c:
+            mine = c.execute(
+                "SELECT * FROM rl_batches WHERE status = 'claimed' AND "
+                "validator_id = ? ORDER BY id LIMIT 1",
+                (req.peer_id,),
+            ).fetchone()
+            if mine is None:
+                for row in c.execute(
+                    "SELECT * FROM rl_batches WHERE status = 'pending' ORDER BY id"
+                ).fetchall():
+                    if self._assignee(row, live | {req.peer_id}) == req.peer_id:
+                        mine = row
+                        break
+            if mine is None:
+                return {"task": None}
+            draw = t.identity.sign(
+                f"covey-rl-draw/v1\n{t.run_id}\n{mine['cid']}\n{req.peer_id}".encode()
+            )
+            tried = sorted(set(json.loads(mine["tried"])) | {req.peer_id})
+            c.execute(
+                "UPDATE rl_batches SET status = 'claimed', validator_id = ?, claimed_at = "
+                "?, draw = ?, tried = ? WHERE id = ?",
+                (req.peer_id, time.time(), draw, json.dumps(tried), mine["id"]),
+            )
+        return {
+            "task": {
+                "batch_cid": mine["cid"],
+                "step": mine["step"],
+                "worker_id": mine["worker_id"],
+                "policy_version": mine["step"],
+                "policy_cid": t.cids[mine["step"]],
+                "draw": draw,
+                "verify_samples": draw_samples(
+                    mine["cid"], draw, mine["samples"], t.spec.verify_samples
+                ),
+            }
+        }
+
+    def _live_validators(self) -> list[str]:
+        t = self.t
+        now, live = time.time(), t.membership.liveness
+        rows = t.db.query(
+            "SELECT peer_id, last_seen FROM peers WHERE role = 'validator' AND state = 'live'"
+        )
+        book = t.accounts.book.accounts
+        return [
+            r["peer_id"]
+            for r in rows
+            if live.last_seen(r["peer_id"], r["last_seen"]) > now - t.spec.dead_after_s
+            and not (r["peer_id"] in book and book[r["peer_id"]].banned)
+        ]
+
+    @staticmethod
+    def _assignee(row: sqlite3.Row, live: set[str]) -> str | None:
+        tried = set(json.loads(row["tried"]))
+        eligible = sorted(v for v in live if v not in tried and v != row["worker_id"])
+        return min(eligible, key=lambda v: _h("covey-rl-assign", row["cid"], v), default=None)
+
+    def expire(self, now: float) -> None:
+        """Checks held past verify_timeout_s go back (a missed check in the ledger); a
+        batch no live validator may take for verify_timeout_s is checked by the trainer."""
+        t = self.t
+        timeout = t.spec.verify_timeout_s
+        for row in t.db.query(
+            "SELECT * FROM rl_batches WHERE status = 'claimed' AND claimed_at < ?", (now - timeout,)
+        ):
+            with t.accounts.transaction() as c:
+                c.execute(
+                    "UPDATE rl_batches SET status = 'pending', validator_id = NULL WHERE id = ?",
+                    (row["id"],),
+                )
+                t.accounts.append(
+                    c,
+                    "verification",
+                    {
+                        "round": row["step"],
+                        "peer_id": row["worker_id"],
+                        "validator_id": row["validator_id"],
+                        "outcome": "expired",
+                        "distance": None,
+                        "exact": False,
+                        "cid": row["cid"],
+                    },
+                    now,
+                )
+            log.warning(
+                "[%s - step %d] check of %s not reported in %.0f s: reassigned",
+                row["validator_id"][:8],
+                row["step"],
+                row["cid"][:12],
+                timeout,
+            )
+        live = set(self._live_validators())
+        for row in t.db.query(
+            "SELECT * FROM rl_batches WHERE status = 'pending' AND submitted_at < ?",
+            (now - timeout,),
+        ):
+            if self._assignee(row, live) is None:
+                self.judge.decide(row, None, None)
+
+    def report(self, req: ReportCheck, raw: dict[str, Any]) -> dict[str, Any]:
+        t, m = self.t, self.t.membership
+        m.check_run(req.run_id)
+        self._role(req.peer_id, "validator")
+        m.authenticate(raw, NO_ROUND, req.peer_id)
+        row = t.db.one(
+            "SELECT * FROM rl_batches WHERE cid = ? AND status = 'claimed' AND validator_id = ?",
+            (req.batch_cid, req.peer_id),
+        )
+        if row is None:
+            raise Rejected(
+                409,
+                f"batch {req.batch_cid[:12]} is not assigned to validator "
+                f"{req.peer_id[:12]} (reported already, or reassigned)",
+            )
+        claim = {"ok": req.ok, "problem": req.problem, "detail": req.detail, "sample": req.sample}
+        return self.judge.decide(row, req.peer_id, claim)

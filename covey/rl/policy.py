@@ -1,0 +1,120 @@
+"""Policies as bytes: what the trainer publishes on the blob plane and every role loads.
+
+A policy is covey's GPT, described by its `GPTConfig` (a dict in the run's spec), and its
+weights as one safetensors blob (content id = sha256 of the bytes). Loading checks every
+tensor against the config's shapes and refuses NaN/Inf, so a blob that hashes right but
+was built for another model is an error, never a silently different policy. Nothing here
+unpickles: safetensors only.
+
+A policy directory (`--policy`) is what `covey rl sft` writes (policy.json +
+policy.safetensors, covey.rl.sft), or `config.json` (GPTConfig fields) + `model.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from covey.models.gpt import GPT, GPTConfig, gpt_config
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class PolicyError(ValueError):
+    """Policy bytes or a policy directory that cannot be used."""
+
+
+def config_of(model_cfg: dict[str, Any]) -> GPTConfig:
+    """A GPTConfig from a spec's model dict. PolicyError naming the field otherwise."""
+    known = set(GPTConfig.__dataclass_fields__)
+    extra = set(model_cfg) - known
+    if extra:
+        raise PolicyError(f"unknown model config fields {sorted(extra)}; known {sorted(known)}")
+    try:
+        return GPTConfig(**{k: int(v) for k, v in model_cfg.items()})
+    except (TypeError, ValueError) as e:
+        raise PolicyError(f"bad model config {model_cfg}: {e}") from None
+
+
+def build_policy(model_cfg: dict[str, Any]) -> GPT:
+    """An (untrained) GPT of the config, in eval mode; weights come from `load_weights`."""
+    torch.manual_seed(0)
+    return GPT(config_of(model_cfg)).eval()
+
+
+def policy_bytes(model: torch.nn.Module) -> bytes:
+    """The model's weights as safetensors bytes (float32, contiguous, CPU)."""
+    tensors = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+    return st_save(tensors)
+
+
+def load_weights(model: torch.nn.Module, data: bytes) -> torch.nn.Module:
+    """Load safetensors `data` into `model` in place. PolicyError when a name is missing
+    or extra, a shape differs, or a value is not finite; the model is then unchanged."""
+    try:
+        tensors = st_load(data)
+    except Exception as e:  # safetensors raises its own SafetensorError for bad headers
+        raise PolicyError(f"policy blob is not safetensors: {e}") from None
+    own = model.state_dict()
+    if set(tensors) != set(own):
+        missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+        raise PolicyError(f"policy tensors differ: missing {missing[:4]}, extra {extra[:4]}")
+    for name, t in tensors.items():
+        if t.shape != own[name].shape:
+            raise PolicyError(f"{name}: shape {tuple(t.shape)}, model has {tuple(own[name].shape)}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise PolicyError(f"{name} holds NaN or Inf")
+    model.load_state_dict({k: t.to(own[k].dtype) for k, t in tensors.items()}, strict=True)
+    return model
+
+
+def save_policy_dir(model: GPT, directory: str | Path) -> Path:
+    """Write `model` as a policy directory (config.json + model.safetensors)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / CONFIG_FILE).write_text(json.dumps(model.cfg.to_dict(), indent=1))
+    (d / WEIGHTS_FILE).write_bytes(policy_bytes(model))
+    return d
+
+
+def load_policy_dir(directory: str | Path) -> tuple[dict[str, Any], GPT]:
+    """(model config dict, model) from a policy directory, or from `covey:<preset>` for a
+    randomly initialized preset. PolicyError naming the path when it cannot be used."""
+    text = str(directory)
+    if text.startswith("covey:"):
+        try:
+            cfg = gpt_config(text[6:]).to_dict()
+        except ValueError as e:
+            raise PolicyError(str(e)) from None
+        return cfg, build_policy(cfg)
+    d = Path(directory)
+    if (d / "policy.json").is_file():  # covey rl sft's format (covey.rl.sft)
+        from covey.rl.sft import load_policy
+
+        try:
+            model, _doc = load_policy(d)
+        except (ValueError, OSError) as e:
+            raise PolicyError(str(e)) from None
+        return model.cfg.to_dict(), model
+    try:
+        raw = json.loads((d / CONFIG_FILE).read_text())
+        data = (d / WEIGHTS_FILE).read_bytes()
+    except (OSError, json.JSONDecodeError) as e:
+        raise PolicyError(
+            f"{d} is not a policy directory ({CONFIG_FILE} + {WEIGHTS_FILE}): {e}"
+        ) from None
+    if isinstance(raw, dict) and isinstance(raw.get("gpt"), dict):
+        raw = raw["gpt"]
+    if not isinstance(raw, dict):
+        raise PolicyError(f"{d / CONFIG_FILE} is not a JSON object")
+    fields = set(GPTConfig.__dataclass_fields__)
+    cfg = {k: v for k, v in raw.items() if k in fields}
+    model = build_policy(cfg)
+    load_weights(model, data)
+    return config_of(cfg).to_dict(), model

@@ -1,0 +1,142 @@
+"""An RL run's spec: the rules every role reads from the trainer and never from a batch.
+
+`RLSpec` is frozen and hashed into the run id together with the model config, the first
+policy's content id and the trainer's public key, so a worker handed a run id refuses a
+trainer serving another run. It says which task (built-in arithmetic or JSONL prompts with
+a `py:` reward), how rollouts are drawn (prompts per step, G, temperature, token budget,
+eos), how the trainer learns (async_level, samples per step) and verifies (prefill checks
+per batch, audit rate, deadlines), and the incentive rules its ledger is created with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from types import SimpleNamespace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from covey.config import LimitsConfig, RoundsConfig, TrustConfig
+from covey.rl.batch import RolloutSpec
+from covey.rl.tasks import ArithmeticTask, JsonlTask, Task
+from covey.trust.policy import Policy
+
+
+class TaskSpec(BaseModel):
+    """Which task: `arithmetic` (its generator's parameters) or `jsonl` (path + reward)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    seed: int = 0
+    max_operand: int = Field(99, ge=1, le=10_000)
+    ops: str = "+"
+    format_reward: float = Field(0.1, ge=0, le=1)
+    path: str = ""
+    reward: str = ""
+
+    def build(self) -> Task:
+        if self.kind == "arithmetic":
+            return ArithmeticTask(
+                seed=self.seed,
+                max_operand=self.max_operand,
+                ops=self.ops,
+                format_reward=self.format_reward,
+            )
+        return JsonlTask(self.path, self.reward)
+
+
+class RLSpec(BaseModel):
+    """The run's rules. Every field is part of the run id."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field("rl", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    task: TaskSpec = TaskSpec()
+    prompts_per_step: int = Field(2, ge=1, le=256, description="prompts per worker batch")
+    group_size: int = Field(4, ge=2, le=64, description="G samples per prompt")
+    temperature: float = Field(1.0, gt=0, le=10)
+    max_new_tokens: int = Field(5, ge=1, le=512)
+    eos_id: int | None = Field(10, description="newline ends a completion; None: fixed length")
+    async_level: int = Field(2, ge=0, le=64, description="batches at most this stale train")
+    samples_per_step: int = Field(16, ge=1, description="verified samples a trainer step needs")
+    verify_samples: int = Field(2, ge=1, description="sequences per batch the validator prefills")
+    audit_rate: float = Field(0.1, ge=0, le=1, description="accepted batches the trainer re-checks")
+    verify_timeout_s: float = Field(60.0, gt=0, description="an unreported check is reassigned")
+    lr: float = Field(3e-4, gt=0)
+    eval_prompts: int = Field(64, ge=1, description="held-out prompts for pass@1")
+    eval_every: int = Field(5, ge=1, description="trainer steps between pass@1 evaluations")
+    max_batch_bytes: int = Field(4 << 20, ge=1024, description="largest batch submission")
+    heartbeat_s: float = Field(2.0, gt=0)
+    dead_after_s: float = Field(6.0, gt=0)
+    min_stake: float = Field(1.0, ge=0)
+    min_validator_stake: float = Field(10.0, ge=0)
+    reward_per_token: float = Field(0.001, ge=0)
+    slash_fraction: float = Field(0.5, ge=0, le=1)
+    catch_reward: float = Field(1.0, ge=0)
+    check_reward: float = Field(0.01, ge=0)
+    validator_slash_fraction: float = Field(0.2, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RLSpec:
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        if self.task.kind == "jsonl" and not (self.task.path and self.task.reward):
+            raise ValueError("a jsonl task needs task.path and task.reward (py:<mod>:<fn>)")
+        return self
+
+
+def run_id_of(spec: RLSpec, model_cfg: dict[str, Any], policy_cid: str, trainer_key: str) -> str:
+    """16 hex digits of sha256 over the spec, the model, the first policy and the trainer."""
+    body = {
+        "spec": spec.model_dump(mode="json"),
+        "model": model_cfg,
+        "policy0": policy_cid,
+        "trainer_key": trainer_key,
+    }
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def rollout_spec(spec: RLSpec, run_id: str, vocab_size: int) -> RolloutSpec:
+    """The batch checks' view of the run (covey.rl.batch)."""
+    return RolloutSpec(
+        run_id=run_id,
+        prompts_per_step=spec.prompts_per_step,
+        group_size=spec.group_size,
+        temperature=spec.temperature,
+        max_new_tokens=spec.max_new_tokens,
+        vocab_size=vocab_size,
+        eos_id=spec.eos_id,
+    )
+
+
+def ledger_policy(spec: RLSpec) -> Policy:
+    """The incentive rules of the run's ledger ("run created"). Every batch is checked
+    before it is accepted, so no accepted batch is "sampled" for a later check."""
+    return Policy(
+        min_stake=spec.min_stake,
+        reward_per_token=spec.reward_per_token,
+        slash_fraction=spec.slash_fraction,
+        catch_reward=spec.catch_reward,
+        new_peer_rate=1.0,
+        new_peer_contributions=0,
+        low_reputation=0.0,
+        sample_rate=1.0,
+        min_validator_stake=spec.min_validator_stake,
+        validator_slash_fraction=spec.validator_slash_fraction,
+        check_reward=spec.check_reward,
+    )
+
+
+def membership_config(spec: RLSpec) -> Any:
+    """What covey.coordinator.membership.Membership reads of a run config (trust, rounds,
+    limits), from the RL spec: the component is shared, the rounds spec is not."""
+    rounds = RoundsConfig(
+        heartbeat_s=spec.heartbeat_s,
+        dead_after_s=spec.dead_after_s,
+        lease_s=max(3 * spec.heartbeat_s, spec.dead_after_s + 1),
+    )
+    trust = TrustConfig(min_stake=spec.min_stake, min_validator_stake=spec.min_validator_stake)
+    return SimpleNamespace(trust=trust, rounds=rounds, limits=LimitsConfig())

@@ -1,0 +1,315 @@
+"""The RL trainer (trusted, the run owner): holds the policy, publishes versions on the blob
+plane, and takes a GRPO step whenever enough VERIFIED samples are in.
+
+It is built from covey's coordinator components, not a copy of them: `Membership` (joins
+with stake, heartbeats, leaves, signed requests and nonces), `Accounts` (the ledger and the
+book), `BlobStore` (policy versions and submitted batches by content id). The RL mode's
+own parts: `Intake` (covey.rl.intake: submissions, validator assignment and reports,
+verdicts written to the ledger) and the learning loop here.
+
+Everything a restarted trainer needs is in its data directory: the SQLite database
+(`coordinator.db`: spec, versions, batches, peers, nonces, ledger), the blobs (every
+policy version and batch) and its key. The optimizer's moments are not persisted: a
+restarted trainer continues from the latest published policy with fresh moments.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from covey.blobs import BlobStore
+from covey.coordinator.accounts import Accounts
+from covey.coordinator.db import Database
+from covey.coordinator.membership import Membership
+from covey.rl import policy as pol
+from covey.rl.batch import RolloutBatch
+from covey.rl.intake import RL_SCHEMA, Intake
+from covey.rl.learning import held_out_pass_at_1, make_learner
+from covey.rl.runspec import RLSpec, ledger_policy, membership_config, rollout_spec, run_id_of
+from covey.trust.identity import Identity
+
+log = logging.getLogger("covey.rl.trainer")
+KEY_FILE = "trainer.key"
+
+
+class Trainer:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        spec: RLSpec | None = None,
+        policy_dir: str | None = None,
+        url: str = "",
+    ) -> None:
+        """Open the run in `data_dir`, or create it from `spec` and the policy at
+        `policy_dir` (a policy directory or covey:<preset>). ValueError when the directory
+        holds no run and no spec/policy is given, or holds a run with another spec."""
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.url = url
+        self.identity = Identity.load_or_create(self.data_dir / KEY_FILE)
+        self.db = Database(self.data_dir / "coordinator.db")
+        with self.db.transaction() as c:
+            for statement in RL_SCHEMA:
+                c.execute(statement)
+        self.blobs = BlobStore(self.data_dir / "blobs")
+        stored = self.db.get_meta("rl_spec")
+        if stored is None:
+            if spec is None or policy_dir is None:
+                raise ValueError(f"{self.data_dir} holds no RL run: give a spec and a --policy")
+            model_cfg, model = pol.load_policy_dir(policy_dir)
+            cid0 = self.blobs.put(pol.policy_bytes(model))
+            self.run_id = run_id_of(spec, model_cfg, cid0, self.identity.public_key)
+            self.spec, self.model_cfg = spec, model_cfg
+            self.accounts = Accounts(self.db, self.identity, self.data_dir)
+            self._create(cid0)
+        else:
+            saved = json.loads(stored)
+            self.spec = RLSpec.model_validate(saved["spec"])
+            if spec is not None and spec != self.spec:
+                raise ValueError(
+                    f"{self.data_dir} holds run {saved['run_id']} with another "
+                    f"spec; use another --data-dir"
+                )
+            self.model_cfg, self.run_id = saved["model"], saved["run_id"]
+            self.accounts = Accounts(self.db, self.identity, self.data_dir)
+        self.task = self.spec.task.build()
+        self.rollout = rollout_spec(self.spec, self.run_id, self.model_cfg["vocab_size"])
+        self.stop_event = threading.Event()
+        self.membership = Membership(
+            self.db,
+            membership_config(self.spec),
+            self.accounts,
+            self.run_id,
+            wake=threading.Event(),
+            stop=self.stop_event,
+            check_not_halted=lambda: None,
+        )
+        self.lock = threading.RLock()
+        rows = self.db.query("SELECT version, cid FROM rl_versions ORDER BY version")
+        self.cids = {int(r["version"]): r["cid"] for r in rows}
+        self.version = max(self.cids)
+        self.policy = pol.load_weights(
+            pol.build_policy(self.model_cfg), self.blobs.get(self.cids[self.version])
+        )
+        self.learner = make_learner(self.policy, self.spec, self.task)
+        self.intake = Intake(self)
+        self.history: list[dict[str, Any]] = json.loads(self.db.get_meta("rl_history") or "[]")
+        self._thread: threading.Thread | None = None
+        self._frozen: dict[int, torch.nn.Module] = {}
+
+    def _create(self, cid0: str) -> None:
+        now = time.time()
+        spec_dict = {"rl": self.spec.model_dump(mode="json"), "model": self.model_cfg}
+        with self.accounts.transaction() as c:
+            self.accounts.append(
+                c,
+                "run created",
+                {
+                    "run_id": self.run_id,
+                    "name": self.spec.name,
+                    "spec": spec_dict,
+                    "coordinator_key": self.identity.public_key,
+                    "policy": ledger_policy(self.spec).to_dict(),
+                },
+                now,
+            )
+            saved = {
+                "spec": self.spec.model_dump(mode="json"),
+                "model": self.model_cfg,
+                "run_id": self.run_id,
+            }
+            c.execute("INSERT INTO meta VALUES ('rl_spec', ?)", (json.dumps(saved),))
+            c.execute("INSERT OR REPLACE INTO meta VALUES ('run_id', ?)", (self.run_id,))
+            c.execute("INSERT INTO rl_versions VALUES (0, ?, ?)", (cid0, now))
+            self.accounts.append(
+                c, "checkpoint", {"round": 0, "cid": cid0, "weights_hash": cid0}, now
+            )
+        log.info("[trainer] created run %s: policy v0 %s", self.run_id, cid0[:12])
+
+    # -- what the service and the roles read --------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """GET /v1/rl/spec: the run's rules, model, and the trainer's key."""
+        return {
+            "run_id": self.run_id,
+            "spec": self.spec.model_dump(mode="json"),
+            "model": self.model_cfg,
+            "trainer_key": self.identity.public_key,
+        }
+
+    def policy_info(self) -> dict[str, Any]:
+        """GET /v1/rl/policy: the current version, its content id and who serves it (peers
+        that announced a blob server first, the trainer last: any may be wrong, the hash
+        decides)."""
+        with self.lock:
+            v, cid = self.version, self.cids[self.version]
+        peers = self.db.query(
+            "SELECT blob_url FROM peers WHERE role = 'worker' AND state = "
+            "'live' AND blob_url IS NOT NULL AND accepts_connections = 1"
+        )
+        providers = [r["blob_url"] for r in peers] + ([self.url] if self.url else [])
+        return {"version": v, "cid": cid, "size": self.blobs.size(cid), "providers": providers}
+
+    def policy_at(self, version: int) -> torch.nn.Module:
+        """The frozen policy of `version` (cached while it can still be checked against)."""
+        with self.lock:
+            model = self._frozen.get(version)
+            if model is None:
+                model = pol.load_weights(
+                    pol.build_policy(self.model_cfg), self.blobs.get(self.cids[version])
+                )
+                self._frozen[version] = model
+                for old in [v for v in self._frozen if v < self.version - self.spec.async_level]:
+                    del self._frozen[old]
+            return model
+
+    # -- the learning loop ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="rl-learn", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.membership.liveness.flush()
+        self.db.close()
+
+    def _loop(self) -> None:
+        if not any(h.get("pass_at_1") is not None for h in self.history):
+            self._evaluate(record=True)
+        while not self.stop_event.wait(0.1):
+            try:
+                self.intake.expire(time.time())
+                self.step_if_ready()
+            except Exception:  # the loop must outlive one bad step; the error is logged
+                log.exception("[trainer - v%d] step failed", self.version)
+                self.stop_event.wait(1.0)
+
+    def step_if_ready(self) -> dict[str, Any] | None:
+        """Train on accepted batches if they hold samples_per_step samples (batches older
+        than version - async_level are dropped first); publish version + 1. None if not
+        enough verified samples are in yet."""
+        with self.lock:
+            oldest = self.version - self.spec.async_level
+            with self.db.transaction() as c:
+                dropped = c.execute(
+                    "UPDATE rl_batches SET status = 'dropped' WHERE status = "
+                    "'accepted' AND step < ?",
+                    (oldest,),
+                ).rowcount
+            if dropped:
+                log.info("[trainer - v%d] dropped %d stale batches", self.version, dropped)
+            rows = self.db.query(
+                "SELECT id, step, cid, samples FROM rl_batches WHERE status = "
+                "'accepted' ORDER BY id"
+            )
+            if sum(r["samples"] for r in rows) < self.spec.samples_per_step:
+                return None
+            batches = [
+                (RolloutBatch.model_validate_json(self.blobs.get(r["cid"])), r["step"])
+                for r in rows
+            ]
+            t0 = time.time()
+            stats = self.learner.step(batches, self.version)
+            cid = self.blobs.put(pol.policy_bytes(self.policy))
+            now = time.time()
+            with self.accounts.transaction() as c:
+                c.execute("INSERT INTO rl_versions VALUES (?, ?, ?)", (self.version + 1, cid, now))
+                ids = [r["id"] for r in rows]
+                c.execute(
+                    f"UPDATE rl_batches SET status = 'consumed', consumed_by = ? WHERE id "
+                    f"IN ({','.join('?' * len(ids))})",
+                    (self.version + 1, *ids),
+                )
+                self.accounts.append(
+                    c,
+                    "checkpoint",
+                    {"round": self.version + 1, "cid": cid, "weights_hash": cid},
+                    now,
+                )
+            self.cids[self.version + 1] = cid
+            self.version += 1
+            rewards = [s.reward for b, _ in batches for s in b.samples]
+            entry = {
+                "version": self.version,
+                "at": now,
+                "batches": len(batches),
+                "samples": len(rewards),
+                "reward": sum(rewards) / len(rewards),
+                "step_s": now - t0,
+                "loss": float(stats.get("loss", 0.0)),
+                "pass_at_1": None,
+            }
+            self.history.append(entry)
+        log.info(
+            "[trainer - v%d] stepped on %d batches, %d samples, reward %.3f",
+            self.version,
+            len(batches),
+            len(rewards),
+            entry["reward"],
+        )
+        if self.version % self.spec.eval_every == 0:
+            self._evaluate(record=False)
+        self._save_history()
+        return entry
+
+    def _evaluate(self, record: bool) -> None:
+        with self.lock:
+            score = held_out_pass_at_1(self.policy, self.spec, self.task)
+            if record or not self.history:
+                self.history.append(
+                    {"version": self.version, "at": time.time(), "pass_at_1": score}
+                )
+            else:
+                self.history[-1]["pass_at_1"] = score
+        log.info("[trainer - v%d] pass@1 on held-out prompts: %s", self.version, score)
+        self._save_history()
+
+    def _save_history(self) -> None:
+        with self.db.transaction() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('rl_history', ?)",
+                (json.dumps(self.history[-500:]),),
+            )
+
+    # -- the status page ---------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """GET /v1/rl/status: version, reward and pass@1 curves, batches by status and
+        rejection reason, every account's standing."""
+        counts = {
+            r["status"]: r["n"]
+            for r in self.db.query("SELECT status, COUNT(*) AS n FROM rl_batches GROUP BY status")
+        }
+        reasons = {
+            r["problem"]: r["n"]
+            for r in self.db.query(
+                "SELECT problem, COUNT(*) AS n FROM rl_batches WHERE status = 'rejected' "
+                "GROUP BY problem"
+            )
+        }
+        evals = [h for h in self.history if h.get("pass_at_1") is not None]
+        summary = self.accounts.book.summary()
+        return {
+            "run_id": self.run_id,
+            "version": self.version,
+            "batches": counts,
+            "accepted": sum(counts.get(k, 0) for k in ("accepted", "consumed", "dropped")),
+            "rejected": counts.get("rejected", 0),
+            "rejected_by_reason": reasons,
+            "audits": self.intake.judge.audits,
+            "pass_at_1": [(h["version"], h["pass_at_1"]) for h in evals],
+            "reward": [(h["version"], h["reward"]) for h in self.history if "reward" in h],
+            "accounts": summary["accounts"],
+            "totals": summary["totals"],
+        }

@@ -1,0 +1,128 @@
+"""An RL validator (staked): claim the batch the trainer assigned, check it, report.
+
+The check is covey.rl.batch.check_batch under the policy of the batch's step, with the
+run's rules from the trainer's spec (never from the batch) and the prefill checks on the
+sequences the trainer's draw picked. Policies and batches are fetched by content id and
+verified by hash. `behavior` "lazy" accepts without checking and "accuse" rejects
+everything: dishonest validators for tests and the demo (the trainer's audits and re-checks
+penalize both).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from covey.blobs import BlobClient, BlobError, BlobStore
+from covey.peer.client import CoordinatorClient, PeerRejected
+from covey.rl.batch import RolloutBatch, check_batch
+from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
+from covey.rl.policy import PolicyError
+from covey.trust.identity import Identity
+
+log = logging.getLogger("covey.rl.validator")
+BEHAVIORS = ("honest", "lazy", "accuse")
+
+
+class RolloutValidator:
+    def __init__(
+        self,
+        trainer_url: str,
+        identity: Identity,
+        *,
+        name: str = "validator",
+        stake: float = 10.0,
+        behavior: str = "honest",
+        lost_s: float = 60.0,
+        run_id: str | None = None,
+        stop: threading.Event | None = None,
+        work_dir: Path | None = None,
+    ) -> None:
+        if behavior not in BEHAVIORS:
+            raise ValueError(f"unknown validator behavior {behavior!r}; choose from {BEHAVIORS}")
+        self.identity, self.name, self.stake, self.behavior = identity, name, stake, behavior
+        self.stop = stop or threading.Event()
+        self.client = CoordinatorClient(
+            trainer_url, timeout_s=30.0, lost_s=lost_s, stop=self.stop, identity=identity
+        )
+        self.trainer_url = trainer_url.rstrip("/")
+        self.run: RunInfo = read_run(self.client, run_id)
+        root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-validator-"))
+        self.fetcher = BlobClient(timeout_s=10.0, retries=2)  # bytes are checked by hash
+        self.policies = PolicyCache(self.run, BlobStore(root / "blobs"), self.fetcher)
+        self.membership = Membership(self.client, identity, self.run)
+        self.reports: list[dict[str, Any]] = []
+
+    def run_loop(self, max_checks: int | None = None, poll_s: float = 0.3) -> int:
+        """Check assigned batches until stopped (or `max_checks` reported)."""
+        self.membership.join("validator", self.name, self.stake)
+        try:
+            while not self.stop.is_set() and (max_checks is None or len(self.reports) < max_checks):
+                task = self.client.post(
+                    "/v1/rl/claim", {"run_id": self.run.run_id, "peer_id": self.identity.peer_id}
+                )
+                if task.get("task") is None:
+                    self.stop.wait(poll_s)
+                    continue
+                if self.check(task["task"]) is None:
+                    self.stop.wait(poll_s)  # the assignment expires and goes elsewhere
+        finally:
+            self.membership.leave("shutdown")
+            self.fetcher.close()
+        return len(self.reports)
+
+    def check(self, task: dict[str, Any]) -> dict[str, Any] | None:
+        """Check one assigned batch and report the verdict; None if it could not be had
+        (the assignment then expires and goes to another validator)."""
+        try:
+            model = self.policies.model(task["policy_cid"], [self.trainer_url])
+            data = self.fetcher.fetch(task["batch_cid"], [self.trainer_url])
+            batch = RolloutBatch.model_validate_json(data)
+        except (BlobError, PolicyError, ValueError) as e:
+            log.warning("[%s] cannot check %s: %s", self.name, task["batch_cid"][:12], e)
+            return None
+        report: dict[str, Any] = {
+            "run_id": self.run.run_id,
+            "peer_id": self.identity.peer_id,
+            "batch_cid": task["batch_cid"],
+        }
+        if self.behavior == "lazy":
+            report |= {"ok": True}
+        elif self.behavior == "accuse":
+            report |= {"ok": False, "problem": "sampling", "detail": "accused without a check"}
+        else:
+            verdict = check_batch(
+                batch,
+                spec=self.run.rollout,
+                submitter=task["worker_id"],
+                step=task["step"],
+                policy_version=task["policy_version"],
+                policy_cid=task["policy_cid"],
+                model=model,
+                task=self.run.task,
+                verify_samples=list(task["verify_samples"]),
+            )
+            report |= {
+                "ok": verdict.ok,
+                "detail": verdict.detail[:500],
+                "problem": verdict.problem.value if verdict.problem else None,
+                "sample": verdict.sample,
+            }
+        try:
+            reply = self.client.post("/v1/rl/report", report)
+        except PeerRejected as e:
+            log.warning("[%s] report on %s refused: %s", self.name, task["batch_cid"][:12], e)
+            return None
+        log.info(
+            "[%s - step %d] %s %s: %s",
+            self.name,
+            task["step"],
+            task["worker_id"][:8],
+            "ok" if report["ok"] else f"REJECT ({report.get('problem')})",
+            reply.get("outcome"),
+        )
+        self.reports.append({**report, **reply})
+        return reply

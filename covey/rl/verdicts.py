@@ -1,0 +1,251 @@
+"""Verdicts on rollout batches and the ledger entries that record them.
+
+A verdict rests on recomputation by the trainer (trusted): a validator's rejection is
+re-checked on the sequences it was given (plus the one it names) before the worker is
+slashed and the validator paid a catch; a rejection the trainer cannot reproduce is a
+false accusation (dispute "validator wrong", penalty) and the batch is accepted; an
+acceptance is audited in full with probability audit_rate (drawn from the trainer's
+signature, so anyone can recompute it), and a bad batch found so costs the worker its
+slash and the validator a penalty (ledger kind "canary": it passed a batch known bad).
+A batch no validator could take is checked by the trainer in full.
+
+Ledger entries (covey.trust.incentives), round = the batch's step:
+accepted: verification(agree) -> contribution accepted -> reward(work, per token) ->
+reward(check); rejected: verification(disagree) -> contribution rejected -> dispute(fraud)
+-> slash -> reward(catch). A worker already excluded for fraud is never paid again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sqlite3
+import time
+from typing import TYPE_CHECKING, Any
+
+from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
+
+if TYPE_CHECKING:
+    from covey.rl.trainer import Trainer
+
+log = logging.getLogger("covey.rl.intake")
+
+
+def _h(*parts: object) -> str:
+    return hashlib.sha256("|".join(str(p) for p in parts).encode()).hexdigest()
+
+
+class Judge:
+    def __init__(self, trainer: Trainer) -> None:
+        self.t = trainer
+        self.audits = {"audited": 0, "caught": 0}
+
+    def check(self, row: sqlite3.Row, samples: list[int] | None) -> BatchVerdict:
+        t = self.t
+        batch = RolloutBatch.model_validate_json(t.blobs.get(row["cid"]))
+        return check_batch(
+            batch,
+            spec=t.rollout,
+            submitter=row["worker_id"],
+            step=row["step"],
+            policy_cid=t.cids[row["step"]],
+            policy_version=row["step"],
+            model=t.policy_at(row["step"]),
+            task=t.task,
+            verify_samples=samples,
+        )
+
+    def decide(
+        self, row: sqlite3.Row, validator: str | None, claim: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """Decide a batch: `claim` is the validator's report (None: the trainer's own check,
+        over every sample). Returns what the validator is told."""
+        t, now = self.t, time.time()
+        step, worker, draw = row["step"], row["worker_id"], row["draw"] or ""
+        picked = (
+            verified_subset(row["cid"], draw, row["samples"], t.spec.verify_samples)
+            if draw
+            else None
+        )
+        if claim is None:
+            verdict = self.check(row, None)
+            outcome = "accepted" if verdict.ok else "rejected"
+        elif claim["ok"]:
+            audit = int(_h("covey-rl-audit", draw)[:8], 16) / 16**8 < t.spec.audit_rate
+            verdict = self.check(row, None) if audit else BatchVerdict(True)
+            self.audits["audited"] += audit
+            self.audits["caught"] += audit and not verdict.ok
+            outcome = "accepted" if verdict.ok else "missed"
+        else:
+            extra = [claim["sample"]] if claim["sample"] is not None else []
+            extra = [i for i in extra if i < row["samples"]]
+            verdict = self.check(row, sorted(set((picked or []) + extra)))
+            outcome = "caught" if not verdict.ok else "false accusation"
+        banned = t.accounts.book.accounts[worker].banned
+        if verdict.ok and banned:
+            verdict = BatchVerdict(False, None, "the worker was excluded for fraud")
+        problem = verdict.problem.value if verdict.problem else ("banned" if banned else None)
+        with t.accounts.transaction() as c:
+            if validator is not None:
+                t.accounts.append(
+                    c,
+                    "verification",
+                    {
+                        "round": step,
+                        "peer_id": worker,
+                        "validator_id": validator,
+                        "outcome": "agree" if claim and claim["ok"] else "disagree",
+                        "distance": None,
+                        "exact": True,
+                        "cid": row["cid"],
+                        "draw": draw,
+                        "samples": picked or [],
+                    },
+                    now,
+                )
+            if outcome == "false accusation" and validator is not None:
+                self.append(
+                    c,
+                    "dispute",
+                    step,
+                    worker,
+                    validator_id=validator,
+                    segment=0,
+                    outcome="validator wrong",
+                    detail=str(claim)[:300],
+                )
+                self.append(
+                    c,
+                    "penalty",
+                    step,
+                    validator,
+                    kind="false accusation",
+                    amount=t.accounts.book.penalty_amount(validator),
+                    reason=f"rejected {row['cid'][:12]}; the trainer's check accepts it",
+                )
+            if verdict.ok:
+                self.accept_entries(c, row, draw, now)
+                if outcome == "accepted" and validator is not None and t.spec.check_reward:
+                    self.append(
+                        c,
+                        "reward",
+                        step,
+                        validator,
+                        amount=t.spec.check_reward,
+                        kind="check",
+                        tokens=0,
+                    )
+            else:
+                caught_by = validator if outcome == "caught" and not banned else None
+                self.reject_entries(
+                    c,
+                    step,
+                    worker,
+                    caught_by,
+                    f"{problem}: {verdict.detail}",
+                    verdict.sample or 0,
+                    now,
+                    slash=not banned,
+                )
+                if outcome == "missed" and validator is not None:
+                    self.append(
+                        c,
+                        "penalty",
+                        step,
+                        validator,
+                        kind="canary",
+                        amount=t.accounts.book.penalty_amount(validator),
+                        reason=f"accepted {row['cid'][:12]}, which the trainer's audit "
+                        f"rejected ({problem}): missed fraud",
+                    )
+            c.execute(
+                "UPDATE rl_batches SET status = ?, problem = ?, detail = ? WHERE id = ?",
+                (
+                    "accepted" if verdict.ok else "rejected",
+                    problem,
+                    verdict.detail[:500],
+                    row["id"],
+                ),
+            )
+        level = logging.INFO if verdict.ok else logging.WARNING
+        log.log(
+            level,
+            "[%s - step %d] batch %s %s (%s)%s",
+            worker[:8],
+            step,
+            row["cid"][:12],
+            "accepted" if verdict.ok else "REJECTED",
+            outcome,
+            f": {problem}" if problem else "",
+        )
+        return {"ok": True, "outcome": outcome, "accepted": verdict.ok}
+
+    def append(self, c: sqlite3.Connection, type: str, step: int, peer: str, **fields: Any) -> None:
+        self.t.accounts.append(c, type, {"round": step, "peer_id": peer, **fields}, time.time())
+
+    def accept_entries(
+        self, c: sqlite3.Connection, row: sqlite3.Row, draw: str, now: float
+    ) -> None:
+        t, step, worker, tokens = self.t, row["step"], row["worker_id"], row["tokens"]
+        self.append(
+            c,
+            "contribution accepted",
+            step,
+            worker,
+            cid=row["cid"],
+            tokens=tokens,
+            inner_steps=0,
+            sampled=False,
+            rate=1.0,
+            draw=draw,
+            request_id=row["cid"],
+            nonce=row["nonce"] or "",
+            signature=row["signature"] or "",
+        )
+        self.append(
+            c,
+            "reward",
+            step,
+            worker,
+            amount=t.accounts.book.work_reward(tokens),
+            kind="work",
+            tokens=tokens,
+        )
+
+    def reject_entries(
+        self,
+        c: sqlite3.Connection,
+        step: int,
+        worker: str,
+        validator: str | None,
+        reason: str,
+        sample: int,
+        now: float,
+        slash: bool = True,
+    ) -> None:
+        t = self.t
+        self.append(c, "contribution rejected", step, worker, reason=reason[:300])
+        if validator is not None:
+            self.append(
+                c,
+                "dispute",
+                step,
+                worker,
+                validator_id=validator,
+                segment=sample,
+                outcome="fraud",
+                detail=reason[:300],
+            )
+        if slash:
+            self.append(
+                c,
+                "slash",
+                step,
+                worker,
+                amount=t.accounts.book.slash_amount(worker),
+                reason=reason[:300],
+            )
+        if validator is not None and t.spec.catch_reward:
+            self.append(
+                c, "reward", step, validator, amount=t.spec.catch_reward, kind="catch", tokens=0
+            )

@@ -1,0 +1,172 @@
+"""A rollout worker (untrusted): fetch policy v, generate the batch for step v, submit it.
+
+For each policy version it sees, the worker answers the prompts the run assigns it at that
+step with G seeded samples each (covey.rl.batch.rollout) and submits one batch signed over
+(run, step, content): one batch per worker per step. `behavior` other than "honest" makes
+it a cheater for tests and the demo (R3's covey.rl.cheats.CHEATS, and "replay": resubmit
+another worker's accepted batch as it is).
+
+Bounded everywhere: the trainer client gives up after `lost_s` unreachable; a policy that
+no provider serves with the right hash is not generated on (the worker waits for the next
+poll); a refused batch (stale step, duplicate) is logged and the worker moves on.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore
+from covey.peer.client import CoordinatorClient, PeerRejected
+from covey.rl.batch import RolloutBatch, rollout
+from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
+from covey.rl.policy import PolicyError
+from covey.trust.identity import Identity
+
+log = logging.getLogger("covey.rl.worker")
+HONEST = "honest"
+REPLAY = "replay"
+
+
+def cheat_names() -> list[str]:
+    """Behaviors a worker can take: honest, replay, and R3's CHEATS when installed."""
+    try:
+        from covey.rl.cheats import CHEATS
+    except ImportError:
+        CHEATS = {}
+    return [HONEST, REPLAY, *sorted(k for k in CHEATS if k != REPLAY)]
+
+
+def _cheat(kind: str, setting: dict[str, Any], seed: int) -> RolloutBatch:
+    """R3's cheat `kind` in the place of the honest worker `setting` describes."""
+    from covey.rl.cheats import CHEATS, Setting
+
+    return CHEATS[kind](Setting(**setting), seed)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        trainer_url: str,
+        identity: Identity,
+        *,
+        name: str = "worker",
+        stake: float = 1.0,
+        behavior: str = HONEST,
+        lost_s: float = 60.0,
+        serve_blobs: bool = False,
+        run_id: str | None = None,
+        stop: threading.Event | None = None,
+        work_dir: Path | None = None,
+    ) -> None:
+        if behavior not in cheat_names():
+            raise ValueError(f"unknown behavior {behavior!r}; choose from {cheat_names()}")
+        self.identity, self.name, self.stake, self.behavior = identity, name, stake, behavior
+        self.stop = stop or threading.Event()
+        self.client = CoordinatorClient(
+            trainer_url, timeout_s=30.0, lost_s=lost_s, stop=self.stop, identity=identity
+        )
+        self.trainer_url = trainer_url.rstrip("/")
+        self.run: RunInfo = read_run(self.client, run_id)
+        root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-worker-"))
+        self.store = BlobStore(root / "blobs")
+        self.fetcher = BlobClient(timeout_s=10.0, retries=2)
+        self.policies = PolicyCache(self.run, self.store, self.fetcher)
+        self.server = BlobServer(self.store) if serve_blobs else None
+        self.membership = Membership(self.client, identity, self.run)
+        self.submitted: list[dict[str, Any]] = []
+
+    def run_loop(self, max_steps: int | None = None, poll_s: float = 0.3) -> int:
+        """Work until stopped (or `max_steps` batches submitted); returns batches sent.
+        CoordinatorLost propagates once the trainer is gone for `lost_s`."""
+        url = self.server.start() if self.server else None
+        self.membership.join("worker", self.name, self.stake, url)
+        done = -1
+        try:
+            while not self.stop.is_set() and (max_steps is None or len(self.submitted) < max_steps):
+                info = self.client.get("/v1/rl/policy", quiet=True)
+                if info["version"] <= done:
+                    self.stop.wait(poll_s)
+                    continue
+                done = info["version"]
+                self.step(info)
+        finally:
+            self.membership.leave("shutdown")
+            if self.server:
+                self.server.close()
+            self.fetcher.close()
+        return len(self.submitted)
+
+    def step(self, info: dict[str, Any]) -> dict[str, Any] | None:
+        """Generate and submit the batch for policy `info` (GET /v1/rl/policy). None when
+        the policy could not be had or the batch was refused."""
+        v, cid = int(info["version"]), str(info["cid"])
+        providers = [*info.get("providers", []), self.trainer_url]
+        try:
+            model = self.policies.model(cid, list(dict.fromkeys(providers)))
+        except (BlobError, PolicyError) as e:
+            log.warning(
+                "[%s - step %d] policy %s refused, not generating: %s", self.name, v, cid[:12], e
+            )
+            return None
+        t0 = time.time()
+        batch = self.make_batch(model, v, cid)
+        if batch is None:
+            return None
+        body = {
+            "run_id": self.run.run_id,
+            "peer_id": self.identity.peer_id,
+            "batch": batch.model_dump(mode="json"),
+        }
+        try:
+            reply = self.client.post("/v1/rl/batch", body, round=v)
+        except PeerRejected as e:
+            log.warning("[%s - step %d] batch refused: %s", self.name, v, e)
+            return None
+        log.info(
+            "[%s - step %d] submitted %d samples in %.1f s",
+            self.name,
+            v,
+            len(batch.samples),
+            time.time() - t0,
+        )
+        self.submitted.append({"step": v, **reply})
+        return reply
+
+    def make_batch(self, model: torch.nn.Module, v: int, cid: str) -> RolloutBatch | None:
+        me, run = self.identity.peer_id, self.run
+        if self.behavior == HONEST:
+            return rollout(
+                model, run.task, run.rollout, step=v, worker_id=me, policy_version=v, policy_cid=cid
+            )
+        if self.behavior == REPLAY:
+            return self._replay(v)
+        setting = {
+            "policy": model,
+            "task": run.task,
+            "spec": run.rollout,
+            "step": v,
+            "worker_id": me,
+            "policy_version": v,
+            "policy_cid": cid,
+        }
+        return _cheat(self.behavior, setting, seed=v)
+
+    def _replay(self, v: int) -> RolloutBatch | None:
+        """Another worker's batch for this step (or the latest one), sent as it is."""
+        rows = [
+            r
+            for r in self.client.get("/v1/rl/batches", quiet=True)
+            if r["worker_id"] != self.identity.peer_id and r["cid"]
+        ]
+        if not rows:
+            return None
+        same = [r for r in rows if r["step"] == v] or rows
+        data = self.fetcher.fetch(same[-1]["cid"], [self.trainer_url])
+        return RolloutBatch.model_validate_json(data)

@@ -1,0 +1,346 @@
+"""RL roles over real HTTP (issue 14): a trainer process on 127.0.0.1, rollout workers and
+validators talking to it (in this process, or as processes where a kill is the point).
+
+One trainer per module; each test leaves it usable for the next. Policies are covey:nano
+(fast on CPU); one accepted batch (2 prompts x G=4) is enough for a trainer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from covey.blobs import BlobError, BlobServer, BlobStore
+from covey.rl.peer import PolicyCache
+from covey.rl.policy import PolicyError
+from covey.rl.validator import RolloutValidator
+from covey.rl.worker import RolloutWorker
+from covey.trust.identity import Identity, request_purpose
+
+pytestmark = pytest.mark.network
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = """
+samples_per_step = 8
+audit_rate = 1.0
+verify_timeout_s = 5
+eval_prompts = 4
+eval_every = 1000
+heartbeat_s = 1
+dead_after_s = 3
+max_batch_bytes = 200000
+"""
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_trainer(data_dir: Path, port: int) -> subprocess.Popen:
+    spec = data_dir.parent / f"{data_dir.name}.toml"
+    spec.write_text(SPEC)
+    cmd = [
+        sys.executable,
+        "-m",
+        "covey",
+        "rl",
+        "trainer",
+        "--data-dir",
+        str(data_dir),
+        "--policy",
+        "covey:nano",
+        "--spec",
+        str(spec),
+        "--port",
+        str(port),
+    ]
+    log = open(data_dir.parent / f"{data_dir.name}.log", "ab")  # noqa: SIM115 -- the process's
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, f"trainer exited {proc.returncode}"
+        try:
+            return httpx.get(f"{url}/v1/rl/policy", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, 60, "the trainer to serve")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    d = tmp_path_factory.mktemp("rl") / "run"
+    port = free_port()
+    proc = start_trainer(d, port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def validator(url: str, behavior: str = "honest") -> Iterator[RolloutValidator]:
+    v = RolloutValidator(url, Identity.generate(), name=f"v-{behavior}", behavior=behavior)
+    thread = threading.Thread(target=v.run_loop, kwargs={"poll_s": 0.1}, daemon=True)
+    thread.start()
+    try:
+        yield v
+    finally:
+        v.stop.set()
+        thread.join(10)
+
+
+def joined_worker(url: str, behavior: str = "honest") -> RolloutWorker:
+    w = RolloutWorker(url, Identity.generate(), name=f"w-{behavior}", behavior=behavior)
+    w.membership.join("worker", w.name, w.stake)
+    return w
+
+
+def batch_status(url: str, worker_id: str) -> list[dict[str, Any]]:
+    return [b for b in httpx.get(f"{url}/v1/rl/batches").json() if b["worker_id"] == worker_id]
+
+
+def decided(url: str, worker_id: str) -> dict[str, Any] | None:
+    rows = [b for b in batch_status(url, worker_id) if b["status"] not in ("pending", "claimed")]
+    return rows[-1] if rows else None
+
+
+def ledger(url: str, type_: str, peer_id: str) -> list[dict[str, Any]]:
+    entries = httpx.get(f"{url}/v1/ledger", params={"limit": 5000}).json()
+    return [e for e in entries if e["type"] == type_ and e["payload"].get("peer_id") == peer_id]
+
+
+def policy(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/v1/rl/policy").json()
+
+
+def test_honest_batch_is_accepted_paid_and_trained_on(trainer: str) -> None:
+    with validator(trainer):
+        w = joined_worker(trainer)
+        v0 = policy(trainer)["version"]
+        assert w.step(policy(trainer)) is not None
+        row = wait_for(lambda: decided(trainer, w.identity.peer_id), 30, "a verdict")
+        assert row["status"] in ("accepted", "consumed"), row
+        wait_for(lambda: policy(trainer)["version"] > v0, 20, "a trainer step")
+        wait_for(
+            lambda: batch_status(trainer, w.identity.peer_id)[0]["status"] == "consumed",
+            10,
+            "the batch to be trained on",
+        )
+        [reward] = ledger(trainer, "reward", w.identity.peer_id)
+        assert reward["payload"]["kind"] == "work"
+        assert reward["payload"]["tokens"] == row["tokens"] > 0
+        w.membership.leave()
+
+
+def test_cheating_batch_is_rejected_and_slashed(trainer: str) -> None:
+    with validator(trainer) as v:
+        w = joined_worker(trainer, "inflated_rewards")
+        assert w.step(policy(trainer)) is not None
+        row = wait_for(lambda: decided(trainer, w.identity.peer_id), 30, "a verdict")
+        assert row["status"] == "rejected" and row["problem"] == "reward", row
+        assert ledger(trainer, "slash", w.identity.peer_id)
+        assert not ledger(trainer, "reward", w.identity.peer_id)  # never paid
+        catches = [
+            e
+            for e in ledger(trainer, "reward", v.identity.peer_id)
+            if e["payload"]["kind"] == "catch"
+        ]
+        assert len(catches) == 1
+        # excluded: its next submission is refused before anything is stored
+        info = policy(trainer)
+        batch = w.make_batch(w.policies.model(info["cid"], [trainer]), info["version"], info["cid"])
+        body = {
+            "run_id": w.run.run_id,
+            "peer_id": w.identity.peer_id,
+            "batch": batch.model_dump(mode="json"),
+        }
+        r = httpx.post(f"{trainer}/v1/rl/batch", json=_signed(w, body, info["version"]))
+        assert r.status_code == 403 and "excluded" in r.json()["error"]
+        w.membership.leave()
+
+
+def test_lazy_validator_is_caught_by_the_audit(trainer: str) -> None:
+    with validator(trainer, "lazy") as v:
+        w = joined_worker(trainer, "inflated_rewards")
+        assert w.step(policy(trainer)) is not None
+        row = wait_for(lambda: decided(trainer, w.identity.peer_id), 30, "a verdict")
+        assert row["status"] == "rejected", row  # audit_rate 1.0 re-checks every acceptance
+        assert ledger(trainer, "slash", w.identity.peer_id)
+        [penalty] = ledger(trainer, "penalty", v.identity.peer_id)
+        assert "missed fraud" in penalty["payload"]["reason"]
+        w.membership.leave()
+
+
+def _signed(w: RolloutWorker, body: dict[str, Any], step: int) -> dict[str, Any]:
+    return w.identity.sign_request(body, step, purpose=request_purpose("/v1/rl/batch"))
+
+
+def test_forged_replayed_and_oversized_submissions_are_refused(trainer: str) -> None:
+    a, b = joined_worker(trainer), joined_worker(trainer)
+    info = policy(trainer)
+    model = a.policies.model(info["cid"], [trainer])
+    batch = a.make_batch(model, info["version"], info["cid"])
+    assert batch is not None
+    body = {
+        "run_id": a.run.run_id,
+        "peer_id": a.identity.peer_id,
+        "batch": batch.model_dump(mode="json"),
+    }
+    before = len(httpx.get(f"{trainer}/v1/rl/batches").json())
+    url = f"{trainer}/v1/rl/batch"
+    forged = _signed(a, body, info["version"])
+    forged["batch"]["samples"][0]["reward"] = 1.0 - forged["batch"]["samples"][0]["reward"]
+    assert httpx.post(url, json=forged).status_code == 401
+    wrong_round = _signed(a, body, info["version"] + 7)
+    assert httpx.post(url, json=wrong_round).status_code == 401
+    bad = _signed(a, {**body, "batch": {**body["batch"], "step": -1}}, -1)
+    r = httpx.post(url, json=bad)
+    assert r.status_code == 422 and any("batch.step" in p for p in r.json()["problems"])
+    huge = _signed(a, {**body, "pad": "x" * 300_000}, info["version"])
+    assert httpx.post(url, json=huge).status_code == 413
+    assert len(httpx.get(f"{trainer}/v1/rl/batches").json()) == before  # nothing changed
+    # B resubmits A's batch under its own signature: a replay, refused and slashed
+    stolen = _signed(b, {**body, "peer_id": b.identity.peer_id}, info["version"])
+    r = httpx.post(url, json=stolen)
+    assert r.status_code == 403 and "replay" in r.json()["error"]
+    assert ledger(trainer, "slash", b.identity.peer_id)
+    ok = _signed(a, body, info["version"])
+    assert httpx.post(url, json=ok).status_code == 200
+    assert httpx.post(url, json=ok).status_code == 401  # the same request again: nonce spent
+    again = _signed(a, body, info["version"])
+    assert httpx.post(url, json=again).status_code == 409  # one batch per worker per step
+    for w in (a, b):
+        w.membership.leave()
+
+
+def test_worker_killed_mid_batch_does_not_stall_a_step(trainer: str, tmp_path: Path) -> None:
+    key = tmp_path / "victim.key"
+    victim = Identity.load_or_create(key)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "covey",
+            "rl",
+            "worker",
+            "--trainer",
+            trainer,
+            "--identity",
+            str(key),
+            "--name",
+            "victim",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(
+            lambda: any(
+                a["name"] == "victim"
+                for a in httpx.get(f"{trainer}/v1/rl/status").json()["accounts"].values()
+            ),
+            30,
+            "the victim to join",
+        )
+        os.kill(proc.pid, signal.SIGKILL)  # no deathrattle, maybe mid-generation
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with validator(trainer):
+        w = joined_worker(trainer)
+        v0 = policy(trainer)["version"]
+        w.step(policy(trainer))
+        wait_for(lambda: policy(trainer)["version"] > v0, 30, "a step without the victim")
+        w.membership.leave()
+    for row in batch_status(trainer, victim.peer_id):  # whatever it sent was checked
+        assert row["status"] != "pending" or row["samples"] > 0
+
+
+def test_corrupt_policy_blob_is_refused_and_fetched_elsewhere(trainer: str, tmp_path: Path) -> None:
+    w = joined_worker(trainer)
+    info = policy(trainer)
+    bad_store = BlobStore(tmp_path / "bad")
+    data = httpx.get(f"{trainer}/v1/blobs/{info['cid']}").content
+    bad_store.put(data)
+    corrupt = bytearray(data)
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    bad_store.path(info["cid"]).chmod(0o644)
+    bad_store.path(info["cid"]).write_bytes(bytes(corrupt))
+    with BlobServer(bad_store) as server:
+        liar = server.url
+        cache = PolicyCache(w.run, BlobStore(tmp_path / "mine"), w.fetcher)
+        with pytest.raises(BlobError):
+            cache.model(info["cid"], [liar])
+        assert not cache.store.has(info["cid"])  # never stored, never generated on
+        cache.model(info["cid"], [liar, trainer])  # the next provider's bytes hash right
+        assert cache.store.get(info["cid"]) == data
+    # bytes that hash right but are not this run's policy are refused too
+    junk = BlobStore(tmp_path / "junk")
+    cid = junk.put(json.dumps({"not": "a policy"}).encode())
+    with BlobServer(junk) as server, pytest.raises(PolicyError):
+        PolicyCache(w.run, BlobStore(tmp_path / "mine2"), w.fetcher).model(cid, [server.url])
+    w.membership.leave()
+
+
+@pytest.mark.long  # two trainer starts: over a minute on a loaded 2-core machine
+def test_trainer_restart_keeps_versions_and_ledger(tmp_path: Path) -> None:
+    d, port = tmp_path / "run", free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_trainer(d, port)
+    try:
+        first = httpx.get(f"{url}/v1/rl/spec").json()["run_id"]
+        with validator(url):
+            w = joined_worker(url)
+            w.step(policy(url))
+            wait_for(lambda: policy(url)["version"] >= 1, 30, "a trainer step")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        proc = start_trainer(d, port)
+        assert httpx.get(f"{url}/v1/rl/spec").json()["run_id"] == first
+        assert policy(url)["version"] >= 1
+        out = subprocess.run(
+            [sys.executable, "-m", "covey", "ledger", "verify", str(d)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
