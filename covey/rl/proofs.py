@@ -46,13 +46,13 @@ def proof_size(n_tokens: int, hidden_dim: int, chunk: int = CHUNK, k: int = TOPK
 
 
 def _fp16_bits(values: torch.Tensor) -> list[int]:
-    half = values.float().clamp(-_FP16_MAX, _FP16_MAX).half()
-    return [int(b) & 0xFFFF for b in half.view(torch.int16).tolist()]
+    half = values.detach().float().clamp(-_FP16_MAX, _FP16_MAX).half().cpu().numpy()
+    return half.view(np.uint16).astype(np.int64).tolist()
 
 
 def _bits_to_float(bits: list[int]) -> torch.Tensor:
-    signed = [b - 0x10000 if b >= 0x8000 else b for b in bits]
-    return torch.tensor(signed, dtype=torch.int16).view(torch.float16).float()
+    half = np.asarray(bits, dtype=np.int64).astype(np.uint16).view(np.float16)
+    return torch.from_numpy(half.astype(np.float32))
 
 
 def _injective_modulus(indices: list[int]) -> int:
@@ -96,12 +96,20 @@ def _interpolate(xs: list[int], ys: list[int]) -> list[int]:
 
 
 def _evaluate_many(coeffs: list[int], points: list[int]) -> list[int]:
-    """The polynomial at each point, over GF(PRIME) (Horner, vectorised over points)."""
+    """The polynomial at each point, over GF(PRIME): a (points x degree) power table built by
+    doubling (log2(k) array steps), then one multiply-sum. Products stay below PRIME**2 and
+    a row sums k of them: well inside int64."""
     x = np.asarray(points, dtype=np.int64) % PRIME
-    acc = np.zeros_like(x)
-    for c in reversed(coeffs):
-        acc = (acc * x + c) % PRIME
-    return acc.tolist()
+    n = len(coeffs)
+    if n == 0:
+        return [0] * len(points)
+    powers = np.ones((len(x), n), dtype=np.int64)
+    width, x_width = 1, x.copy()  # x_width = x ** width
+    while width < n:
+        take = min(width, n - width)
+        powers[:, width : width + take] = powers[:, :take] * x_width[:, None] % PRIME
+        x_width, width = x_width * x_width % PRIME, 2 * width
+    return ((powers * np.asarray(coeffs, dtype=np.int64)).sum(axis=1) % PRIME).tolist()
 
 
 def _evaluate(coeffs: list[int], x: int) -> int:
