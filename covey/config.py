@@ -14,7 +14,14 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,14 +36,60 @@ class Frozen(BaseModel):
 # --- algorithms -------------------------------------------------------------------------
 
 
+def _drop_defaults(
+    model: BaseModel, dumped: dict[str, Any], names: tuple[str, ...]
+) -> dict[str, Any]:
+    """`dumped` without the fields `names` that hold their defaults: fields added after
+    specs were hashed leave the hash (and so every run id and sim checkpoint) of a spec
+    that does not use them unchanged."""
+    fields = type(model).model_fields
+    for name in names:
+        if name in dumped and getattr(model, name) == fields[name].default:
+            del dumped[name]
+    return dumped
+
+
 class InnerOptim(Frozen):
-    """The optimizer each worker runs locally (DDP: the global optimizer)."""
+    """The optimizer each worker runs locally (DDP: the global optimizer), and its
+    learning-rate schedule: a pure function of the inner step index over the run
+    (round x steps per round + step; covey.algorithms.optim.scheduled_lr), so a validator
+    re-executing any round takes the very same steps."""
 
     name: Literal["adamw", "sgd"] = Field("adamw", description="inner optimizer")
-    lr: float = Field(3e-3, gt=0, description="inner learning rate")
+    lr: float = Field(3e-3, gt=0, description="inner learning rate (peak, with a schedule)")
     weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW)")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     grad_clip: float = Field(1.0, ge=0, description="clip the gradient's global norm; 0 = off")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="lr after warmup: constant, or cosine decay to min_lr_ratio x lr at "
+        "decay_steps",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="linear warmup from lr/warmup_steps to lr over this many steps"
+    )
+    decay_steps: int | None = Field(
+        None,
+        ge=1,
+        description="cosine: the inner step (per worker, from the run's start) where the "
+        "decay ends; usually the run's steps",
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr / lr")
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> InnerOptim:
+        if self.schedule == "cosine" and self.decay_steps is None:
+            raise ValueError("schedule 'cosine' needs decay_steps (the run's inner steps)")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"decay_steps ({self.decay_steps}) must exceed warmup_steps ({self.warmup_steps})"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        names = ("schedule", "warmup_steps", "decay_steps", "min_lr_ratio")
+        return _drop_defaults(self, handler(self), names)
 
 
 class DDPConfig(Frozen):
@@ -149,7 +202,10 @@ class ModelConfig(Frozen):
     )
     size: str = Field("nano", description="GPT size when no source: nano, micro, mini, small, gpt2")
     init: str | None = Field(
-        None, description="hf:<dir>: start from its *.safetensors weights; default random init"
+        None,
+        description="warm start: hf:<dir> (an hf: model's *.safetensors weights), or a covey "
+        "checkpoint: a state .safetensors file, or a run directory (`covey sim --out`, a "
+        "coordinator's --data-dir: its latest checkpoint); default random init",
     )
 
     @property
@@ -171,6 +227,16 @@ class DataConfig(Frozen):
     seq_len: int | None = Field(
         None, ge=2, description="tokens per sequence; default the GPT's block size, else 256"
     )
+    round_offset: int = Field(
+        0,
+        ge=0,
+        description="batches are keyed by round + this: a warm start from a run of N rounds "
+        "sets N, so the continuation never re-reads the warm-up's batches",
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        return _drop_defaults(self, handler(self), ("round_offset",))
 
 
 class NetworkConfig(Frozen):

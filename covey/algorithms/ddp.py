@@ -24,7 +24,7 @@ from covey.algorithms.base import (
     flatten,
 )
 from covey.algorithms.codecs import Codec
-from covey.algorithms.optim import adamw
+from covey.algorithms.optim import adamw, scheduled_lr
 from covey.config import DDPConfig
 
 
@@ -95,18 +95,19 @@ class DDP(Strategy):
         params = [start_state.params[n] for n in self.names]
         grads = list(self.aggregate(start_state, contributions).values())
         opt = self.cfg.optim
+        lr = scheduled_lr(opt, start_state.round)  # one step per round: the round is the step
         clip_global_norm_(grads, opt.grad_clip)
         new_params, outer = {}, {}
         if opt.name == "sgd":
             for n, p, g in zip(self.names, params, grads, strict=True):
-                new_params[n] = p * (1 - opt.lr * opt.weight_decay) - opt.lr * g
+                new_params[n] = p * (1 - lr * opt.weight_decay) - lr * g
         else:
             step = int(start_state.outer["step"].item()) + 1 if start_state.outer else 1
             for n, p, g in zip(self.names, params, grads, strict=True):
                 m0 = start_state.outer.get(f"exp_avg/{n}", torch.zeros_like(p))
                 v0 = start_state.outer.get(f"exp_avg_sq/{n}", torch.zeros_like(p))
                 new_params[n], outer[f"exp_avg/{n}"], outer[f"exp_avg_sq/{n}"] = adamw(
-                    p, g, m0, v0, step, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+                    p, g, m0, v0, step, lr=lr, betas=opt.betas, weight_decay=opt.weight_decay
                 )
             outer["step"] = torch.tensor(step, dtype=torch.int64)
         return TrainState(new_params, outer, start_state.round + 1)

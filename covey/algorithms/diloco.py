@@ -36,7 +36,13 @@ from covey.algorithms.base import (
     flatten,
 )
 from covey.algorithms.codecs import Codec
-from covey.algorithms.optim import make_inner_optimizer, nesterov_sgd
+from covey.algorithms.optim import (
+    has_schedule,
+    make_inner_optimizer,
+    nesterov_sgd,
+    scheduled_lr,
+    set_lr,
+)
 from covey.config import DiLoCoConfig
 
 
@@ -56,6 +62,7 @@ class DiLoCo(Strategy):
         self.steps_per_round = cfg.inner_steps
         self.inner_opt = make_inner_optimizer(model, cfg.optim)
         self._start: torch.Tensor | None = None  # flat start weights of the current round
+        self._start_round = 0  # its round: with inner steps, the lr schedule's position
         numel = sum(p.numel() for p in model.parameters()) if cfg.error_feedback else 0
         self._residual = torch.zeros(numel)  # error feedback: carried into the next round
         self._pending = torch.zeros(numel)  # this round's new residual, until certified
@@ -71,6 +78,7 @@ class DiLoCo(Strategy):
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
         self._start = flatten([state.params[n] for n in self.names])
+        self._start_round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
 
@@ -131,10 +139,18 @@ class DiLoCo(Strategy):
             self._pending = extras["optim/ef/pending"].clone()
 
     def inner_step(self, batch: torch.Tensor) -> float:
+        if has_schedule(self.cfg.optim):  # a pure function of (round, step): re-executable
+            step = self._schedule_round * self.steps_per_round + self.steps
+            set_lr(self.inner_opt, scheduled_lr(self.cfg.optim, step))
         loss = self.forward_backward(batch)
         clip_grad_([p.grad for p in self.model.parameters()], self.cfg.optim.grad_clip)
         self.inner_opt.step()
         return loss
+
+    @property
+    def _schedule_round(self) -> int:
+        """The round these inner steps belong to: the canonical state's round."""
+        return self._start_round
 
     def pseudo_gradient(self) -> torch.Tensor:
         """start - local, flat float32, plus the carried residual under error feedback."""

@@ -64,6 +64,40 @@ def adamw(
     return p - (lr / bias1) * m / denom, m, v
 
 
+def scheduled_lr(cfg: InnerOptim, step: int) -> float:
+    """The learning rate of inner step `step` (0-based, counted per worker from the run's
+    start: round x steps per round + step in round; DDP: the round). A pure function of
+    its arguments, so a worker, the simulator and a validator re-executing any round all
+    take the same steps.
+
+    Linear warmup over `warmup_steps` (step s uses lr x (s + 1) / warmup_steps), then
+    constant, or a cosine from lr at the warmup's end to min_lr_ratio x lr at `decay_steps`,
+    held there after (Loshchilov & Hutter, arXiv 1608.03983, without restarts).
+    ValueError for a negative step."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    assert cfg.decay_steps is not None  # the config refuses cosine without it
+    span = cfg.decay_steps - cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def has_schedule(cfg: InnerOptim) -> bool:
+    """Whether the lr changes over the run (a constant lr is left to the optimizer as set,
+    bit for bit as before schedules existed)."""
+    return cfg.schedule != "constant" or cfg.warmup_steps > 0
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def make_inner_optimizer(model: nn.Module, cfg: InnerOptim) -> torch.optim.Optimizer:
     """The worker-local optimizer. Its state never leaves the worker."""
     params = list(model.parameters())

@@ -76,6 +76,12 @@ class StreamingDiLoCo(DiLoCo):
         """The local weights carry over from round to round (only one fragment is merged)."""
         return True
 
+    @property
+    def _schedule_round(self) -> int:
+        """The round whose contribution these steps make (its first tau steps run before
+        the previous round's merge)."""
+        return self._round
+
     def fragment_of(self, round: int) -> int:
         return round % self.cfg.fragments
 

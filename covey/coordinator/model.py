@@ -18,6 +18,7 @@ from covey.config import RunConfig
 from covey.data.corpus import Corpus
 from covey.models.bundle import publish_model_files
 from covey.models.source import build_run_model
+from covey.models.warmstart import apply_init
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ def build_model(cfg: RunConfig, corpus: Corpus, blobs: BlobStore) -> RunModel:
     model, loss_fn, _, seq_len = build_run_model(
         cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=cfg.data.seq_len
     )
+    apply_init(model, cfg.model.init)  # a covey checkpoint warm start: the round-0 state
     model_files_cid = publish_model_files(blobs.put, cfg.model.spec, cfg.data.tokenizer)
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)

@@ -86,7 +86,7 @@ def assignment_batches(
             batch_size=cfg.data.batch_size,
             seq_len=seq_len,
             seed=cfg.seed,
-            round=round,
+            round=round + cfg.data.round_offset,  # past a warm start's batches
             worker=data_key,
             step=step,
         )

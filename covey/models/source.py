@@ -157,7 +157,9 @@ def build_run_model(
     source = model_cfg.spec
     kind, _ = parse_source(source)
     vocab = tokenizer_vocab if kind == "covey" and tokenizer_vocab != 256 else None
-    model, loss, info = build_model(source, seed, vocab_size=vocab, init=model_cfg.init)
+    # a covey checkpoint init is loaded by whoever owns the initial state (covey.models.warmstart)
+    init = model_cfg.init if (model_cfg.init or "").startswith("hf:") else None
+    model, loss, info = build_model(source, seed, vocab_size=vocab, init=init)
     if seq_len is None:
         seq_len = info.max_positions if kind == "covey" else DEFAULT_SEQ_LEN
         if info.max_positions is not None:

@@ -26,6 +26,7 @@ from covey.config import SimConfig
 from covey.data.batches import sample_batch, validation_batches
 from covey.data.corpus import Corpus, load_corpus
 from covey.models.source import build_run_model
+from covey.models.warmstart import apply_init
 from covey.sim.network import Link, make_links, round_timing
 from covey.sim.report import human_bytes
 from covey.sim.resume import SimSnapshot
@@ -78,6 +79,7 @@ def simulate(
     base, loss_fn, _, seq_len = build_run_model(
         cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=d.seq_len
     )
+    warm_start = apply_init(base, cfg.model.init)  # a covey checkpoint: its parameters
     # the aggregator a coordinator and its peers build from the same spec (peer/runsetup.py)
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
@@ -195,6 +197,8 @@ def simulate(
         "corpus_fingerprint": corpus.fingerprint,
         "parameters": sum(p.numel() for p in base.parameters()),
         "rounds": cfg.rounds,
+        "init": None if warm_start is None else str(warm_start),
+        "round_offset": cfg.data.round_offset,
         "inner_steps_per_worker": last["inner_steps"],
         "tokens": last["tokens"],
         "initial_val_loss": initial_val_loss,
@@ -249,15 +253,7 @@ def _train_round(
         if step == s.overlap_steps and w.pending is not None:
             s.adopt(w.pending)
             w.pending = None
-        batch = sample_batch(
-            corpus.train,
-            batch_size=cfg.data.batch_size,
-            seq_len=seq_len,
-            seed=cfg.seed,
-            round=r,
-            worker=w.index,
-            step=step,
-        )
+        batch = sim_batch(cfg, corpus, seq_len, r, w.index, step)
         t0 = time.perf_counter()
         loss_sum += s.inner_step(batch)
         seconds += _step_time(cfg, time.perf_counter() - t0, w.slowdown)
@@ -265,6 +261,23 @@ def _train_round(
         s.adopt(w.pending)
         w.pending = None
     return steps, seconds, loss_sum
+
+
+def sim_batch(
+    cfg: SimConfig, corpus: Corpus, seq_len: int, r: int, worker: int, step: int
+) -> torch.Tensor:
+    """Worker `worker`'s batch for inner step `step` of round `r`: keyed by round +
+    data.round_offset, so a continuation of an N-round warm-up (offset N) never draws the
+    warm-up's batches (covey.data.batches.assignment_batches does the same over the network)."""
+    return sample_batch(
+        corpus.train,
+        batch_size=cfg.data.batch_size,
+        seq_len=seq_len,
+        seed=cfg.seed,
+        round=r + cfg.data.round_offset,
+        worker=worker,
+        step=step,
+    )
 
 
 def _step_time(cfg: SimConfig, measured: float, slowdown: float) -> float:
