@@ -42,6 +42,7 @@ seq_len = 64
 [algorithm]
 method = "diloco"
 inner_steps = 4
+inner_state = "reset"  # no local state to name: a bare payload is a whole contribution
 [rounds]
 deadline_min_s = 2
 deadline_max_s = 2
@@ -426,6 +427,70 @@ def test_blob_urls_are_not_ssrf(world: tuple[LocalCluster, Peer]) -> None:
         member.stop.set()
         inside.close()
         elsewhere.close()
+
+
+class SlowBlobServer:
+    """A peer's blob server that serves `data` only after `delay_s`: the coordinator's
+    fetch of it keeps a submission in flight that long."""
+
+    def __init__(self, data: bytes, delay_s: float) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                time.sleep(delay_s)  # the server under test waits on this, not the test
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@network
+def test_a_second_submission_in_flight_is_refused_and_changes_nothing(
+    world: tuple[LocalCluster, Peer],
+) -> None:
+    """While a member's submission is in flight (the coordinator fetching its blob from
+    the member's slow server), another signed submission of it to the same round is a 409
+    at once, and leaves no trace: no ledger entry, no rejection; the first is accepted."""
+    cluster, _ = world
+    data = payload(40)
+    server = SlowBlobServer(data, delay_s=1.0)
+    member = Peer(cluster, accepts_connections=True, blob_url=server.url)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # a round it is a member of, with time left for a 1 s fetch
+            info = member.http.get("/v1/round", params={"peer_id": member.id}).json()
+            if info["phase"] == "open" and info["member"] and (info["deadline_in_s"] or 0) > 1.6:
+                break
+            assert time.monotonic() < deadline, "never a member of an open round"
+            time.sleep(0.02)
+        before = len(cluster.get("/v1/ledger", start=0, limit=5000))
+        first_body = contribution(member, content_id(data), PAYLOAD)
+        path = f"/v1/rounds/{first_body['round']}/contributions"
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(member.http.post, path, json=first_body)
+            time.sleep(0.3)  # the first is now waiting on the slow blob server
+            t0 = time.monotonic()
+            second = member.http.post(path, json=contribution(member, content_id(data), PAYLOAD))
+            assert second.status_code == 409 and "already submitting" in second.text, second.text
+            assert time.monotonic() - t0 < 0.9  # refused at once, not after the fetch
+            assert first.result().status_code == 200, first.result().text
+        added = cluster.get("/v1/ledger", start=before, limit=5000)
+        rejected = [e for e in added if e["type"] == "contribution rejected"]
+        assert not [e for e in rejected if e["payload"]["peer_id"] == member.id], rejected
+    finally:
+        member.stop.set()
+        server.close()
 
 
 @network

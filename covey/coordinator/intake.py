@@ -65,9 +65,9 @@ class Intake(Views):
         self.authenticate(raw, req.round, req.peer_id)
         lock, busy = self._submitting
         with lock:  # one submission per peer and round at a time: no racing duplicates
-            if (req.peer_id, req.round) in busy:
+            if (req.peer_id, req.round) in busy:  # a conflict, not a busy server: no retry
                 raise Rejected(
-                    429, f"peer {req.peer_id[:12]} is already submitting to round {req.round}"
+                    409, f"peer {req.peer_id[:12]} is already submitting to round {req.round}"
                 )
             busy.add((req.peer_id, req.round))
         try:
@@ -243,12 +243,12 @@ class Intake(Views):
         peer = self.db.one("SELECT * FROM peers WHERE peer_id = ?", (peer_id,))
         if not (peer and peer["accepts_connections"] and peer["blob_url"]):
             raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
-        try:
-            self.blobs.put_verified(cid, self.fetcher.fetch(cid, [peer["blob_url"]], size=size))
+        try:  # streamed to disk and hashed on arrival (capped by limits.max_blob_bytes)
+            self.fetcher.fetch_into(self.blobs, cid, [peer["blob_url"]], size=size)
         except BlobError as e:
             raise Rejected(409, f"could not fetch blob {cid[:12]} from the peer: {e}") from None
 
-    def _contribution_bytes(self, req: schemas.ContributionRequest) -> bytes:
+    def _contribution_bytes(self, req: schemas.ContributionRequest) -> memoryview:
         if not self.uploads.sizes.get(req.size, "").startswith("contribution"):
             # checked before any fetch: no buffer is sized from what a peer declares
             raise Rejected(
@@ -261,15 +261,14 @@ class Intake(Views):
             if not (peer and peer["accepts_connections"] and peer["blob_url"]):
                 raise Rejected(409, f"blob {req.cid[:12]} was not uploaded (PUT /v1/blobs/...)")
             try:  # the peer serves it itself: relay it for the peers that cannot reach it
-                data = self.fetcher.fetch(req.cid, [peer["blob_url"]], size=req.size)
-                self.blobs.put_verified(req.cid, data)
+                self.fetcher.fetch_into(self.blobs, req.cid, [peer["blob_url"]], size=req.size)
             except BlobError as e:
                 raise Rejected(409, f"could not fetch blob from the peer: {e}") from None
-            return data  # its hash and its size (req.size) were checked by the fetch
+            return self.blobs.view(req.cid)  # hash and size (req.size) checked by the fetch
         size = self.blobs.size(req.cid)
         if size != req.size:
             raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")
-        return self.blobs.get(req.cid)
+        return self.blobs.view(req.cid)
 
     def _payload_sizes(self) -> str:
         sizes = self.uploads.sizes
