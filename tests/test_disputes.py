@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from covey.algorithms import build_strategy
 from covey.algorithms.codecs import get_codec
@@ -25,7 +26,7 @@ from covey.coordinator.verification import Verification
 from covey.local.cluster import LocalCluster
 from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.protocol.content import content_id
-from covey.trust import audit
+from covey.trust import audit, referee
 from covey.trust.identity import NO_ROUND, Identity, request_purpose
 from covey.trust.ledger import Entry
 from covey.trust.verify import local_state_to_bytes
@@ -222,6 +223,63 @@ def test_a_false_accusation_costs_the_validator_a_stake_share(
     assert not accounts[worker]["banned"] and accounts[worker]["slashed"] == 0
     assert not [e for e in ledger(cluster) if e.type == "slash"]
     audit.verify(cluster.url)  # the ledger replays to the balances the coordinator reports
+
+
+@pytest.mark.network
+def test_a_near_miss_is_honest_drift_and_costs_nobody(
+    world: tuple[LocalCluster, Attacker],
+) -> None:
+    """A report whose end is just past the tolerance from the recomputed one but within
+    DRIFT_FACTOR of the worker's (the worker's payload scaled by 1.03: what rounding on
+    another thread count can do near the tolerance) is "honest drift": the worker is not
+    slashed and the validator keeps its stake (before: "validator wrong", a penalty)."""
+    cluster, attacker = world
+    worker = cluster.ids["honest"]
+    task = attacker.claim(worker)
+    codec = get_codec("fp32")
+    honest = httpx.get(f"{cluster.url}/v1/blobs/{task['cid']}", timeout=20).content
+    near = attacker.upload(codec.encode(codec.decode(honest) * 1.03))
+    stake = cluster.get("/v1/ledger/balances")["accounts"][attacker.id]["stake"]
+    penalties = len([e for e in ledger(cluster) if e.type == "penalty"])
+    reply = attacker.report(task, segment=1, payload_cid=near)
+    assert reply.status_code == 200 and reply.json()["status"] == "disputed", reply.text
+    dispute = wait_entry(
+        cluster,
+        lambda e: (
+            e.type == "dispute"
+            and e.payload["validator_id"] == attacker.id
+            and e.payload["round"] == task["round"]
+        ),
+        "the referee's verdict",
+    )
+    assert dispute.payload["outcome"] == "honest drift", dispute.payload
+    accounts = cluster.get("/v1/ledger/balances")["accounts"]
+    assert accounts[attacker.id]["stake"] == stake
+    assert len([e for e in ledger(cluster) if e.type == "penalty"]) == penalties
+    assert not accounts[worker]["banned"] and accounts[worker]["slashed"] == 0
+    audit.verify(cluster.url)
+
+
+def _judged(worker: float, validator: float) -> str:
+    """The verdict when the worker's end is the referee's scaled by `worker` and the
+    validator's is scaled by `validator` (distance |s - 1| / max(s, 1)), tolerance 0.02."""
+    end = torch.linspace(1.0, 2.0, 1000)
+    result = referee.RefereeResult(1, end)
+    return referee.judge(result, end * worker, end * validator, 0.02).outcome
+
+
+def test_the_judge_tells_honest_drift_from_a_wrong_report() -> None:
+    assert _judged(1.0, 1.0) == "inconclusive"  # nobody far: no dispute to settle
+    assert _judged(1.3, 1.0) == "fraud"
+    assert _judged(1.0, 1.03) == "honest drift"  # 0.029 past 0.02, within 2 x 0.02
+    assert _judged(1.005, 0.97) == "honest drift"
+    assert _judged(1.0, 1.05) == "validator wrong"  # 0.048 from the worker: provably wrong
+    assert _judged(1.0, -1.0) == "validator wrong"
+    assert _judged(1.3, 1.3) == "inconclusive"  # both far: an unstable segment
+    unstable = referee.RefereeResult(1, torch.ones(10), stability=0.01)  # floor 0.1
+    assert referee.judge(unstable, torch.ones(10), torch.ones(10) * 1.15, 0.02).outcome == (
+        "honest drift"
+    )
 
 
 class _FailingReferee(Verification):

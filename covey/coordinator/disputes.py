@@ -8,8 +8,10 @@ missing or of a size the run does not imply (`_report_fault`); the referee uses 
 validator's segment-start state only when it hashes to the worker's commitment, else it
 recomputes from W_r. A judging that raises is retried `trust.dispute_attempts` times, then
 closed "inconclusive": nobody is slashed on an exception. "fraud" slashes and bans the
-worker and pays the validator `catch_reward`; "validator wrong" costs the validator
-`validator_slash_fraction` of its stake.
+worker and pays the validator `catch_reward`; "validator wrong" (its report provably
+wrong) costs the validator `validator_slash_fraction` of its stake; "honest drift" (the
+worker right, the validator near it: cross-thread rounding past the tolerance) costs
+nobody anything.
 """
 
 from __future__ import annotations

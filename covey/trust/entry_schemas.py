@@ -36,7 +36,8 @@ The payload of each entry type is the contract between the coordinator and covey
   validator loses validator_slash_fraction of its stake (not banned) for a dispute the
   referee found it wrong in, or for passing a canary
 - "dispute": {round, peer_id, validator_id, segment, outcome: "fraud"|"validator wrong"|
-  "inconclusive", detail}
+  "honest drift"|"inconclusive", detail}: "honest drift" (the worker right, the validator
+  within covey.trust.referee.DRIFT_FACTOR of it) and "inconclusive" cost nobody anything
 - "slash": {round, peer_id, amount, reason}
 - "reward": {round, peer_id, amount, kind: "work"|"catch"|"check", tokens (0 unless work)};
   a "check" pays check_reward to a validator for a completed assigned check, once per
@@ -75,7 +76,7 @@ _SCHEMA_TEXT = {
     "verification": "round:count, peer_id:id, validator_id:text, outcome:agree|disagree|expired, "
     "distance:amount?, exact:bool",
     "dispute": "round:count, peer_id:id, validator_id:id, segment:count, "
-    "outcome:fraud|validator wrong|inconclusive, detail:text",
+    "outcome:fraud|validator wrong|honest drift|inconclusive, detail:text",
     "slash": "round:count, peer_id:id, amount:amount, reason:text",
     "reward": "round:count, peer_id:id, amount:amount, kind:work|catch|check, tokens:count",
     "report refused": "round:count, peer_id:id, worker_id:id, task_id:count, field:text, "

@@ -38,11 +38,16 @@ from covey.trust.verify import (
     segment_bounds,
 )
 
-Outcome = Literal["fraud", "validator wrong", "inconclusive"]
+Outcome = Literal["fraud", "validator wrong", "honest drift", "inconclusive"]
 # The referee's nudge at least: relative to the parameters' norm, some float32 ulps.
 STABILITY_PROBE = 1e-6
 # A disputed end must be this many times farther than the nudge moved it to count as far.
 STABILITY_MARGIN = 10.0
+# A validator whose claimed end is within this many noise floors of the worker's committed
+# end, when the worker is right, drifted honestly (another thread count, another machine's
+# rounding just past the tolerance): nobody is penalized. Farther, its report is provably
+# wrong. 2x: a rare cross-thread drift past the tolerance was seen at 1.1-1.5x of it.
+DRIFT_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -224,10 +229,15 @@ def judge(
     underestimated it up to ~3x in covey.bench.trust_calibration's runs, hence the margin).
 
     "fraud": the worker's end is far from the referee's, the validator's is not.
-    "validator wrong": the reverse. "inconclusive" (nobody is paid or slashed): the
-    referee refused (a made-up segment-start state), or both or neither are far, which a
-    numerically unstable segment (a loss spike) produces for honest parties. ValueError
-    when the ends are of different kinds."""
+    "validator wrong": the reverse, and the validator's end is also more than DRIFT_FACTOR
+    floors from the worker's committed end: its report is provably wrong (it pays for it).
+    "honest drift": the worker is right, and the validator's end, though past the floor
+    from the referee's, is within DRIFT_FACTOR floors of the worker's: what honest
+    non-determinism (another thread count) does near the tolerance; nobody is penalized.
+    "inconclusive" (nobody is paid or slashed): the referee refused (a made-up
+    segment-start state), or both or neither are far, which a numerically unstable segment
+    (a loss spike) produces for honest parties. ValueError when the ends are of different
+    kinds."""
     if result.end is None:
         return Judgement("inconclusive", result.detail)
     floor = max(tolerance, STABILITY_MARGIN * result.stability)
@@ -240,6 +250,13 @@ def judge(
     if w > floor and v <= floor:
         return Judgement("fraud", said)
     if w <= floor and v > floor:
+        apart = _end_distance(validator_claim, claimed)
+        if apart <= DRIFT_FACTOR * floor:
+            return Judgement(
+                "honest drift",
+                f"{said}; the validator is {apart:.3g} from the worker, within "
+                f"{DRIFT_FACTOR:g} x {floor:.3g}: honest non-determinism",
+            )
         return Judgement("validator wrong", said)
     why = (
         f"numerically unstable: a nudged start moves its end by {result.stability:.3g}"
