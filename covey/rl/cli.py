@@ -179,3 +179,47 @@ def validator(
     except (CoordinatorLost, ValueError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"validator {name}: {n} checks reported")
+
+
+@rl_app.command("demo")
+def demo(
+    adversaries: Annotated[
+        int,
+        typer.Option(help="cheating workers to add, one cheat kind each (covey.rl.cheats)", min=0),
+    ] = 0,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="run directory: summary.json, the ledger, logs (default runs/rl-demo-TIME)"
+        ),
+    ] = None,
+    minutes: Annotated[float, typer.Option(help="how long the RL phase runs", min=0.1)] = 5.0,
+    policy: Annotated[
+        str | None,
+        typer.Option(help="starting policy directory (covey rl sft); default: run SFT first"),
+    ] = None,
+    sft_steps: Annotated[int, typer.Option(help="SFT steps when no --policy", min=1)] = 450,
+    seed: Annotated[int, typer.Option(help="seeds SFT")] = 0,
+) -> None:
+    """Run a trainer, 3 rollout workers, a validator and --adversaries cheaters on 127.0.0.1;
+    write OUT/summary.json (pass@1 start/end, batches accepted/rejected, cheats caught)."""
+    import time
+
+    from covey.rl.demo import run_demo
+
+    out = out or Path("runs") / time.strftime("rl-demo-%Y%m%d-%H%M%S")
+    if (out / "coordinator.db").exists():
+        raise _fail(f"{out} holds a run already; give another --out")
+    _threads(1)
+    try:
+        run_demo(
+            out,
+            adversaries=adversaries,
+            minutes=minutes,
+            policy=policy,
+            sft_steps=sft_steps,
+            seed=seed,
+            echo=typer.echo,
+        )
+    except (ValueError, RuntimeError) as e:
+        raise _fail(str(e)) from None

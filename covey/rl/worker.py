@@ -128,6 +128,8 @@ class RolloutWorker:
             reply = self.client.post("/v1/rl/batch", body, round=v)
         except PeerRejected as e:
             log.warning("[%s - step %d] batch refused: %s", self.name, v, e)
+            if e.status == 403:  # excluded for fraud (or not a worker): nothing more to do
+                self.stop.set()
             return None
         log.info(
             "[%s - step %d] submitted %d samples in %.1f s",

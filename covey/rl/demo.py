@@ -1,0 +1,244 @@
+"""`covey rl demo`: a whole RL run on one machine, every role its own process on 127.0.0.1.
+
+SFT first (unless --policy is given), then a trainer, 3 honest rollout workers, a
+validator and `adversaries` cheating workers (R3's CHEATS, one kind each, in order) run
+for `minutes`. Progress is printed from the trainer's status page, which stays browsable
+at its URL while the demo runs. At the end every process is stopped, pass@1 on held-out
+prompts is measured for the first and the last policy, and OUT/summary.json is written
+next to the run's ledger (OUT is the trainer's data directory, so `covey ledger verify
+OUT` audits it).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from covey.rl.runspec import RLSpec
+
+HONEST_WORKERS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml(values: dict[str, Any]) -> str:
+    lines, tables = [], []
+    for k, v in values.items():
+        if isinstance(v, dict):
+            tables.append(f"[{k}]\n" + _toml(v))
+        elif v is not None:
+            lines.append(f"{k} = {json.dumps(v)}")
+    return "\n".join(lines + tables) + "\n"
+
+
+def demo_spec(samples_per_step: int = 96) -> RLSpec:
+    """The demo's rules: R2's learning settings (covey.bench.rl), 3 workers' batches a step."""
+    return RLSpec(
+        name="rl-demo",
+        prompts_per_step=4,
+        group_size=8,
+        samples_per_step=samples_per_step,
+        verify_samples=2,
+        audit_rate=0.1,
+        eval_prompts=100,
+        eval_every=5,
+        verify_timeout_s=60,
+    )
+
+
+def run_demo(
+    out: Path,
+    *,
+    adversaries: int = 0,
+    minutes: float = 5.0,
+    policy: str | None = None,
+    sft_steps: int = 450,
+    seed: int = 0,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the demo into `out` (created; must not hold another run) and return the summary
+    written to out/summary.json. ValueError for an unknown adversary count or bad paths."""
+    from covey.rl.cheats import CHEATS
+    from covey.rl.sft import sft
+
+    kinds = sorted(CHEATS)
+    if not 0 <= adversaries <= len(kinds):
+        raise ValueError(f"--adversaries must be in [0, {len(kinds)}], got {adversaries}")
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    spec = demo_spec()
+    task = spec.task.build()
+    if policy is None:
+        echo(f"sft: {sft_steps} steps teaching the answer format (covey rl sft) ...")
+        t0 = time.monotonic()
+        policy = str(sft(task, out / "sft", steps=sft_steps, seed=seed, hf=False, progress=True))
+        echo(f"sft: done in {time.monotonic() - t0:.0f} s -> {policy}")
+    (out / "spec.toml").write_text(_toml(spec.model_dump(mode="json")))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs: dict[str, subprocess.Popen] = {}
+    cheaters: dict[str, str] = {}  # name -> cheat kind
+
+    def spawn(name: str, *args: str) -> None:
+        log = (logs / f"{name}.log").open("ab")
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "covey", "rl", *args], stdout=log, stderr=subprocess.STDOUT
+        )
+
+    spawn(
+        "trainer",
+        "trainer",
+        "--data-dir",
+        str(out),
+        "--policy",
+        policy,
+        "--spec",
+        str(out / "spec.toml"),
+        "--port",
+        str(port),
+    )
+    try:
+        _wait_up(url, procs["trainer"], 120)
+        echo(f"trainer: {url} (status page)")
+        spawn("validator", "validator", "--trainer", url, "--name", "validator")
+        for i in range(HONEST_WORKERS):
+            spawn(f"worker{i}", "worker", "--trainer", url, "--name", f"worker{i}")
+        for kind in kinds[:adversaries]:
+            name = f"adv-{kind}".replace("_", "-")
+            cheaters[name] = kind
+            spawn(name, "worker", "--trainer", url, "--name", name, "--behavior", kind)
+        deadline = time.monotonic() + 60 * minutes
+        while time.monotonic() < deadline:
+            time.sleep(min(10.0, max(0.0, deadline - time.monotonic())))
+            if procs["trainer"].poll() is not None:
+                raise RuntimeError(
+                    f"the trainer exited ({procs['trainer'].returncode}); "
+                    f"see {logs / 'trainer.log'}"
+                )
+            s = httpx.get(f"{url}/v1/rl/status", timeout=10).json()
+            reward = s["reward"][-1][1] if s["reward"] else float("nan")
+            p1 = s["pass_at_1"][-1][1] if s["pass_at_1"] else float("nan")
+            left = (deadline - time.monotonic()) / 60
+            echo(
+                f"v{s['version']:>3}  reward {reward:.3f}  pass@1 {p1:.3f}  batches accepted "
+                f"{s['accepted']} rejected {s['rejected']} {s['rejected_by_reason']}  "
+                f"({left:.1f} min left)"
+            )
+        batches = httpx.get(f"{url}/v1/rl/batches", timeout=10).json()
+        status = httpx.get(f"{url}/v1/rl/status", timeout=10).json()
+        names = {pid: a["name"] for pid, a in status["accounts"].items()}
+        final = httpx.get(f"{url}/v1/rl/policy", timeout=10).json()
+    finally:
+        _stop([p for name, p in procs.items() if name != "trainer"])  # peers leave first
+        _stop([procs["trainer"]])
+    return _summarize(out, spec, task, policy, final, batches, names, cheaters, echo)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+def _wait_up(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the trainer exited ({proc.returncode}) before serving")
+        try:
+            if httpx.get(f"{url}/v1/rl/policy", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the trainer did not serve {url} within {timeout:.0f} s")
+
+
+def _summarize(
+    out: Path,
+    spec: RLSpec,
+    task: Any,
+    policy: str,
+    final: dict[str, Any],
+    batches: list[dict[str, Any]],
+    names: dict[str, str],
+    cheaters: dict[str, str],
+    echo: Callable[[str], None],
+) -> dict[str, Any]:
+    from covey.blobs import BlobStore
+    from covey.rl import policy as pol
+    from covey.rl.learn import pass_at_1
+
+    def score(model: Any) -> float:
+        return float(
+            pass_at_1(
+                model,
+                task,
+                spec.eval_prompts,
+                max_new_tokens=spec.max_new_tokens,
+                eos_id=spec.eos_id,
+            )
+        )
+
+    _, start = pol.load_policy_dir(policy)
+    cfg = start.cfg.to_dict()
+    end = pol.load_weights(pol.build_policy(cfg), BlobStore(out / "blobs").get(final["cid"]))
+    accepted = ("accepted", "consumed", "dropped")
+    honest = [b for b in batches if names.get(b["worker_id"], "") not in cheaters]
+    cheats = [b for b in batches if names.get(b["worker_id"], "") in cheaters]
+    by_kind: dict[str, dict[str, int]] = {}
+    for b in cheats:
+        kind = cheaters[names[b["worker_id"]]]
+        row = by_kind.setdefault(kind, {"caught": 0, "missed": 0})
+        row["caught" if b["status"] == "rejected" else "missed"] += b["status"] != "pending"
+    summary = {
+        "pass_at_1_start": score(start),
+        "pass_at_1_end": score(end),
+        "eval_prompts": spec.eval_prompts,
+        "policy_versions": final["version"],
+        "rollouts_accepted": sum(b["status"] in accepted for b in batches),
+        "rollouts_rejected": sum(b["status"] == "rejected" for b in batches),
+        "samples_accepted": sum(b["samples"] for b in batches if b["status"] in accepted),
+        "honest_rejected": sum(b["status"] == "rejected" for b in honest),
+        "cheats_caught": sum(b["status"] == "rejected" for b in cheats),
+        "cheats_missed": sum(b["status"] in accepted for b in cheats),
+        "cheats_by_kind": by_kind,
+        "rejected_by_reason": _count(b["problem"] for b in batches if b["status"] == "rejected"),
+        "ledger": str(out / "coordinator.db"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    echo(
+        f"pass@1 {summary['pass_at_1_start']:.3f} -> {summary['pass_at_1_end']:.3f}; batches "
+        f"accepted {summary['rollouts_accepted']}, rejected {summary['rollouts_rejected']} "
+        f"(honest {summary['honest_rejected']}); cheats caught {summary['cheats_caught']}, "
+        f"missed {summary['cheats_missed']}; wrote {out / 'summary.json'}; audit the ledger "
+        f"with: covey ledger verify {out}"
+    )
+    return summary
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[str(item)] = out.get(str(item), 0) + 1
+    return out
