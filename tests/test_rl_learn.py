@@ -227,3 +227,71 @@ def test_policy_directory_loads_as_an_hf_model_source(tmp_path: Path) -> None:
     with torch.no_grad():
         assert torch.allclose(ours(ids), hf(input_ids=ids).logits, atol=1e-5)
     assert info.parameters == ours.num_parameters()
+
+
+# --- commands and the bench ------------------------------------------------------------
+
+
+def _apps() -> tuple[object, object]:
+    import typer
+
+    from covey.rl.learn_cli import register_bench, register_sft
+
+    rl, bench = typer.Typer(), typer.Typer()
+    register_sft(rl)
+    register_bench(bench)
+    rl.command("noop")(lambda: None)  # a group of one command would swallow its name
+    bench.command("noop")(lambda: None)
+    return rl, bench
+
+
+def test_sft_command_writes_a_policy_and_refuses_bad_input(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    rl, _ = _apps()
+    runner = CliRunner()
+    args = ["sft", "--out", str(tmp_path / "p"), "--steps", "2", "--max-operand", "9",
+            "--no-hf"]  # fmt: skip
+    result = runner.invoke(rl, args)
+    assert result.exit_code == 0, result.output
+    assert "pass@1" in result.output and (tmp_path / "p" / "policy.json").is_file()
+    again = runner.invoke(rl, args)
+    assert again.exit_code == 2 and "holds a policy already" in again.output
+    bad = runner.invoke(rl, ["sft", "--out", str(tmp_path / "q"), "--model", "huge"])
+    assert bad.exit_code == 2 and "unknown model" in bad.output
+
+
+def test_bench_rl_refuses_a_missing_policy(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    _, bench = _apps()
+    result = CliRunner().invoke(bench, ["rl", "--policy", str(tmp_path)])
+    assert result.exit_code == 2 and "no policy.json" in result.output
+
+
+def test_honest_batch_is_the_workers_batch() -> None:
+    from covey.bench.rl import honest_batch
+    from covey.rl.batch import rollout
+
+    policy = tiny(2)
+    spec = RolloutSpec(run_id="t", prompts_per_step=2, group_size=3, temperature=1.0,
+                       max_new_tokens=3, vocab_size=256, eos_id=ANSWER_EOS)  # fmt: skip
+    ours = honest_batch(policy, TASK, spec, step=1, worker_id="w", policy_version=0)
+    theirs = rollout(policy, TASK, spec, step=1, worker_id="w", policy_version=0,
+                     policy_cid="v0")  # fmt: skip
+    assert [s.tokens for s in ours.samples] == [s.tokens for s in theirs.samples]
+    assert [s.reward for s in ours.samples] == [s.reward for s in theirs.samples]
+    assert ours.prompt_indices == theirs.prompt_indices and all(s.proof == "" for s in ours.samples)
+
+
+@pytest.mark.long
+def test_bench_rl_quick_writes_json_and_plot(tmp_path: Path) -> None:
+    import json
+
+    from covey.bench.rl import run_bench
+
+    out = tmp_path / "rl.json"
+    result = run_bench(True, tmp_path / "work", json_path=out, verify=False, echo=lambda _: None)
+    doc = json.loads(out.read_text())
+    assert doc["learning"]["rl_steps"] == 6 and len(doc["learning"]["curve"]) >= 3
+    assert "plot" not in result or out.with_suffix(".png").is_file()

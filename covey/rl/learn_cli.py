@@ -1,0 +1,139 @@
+"""`covey rl sft` and `covey bench rl`: the commands of RL learning (torch loads late).
+
+`register_sft(rl_app)` adds `sft` to the `covey rl` group; `register_bench(bench_app)` adds
+`rl` to `covey bench`. Only typer is imported here, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
+def register_sft(rl_app: typer.Typer) -> None:
+    """Add `covey rl sft` to the rl command group."""
+
+    @rl_app.command("sft")
+    def sft_command(
+        out: Annotated[Path, typer.Option(help="policy directory to write (created)")],
+        steps: Annotated[int, typer.Option(min=1, help="optimizer steps (batches of 64)")] = 450,
+        minutes: Annotated[
+            float | None, typer.Option(min=0.01, help="stop early after this many minutes")
+        ] = None,
+        max_operand: Annotated[
+            int, typer.Option(min=1, help="arithmetic task: a+b with 0 <= a, b <= this")
+        ] = 99,
+        model: Annotated[
+            str, typer.Option(help="'rl' (0.36M params, the default) or a covey GPT preset")
+        ] = "rl",
+        lr: Annotated[float, typer.Option(min=1e-6, help="AdamW learning rate")] = 3e-3,
+        seed: Annotated[int, typer.Option(help="seeds the init and the batches")] = 0,
+        threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 1,
+        hf: Annotated[
+            bool, typer.Option(help="also write the Hugging Face form (hf:DIR, covey generate)")
+        ] = True,
+    ) -> None:
+        """Teach a small byte-level covey GPT the arithmetic answer format ("12+7=" ->
+        "19\\n") on CPU before RL, and write a policy directory (policy.json +
+        policy.safetensors, and a Hugging Face copy) for `covey rl trainer --policy`.
+        Deterministic for a seed on one machine; prints held-out pass@1 at the end."""
+        import json
+
+        import torch
+
+        from covey.rl.sft import sft
+        from covey.rl.tasks import ArithmeticTask, TaskError
+
+        if (out / "policy.json").exists():
+            raise _fail(f"{out} holds a policy already; give another --out")
+        if model != "rl":
+            from covey.models.gpt import GPT_SIZES
+
+            if model not in GPT_SIZES:
+                raise _fail(f"unknown model {model!r}; choose 'rl' or one of {sorted(GPT_SIZES)}")
+        torch.set_num_threads(threads)
+        try:
+            task = ArithmeticTask(seed=seed, max_operand=max_operand)
+            d = sft(task, out, steps=steps, minutes=minutes, seed=seed, model=model, lr=lr,
+                    hf=hf, progress=True)  # fmt: skip
+        except (TaskError, ValueError) as e:
+            raise _fail(str(e)) from None
+        doc = json.loads((d / "policy.json").read_text())
+        typer.echo(
+            f"wrote {d}: {doc['sft_steps']} steps, loss {doc['sft_loss']:.3f}, held-out "
+            f"pass@1 {100 * doc.get('pass_at_1', float('nan')):.1f}%"
+        )
+
+
+def register_bench(bench_app: typer.Typer) -> None:
+    """Add `covey bench rl` to the bench command group."""
+
+    @bench_app.command("rl")
+    def bench_rl(
+        quick: Annotated[bool, typer.Option(help="a tiny task and a few steps (~1-2 min)")] = False,
+        json_path: Annotated[
+            Path | None, typer.Option("--json", help="write results here and the curve as .png")
+        ] = None,
+        policy: Annotated[
+            Path | None, typer.Option(help="start from this policy directory instead of SFT")
+        ] = None,
+        minutes: Annotated[
+            float | None, typer.Option(min=0.1, help="cap on the RL phase's wall time")
+        ] = None,
+        rl_steps: Annotated[int | None, typer.Option(min=1, help="GRPO steps")] = None,
+        lr: Annotated[float | None, typer.Option(min=1e-7, help="GRPO learning rate")] = None,
+        lag: Annotated[
+            int, typer.Option(min=0, help="train on batches this many policy versions old")
+        ] = 0,
+        verify: Annotated[
+            bool, typer.Option(help="also run the verification section (covey.bench.rl_verify)")
+        ] = True,
+        seed: Annotated[int, typer.Option(help="seeds SFT, prompts and sampling")] = 0,
+    ) -> None:
+        """Does RL learn, and what does checking it cost: SFT then GRPO on held-out
+        arithmetic (pass@1 curve, start/end, minutes; goal +25 points within 20 CPU
+        minutes), plus honest false rejections, cheats caught, validator cost share, proof
+        bytes and rollout throughput from the verification bench."""
+        import dataclasses
+        import tempfile
+
+        from covey.bench.rl import QUICK, LearningConfig, run_bench
+
+        if policy is not None and not (policy / "policy.json").is_file():
+            raise _fail(f"--policy {policy} has no policy.json (write one with covey rl sft)")
+        cfg = QUICK if quick else LearningConfig()
+        changes = {"minutes": minutes, "rl_steps": rl_steps, "lr": lr}
+        cfg = dataclasses.replace(
+            cfg, lag=lag, seed=seed, **{k: v for k, v in changes.items() if v is not None}
+        )
+        with tempfile.TemporaryDirectory(prefix="covey-bench-rl-") as work:
+            result = run_bench(quick, Path(work), json_path=json_path, verify=verify, cfg=cfg,
+                               policy_dir=policy, echo=typer.echo)  # fmt: skip
+        r = result["learning"]
+        verdict = "goal met" if r["met"] else "goal MISSED"
+        typer.echo(
+            f"learning: pass@1 {100 * r['pass_at_1_start']:.1f}% -> {100 * r['pass_at_1_end']:.1f}%"
+            f" ({r['gain_points']:+.1f} points, best {100 * r['pass_at_1_best']:.1f}%) in "
+            f"{r['rl_steps']} steps, {r['rl_minutes']:.1f} min ({verdict}: +{r['goal_points']:g} "
+            f"within {r['goal_minutes']:g} min)"
+        )
+        v = result.get("verification")
+        if v:
+            s = v["summary"]
+            typer.echo(
+                f"verification: {s['honest_rejected']}/{s['honest_rollouts']} honest rejected, "
+                f"{s['cheats_missed']} cheats missed over {s['cheat_kinds']} kinds x "
+                f"{s['min_tries']}+, validator share {100 * s['validator_share']:.1f}%, proof "
+                f"{s['proof_bytes_per_full_chunk']} B per 32 tokens"
+            )
+        if json_path:
+            typer.echo(
+                f"wrote {json_path}" + (f" and {result['plot']}" if "plot" in result else "")
+            )
