@@ -33,6 +33,9 @@ IdentityPath = Annotated[
 
 def register(app: typer.Typer) -> None:
     """Add the `rl` command group to the main `covey` app."""
+    from covey.rl.learn_cli import register_sft
+
+    register_sft(rl_app)  # covey rl sft (covey/rl/learn_cli.py)
     app.add_typer(rl_app, name="rl")
 
 
