@@ -273,6 +273,38 @@ class ChurnConfig(Frozen):
     min_workers: int = Field(1, ge=1, description="never fewer live workers than this")
 
 
+class PeerConfig(Frozen):
+    """Where and how peers compute (issue 12; covey/devices.py). `device` and `compile`
+    are each peer's own choice (a worker's --device overrides `device`); `precision` and
+    `verify_device` are the run's: every inner step runs in `precision`, and
+    contributions are re-executed on the `verify_device` class, so a validator on another
+    class refuses its checks rather than convict an honest peer for rounding."""
+
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
+        description="a peer's device: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N, mps",
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="inner steps' precision: bf16 autocast (fp32 weights and optimizer "
+        "state; outer step and aggregation in fp32), fp32, or auto: bf16 when the run "
+        "verifies on cuda (the simulator: when it runs on CUDA), else fp32",
+    )
+    compile: bool = Field(False, description="torch.compile the inner step's forward pass")
+    verify_device: Literal["cpu", "cuda", "mps"] = Field(
+        "cpu", description="device class that re-executes contributions (validators, referee)"
+    )
+
+
+def _without_default_peer(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
+    """A spec's dump without a default [peer] table: specs written before issue 12 keep
+    their hash, so their run ids and sim checkpoints."""
+    if dumped.get("peer") is not None and getattr(model, "peer", None) == PeerConfig():
+        del dumped["peer"]
+    return dumped
+
+
 class SimConfig(Frozen):
     seed: int = Field(0, description="seeds model init, data and churn")
     workers: int = Field(8, ge=1, description="number of simulated workers")
@@ -291,6 +323,13 @@ class SimConfig(Frozen):
         description="a run spec's [trust] table; the simulator aggregates as the run would "
         "(aggregation, trim_fraction, clip_factor), the rest is for networked runs",
     )
+    peer: PeerConfig = Field(
+        PeerConfig(), description="device, precision and torch.compile of the simulated peers"
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump_peer(self, handler: Any) -> dict[str, Any]:
+        return _without_default_peer(self, handler(self))
 
     @model_validator(mode="before")
     @classmethod
@@ -594,6 +633,11 @@ class RunConfig(Frozen):
     rounds: RoundsConfig = RoundsConfig()
     limits: LimitsConfig = LimitsConfig()
     trust: TrustConfig = TrustConfig()
+    peer: PeerConfig = PeerConfig()
+
+    @model_serializer(mode="wrap")
+    def _dump_peer(self, handler: Any) -> dict[str, Any]:
+        return _without_default_peer(self, handler(self))
 
     @model_validator(mode="before")
     @classmethod

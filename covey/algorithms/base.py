@@ -62,6 +62,8 @@ from torch import nn
 
 from covey.algorithms.aggregation import Aggregator, WeightedMean
 from covey.algorithms.codecs import Codec, CodecError
+from covey.algorithms.lazy_aggregation import aggregate_lazily
+from covey.devices import autocast, maybe_compile
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -182,6 +184,26 @@ class Strategy(ABC):
         self.names = [n for n, _ in model.named_parameters()]
         self.tokens = 0  # since the last contribution
         self.steps = 0
+        self.precision = "fp32"  # of the forward pass: "bf16" autocasts it (set_compute)
+        self._forward = loss_fn  # loss_fn, or its torch.compile'd version
+
+    @property
+    def device(self) -> torch.device:
+        """Where this worker computes: its model's device (covey/devices.py). Batches,
+        optimizer state and residuals live there; the canonical TrainState lives where the
+        caller keeps it (the host for networked peers, whose weights hash must match the
+        coordinator's), and `apply_round` computes where that state is."""
+        return next(self.model.parameters()).device
+
+    def set_compute(self, precision: str = "fp32", compile: bool = False) -> None:
+        """The inner step's precision ("fp32", or "bf16": autocast of the forward pass, fp32
+        weights, gradients and optimizer state) and whether its forward pass is
+        torch.compile'd. Call it before training; contributions of a run that is verified
+        by re-execution must all use the run's precision."""
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision {precision!r} is not one of fp32, bf16")
+        self.precision = precision
+        self._forward = maybe_compile(self.loss_fn, compile)
 
     # -- worker side ----------------------------------------------------------------------
 
@@ -231,7 +253,9 @@ class Strategy(ABC):
         self.model.train()
         for p in self.model.parameters():
             p.grad = None
-        loss = self.loss_fn(self.model, batch)
+        batch = batch.to(self.device, non_blocking=True)
+        with autocast(self.device, self.precision):  # backward outside, as torch advises
+            loss = self._forward(self.model, batch)
         loss.backward()
         self.tokens += batch[:, 1:].numel()
         self.steps += 1
@@ -350,14 +374,39 @@ class Strategy(ABC):
         parameter (default: all of them). RoundError if any contribution is unusable."""
         names = self.names if names is None else names
         params = [state.params[n] for n in names]
-        vectors, weights = self.decode_all(contributions, sum(p.numel() for p in params))
-        update = unflatten(self.aggregator(vectors, weights), params)
+        device = params[0].device if params else None  # aggregate where the state lives
+        numel = sum(p.numel() for p in params)
+        weights = self.check_tokens(contributions)
+
+        def load(i: int) -> torch.Tensor:
+            try:
+                return self.codec.decode(contributions[i].payload, numel, device=device)
+            except CodecError as e:
+                raise RoundError(f"contribution {i}: {e}") from None
+
+        # one decoded contribution in memory at a time, the rule's exact bits (issue 13.3)
+        flat = aggregate_lazily(self.aggregator, len(contributions), load, weights)
+        update = unflatten(flat, params)
         return dict(zip(names, update, strict=True))
 
+    @staticmethod
+    def check_tokens(contributions: Sequence[Contribution]) -> list[float]:
+        """The contributions' weights (tokens); RoundError for none or a non-positive one."""
+        if not contributions:
+            raise RoundError("a round needs at least one contribution")
+        for i, c in enumerate(contributions):
+            if c.tokens <= 0:
+                raise RoundError(f"contribution {i} claims {c.tokens} tokens")
+        return [float(c.tokens) for c in contributions]
+
     def decode_all(
-        self, contributions: Sequence[Contribution], numel: int
+        self,
+        contributions: Sequence[Contribution],
+        numel: int,
+        device: torch.device | None = None,
     ) -> tuple[list[torch.Tensor], list[float]]:
-        """Decode and validate every payload; RoundError names the first bad one."""
+        """Decode and validate every payload (onto `device`, default the host); RoundError
+        names the first bad one."""
         if not contributions:
             raise RoundError("a round needs at least one contribution")
         vectors, weights = [], []
@@ -365,7 +414,7 @@ class Strategy(ABC):
             if c.tokens <= 0:
                 raise RoundError(f"contribution {i} claims {c.tokens} tokens")
             try:
-                vectors.append(self.codec.decode(c.payload, numel))
+                vectors.append(self.codec.decode(c.payload, numel, device=device))
             except CodecError as e:
                 raise RoundError(f"contribution {i}: {e}") from None
             weights.append(float(c.tokens))

@@ -2,10 +2,14 @@
 
 Contract:
 
-* ``encode(x)`` takes a 1-D float32 CPU tensor without NaN/Inf (anything else raises
-  ``CodecError``) and returns ``bytes``.  It is stateless and deterministic: the same input
-  gives the same bytes.  Error feedback is the caller's job, not the codec's.
-* ``decode(payload, numel=None)`` returns a fresh, writable 1-D float32 tensor.  It checks the
+* ``encode(x)`` takes a 1-D float32 tensor without NaN/Inf (anything else raises
+  ``CodecError``) and returns ``bytes``.  On another device than the CPU, top-k and DCT
+  select (and DCT transforms) on that device and copy only the kept entries to the host;
+  the other codecs copy the vector to the host once: bytes for the wire are made there.
+  It is stateless and deterministic: the same input gives the same bytes.  Error feedback
+  is the caller's job, not the codec's.
+* ``decode(payload, numel=None, device=None)`` returns a fresh, writable 1-D float32 tensor
+  (on ``device``, default the CPU; top-k and DCT scatter/invert on that device).  It checks the
   magic, the codec id, every parameter (which must equal this codec's), the exact total length,
   ``numel`` when given, index ranges/order, and that scales and values are finite.  Malformed
   payloads raise ``CodecError``; nothing is read past the buffer.
@@ -38,7 +42,7 @@ from __future__ import annotations
 import math
 import struct
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -77,16 +81,21 @@ class CodecError(ValueError):
     """A tensor cannot be encoded, or a payload is malformed / does not match the codec."""
 
 
-def _check_input(x: Tensor) -> np.ndarray:
-    """Validate an encoder input; return a numpy view of its memory (never written to)."""
+def _check_tensor(x: Tensor) -> None:
     if not isinstance(x, Tensor):
         raise CodecError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 1 or x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dim() != 1 or x.dtype != torch.float32:
         raise CodecError(
-            f"expected a 1-D float32 CPU tensor, got shape {tuple(x.shape)}, {x.dtype}, "
+            f"expected a 1-D float32 tensor, got shape {tuple(x.shape)}, {x.dtype}, "
             f"device {x.device}"
         )
-    xn = x.detach().contiguous().numpy()
+
+
+def _check_input(x: Tensor) -> np.ndarray:
+    """Validate an encoder input; return a numpy view of its memory (never written to),
+    copied to the host first when it lives on another device."""
+    _check_tensor(x)
+    xn = x.detach().contiguous().cpu().numpy()
     if xn.size and not (math.isfinite(xn.min()) and math.isfinite(xn.max())):
         raise CodecError(f"tensor of {xn.size} elements contains NaN or Inf")
     return xn
@@ -245,11 +254,40 @@ class Codec(ABC):
         return HEADER_BYTES + self.params_struct.size + self._body_nbytes(numel)
 
     def encode(self, x: Tensor) -> bytes:
-        xn = _check_input(x)
-        head = _HEADER.pack(MAGIC, self.codec_id, xn.size)
-        return b"".join([head, self.params_struct.pack(*self._params()), *self._encode_body(xn)])
+        if isinstance(x, Tensor) and x.device.type != "cpu" and self._on_device is not None:
+            _check_tensor(x)
+            body = self._on_device(x.detach())
+            numel = x.numel()
+        else:
+            xn = _check_input(x)
+            body, numel = self._encode_body(xn), xn.size
+        head = _HEADER.pack(MAGIC, self.codec_id, numel)
+        return b"".join([head, self.params_struct.pack(*self._params()), *body])
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int | None = None) -> Tensor:
+    #: encodes a non-CPU tensor's body, selecting on its device (None: copy to the host)
+    _on_device: ClassVar[Any] = None
+
+    def decode(
+        self,
+        payload: bytes | bytearray | memoryview,
+        numel: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """The payload's vector (see the module docstring), on `device` (default the CPU)."""
+        target = torch.device("cpu") if device is None else torch.device(device)
+        buf, n = self._check_payload(payload, numel)
+        offset = HEADER_BYTES + self.params_struct.size
+        if target.type == "cpu":
+            return self._decode_body(buf, offset, n)
+        return self._decode_to(buf, offset, n, target)
+
+    def _decode_to(self, buf: memoryview, offset: int, numel: int, device: torch.device) -> Tensor:
+        """Decode onto a device (default: on the host, then one copy)."""
+        return self._decode_body(buf, offset, numel).to(device)
+
+    def _check_payload(
+        self, payload: bytes | bytearray | memoryview, numel: int | None
+    ) -> tuple[memoryview, int]:
         buf = _bytes_view(payload)
         other, n = _read_header(buf)
         if other != self:
@@ -258,7 +296,7 @@ class Codec(ABC):
             raise CodecError(f"payload holds {n} elements, expected {numel}")
         if len(buf) != self.nbytes(n):
             raise CodecError(f"payload is {len(buf)} bytes, header says {self.nbytes(n)} ({n} el)")
-        return self._decode_body(buf, HEADER_BYTES + self.params_struct.size, n)
+        return buf, n
 
     def max_abs_error(self, x: Tensor) -> float:
         """Stated worst-case |decode(encode(x)) - x| over all elements (see class docstring)."""
@@ -465,7 +503,23 @@ class TopKCodec(Codec):
         idx = self._select(x)
         return [idx.astype("<u4"), *_encode_values(x[idx], self.values)]
 
-    def _decode_body(self, buf: memoryview, offset: int, numel: int) -> Tensor:
+    def _on_device(self, x: Tensor) -> Body:
+        """Select on x's device (torch.topk; ties may pick other indices than the host's
+        argpartition, equally valid); only the k indices and values cross to the host."""
+        n, k = x.numel(), self.k(x.numel())
+        if n > 2**32:
+            raise CodecError(f"top-k indices are uint32; {n} elements is too many")
+        if n and not bool(torch.isfinite(x).all()):
+            raise CodecError(f"tensor of {n} elements contains NaN or Inf")
+        if k < n:
+            idx = torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values
+        else:
+            idx = torch.arange(n, device=x.device)
+        vals = x[idx].cpu().numpy()
+        return [idx.cpu().numpy().astype("<u4"), *_encode_values(vals, self.values)]
+
+    def _parts(self, buf: memoryview, offset: int, numel: int) -> tuple[Tensor, Tensor]:
+        """(checked indices int64, values) of a payload, on the host."""
         if numel > 2**32:
             raise CodecError(f"top-k payload claims {numel} elements; uint32 indices allow 2^32")
         k = self.k(numel)
@@ -474,8 +528,18 @@ class TopKCodec(Codec):
             raise CodecError("top-k indices are not strictly ascending")
         if k and idx[-1] >= numel:
             raise CodecError(f"top-k index {idx[-1]} out of range for {numel} elements")
+        return torch.from_numpy(idx), _decode_values(buf, offset + 4 * k, k, self.values)
+
+    def _decode_body(self, buf: memoryview, offset: int, numel: int) -> Tensor:
+        idx, vals = self._parts(buf, offset, numel)
         out = torch.zeros(numel, dtype=torch.float32)
-        out[torch.from_numpy(idx)] = _decode_values(buf, offset + 4 * k, k, self.values)
+        out[idx] = vals
+        return out
+
+    def _decode_to(self, buf: memoryview, offset: int, numel: int, device: torch.device) -> Tensor:
+        idx, vals = self._parts(buf, offset, numel)  # k entries cross, not numel
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
+        out[idx.to(device)] = vals.to(device)
         return out
 
     def _bound(self, x: np.ndarray) -> float:
@@ -544,7 +608,28 @@ class DctCodec(Codec):
         vals = np.take_along_axis(coeffs, idx, axis=1).reshape(-1)
         return [idx.astype(self.index_dtype), *_encode_values(vals, self.values)]
 
-    def _decode_body(self, buf: memoryview, offset: int, numel: int) -> Tensor:
+    def _on_device(self, x: Tensor) -> Body:
+        """Transform and select on x's device; only the kept coefficients cross to the
+        host. The device's matmul rounds differently from the host's, so the payload may
+        differ from a host encode of the same vector within the stated bound."""
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise CodecError(f"tensor of {x.numel()} elements contains NaN or Inf")
+        coeffs = self._transform(x)
+        if not bool(torch.isfinite(coeffs).all()):
+            raise CodecError("DCT coefficients overflow float32")
+        idx = torch.sort(torch.topk(coeffs.abs(), self.k, dim=1, sorted=False).indices).values
+        vals = torch.gather(coeffs, 1, idx).reshape(-1).cpu().numpy()
+        return [idx.cpu().numpy().astype(self.index_dtype), *_encode_values(vals, self.values)]
+
+    def _decode_to(self, buf: memoryview, offset: int, numel: int, device: torch.device) -> Tensor:
+        idx, vals = self._parts(buf, offset, numel)  # the kept coefficients cross, not numel
+        out = self._inverse_sparse(idx.to(device), vals.to(device), numel)
+        if not bool(torch.isfinite(out).all()):
+            raise CodecError("DCT reconstruction overflows float32")
+        return out
+
+    def _parts(self, buf: memoryview, offset: int, numel: int) -> tuple[Tensor, Tensor]:
+        """(checked indices (n_chunks, k) int64, values (n_chunks, k) float32), on the host."""
         n_chunks = -(-numel // self.chunk)
         kept = n_chunks * self.k
         idx = _np(buf, self.index_dtype, kept, offset).astype(np.int64).reshape(n_chunks, self.k)
@@ -554,9 +639,13 @@ class DctCodec(Codec):
             raise CodecError("DCT indices are not strictly ascending within a chunk")
         offset += kept * np.dtype(self.index_dtype).itemsize
         vals = _decode_values(buf, offset, kept, self.values).reshape(n_chunks, self.k)
+        return torch.from_numpy(idx), vals.float()
+
+    def _decode_body(self, buf: memoryview, offset: int, numel: int) -> Tensor:
+        idx, vals = self._parts(buf, offset, numel)
         # from the kept coefficients alone, in a fixed order: bit-exact on every thread
         # count and CPU, which the canonical weights hash needs (covey/algorithms/dct.py)
-        out = self._inverse_sparse(torch.from_numpy(idx), vals.float(), numel)
+        out = self._inverse_sparse(idx, vals, numel)
         if not np.isfinite(out.numpy()).all():
             raise CodecError("DCT reconstruction overflows float32")
         return out

@@ -45,7 +45,8 @@ class DeMo(Strategy):
     ) -> None:
         super().__init__(model, loss_fn, codec, aggregator)
         self.cfg = cfg
-        self.momentum = torch.zeros(sum(p.numel() for p in model.parameters()))
+        numel = sum(p.numel() for p in model.parameters())
+        self.momentum = torch.zeros(numel, device=self.device)  # where the model computes
         self.sent = torch.zeros_like(self.momentum)  # this round's payload, until certified
 
     @property
@@ -61,8 +62,8 @@ class DeMo(Strategy):
         return {"optim/momentum": self.momentum, "optim/sent": self.sent}
 
     def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
-        self.momentum = extras["optim/momentum"].clone()
-        self.sent = extras["optim/sent"].clone()
+        self.momentum = extras["optim/momentum"].to(self.device, copy=True)
+        self.sent = extras["optim/sent"].to(self.device, copy=True)
 
     def reset_local(self) -> None:
         self.momentum = torch.zeros_like(self.momentum)
@@ -83,7 +84,7 @@ class DeMo(Strategy):
     def extract(self) -> tuple[bytes, torch.Tensor]:
         """Encode the momentum's fast components; return (payload, what the payload decodes to)."""
         payload = self.codec.encode(self.momentum)
-        return payload, self.codec.decode(payload)
+        return payload, self.codec.decode(payload, device=self.momentum.device)
 
     def encode_work(self) -> tuple[bytes, int | None]:
         payload, self.sent = self.extract()  # subtracted from the momentum in `adopt`

@@ -64,8 +64,9 @@ class DiLoCo(Strategy):
         self._start: torch.Tensor | None = None  # flat start weights of the current round
         self._start_round = 0  # its round: with inner steps, the lr schedule's position
         numel = sum(p.numel() for p in model.parameters()) if cfg.error_feedback else 0
-        self._residual = torch.zeros(numel)  # error feedback: carried into the next round
-        self._pending = torch.zeros(numel)  # this round's new residual, until certified
+        # error feedback, on the model's device: carried into the next round / pending
+        self._residual = torch.zeros(numel, device=self.device)
+        self._pending = torch.zeros(numel, device=self.device)  # until certified
 
     @property
     def reexecutable(self) -> bool:
@@ -77,7 +78,7 @@ class DiLoCo(Strategy):
 
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
-        self._start = flatten([state.params[n] for n in self.names])
+        self._start = flatten([state.params[n] for n in self.names]).to(self.device)
         self._start_round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
@@ -133,10 +134,12 @@ class DiLoCo(Strategy):
         for name, p in self.model.named_parameters():
             fresh = self._fresh_inner_state(p)
             if fresh:
-                self.inner_opt.state[p] = {k: extras[f"optim/{name}/{k}"].clone() for k in fresh}
+                self.inner_opt.state[p] = {
+                    k: _to_state_device(extras[f"optim/{name}/{k}"], p) for k in fresh
+                }
         if self.cfg.error_feedback:
-            self._residual = extras["optim/ef/residual"].clone()
-            self._pending = extras["optim/ef/pending"].clone()
+            self._residual = extras["optim/ef/residual"].to(self.device, copy=True)
+            self._pending = extras["optim/ef/pending"].to(self.device, copy=True)
 
     def inner_step(self, batch: torch.Tensor) -> float:
         if has_schedule(self.cfg.optim):  # a pure function of (round, step): re-executable
@@ -165,13 +168,19 @@ class DiLoCo(Strategy):
         delta = self.pseudo_gradient()
         payload = self.codec.encode(delta)
         if self.cfg.error_feedback:  # becomes the residual once the round accepts it
-            self._pending = delta - self.codec.decode(payload)
+            self._pending = delta - self.codec.decode(payload, device=delta.device)
         return payload, None
 
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]
     ) -> TrainState:
         return outer_step(start_state, self.aggregate(start_state, contributions), self.cfg)
+
+
+def _to_state_device(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A copy of an optimizer tensor where torch.optim keeps it: moments on the
+    parameter's device, the step count (0-dim) on the host, as non-capturable AdamW does."""
+    return t.clone() if t.dim() == 0 else t.to(p.device, copy=True)
 
 
 def outer_step(

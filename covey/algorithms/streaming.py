@@ -32,6 +32,11 @@ from covey.algorithms.diloco import DiLoCo, outer_step
 from covey.config import StreamingDiLoCoConfig
 
 
+def _on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors on `device` (the same objects where they already are)."""
+    return {n: t.to(device) for n, t in tensors.items()}
+
+
 def layer_key(name: str) -> str:
     """The layer a parameter belongs to: its name up to the first numeric component
     ("blocks.3.attn.qkv.weight" -> "blocks.3"); the full name if it has none."""
@@ -93,7 +98,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
-        self._global = dict(state.params)
+        self._global = _on(state.params, self.device)
         self._round = state.round
 
     def adopt(self, state: TrainState, accepted: bool = True) -> None:
@@ -104,8 +109,8 @@ class StreamingDiLoCo(DiLoCo):
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name in fragment:
-                params[name].mul_(alpha).add_(state.params[name], alpha=1 - alpha)
-        self._global = dict(state.params)
+                params[name].mul_(alpha).add_(state.params[name].to(self.device), alpha=1 - alpha)
+        self._global = _on(state.params, self.device)
         self._round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
