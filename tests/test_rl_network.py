@@ -344,3 +344,46 @@ def test_trainer_restart_keeps_versions_and_ledger(tmp_path: Path) -> None:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.mark.long  # SFT, then every role as a process for two minutes
+def test_demo_writes_a_summary_and_an_auditable_ledger(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    cmd = [
+        sys.executable,
+        "-m",
+        "covey",
+        "rl",
+        "demo",
+        "--minutes",
+        "2",
+        "--adversaries",
+        "2",
+        "--sft-steps",
+        "60",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in (
+        "pass_at_1_start",
+        "pass_at_1_end",
+        "rollouts_accepted",
+        "rollouts_rejected",
+        "honest_rejected",
+        "cheats_caught",
+        "cheats_missed",
+    ):
+        assert key in summary
+    assert summary["rollouts_accepted"] > 0 and summary["honest_rejected"] == 0
+    assert summary["cheats_missed"] == 0 and summary["cheats_caught"] >= 1
+    audit = subprocess.run(
+        [sys.executable, "-m", "covey", "ledger", "verify", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert audit.returncode == 0, audit.stdout + audit.stderr

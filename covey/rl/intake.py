@@ -21,6 +21,7 @@ reports, and the verdicts written to the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -288,7 +289,8 @@ class Intake:
             (now - timeout,),
         ):
             if self._assignee(row, live) is None:
-                self.judge.decide(row, None, None)
+                with contextlib.suppress(Rejected):  # a validator took it meanwhile
+                    self.judge.decide(row, None, None)
 
     def report(self, req: ReportCheck, raw: dict[str, Any]) -> dict[str, Any]:
         t, m = self.t, self.t.membership

@@ -23,6 +23,7 @@ import sqlite3
 import time
 from typing import TYPE_CHECKING, Any
 
+from covey.coordinator.views import Rejected
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
 
 if TYPE_CHECKING:
@@ -86,6 +87,9 @@ class Judge:
             verdict = BatchVerdict(False, None, "the worker was excluded for fraud")
         problem = verdict.problem.value if verdict.problem else ("banned" if banned else None)
         with t.accounts.transaction() as c:
+            now_status = c.execute("SELECT status FROM rl_batches WHERE id = ?", (row["id"],))
+            if now_status.fetchone()[0] not in ("pending", "claimed"):  # decided meanwhile
+                raise Rejected(409, f"batch {row['cid'][:12]} was decided already")
             if validator is not None:
                 t.accounts.append(
                     c,
