@@ -463,3 +463,107 @@ def test_calibration_separates_honest_from_cheats() -> None:
             assert row.rejected == 0 and row.max_mean_ulp < 0.1, row
         elif name.startswith("cheat"):
             assert row.rejected == row.sequences, row
+
+
+# --- verification: cheats, binding, subsets, batched generation -----------------------
+
+from covey.rl.batch import (  # noqa: E402
+    TOLERANCES,
+    batch_digest,
+    verified_subset,
+)
+from covey.rl.cheats import CHEATS, Setting  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", sorted(CHEATS))
+def test_every_cheat_is_caught(policy: GPT, kind: str) -> None:
+    # two tries (replay alternates as-is / relabelled); prefill checks on 2 of 4 samples,
+    # drawn as a validator draws them: a full-batch cheat is caught whichever 2
+    for seed in (0, 1):
+        step, worker = 10 + seed, f"cheat-{seed}"
+        batch = CHEATS[kind](Setting(policy, TASK, SPEC, step, worker, 3, CID), seed)
+        subset = verified_subset(batch_digest(batch), f"beacon{seed}", len(batch.samples), 2)
+        verdict = _check(policy, batch, step=step, submitter=worker, verify_samples=subset)
+        assert not verdict.ok, (kind, seed)
+
+
+def test_honest_batches_pass_with_generation_batches(policy: GPT) -> None:
+    before = torch.get_num_threads()
+    try:
+        for threads, gen_batch in ((1, 4), (2, 3)):
+            torch.set_num_threads(threads)
+            batch = rollout(
+                policy,
+                TASK,
+                SPEC,
+                step=5,
+                worker_id="w1",
+                policy_version=3,
+                policy_cid=CID,
+                gen_batch=gen_batch,
+            )
+            for verify_threads, prefill_batch in ((1, 1), (2, 4)):
+                torch.set_num_threads(verify_threads)
+                verdict = _check(policy, batch, step=5, prefill_batch=prefill_batch)
+                assert verdict.ok, (threads, gen_batch, verify_threads, verdict)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generate_batch_matches_one_at_a_time(policy: GPT) -> None:
+    prompts = [list(b"1+2="), list(b"12+34="), PROMPT]
+    one = [sampling.generate(policy, p, 10, 1.0, seed=40 + i) for i, p in enumerate(prompts)]
+    eos = one[0].tokens[3]  # one sequence stops early, the others run on
+    one = [sampling.generate(policy, p, 10, 1.0, 40 + i, eos) for i, p in enumerate(prompts)]
+    many = sampling.generate_batch(policy, prompts, 10, 1.0, [40, 41, 42], eos)
+    assert len(one[0].tokens) == 4
+    for a, b in zip(one, many, strict=True):
+        assert a.tokens == b.tokens and a.hidden.shape == b.hidden.shape
+        assert torch.allclose(a.hidden, b.hidden, atol=1e-4)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="seeds"):
+        sampling.generate_batch(policy, prompts, 2, 1.0, [1], None)
+
+
+def test_verified_subset_is_beacon_drawn() -> None:
+    a = verified_subset("d1", "b1", 16, 4)
+    assert a == verified_subset("d1", "b1", 16, 4) and len(set(a)) == 4 == len(a)
+    assert a == sorted(a) and all(0 <= i < 16 for i in a)
+    draws = {tuple(verified_subset("d1", f"b{i}", 16, 4)) for i in range(20)}
+    assert len(draws) > 10  # the beacon moves the choice
+    assert verified_subset("d1", "b1", 3, 5) == [0, 1, 2]
+    with pytest.raises(ValueError):
+        verified_subset("d", "b", -1, 2)
+
+
+def test_digest_binds_worker_step_and_version(honest_batch: RolloutBatch) -> None:
+    d = batch_digest(honest_batch)
+    assert d == batch_digest(RolloutBatch.model_validate_json(honest_batch.model_dump_json()))
+    for change in ({"worker_id": "w2"}, {"step": 4}, {"policy_version": 4}):
+        assert batch_digest(honest_batch.model_copy(update=change)) != d
+
+
+def test_precision_picks_tolerances(policy: GPT) -> None:
+    import dataclasses
+
+    assert TOLERANCES["bf16"].proof.max_mean_ulp > TOLERANCES["fp32"].proof.max_mean_ulp
+    with pytest.raises(ValueError, match="precision"):
+        dataclasses.replace(SPEC, precision="fp8")
+    spec16 = dataclasses.replace(SPEC, precision="bf16")
+    model16 = rl_gpt(0).to(torch.bfloat16)
+    batch = rollout(
+        model16, TASK, spec16, step=3, worker_id="w1", policy_version=3, policy_cid=CID, gen_batch=2
+    )
+    verdict = check_batch(
+        batch,
+        spec=spec16,
+        submitter="w1",
+        step=3,
+        policy_cid=CID,
+        model=model16,
+        task=TASK,
+        prefill_batch=4,
+    )
+    assert verdict.ok, verdict
+    # checked by the fp32 rules against the fp32 policy, the bf16 batch is a cheat
+    assert not _check(policy, batch).ok

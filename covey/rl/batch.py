@@ -104,8 +104,8 @@ class Tolerances:
 # above that and below every cheat's smallest signal. A bf16 run (policy in bf16 on both
 # sides) is noisier: its own row.
 TOLERANCES: dict[str, Tolerances] = {
-    "fp32": Tolerances(proofs.ProofThresholds(min_overlap=0.9, max_mean_ulp=0.5), 1e-3, 1e-3),
-    "bf16": Tolerances(proofs.ProofThresholds(min_overlap=0.5, max_mean_ulp=8.0), 0.25, 0.1),
+    "fp32": Tolerances(proofs.ProofThresholds(min_overlap=0.9, max_mean_ulp=0.1), 1e-3, 1e-4),
+    "bf16": Tolerances(proofs.ProofThresholds(min_overlap=0.8, max_mean_ulp=16.0), 0.1, 0.05),
 }
 
 

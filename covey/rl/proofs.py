@@ -155,14 +155,15 @@ class ChunkCheck:
 class ProofThresholds:
     """A chunk passes when overlap >= min_overlap and mean_ulp <= max_mean_ulp.
 
-    Defaults from `python -m covey.rl.calibrate` (fp32 policy, 4-layer 128-wide GPT, 8 x 64
-    tokens): honest runs across 1/2 threads and batch 1/4 give overlap 1.000 and mean_ulp
+    The defaults are an fp32 run's (`covey.rl.batch.TOLERANCES`, calibrated by
+    `python -m covey.bench.rl_verify` and `python -m covey.rl.calibrate`): honest
+    recomputation across 1/2 threads and batch sizes gives overlap 1.000 and mean_ulp
     <= 0.008 per chunk; weights perturbed by 1e-3 relative give mean_ulp >= 1.09, weights
-    rounded to bf16 >= 1.11, an older checkpoint overlap 0. 0.5 sits 60x above honest noise
-    and 2x below the closest cheat. A bf16 run needs its own thresholds (see calibrate)."""
+    rounded to bf16 >= 1.1, an older checkpoint overlap < 0.9. 0.1 is the geometric middle
+    of 0.008 and 1.1 (12x from each). A bf16 run has its own (TOLERANCES["bf16"])."""
 
     min_overlap: float = 0.9
-    max_mean_ulp: float = 0.5
+    max_mean_ulp: float = 0.1
     agree_rel: float = 0.05  # a committed value "agrees" within this relative error
 
 
