@@ -339,7 +339,7 @@ def create_app(coord: Coordinator) -> FastAPI:
         )
         stored = False
         try:
-            writer = await run_in_threadpool(coord.blobs.writer, cid, ticket.size)
+            writer = await run_in_threadpool(coord.uploads.writer, ticket)
             try:
                 pending: list[bytes] = []
                 buffered = 0

@@ -15,18 +15,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from covey.algorithms import Contribution, RoundError
-from covey.blobs import BlobError
 from covey.protocol import schemas
 from covey.trust.identity import body_content_id
 
-from .uploads import UploadGate, blob_sizes
 from .views import Rejected, Views
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy
-    from covey.blobs import BlobClient
 
     from .accounts import Accounts
+    from .uploads import Blobs
 
 log = logging.getLogger("covey.coordinator")
 
@@ -34,7 +32,7 @@ log = logging.getLogger("covey.coordinator")
 class Intake(Views):
     # provided by the rounds mode (covey.coordinator.rounds)
     strategy: Strategy
-    fetcher: BlobClient
+    uploads: Blobs  # the blob plane component (covey.coordinator.uploads)
     seq_len: int
     _wake: threading.Event
     accounts: Accounts
@@ -42,12 +40,6 @@ class Intake(Views):
     _check_run: Any
     _check_not_banned: Any
     template: Any
-
-    @functools.cached_property
-    def uploads(self) -> UploadGate:
-        """Who may upload which blobs (built once: the sizes come from the model)."""
-        sizes = blob_sizes(self.strategy, self.template)
-        return UploadGate(self.db, self.cfg, sizes, self._check_not_banned, run_id=self.run_id)
 
     @functools.cached_property
     def _submitting(self) -> tuple[threading.Lock, set[tuple[str, int]]]:
@@ -213,7 +205,7 @@ class Intake(Views):
             return
         if req.end_state_cid is None or req.end_state_size is None:
             raise Rejected(422, "a contribution must name its end local state (end_state_cid)")
-        if self.uploads.sizes.get(req.end_state_size) != "local state":
+        if not self.uploads.is_local_state_size(req.end_state_size):
             raise Rejected(
                 422,
                 f"end state {req.end_state_cid[:12]} of {req.end_state_size} bytes is not "
@@ -231,45 +223,20 @@ class Intake(Views):
                 f"starts from local state {(req.local_state_cid or 'fresh')[:12]}, but its "
                 f"contribution to round {req.round - 1} ended at {(want or 'none: fresh')[:12]}",
             )
-        self._blob_here(req.peer_id, req.end_state_cid, req.end_state_size)
-
-    def _blob_here(self, peer_id: str, cid: str, size: int) -> None:
-        """Make sure blob `cid` of `size` bytes is stored (fetched from the peer if it serves
-        it); Rejected otherwise."""
-        if self.blobs.has(cid):
-            if self.blobs.size(cid) != size:
-                raise Rejected(422, f"blob {cid[:12]} has {self.blobs.size(cid)} bytes, not {size}")
-            return
-        peer = self.db.one("SELECT * FROM peers WHERE peer_id = ?", (peer_id,))
-        if not (peer and peer["accepts_connections"] and peer["blob_url"]):
-            raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
-        try:  # streamed to disk and hashed on arrival (capped by limits.max_blob_bytes)
-            self.fetcher.fetch_into(self.blobs, cid, [peer["blob_url"]], size=size)
-        except BlobError as e:
-            raise Rejected(409, f"could not fetch blob {cid[:12]} from the peer: {e}") from None
+        self.uploads.fetch_from_peer(req.peer_id, req.end_state_cid, req.end_state_size)
 
     def _contribution_bytes(self, req: schemas.ContributionRequest) -> memoryview:
-        if not self.uploads.sizes.get(req.size, "").startswith("contribution"):
+        if not self.uploads.is_payload_size(req.size):
             # checked before any fetch: no buffer is sized from what a peer declares
             raise Rejected(
                 422,
                 f"contribution {req.cid[:12]} of {req.size} bytes: not a payload size of "
-                f"this run ({self._payload_sizes()})",
+                f"this run ({self.uploads.payload_sizes()})",
             )
-        if not self.blobs.has(req.cid):
-            peer = self.db.one("SELECT * FROM peers WHERE peer_id = ?", (req.peer_id,))
-            if not (peer and peer["accepts_connections"] and peer["blob_url"]):
-                raise Rejected(409, f"blob {req.cid[:12]} was not uploaded (PUT /v1/blobs/...)")
-            try:  # the peer serves it itself: relay it for the peers that cannot reach it
-                self.fetcher.fetch_into(self.blobs, req.cid, [peer["blob_url"]], size=req.size)
-            except BlobError as e:
-                raise Rejected(409, f"could not fetch blob from the peer: {e}") from None
-            return self.blobs.view(req.cid)  # hash and size (req.size) checked by the fetch
-        size = self.blobs.size(req.cid)
-        if size != req.size:
+        # uploaded, or fetched from the peer's own server: relayed for peers that cannot
+        # reach it (hash and size checked by the fetch)
+        if self.blobs.has(req.cid) and self.blobs.size(req.cid) != req.size:
+            size = self.blobs.size(req.cid)
             raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")
+        self.uploads.fetch_from_peer(req.peer_id, req.cid, req.size)
         return self.blobs.view(req.cid)
-
-    def _payload_sizes(self) -> str:
-        sizes = self.uploads.sizes
-        return ", ".join(f"{n} bytes" for n in sorted(sizes) if sizes[n].startswith("contrib"))

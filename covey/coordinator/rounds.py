@@ -42,6 +42,7 @@ from .liveness import Liveness
 from .membership import Membership
 from .model import RunModel
 from .samples import draw_samples
+from .uploads import Blobs
 from .verification import Verification
 from .views import OpenRound, Views
 
@@ -64,6 +65,7 @@ class Rounds(Intake, Halting, Views):
         verification: Verification,
         blobs: BlobStore,
         fetcher: BlobClient,
+        uploads: Blobs,
         corpus: Corpus,
         run_id: str,
         model: RunModel,
@@ -82,6 +84,7 @@ class Rounds(Intake, Halting, Views):
         self.verification = verification
         self.blobs = blobs
         self.fetcher = fetcher
+        self.uploads = uploads  # the blob plane component: uploads, peers' own servers
         self.corpus = corpus
         self.corpus_fingerprint = corpus.fingerprint
         self.run_id = run_id

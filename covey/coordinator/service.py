@@ -2,8 +2,9 @@
 (covey.coordinator.app) turns HTTP into calls here and `Rejected` into 4xx replies.
 
 The components (../shared/DESIGN.md) each own their state and take what they need in
-`__init__`: Membership (peers, liveness, signatures and nonces, no-shows), the blob store
-and fetcher, Accounts (ledger and book), Verification (assignments, canaries, disputes and
+`__init__`: Membership (peers, liveness, signatures and nonces, no-shows), Blobs (the
+store, the fetcher of peers' own blobs and the upload gate: covey.coordinator.uploads),
+Accounts (ledger and book), Verification (assignments, canaries, disputes and
 the referee). One mode uses them: Rounds (covey.coordinator.rounds: open, close, commit,
 intake, certificates, evaluation, HALT, the read side). This class builds them in order
 and forwards the calls the app, the CLI and the tests make; it holds no logic of its own.
@@ -32,7 +33,7 @@ from .liveness import Liveness
 from .membership import Membership
 from .model import build_model
 from .rounds import Rounds
-from .uploads import UploadGate
+from .uploads import Blobs, blob_sizes
 from .verification import Verification
 from .views import CommitSignal, OpenRound
 
@@ -97,6 +98,15 @@ class Coordinator:
             seq_len=model.seq_len,
             verifying=verifying,
         )
+        self.uploads = Blobs(  # sizes worked out once, before serving: from the model
+            self.db,
+            cfg,
+            self.blobs,
+            self.fetcher,
+            blob_sizes(model.strategy, model.template),
+            self.membership.check_not_banned,
+            run_id=self.run_id,
+        )
         self.rounds = Rounds(
             cfg,
             data_dir,
@@ -107,6 +117,7 @@ class Coordinator:
             verification=self.verification,
             blobs=self.blobs,
             fetcher=self.fetcher,
+            uploads=self.uploads,
             corpus=self.corpus,
             run_id=self.run_id,
             model=model,
@@ -188,10 +199,6 @@ class Coordinator:
     @property
     def commits(self) -> CommitSignal:
         return self.rounds.commits
-
-    @property
-    def uploads(self) -> UploadGate:
-        return self.rounds.uploads
 
     @property
     def halted(self) -> dict[str, Any] | None:

@@ -1,5 +1,7 @@
-"""Who may upload a blob to the coordinator, which one and how big: the check that runs on
-a PUT's headers before a byte of its body is read.
+"""The coordinator's blob plane as a component (`Blobs`): its content-addressed store, its
+fetcher of blobs that peers serve themselves, and the gate of uploads: who may upload a
+blob to the coordinator, which one and how big, checked on a PUT's headers before a byte
+of its body is read. The rounds mode (intake) and the app reach blobs only through it.
 
 An upload is signed in headers (covey.blobs.store.upload_message: purpose, run, peer,
 cid, size, nonce) by a live worker or a registered validator. Its size must be one the
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from covey.blobs import BlobError
 from covey.blobs.store import (
     UPLOAD_NONCE_HEADER,
     UPLOAD_PEER_HEADER,
@@ -32,6 +35,8 @@ from .views import Rejected
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
+    from covey.blobs import BlobClient, BlobStore
+    from covey.blobs.store import BlobWriter
     from covey.config import RunConfig
 
     from .db import Database
@@ -66,21 +71,27 @@ class Ticket:
     size: int
 
 
-class UploadGate:
-    """Admits signed uploads (`admit`) and remembers them until named (`named`). Thread-safe."""
+class Blobs:
+    """The blob plane: admits signed uploads (`admit`, `writer`, `done`) and remembers them
+    until named (`named`); fetches a blob a member serves itself (`fetch_from_peer`); the
+    store (`store`) holds them all. Thread-safe."""
 
     def __init__(
         self,
         db: Database,
         cfg: RunConfig,
+        store: BlobStore,
+        fetcher: BlobClient,
         sizes: Mapping[int, str],
         check_not_banned: Callable[[str], None] | None = None,
         *,
         run_id: str,
     ) -> None:
-        """`check_not_banned(peer_id)` raises Rejected(403) for a peer excluded for fraud;
+        """`sizes`: every blob size this run's model implies (`blob_sizes`);
+        `check_not_banned(peer_id)` raises Rejected(403) for a peer excluded for fraud;
         `run_id`: the run's id (covey.config.run_id_of), uploads are signed for it."""
         self.db, self.run_id, self.sizes = db, run_id, dict(sizes)
+        self.store, self.fetcher = store, fetcher
         self.check_not_banned = check_not_banned
         self.window_s = cfg.trust.nonce_window_s
         self.max_pending = cfg.limits.max_pending_uploads
@@ -140,6 +151,42 @@ class UploadGate:
                 )
             self._in_flight.add(peer_id)
         return Ticket(peer_id, cid, size)
+
+    def writer(self, ticket: Ticket) -> BlobWriter:
+        """Where an admitted upload's body streams to (hashed as it arrives; committed only
+        if it hashes to the ticket's cid, of its size)."""
+        return self.store.writer(ticket.cid, ticket.size)
+
+    def is_payload_size(self, size: int) -> bool:
+        """Whether `size` is a contribution payload's size for this run's model."""
+        return self.sizes.get(size, "").startswith("contribution")
+
+    def is_local_state_size(self, size: int) -> bool:
+        """Whether `size` is a worker local state's size for this run's model."""
+        return self.sizes.get(size) == "local state"
+
+    def payload_sizes(self) -> str:
+        """The contribution sizes this run takes, for error messages."""
+        return ", ".join(f"{n} bytes" for n in sorted(self.sizes) if self.is_payload_size(n))
+
+    def fetch_from_peer(self, peer_id: str, cid: str, size: int) -> None:
+        """Make sure blob `cid` of `size` bytes is in the store: there already (of that
+        size), or fetched from the blob URL `peer_id` registered at join (streamed to disk,
+        hashed on arrival, no redirects). Rejected: 422 a stored blob of another size, 409
+        the peer serves no blobs (it must upload) or its server did not deliver."""
+        if self.store.has(cid):
+            if self.store.size(cid) != size:
+                raise Rejected(422, f"blob {cid[:12]} has {self.store.size(cid)} bytes, not {size}")
+            return
+        peer = self.db.one(
+            "SELECT accepts_connections, blob_url FROM peers WHERE peer_id = ?", (peer_id,)
+        )
+        if not (peer and peer["accepts_connections"] and peer["blob_url"]):
+            raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
+        try:  # streamed to disk and hashed on arrival (capped by limits.max_blob_bytes)
+            self.fetcher.fetch_into(self.store, cid, [peer["blob_url"]], size=size)
+        except BlobError as e:
+            raise Rejected(409, f"could not fetch blob {cid[:12]} from the peer: {e}") from None
 
     def done(self, ticket: Ticket, stored: bool) -> None:
         """The upload ended; a stored blob counts as pending until something names it."""
