@@ -421,3 +421,122 @@ def test_int8_pipeline_converges_like_one_process() -> None:
     _train_stages(untied, batches, lr)
     want, got = _held_out_loss([one], held_out), _held_out_loss(untied, held_out)
     assert abs(got - want) / want < 0.02, (got, want)
+
+
+# ---- the network layer's pure parts: averaging rounds, wire, adversaries ----------------
+
+
+def test_averaging_round_commits_all_or_nothing_and_drops_the_silent() -> None:
+    from covey.swarm.averaging import Averaging
+
+    avg = Averaging(n_stages=1, target_samples=8, round_timeout_s=10.0)
+    for p in ("a", "b"):
+        avg.state(p, 0, 0, "s0")
+    avg.tick({"a": (0, 0, 4), "b": (0, 0, 3)}, set(), now=0.0)
+    assert avg.stages[0].round is None  # 7 < 8 samples pending
+    avg.tick({"a": (0, 0, 4), "b": (0, 0, 4)}, set(), now=1.0)
+    r = avg.stages[0].round
+    assert r is not None and r.members == ["a", "b"]
+    assert avg.report("a", 0, r.id, "ga", 4, "u") == "ok"
+    assert "not a member" in avg.report("c", 0, r.id, "gc", 4, "u")
+    avg.tick({"a": (0, 0, 0), "b": (0, 0, 4)}, set(), now=5.0)
+    assert avg.stages[0].round is r  # waits for b until the deadline
+    avg.tick({"a": (0, 0, 0), "b": (0, 0, 4)}, set(), now=12.0)
+    book = avg.stages[0]
+    assert book.round is None and book.step == 1 and book.samples == 4
+    assert r.status == "committed" and list(r.reports) == ["a"]
+    # a applies the round; b, who missed it, resyncs to the agreed state
+    assert avg.directive("a", 0, 0, "s0")["apply"]["reports"]["a"]["cid"] == "ga"
+    avg.state("a", 0, 1, "s1")
+    assert avg.directive("b", 0, 0, "s0")["resync"] == "s1"
+    assert "apply" not in avg.directive("a", 0, 1, "s1")
+    # a round without any sample by its deadline aborts: nothing is accepted
+    avg.state("b", 0, 1, "s1")
+    avg.tick({"a": (0, 1, 8), "b": (0, 1, 0)}, set(), now=13.0)
+    r2 = avg.stages[0].round
+    assert r2 is not None
+    avg.report("a", 0, r2.id, "g", 0, "u")
+    avg.tick({"a": (0, 1, 0), "b": (0, 1, 0)}, set(), now=30.0)
+    assert r2.status == "aborted" and avg.stages[0].step == 1
+
+
+def test_averaging_agreed_state_is_the_majority_and_a_divergent_server_resyncs() -> None:
+    from covey.swarm.averaging import Averaging
+
+    avg = Averaging(n_stages=2, target_samples=1, round_timeout_s=1.0)
+    for p, cid in (("a", "x"), ("b", "x"), ("c", "y")):
+        avg.state(p, 1, 0, cid)
+    assert avg.stages[1].agreed == "x"
+    assert avg.directive("c", 1, 0, "y")["resync"] == "x"
+    assert "resync" not in avg.directive("a", 1, 0, "x")
+    with pytest.raises(ValueError, match=r"stage 2; stages are 0..1"):
+        avg.directive("a", 2, 0, "x")
+
+
+def test_wire_round_trips_and_refuses_malformed_bytes() -> None:
+    from covey.swarm.wire import WireError, decode_tensor, encode_tensor, pack, unpack
+
+    ids = torch.randint(0, 256, (3, 5))
+    assert torch.equal(decode_tensor(encode_tensor(ids, "int8")), ids)
+    x = torch.randn(2, 3, 4)
+    assert torch.equal(decode_tensor(encode_tensor(x, "plain")), x)
+    assert torch.allclose(decode_tensor(encode_tensor(x, "int8")), x, atol=0.05)
+    assert unpack(pack(b"ab", b"", b"c"), 3) == [b"ab", b"", b"c"]
+    for bad in (b"", b"CVID" + b"\x01" * 8, b"junk" * 10, encode_tensor(ids, "")[:-1]):
+        with pytest.raises(WireError):
+            decode_tensor(bad)
+    with pytest.raises(WireError, match="pack 2"):
+        unpack(pack(b"a"), 2)
+    with pytest.raises(WireError, match="do not add up"):
+        unpack(pack(b"a", b"b") + b"x", 2)
+
+
+def test_stage_state_bytes_round_trip_exactly_and_adamw_matches_torch() -> None:
+    from covey.swarm.config import SwarmConfig
+    from covey.swarm.optim import AdamW
+    from covey.swarm.wire import build_stage, load_state, state_bytes
+
+    cfg = SwarmConfig(n_layer=2, n_embd=16, n_head=2, seq_len=8, stages=2)
+    a = build_stage(cfg, 1)
+    x = torch.randn(2, 8, 16)
+    a.backward_loss(x, torch.randint(0, 256, (2, 8)))
+    a.step()
+    data = state_bytes(a)
+    b = build_stage(cfg, 1)
+    assert state_bytes(b) != data
+    load_state(b, data)
+    assert state_bytes(b) == data and b.steps == 1
+    p = nn.Parameter(torch.randn(4, 3))
+    q = nn.Parameter(p.detach().clone())
+    mine, theirs = AdamW([p], lr=0.01), torch.optim.AdamW([q], lr=0.01)
+    for _ in range(5):
+        g = torch.randn(4, 3)
+        p.grad, q.grad = g.clone(), g.clone()
+        mine.step()
+        theirs.step()
+    assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("behavior", ["wrong", "noise", "zero"])
+def test_adversarial_replies_are_beyond_tolerance_and_honest_ones_within(behavior: str) -> None:
+    from covey.swarm import compute
+    from covey.swarm.config import SwarmConfig
+    from covey.swarm.server import misbehave
+    from covey.swarm.wire import build_stage, encode_tensor, pack
+
+    cfg = SwarmConfig(n_layer=2, n_embd=16, n_head=2, seq_len=8, stages=2)
+    ids = torch.randint(0, 256, (2, 8))
+    s0, s1 = build_stage(cfg, 0), build_stage(cfg, 1)
+    fwd = pack(encode_tensor(ids, "int8"))
+    honest = compute.forward(cfg, 0, s0, fwd)
+    assert compute.reply_distance(compute.forward(cfg, 0, s0, fwd), honest) == 0.0
+    out, _ = compute.parse_reply(honest)
+    assert out is not None
+    bwd = pack(encode_tensor(out, "int8"), encode_tensor(ids, ""))
+    honest_b = compute.backward(cfg, 1, s1, bwd)
+    replies = [("forward", honest), ("backward", honest_b)]
+    far = [
+        compute.reply_distance(misbehave(behavior, kind, r, "int8"), r) > cfg.tolerance
+        for kind, r in replies
+    ]
+    assert far == ([True, True] if behavior != "zero" else [False, True])

@@ -11,7 +11,7 @@ import signal
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from covey.coordinator.auth import ReceivedAt
@@ -82,6 +82,16 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
     @app.post("/v1/swarm/dispute")
     async def dispute(request: Request) -> Any:
         return await call(coord.dispute, request)
+
+    @app.post("/v1/swarm/state")
+    async def state(request: Request) -> Any:
+        return await call(coord.state_upload, request)
+
+    @app.get("/v1/blobs/{cid}")
+    def blob(cid: str) -> Any:
+        if not coord.blobs.has(cid):
+            raise Rejected(404, f"no blob {cid[:80]!r}")
+        return FileResponse(coord.blobs.path(cid), media_type="application/octet-stream")
 
     @app.get("/v1/swarm/servers")
     def servers() -> Any:

@@ -80,6 +80,9 @@ def register(app: typer.Typer) -> None:
         ] = "honest",
         stake: Annotated[float, typer.Option(help="credits staked on joining")] = 0.0,
         port: Annotated[int, typer.Option(help="port for forward/backward; 0 = any")] = 0,
+        stage: Annotated[
+            int | None, typer.Option(help="ask for this stage (default: the coordinator picks)")
+        ] = None,
     ) -> None:
         """Serve one pipeline stage (assigned by the coordinator): forward and backward."""
         from covey.swarm.server import BEHAVIORS
@@ -97,7 +100,7 @@ def register(app: typer.Typer) -> None:
         torch.set_num_threads(1)
         s = StageServer(
             coordinator, name=name, slowdown=slowdown, emulate_s=emulate_s, behavior=behavior,
-            stake=stake, port=port,
+            stake=stake, port=port, stage=stage,
         )  # fmt: skip
         _stop_on_signals(s.stop)
         serve(s)

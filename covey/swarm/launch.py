@@ -91,14 +91,15 @@ class Swarm:
         p.wait(timeout=10)
 
     def close(self) -> None:
-        procs = [*self.servers.values(), *([self.coordinator] if self.coordinator else [])]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+        # servers first: they stop heartbeating to a coordinator that is still there
+        for group in (list(self.servers.values()), [self.coordinator] if self.coordinator else []):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10)
         self.servers.clear()

@@ -33,9 +33,6 @@ class Referee:
         self._states: dict[str, bytes] = {}
         self._lock = threading.Lock()  # one recomputation at a time: it is CPU work
 
-    def warm_up(self) -> None:
-        build_stage(self.cfg, 0)
-
     def settle(
         self, body: dict[str, Any], keys: dict[str, str], providers: list[str]
     ) -> dict[str, Any]:

@@ -13,6 +13,7 @@ emulate a slower device by sleeping; `behavior` makes it an adversary for tests.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import random
@@ -23,12 +24,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from covey.blobs import BlobClient, BlobServer, BlobStore
-from covey.peer.client import CoordinatorClient, PeerRejected
+from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore
+from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
 from covey.swarm.stage import Stage
@@ -63,21 +65,24 @@ class StageServer:
         stake: float = 0.0,
         port: int = 0,
         seed: int = 0,
+        stage: int | None = None,
     ) -> None:
         if behavior not in BEHAVIORS:
             raise ValueError(f"behavior {behavior!r} must be one of {BEHAVIORS}")
         if slowdown < 1:
             raise ValueError(f"slowdown ({slowdown}) must be >= 1")
         self.name, self.slowdown, self.emulate_s = name, slowdown, emulate_s
-        self.behavior, self.stake, self.port = behavior, stake, port
+        self.behavior, self.stake, self.port, self.wanted = behavior, stake, port, stage
         self.identity = Identity.generate()
-        self.client = CoordinatorClient(coordinator, identity=self.identity, lost_s=30.0)
+        self.stop = threading.Event()
+        self.client = CoordinatorClient(
+            coordinator, identity=self.identity, lost_s=30.0, stop=self.stop
+        )
         self.tmp = tempfile.TemporaryDirectory(prefix="covey-swarm-")
         self.store = BlobStore(Path(self.tmp.name) / "blobs")
         self.blobs = BlobServer(self.store)
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)
         self.lock = threading.Lock()  # the device: one computation or state change at a time
-        self.stop = threading.Event()
         self.rng = random.Random(seed)
         self.stage: Stage | None = None
         self.k = -1
@@ -88,65 +93,45 @@ class StageServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        # AdamW's first construction imports torch's compiler stack (seconds on a loaded
-        # machine): pay it before joining, or the first heartbeat comes too late
-        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-        blob_url = self.blobs.start()
+        self.blobs.start()
         self.http = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
         self.http.daemon_threads = True
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{self.http.server_address[1]}"
         spec = self.client.get("/v1/swarm/spec")
         self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
+        self._join()
+        log.info("[%s] serving stage %d (%s, x%.1f)", self.name, self.k, self.behavior,
+                 self.slowdown)  # fmt: skip
+
+    def _join(self) -> None:
         body = {
-            "run_id": self.run_id,
-            "peer_id": self.identity.peer_id,
-            "role": "server",
-            "public_key": self.identity.public_key,
-            "name": self.name,
-            "stake": self.stake,
-            "url": url,
-            "blob_url": blob_url,
-        }
+            "run_id": self.run_id, "peer_id": self.identity.peer_id, "role": "server",
+            "public_key": self.identity.public_key, "name": self.name, "stake": self.stake,
+            "url": f"http://127.0.0.1:{self.http.server_address[1]}",
+            "blob_url": self.blobs.url, "stage": self.wanted,
+        }  # fmt: skip
         reply = self.client.post("/v1/swarm/join", body)
-        self._become(int(reply["stage"]), None, [])
-        log.info(
-            "[%s] serving stage %d at %s (%s, x%.1f)",
-            self.name,
-            self.k,
-            url,
-            self.behavior,
-            self.slowdown,
-        )
+        if int(reply["stage"]) != self.k:
+            self._become(int(reply["stage"]), None, [])
 
     def run(self) -> None:
-        """Heartbeat until stopped; rejoin when the coordinator forgot this server."""
+        """Heartbeat until stopped; rejoin when the coordinator forgot this server; end
+        when banned or when the coordinator stays unreachable."""
         assert self.cfg is not None
         while not self.stop.wait(self.cfg.heartbeat_s):
             try:
                 self._beat()
+            except CoordinatorLost as e:
+                log.error("[%s] %s", self.name, e)
+                return
             except PeerRejected as e:
                 if e.status == 403:
                     log.error("[%s] banned: %s", self.name, e.message)
                     return
                 log.warning("[%s] heartbeat refused (%s); joining again", self.name, e.message)
-                self.start_join_again()
-
-    def start_join_again(self) -> None:
-        assert self.cfg is not None
-        body = {
-            "run_id": self.run_id,
-            "peer_id": self.identity.peer_id,
-            "role": "server",
-            "public_key": self.identity.public_key,
-            "name": self.name,
-            "stake": self.stake,
-            "url": f"http://127.0.0.1:{self.http.server_address[1]}",
-            "blob_url": self.blobs.url,
-        }
-        reply = self.client.post("/v1/swarm/join", body)
-        if int(reply["stage"]) != self.k:
-            self._become(int(reply["stage"]), None, [])
+                self._join()
+            except (httpx.HTTPError, WireError, BlobError) as e:  # the next beat retries
+                log.warning("[%s] heartbeat failed: %s", self.name, e)
 
     def close(self) -> None:
         self.stop.set()
@@ -185,10 +170,13 @@ class StageServer:
             "queue": self.waiting,
         }
         d = self.client.post_once("/v1/swarm/heartbeat", body, timeout_s=10.0)
+        providers = [*d["providers"], self.client.base_url]
         if int(d["stage"]) != self.k:
             log.info("[%s] moved: stage %d -> %d", self.name, self.k, d["stage"])
-            self._become(int(d["stage"]), d.get("agreed"), d["providers"])
+            self._become(int(d["stage"]), d.get("agreed"), providers)
             return
+        if d.get("want_state") and d["want_state"] == self.state and self.store.has(self.state):
+            self._upload_state(self.state)
         if d.get("round") and d["round"]["id"] != self.reported:
             self._report(d["round"])
         if d.get("apply"):
@@ -199,7 +187,15 @@ class StageServer:
                 self.stage.steps = int(d["step"])
             else:
                 log.info("[%s] resync stage %d to %s", self.name, self.k, d["resync"][:12])
-                self._become(self.k, d["resync"], d["providers"])
+                self._become(self.k, d["resync"], providers)
+
+    def _upload_state(self, cid: str) -> None:
+        body = {"run_id": self.run_id, "peer_id": self.identity.peer_id, "stage": self.k,
+                "cid": cid, "data": base64.b64encode(self.store.get(cid)).decode()}  # fmt: skip
+        try:
+            self.client.post("/v1/swarm/state", body)
+        except PeerRejected as e:  # the agreed state moved on meanwhile
+            log.info("[%s] state copy refused: %s", self.name, e.message)
 
     def _report(self, rnd: dict[str, Any]) -> None:
         assert self.stage is not None
@@ -223,6 +219,7 @@ class StageServer:
             "round": rnd["id"],
             "cid": cid,
             "samples": samples,
+            "data": base64.b64encode(self.store.get(cid)).decode(),
         }
         try:
             self.client.post("/v1/swarm/round", body)
@@ -238,7 +235,7 @@ class StageServer:
             data = (
                 self.store.get(r["cid"])
                 if self.store.has(r["cid"])
-                else self.fetcher.fetch(r["cid"], [r["url"]])
+                else self.fetcher.fetch(r["cid"], [r["url"] or self.client.base_url])
             )
             t = st_load(data)
             n = int(t["samples"][0])
@@ -272,7 +269,9 @@ class StageServer:
                     raise LookupError(f"this server serves stage {self.k}, not {k}")
                 t0 = time.perf_counter()
                 run = compute.forward if kind == "forward" else compute.backward
-                reply = self._misbehave(kind, run(self.cfg, k, self.stage, body))
+                reply = misbehave(
+                    self.behavior, kind, run(self.cfg, k, self.stage, body), self.cfg.codec
+                )
                 busy = time.perf_counter() - t0
                 extra = (self.slowdown - 1) * busy + self.slowdown * self.emulate_s
                 if extra > 0:
@@ -287,25 +286,27 @@ class StageServer:
         finally:
             self.waiting -= 1
 
-    def _misbehave(self, kind: str, reply: bytes) -> bytes:
-        if self.behavior in ("honest", "stale"):
-            return reply
-        out, meta = unpack(reply, 2)
-        meta_d = json.loads(meta)
-        if not out:
-            if self.behavior == "zero" or kind == "backward":
-                meta_d["sketch"] = [0.0 for _ in meta_d["sketch"]]
-            return pack(out, json.dumps(meta_d).encode())
-        x = decode_tensor(out)
-        if self.behavior == "wrong":
-            x = torch.randn_like(x)
-        elif self.behavior == "noise":
-            x = x + 0.5 * x.std() * torch.randn_like(x)
-        elif self.behavior == "zero" and kind == "backward":
-            x = torch.zeros_like(x)
-            meta_d["sketch"] = [0.0 for _ in meta_d["sketch"]]
-        assert self.cfg is not None
-        return pack(encode_tensor(x, self.cfg.codec), json.dumps(meta_d).encode())
+
+def misbehave(behavior: str, kind: str, reply: bytes, codec: str) -> bytes:
+    """An adversary's version of an honest reply: random outputs ("wrong"), outputs plus
+    noise of half their spread ("noise"), zero input gradients and sketch on backward
+    ("zero"). "honest" and "stale" (old weights, claimed current) return it unchanged."""
+    if behavior in ("honest", "stale"):
+        return reply
+    out, meta = unpack(reply, 2)
+    meta_d = json.loads(meta)
+    if kind == "backward" and (behavior == "zero" or not out):
+        meta_d["sketch"] = [0.0 for _ in meta_d["sketch"]]
+    if not out:
+        return pack(out, json.dumps(meta_d).encode())
+    x = decode_tensor(out)
+    if behavior == "wrong":
+        x = torch.randn_like(x)
+    elif behavior == "noise":
+        x = x + 0.5 * x.std() * torch.randn_like(x)
+    elif behavior == "zero" and kind == "backward":
+        x = torch.zeros_like(x)
+    return pack(encode_tensor(x, codec), json.dumps(meta_d).encode())
 
 
 def _rows(body: bytes) -> int:

@@ -12,6 +12,8 @@ microbatch and the referee for duplicated microbatches (covey.swarm.referee).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import threading
 import time
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from covey.blobs import BlobError, BlobStore
 from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
 from covey.coordinator.membership import Membership
@@ -60,6 +63,9 @@ class SwarmCoordinator:
         if known is not None and known != self.run_id:
             raise ValueError(f"{data_dir} holds run {known}, not this spec's run {self.run_id}")
         self.accounts = Accounts(self.db, self.identity, data_dir)
+        # gradient sums of averaging rounds and agreed stage states, relayed by content id:
+        # a round whose member died after reporting is still applied by the others
+        self.blobs = BlobStore(data_dir / "blobs")
         self._stop = threading.Event()
         mcfg = cfg.membership_config()
         self.membership = Membership(
@@ -108,8 +114,6 @@ class SwarmCoordinator:
     # -- the clock ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        # the referee's first stage build imports torch's optimizer stack: warm it up now
-        threading.Thread(target=self.referee.warm_up, daemon=True).start()
         self._thread = threading.Thread(target=self._run, name="swarm-driver", daemon=True)
         self._thread.start()
 
@@ -158,7 +162,9 @@ class SwarmCoordinator:
         }
         if len(measured) != len(self.servers) or any(tp <= 0 for _, tp in measured.values()):
             return  # a server unmeasured or busy: look again next time
-        costs = [1.0] * self.cfg.stages
+        # per microbatch, stages before the last take two requests (forward, backward),
+        # the last one (its backward computes the loss); speeds are measured per request
+        costs = [2.0] * (self.cfg.stages - 1) + [1.0]
         if any(not any(k == st for st, _ in measured.values()) for k in range(len(costs))):
             # a stage without any server: move the fastest server of the fullest stage
             empty = next(
@@ -206,7 +212,8 @@ class SwarmCoordinator:
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
         """A server or trainer joins with its key (Membership: signature, stake, bans).
-        A server is assigned the stage with the fewest servers, then the least throughput."""
+        A server is assigned the stage it asks for, else the one with the fewest servers,
+        then the least throughput."""
         self.membership.check_run(body.get("run_id", ""))
         role = body.get("role")
         if role not in ("server", "trainer"):
@@ -235,6 +242,11 @@ class SwarmCoordinator:
                 for k in range(self.cfg.stages)
             ]
             stage = min(load)[2]
+            wanted = body.get("stage")
+            if wanted is not None:
+                if not isinstance(wanted, int) or not 0 <= wanted < self.cfg.stages:
+                    raise Rejected(400, f"stage {wanted!r}: stages are 0..{self.cfg.stages - 1}")
+                stage = wanted
             self.servers[peer] = ServerInfo(
                 peer, name, stage, str(body.get("url")), str(body.get("blob_url")), time.time()
             )
@@ -263,6 +275,9 @@ class SwarmCoordinator:
                     self.averaging.state(peer, s.stage, s.step, s.state)
             out = self.averaging.directive(peer, s.stage, s.step, s.state)
             out["stage"] = s.stage
+            agreed = out["agreed"]
+            if agreed is not None and s.state == agreed and not self.blobs.has(agreed):
+                out["want_state"] = agreed  # keep a copy: the stage may lose every server
             out["providers"] = [
                 x.blob_url
                 for x in self.servers.values()
@@ -275,9 +290,9 @@ class SwarmCoordinator:
         self.membership.check_run(body.get("run_id", ""))
         self.membership.authenticate(body, -1, peer)
         self.membership.check_not_banned(peer)
+        self._store(str(body["cid"]), body.get("data"))
         with self.lock:
-            s = self.servers.get(peer)
-            url = s.blob_url if s else ""
+            url = ""  # the coordinator holds it
             why = self.averaging.report(
                 peer,
                 int(body["stage"]),
@@ -288,6 +303,24 @@ class SwarmCoordinator:
             )
         if why != "ok":
             raise Rejected(409, why)
+        return {"ok": True}
+
+    def _store(self, cid: str, data: Any) -> None:
+        try:
+            self.blobs.put_verified(cid, base64.b64decode(str(data), validate=True))
+        except (BlobError, binascii.Error, ValueError) as e:
+            raise Rejected(400, f"blob {cid[:12]}: {e}") from None
+
+    def state_upload(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A copy of a stage's agreed state, so a stage that loses every server resumes."""
+        peer = str(body.get("peer_id"))
+        self.membership.check_run(body.get("run_id", ""))
+        self.membership.authenticate(body, -1, peer)
+        self.membership.check_not_banned(peer)
+        cid = str(body["cid"])
+        if cid not in {b.agreed for b in self.averaging.stages}:
+            raise Rejected(409, f"state {cid[:12]} is no stage's agreed state")
+        self._store(cid, body.get("data"))
         return {"ok": True}
 
     def servers_view(self) -> dict[str, Any]:

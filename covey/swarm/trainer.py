@@ -70,8 +70,10 @@ class SwarmTrainer:
         fixed: bool = False,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        """`fixed`: GPipe-style baseline for benchmarks: the first server seen per stage
-        is the only one used, never rerouted (a dead one stalls the pipeline)."""
+        """`fixed`: the GPipe-style baseline for benchmarks: fixed pipelines wired once
+        from the servers first seen (pipeline j takes the j-th server of every stage), each
+        worker thread bound to one pipeline; never rerouted, so a dead server stalls its
+        pipeline."""
         self.name, self.inflight, self.fixed = name, inflight, fixed
         self.identity = Identity.generate()
         self.client = CoordinatorClient(coordinator, identity=self.identity, lost_s=30.0)
@@ -79,7 +81,8 @@ class SwarmTrainer:
         self.rng = random.Random(seed)
         self.router = Router(seed=seed, slow_s=5.0)
         self.urls: dict[str, str] = {}
-        self.pinned: dict[int, str] = {}
+        self.pinned: dict[int, list[str]] = {}
+        self.chain = threading.local()
         self.stats = TrainerStats()
         self.served: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -102,6 +105,7 @@ class SwarmTrainer:
 
         self.tokens = load_corpus(list(self.cfg.data_paths) or None).train
         self._next = 0
+        self.wired = False
 
     # -- the server list ---------------------------------------------------------------------
 
@@ -114,8 +118,11 @@ class SwarmTrainer:
                     seen.add(s["peer_id"])
                     self.urls[s["peer_id"]] = s["url"]
                     self.router.add_server(s["peer_id"], k)
-                    if self.fixed and k not in self.pinned:
-                        self.pinned[k] = s["peer_id"]
+                if self.fixed and not self.wired:  # by name: the wiring does not race joins
+                    self.pinned[k] = [
+                        s["peer_id"] for s in sorted(servers, key=lambda s: s["name"])
+                    ]
+            self.wired = self.wired or (self.fixed and len(self.pinned) == len(view["stages"]))
             for p in list(self.router.servers):
                 if p not in seen and self.router.servers[p].banned is None:
                     self.router.remove_server(p)
@@ -148,7 +155,7 @@ class SwarmTrainer:
             now = time.time()
             with self.lock:
                 try:
-                    server = self.pinned[k] if self.fixed else self._choose(k, now, exclude)
+                    server = self._pinned(k) if self.fixed else self._choose(k, now, exclude)
                 except (NoServerError, KeyError):
                     server = None
                 if server is not None:
@@ -170,6 +177,8 @@ class SwarmTrainer:
                 )
                 if time.monotonic() > deadline:
                     raise Dropped(f"stage {k}: {e}") from None
+                # never spin: a dead server answers at once, and fixed mode has no other
+                self.stop.wait(0.2 if self.fixed else 0.05)
                 continue
             except WireError as e:
                 with self.lock:
@@ -180,6 +189,10 @@ class SwarmTrainer:
                 self._note("finished", server, rows, max(time.monotonic() - t0, 1e-6))
             return h
         raise Dropped("stopped")
+
+    def _pinned(self, k: int) -> str:
+        chain = self.pinned[k]
+        return chain[getattr(self.chain, "id", 0) % len(chain)]
 
     def _note(self, event: str, server: str, *args: Any) -> None:
         """Tell the router, unless a refresh dropped the server meanwhile."""
@@ -287,7 +300,8 @@ class SwarmTrainer:
             done = samples is not None and st.samples >= samples
             return not done and (end is None or time.monotonic() < end) and not self.stop.is_set()
 
-        def worker() -> None:
+        def worker(chain: int) -> None:
+            self.chain.id = chain
             while more():
                 with self.lock:
                     i, self._next = self._next, self._next + 1
@@ -303,7 +317,9 @@ class SwarmTrainer:
                     st.samples += self.cfg.microbatch
                     st.losses.append(loss)
 
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.inflight)]
+        threads = [
+            threading.Thread(target=worker, args=(j,), daemon=True) for j in range(self.inflight)
+        ]
         for t in threads:
             t.start()
         last = time.monotonic()

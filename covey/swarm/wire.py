@@ -21,6 +21,7 @@ from torch import nn
 from covey.models.gpt import GPT, GPTConfig
 from covey.swarm.codecs import CodecError, decode_int8, encode_int8
 from covey.swarm.config import SwarmConfig
+from covey.swarm.optim import AdamW
 from covey.swarm.plan import plan_stages, stage_modules
 from covey.swarm.stage import Stage
 
@@ -125,7 +126,7 @@ def build_stage(cfg: SwarmConfig, k: int) -> Stage:
     lr = cfg.lr
     return Stage(
         module,
-        lambda ps: torch.optim.AdamW(ps, lr=lr),
+        lambda ps: AdamW(ps, lr=lr),  # type: ignore[arg-type,return-value]
         target_samples=cfg.target_samples,
         last=k == cfg.stages - 1,
     )

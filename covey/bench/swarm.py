@@ -1,0 +1,189 @@
+"""`covey bench swarm`: SWARM against a fixed GPipe-style pipeline on the same servers.
+
+Each run starts a swarm coordinator and 4 stage servers (2 stages) as processes on
+127.0.0.1; this process is the trainer (4 microbatches in flight). Server speed is
+emulated: each request sleeps `emulate_s` x its slowdown (plus real compute x slowdown),
+so the comparison does not hinge on the load of a shared machine. Modes: `swarm` routes
+every hop by least expected finish time, reroutes on failure and lets the coordinator
+rebalance; `fixed` wires pipelines once (pipeline j = the j-th server of every stage) and
+never reroutes, so a dead server stalls its pipeline. Scenarios: `homogeneous` (all 1x, no
+failures) and `heterogeneous-churn` (1x to 4x, one server SIGKILLed every `kill_every` s
+and a fresh one started 5 s later). Rows: mode, scenario, samples_per_s, final_loss,
+reroutes, rebalances, and bytes between stages per microbatch (int8 measured; plain and
+subspace computed from the shapes, covey.swarm.codecs.bytes_per_token).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+SCENARIOS = {
+    "homogeneous": {"speeds": (1.0, 1.0, 1.0, 1.0), "kill": False},
+    "heterogeneous-churn": {"speeds": (1.0, 2.0, 3.0, 4.0), "kill": True},
+}
+MODES = ("swarm", "fixed")
+SETTINGS = {
+    "n_layer": 4, "n_embd": 64, "n_head": 2, "seq_len": 32, "stages": 2, "microbatch": 4,
+    "target_samples": 32, "verify_rate": 0.0, "request_timeout_s": 5.0, "rebalance_s": 10.0,
+    "hysteresis": 1.2,
+}  # fmt: skip
+
+
+def run_one(
+    mode: str, scenario: str, *, seconds: float, kill_every: float, emulate_s: float,
+    echo: Callable[[str], None],
+) -> dict[str, Any]:  # fmt: skip
+    from covey.swarm.codecs import bytes_per_token
+    from covey.swarm.launch import Swarm, status
+    from covey.swarm.trainer import SwarmTrainer
+
+    spec = SCENARIOS[scenario]
+    work = Path(tempfile.mkdtemp(prefix=f"covey-bench-swarm-{mode}-"))
+    settings = dict(SETTINGS)
+    if mode == "fixed":
+        settings["rebalance_s"] = 1e6  # fixed wiring: nobody moves
+    swarm = Swarm(work, settings)
+    rng = random.Random(0)
+    try:
+        swarm.start_coordinator()
+        names = []
+        for i, speed in enumerate(spec["speeds"]):
+            names.append(f"s{i}-x{speed:g}")
+            stage = str(i % settings["stages"])  # s0, s2 on stage 0; s1, s3 on stage 1
+            swarm.start_server(names[-1], "--slowdown", str(speed), "--emulate-s",
+                               str(emulate_s), "--stage", stage)  # fmt: skip
+        swarm.ready(names)
+        t = SwarmTrainer(swarm.url, name="bench", inflight=4, fixed=mode == "fixed",
+                         progress=lambda _: None)  # fmt: skip
+        run = threading.Thread(target=lambda: t.train(seconds=seconds), daemon=True)
+        start = time.monotonic()
+        run.start()
+        kills, revive, last_kill = 0, [], start
+        while run.is_alive():
+            run.join(timeout=0.5)
+            now = time.monotonic()
+            if spec["kill"] and now - last_kill >= kill_every:
+                last_kill = now
+                victim = rng.choice(sorted(swarm.servers))
+                swarm.kill(victim)
+                kills += 1
+                revive.append((now + 5.0, victim))
+                echo(f"  [{mode} {scenario} {now - start:4.0f} s] SIGKILL {victim}")
+            for when, name in [r for r in revive if r[0] <= now]:
+                revive.remove((when, name))
+                swarm.start_server(name, "--slowdown", name.split("-x")[-1], "--emulate-s",
+                                   str(emulate_s))  # fmt: skip
+        elapsed = time.monotonic() - start
+        st = status(swarm.url) or {"rebalances": -1}
+        t.close()
+        cfg = t.cfg
+        tokens = cfg.microbatch * cfg.seq_len
+        per_token = bytes_per_token(cfg.n_embd, max(1, cfg.n_embd // 8))
+        boundaries = 2 * (cfg.stages - 1)  # activations forward, gradients backward
+        mbs = max(t.stats.microbatches, 1)
+        return {
+            "mode": mode, "scenario": scenario, "seconds": round(elapsed, 1),
+            "samples": t.stats.samples, "samples_per_s": round(t.stats.samples / elapsed, 3),
+            "final_loss": t.loss(), "reroutes": t.router.reroutes,
+            "rebalances": st["rebalances"], "dropped": t.stats.dropped, "kills": kills,
+            "bytes_per_microbatch": {
+                "int8_measured": round(t.stats.bytes_between_stages / mbs),
+                "plain": round(boundaries * tokens * per_token["fp32"]),
+                "int8": round(boundaries * tokens * per_token["int8"]),
+                "subspace_rank_n_embd_over_8": round(boundaries * tokens * per_token["subspace"]),
+            },
+        }  # fmt: skip
+    finally:
+        swarm.close()
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    from covey.sim.report import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    scen = list(SCENARIOS)
+    for j, mode in enumerate(MODES):
+        vals = [next((r["samples_per_s"] for r in rows if r["mode"] == mode
+                      and r["scenario"] == s), 0.0) for s in scen]  # fmt: skip
+        ax.bar([i + 0.38 * j for i in range(len(scen))], vals, width=0.36, label=mode)
+    ax.set_xticks([i + 0.19 for i in range(len(scen))], scen)
+    ax.set_ylabel("samples/s")
+    ax.set_title("SWARM vs fixed pipeline, same servers (emulated speeds)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_swarm_bench(
+    *, quick: bool, seconds: float | None, kill_every: float, emulate_s: float,
+    json_path: Path | None, plot_path: Path | None, echo: Callable[[str], None],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Both scenarios, both modes; rows as in the module docstring."""
+    secs = seconds or (60.0 if quick else 180.0)
+    rows = []
+    for scenario in SCENARIOS:
+        for mode in MODES:
+            echo(f"{scenario} / {mode}: {secs:.0f} s ...")
+            row = run_one(mode, scenario, seconds=secs, kill_every=kill_every,
+                          emulate_s=emulate_s, echo=echo)  # fmt: skip
+            echo(f"  {json.dumps(row)}")
+            rows.append(row)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rows, indent=1) + "\n")
+    if plot_path is not None:
+        plot(rows, plot_path)
+    return rows
+
+
+def register(bench_app: Any) -> None:
+    """Add `covey bench swarm` to the bench sub-app."""
+
+    @bench_app.command("swarm")
+    def bench_swarm(
+        quick: Annotated[bool, typer.Option(help="60 s per run: all four in ~10 min")] = False,
+        seconds: Annotated[
+            float | None, typer.Option(help="training seconds per run (default 60 quick, 180)")
+        ] = None,
+        kill_every: Annotated[
+            float, typer.Option(help="heterogeneous-churn: SIGKILL a server this often")
+        ] = 30.0,
+        emulate_s: Annotated[
+            float, typer.Option(help="emulated seconds per request at 1x speed")
+        ] = 0.05,
+        json_path: Annotated[Path | None, typer.Option("--json", help="write the rows")] = None,
+        plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG")] = None,
+    ) -> None:
+        """SWARM vs a fixed GPipe-style pipeline on the same 4 servers (2 stages), emulated
+        speeds: homogeneous, and heterogeneous (1x-4x) with a server SIGKILLed every
+        --kill-every s. Prints samples/s, loss, reroutes, rebalances, bytes between stages."""
+        if (seconds is not None and seconds <= 0) or kill_every <= 0 or emulate_s < 0:
+            typer.echo("error: --seconds and --kill-every must be > 0, --emulate-s >= 0", err=True)
+            raise typer.Exit(2)
+        rows = run_swarm_bench(
+            quick=quick, seconds=seconds, kill_every=kill_every, emulate_s=emulate_s,
+            json_path=json_path, plot_path=plot_path, echo=typer.echo,
+        )  # fmt: skip
+        for scenario in SCENARIOS:
+            by = {r["mode"]: r for r in rows if r["scenario"] == scenario}
+            ratio = by["swarm"]["samples_per_s"] / max(by["fixed"]["samples_per_s"], 1e-9)
+            typer.echo(
+                f"{scenario}: swarm {by['swarm']['samples_per_s']:.2f} samples/s, fixed "
+                f"{by['fixed']['samples_per_s']:.2f} samples/s (x{ratio:.2f}); loss "
+                f"{by['swarm']['final_loss']} vs {by['fixed']['final_loss']}; reroutes "
+                f"{by['swarm']['reroutes']}, rebalances {by['swarm']['rebalances']}"
+            )
