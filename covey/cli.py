@@ -18,6 +18,7 @@ from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.io.cli import register as register_io
 from covey.rl.cli import register as register_rl
+from covey.bench.swarm import register as register_bench_swarm
 from covey.swarm.cli import register as register_swarm
 from covey.trust.ledger_cli import register as register_ledger
 
@@ -32,6 +33,7 @@ app.add_typer(bench_app, name="bench")
 register_ledger(app)
 register_io(app)  # tokenizer train, export, generate
 register_swarm(app)  # swarm coordinator, server, trainer, demo
+register_bench_swarm(bench_app)  # covey bench swarm
 register_rl(app)  # rl trainer, worker, validator, demo
 
 METHODS = "ddp, diloco, streaming, demo"
