@@ -57,6 +57,14 @@ CID = "bench-policy"
 VERIFY_K = 2  # prefilled samples per batch of 8, as RLSpec.verify_samples defaults
 
 
+Progress = Callable[[str, dict[str, Any]], None]  # (message, the row just measured)
+SECTIONS = ("honest", "bf16", "cheats", "sweep", "cost")
+
+
+def _say(msg: str, row: dict[str, Any]) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def bench_spec(precision: str = "fp32", max_new_tokens: int = 12) -> RolloutSpec:
     return RolloutSpec(
         run_id="bench-rl",
@@ -101,7 +109,7 @@ def _threads(n: int) -> None:
 
 
 def honest_rows(
-    precision: str, batches: tuple[int, int], progress: Callable[[str], None]
+    precision: str, batches: tuple[int, int], progress: Progress
 ) -> list[dict[str, Any]]:
     """Generate honest batches per (gen threads, gen batch) -- `batches[0]` per condition on
     1 thread, `batches[1]` on 2 (slower on a shared 2-core machine) -- and check each on
@@ -172,7 +180,8 @@ def honest_rows(
             )
             progress(
                 f"honest {precision} gen {gen_threads} thr batch {gen_batch}: "
-                f"{rollouts} rollouts, {rejected} rejected"
+                f"{rollouts} rollouts, {rejected} rejected",
+                rows[-1],
             )
     return rows
 
@@ -201,7 +210,7 @@ def _validate(
     return verdict, subset
 
 
-def cheat_rows(tries: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def cheat_rows(tries: int, progress: Progress) -> list[dict[str, Any]]:
     """Every cheat kind `tries` times, checked with a beacon-drawn prefill subset."""
     _threads(1)
     model, spec, task = bench_policy(), bench_spec(), ArithmeticTask()
@@ -231,11 +240,11 @@ def cheat_rows(tries: int, progress: Callable[[str], None]) -> list[dict[str, An
         }
         row.update({f"closest_{k}": v for k, v in closest.items()})
         rows.append(row)
-        progress(f"cheat {kind}: caught {caught}/{tries} {dict(problems)}")
+        progress(f"cheat {kind}: caught {caught}/{tries} {dict(problems)}", row)
     return rows
 
 
-def sweep_rows(tries: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def sweep_rows(tries: int, progress: Progress) -> list[dict[str, Any]]:
     """Weights perturbed by rel in 1e-5..1e-3: the share of batches rejected."""
     _threads(1)
     model, spec, task = bench_policy(), bench_spec(), ArithmeticTask()
@@ -266,11 +275,11 @@ def sweep_rows(tries: int, progress: Callable[[str], None]) -> list[dict[str, An
                 "median_mean_ulp": sorted(ulps)[len(ulps) // 2],
             }
         )
-        progress(f"sweep rel {rel:g}: caught {caught}/{tries}")
+        progress(f"sweep rel {rel:g}: caught {caught}/{tries}", rows[-1])
     return rows
 
 
-def cost_rows(batches: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def cost_rows(batches: int, progress: Progress) -> list[dict[str, Any]]:
     """Worker generation vs validator checking (1 thread each), per batch and per token."""
     _threads(1)
     model, spec, task = bench_policy(), bench_spec(), ArithmeticTask()
@@ -317,7 +326,8 @@ def cost_rows(batches: int, progress: Callable[[str], None]) -> list[dict[str, A
         )
         progress(
             f"cost gen batch {gen_batch}: validator {100 * t_check / t_gen:.1f}% of "
-            f"generation, {rollouts / t_gen:.1f} rollouts/s"
+            f"generation, {rollouts / t_gen:.1f} rollouts/s",
+            rows[-1],
         )
     return rows
 
@@ -327,22 +337,32 @@ def run(
     *,
     honest_batches: int | None = None,
     tries: int | None = None,
-    progress: Callable[[str], None] | None = None,
+    sections: tuple[str, ...] = SECTIONS,
+    progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """All sections' rows. `quick`: a few batches and tries each (seconds to a minute);
     otherwise 1008 honest fp32 rollouts (batches of 8: 30 per condition on 1 thread, 12 on
     2; generation batch 1, 4, 8), 256 bf16 ones and 50 tries per cheat. Restores torch's
-    thread count."""
-    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    thread count. `sections` picks a subset of SECTIONS; `progress(message, row)` hears
+    each row as it is measured (default: the message on stderr)."""
+    if unknown := set(sections) - set(SECTIONS):
+        raise ValueError(f"unknown sections {sorted(unknown)}, expected some of {SECTIONS}")
+    say = progress or _say
     per = (honest_batches, honest_batches) if honest_batches else ((2, 1) if quick else (30, 12))
     n_tries = tries or (3 if quick else 50)
     before = torch.get_num_threads()
     try:
-        rows = honest_rows("fp32", per, say)
-        rows += honest_rows("bf16", (1, 1) if quick else (12, 4), say)
-        rows += cheat_rows(n_tries, say)
-        rows += sweep_rows(2 if quick else 10, say)
-        rows += cost_rows(2 if quick else 10, say)
+        rows: list[dict[str, Any]] = []
+        if "honest" in sections:
+            rows += honest_rows("fp32", per, say)
+        if "bf16" in sections:
+            rows += honest_rows("bf16", (1, 1) if quick else (12, 4), say)
+        if "cheats" in sections:
+            rows += cheat_rows(n_tries, say)
+        if "sweep" in sections:
+            rows += sweep_rows(2 if quick else 10, say)
+        if "cost" in sections:
+            rows += cost_rows(2 if quick else 10, say)
     finally:
         torch.set_num_threads(before)
     return rows
@@ -387,12 +407,36 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--tries", type=int, default=None, help="tries per cheat kind")
     parser.add_argument("--out", default=None, help="write rows + summary as JSON here")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
+    parser.add_argument(
+        "--jsonl", default=None, help="append each row to this file as soon as it is measured"
+    )
     args = parser.parse_args(argv)
+    sections = tuple(x for x in args.sections.split(",") if x)
+    if not sections or set(sections) - set(SECTIONS):
+        parser.error(f"--sections {args.sections!r}: pick from {','.join(SECTIONS)}")
+
+    def progress(msg: str, row: dict[str, Any]) -> None:
+        _say(msg, row)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+
     for name in ("honest_batches", "tries"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    rows = run(args.quick, honest_batches=args.honest_batches, tries=args.tries)
+    rows = run(
+        args.quick,
+        honest_batches=args.honest_batches,
+        tries=args.tries,
+        sections=sections,
+        progress=progress,
+    )
     doc = {"rows": rows, "summary": summary(rows)}
     text = json.dumps(doc, indent=2, default=str)
     if args.out:
