@@ -477,9 +477,9 @@ from covey.rl.cheats import CHEATS, Setting  # noqa: E402
 
 @pytest.mark.parametrize("kind", sorted(CHEATS))
 def test_every_cheat_is_caught(policy: GPT, kind: str) -> None:
-    # two tries (replay alternates as-is / relabelled); prefill checks on 2 of 4 samples,
-    # drawn as a validator draws them: a full-batch cheat is caught whichever 2
-    for seed in (0, 1):
+    # prefill checks on 2 of 4 samples, drawn as a validator draws them: a full-batch cheat
+    # is caught whichever 2 (replay alternates as-is / relabelled: both seeds)
+    for seed in (0, 1) if kind == "replayed_batch" else (0,):
         step, worker = 10 + seed, f"cheat-{seed}"
         batch = CHEATS[kind](Setting(policy, TASK, SPEC, step, worker, 3, CID), seed)
         subset = verified_subset(batch_digest(batch), f"beacon{seed}", len(batch.samples), 2)
@@ -567,3 +567,26 @@ def test_precision_picks_tolerances(policy: GPT) -> None:
     assert verdict.ok, verdict
     # checked by the fp32 rules against the fp32 policy, the bf16 batch is a cheat
     assert not _check(policy, batch).ok
+
+
+def test_bench_rl_verify_refuses_bad_arguments(capsys) -> None:
+    from covey.bench import rl_verify
+
+    for argv in (["--sections", "nope"], ["--tries", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            rl_verify.main(argv)
+        assert exc.value.code == 2
+        assert "error:" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="sections"):
+        rl_verify.run(sections=("nope",))
+
+
+@pytest.mark.long
+def test_bench_rl_verify_quick_run() -> None:
+    from covey.bench import rl_verify
+
+    rows = rl_verify.run(quick=True, honest_batches=1, tries=1, progress=lambda *_: None)
+    s = rl_verify.summary(rows)
+    assert s["honest_rollouts"] > 0 and s["honest_rejected"] == 0, s
+    assert s["cheat_kinds"] == len(CHEATS) and s["cheats_missed"] == 0, s
+    assert s["proof_bytes_per_full_chunk"] <= 258
