@@ -585,7 +585,7 @@ def test_bench_rl_verify_refuses_bad_arguments(capsys) -> None:
 def test_bench_rl_verify_quick_run() -> None:
     from covey.bench import rl_verify
 
-    rows = rl_verify.run(quick=True, honest_batches=1, tries=1, progress=lambda *_: None)
+    rows = rl_verify.run(quick=True, honest_batches=1, tries=1, progress=lambda _: None)
     s = rl_verify.summary(rows)
     assert s["honest_rollouts"] > 0 and s["honest_rejected"] == 0, s
     assert s["cheat_kinds"] == len(CHEATS) and s["cheats_missed"] == 0, s

@@ -61,7 +61,7 @@ Progress = Callable[[str, dict[str, Any]], None]  # (message, the row just measu
 SECTIONS = ("honest", "bf16", "cheats", "sweep", "cost")
 
 
-def _say(msg: str, row: dict[str, Any]) -> None:
+def _print(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -338,16 +338,22 @@ def run(
     honest_batches: int | None = None,
     tries: int | None = None,
     sections: tuple[str, ...] = SECTIONS,
-    progress: Progress | None = None,
+    progress: Callable[[str], None] | None = None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """All sections' rows. `quick`: a few batches and tries each (seconds to a minute);
     otherwise 1008 honest fp32 rollouts (batches of 8: 30 per condition on 1 thread, 12 on
     2; generation batch 1, 4, 8), 256 bf16 ones and 50 tries per cheat. Restores torch's
-    thread count. `sections` picks a subset of SECTIONS; `progress(message, row)` hears
-    each row as it is measured (default: the message on stderr)."""
+    thread count. `sections` picks a subset of SECTIONS; `progress(message)` hears a line
+    per row as it is measured (default: stderr), `on_row(row)` the row itself."""
     if unknown := set(sections) - set(SECTIONS):
         raise ValueError(f"unknown sections {sorted(unknown)}, expected some of {SECTIONS}")
-    say = progress or _say
+
+    def say(msg: str, row: dict[str, Any]) -> None:
+        (progress or _print)(msg)
+        if on_row is not None:
+            on_row(row)
+
     per = (honest_batches, honest_batches) if honest_batches else ((2, 1) if quick else (30, 12))
     n_tries = tries or (3 if quick else 50)
     before = torch.get_num_threads()
@@ -420,8 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     if not sections or set(sections) - set(SECTIONS):
         parser.error(f"--sections {args.sections!r}: pick from {','.join(SECTIONS)}")
 
-    def progress(msg: str, row: dict[str, Any]) -> None:
-        _say(msg, row)
+    def on_row(row: dict[str, Any]) -> None:
         if args.jsonl:
             with open(args.jsonl, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
@@ -435,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         honest_batches=args.honest_batches,
         tries=args.tries,
         sections=sections,
-        progress=progress,
+        on_row=on_row,
     )
     doc = {"rows": rows, "summary": summary(rows)}
     text = json.dumps(doc, indent=2, default=str)
