@@ -540,3 +540,76 @@ def test_adversarial_replies_are_beyond_tolerance_and_honest_ones_within(behavio
         for kind, r in replies
     ]
     assert far == ([True, True] if behavior != "zero" else [False, True])
+
+
+# ---- the swarm coordinator in-process (FastAPI TestClient: signed requests, no sockets) --
+
+
+def _swarm_client(tmp_path, **settings):  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+
+    from covey.swarm.app import create_app
+    from covey.swarm.config import SwarmConfig
+    from covey.swarm.service import SwarmCoordinator
+
+    cfg = SwarmConfig(n_layer=2, n_embd=16, n_head=2, seq_len=8, stages=2, **settings)
+    coord = SwarmCoordinator(cfg, tmp_path / "run")
+    return coord, TestClient(create_app(coord))
+
+
+def _post(client, identity, path: str, body: dict):  # type: ignore[no-untyped-def]
+    return client.post(path, json=identity.sign_request(body, -1, purpose=f"POST {path}"))
+
+
+def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from covey.trust.identity import Identity
+
+    coord, client = _swarm_client(tmp_path, hysteresis=1.1, payout_s=1.0)
+    run = coord.run_id
+    ids = [Identity.generate() for _ in range(4)]
+
+    def join(i: int, role: str = "server", **extra):  # type: ignore[no-untyped-def]
+        body = {"run_id": run, "peer_id": ids[i].peer_id, "public_key": ids[i].public_key,
+                "name": f"p{i}", "role": role, "stake": 0.0, "url": "u", "blob_url": "b",
+                **extra}  # fmt: skip
+        return _post(client, ids[i], "/v1/swarm/join", body)
+
+    # fewest servers first: 0 -> stage 0, 1 -> stage 1, 2 -> stage 0 (tie: least throughput)
+    assert [join(i).json()["stage"] for i in range(3)] == [0, 1, 0]
+    assert join(3, "oracle").status_code == 400
+    body = {"run_id": run, "peer_id": ids[3].peer_id, "public_key": ids[3].public_key,
+            "name": "x", "role": "server"}  # fmt: skip
+    forged = ids[3].sign_request(body, -1, purpose="POST /v1/swarm/heartbeat")
+    assert client.post("/v1/swarm/join", json=forged).status_code == 401  # signed for another path
+
+    def beat(i: int, stage: int, tp: float) -> dict:
+        body = {"run_id": run, "peer_id": ids[i].peer_id, "stage": stage, "step": 0,
+                "state": "s0" if stage == 0 else "s1", "pending": 0, "throughput": tp,
+                "queue": 0}  # fmt: skip
+        r = _post(client, ids[i], "/v1/swarm/heartbeat", body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    # stage 0 costs two requests per microbatch: 2 servers at 10/s give it 10 samples/s,
+    # stage 1's one server at 2/s gives 2: moving one server to stage 1 gives min 5 > 1.1 x 2
+    beat(0, 0, 10.0), beat(1, 1, 2.0), beat(2, 0, 10.0)
+    coord._rebalance(now=0.0)
+    assert len(coord.rebalances) == 1 and coord.rebalances[0]["to"] == 1
+    moved = next(i for i in (0, 2) if coord.servers[ids[i].peer_id].stage == 1)
+    assert beat(moved, 0, 10.0)["stage"] == 1  # told to move
+    beat(moved, 1, 10.0)
+    coord._rebalance(now=1.0)
+    assert len(coord.rebalances) == 1  # settled: no move raises the min by 10%
+
+    # a trainer reports served microbatches; the payout writes accepted + reward entries
+    join(3, "trainer")
+    report = {"run_id": run, "peer_id": ids[3].peer_id, "samples": 8, "loss": 3.0,
+              "reroutes": 1, "banned": {}, "served": {ids[0].peer_id: 2}}  # fmt: skip
+    assert _post(client, ids[3], "/v1/swarm/report", report).status_code == 200
+    coord.pay(now=2.0)
+    balance = coord.accounts.book.accounts[ids[0].peer_id].balance
+    assert balance == pytest.approx(2 * 4 * 8 * 0.001)
+    status = client.get("/v1/swarm/status").json()
+    assert status["rebalances"] == 1 and status["reroutes"] == 1
+    assert "covey swarm" in client.get("/").text
+    coord.stop()

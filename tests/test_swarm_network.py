@@ -138,3 +138,19 @@ def test_an_adversarial_server_is_caught_and_slashed(swarm: Swarm) -> None:
     assert [k for k, _ in kinds] == ["dispute", "slash"]
     honest = [x["peer_id"] for x in status(swarm.url)["servers"]]  # type: ignore[index]
     assert liar["peer_id"] not in honest
+
+
+@pytest.mark.long
+def test_swarm_demo_runs_with_kills(tmp_path: Path) -> None:
+    """`covey swarm demo` end to end: servers of mixed speeds, one SIGKILLed every 15 s and
+    restarted, the trainer finishes its minute and trains."""
+    import subprocess
+    import sys
+
+    from covey.swarm.launch import free_port
+
+    cmd = [sys.executable, "-m", "covey", "swarm", "demo", "--minutes", "1", "--kill-every",
+           "15", "--servers", "4", "--port", str(free_port())]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "SIGKILL" in out.stdout and "trainer:" in out.stdout

@@ -33,7 +33,8 @@ SCENARIOS = {
 MODES = ("swarm", "fixed")
 SETTINGS = {
     "n_layer": 4, "n_embd": 64, "n_head": 2, "seq_len": 32, "stages": 2, "microbatch": 4,
-    "target_samples": 32, "verify_rate": 0.0, "request_timeout_s": 5.0, "rebalance_s": 10.0,
+    "target_samples": 32, "verify_rate": 0.0, "request_timeout_s": 20.0, "rebalance_s": 10.0,
+    "heartbeat_s": 1.0, "dead_after_s": 15.0,
     "hysteresis": 1.2,
 }  # fmt: skip
 
@@ -164,7 +165,7 @@ def register(bench_app: Any) -> None:
         ] = 30.0,
         emulate_s: Annotated[
             float, typer.Option(help="emulated seconds per request at 1x speed")
-        ] = 0.05,
+        ] = 0.2,
         json_path: Annotated[Path | None, typer.Option("--json", help="write the rows")] = None,
         plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG")] = None,
     ) -> None:

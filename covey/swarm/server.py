@@ -338,12 +338,15 @@ def _handler(server: StageServer) -> type[BaseHTTPRequestHandler]:
                 self._send(400, str(e).encode())
 
         def _send(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            for key, v in (headers or {}).items():
-                self.send_header(key, v)
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                for key, v in (headers or {}).items():
+                    self.send_header(key, v)
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # the trainer gave up: rerouted
+                log.debug("reply to a caller that left")
 
     return Handler
 

@@ -26,6 +26,7 @@ from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
 from covey.coordinator.membership import Membership
 from covey.coordinator.views import Rejected
+from covey.swarm import payouts
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
 from covey.swarm.rebalance import plan_move, speeds_from_measurements
@@ -356,52 +357,12 @@ class SwarmCoordinator:
         return {"ok": True}
 
     def pay(self, now: float) -> None:
-        """One "contribution accepted" and "reward" (work) per server with verified
-        microbatches since the last payout; tokens = microbatches x microbatch x seq_len."""
+        """Pay the microbatches reported since the last payout (covey.swarm.payouts)."""
         with self.lock:
             due, self.unpaid = self.unpaid, {}
-        book = self.accounts.book
-        due = {
-            p: n
-            for p, n in due.items()
-            if n > 0 and p in book.accounts and not book.accounts[p].banned
-        }
-        if not due:
-            return
-        self.epoch += 1
-        with self.accounts.transaction() as c:
-            for peer, n in sorted(due.items()):
-                tokens = n * self.cfg.microbatch * self.cfg.seq_len
-                self.accounts.append(
-                    c,
-                    "contribution accepted",
-                    {
-                        "round": self.epoch,
-                        "peer_id": peer,
-                        "cid": "",
-                        "tokens": tokens,
-                        "inner_steps": n,
-                        "sampled": False,
-                        "rate": self.cfg.verify_rate,
-                        "draw": "",
-                        "request_id": f"swarm-{self.epoch}",
-                        "nonce": "",
-                        "signature": "",
-                    },
-                    now,
-                )
-                self.accounts.append(
-                    c,
-                    "reward",
-                    {
-                        "round": self.epoch,
-                        "peer_id": peer,
-                        "tokens": tokens,
-                        "kind": "work",
-                        "amount": self.accounts.book.work_reward(tokens),
-                    },
-                    now,
-                )
+            self.epoch += 1
+            epoch = self.epoch
+        payouts.pay(self.accounts, self.cfg, due, epoch)
 
     def dispute(self, body: dict[str, Any]) -> dict[str, Any]:
         """Two servers of a stage disagreed on a duplicated microbatch: the referee
@@ -421,35 +382,11 @@ class SwarmCoordinator:
         verdict = self.referee.settle(body, keys, providers)
         liars, honest = verdict["liars"], verdict["honest"]
         now = time.time()
-        self.epoch += 1
-        with self.accounts.transaction() as c:
-            for liar in liars:
-                if self.accounts.book.accounts[liar].banned:
-                    continue
-                self.accounts.append(
-                    c,
-                    "dispute",
-                    {
-                        "round": self.epoch,
-                        "peer_id": liar,
-                        "validator_id": honest[0] if honest else peer,
-                        "segment": int(body["stage"]),
-                        "outcome": "fraud",
-                        "detail": verdict["detail"][:200],
-                    },
-                    now,
-                )
-                self.accounts.append(
-                    c,
-                    "slash",
-                    {
-                        "round": self.epoch,
-                        "peer_id": liar,
-                        "reason": "swarm: wrong reply",
-                        "amount": self.accounts.book.slash_amount(liar),
-                    },
-                    now,
-                )
+        with self.lock:
+            self.epoch += 1
+            epoch = self.epoch
+        witness = honest[0] if honest else peer
+        payouts.convict(self.accounts, epoch, int(body["stage"]), liars, witness, verdict["detail"])
         with self.lock:
             for liar in liars:
                 self.servers.pop(liar, None)
