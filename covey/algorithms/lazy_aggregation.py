@@ -142,22 +142,22 @@ def _by_blocks(
     """A per-coordinate rule over vectors spilled to disk, a block of coordinates at a time."""
     _check_weights(weights)
     with tempfile.TemporaryDirectory(prefix="covey-aggregate-", dir=spill_dir) as scratch:
-        paths, shape, numel = [], None, 0
+        paths, shape, numel, device = [], None, 0, torch.device("cpu")
         for i in range(n):
             v = load(i)
-            shape, numel = v.shape, v.numel()
+            shape, numel, device = v.shape, v.numel(), v.device
             path = Path(scratch) / f"{i}.f32"
             v.detach().reshape(-1).float().cpu().numpy().tofile(path)
             paths.append(path)
             del v
         assert shape is not None
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32, device=device)
         block = max(1, _BLOCK_VALUES // n)
         files = [os.open(p, os.O_RDONLY) for p in paths]
         try:
             for start in range(0, numel, block):
                 width = min(block, numel - start)
-                rows = [_read(fd, start, width) for fd in files]
+                rows = [_read(fd, start, width).to(device) for fd in files]
                 out[start : start + width] = rule(rows, weights)
         finally:
             for fd in files:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from covey.blobs import BlobClient, BlobStore
 from covey.config import RunConfig, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import Corpus
-from covey.protocol.checkpoint import state_from_bytes, state_to_bytes
+from covey.protocol.checkpoint import state_from_file, state_to_file
 from covey.protocol.rounds import PeerView, close_reason, is_alive, is_eligible, plan_round
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
@@ -146,8 +147,7 @@ class Rounds(Intake, Halting, Views):
             "SELECT new_cid FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
         )
         if last is None and self.db.get_meta("run_id") is None:
-            data = state_to_bytes(self.template)
-            cid = self.blobs.put(data)
+            cid, _ = self._store_state(self.template)
             with self.accounts.transaction() as c:
                 for key, value in (
                     ("run_id", self.run_id),
@@ -174,7 +174,7 @@ class Rounds(Intake, Halting, Views):
             return self.template, cid
         cid = last["new_cid"] if last else self.db.get_meta("initial_cid")
         assert cid is not None
-        state = state_from_bytes(self.blobs.get(cid), self.template)
+        state = state_from_file(self.blobs.path(cid), self.template)
         with self.db.transaction() as c:
             # a close interrupted by a crash never committed: the round is open again, and
             # every peer gets a fresh deadline to reconnect and finish it
@@ -306,7 +306,8 @@ class Rounds(Intake, Halting, Views):
         banned = {p for p, a in self.accounts.book.accounts.items() if a.banned}
         rows = [r for r in rows if r["peer_id"] not in banned]  # excluded since it submitted
         contributions = [
-            Contribution(self.blobs.get(r["cid"]), r["tokens"], r["inner_steps"], r["fragment"])
+            # mapped from disk (BlobStore.view): N contributions are not N copies in memory
+            Contribution(self.blobs.view(r["cid"]), r["tokens"], r["inner_steps"], r["fragment"])
             for r in rows
         ]
         if not contributions:
@@ -318,8 +319,7 @@ class Rounds(Intake, Halting, Views):
             log.error("[round %d] apply_round failed: %s", rnd.round, e)
             self._abort(rnd, f"apply_round failed: {e}")
             return
-        data = state_to_bytes(new_state)
-        new_cid = self.blobs.put(data)
+        new_cid, new_size = self._store_state(new_state)
         new_hash = new_state.digest()
         now = time.time()
         certificate = make_certificate(
@@ -331,7 +331,7 @@ class Rounds(Intake, Halting, Views):
             rows,
             new_hash,
             new_cid,
-            len(data),
+            new_size,
             now,
             reason,
         )
@@ -365,7 +365,7 @@ class Rounds(Intake, Halting, Views):
             if checkpoint:
                 c.execute(
                     "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
-                    (new_state.round, new_cid, len(data), new_hash, now),
+                    (new_state.round, new_cid, new_size, new_hash, now),
                 )
             self.verification.record_round(c, rnd.round, rows, certificate, now)
             if checkpoint:
@@ -386,7 +386,7 @@ class Rounds(Intake, Halting, Views):
             new_hash[:12],
         )
         if checkpoint:
-            self._write_checkpoint(new_state.round, data)
+            self._write_checkpoint(new_state.round, new_cid)
         if new_state.round % self.cfg.rounds.eval_every == 0 or self.finished():
             self._evals.put(new_state)
         self._prune(new_state.round)
@@ -435,11 +435,23 @@ class Rounds(Intake, Halting, Views):
             self.db.event(c, now, "round aborted", "", {"round": rnd.round, "why": why})
         log.warning("[round %d.%d] aborted: %s", rnd.round, rnd.attempt, why)
 
-    def _write_checkpoint(self, round_: int, data: bytes) -> None:
+    def _store_state(self, state: TrainState) -> tuple[str, int]:
+        """Put a canonical state in the blob store, streamed to disk tensor by tensor and
+        hashed on the way (covey.protocol.checkpoint.write_state): (cid, size). The
+        coordinator's own states are not bounded by limits.max_blob_bytes."""
+        tmp = self.blobs.scratch()
+        try:
+            written, _ = state_to_file(state, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return self.blobs.adopt(tmp, written)
+
+    def _write_checkpoint(self, round_: int, cid: str) -> None:
         folder = self.data_dir / "checkpoints"
         path = folder / f"round-{round_:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
+        shutil.copyfile(self.blobs.path(cid), tmp)  # the state's blob, copied in pieces
         tmp.replace(path)
         keep = self.cfg.rounds.keep_checkpoints
         for old in sorted(folder.glob("round-*.safetensors"))[:-keep]:

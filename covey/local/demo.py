@@ -95,8 +95,14 @@ def demo_spec(
             algo["inner_steps"] = inner_steps - inner_steps % algo["fragments"]
     rounds_cfg: dict[str, Any] = {"max_rounds": rounds} if rounds is not None else {}
     if inner_steps is not None:
-        # a big model's step takes seconds: let the H asked for fit the round
-        rounds_cfg |= {"target_compute_s": 600.0, "deadline_max_s": 1800.0}
+        # a big model's step takes seconds: let the H asked for fit the round; and a process
+        # moving GBs on busy cores may miss heartbeats for a while without being gone
+        rounds_cfg |= {
+            "target_compute_s": 600.0,
+            "deadline_max_s": 1800.0,
+            "dead_after_s": 60.0,
+            "lease_s": 120.0,
+        }
     return {
         "name": f"covey-demo-{algorithm}",
         "seed": seed,
@@ -204,6 +210,7 @@ def run_local_demo(
     inner_steps: int | None = None,
     batch_size: int = 8,
     seq_len: int | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Train for `minutes` (or until `rounds` rounds are committed, if sooner) with a
     coordinator and `workers` worker processes in `out_dir`, then write metrics.jsonl,
@@ -242,6 +249,10 @@ def run_local_demo(
         batch_size=batch_size,
         seq_len=seq_len,
     )
+    if device is not None:  # issue 12: every peer on this device, validators included
+        from covey.devices import device_class, resolve_device
+
+        spec["peer"] = {"device": device, "verify_device": device_class(resolve_device(device))}
     spec_path.write_text(to_toml(spec))
     load_run_config(spec_path)  # fails here, with the field named, not in a child
 
