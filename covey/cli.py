@@ -236,24 +236,48 @@ def sim(
 @bench_app.command("comms")
 def bench_comms(
     quick: Annotated[bool, typer.Option(help="CPU size: finishes in ~10 min on 2 cores")] = False,
+    long: Annotated[
+        bool,
+        typer.Option(
+            help="after a shared DDP warm-up, every method for the same tokens, 2 seeds, "
+            "warmup + cosine variants (the DiLoCo paper's regime; ~30 min on 2 cores)"
+        ),
+    ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="write records here")] = None,
     out: Annotated[Path, typer.Option(help="directory for per-method runs and plot")] = Path(
         "runs/bench-comms"
     ),
     model: Annotated[str | None, typer.Option(help="override the model size")] = None,
     steps: Annotated[int | None, typer.Option(help="override inner steps per worker")] = None,
+    workers: Annotated[int | None, typer.Option(help="override simulated workers")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="override sequences/worker/step")] = None,
+    inner_steps: Annotated[
+        int | None, typer.Option("--inner-steps", "-H", help="override H of every DiLoCo method")
+    ] = None,
+    outer_lr: Annotated[float | None, typer.Option(help="override the outer lr")] = None,
+    outer_momentum: Annotated[float | None, typer.Option(help="override outer momentum")] = None,
+    pretrain_steps: Annotated[
+        int | None, typer.Option(help="override the --long warm-up's DDP steps")
+    ] = None,
     only: Annotated[list[str] | None, typer.Option(help="run only these methods; repeat")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="keep finished methods in --out, continue cut ones")
+    ] = False,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
 ) -> None:
     """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo vs DiLoCo+DCT, same tokens, 8 workers."""
-    from covey.bench.comms import comms_methods, run_comms_bench
+    from covey.bench.comms import comms_methods, preset, run_comms_bench
 
-    names = [m.name for m in comms_methods(quick)]
+    try:
+        size = preset(quick, long, model=model, steps=steps, workers=workers,
+                      batch_size=batch_size, inner_steps=inner_steps, outer_lr=outer_lr,
+                      outer_momentum=outer_momentum, pretrain_steps=pretrain_steps)  # fmt: skip
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    names = [m.name for m in comms_methods(size)]
     if only and (unknown := sorted(set(only) - set(names))):
         raise _fail(f"unknown method(s) {unknown}; choose from {names}")
-    records = run_comms_bench(
-        quick=quick, out_dir=out, model=model, steps=steps, only=only, progress=progress
-    )
+    records = run_comms_bench(size=size, out_dir=out, only=only, resume=resume, progress=progress)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(records, indent=2) + "\n")

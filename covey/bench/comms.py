@@ -1,26 +1,43 @@
 """`covey bench comms`: bytes sent against loss reached, every method on the same tokens.
 
-Every method trains the reference GPT on the stdlib corpus with 8 workers, the same batch
-size and the same number of inner steps per worker, so the total tokens are equal; only
-what crosses the network differs. Simulated time assumes 100 Mbit/s links.
+Every method trains the reference GPT on the stdlib corpus with the same workers, batch
+size and inner steps per worker, so the total tokens are equal; only what crosses the
+network differs. Simulated time assumes 100 Mbit/s links.
+
+Presets:
+- --quick: 480 steps from scratch (CPU, ~6-10 min): every DiLoCo variant ends 17-22% behind
+  DDP, too short for DiLoCo's claim.
+- --long: the regime the DiLoCo paper reports (arXiv 2311.08105 warm-starts from a
+  pretrained model; issue 13 §5): a shared DDP warm-up, then every method for the same
+  tokens from it (data.round_offset past the warm-up's batches), judged on the mean of the
+  last evaluations over a 4x larger validation set; a warmup + cosine variant; DDP and the
+  headline DiLoCo again on a second data seed.
+- default: the mini GPT for 3000 steps, meant for a GPU.
+
+With --resume a method whose summary in the output folder is of the same config is kept,
+and a method cut off mid-run goes on from its last snapshot (covey.sim.resume).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from covey.bench.comms_report import MethodRun, format_table, summarize
 from covey.config import SimConfig
-from covey.data.corpus import load_corpus
+from covey.data.corpus import Corpus, load_corpus
 from covey.sim.report import plot_runs, save_run, write_json
-from covey.sim.simulator import SimResult, simulate
 
 
 @dataclass(frozen=True)
 class BenchMethod:
     name: str
     algorithm: dict[str, Any]
+    seed: int = 0
+    baseline: str = "ddp"  # the DDP run this one is judged against
 
 
 @dataclass(frozen=True)
@@ -30,158 +47,245 @@ class BenchSize:
     batch_size: int
     h_short: int
     h_long: int
+    workers: int = 8
+    outer_lr: float = 0.7
+    # The papers' 0.9 pays off over many rounds; a quick run has 4-16 rounds, where 0.5 was
+    # best of {0, 0.5, 0.9} (BENCHMARKS.md). After a warm start 0.9 wins (issue 13 §5).
+    outer_momentum: float = 0.5
+    pretrain_steps: int = 0  # > 0: a shared DDP warm-up, every method continues from it
+    eval_batches: int = 16  # held-out batches of 16 sequences
+    evals: int = 24  # evaluations per run
+    tail: int = 1  # judged on the mean of the last `tail` evaluations
+    seeds: tuple[int, ...] = (0,)  # data seeds; the first runs every method
+    # One torch thread: the nano GPT gains little from a second, and on a shared 2-core
+    # machine two threads per process ran 25x slower than one (0.62 vs 14.9 s per DDP step).
+    threads: int | None = 1
 
 
 QUICK = BenchSize(model="nano", steps=480, batch_size=8, h_short=30, h_long=120)
 FULL = BenchSize(model="mini", steps=3000, batch_size=16, h_short=50, h_long=250)
+LONG = BenchSize(
+    model="nano",
+    steps=2000,
+    batch_size=8,
+    h_short=100,
+    h_long=100,
+    outer_momentum=0.9,
+    pretrain_steps=1000,
+    eval_batches=64,
+    evals=20,
+    tail=5,
+    seeds=(0, 1),
+)
 
 
-def comms_methods(quick: bool) -> list[BenchMethod]:
-    size = QUICK if quick else FULL
+def preset(quick: bool = False, long: bool = False, **overrides: Any) -> BenchSize:
+    """The preset the flags name, with the overrides that are not None. ValueError for
+    --quick with --long."""
+    if quick and long:
+        raise ValueError("--quick and --long are two presets: choose one")
+    size = LONG if long else QUICK if quick else FULL
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for flag, low in (("workers", 1), ("batch_size", 1), ("inner_steps", 1), ("steps", 1)):
+        if flag in given and given[flag] < low:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {low}, got {given[flag]}")
+    if "pretrain_steps" in given and given["pretrain_steps"] < 0:
+        raise ValueError(f"--pretrain-steps must be >= 0, got {given['pretrain_steps']}")
+    if "outer_lr" in given and given["outer_lr"] <= 0:
+        raise ValueError(f"--outer-lr must be positive, got {given['outer_lr']}")
+    if "outer_momentum" in given and not 0 <= given["outer_momentum"] < 1:
+        raise ValueError(f"--outer-momentum must be in [0, 1), got {given['outer_momentum']}")
+    if (h := given.pop("inner_steps", None)) is not None:
+        given.update(h_short=h, h_long=h)
+    return replace(size, **given)
+
+
+def _fragments(h: int) -> int:
+    """Streaming DiLoCo's P: 4 (the paper's choice here) when it divides H with rounds of
+    more than one step, else the largest of 2 and 1 that does."""
+    return next(p for p in (4, 2, 1) if (h % p == 0 and h // p > 1) or p == 1)
+
+
+def comms_methods(size: BenchSize) -> list[BenchMethod]:
+    """The methods a preset compares, in order; names are unique (equal H values merge)."""
     hs, hl = size.h_short, size.h_long
-    # The papers' outer momentum 0.9 pays off over many rounds; a quick run has 4-16 rounds,
-    # where 0.5 was best of {0, 0.5, 0.9} (BENCHMARKS.md). The config default stays 0.9.
-    outer = {"outer_lr": 0.7, "outer_momentum": 0.5}
+    outer = {"outer_lr": size.outer_lr, "outer_momentum": size.outer_momentum}
 
     def diloco(h: int, **kw: Any) -> dict[str, Any]:
         return {"method": "diloco", "inner_steps": h, **outer, **kw}
 
-    return [
-        BenchMethod("ddp", {"method": "ddp"}),
-        BenchMethod(f"diloco-h{hs}", diloco(hs)),
-        BenchMethod(f"diloco-h{hl}", diloco(hl)),
-        BenchMethod(f"diloco-h{hs}-int8", diloco(hs, codec="int8")),
-        BenchMethod(
-            f"streaming-h{hl}-int4",
-            {**diloco(hl, codec="int4"), "method": "streaming", "fragments": 4},
-        ),
-        BenchMethod("demo-1d", {"method": "demo"}),  # the issue's 64-wide 1-D chunks
-        BenchMethod("demo-2d", {"method": "demo", "dims": 2}),  # DeMo's own 64x64 blocks
-        # covey's combination: DiLoCo pseudo-gradients, DCT top-k with error feedback.
-        BenchMethod(f"diloco-h{hs}-dct-ef", diloco(hs, codec="dct:64:4:int8", error_feedback=True)),
-        BenchMethod(f"diloco-h{hl}-int4-ef", diloco(hl, codec="int4", error_feedback=True)),
-    ]
+    def dct_ef(h: int) -> dict[str, Any]:
+        return diloco(h, codec="dct:64:4:int8", error_feedback=True)
+
+    streaming = {**diloco(hl, codec="int4"), "method": "streaming", "fragments": _fragments(hl)}
+    int4_ef = diloco(hl, codec="int4", error_feedback=True)
+    if size.pretrain_steps:  # --long: the regime after a warm start
+        cosine = {"schedule": "cosine", "warmup_steps": size.steps // 20, "decay_steps": size.steps}
+        methods = [
+            BenchMethod("ddp", {"method": "ddp"}),
+            BenchMethod(f"diloco-h{hl}-int4-ef", int4_ef),
+            BenchMethod(f"diloco-h{hl}", diloco(hl)),
+            BenchMethod(f"diloco-h{hl}-dct-ef", dct_ef(hl)),
+            BenchMethod(f"streaming-h{hl}-int4", streaming),
+            BenchMethod("demo-1d", {"method": "demo"}),
+            BenchMethod("demo-2d", {"method": "demo", "dims": 2}),
+            BenchMethod("ddp-cosine", {"method": "ddp", "optim": cosine}, baseline="ddp-cosine"),
+            BenchMethod(
+                f"diloco-h{hl}-int4-ef-cosine", {**int4_ef, "optim": cosine}, baseline="ddp-cosine"
+            ),
+        ]
+        for seed in size.seeds[1:]:
+            ddp_s = f"ddp-seed{seed}"
+            methods += [
+                BenchMethod(ddp_s, {"method": "ddp"}, seed=seed, baseline=ddp_s),
+                BenchMethod(f"diloco-h{hl}-int4-ef-seed{seed}", int4_ef, seed=seed, baseline=ddp_s),
+            ]
+    else:
+        methods = [
+            BenchMethod("ddp", {"method": "ddp"}),
+            BenchMethod(f"diloco-h{hs}", diloco(hs)),
+            BenchMethod(f"diloco-h{hl}", diloco(hl)),
+            BenchMethod(f"diloco-h{hs}-int8", diloco(hs, codec="int8")),
+            BenchMethod(f"streaming-h{hl}-int4", streaming),
+            BenchMethod("demo-1d", {"method": "demo"}),  # the issue's 64-wide 1-D chunks
+            BenchMethod("demo-2d", {"method": "demo", "dims": 2}),  # DeMo's own 64x64 blocks
+            # covey's combination: DiLoCo pseudo-gradients, DCT top-k with error feedback.
+            BenchMethod(f"diloco-h{hs}-dct-ef", dct_ef(hs)),
+            BenchMethod(f"diloco-h{hl}-int4-ef", int4_ef),
+        ]
+    unique: dict[str, BenchMethod] = {}
+    for m in methods:
+        unique.setdefault(m.name, m)
+    return list(unique.values())
 
 
-def bench_config(method: BenchMethod, size: BenchSize, workers: int = 8) -> SimConfig:
+def bench_config(
+    method: BenchMethod,
+    size: BenchSize,
+    workers: int | None = None,
+    init: str | None = None,
+    round_offset: int = 0,
+) -> SimConfig:
+    """The simulator config of one method at one size (init: a warm start's checkpoint)."""
+    model: dict[str, Any] = {"size": size.model}
+    data: dict[str, Any] = {"batch_size": size.batch_size}
+    if init is not None:
+        model["init"] = init
+        data["round_offset"] = round_offset
     cfg = SimConfig.model_validate(
         {
-            "seed": 0,
-            "workers": workers,
+            "seed": method.seed,
+            "workers": workers or size.workers,
             "steps": size.steps,
-            "eval_batches": 16,
-            "model": {"size": size.model},
-            "data": {"batch_size": size.batch_size},
+            "eval_batches": size.eval_batches,
+            "threads": size.threads,
+            "model": model,
+            "data": data,
             "algorithm": method.algorithm,
             "network": {"uplink_mbps": 100.0, "downlink_mbps": 100.0, "latency_ms": 50.0},
         }
     )
-    # About 24 evaluations per run, whatever the round length.
-    return cfg.model_copy(update={"eval_every": max(1, cfg.rounds // 24)})
+    return cfg.model_copy(update={"eval_every": max(1, cfg.rounds // size.evals)})
 
 
-def summarize(results: dict[str, SimResult]) -> list[dict[str, Any]]:
-    """One record per method, relative to the DDP run."""
-    ddp = results["ddp"].summary if "ddp" in results else None
-    records = []
-    for name, res in results.items():
-        s = res.summary
-        rec: dict[str, Any] = {
-            "method": name,
-            "bytes_sent_per_worker": s["bytes_sent_per_worker"],
-            "bytes_received_per_worker": s["bytes_received_per_worker"],
-            "val_loss": s["final_val_loss"],
-            "val_loss_gap_vs_ddp": None,
-            "comm_reduction_vs_ddp": None,
-            "sim_time_s": s["sim_time_s"],
-            "utilization": s["utilization"],
-            "rounds": s["rounds"],
-            "tokens": s["tokens"],
-            "parameters": s["parameters"],
-        }
-        if ddp is not None:
-            rec["val_loss_gap_vs_ddp"] = (s["final_val_loss"] - ddp["final_val_loss"]) / ddp[
-                "final_val_loss"
-            ]
-            rec["comm_reduction_vs_ddp"] = ddp["bytes_sent_per_worker"] / s["bytes_sent_per_worker"]
-        records.append(rec)
-    return records
+def _run(
+    cfg: SimConfig, corpus: Corpus, out: Path, label: str, resume: bool, progress: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One simulation into `out` -> (records, summary); with `resume`, a finished run of the
+    same config is read back and a cut-off one goes on from its snapshot."""
+    from covey.io.export import save_sim_run
+    from covey.sim.resume import SnapshotError, load_snapshot, save_snapshot
+    from covey.sim.simulator import simulate
 
+    h = cfg.config_hash()
+    if resume and (out / "summary.json").is_file():
+        summary = json.loads((out / "summary.json").read_text())
+        if summary.get("config_hash") == h and (out / "metrics.jsonl").is_file():
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+            print(f"   kept: finished earlier ({out}/summary.json)")
+            return [json.loads(line) for line in lines if line], summary
+    snapshot = None
+    if resume:
+        try:
+            snapshot = load_snapshot(out / "checkpoint", h)
+            print(f"   resuming after round {snapshot.round}")
+        except SnapshotError:
+            snapshot = None
+    every = max(1, cfg.rounds // 10)
 
-def format_table(records: list[dict[str, Any]]) -> str:
-    head = (
-        f"{'method':<24}{'sent/worker':>14}{'recv/worker':>14}{'val loss':>10}{'gap':>8}"
-        f"{'reduction':>11}{'sim time':>11}{'util':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in records:
-        gap = "" if r["val_loss_gap_vs_ddp"] is None else f"{r['val_loss_gap_vs_ddp']:+.1%}"
-        red = "" if r["comm_reduction_vs_ddp"] is None else f"{r['comm_reduction_vs_ddp']:,.0f}x"
-        lines.append(
-            f"{r['method']:<24}{r['bytes_sent_per_worker']:>14,.0f}"
-            f"{r['bytes_received_per_worker']:>14,.0f}{r['val_loss']:>10.4f}{gap:>8}{red:>11}"
-            f"{r['sim_time_s']:>10.1f}s{r['utilization']:>7.1%}"
-        )
-    return "\n".join(lines)
+    def keep(snap: Any) -> None:
+        if snap.round % every == 0 and snap.round < cfg.rounds:
+            save_snapshot(out / "checkpoint", snap)
+
+    result = simulate(cfg, corpus, progress=progress, on_snapshot=keep, resume=snapshot)
+    save_run(out, label, result.records, result.summary)
+    save_sim_run(out, cfg, result.state)  # checkpoints/: a warm start for what follows
+    shutil.rmtree(out / "checkpoint", ignore_errors=True)  # finished: the summary is kept
+    return result.records, result.summary
 
 
 def run_comms_bench(
     *,
-    quick: bool,
+    size: BenchSize,
     out_dir: Path,
-    model: str | None = None,
-    steps: int | None = None,
     only: list[str] | None = None,
+    resume: bool = False,
     progress: bool = True,
+    corpus: Corpus | None = None,
 ) -> list[dict[str, Any]]:
-    size = QUICK if quick else FULL
-    size = replace(size, model=model or size.model, steps=steps or size.steps)
-    corpus = load_corpus()
+    """Run the preset's methods (those in `only`, if given) into `out_dir`; print the table
+    and write records.json and comms.png. Returns the rows (covey.bench.comms_report).
+    `corpus`: default the stdlib corpus."""
+    corpus = corpus or load_corpus()
     print(f"corpus: {corpus.describe()} (fingerprint {corpus.fingerprint})")
-    results: dict[str, SimResult] = {}
-    for method in comms_methods(quick):
+    init, offset = None, 0
+    if size.pretrain_steps:
+        warm = replace(size, steps=size.pretrain_steps, eval_batches=16, evals=10)
+        cfg = bench_config(BenchMethod("pretrain", {"method": "ddp"}), warm)
+        print(f"== pretrain: DDP for {cfg.rounds} steps per worker (shared warm start)")
+        _run(cfg, corpus, out_dir / "pretrain", "pretrain", resume, progress)
+        init, offset = str(out_dir / "pretrain"), cfg.rounds
+    runs: dict[str, MethodRun] = {}
+    for method in comms_methods(size):
         if only and method.name not in only:
             continue
-        cfg = bench_config(method, size)
+        cfg = bench_config(method, size, init=init, round_offset=offset)
         print(f"== {method.name}: {cfg.rounds} rounds of {cfg.steps // cfg.rounds} inner steps")
-        results[method.name] = simulate(cfg, corpus, progress=progress)
-        save_run(
-            out_dir / method.name,
-            method.name,
-            results[method.name].records,
-            results[method.name].summary,
-        )
-    records = summarize(results)
-    print(format_table(records))
+        records, summary = _run(cfg, corpus, out_dir / method.name, method.name, resume, progress)
+        runs[method.name] = MethodRun(method.name, method.baseline, method.seed, records, summary)
+    rows = summarize(runs, size.tail)
+    print(format_table(rows))
+    if size.tail > 1:
+        print(f"(val loss: the mean of the last {size.tail} evaluations of each run)")
+    start = f", from a {size.pretrain_steps}-step DDP warm start" if size.pretrain_steps else ""
     plot_runs(
         out_dir / "comms.png",
-        {name: res.records for name, res in results.items()},
-        f"covey bench comms ({size.model}, 8 workers, {size.steps} steps/worker, 100 Mbit/s)",
+        {name: run.records for name, run in runs.items()},
+        f"covey bench comms ({size.model}, {size.workers} workers, {size.steps} steps/worker"
+        f"{start}, 100 Mbit/s)",
     )
-    write_json(out_dir / "records.json", records)
+    write_json(out_dir / "records.json", rows)
     print(f"wrote {out_dir}/records.json and {out_dir}/comms.png")
-    return records
+    return rows
 
 
 def run_demo(*, workers: int, steps: int, out_dir: Path) -> None:
     """DDP, DiLoCo and DiLoCo + DCT top-k side by side on the nano GPT."""
-    demo_size = replace(QUICK, steps=steps)
+    from covey.sim.simulator import simulate
+
+    demo_size = replace(QUICK, steps=steps, workers=workers)
     picks = {"ddp", f"diloco-h{demo_size.h_short}", f"diloco-h{demo_size.h_short}-dct-ef"}
     corpus = load_corpus()
     print(f"corpus: {corpus.describe()}")
-    results = {}
-    for method in comms_methods(quick=True):
+    runs = {}
+    for method in comms_methods(demo_size):
         if method.name not in picks:
             continue
-        cfg = bench_config(method, demo_size, workers=workers)
+        cfg = bench_config(method, demo_size)
         print(f"== {method.name}")
-        results[method.name] = simulate(cfg, corpus)
-        save_run(
-            out_dir / method.name,
-            method.name,
-            results[method.name].records,
-            results[method.name].summary,
-        )
-    print(format_table(summarize(results)))
-    plot_runs(out_dir / "demo.png", {n: r.records for n, r in results.items()}, "covey demo")
+        result = simulate(cfg, corpus)
+        save_run(out_dir / method.name, method.name, result.records, result.summary)
+        runs[method.name] = MethodRun(method.name, "ddp", 0, result.records, result.summary)
+    print(format_table(summarize(runs)))
+    plot_runs(out_dir / "demo.png", {n: r.records for n, r in runs.items()}, "covey demo")
     print(f"run directory: {out_dir} (plot: {out_dir / 'demo.png'})")

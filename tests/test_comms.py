@@ -1,0 +1,100 @@
+"""`covey bench comms`: presets and flags, the --long warm start, resume, the tail-judged rows."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from covey.bench.comms import LONG, QUICK, comms_methods, preset, run_comms_bench
+from covey.bench.comms_report import MethodRun, summarize, tail_mean
+from covey.cli import app
+from covey.data.corpus import Corpus
+
+TINY = replace(
+    QUICK, steps=4, batch_size=2, workers=2, h_short=2, h_long=4, eval_batches=1, evals=2
+)
+
+
+def test_flags_override_the_preset() -> None:
+    size = preset(long=True, workers=4, batch_size=16, inner_steps=50, outer_lr=0.5,
+                  outer_momentum=0.8, steps=None)  # fmt: skip
+    assert (size.workers, size.batch_size, size.h_long, size.h_short) == (4, 16, 50, 50)
+    assert (size.outer_lr, size.outer_momentum, size.steps) == (0.5, 0.8, LONG.steps)
+    names = [m.name for m in comms_methods(size)]
+    assert "diloco-h50-int4-ef" in names and "diloco-h50-int4-ef-seed1" in names
+    streaming = next(m for m in comms_methods(size) if m.name.startswith("streaming"))
+    assert streaming.algorithm["fragments"] == 2  # 50 is not a multiple of 4
+    assert all(m.algorithm.get("outer_momentum", 0.8) == 0.8 for m in comms_methods(size))
+    with pytest.raises(ValueError, match="choose one"):
+        preset(quick=True, long=True)
+    with pytest.raises(ValueError, match=r"--outer-momentum must be in \[0, 1\), got 1.0"):
+        preset(quick=True, outer_momentum=1.0)
+
+
+def test_the_cli_refuses_bad_flags_in_one_line() -> None:
+    result = CliRunner().invoke(app, ["bench", "comms", "--quick", "--workers", "0"])
+    assert result.exit_code == 2 and "--workers must be >= 1, got 0" in result.output
+    result = CliRunner().invoke(app, ["bench", "comms", "--long", "--only", "diloco-h30"])
+    assert result.exit_code == 2 and "unknown method(s) ['diloco-h30']" in result.output
+
+
+def test_long_has_every_method_a_cosine_variant_and_a_second_seed() -> None:
+    methods = {m.name: m for m in comms_methods(LONG)}
+    assert {"ddp", "demo-1d", "demo-2d", "streaming-h100-int4", "diloco-h100-dct-ef"} <= set(
+        methods
+    )
+    cosine = methods["diloco-h100-int4-ef-cosine"]
+    assert cosine.baseline == "ddp-cosine" and cosine.algorithm["optim"]["schedule"] == "cosine"
+    assert methods["ddp-cosine"].algorithm["optim"] == cosine.algorithm["optim"]
+    second = methods["diloco-h100-int4-ef-seed1"]
+    assert (second.seed, second.baseline) == (1, "ddp-seed1")
+
+
+def test_rows_are_judged_on_the_tail_mean_against_their_baseline() -> None:
+    def run(name: str, losses: list[float], sent: float, baseline: str = "ddp") -> MethodRun:
+        records = [{"val_loss": v} for v in losses]
+        summary = {"bytes_sent_per_worker": sent, "bytes_received_per_worker": sent,
+                   "final_val_loss": losses[-1], "sim_time_s": 1.0, "utilization": 1.0,
+                   "rounds": 1, "tokens": 1, "parameters": 1, "initial_val_loss": 9.0}  # fmt: skip
+        return MethodRun(name, baseline, 0, records, summary)
+
+    assert tail_mean([{"val_loss": 3.0}, {"val_loss": None}, {"val_loss": 1.0}], 2) == 2.0
+    runs = {"ddp": run("ddp", [5.0, 2.0, 2.2], 1000.0), "x": run("x", [5.0, 2.2, 2.2], 2.0)}
+    rows = {r["method"]: r for r in summarize(runs, tail=2)}
+    assert rows["x"]["val_loss_tail"] == pytest.approx(2.2)
+    assert rows["x"]["val_loss_gap_vs_ddp"] == pytest.approx(0.1 / 2.1)
+    assert rows["x"]["comm_reduction_vs_ddp"] == 500.0 and rows["x"]["val_loss"] == 2.2
+    lone = summarize({"y": run("y", [1.0], 1.0, baseline="ddp-cosine")})
+    assert lone[0]["val_loss_gap_vs_ddp"] is None
+
+
+@pytest.mark.slow
+def test_long_warm_starts_every_method_and_resume_keeps_finished_ones(
+    stdlib_corpus: Corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    size = replace(TINY, pretrain_steps=2)
+    out = tmp_path / "bench"
+    rows = run_comms_bench(size=size, out_dir=out, only=["ddp"], progress=False,
+                           corpus=stdlib_corpus)  # fmt: skip
+    summary = json.loads((out / "ddp" / "summary.json").read_text())
+    assert summary["round_offset"] == 2  # past the 2-step warm-up's batches
+    assert summary["init"] == str(out / "pretrain" / "checkpoints" / "round-000002.safetensors")
+    assert not (out / "ddp" / "checkpoint").exists()  # snapshots go once a method is done
+    mtime = (out / "ddp" / "summary.json").stat().st_mtime_ns
+    capsys.readouterr()
+    again = run_comms_bench(size=size, out_dir=out, only=["ddp", "diloco-h4"], resume=True,
+                            progress=False, corpus=stdlib_corpus)  # fmt: skip
+    printed = capsys.readouterr().out
+    assert printed.count("kept: finished earlier") == 2  # the warm-up and ddp
+    assert (out / "ddp" / "summary.json").stat().st_mtime_ns == mtime
+    assert again[0] == rows[0] and again[1]["method"] == "diloco-h4"
+    assert again[1]["val_loss_gap_vs_ddp"] is not None
+    # another config is not "finished": a changed flag reruns the method
+    other = replace(size, outer_lr=0.5)
+    run_comms_bench(size=other, out_dir=out, only=["diloco-h4"], resume=True, progress=False,
+                    corpus=stdlib_corpus)  # fmt: skip
+    assert capsys.readouterr().out.count("kept: finished earlier") == 1  # the warm-up only
