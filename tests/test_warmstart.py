@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from covey.config import SimConfig
 from covey.data.corpus import Corpus
@@ -98,3 +99,25 @@ def test_a_checkpoint_of_another_model_is_refused(warmup_dir: Path, tmp_path: Pa
     with pytest.raises(WarmStartError, match="without checkpoints"):
         apply_init(model, str(tmp_path))
     assert apply_init(model, None) is None and apply_init(model, "hf:somewhere") is None
+
+
+def test_a_networked_run_starts_from_the_checkpoint(
+    warmup_dir: Path, stdlib_corpus: Corpus, tmp_path: Path
+) -> None:
+    """The coordinator's round-0 state is the checkpoint's parameters (workers receive it
+    over the network, so only the coordinator reads the file); a run spec with a round
+    offset moves every assignment's batches past the warm-up's."""
+    from covey.blobs import BlobStore
+    from covey.config import RunConfig
+    from covey.coordinator.model import build_model
+    from covey.data.batches import assignment_batches
+
+    spec = {"model": {"init": str(warmup_dir)}, "data": {"seq_len": 32, "batch_size": 2}}
+    cfg = RunConfig.model_validate(spec)
+    run = build_model(cfg, stdlib_corpus, BlobStore(tmp_path / "blobs"))
+    saved = load_file(str(checkpoint_file(str(warmup_dir))))
+    for name, t in run.template.params.items():
+        assert torch.equal(t, saved[f"params/{name}"])
+    later = RunConfig.model_validate({**spec, "data": {**spec["data"], "round_offset": 4}})
+    first = assignment_batches(cfg, stdlib_corpus, 32, 4, "peer")(0)
+    assert torch.equal(assignment_batches(later, stdlib_corpus, 32, 0, "peer")(0), first)
