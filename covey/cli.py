@@ -37,6 +37,7 @@ register_bench_swarm(bench_app)  # covey bench swarm
 register_rl(app)  # rl trainer, worker, validator, demo
 
 METHODS = "ddp, diloco, streaming, demo"
+DEVICE_HELP = "where to train: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N, mps"
 LOG_TO = typer.Option(
     "--log", help="also send metrics to tensorboard or wandb (needs covey[tensorboard|wandb])"
 )
@@ -147,6 +148,10 @@ def sim(
     ] = None,
     leave_prob: Annotated[float | None, typer.Option(help="churn: leave chance/round")] = None,
     join_prob: Annotated[float | None, typer.Option(help="churn: rejoin chance/round")] = None,
+    device: Annotated[str | None, typer.Option(help=DEVICE_HELP)] = None,
+    precision: Annotated[
+        str | None, typer.Option(help="inner steps: auto (bf16 on CUDA), fp32 or bf16")
+    ] = None,
     out: Annotated[Path, typer.Option(help="run directory")] = Path("runs/sim"),
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
     log_json: Annotated[bool, LOG_JSON] = False,
@@ -182,6 +187,8 @@ def sim(
         compute__slowdown=slowdown,
         churn__leave_prob=leave_prob,
         churn__join_prob=join_prob,
+        peer__device=device,
+        peer__precision=precision,
     )
     from covey.sim.resume import read_config
 
@@ -519,6 +526,9 @@ def demo(
     out: Annotated[
         Path | None, typer.Option(help="run directory (default: runs/demo-YYYYmmdd-HHMMSS)")
     ] = None,
+    device: Annotated[
+        str | None, typer.Option(help=DEVICE_HELP + "; every peer, validators included")
+    ] = None,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
     log_json: Annotated[bool, LOG_JSON] = False,
     log: Annotated[str | None, LOG_TO] = None,
@@ -538,6 +548,7 @@ def demo(
         raise _fail(f"--algorithm must be one of {METHODS}, got {algorithm!r}")
     if adversaries > workers:
         raise _fail(f"--adversaries ({adversaries}) cannot exceed --workers ({workers})")
+    _check_device(device)
     out = out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     _logging(False, "demo", log_json)  # --log-json reaches the children through the env
     _check_tracker(log)
@@ -559,6 +570,7 @@ def demo(
     except ClusterError as e:
         raise _fail(f"{e}\n(all logs: {out / 'logs'})") from None
     except KeyboardInterrupt:  # before training started: the children are already stopped
+            device=device,
         raise typer.Exit(130) from None
     if log and (out / "metrics.jsonl").exists():
         lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -656,6 +668,9 @@ def worker(
         str,
         typer.Option(help="tests and demos: honest, or a cheat (see covey.peer.adversary)"),
     ] = "honest",
+    device: Annotated[
+        str | None, typer.Option(help=DEVICE_HELP + "; default: the run spec's [peer] device")
+    ] = None,
     threads: Annotated[int, typer.Option(help="torch CPU threads")] = 1,
     serve_blobs: Annotated[
         bool, typer.Option(help="serve contributions from our own blob server (else upload)")
@@ -690,6 +705,7 @@ def worker(
     except ValueError as e:
         raise _fail(f"--behavior: {e}") from None
     _check_name(name)
+    _check_device(device)
     _check_coordinator(coordinator, connect_timeout)
     _logging(verbose, name or "worker", log_json)
     from covey.peer.worker import Worker, WorkerOptions
@@ -701,6 +717,7 @@ def worker(
         name=name,
         stake=stake,
         behavior=behavior,
+        device=device,
         threads=threads,
         serve_blobs=serve_blobs,
         blob_host=blob_host,
@@ -754,6 +771,18 @@ def _check_coordinator(url: str, wait_s: float) -> None:
         raise _fail(str(e)) from None
 
 
+def _check_device(device: str | None) -> None:
+    """Exit 2 naming the value when --device is malformed or absent on this machine."""
+    if device is None:
+        return
+    from covey.devices import DeviceError, resolve_device
+
+    try:
+        resolve_device(device)
+    except DeviceError as e:
+        raise _fail(f"--device: {e}") from None
+
+
 def _check_name(name: str | None) -> None:
     import re
 
@@ -771,6 +800,13 @@ def validator(
         typer.Option(help="Ed25519 key file (not a worker's), created on first use"),
     ] = None,
     name: Annotated[str | None, typer.Option(help="name on the status page")] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help=DEVICE_HELP + "; default: the run's verify_device. A validator on another "
+            "device class or precision than the run's refuses to check (exit 1)"
+        ),
+    ] = None,
     threads: Annotated[int, typer.Option(help="torch CPU threads")] = 1,
     max_tasks: Annotated[
         int | None, typer.Option(help="stop after re-executing this many contributions")
@@ -789,6 +825,7 @@ def validator(
     is narrowed to one segment of the worker's commitments, which the coordinator's
     referee recomputes. Proven catches are paid in the run's ledger."""
     _check_name(name)
+    _check_device(device)
     _check_coordinator(coordinator, connect_timeout)
     _logging(verbose, name or "validator", log_json)
     from covey.peer.validator import Validator, ValidatorOptions
@@ -798,6 +835,7 @@ def validator(
         coordinator=coordinator,
         identity=identity,
         name=name,
+        device=device,
         threads=threads,
         max_tasks=max_tasks,
         connect_timeout_s=connect_timeout,

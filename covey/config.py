@@ -297,10 +297,10 @@ class PeerConfig(Frozen):
     )
 
 
-def _without_default_peer(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
+def _without_default_peer(model: SimConfig | RunConfig, dumped: dict[str, Any]) -> dict[str, Any]:
     """A spec's dump without a default [peer] table: specs written before issue 12 keep
     their hash, so their run ids and sim checkpoints."""
-    if dumped.get("peer") is not None and getattr(model, "peer", None) == PeerConfig():
+    if dumped.get("peer") is not None and model.peer == type(model).model_fields["peer"].default:
         del dumped["peer"]
     return dumped
 
@@ -324,7 +324,9 @@ class SimConfig(Frozen):
         "(aggregation, trim_fraction, clip_factor), the rest is for networked runs",
     )
     peer: PeerConfig = Field(
-        PeerConfig(), description="device, precision and torch.compile of the simulated peers"
+        PeerConfig(device="cpu"),
+        description="device, precision and torch.compile of the simulated peers (the CPU "
+        "unless asked: a simulation's records then repeat bit for bit on any machine)",
     )
 
     @model_serializer(mode="wrap")

@@ -127,6 +127,17 @@ def resolve_precision(setting: str, device: torch.device | str) -> Precision:
     raise DeviceError(f"precision {setting!r} is not one of auto, fp32, bf16")
 
 
+def run_precision(setting: str, verify_class: str) -> Precision:
+    """A run's precision from its spec: "fp32" or "bf16" as written; "auto" is bf16 when
+    the run verifies on CUDA, else fp32. Every peer of the run trains in it, since
+    validators re-execute in it."""
+    if setting in ("fp32", "bf16"):
+        return setting  # type: ignore[return-value]
+    if setting != "auto":
+        raise DeviceError(f"precision {setting!r} is not one of auto, fp32, bf16")
+    return "bf16" if verify_class == "cuda" else "fp32"
+
+
 def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager[Any]:
     """The context an inner step's forward pass runs in: bf16 autocast for "bf16", nothing
     for "fp32". Parameters and optimizer state stay fp32 either way (autocast casts inside

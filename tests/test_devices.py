@@ -7,6 +7,7 @@ CUDA tests are skipped without CUDA.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -154,7 +155,8 @@ class HostWatch(TorchDispatchMode):
     """Records every non-scalar tensor an op produces on the host. On `meta` tensors a
     `.item()` has no value: it answers 1 (True for a bool), enough to drive the control flow
     (clip thresholds, finiteness checks) through. 0-dim host tensors are allowed: torch.optim
-    keeps its step count there on purpose (non-capturable AdamW). `lift_fresh` is allowed:
+    keeps its step count there on purpose (non-capturable AdamW), and empty ones hold
+    nothing (shape probes). `lift_fresh` is allowed:
     it is how a payload's bytes become a tensor (on the host, where the wire is) before
     they cross; top-k and DCT hand over only their k entries."""
 
@@ -171,7 +173,7 @@ class HostWatch(TorchDispatchMode):
         if func is torch.ops.aten.lift_fresh.default or func.is_view:
             return out  # a view allocates nothing: its base was checked when it was made
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() > 1:
                 self.host.append(f"{func} -> {tuple(t.shape)}")
         return out
 
@@ -303,3 +305,58 @@ def test_cuda_bf16_autocast_step() -> None:
     s.load_state(s.init_state())
     assert s.inner_step(torch.randint(0, 256, (4, 17))) > 0
     assert all(p.dtype == torch.float32 for p in s.model.parameters())
+
+
+# -- over the network: the device at join, and a validator that refuses ----------------------
+
+NETWORK_SPEC = """
+name = "devices"
+seed = 3
+[model]
+size = "nano"
+[data]
+batch_size = 2
+seq_len = 16
+paths = ["{corpus}"]
+[algorithm]
+method = "diloco"
+inner_steps = 2
+codec = "fp32"
+inner_state = "reset"
+[rounds]
+deadline_min_s = 3
+eval_batches = 1
+[peer]
+precision = "fp32"
+verify_device = "{verify}"
+"""
+
+
+@pytest.mark.network
+def test_join_reports_the_device_and_a_validator_of_another_class_refuses(
+    tmp_path: Path,
+) -> None:
+    """A run verified on another device class than this validator's: the validator
+    refuses (exit 1, the reason in its log) instead of judging; the worker's device name
+    reaches the status page."""
+    from covey.local.cluster import LocalCluster
+
+    mine = "cpu"
+    other = "mps" if torch.cuda.is_available() else "cuda"
+    corpus = tmp_path / "corpus.txt"  # small: loading the stdlib corpus takes longer
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(3000)))
+    spec = tmp_path / "run.toml"
+    spec.write_text(NETWORK_SPEC.format(verify=other, corpus=corpus))
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_coordinator()
+        cluster.start_validator("v", "--device", mine)
+        cluster.start_worker("w", "--device", mine, "--threads", "1")
+        status = cluster.wait_for(
+            lambda s: any(p.get("device") == "cpu" for p in s.get("peers", [])),
+            120,
+            "the worker to join with its device",
+        )
+        assert [p["device"] for p in status["peers"]] == ["cpu"]
+        assert cluster.wait_exit("v", 120) == 1
+        log = (cluster.logs / "v.log").read_text()
+        assert f"refusing to validate: this run verifies on {other}" in log, log[-2000:]

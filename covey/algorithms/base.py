@@ -186,6 +186,9 @@ class Strategy(ABC):
         self.steps = 0
         self.precision = "fp32"  # of the forward pass: "bf16" autocasts it (set_compute)
         self._forward = loss_fn  # loss_fn, or its torch.compile'd version
+        # what the loss is computed through: the model, or a DistributedDataParallel wrapper
+        # of it when the peer is a torchrun group (covey/peer/group.py); names stay the model's
+        self.forward_module: nn.Module = model
 
     @property
     def device(self) -> torch.device:
@@ -255,7 +258,7 @@ class Strategy(ABC):
             p.grad = None
         batch = batch.to(self.device, non_blocking=True)
         with autocast(self.device, self.precision):  # backward outside, as torch advises
-            loss = self._forward(self.model, batch)
+            loss = self._forward(self.forward_module, batch)
         loss.backward()
         self.tokens += batch[:, 1:].numel()
         self.steps += 1

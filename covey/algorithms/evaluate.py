@@ -14,8 +14,9 @@ from covey.models.gpt import lm_loss
 def evaluate(
     model: nn.Module, state: TrainState, batches: list[torch.Tensor], loss_fn: LossFn = lm_loss
 ) -> float:
-    """Mean held-out loss of the canonical parameters."""
+    """Mean held-out loss of the canonical parameters, computed on the model's device."""
     for name, p in model.named_parameters():
         p.copy_(state.params[name])
     model.eval()
-    return sum(float(loss_fn(model, b)) for b in batches) / len(batches)
+    device = next(model.parameters()).device
+    return sum(float(loss_fn(model, b.to(device))) for b in batches) / len(batches)

@@ -15,6 +15,13 @@ from covey.algorithms import Strategy, TrainState, build_aggregator, build_strat
 from covey.blobs import BlobClient
 from covey.config import RunConfig, run_id_of
 from covey.data.corpus import Corpus, load_corpus
+from covey.devices import (
+    DeviceError,
+    device_name,
+    resolve_device,
+    resolve_precision,
+    run_precision,
+)
 from covey.models.bundle import local_sources
 from covey.models.source import build_run_model
 from covey.peer.client import CoordinatorClient
@@ -30,6 +37,8 @@ class RunSetup:
     template: TrainState  # the round-0 state: names, shapes and dtypes of every state
     blobs: BlobClient
     run_id: str  # covey.config.run_id_of(spec, data fingerprint), recomputed here
+    device: str = "cpu"  # covey.devices.device_name of where the strategy trains
+    precision: str = "fp32"  # of its inner steps: the run's (covey.devices.run_precision)
 
     @property
     def coordinator_key(self) -> str:
@@ -39,7 +48,11 @@ class RunSetup:
 
 
 def set_up_run(
-    client: CoordinatorClient, threads: int | None, run_id: str | None = None
+    client: CoordinatorClient,
+    threads: int | None,
+    run_id: str | None = None,
+    device: str | None = None,
+    validating: bool = False,
 ) -> RunSetup:
     """Fetch and check the run, adopt its limits, and build its strategy (with the run's
     aggregation rule, so that every peer reaches the certificate's hash). The run id is
@@ -94,11 +107,27 @@ def set_up_run(
     )
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
-    strategy = build_strategy(cfg.algorithm, model, loss_fn, aggregator)
+    # issue 12: the canonical template stays on the host (state hashes, checkpoints); the
+    # strategy trains on `device`, default the run's [peer] device (validators: its
+    # verify_device), in the run's precision
+    template = TrainState({n: p.detach().clone() for n, p in model.named_parameters()})
+    try:
+        where = resolve_device(
+            device or (cfg.peer.verify_device if validating else cfg.peer.device)
+        )
+        precision = resolve_precision(
+            run_precision(cfg.peer.precision, cfg.peer.verify_device), where
+        )
+    except DeviceError as e:
+        raise RuntimeError(f"this machine cannot train as the run asks: {e}") from None
+    strategy = build_strategy(cfg.algorithm, model.to(where), loss_fn, aggregator)
+    strategy.set_compute(precision, cfg.peer.compile)
     blobs = BlobClient(
         timeout_s=limits.request_timeout_s,
         retries=limits.retries,
         chunk_bytes=limits.chunk_bytes,
         max_bytes=limits.max_blob_bytes,
     )
-    return RunSetup(cfg, info, corpus, seq_len, strategy, strategy.init_state(), blobs, served)
+    return RunSetup(
+        cfg, info, corpus, seq_len, strategy, template, blobs, served, device_name(where), precision
+    )

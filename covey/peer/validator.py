@@ -24,6 +24,7 @@ from typing import Any
 from covey.algorithms import TrainState
 from covey.blobs import BlobError
 from covey.data.batches import assignment_batches
+from covey.devices import verification_mismatch
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.runsetup import fetch_state, set_up_run
 from covey.protocol import schemas
@@ -41,6 +42,7 @@ class ValidatorOptions:
     coordinator: str
     identity: Path | None = None  # default ~/.covey/identity (use another key than a worker's)
     name: str | None = None
+    device: str | None = None  # None: the run's [peer] verify_device
     threads: int | None = 1
     poll_s: float = 1.0  # wait between claims when there is nothing to check
     max_tasks: int | None = None  # stop after this many re-executions
@@ -64,7 +66,16 @@ class Validator:
         self._state: tuple[str, TrainState] | None = None
 
     def _setup(self) -> None:
-        run = set_up_run(self.client, self.opts.threads, self.opts.run_id)
+        run = set_up_run(
+            self.client, self.opts.threads, self.opts.run_id, self.opts.device, validating=True
+        )
+        # issue 12: re-execution on another device class or precision than the run's would
+        # differ by more than rounding; refuse the checks (no verdict), never convict for it
+        refusal = verification_mismatch(
+            run.cfg.peer.verify_device, run.precision, run.strategy.device, run.precision
+        )
+        if refusal is not None:
+            raise RuntimeError(f"refusing to validate: {refusal}")
         self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
         self.run_id, self.strategy, self.template = run.run_id, run.strategy, run.template
         self.blobs = run.blobs

@@ -69,7 +69,7 @@ class WorkerOptions:
     name: str | None = None  # shown on the status page; default: the id's first 8 digits
     stake: float = 0.0
     behavior: str = "honest"  # see covey.peer.adversary (tests and demos only)
-    device: str = "cpu"
+    device: str | None = None  # auto|cpu|cuda|cuda:N|mps; None: the run's [peer] device
     threads: int | None = 1
     serve_blobs: bool = True
     blob_host: str = "127.0.0.1"
@@ -131,7 +131,13 @@ class Worker:
     # -- set-up ---------------------------------------------------------------------------
 
     def _setup(self) -> None:
-        run = set_up_run(self.client, self.opts.threads, self.opts.run_id)
+        run = set_up_run(self.client, self.opts.threads, self.opts.run_id, self.opts.device)
+        self.device = run.device  # its name, reported at join (covey.devices.device_name)
+        if run.device.split(":")[0] != run.cfg.peer.verify_device:
+            log.warning(
+                "[%s] training on %s; this run re-executes contributions on %s in %s",
+                self.name, run.device, run.cfg.peer.verify_device, run.precision,
+            )  # fmt: skip
         self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
         self.run_id, self.coordinator_key = run.run_id, run.coordinator_key
         self.strategy, self.template, self.blobs = run.strategy, run.template, run.blobs
@@ -156,7 +162,7 @@ class Worker:
             public_key=self.identity.public_key,
             name=self.name,
             stake=self.opts.stake,
-            device=self.opts.device,
+            device=self.device[:64],
             step_time_s=self.step_time_s,
             bandwidth_mbps=self.opts.bandwidth_mbps,
             accepts_connections=self.blob_url is not None,
@@ -171,7 +177,7 @@ class Worker:
             self.name,
             self.peer_id[:8],
             self.run_id,
-            self.opts.device,
+            self.device,
             self.step_time_s,
             self.blob_url or "uploaded to the coordinator",
         )
@@ -179,7 +185,7 @@ class Worker:
     def _measure_step_time(self) -> float:
         """Median of 3 forward+backward passes on a scratch copy of the model."""
         model = copy.deepcopy(self.strategy.model)
-        batch = self._batch(0, "speed-test", 0)
+        batch = self._batch(0, "speed-test", 0).to(self.strategy.device)
         times = []
         for _ in range(3):
             t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from covey.algorithms.evaluate import evaluate
 from covey.config import SimConfig
 from covey.data.batches import sample_batch, validation_batches
 from covey.data.corpus import Corpus, load_corpus
+from covey.devices import resolve_device, resolve_precision
 from covey.models.source import build_run_model
 from covey.models.warmstart import apply_init
 from covey.sim.network import Link, make_links, round_timing
@@ -79,16 +80,22 @@ def simulate(
     base, loss_fn, _, seq_len = build_run_model(
         cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=d.seq_len
     )
+    # every simulated peer, and the canonical state, on the [peer] device (issue 12)
+    device = resolve_device(cfg.peer.device)
+    precision = resolve_precision(cfg.peer.precision, device)
+    base = base.to(device)
     warm_start = apply_init(base, cfg.model.init)  # a covey checkpoint: its parameters
     # the aggregator a coordinator and its peers build from the same spec (peer/runsetup.py)
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
     canonical = build_strategy(cfg.algorithm, copy.deepcopy(base), loss_fn, aggregator)
+    canonical.set_compute(precision, cfg.peer.compile)
     state = canonical.init_state()
     val = validation_batches(corpus, n_batches=cfg.eval_batches, batch_size=16, seq_len=seq_len)
 
     def new_strategy() -> Strategy:
         s = build_strategy(cfg.algorithm, copy.deepcopy(base), loss_fn, aggregator)
+        s.set_compute(precision, cfg.peer.compile)
         s.load_state(state)
         return s
 

@@ -69,7 +69,7 @@ def sketch(vec: torch.Tensor, buckets: int = BUCKETS) -> torch.Tensor:
         raise ValueError(f"buckets must be >= 1, got {buckets}")
     index, sign = _hashing(vec.numel(), buckets)
     out = torch.zeros(buckets, dtype=torch.float64)
-    return out.index_add_(0, index, vec.detach().to(torch.float64) * sign)
+    return out.index_add_(0, index, vec.detach().to("cpu", torch.float64) * sign)  # any device
 
 
 def distance(a: torch.Tensor | Sequence[float], b: torch.Tensor | Sequence[float]) -> float:
@@ -169,7 +169,7 @@ def commitment_of(
         now, start = local[f"param/{n}"], start_params[n]
         if now.shape != start.shape:
             raise ValueError(f"param/{n}: shape {tuple(now.shape)}, start {tuple(start.shape)}")
-        deltas.append((now.detach().float() - start.detach().float()).reshape(-1))
+        deltas.append((now.detach().float().cpu() - start.detach().float().cpu()).reshape(-1))
     params_sketch = sketch(torch.cat(deltas), buckets)
     kinds: dict[str, list[str]] = {}
     for name in sorted(local):

@@ -1,0 +1,172 @@
+"""A peer made of many devices: a `torchrun` group that is one peer (issue 12).
+
+As in INTELLECT-1, parallelism inside a peer is the peer's business and covey sits between
+peers: the group trains with DistributedDataParallel (NCCL on GPUs, gloo on CPUs), and only
+rank 0, the leader, talks to the coordinator. It has the peer's one identity, publishes the
+peer's one contribution and applies certified rounds; the other ranks follow it over the
+group's own collectives and never open a connection.
+
+The protocol is a command tensor that the leader broadcasts and every rank acts on:
+
+    BEGIN      the leader's local state (parameters, optimizer state, residuals) is
+               broadcast; every rank loads it, so all start the round identical
+    STEP B T   the leader's (B, T) batch is broadcast; each rank trains on its rows
+               (rank, rank + world, ...) and DDP averages the gradients: every rank takes
+               the same optimizer step, the step a single device takes on the whole batch
+    END        the ranks' token counts are summed into the leader's (one contribution)
+    STOP       followers return
+
+Commands and tensors travel only inside the group (its own process group, set up by
+torchrun on the same machine or cluster); nothing is pickled. A follower that dies takes
+the collective down; the leader then errors out of the round, as a single peer that
+crashed would, and the group leaves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from covey.algorithms.base import Strategy
+from covey.devices import resolve_device
+
+BEGIN, STEP, END, STOP = 1, 2, 3, 4
+_NAMES = {BEGIN: "BEGIN", STEP: "STEP", END: "END", STOP: "STOP"}
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in a torchrun group."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def group_from_env(device: str = "auto") -> Group | None:
+    """The group torchrun started this process in (WORLD_SIZE > 1), its process group
+    initialized: NCCL with one GPU per local rank on CUDA, gloo on the CPU. None when not
+    under torchrun (a one-device peer). ValueError for a group on CUDA with more local ranks
+    than GPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    where = resolve_device(device)
+    if where.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise ValueError(
+                f"local rank {local} has no GPU: {torch.cuda.device_count()} visible; start "
+                f"torchrun with --nproc-per-node <= the GPU count"
+            )
+        where = torch.device("cuda", local)
+        torch.cuda.set_device(where)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if where.type == "cuda" else "gloo")
+    return Group(rank, world, where)
+
+
+def attach(strategy: Strategy, group: Group) -> None:
+    """Train `strategy` as one rank of `group`: its loss runs through DDP (gradients are
+    averaged over the ranks in backward). The model must already be on `group.device`."""
+    ids = [group.device.index] if group.device.type == "cuda" else None
+    strategy.forward_module = DistributedDataParallel(strategy.model, device_ids=ids)
+
+
+def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of a batch: rank, rank + world, ... ValueError when the batch has
+    fewer rows than the group has ranks (a rank would train on nothing)."""
+    if batch.shape[0] < world:
+        raise ValueError(f"a batch of {batch.shape[0]} rows cannot feed {world} ranks")
+    return batch[rank::world]
+
+
+class Leader:
+    """Rank 0's side: call `begin` once the strategy is at the round's start, `inner_step`
+    for each step, `end` before `make_contribution`, `stop` when leaving."""
+
+    def __init__(self, strategy: Strategy, group: Group) -> None:
+        if not group.leader:
+            raise ValueError(f"rank {group.rank} is not the group's leader (rank 0)")
+        self.strategy, self.group = strategy, group
+
+    def _command(self, *words: int) -> None:
+        cmd = torch.tensor([*words, 0, 0, 0][:3], dtype=torch.int64, device=self._wire)
+        dist.broadcast(cmd, 0)
+
+    @property
+    def _wire(self) -> torch.device:
+        return self.group.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def begin(self) -> None:
+        self._command(BEGIN)
+        _broadcast_local_state(self.strategy, self._wire)
+
+    def inner_step(self, batch: torch.Tensor) -> float:
+        self._command(STEP, *batch.shape)
+        full = batch.to(self._wire, torch.int64).contiguous()
+        dist.broadcast(full, 0)
+        return self.strategy.inner_step(shard(full, 0, self.group.world))
+
+    def end(self) -> None:
+        """Sum the ranks' tokens into the leader's strategy: its contribution counts the
+        whole group's work."""
+        self._command(END)
+        tokens = torch.tensor([self.strategy.tokens], dtype=torch.int64, device=self._wire)
+        dist.all_reduce(tokens)
+        self.strategy.tokens = int(tokens.item())
+
+    def stop(self) -> None:
+        self._command(STOP)
+
+
+def follow(strategy: Strategy, group: Group) -> int:
+    """A follower's whole life: act on the leader's commands until STOP; returns the
+    number of inner steps taken. Nothing here talks to the coordinator."""
+    if group.leader:
+        raise ValueError("rank 0 leads; follow() is for the other ranks")
+    wire = group.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    steps = 0
+    while True:
+        cmd = torch.zeros(3, dtype=torch.int64, device=wire)
+        dist.broadcast(cmd, 0)
+        op, rows, cols = (int(v) for v in cmd.tolist())
+        if op == BEGIN:
+            _broadcast_local_state(strategy, wire)
+        elif op == STEP:
+            full = torch.empty(rows, cols, dtype=torch.int64, device=wire)
+            dist.broadcast(full, 0)
+            strategy.inner_step(shard(full, group.rank, group.world))
+            steps += 1
+        elif op == END:
+            tokens = torch.tensor([strategy.tokens], dtype=torch.int64, device=wire)
+            dist.all_reduce(tokens)
+            strategy.tokens = strategy.steps = 0  # the leader's contribution holds them
+        elif op == STOP:
+            return steps
+        else:
+            raise RuntimeError(f"unknown group command {op} (known: {_NAMES})")
+
+
+def _broadcast_local_state(strategy: Strategy, wire: torch.device) -> None:
+    """Rank 0's local state into every rank's strategy, tensor by tensor in name order.
+    Followers receive into buffers shaped like their own state and load it, so optimizer
+    moments not created yet on a follower arrive too."""
+    leader = dist.get_rank() == 0
+    state = strategy.local_state(copy=not leader)
+    for name in sorted(state):
+        t = state[name]
+        buf = t.detach().to(wire).contiguous()
+        dist.broadcast(buf, 0)
+        if not leader:
+            state[name] = buf.to(t.device)
+    if not leader:
+        strategy.load_local_state(state)

@@ -1,0 +1,110 @@
+"""A torchrun group is one peer (issue 12): DDP inside, only rank 0 contributes.
+
+Two gloo ranks on 127.0.0.1 (torch.multiprocessing, as torchrun would start them) train a
+round in lockstep; the leader's one contribution must equal, to float rounding, what one
+process makes from the same batches, and count the whole group's tokens."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from covey.algorithms import build_strategy
+from covey.algorithms.base import Strategy
+from covey.config import DiLoCoConfig
+from covey.data.batches import sample_batch
+from covey.models.gpt import lm_loss
+from covey.peer.group import Group, Leader, attach, follow, group_from_env, shard
+from tests.conftest import tiny_gpt
+
+CFG = DiLoCoConfig(inner_steps=3, error_feedback=True, codec="topk:0.25")
+STEPS = 3
+
+
+def _batches() -> list[torch.Tensor]:
+    tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(9))
+    return [
+        sample_batch(tokens, batch_size=4, seq_len=16, seed=1, round=0, worker=0, step=s)
+        for s in range(STEPS)
+    ]
+
+
+def _strategy() -> Strategy:
+    s = build_strategy(CFG, tiny_gpt(), lm_loss)
+    s.load_state(s.init_state())
+    return s
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    group = group_from_env("cpu")
+    assert group is not None and group.world == world
+    s = _strategy()
+    attach(s, group)
+    try:
+        if group.leader:
+            lead = Leader(s, group)
+            lead.begin()
+            for b in _batches():
+                lead.inner_step(b)
+            lead.end()
+            c = s.make_contribution()
+            lead.stop()
+            Path(out, "payload").write_bytes(c.payload)
+            Path(out, "tokens").write_text(f"{c.tokens} {c.inner_steps}")
+        else:
+            Path(out, f"steps{rank}").write_text(str(follow(s, group)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.network
+@pytest.mark.long  # ~15 s of CPU, but two fresh interpreters: ~90 s on a busy machine
+def test_two_gloo_ranks_are_one_peer_with_one_contribution(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    single = _strategy()
+    for b in _batches():
+        single.inner_step(b)
+    want = single.make_contribution()
+    tokens, steps = map(int, Path(tmp_path, "tokens").read_text().split())
+    assert (tokens, steps) == (want.tokens, want.inner_steps) == (3 * 4 * 16, STEPS)
+    assert Path(tmp_path, "steps1").read_text() == str(STEPS)  # the follower trained too
+    got = single.codec.decode(Path(tmp_path, "payload").read_bytes())
+    ref = single.codec.decode(want.payload)
+    # the same update as one device on the whole batch, up to the order of float sums
+    assert torch.allclose(got, ref, atol=1e-6), float((got - ref).abs().max())
+    assert float(ref.abs().max()) > 1e-4  # it really trained
+
+
+def test_shard_takes_strided_rows_and_refuses_too_few() -> None:
+    batch = torch.arange(12).reshape(6, 2)
+    assert shard(batch, 1, 3).tolist() == [[2, 3], [8, 9]]
+    assert torch.equal(torch.cat([shard(batch, r, 2) for r in range(2)]).sort(0).values, batch)
+    with pytest.raises(ValueError, match="3 rows cannot feed 4 ranks"):
+        shard(batch[:3], 0, 4)
+
+
+def test_not_under_torchrun_is_a_one_device_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert group_from_env("cpu") is None
+
+
+def test_only_rank_0_leads() -> None:
+    with pytest.raises(ValueError, match="rank 1 is not the group's leader"):
+        Leader(_strategy(), Group(1, 2, torch.device("cpu")))
