@@ -566,11 +566,11 @@ def demo(
             progress=progress,
             tokenizer=tokenizer,
             data=tuple(data or ()),
+            device=device,
         )
     except ClusterError as e:
         raise _fail(f"{e}\n(all logs: {out / 'logs'})") from None
     except KeyboardInterrupt:  # before training started: the children are already stopped
-            device=device,
         raise typer.Exit(130) from None
     if log and (out / "metrics.jsonl").exists():
         lines = (out / "metrics.jsonl").read_text().splitlines()
