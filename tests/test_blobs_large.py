@@ -25,6 +25,7 @@ from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore, parse_rang
 from covey.protocol.checkpoint import (
     CheckpointError,
     max_state_bytes,
+    safetensors_nbytes,
     state_from_bytes,
     state_from_file,
     state_to_bytes,
@@ -242,6 +243,10 @@ def mixed_state() -> TrainState:
 def test_write_state_is_byte_identical_to_state_to_bytes(tmp_path: Path) -> None:
     state = mixed_state()
     data = state_to_bytes(state)
+    named = {f"params/{k}": v for k, v in state.params.items()}
+    named |= {f"outer/{k}": v for k, v in state.outer.items()}
+    meta = {"covey": json.dumps({"format": "covey-state-1", "round": 4}, sort_keys=True)}
+    assert safetensors_nbytes(named, meta) == len(data)  # sized without serializing
     buf = io.BytesIO()
     assert write_state(state, buf) == (content_id(data), len(data))
     assert buf.getvalue() == data  # same bytes, so peers and coordinator agree on the cid
@@ -275,3 +280,17 @@ def test_a_state_over_the_blob_cap_is_stored_served_and_fetched(
         dest = BlobStore(tmp_path / "peer", max_blob_bytes=MIB)
         path = c.fetch_into(dest, cid, [server.url], size, max_bytes=max_state_bytes(template))
     assert state_from_file(path, template).digest() == state.digest()
+
+
+def test_local_state_size_is_computed_without_serializing() -> None:
+    """The upload gate sizes a local state from shapes (a 124M model's is 1.5 GB)."""
+    from covey.algorithms import build_strategy
+    from covey.config import DiLoCoConfig
+    from covey.models.gpt import GPT, gpt_config, lm_loss
+    from covey.trust.verify import local_state_nbytes, local_state_to_bytes
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("nano"))
+    strategy = build_strategy(DiLoCoConfig(inner_steps=2, error_feedback=True), model, lm_loss)
+    state = strategy.local_state(copy=False)
+    assert local_state_nbytes(state) == len(local_state_to_bytes(state))

@@ -49,7 +49,7 @@ def blob_sizes(strategy: Strategy, template: TrainState) -> dict[int, str]:
     codec's exact payload size for each fragment a round can take, and the size of a
     local state (covey.trust.verify.local_state_to_bytes: names and shapes are fixed for
     a model and config)."""
-    from covey.trust.verify import local_state_to_bytes  # torch-heavy: coordinator only
+    from covey.trust.verify import local_state_nbytes  # torch-heavy: coordinator only
 
     sizes: dict[int, str] = {}
     fragments = {strategy.round_fragment(r) for r in range(256)}
@@ -57,7 +57,7 @@ def blob_sizes(strategy: Strategy, template: TrainState) -> dict[int, str]:
         numel = sum(template.params[n].numel() for n in strategy.fragment_names(fragment))
         what = "contribution" if fragment is None else f"contribution (fragment {fragment})"
         sizes.setdefault(strategy.codec.nbytes(numel), what)
-    local = len(local_state_to_bytes(strategy.local_state(copy=False)))
+    local = local_state_nbytes(strategy.local_state(copy=False))  # sized, not serialized
     sizes.setdefault(local, "local state")
     return sizes
 

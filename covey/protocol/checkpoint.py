@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,23 +85,7 @@ def write_state(state: TrainState, f: BinaryIO) -> tuple[str, int]:
     return (content id, size). Memory beyond the state: one tensor's contiguous CPU copy
     when it is not already one. ValueError for a dtype safetensors has no name for here."""
     named = _named(state)
-    for k, t in named.items():
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{k}: dtype {t.dtype} cannot be written as a state")
-    order = sorted(named, key=lambda k: (_DTYPES[named[k].dtype][0], k))
-    header: dict[str, object] = {"__metadata__": _meta(state)}
-    offset = 0
-    for k in order:
-        t = named[k]
-        n = t.numel() * t.element_size()
-        header[k] = {
-            "dtype": _DTYPES[t.dtype][1],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes with spaces
+    text, order = _layout(named, _meta(state))
     h = hashlib.sha256()
     size = 0
 
@@ -117,6 +102,36 @@ def write_state(state: TrainState, f: BinaryIO) -> tuple[str, int]:
         for start in range(0, len(raw), _WRITE_BYTES):
             out(raw[start : start + _WRITE_BYTES])
     return h.hexdigest(), size
+
+
+def _layout(named: Mapping[str, torch.Tensor], meta: dict[str, str]) -> tuple[bytes, list[str]]:
+    """safetensors' header for these tensors (8-byte padded JSON) and their order in the
+    file. ValueError for a dtype safetensors has no name for here."""
+    for k, t in named.items():
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{k}: dtype {t.dtype} cannot be written as a state")
+    order = sorted(named, key=lambda k: (_DTYPES[named[k].dtype][0], k))
+    header: dict[str, object] = {"__metadata__": meta}
+    offset = 0
+    for k in order:
+        t = named[k]
+        n = t.numel() * t.element_size()
+        header[k] = {
+            "dtype": _DTYPES[t.dtype][1],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes with spaces
+    return text, order
+
+
+def safetensors_nbytes(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """len(safetensors.torch.save(tensors, metadata=metadata)), from names, dtypes and
+    shapes alone: nothing is copied or serialized. ValueError for an unknown dtype."""
+    text, _ = _layout(tensors, metadata)
+    return 8 + len(text) + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def state_to_file(state: TrainState, path: Path) -> tuple[str, int]:

@@ -387,6 +387,15 @@ def local_state_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
     return st_save(tensors, metadata={"covey": meta})
 
 
+def local_state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
+    """len(local_state_to_bytes(state)), computed without serializing (a big model's local
+    state is GBs: the coordinator only needs its size for the upload gate)."""
+    from covey.protocol.checkpoint import safetensors_nbytes
+
+    meta = json.dumps({"format": LOCAL_STATE_FORMAT}, sort_keys=True)
+    return safetensors_nbytes(state, {"covey": meta})
+
+
 def local_state_from_bytes(
     data: bytes, template: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
