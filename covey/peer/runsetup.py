@@ -6,13 +6,15 @@ function of an assignment, shared by workers, validators and the referee.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from covey.algorithms import Strategy, TrainState, build_aggregator, build_strategy
-from covey.blobs import BlobClient
+from covey.blobs import BlobClient, BlobStore
 from covey.config import RunConfig, run_id_of
 from covey.data.corpus import Corpus, load_corpus
 from covey.devices import (
@@ -25,6 +27,7 @@ from covey.devices import (
 from covey.models.bundle import local_sources
 from covey.models.source import build_run_model
 from covey.peer.client import CoordinatorClient
+from covey.protocol.checkpoint import max_state_bytes, state_from_file
 
 
 @dataclass
@@ -131,3 +134,16 @@ def set_up_run(
     return RunSetup(
         cfg, info, corpus, seq_len, strategy, template, blobs, served, device_name(where), precision
     )
+
+
+def fetch_state(
+    blobs: BlobClient, cid: str, providers: list[str], size: int, template: TrainState
+) -> TrainState:
+    """A canonical state fetched by content id into a scratch directory (streamed to disk,
+    hashed on arrival, bounded by what the run's model implies, never by the blob cap),
+    parsed and checked against `template`, and the file removed. BlobError if no provider
+    delivers it; CheckpointError if the bytes are no state of this run."""
+    with tempfile.TemporaryDirectory(prefix="covey-state-") as scratch:
+        store = BlobStore(Path(scratch))
+        path = blobs.fetch_into(store, cid, providers, size, max_bytes=max_state_bytes(template))
+        return state_from_file(path, template)

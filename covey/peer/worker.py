@@ -49,7 +49,12 @@ from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.lease import Lease, LeaseLapsed
 from covey.peer.runsetup import set_up_run
 from covey.protocol import schemas
-from covey.protocol.checkpoint import CheckpointError, state_from_bytes, state_to_bytes
+from covey.protocol.checkpoint import (
+    CheckpointError,
+    max_state_bytes,
+    state_from_file,
+    state_to_file,
+)
 from covey.protocol.content import content_id
 from covey.trust import ledger, verify
 from covey.trust.certify import certificate_is_signed
@@ -336,6 +341,7 @@ class Worker:
         submitted = self._publish(
             info, contribution, loss, compute_s, time.monotonic() - opened, commitments
         )
+        del contribution  # its payload is on disk now: a big model's is a model's size
         certificate = self._await_certificate(info)
         if certificate is None:
             return "aborted"  # the chain stays: the retried round starts where this did
@@ -402,9 +408,13 @@ class Worker:
 
     def _download_state(self, cid: str, size: int, providers: list[str]) -> TrainState:
         sources = [p for p in providers if p != self.blob_url] + [self.opts.coordinator]
+        assert self.store is not None
         try:
             before = dict(self.blobs.served)
-            data = self.blobs.fetch(cid, sources, size=size)
+            # streamed to disk, hashed on arrival; bounded by the model, not the blob cap
+            path = self.blobs.fetch_into(
+                self.store, cid, sources, size=size, max_bytes=max_state_bytes(self.template)
+            )
             served = {u: n - before.get(u, 0) for u, n in self.blobs.served.items()}
             log.info(
                 "[%s] fetched state %s (%d bytes) from %s",
@@ -413,9 +423,11 @@ class Worker:
                 size,
                 ", ".join(f"{u} ({n} B)" for u, n in served.items() if n) or "?",
             )
-            return state_from_bytes(data, self.template)
+            state = state_from_file(path, self.template)
         except (BlobError, CheckpointError) as e:
             raise RuntimeError(f"could not get canonical state {cid[:12]}: {e}") from None
+        self._keep_state(cid)
+        return state
 
     def _train(
         self, info: schemas.RoundInfo, deadline: float
@@ -638,16 +650,20 @@ class Worker:
             self._resync(cert, "local start state differs from the certificate's")
             return
         contributions = []
+        fetched = []  # others' contributions: dropped once applied
+        assert self.store is not None
         for a in cert.accepted:
             sources = [p for p in a.providers if p != self.blob_url] + [self.opts.coordinator]
-            assert self.store is not None
-            payload = (
-                self.store.get(a.cid)
-                if self.store.has(a.cid)
-                else self.blobs.fetch(a.cid, sources, size=a.size)
-            )
+            if not self.store.has(a.cid):
+                self.blobs.fetch_into(self.store, a.cid, sources, size=a.size)
+                fetched.append(a.cid)
+            # mapped from disk, not read into memory: N contributions are not N in RAM
+            payload = self.store.view(a.cid)
             contributions.append(Contribution(payload, a.tokens, a.inner_steps, a.fragment))
         new_state = self.strategy.apply_round(self.state, contributions)
+        for cid in fetched:
+            if cid not in self._published:
+                self.store.delete(cid)
         new_hash = new_state.digest()
         matched = new_hash == cert.new_hash
         self._record(cert, new_hash, matched)
@@ -703,11 +719,27 @@ class Worker:
         us. Serialization is deterministic, so its id must be the certificate's."""
         if self.server is None or self.store is None:
             return
-        data = state_to_bytes(state)
-        if content_id(data) != cid:
+        tmp = self.store.scratch()
+        try:  # streamed to disk and hashed on the way: never a second copy in memory
+            written, _ = state_to_file(state, tmp)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            log.warning("[%s] could not write the state to serve it: %s", self.name, e)
+            return
+        if written != cid:
+            tmp.unlink(missing_ok=True)
             log.warning("[%s] serialized state differs from the certificate's blob", self.name)
             return
-        self.store.put(data)
+        self.store.adopt(tmp, written)
+        self._keep_state(cid)
+
+    def _keep_state(self, cid: str) -> None:
+        """The canonical state `cid` is in our store: serve it (dropping the one served
+        before), or drop it at once when we serve nothing."""
+        assert self.store is not None
+        if self.server is None:
+            self.store.delete(cid)
+            return
         if self._served_state and self._served_state != cid:
             self.store.delete(self._served_state)
         self._served_state = cid
