@@ -41,7 +41,7 @@ SETTINGS = {
 
 def run_one(
     mode: str, scenario: str, *, seconds: float, kill_every: float, emulate_s: float,
-    echo: Callable[[str], None],
+    echo: Callable[[str], None], tokens: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
     from covey.swarm.codecs import bytes_per_token
     from covey.swarm.launch import Swarm, status
@@ -55,7 +55,7 @@ def run_one(
     swarm = Swarm(work, settings)
     rng = random.Random(0)
     try:
-        swarm.start_coordinator()
+        swarm.start_coordinator(wait=False)  # servers wait for it: the starts overlap
         names = []
         for i, speed in enumerate(spec["speeds"]):
             names.append(f"s{i}-x{speed:g}")
@@ -64,7 +64,7 @@ def run_one(
                                str(emulate_s), "--stage", stage)  # fmt: skip
         swarm.ready(names)
         t = SwarmTrainer(swarm.url, name="bench", inflight=4, fixed=mode == "fixed",
-                         progress=lambda _: None)  # fmt: skip
+                         progress=lambda _: None, tokens=tokens)  # fmt: skip
         run = threading.Thread(target=lambda: t.train(seconds=seconds), daemon=True)
         start = time.monotonic()
         run.start()
@@ -134,13 +134,16 @@ def run_swarm_bench(
     json_path: Path | None, plot_path: Path | None, echo: Callable[[str], None],
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Both scenarios, both modes; rows as in the module docstring."""
+    from covey.data.corpus import load_corpus
+
     secs = seconds or (60.0 if quick else 180.0)
+    tokens = load_corpus().train  # the runs' data (stdlib), loaded once for all four
     rows = []
     for scenario in SCENARIOS:
         for mode in MODES:
             echo(f"{scenario} / {mode}: {secs:.0f} s ...")
             row = run_one(mode, scenario, seconds=secs, kill_every=kill_every,
-                          emulate_s=emulate_s, echo=echo)  # fmt: skip
+                          emulate_s=emulate_s, echo=echo, tokens=tokens)  # fmt: skip
             echo(f"  {json.dumps(row)}")
             rows.append(row)
     if json_path is not None:

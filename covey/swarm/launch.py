@@ -58,14 +58,17 @@ class Swarm:
             [sys.executable, "-m", "covey", "swarm", *args], stdout=log, stderr=log
         )
 
-    def start_coordinator(self, timeout: float = 120.0) -> None:
+    def start_coordinator(self, timeout: float = 120.0, wait: bool = True) -> None:
+        """Spawn the coordinator; wait until it answers unless `wait` is False (servers
+        started meanwhile wait for it themselves; `ready` waits for both)."""
         sets = [f"--set={k}={json.dumps(v)}" for k, v in self.settings.items()]
         self.coordinator = self._spawn(
             ["coordinator", "--data-dir", str(self.workdir / "run"), "--port", str(self.port),
              *sets],
             "coordinator",
         )  # fmt: skip
-        wait_for(lambda: status(self.url), timeout, f"the swarm coordinator at {self.url}")
+        if wait:
+            wait_for(lambda: status(self.url), timeout, f"the swarm coordinator at {self.url}")
 
     def start_server(self, name: str, *extra: str) -> subprocess.Popen:
         p = self._spawn(["server", "--coordinator", self.url, "--name", name, *extra], name)

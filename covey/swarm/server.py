@@ -76,7 +76,7 @@ class StageServer:
         self.identity = Identity.generate()
         self.stop = threading.Event()
         self.client = CoordinatorClient(
-            coordinator, identity=self.identity, lost_s=30.0, stop=self.stop
+            coordinator, identity=self.identity, lost_s=90.0, stop=self.stop
         )
         self.tmp = tempfile.TemporaryDirectory(prefix="covey-swarm-")
         self.store = BlobStore(Path(self.tmp.name) / "blobs")

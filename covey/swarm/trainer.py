@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import torch
 
 from covey.peer.client import CoordinatorClient
 from covey.swarm import compute
@@ -69,6 +70,7 @@ class SwarmTrainer:
         seed: int = 0,
         fixed: bool = False,
         progress: Callable[[str], None] | None = None,
+        tokens: torch.Tensor | None = None,
     ) -> None:
         """`fixed`: the GPipe-style baseline for benchmarks: fixed pipelines wired once
         from the servers first seen (pipeline j takes the j-th server of every stage), each
@@ -103,7 +105,10 @@ class SwarmTrainer:
         )
         from covey.data.corpus import load_corpus
 
-        self.tokens = load_corpus(list(self.cfg.data_paths) or None).train
+        paths = list(self.cfg.data_paths) or None
+
+        # `tokens`: the run's training stream loaded once already (benchmarks start many)
+        self.tokens = tokens if tokens is not None else load_corpus(paths).train
         self._next = 0
         self.wired = False
 
