@@ -24,6 +24,7 @@ def test_big_model_flags_make_a_valid_spec(tmp_path: Path, method: str) -> None:
     if method in ("diloco", "streaming"):
         assert cfg.algorithm.inner_steps == 4  # type: ignore[union-attr]
         assert cfg.rounds.target_compute_s >= 600  # H is not cut to a nano round's seconds
+    assert cfg.rounds.deadline_min_s >= 900  # a model-sized payload takes minutes to move
     # a process moving GBs may miss heartbeats for a while without being gone
     assert cfg.rounds.dead_after_s >= 60 and cfg.rounds.lease_s > cfg.rounds.dead_after_s
     plain = demo_spec(method)

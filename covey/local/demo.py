@@ -99,6 +99,9 @@ def demo_spec(
         # moving GBs on busy cores may miss heartbeats for a while without being gone
         rounds_cfg |= {
             "target_compute_s": 600.0,
+            # committing, encoding and moving a model-sized payload on busy cores takes
+            # minutes the step-time estimate does not see; a round closes once all submit
+            "deadline_min_s": 900.0,
             "deadline_max_s": 1800.0,
             "dead_after_s": 60.0,
             "lease_s": 120.0,
