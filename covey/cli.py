@@ -134,6 +134,13 @@ def sim(
     model: Annotated[
         str | None, typer.Option(help="covey:nano|micro|mini|small|gpt2, hf:DIR, py:MOD:FN")
     ] = None,
+    init: Annotated[
+        str | None,
+        typer.Option(help="warm start: a covey checkpoint (file, or covey sim --out dir), hf:DIR"),
+    ] = None,
+    round_offset: Annotated[
+        int | None, typer.Option(min=0, help="key batches by round + this: past a warm-up's")
+    ] = None,
     tokenizer: Annotated[str | None, typer.Option(help="bytes or hf:DIR (tokenizer.json)")] = None,
     text_column: Annotated[str | None, typer.Option(help="data column with the text")] = None,
     data: Annotated[
@@ -174,6 +181,8 @@ def sim(
         workers=workers,
         steps=steps,
         model__source=model,
+        model__init=init,
+        data__round_offset=round_offset,
         data__paths=data,
         data__tokenizer=tokenizer,
         data__text_column=text_column,
