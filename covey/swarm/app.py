@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from covey.coordinator.app import BodyLimit
 from covey.coordinator.auth import ReceivedAt
 from covey.coordinator.views import Rejected
 from covey.swarm.service import SwarmCoordinator
@@ -109,6 +110,9 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
     def page() -> str:
         return PAGE
 
+    limit = coord.cfg.max_body_bytes
+    # bodies over the limit get 413 before a handler reads them; slow senders are cut off
+    app.add_middleware(BodyLimit, json_limit=limit, blob_limit=limit, body_timeout_s=30.0)
     app.add_middleware(ReceivedAt)
     return app
 

@@ -48,6 +48,9 @@ class SwarmConfig(Frozen):
     payout_s: float = Field(
         5.0, gt=0, description="the ledger pays verified microbatches this often"
     )
+    max_body_bytes: int = Field(
+        64 << 20, ge=1 << 16, description="largest request the coordinator reads (gradient sums)"
+    )
     min_stake: float = Field(0.0, ge=0, description="credits a server stakes to join")
     slash_fraction: float = Field(0.5, ge=0, le=1, description="stake a proven liar loses")
 
