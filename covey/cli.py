@@ -14,6 +14,7 @@ import typer
 from pydantic import ValidationError
 
 from covey import __version__
+from covey.bench.gpu_cli import register as register_bench_gpu
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.io.cli import register as register_io
@@ -32,6 +33,7 @@ bench_app = typer.Typer(help="Benchmarks (results go in BENCHMARKS.md).", no_arg
 app.add_typer(bench_app, name="bench")
 register_ledger(app)
 register_io(app)  # tokenizer train, export, generate
+register_bench_gpu(bench_app)  # covey bench gpu (covey/bench/gpu_cli.py)
 register_swarm(app)  # swarm coordinator, server, trainer, demo
 register_bench_swarm(bench_app)  # covey bench swarm
 register_rl(app)  # rl trainer, worker, validator, demo
@@ -141,6 +143,13 @@ def sim(
     round_offset: Annotated[
         int | None, typer.Option(min=0, help="key batches by round + this: past a warm-up's")
     ] = None,
+    init: Annotated[
+        str | None,
+        typer.Option(help="warm start: a covey checkpoint (file, or covey sim --out dir), hf:DIR"),
+    ] = None,
+    round_offset: Annotated[
+        int | None, typer.Option(min=0, help="key batches by round + this: past a warm-up's")
+    ] = None,
     tokenizer: Annotated[str | None, typer.Option(help="bytes or hf:DIR (tokenizer.json)")] = None,
     text_column: Annotated[str | None, typer.Option(help="data column with the text")] = None,
     data: Annotated[
@@ -181,6 +190,8 @@ def sim(
         workers=workers,
         steps=steps,
         model__source=model,
+        model__init=init,
+        data__round_offset=round_offset,
         model__init=init,
         data__round_offset=round_offset,
         data__paths=data,

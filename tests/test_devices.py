@@ -360,3 +360,47 @@ def test_join_reports_the_device_and_a_validator_of_another_class_refuses(
         assert cluster.wait_exit("v", 120) == 1
         log = (cluster.logs / "v.log").read_text()
         assert f"refusing to validate: this run verifies on {other}" in log, log[-2000:]
+
+
+# -- covey bench gpu, on the CPU --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "llama",
+    [False, pytest.param(True, marks=pytest.mark.long)],  # transformers' import: ~10 s more
+    ids=["gpt", "gpt+llama"],
+)
+def test_bench_gpu_runs_on_the_cpu_and_writes_json(tmp_path: Path, llama: bool) -> None:
+    """The bench's every row on a tiny preset: the models, finite throughputs, no MFU
+    without a known peak, every codec; the CLI writes the same as JSON."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+
+    out = tmp_path / "gpu.json"
+    args = ["bench", "gpu", "--model", "covey:nano", "--device", "cpu", "--batch-size", "2"]
+    args += ["--seq-len", "16", "--steps", "1", "--blocks", "2", "-H", "2", "--json", str(out)]
+    args += ["--llama" if llama else "--no-llama"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and r["precision"] == "fp32"
+    assert [m["model"] for m in r["models"]] == ["covey:nano", "llama (2x64)"][: 1 + llama]
+    for m in r["models"]:
+        assert m["bare_tokens_per_s"] > 0 and m["covey_tokens_per_s"] > 0
+        assert m["covey_mfu"] is None and m["round_overhead_s"] > 0
+    assert [c["codec"] for c in r["codecs"]] == ["fp32", "int8", "topk:0.01", "dct:64:8"]
+    assert "no known peak" in result.output
+
+
+def test_bench_gpu_refuses_a_missing_device_and_a_non_preset() -> None:
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "gpu", "--device", "tpu"])
+    assert result.exit_code == 2 and "'tpu'" in result.output
+    result = CliRunner().invoke(app, ["bench", "gpu", "--model", "hf:/x", "--device", "cpu"])
+    assert result.exit_code == 2 and "covey preset" in result.output
