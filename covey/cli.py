@@ -143,13 +143,6 @@ def sim(
     round_offset: Annotated[
         int | None, typer.Option(min=0, help="key batches by round + this: past a warm-up's")
     ] = None,
-    init: Annotated[
-        str | None,
-        typer.Option(help="warm start: a covey checkpoint (file, or covey sim --out dir), hf:DIR"),
-    ] = None,
-    round_offset: Annotated[
-        int | None, typer.Option(min=0, help="key batches by round + this: past a warm-up's")
-    ] = None,
     tokenizer: Annotated[str | None, typer.Option(help="bytes or hf:DIR (tokenizer.json)")] = None,
     text_column: Annotated[str | None, typer.Option(help="data column with the text")] = None,
     data: Annotated[
@@ -190,8 +183,6 @@ def sim(
         workers=workers,
         steps=steps,
         model__source=model,
-        model__init=init,
-        data__round_offset=round_offset,
         model__init=init,
         data__round_offset=round_offset,
         data__paths=data,
