@@ -33,6 +33,7 @@ from covey.trust.identity import Identity, request_purpose
 pytestmark = pytest.mark.network
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = """
+group_size = 4
 samples_per_step = 8
 audit_rate = 1.0
 verify_timeout_s = 5
@@ -159,6 +160,9 @@ def test_honest_batch_is_accepted_paid_and_trained_on(trainer: str) -> None:
         [reward] = ledger(trainer, "reward", w.identity.peer_id)
         assert reward["payload"]["kind"] == "work"
         assert reward["payload"]["tokens"] == row["tokens"] > 0
+        status = httpx.get(f"{trainer}/v1/rl/status").json()  # what the status page shows
+        assert status["accepted"] >= 1 and status["reward"] and status["pass_at_1"]
+        assert "/v1/rl/status" in httpx.get(f"{trainer}/").text
         w.membership.leave()
 
 

@@ -31,7 +31,7 @@ class TaskSpec(BaseModel):
     seed: int = 0
     max_operand: int = Field(99, ge=1, le=10_000)
     ops: str = "+"
-    format_reward: float = Field(0.1, ge=0, le=1)
+    format_reward: float = Field(0.0, ge=0, le=1)
     path: str = ""
     reward: str = ""
 
