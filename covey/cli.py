@@ -717,6 +717,12 @@ def worker(
         raise _fail(f"--behavior: {e}") from None
     _check_name(name)
     _check_device(device)
+    from covey.peer.group import rank_from_env
+
+    if rank_from_env() > 0:  # under torchrun: rank 0 is the peer, the others follow it
+        from covey.peer.group import run_follower
+
+        raise typer.Exit(run_follower(device, threads))
     _check_coordinator(coordinator, connect_timeout)
     _logging(verbose, name or "worker", log_json)
     from covey.peer.worker import Worker, WorkerOptions

@@ -108,3 +108,62 @@ def test_not_under_torchrun_is_a_one_device_peer(monkeypatch: pytest.MonkeyPatch
 def test_only_rank_0_leads() -> None:
     with pytest.raises(ValueError, match="rank 1 is not the group's leader"):
         Leader(_strategy(), Group(1, 2, torch.device("cpu")))
+
+
+GROUP_SPEC = """
+name = "group-peer"
+seed = 5
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 16
+paths = ["{corpus}"]
+[algorithm]
+method = "diloco"
+inner_steps = 3
+codec = "fp32"
+inner_state = "reset"
+[rounds]
+deadline_min_s = 3
+eval_batches = 1
+"""
+
+
+@pytest.mark.network
+@pytest.mark.long  # three interpreters and a coordinator: minutes on a busy 2-core machine
+def test_covey_worker_under_torchrun_is_one_peer(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m covey worker`: the coordinator sees one peer (rank
+    0's identity), which trains certified rounds; rank 1 never connects, and both exit 0."""
+    import subprocess
+    import sys
+
+    from covey.local.cluster import LocalCluster
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"row {i}: {i * 31 % 97} lazy dogs\n" for i in range(3000)))
+    spec = tmp_path / "run.toml"
+    spec.write_text(GROUP_SPEC.format(corpus=corpus))
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_coordinator()
+        log = open(tmp_path / "group.log", "wb")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+        cmd += ["-m", "covey", "worker", "--coordinator", cluster.url, "--name", "g"]
+        cmd += ["--identity", str(cluster.key("g")), "--run-id", cluster.run_id]
+        cmd += ["--device", "cpu", "--max-rounds", "2", "--store-dir", str(tmp_path / "g")]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            status = cluster.wait_for(
+                lambda s: s.get("committed_rounds", 0) >= 2 or s.get("round", 0) >= 2,
+                300,
+                "two rounds from the group peer",
+            )
+            assert proc.wait(120) == 0, (tmp_path / "group.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+        peers = cluster.status()["peers"]
+        assert [p["peer_id"] for p in peers] == [cluster.ids["g"]], peers
+        assert status is not None

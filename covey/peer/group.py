@@ -24,8 +24,10 @@ crashed would, and the group leaves.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -170,3 +172,56 @@ def _broadcast_local_state(strategy: Strategy, wire: torch.device) -> None:
             state[name] = buf.to(t.device)
     if not leader:
         strategy.load_local_state(state)
+
+
+# -- `covey worker` under torchrun -------------------------------------------------------------
+
+
+def rank_from_env() -> int:
+    """This process's rank under torchrun (0 when not under it)."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
+def share_info(group: Group, info: dict[str, Any] | None) -> dict[str, Any]:
+    """The leader's GET /v1/run answer, handed to every rank as JSON bytes (never pickled):
+    the followers build the same run from it without a connection of their own."""
+    wire = group.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = json.dumps(info).encode() if group.leader else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=wire)
+    dist.broadcast(size, 0)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=wire)
+    if group.leader:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return info if group.leader else json.loads(bytes(buf.cpu().tolist()))  # type: ignore[return-value]
+
+
+class _RunInfo:
+    """What `set_up_run` asks of a coordinator client, answered from the leader's copy."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info, self.base_url = info, "(the group's leader)"
+
+    def get(self, path: str) -> dict[str, Any]:
+        if path != "/v1/run":
+            raise RuntimeError(f"a follower asks the coordinator nothing ({path})")
+        return self.info
+
+    def configure(self, *_: Any) -> None:
+        return None
+
+
+def run_follower(device: str | None, threads: int | None) -> int:
+    """`covey worker` on a rank > 0: join the group, take the run from the leader, follow
+    its commands until STOP. 0 on a clean stop."""
+    from covey.peer.runsetup import set_up_run
+
+    group = group_from_env(device or "auto")
+    if group is None or group.leader:
+        raise RuntimeError("run_follower needs a torchrun rank > 0")
+    info = share_info(group, None)
+    run = set_up_run(_RunInfo(info), threads, None, str(group.device))  # type: ignore[arg-type]
+    attach(run.strategy, group)
+    follow(run.strategy, group)
+    dist.destroy_process_group()
+    return 0

@@ -44,7 +44,7 @@ import torch
 from covey.algorithms import Contribution, TrainState
 from covey.blobs import BlobError, BlobServer, BlobStore
 from covey.data.batches import assignment_batches
-from covey.peer import adversary
+from covey.peer import adversary, group
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.lease import Lease, LeaseLapsed
 from covey.peer.runsetup import set_up_run
@@ -136,7 +136,15 @@ class Worker:
     # -- set-up ---------------------------------------------------------------------------
 
     def _setup(self) -> None:
-        run = set_up_run(self.client, self.opts.threads, self.opts.run_id, self.opts.device)
+        # under torchrun this process is rank 0 of a group that is one peer (peer/group.py)
+        self.group = group.group_from_env(self.opts.device or "auto")
+        device = str(self.group.device) if self.group else self.opts.device
+        run = set_up_run(self.client, self.opts.threads, self.opts.run_id, device)
+        self.leader: group.Leader | None = None
+        if self.group is not None:
+            group.share_info(self.group, run.info)  # the followers build the run from it
+            group.attach(run.strategy, self.group)
+            self.leader = group.Leader(run.strategy, self.group)
         self.device = run.device  # its name, reported at join (covey.devices.device_name)
         if run.device.split(":")[0] != run.cfg.peer.verify_device:
             log.warning(
@@ -234,6 +242,8 @@ class Worker:
             return 1
         finally:
             self.stop.set()
+            if getattr(self, "leader", None) is not None:
+                self.leader.stop()  # type: ignore[union-attr]  # the followers return
             self._leave()
             if self.server:
                 self.server.close()
@@ -440,6 +450,9 @@ class Worker:
         steps = info.assignment.inner_steps
         key = adversary.data_key(behavior, info.assignment.data_key)
         committer = verify.Committer(self.strategy, self.state, self.cfg.trust.commit_every)
+        if self.leader is not None:
+            self.leader.begin()  # every rank of the group starts where this one does
+        inner_step = self.leader.inner_step if self.leader else self.strategy.inner_step
         self._trained_since_adopt = True
         log.debug("[%s - round %d] training %d inner steps", self.name, info.round, steps)
         compute_s = loss_sum = 0.0
@@ -458,7 +471,7 @@ class Worker:
                     break
             batch = self._batch(info.round, key, step)
             t0 = time.perf_counter()
-            loss_sum += self.strategy.inner_step(batch)
+            loss_sum += inner_step(batch)
             elapsed = time.perf_counter() - t0
             if self.opts.slowdown > 1:
                 self._emulate_slowdown(elapsed * (self.opts.slowdown - 1))
@@ -471,6 +484,8 @@ class Worker:
             payload = self.strategy.codec.encode(self._zeros())
             per_step, loss_sum = self.cfg.data.batch_size * self.seq_len, float("nan")
         else:
+            if self.leader is not None:
+                self.leader.end()  # the contribution counts the whole group's tokens
             c = self.strategy.make_contribution()
             payload, per_step = c.payload, c.tokens // done
         if claimed != done:
