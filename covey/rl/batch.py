@@ -98,11 +98,14 @@ class Tolerances:
     logprob: float
 
 
-# Calibrated by `python -m covey.bench.rl_verify` (numbers in README, "RL verification"):
-# honest fp32 rollouts (1 and 2 threads, generation batch 1/4/8, prefill batch 1/4) reach
-# mean_ulp <= 0.06, sampling gap <= 2e-5 and logprob error <= 3e-6; the thresholds sit well
-# above that and below every cheat's smallest signal. A bf16 run (policy in bf16 on both
-# sides) is noisier: its own row.
+# Calibrated by `python -m covey.bench.rl_verify` (table in BENCHMARKS.md): honest fp32
+# rollouts (generated on 1 and 2 threads, one at a time or 4/8 at once; checked on 1 and 2
+# threads, prefill batch 1/4/8) reach proof overlap 1.000, mean_ulp <= 0.016, sampling gap
+# 0 and logprob error <= 1e-6. The closest cheats: weights perturbed by 1e-3 relative or
+# rounded to bf16, mean_ulp >= 1.57 and logprob error >= 5.7e-4; forged tokens, gap >= 5.
+# Each fp32 threshold sits between the two (0.1 ulp: 6x / 16x; 1e-4: 100x / 5.7x). A bf16
+# run (the policy in bf16 on both sides) is noisier: honest mean_ulp <= 4.3 (1 bf16 ulp is
+# 8 fp16 ulps), overlap >= 0.977, logprob error <= 0.004; its row is ~4x above that.
 TOLERANCES: dict[str, Tolerances] = {
     "fp32": Tolerances(proofs.ProofThresholds(min_overlap=0.9, max_mean_ulp=0.1), 1e-3, 1e-4),
     "bf16": Tolerances(proofs.ProofThresholds(min_overlap=0.8, max_mean_ulp=16.0), 0.1, 0.05),
