@@ -176,6 +176,7 @@ async def _peer_of(scope: Scope, receive: Receive) -> tuple[str | None, Receive]
     peer = None
     try:
         value = json.loads(body)
+        scope["covey.json"] = (body, value)  # parsed once: the fast paths reuse it
         if isinstance(value, dict):
             named_id = value.get("peer_id") or value.get("validator_id")
             peer = named_id[:64] if isinstance(named_id, str) else None

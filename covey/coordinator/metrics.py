@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -234,6 +234,9 @@ class HttpMetrics:
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
+        # the labelled children, looked up once per (method, route, status): `labels()`
+        # costs a lock and a tuple's validation per call, a measurable share of a heartbeat
+        self._children: dict[tuple[str, str, int], tuple[Any, Any, Any, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -260,8 +263,20 @@ class HttpMetrics:
         try:
             await self.app(scope, counting_receive, counting_send)
         finally:
-            m, route, method = self.metrics, route_label(scope), scope["method"]
-            m.latency.labels(method, route).observe(time.perf_counter() - start)
-            m.requests.labels(method, route, str(status)).inc()
-            m.bytes_in.labels(route).inc(received)
-            m.bytes_out.labels(route).inc(sent)
+            key = (scope["method"], route_label(scope), status)
+            children = self._children.get(key)
+            if children is None:
+                m, (method, route, _) = self.metrics, key
+                children = (
+                    m.latency.labels(method, route),
+                    m.requests.labels(method, route, str(status)),
+                    m.bytes_in.labels(route),
+                    m.bytes_out.labels(route),
+                )
+                if len(self._children) < 10_000:  # bounded: routes x methods x codes
+                    self._children[key] = children
+            latency, requests, bytes_in, bytes_out = children
+            latency.observe(time.perf_counter() - start)
+            requests.inc()
+            bytes_in.inc(received)
+            bytes_out.inc(sent)

@@ -1,0 +1,112 @@
+"""Heartbeats and round polls answered by covey.coordinator.fastpaths give the answers the
+FastAPI routes give: the same app over one coordinator, with and without the fast paths,
+asked the same requests (good, forged, malformed) through its ASGI interface in-process.
+Over HTTP they are exercised by every network test (test_dos: bursts, forgeries,
+schemathesis in test_openapi)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from covey.bench.coordinator import SPEC
+from covey.config import load_run_config
+from covey.coordinator.app import create_app
+from covey.coordinator.service import Coordinator
+from covey.trust.identity import Identity
+
+
+@pytest.fixture(scope="module")
+def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Coordinator]]:
+    tmp: Path = tmp_path_factory.mktemp("fastpaths")
+    spec = tmp / "run.toml"
+    spec.write_text(SPEC.format(heartbeat_s=2.0, dead_after_s=10.0, lease_s=20.0, min_peers=99))
+    coord = Coordinator(load_run_config(spec), tmp / "data")
+    yield create_app(coord), create_app(coord, fast_paths=False), coord
+    coord.stop()
+
+
+def call(app: Any, method: str, path: str, body: bytes = b"", query: bytes = b"") -> tuple:
+    """(status, decoded JSON body) of one request through the ASGI app."""
+    headers = [(b"host", b"x"), (b"content-length", str(len(body)).encode())]
+    headers.append((b"content-type", b"application/json"))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 80),
+    }
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    out: dict[str, Any] = {"body": b""}
+
+    async def receive() -> dict[str, Any]:
+        return pending.pop() if pending else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            out["body"] += message.get("body", b"")
+
+    asyncio.run(app(scope, receive, send))
+    return out["status"], json.loads(out["body"])
+
+
+def test_fast_paths_answer_as_the_routes_do(apps: tuple[Any, Any, Coordinator]) -> None:
+    fast, slow, coord = apps
+    key, stranger = Identity.generate(), Identity.generate()
+    join = {
+        "run_id": coord.run_id,
+        "peer_id": key.peer_id,
+        "public_key": key.public_key,
+        "name": "p",
+        "step_time_s": 0.1,
+    }
+    signed_join = key.sign_request(join, purpose="POST /v1/join")
+    assert call(slow, "POST", "/v1/join", json.dumps(signed_join).encode())[0] == 200
+
+    def beat(who: Identity, **extra: Any) -> bytes:
+        body = {"run_id": coord.run_id, "peer_id": key.peer_id, **extra}
+        return json.dumps(who.sign_request(body, purpose="POST /v1/heartbeat")).encode()
+
+    heartbeats = {
+        "good": beat(key),
+        "good with a step time": beat(key, step_time_s=0.5),
+        "forged": beat(stranger),
+        "another run": json.dumps(
+            key.sign_request(
+                {"run_id": "cd" * 8, "peer_id": key.peer_id}, purpose="POST /v1/heartbeat"
+            )
+        ).encode(),
+        "unknown field": beat(key, bonus=1),
+        "wrong type": beat(key, step_time_s="fast"),
+        "not json": b"\xff\x00{",
+        "not an object": b"[1, 2]",
+        "empty": b"",
+    }
+    for what, body in heartbeats.items():
+        a, b = call(fast, "POST", "/v1/heartbeat", body), call(slow, "POST", "/v1/heartbeat", body)
+        if what.startswith("good"):  # a nonce is spent once: the second answer is a replay
+            assert a[0] == 200 and a[1]["ok"] and b[0] == 401, (what, a, b)
+            continue
+        assert a[0] == b[0] and a[0] >= 400, (what, a, b)
+        assert ("problems" in a[1]) == ("problems" in b[1]), (what, a, b)
+    for query in (b"", b"peer_id=" + key.peer_id.encode(), b"peer_id=", b"peer_id=XYZ"):
+        a, b = (
+            call(fast, "GET", "/v1/round", query=query),
+            call(slow, "GET", "/v1/round", query=query),
+        )
+        assert a == b, (query, a, b)
