@@ -94,10 +94,14 @@ def demo_spec(
             algo["fragments"] = max(1, min(4, inner_steps // 2))
             algo["inner_steps"] = inner_steps - inner_steps % algo["fragments"]
     rounds_cfg: dict[str, Any] = {"max_rounds": rounds} if rounds is not None else {}
+    limits: dict[str, Any] = {}
     if inner_steps is not None:
         # a big model's step takes seconds: let the H asked for fit the round; and a process
         # moving GBs on busy cores may miss heartbeats for a while without being gone
         rounds_cfg |= {
+            # every honest worker in every round: starting one takes minutes, and a round
+            # opened for the first to join would leave the others waiting it out
+            "min_peers": max(1, workers - adversaries),
             "target_compute_s": 600.0,
             # committing, encoding and moving a model-sized payload on busy cores takes
             # minutes the step-time estimate does not see; a round closes once all submit
@@ -106,6 +110,9 @@ def demo_spec(
             "dead_after_s": 60.0,
             "lease_s": 120.0,
         }
+        # a submission makes the coordinator pull a model-sized payload from the worker
+        # before it answers: on busy cores that outlasts the default 30 s per request
+        limits["request_timeout_s"] = 300.0
     return {
         "name": f"covey-demo-{algorithm}",
         "seed": seed,
@@ -132,6 +139,7 @@ def demo_spec(
         },
         # stakes are small and rewards visible: 30 steps x 8 x 256 tokens earn ~61 credits
         "trust": {"min_stake": 10.0, "commit_every": 10},
+        **({"limits": limits} if limits else {}),
     }
 
 
