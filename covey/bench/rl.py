@@ -61,7 +61,7 @@ class LearningConfig:
     epochs: int = 1  # optimizer steps per batch (LearnConfig.epochs)
     lag: int = 0  # batches come from the policy this many versions old
     async_level: int = 2
-    eval_every: int = 10
+    eval_every: int = 20
     eval_prompts: int = 400
     seed: int = 0
     threads: int = 1
@@ -255,8 +255,19 @@ def run_bench(
     (same name, .png). Restores torch's thread count."""
     cfg = cfg or (QUICK if quick else LearningConfig())
     before = torch.get_num_threads()
+
+    def write(result: dict[str, Any]) -> None:
+        if json_path is None:
+            return
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        png = json_path.with_suffix(".png")
+        if "plot" not in result and plot_curve(png, result["learning"]):
+            result["plot"] = str(png)
+
     try:
         result: dict[str, Any] = {"learning": learning_run(cfg, work_dir, echo, policy_dir)}
+        write(result)  # the learning result is kept even if verification fails
         if verify:
             try:
                 from covey.bench import rl_verify
@@ -266,12 +277,7 @@ def run_bench(
             else:
                 rows = rl_verify.run(quick, progress=echo)
                 result["verification"] = {"summary": rl_verify.summary(rows), "rows": rows}
+            write(result)
     finally:
         torch.set_num_threads(before)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-        png = json_path.with_suffix(".png")
-        if plot_curve(png, result["learning"]):
-            result["plot"] = str(png)
     return result

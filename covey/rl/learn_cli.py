@@ -127,11 +127,14 @@ def register_bench(bench_app: typer.Typer) -> None:
         v = result.get("verification")
         if v:
             s = v["summary"]
+            cost = [r for r in v["rows"] if r.get("section") == "cost"]
+            rate = max((r.get("rollouts_per_s", 0.0) for r in cost), default=float("nan"))
             typer.echo(
-                f"verification: {s['honest_rejected']}/{s['honest_rollouts']} honest rejected, "
-                f"{s['cheats_missed']} cheats missed over {s['cheat_kinds']} kinds x "
-                f"{s['min_tries']}+, validator share {100 * s['validator_share']:.1f}%, proof "
-                f"{s['proof_bytes_per_full_chunk']} B per 32 tokens"
+                f"verification: {s.get('honest_rejected')}/{s.get('honest_rollouts')} honest "
+                f"rejected, {s.get('cheats_missed')} cheats missed over {s.get('cheat_kinds')} "
+                f"kinds x {s.get('min_tries')}+ tries, validator share "
+                f"{100 * s.get('validator_share', float('nan')):.1f}% of generation, proof "
+                f"{s.get('proof_bytes_per_full_chunk')} B per 32 tokens, {rate:.1f} rollouts/s"
             )
         if json_path:
             typer.echo(
