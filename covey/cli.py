@@ -19,6 +19,7 @@ from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.io.cli import register as register_io
 from covey.rl.cli import register as register_rl
+from covey.rl.learn_cli import register_bench as register_bench_rl
 from covey.bench.swarm import register as register_bench_swarm
 from covey.swarm.cli import register as register_swarm
 from covey.trust.ledger_cli import register as register_ledger
@@ -36,6 +37,7 @@ register_io(app)  # tokenizer train, export, generate
 register_bench_gpu(bench_app)  # covey bench gpu (covey/bench/gpu_cli.py)
 register_swarm(app)  # swarm coordinator, server, trainer, demo
 register_bench_swarm(bench_app)  # covey bench swarm
+register_bench_rl(bench_app)  # covey bench rl (covey/rl/learn_cli.py)
 register_rl(app)  # rl trainer, worker, validator, demo
 
 METHODS = "ddp, diloco, streaming, demo"
