@@ -25,7 +25,7 @@ import functools
 import hashlib
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,14 +47,50 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+#: vectors longer than this are sketched a block of coordinates at a time (issue 13.3:
+#: a 124M model's index and sign tables alone would be 2 GB, cached, plus 5 GB to build)
+_BLOCK = 1 << 20
+
+
 @functools.lru_cache(maxsize=8)
 def _hashing(length: int, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(bucket index int64, sign float64) for coordinates 0..length-1; cached per length."""
+    return _hashing_at(0, length, buckets)
+
+
+def _hashing_at(start: int, length: int, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bucket index int64, sign float64) for coordinates start..start+length-1."""
     with np.errstate(over="ignore"):
-        h = _splitmix64(np.arange(length, dtype=np.uint64) + np.uint64(SEED))
+        h = _splitmix64(np.arange(start, start + length, dtype=np.uint64) + np.uint64(SEED))
     index = torch.from_numpy(((h >> np.uint64(1)) % np.uint64(buckets)).astype(np.int64))
     sign = torch.from_numpy(1.0 - 2.0 * (h & np.uint64(1)).astype(np.float64))
     return index, sign
+
+
+def sketch_parts(parts: Iterable[torch.Tensor], buckets: int = BUCKETS) -> torch.Tensor:
+    """`sketch(torch.cat(parts))`, the same bits, without concatenating: each flat part is
+    added at its offset a block of coordinates at a time, in coordinate order (the order in
+    which `index_add_` adds), so memory stays at one block beyond the part in hand. `parts`
+    may be a generator: each part can be dropped once added."""
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, got {buckets}")
+    out = torch.zeros(buckets, dtype=torch.float64)
+    offset = 0
+    for part in parts:
+        if part.dim() != 1:
+            raise ValueError(f"sketch takes flat vectors, got shape {tuple(part.shape)}")
+        flat = part.detach()
+        for start in range(0, flat.numel(), _BLOCK):
+            piece = flat[start : start + _BLOCK]
+            at = offset + start
+            index, sign = (
+                _hashing(piece.numel(), buckets)  # the common case, cached: a whole small vector
+                if at == 0
+                else _hashing_at(at, piece.numel(), buckets)
+            )
+            out.index_add_(0, index, piece.to("cpu", torch.float64) * sign)  # any device
+        offset += flat.numel()
+    return out
 
 
 def sketch(vec: torch.Tensor, buckets: int = BUCKETS) -> torch.Tensor:
@@ -67,9 +103,7 @@ def sketch(vec: torch.Tensor, buckets: int = BUCKETS) -> torch.Tensor:
         raise ValueError(f"sketch takes a flat vector, got shape {tuple(vec.shape)}")
     if buckets < 1:
         raise ValueError(f"buckets must be >= 1, got {buckets}")
-    index, sign = _hashing(vec.numel(), buckets)
-    out = torch.zeros(buckets, dtype=torch.float64)
-    return out.index_add_(0, index, vec.detach().to("cpu", torch.float64) * sign)  # any device
+    return sketch_parts([vec], buckets)
 
 
 def distance(a: torch.Tensor | Sequence[float], b: torch.Tensor | Sequence[float]) -> float:
@@ -164,19 +198,24 @@ def commitment_of(
     have = sorted(k[len("param/") :] for k in local if k.startswith("param/"))
     if have != names:
         raise ValueError(f"local state parameters {have[:3]}... differ from the start state's")
-    deltas = []
     for n in names:
         now, start = local[f"param/{n}"], start_params[n]
         if now.shape != start.shape:
             raise ValueError(f"param/{n}: shape {tuple(now.shape)}, start {tuple(start.shape)}")
-        deltas.append((now.detach().float().cpu() - start.detach().float().cpu()).reshape(-1))
-    params_sketch = sketch(torch.cat(deltas), buckets)
+    # one parameter's delta at a time: never a model-sized copy (sketch_parts' bits)
+    deltas = (
+        (
+            local[f"param/{n}"].detach().float().cpu() - start_params[n].detach().float().cpu()
+        ).reshape(-1)
+        for n in names
+    )
+    params_sketch = sketch_parts(deltas, buckets)
     kinds: dict[str, list[str]] = {}
     for name in sorted(local):
         if name.startswith("optim/") and local[name].dim() > 0:
             kinds.setdefault(name.rsplit("/", 1)[-1], []).append(name)
     optim = [
-        sketch(torch.cat([local[n].detach().float().reshape(-1) for n in kinds[kind]]), buckets)
+        sketch_parts((local[n].detach().float().reshape(-1) for n in kinds[kind]), buckets)
         for kind in sorted(kinds)
     ]
     optim_sketch = torch.cat(optim) if optim else torch.zeros(0, dtype=torch.float64)
