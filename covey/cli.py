@@ -536,6 +536,16 @@ def demo(
         list[str] | None, typer.Option(help="text/JSONL/Parquet/... file or dir; repeat")
     ] = None,
     seed: Annotated[int, typer.Option(help="seeds the model, the data and the chaos")] = 0,
+    rounds: Annotated[
+        int | None, typer.Option(min=1, help="stop after this many committed rounds")
+    ] = None,
+    inner_steps: Annotated[
+        int | None, typer.Option(min=1, help="H, inner steps per round (big models: small H)")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="sequences per worker step")] = 8,
+    seq_len: Annotated[
+        int | None, typer.Option(min=2, help="tokens per sequence (default: the model's)")
+    ] = None,
     out: Annotated[
         Path | None, typer.Option(help="run directory (default: runs/demo-YYYYmmdd-HHMMSS)")
     ] = None,
@@ -579,6 +589,10 @@ def demo(
             progress=progress,
             tokenizer=tokenizer,
             data=tuple(data or ()),
+            rounds=rounds,
+            inner_steps=inner_steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
             device=device,
         )
     except ClusterError as e:
