@@ -613,3 +613,20 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
     assert status["rebalances"] == 1 and status["reroutes"] == 1
     assert "covey swarm" in client.get("/").text
     coord.stop()
+
+
+def test_swarm_coordinator_fills_an_empty_stage_before_measuring(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from covey.trust.identity import Identity
+
+    coord, client = _swarm_client(tmp_path)
+    ids = [Identity.generate() for _ in range(2)]
+    for i, ident in enumerate(ids):
+        body = {"run_id": coord.run_id, "peer_id": ident.peer_id, "name": f"p{i}",
+                "public_key": ident.public_key, "role": "server", "url": "u", "blob_url": "b",
+                "stage": 0}  # fmt: skip
+        assert _post(client, ident, "/v1/swarm/join", body).json()["stage"] == 0
+    bad = {**body, "stage": 7}
+    assert _post(client, ids[1], "/v1/swarm/join", bad).status_code == 400
+    coord._rebalance(now=0.0)  # no throughput measured yet: stage 1 is empty, so move now
+    assert sorted(s.stage for s in coord.servers.values()) == [0, 1]
+    coord.stop()

@@ -37,6 +37,14 @@ def _line(s: dict) -> str:
     )
 
 
+def _spare(s: dict | None, ours: set[str]) -> list[str]:
+    """Our live servers whose stage has another live server."""
+    if s is None:
+        return []
+    by_stage = {x["stage"]: x["servers"] for x in s["stages"]}
+    return sorted(n for names in by_stage.values() if len(names) >= 2 for n in names if n in ours)
+
+
 def run_demo(
     *, minutes: float, kill_every: float | None, n_servers: int, port: int, emulate_s: float = 0.02
 ) -> int:
@@ -69,9 +77,11 @@ def run_demo(
         while trainer.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
             now = time.monotonic()
-            if kill_every and now - last_kill >= kill_every and len(swarm.servers) > 2:
+            # a victim whose stage keeps another server: churn, not a stage wiped out
+            spare = _spare(status(swarm.url), set(swarm.servers))
+            if kill_every and now - last_kill >= kill_every and spare:
                 last_kill = now
-                victim = rng.choice(sorted(swarm.servers))
+                victim = rng.choice(spare)
                 swarm.kill(victim)
                 print(f"[{now - start:5.0f} s] SIGKILL {victim}")
                 revive.append((now + 5.0, victim))

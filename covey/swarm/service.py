@@ -156,37 +156,30 @@ class SwarmCoordinator:
             self.pay(now)
 
     def _rebalance(self, now: float) -> None:
-        measured = {
+        free = {
             p: (s.stage, s.throughput)
             for p, s in self.servers.items()
             if not s.moving and not self.averaging.in_round(p)
         }
-        if len(measured) != len(self.servers) or any(tp <= 0 for _, tp in measured.values()):
+        stages = range(self.cfg.stages)
+        counts = {k: sum(s.stage == k for s in self.servers.values()) for k in stages}
+        empty = [k for k in stages if counts[k] == 0]
+        if empty:  # a stage without any server stops the pipeline: fill it first
+            donors = [p for p, (k, _) in free.items() if counts[k] >= 2]
+            if donors:
+                name = max(donors, key=lambda p: (free[p][1], p))
+                self._move(name, free[name][0], empty[0], 0.0, 0.0, now)
+            return
+        if len(free) != len(self.servers) or any(tp <= 0 for _, tp in free.values()):
             return  # a server unmeasured or busy: look again next time
         # per microbatch, stages before the last take two requests (forward, backward),
         # the last one (its backward computes the loss); speeds are measured per request
         costs = [2.0] * (self.cfg.stages - 1) + [1.0]
-        if any(not any(k == st for st, _ in measured.values()) for k in range(len(costs))):
-            # a stage without any server: move the fastest server of the fullest stage
-            empty = next(
-                k for k in range(len(costs)) if all(st != k for st, _ in measured.values())
-            )
-            counts = {k: sum(st == k for st, _ in measured.values()) for k in range(len(costs))}
-            donor = max(counts, key=lambda k: counts[k])
-            if counts[donor] < 2:
-                return
-            name = max(
-                (p for p, (st, _) in measured.items() if st == donor), key=lambda p: measured[p][1]
-            )
-            self._move(name, donor, empty, 0.0, 0.0, now)
-            return
-        move = plan_move(
-            costs, speeds_from_measurements(costs, measured), hysteresis=self.cfg.hysteresis
-        )
+        move = plan_move(costs, speeds_from_measurements(costs, free),
+                         hysteresis=self.cfg.hysteresis)  # fmt: skip
         if move is not None:
-            self._move(
-                move.server, move.from_stage, move.to_stage, move.min_before, move.min_after, now
-            )
+            self._move(move.server, move.from_stage, move.to_stage, move.min_before,
+                       move.min_after, now)  # fmt: skip
 
     def _move(self, peer: str, src: int, dst: int, before: float, after: float, now: float) -> None:
         s = self.servers[peer]
