@@ -68,6 +68,21 @@ def test_loss_is_normalized_by_the_fixed_token_budget() -> None:
         grpo_loss(torch.zeros(1, 9), torch.zeros(1, 9), torch.ones(1), torch.ones(1, 9), cfg)
 
 
+def test_normalizer_variants() -> None:
+    lp = torch.zeros(2, 4)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0]])
+    adv = torch.tensor([1.0, 1.0])
+
+    def loss(norm: str) -> float:
+        return float(grpo_loss(lp, lp, adv, mask, LossConfig(max_tokens=8, norm=norm))[0])
+
+    assert loss("tokens") == pytest.approx(-1.0)  # 5 tokens / 5
+    assert loss("sequence") == pytest.approx(-1.0)  # (4/4 + 1/1) / 2
+    assert loss("max_tokens") == pytest.approx(-5 / 16)
+    with pytest.raises(ValueError, match="norm"):
+        LossConfig(norm="mean")
+
+
 def test_kl_term_is_off_by_default_and_needs_reference() -> None:
     lp, mask = torch.zeros(1, 2), torch.ones(1, 2)
     with pytest.raises(ValueError, match="ref_logprobs"):

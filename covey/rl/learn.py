@@ -42,7 +42,9 @@ class LearnConfig:
     temperature: float = 1.0  # the rollouts' sampling temperature (their logprobs are at T)
     async_level: int = 2  # a batch from version v trains steps up to v + async_level
     epochs: int = 1  # optimizer steps per call on the same batches (PPO-style reuse)
-    micro_batch: int = 64  # sequences per forward/backward (memory, not math)
+    # sequences per forward/backward: memory, not math (with loss.norm="tokens" each
+    # micro-batch divides by its own tokens, exact only when it holds the whole step)
+    micro_batch: int = 64
     skip_uniform_groups: bool = False  # drop groups whose G rewards are all equal (A = 0)
     loss: LossConfig = field(default_factory=LossConfig)
 

@@ -10,6 +10,9 @@
 - The summed token loss is divided by a fixed token budget (sequences x max_tokens), not
   by the number of valid tokens, so long and short completions weigh the same per token.
 - No KL term by default; `kl_coef` > 0 adds the k3 estimator against reference logprobs.
+- `norm` picks the normalizer: "max_tokens" (the default above), "tokens" (the number of
+  valid tokens in the batch, DAPO's token-level loss) or "sequence" (each sequence's mean
+  over its tokens, then the mean over sequences: the original GRPO, arXiv:2402.03300).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+NORMS = ("max_tokens", "tokens", "sequence")
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,7 @@ class LossConfig:
     max_tokens: int = 64  # fixed per-sequence token budget the loss is divided by
     std_normalize: bool = False  # divide advantages by the group std (original GRPO)
     kl_coef: float = 0.0  # weight of the k3 KL estimate against ref_logprobs
+    norm: str = "max_tokens"  # "max_tokens" | "tokens" | "sequence" (see the module doc)
 
     def __post_init__(self) -> None:
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
@@ -35,6 +41,8 @@ class LossConfig:
             raise ValueError(f"delta ({self.delta}) must exceed 1 + eps_high ({1 + self.eps_high})")
         if self.max_tokens <= 0 or self.kl_coef < 0:
             raise ValueError(f"bad max_tokens={self.max_tokens} or kl_coef={self.kl_coef}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm {self.norm!r} is not one of {NORMS}")
 
 
 def group_advantages(
@@ -90,7 +98,12 @@ def grpo_loss(
             raise ValueError("kl_coef > 0 needs ref_logprobs")
         diff = ref_logprobs.detach() - logprobs
         per_token = per_token + cfg.kl_coef * (torch.exp(diff) - diff - 1)  # k3 estimator
-    loss = (per_token * mask).sum() / (n * cfg.max_tokens)
+    if cfg.norm == "max_tokens":
+        loss = (per_token * mask).sum() / (n * cfg.max_tokens)
+    elif cfg.norm == "tokens":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    else:
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     with torch.no_grad():
         valid = mask.sum().clamp(min=1)
         lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
