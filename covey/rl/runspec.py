@@ -62,7 +62,7 @@ class RLSpec(BaseModel):
     verify_samples: int = Field(2, ge=1, description="sequences per batch the validator prefills")
     audit_rate: float = Field(0.1, ge=0, le=1, description="accepted batches the trainer re-checks")
     verify_timeout_s: float = Field(60.0, gt=0, description="an unreported check is reassigned")
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(3e-4, gt=0, description="AdamW; 1e-3 was unstable on 2-digit addition")
     eval_prompts: int = Field(64, ge=1, description="held-out prompts for pass@1")
     eval_every: int = Field(5, ge=1, description="trainer steps between pass@1 evaluations")
     max_batch_bytes: int = Field(4 << 20, ge=1024, description="largest batch submission")

@@ -145,7 +145,14 @@ class RolloutWorker:
         me, run = self.identity.peer_id, self.run
         if self.behavior == HONEST:
             return rollout(
-                model, run.task, run.rollout, step=v, worker_id=me, policy_version=v, policy_cid=cid
+                model,
+                run.task,
+                run.rollout,
+                step=v,
+                worker_id=me,
+                policy_version=v,
+                policy_cid=cid,
+                gen_batch=run.rollout.group_size,  # G samples per forward
             )
         if self.behavior == REPLAY:
             return self._replay(v)
