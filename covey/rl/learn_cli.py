@@ -23,7 +23,7 @@ def register_sft(rl_app: typer.Typer) -> None:
     @rl_app.command("sft")
     def sft_command(
         out: Annotated[Path, typer.Option(help="policy directory to write (created)")],
-        steps: Annotated[int, typer.Option(min=1, help="optimizer steps (batches of 64)")] = 450,
+        steps: Annotated[int, typer.Option(min=1, help="optimizer steps (batches of 64)")] = 500,
         minutes: Annotated[
             float | None, typer.Option(min=0.01, help="stop early after this many minutes")
         ] = None,

@@ -121,7 +121,7 @@ def sft(
     task: Task,
     out_dir: str | Path,
     *,
-    steps: int | None = 600,
+    steps: int | None = 500,
     minutes: float | None = None,
     seed: int = 0,
     model: str | GPTConfig = "rl",
