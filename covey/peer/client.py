@@ -67,10 +67,20 @@ class CoordinatorClient:
     ) -> Any:
         return self._patient("GET", path, params=params, quiet=quiet, headers=headers)
 
-    def post(self, path: str, body: dict[str, Any], round: int | None = NO_ROUND) -> Any:
+    def post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        round: int | None = NO_ROUND,
+        timeout_s: float | None = None,
+    ) -> Any:
         """POST JSON, signed for `round` when the client has an identity (round None: the
-        body is already signed and goes as it is)."""
-        return self._patient("POST", path, body=body, round=round)
+        body is already signed and goes as it is). `timeout_s` replaces the client's
+        per-request timeout for this call: an answer that waits on the coordinator moving
+        a model-sized blob takes longer, and a pre-signed body cannot be sent twice (its
+        retry is refused as a replay)."""
+        extra = {"timeout": timeout_s} if timeout_s is not None else {}
+        return self._patient("POST", path, body=body, round=round, **extra)
 
     def post_once(
         self, path: str, body: dict[str, Any], timeout_s: float, round: int | None = NO_ROUND

@@ -65,6 +65,7 @@ from covey.trust.polls import poll_headers
 log = logging.getLogger("covey.worker")
 KEEP_CONTRIBUTIONS = 8  # own contribution and end-state blobs kept on the blob server
 PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
+_PULL_BYTES_S = 1 << 20  # slowest rate a submission's answer may wait on a payload pull at
 
 
 @dataclass
@@ -579,7 +580,10 @@ class Worker:
         signed = self.identity.sign_request(body, info.round, purpose=request_purpose(path))
         self._last_request = (path, signed)
         try:
-            self.client.post(path, signed, round=None)
+            # the coordinator may pull the payload from us before it answers: allow for
+            # that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual wait
+            pull_s = self.cfg.limits.request_timeout_s + len(payload) / _PULL_BYTES_S
+            self.client.post(path, signed, round=None, timeout_s=pull_s)
         except PeerRejected as e:
             log.warning("[%s - round %d] contribution refused: %s", self.name, info.round, e)
             if e.status == 403:
