@@ -89,8 +89,12 @@ def save_policy(model: GPT, out_dir: str | Path, meta: dict[str, Any], hf: bool 
     }
     (out / "policy.json").write_text(json.dumps(doc, indent=2) + "\n")
     if hf:
+        from transformers.utils import logging as hf_logging
+
         from covey.data.tokenizer import ByteTokenizer
         from covey.io.export import gpt_to_gpt2
+
+        hf_logging.disable_progress_bar()  # a bar per shard: noise under sft's own bar
 
         converted = gpt_to_gpt2(model)
         converted.config.eos_token_id = ANSWER_EOS  # type: ignore[union-attr]
