@@ -118,6 +118,8 @@ def register_bench(bench_app: typer.Typer) -> None:
                                policy_dir=policy, echo=typer.echo)  # fmt: skip
         r = result["learning"]
         verdict = "goal met" if r["met"] else "goal MISSED"
+        if quick and not r["met"]:
+            verdict = "quick run, too short for the goal"
         typer.echo(
             f"learning: pass@1 {100 * r['pass_at_1_start']:.1f}% -> {100 * r['pass_at_1_end']:.1f}%"
             f" ({r['gain_points']:+.1f} points, best {100 * r['pass_at_1_best']:.1f}%) in "
