@@ -29,8 +29,8 @@ class SwarmConfig(Frozen):
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate of every stage")
     data_paths: tuple[str, ...] = Field((), description="text files or dirs; empty = stdlib")
     codec: str = Field("int8", pattern="^(int8|plain)$", description="activations on the wire")
-    heartbeat_s: float = Field(0.5, gt=0, description="servers heartbeat this often")
-    dead_after_s: float = Field(5.0, gt=0, description="a server silent this long is dead")
+    heartbeat_s: float = Field(1.0, gt=0, description="servers heartbeat this often")
+    dead_after_s: float = Field(10.0, gt=0, description="a server silent this long is dead")
     round_timeout_s: float = Field(
         10.0, gt=0, description="an averaging round drops members silent for this long"
     )

@@ -19,7 +19,8 @@ from covey.swarm.launch import Swarm, status
 SPEEDS = (1.0, 1.0, 2.0, 3.0, 4.0, 1.5, 2.5, 1.0)
 SETTINGS = {
     "n_layer": 4, "n_embd": 64, "n_head": 2, "seq_len": 32, "stages": 2, "microbatch": 4,
-    "target_samples": 32, "rebalance_s": 15.0, "verify_rate": 0.05,
+    "target_samples": 32, "rebalance_s": 15.0, "verify_rate": 0.05, "dead_after_s": 15.0,
+    "request_timeout_s": 20.0,
 }  # fmt: skip
 
 

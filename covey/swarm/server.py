@@ -83,6 +83,9 @@ class StageServer:
         self.blobs = BlobServer(self.store)
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)
         self.lock = threading.Lock()  # the device: one computation or state change at a time
+        self._dlock = threading.Lock()
+        self._directive: tuple[tuple[int, int, str | None], dict[str, Any] | None] | None = None
+        self._wake = threading.Event()
         self.rng = random.Random(seed)
         self.stage: Stage | None = None
         self.k = -1
@@ -108,30 +111,74 @@ class StageServer:
             "run_id": self.run_id, "peer_id": self.identity.peer_id, "role": "server",
             "public_key": self.identity.public_key, "name": self.name, "stake": self.stake,
             "url": f"http://127.0.0.1:{self.http.server_address[1]}",
-            "blob_url": self.blobs.url, "stage": self.wanted,
+            "blob_url": self.blobs.url,
+            # a server the coordinator forgot (late heartbeats) asks for its stage back
+            "stage": self.wanted if self.wanted is not None else (self.k if self.k >= 0 else None),
         }  # fmt: skip
         reply = self.client.post("/v1/swarm/join", body)
         if int(reply["stage"]) != self.k:
             self._become(int(reply["stage"]), None, [])
 
     def run(self) -> None:
-        """Heartbeat until stopped; rejoin when the coordinator forgot this server; end
-        when banned or when the coordinator stays unreachable."""
+        """Act on the coordinator's directives until stopped. Heartbeats go from their own
+        thread, so slow work here (fetching blobs, applying a round, loading a state) never
+        makes this server look dead; a directive is acted on only if nothing changed since
+        the heartbeat it answers (stage, step, state), so none is applied twice."""
         assert self.cfg is not None
-        while not self.stop.wait(self.cfg.heartbeat_s):
+        threading.Thread(target=self._beats, daemon=True, name="heartbeat").start()
+        while not self.stop.is_set():
+            self._wake.wait(self.cfg.heartbeat_s)
+            self._wake.clear()
+            with self._dlock:
+                item, self._directive = self._directive, None
+            if item is None:
+                continue
+            basis, d = item
             try:
-                self._beat()
-            except CoordinatorLost as e:
-                log.error("[%s] %s", self.name, e)
-                return
+                if d is None:
+                    self._join()
+                elif basis == self._basis():
+                    self._act(d)
+            except (httpx.HTTPError, WireError, BlobError, PeerRejected, CoordinatorLost) as e:
+                log.warning("[%s] %s failed: %s", self.name, "rejoin" if d is None else "step", e)
+
+    def _basis(self) -> tuple[int, int, str | None]:
+        return self.k, -1 if self.stage is None else self.stage.steps, self.state
+
+    def _beats(self) -> None:
+        """Heartbeat every heartbeat_s; keep the latest reply for `run`. Stop the server
+        when banned (403) or when no heartbeat got through for 90 s."""
+        assert self.cfg is not None
+        last_ok = time.monotonic()
+        while not self.stop.wait(self.cfg.heartbeat_s):
+            k, step, state = basis = self._basis()
+            stage = self.stage
+            body = {
+                "run_id": self.run_id, "peer_id": self.identity.peer_id, "stage": k,
+                "step": step, "state": state, "pending": 0 if stage is None else stage.samples,
+                "throughput": self.throughput, "queue": self.waiting,
+            }  # fmt: skip
+            try:
+                d: dict[str, Any] | None = self.client.post_once(
+                    "/v1/swarm/heartbeat", body, timeout_s=10.0
+                )
+                last_ok = time.monotonic()
             except PeerRejected as e:
                 if e.status == 403:
                     log.error("[%s] banned: %s", self.name, e.message)
+                    self.stop.set()
                     return
                 log.warning("[%s] heartbeat refused (%s); joining again", self.name, e.message)
-                self._join()
-            except (httpx.HTTPError, WireError, BlobError) as e:  # the next beat retries
-                log.warning("[%s] heartbeat failed: %s", self.name, e)
+                d = None  # run() rejoins
+            except httpx.HTTPError as e:
+                if time.monotonic() - last_ok > 90.0:
+                    log.error("[%s] coordinator unreachable for 90 s: %s", self.name, e)
+                    self.stop.set()
+                    return
+                continue
+            with self._dlock:
+                self._directive = (basis, d)
+            self._wake.set()
 
     def close(self) -> None:
         self.stop.set()
@@ -157,19 +204,9 @@ class StageServer:
             if agreed is not None:
                 self.state = agreed if self.behavior == "stale" else self.state
 
-    def _beat(self) -> None:
-        assert self.cfg is not None and self.stage is not None
-        body = {
-            "run_id": self.run_id,
-            "peer_id": self.identity.peer_id,
-            "stage": self.k,
-            "step": self.stage.steps,
-            "state": self.state,
-            "pending": self.stage.samples,
-            "throughput": self.throughput,
-            "queue": self.waiting,
-        }
-        d = self.client.post_once("/v1/swarm/heartbeat", body, timeout_s=10.0)
+    def _act(self, d: dict[str, Any]) -> None:
+        """Move, copy the agreed state up, report to a round, apply one, or resync."""
+        assert self.stage is not None
         providers = [*d["providers"], self.client.base_url]
         if int(d["stage"]) != self.k:
             log.info("[%s] moved: stage %d -> %d", self.name, self.k, d["stage"])
@@ -230,6 +267,8 @@ class StageServer:
         """Apply a committed round: the mean of every member's gradient sum."""
         assert self.stage is not None
         s = self.stage
+        if s.steps != rnd["step"]:
+            return  # applied already
         total, acc = 0, [torch.zeros_like(p) for p in s.params]
         for peer, r in sorted(rnd["reports"].items()):
             data = (
