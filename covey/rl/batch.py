@@ -104,11 +104,12 @@ class Tolerances:
 # 0 and logprob error <= 1e-6. The closest cheats: weights perturbed by 1e-3 relative or
 # rounded to bf16, mean_ulp >= 1.57 and logprob error >= 5.7e-4; forged tokens, gap >= 5.
 # Each fp32 threshold sits between the two (0.1 ulp: 6x / 16x; 1e-4: 100x / 5.7x). A bf16
-# run (the policy in bf16 on both sides) is noisier: honest mean_ulp <= 4.3 (1 bf16 ulp is
-# 8 fp16 ulps), overlap >= 0.977, logprob error <= 0.004; its row is ~4x above that.
+# run (the policy in bf16 on both sides) is noisier: honest mean_ulp <= 8.9 (1 bf16 ulp is
+# 8 fp16 ulps), overlap >= 0.977, gap <= 7e-4, logprob error <= 0.008; its row is 3.6x, 4x
+# (of 1 - overlap), 140x and 6.5x above that. No cheat was measured against a bf16 run.
 TOLERANCES: dict[str, Tolerances] = {
     "fp32": Tolerances(proofs.ProofThresholds(min_overlap=0.9, max_mean_ulp=0.1), 1e-3, 1e-4),
-    "bf16": Tolerances(proofs.ProofThresholds(min_overlap=0.8, max_mean_ulp=16.0), 0.1, 0.05),
+    "bf16": Tolerances(proofs.ProofThresholds(min_overlap=0.9, max_mean_ulp=32.0), 0.1, 0.05),
 }
 
 
