@@ -31,6 +31,7 @@ from covey.config import (
 from covey.devices import (
     DeviceError,
     autocast,
+    deterministic,
     device_class_of_name,
     device_name,
     maybe_compile,
@@ -124,6 +125,13 @@ def test_set_compute_rejects_unknown_precision() -> None:
 
 def test_maybe_compile_off_is_identity() -> None:
     assert maybe_compile(lm_loss, False) is lm_loss
+
+
+def test_deterministic_algorithms_are_switched_for_a_block_and_restored() -> None:
+    before = torch.are_deterministic_algorithms_enabled()
+    with deterministic(not before):
+        assert torch.are_deterministic_algorithms_enabled() is (not before)
+    assert torch.are_deterministic_algorithms_enabled() is before
 
 
 def test_verification_refuses_another_class_or_precision() -> None:
