@@ -3,12 +3,14 @@
 A batch holds, for step s of a run, the worker's assigned prompt indices and G samples per
 prompt (prompt-major order), each with its tokens, per-token logprobs, reward and proof
 (base64). `check_batch` returns a typed verdict naming the FIRST problem found, cheapest
-checks first: (c) the prompts are exactly the assigned ones with all G samples; token
-sanity; (d) rewards recomputed by the task; then one batched prefill of the checked
-sequences for (a) the proof and (b) the seeded sampling and the claimed logprobs.
+checks first: the binding (run, the submitter's own worker id, step, policy); (c) the
+prompts are exactly the assigned ones with all G samples; token sanity; (d) rewards
+recomputed by the task; then one batched prefill of the checked sequences (a subset drawn
+by `verified_subset` from the signed `batch_digest` and a beacon) for (a) the proof and
+(b) the seeded sampling and the claimed logprobs, within `TOLERANCES[spec.precision]`.
 
-The run's parameters (temperature, G, token budget) come from the validator's own
-`RolloutSpec`, never from the batch: a batch cannot choose its own rules.
+The run's parameters (temperature, G, token budget, precision) come from the validator's
+own `RolloutSpec`, never from the batch: a batch cannot choose its own rules.
 """
 
 from __future__ import annotations
