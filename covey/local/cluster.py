@@ -55,6 +55,9 @@ def data_fingerprint(cfg: RunConfig, cwd: Path) -> str:
     return _FINGERPRINTS[key]
 
 
+KILL_WAIT_S = 60.0  # after SIGKILL: the kernel frees a big model's memory before the exit
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -265,7 +268,10 @@ def _reap(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
             p.wait(max(0.1, give_up - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait(5)
+            try:  # a process freeing GBs on busy cores can take a while to go
+                p.wait(KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                print(f"process {p.pid} outlived SIGKILL by {KILL_WAIT_S} s", flush=True)
 
 
 def _summary(status: dict[str, Any]) -> str:

@@ -23,13 +23,14 @@ from typing import Any
 import httpx
 
 from covey.config import load_run_config, to_toml
-from covey.local.cluster import ClusterError, LocalCluster
+from covey.local.cluster import KILL_WAIT_S, ClusterError, LocalCluster
 from covey.local.demo_report import write_demo_outputs
 from covey.sim.report import human_bytes
 
 METHODS = ("ddp", "diloco", "streaming", "demo")
 PER_STEP_METHODS = ("ddp", "demo")  # one inner step per round
 JOIN_TIMEOUT_S = 180.0
+FINISH_GRACE_S = 600.0  # with --rounds: how long the workers may take to apply the last one
 # the order in which `covey demo --adversaries N` hands out misbehaviors
 ADVERSARIES = (
     "sign-flip",
@@ -299,6 +300,8 @@ def run_local_demo(
                 cluster.wait_for(_someone_alive, join_s, "the first worker to join")
                 say(f"first worker joined after {time.monotonic() - t0:.0f} s; training")
                 _watch(cluster, minutes * 60.0, chaos_state, say, progress, seen, rounds)
+                if rounds is not None:  # the workers apply the last round, see the end, leave
+                    _await_workers(cluster, FINISH_GRACE_S, say)
             except (KeyboardInterrupt, _Terminated, _CoordinatorStopped) as e:
                 # Ctrl-C in a terminal reaches the children too (one process group): the
                 # coordinator may be gone already, and the last status read stands in
@@ -398,6 +401,19 @@ def _watch(
         say.bar.refresh()
 
 
+def _await_workers(cluster: LocalCluster, grace_s: float, say: Callable[[str], None]) -> None:
+    """Wait up to `grace_s` for every worker to exit on its own (the run is finished: each
+    applies the last round first, which for a big model takes minutes), sampling RSS."""
+    give_up = time.monotonic() + grace_s
+    say("the last round is committed: waiting for the workers to apply it and leave ...")
+    while time.monotonic() < give_up:
+        cluster.sample_rss()
+        if all(p.poll() is not None for n, p in cluster.workers.items() if n.startswith("w")):
+            return
+        time.sleep(1.0)
+    say(f"workers still running {grace_s:.0f} s after the last round: stopping them")
+
+
 def _someone_alive(status: dict[str, Any]) -> bool:
     return any(p["alive"] for p in status["peers"])
 
@@ -463,7 +479,11 @@ def _stop_workers_then_status(cluster: LocalCluster) -> dict[str, Any] | None:
             proc.wait(20.0)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(5.0)
+            try:  # a process freeing GBs on busy cores can take a while to go
+                proc.wait(KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                print(f"{name} outlived SIGKILL by {KILL_WAIT_S} s", flush=True)
+                continue
             print(f"{name} ignored SIGTERM for 20 s: killed", flush=True)
     try:
         return cluster.status()
