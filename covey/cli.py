@@ -15,12 +15,12 @@ from pydantic import ValidationError
 
 from covey import __version__
 from covey.bench.gpu_cli import register as register_bench_gpu
+from covey.bench.swarm import register as register_bench_swarm
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.io.cli import register as register_io
 from covey.rl.cli import register as register_rl
 from covey.rl.learn_cli import register_bench as register_bench_rl
-from covey.bench.swarm import register as register_bench_swarm
 from covey.swarm.cli import register as register_swarm
 from covey.trust.ledger_cli import register as register_ledger
 
@@ -696,7 +696,11 @@ def worker(
         typer.Option(help="tests and demos: honest, or a cheat (see covey.peer.adversary)"),
     ] = "honest",
     device: Annotated[
-        str | None, typer.Option(help=DEVICE_HELP + "; default: the run spec's [peer] device")
+        str | None,
+        typer.Option(
+            help=DEVICE_HELP + "; default: the run spec's [peer] device, where auto means the "
+            "class the run verifies on (verify_device), so rounding cannot start a dispute"
+        ),
     ] = None,
     threads: Annotated[int, typer.Option(help="torch CPU threads")] = 1,
     serve_blobs: Annotated[

@@ -111,13 +111,13 @@ def set_up_run(
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
     # issue 12: the canonical template stays on the host (state hashes, checkpoints); the
-    # strategy trains on `device`, default the run's [peer] device (validators: its
-    # verify_device), in the run's precision
+    # strategy trains on `device`, default the run's [peer] device, in the run's precision.
+    # "auto" means the run's verify_device class: an honest peer must train on the class
+    # its contributions are re-executed on, or rounding alone could start a dispute
     template = TrainState({n: p.detach().clone() for n, p in model.named_parameters()})
     try:
-        where = resolve_device(
-            device or (cfg.peer.verify_device if validating else cfg.peer.device)
-        )
+        chosen = device or ("auto" if validating else cfg.peer.device)
+        where = resolve_device(cfg.peer.verify_device if chosen == "auto" else chosen)
         precision = resolve_precision(
             run_precision(cfg.peer.precision, cfg.peer.verify_device), where
         )
