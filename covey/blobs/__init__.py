@@ -6,7 +6,9 @@ Three layers, each usable alone and each in its own module; this module re-expor
 - `BlobServer` (covey.blobs.server): a peer's own read-only HTTP server over a store
   (GET/HEAD, single Range).
 - `BlobClient` (covey.blobs.client): fetches a blob from an ordered list of providers,
-  with bounded retries, provider fallback, and parallel ranged chunks for large blobs.
+  with bounded retries, provider fallback, and parallel ranged chunks for large blobs;
+  `fetch_into` (covey.blobs.streaming) streams one to disk instead, hashed on arrival, so
+  a blob of any size never sits whole in memory.
 
 Trust model (as in hivemind, every record from the network passes a validator): a provider
 can be slow, absent or lying, and the client only hands back bytes whose sha256 equals the
