@@ -20,8 +20,24 @@ rl_app = typer.Typer(
     no_args_is_help=True,
 )
 
+
+def _url(value: str) -> str:
+    """--trainer must be an http(s) URL with a host: a typo fails now, not after lost_s."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _fail(f"--trainer {value!r} is not a URL like http://HOST:PORT")
+    try:
+        parts.port  # noqa: B018 -- raises on a port out of range or not a number
+    except ValueError as e:
+        raise _fail(f"--trainer {value!r}: {e}") from None
+    return value.rstrip("/")
+
+
 TrainerUrl = Annotated[
-    str, typer.Option("--trainer", help="the trainer's URL, e.g. http://127.0.0.1:8700")
+    str,
+    typer.Option("--trainer", help="the trainer's URL, e.g. http://127.0.0.1:8700", callback=_url),
 ]
 IdentityPath = Annotated[
     Path | None,
@@ -119,7 +135,9 @@ def worker(
     identity: IdentityPath = None,
     name: Annotated[str, typer.Option(help="name shown on the status page")] = "worker",
     stake: Annotated[float, typer.Option(help="credits staked on joining", min=0)] = 1.0,
-    max_steps: Annotated[int | None, typer.Option(help="stop after this many batches")] = None,
+    max_steps: Annotated[
+        int | None, typer.Option(help="stop after this many batches", min=1)
+    ] = None,
     serve_blobs: Annotated[bool, typer.Option(help="serve fetched policies to others")] = False,
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
@@ -157,7 +175,9 @@ def validator(
     identity: IdentityPath = None,
     name: Annotated[str, typer.Option(help="name shown on the status page")] = "validator",
     stake: Annotated[float, typer.Option(help="credits staked on joining", min=0)] = 10.0,
-    max_checks: Annotated[int | None, typer.Option(help="stop after this many checks")] = None,
+    max_checks: Annotated[
+        int | None, typer.Option(help="stop after this many checks", min=1)
+    ] = None,
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
 ) -> None:
@@ -213,6 +233,9 @@ def demo(
     out = out or Path("runs") / time.strftime("rl-demo-%Y%m%d-%H%M%S")
     if (out / "coordinator.db").exists():
         raise _fail(f"{out} holds a run already; give another --out")
+    is_dir = policy is None or policy.startswith("covey:")
+    if not is_dir and not (Path(str(policy)) / "config.json").is_file():
+        raise _fail(f"--policy {policy}: not a policy directory (no config.json; covey rl sft)")
     _threads(1)
     try:
         run_demo(
