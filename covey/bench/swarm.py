@@ -7,10 +7,10 @@ so the comparison does not hinge on the load of a shared machine. Modes: `swarm`
 every hop by least expected finish time, reroutes on failure and lets the coordinator
 rebalance; `fixed` wires pipelines once (pipeline j = the j-th server of every stage) and
 never reroutes, so a dead server stalls its pipeline. Scenarios: `homogeneous` (all 1x, no
-failures) and `heterogeneous-churn` (1x to 4x, one server SIGKILLed every `kill_every` s
-and a fresh one started 5 s later). Rows: mode, scenario, samples_per_s, final_loss,
-reroutes, rebalances, and bytes between stages per microbatch (int8 measured; plain and
-subspace computed from the shapes, covey.swarm.codecs.bytes_per_token).
+failures) and `heterogeneous-churn` (1x to 4x, every `kill_every` s one server whose stage
+keeps another is SIGKILLed, and a fresh one started 5 s later). Rows: mode, scenario,
+samples_per_s, final_loss, reroutes, rebalances, and bytes between stages per microbatch
+(int8 measured; plain and subspace computed from the shapes, codecs.bytes_per_token).
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ def run_one(
             now = time.monotonic()
             if spec["kill"] and now - last_kill >= kill_every:
                 last_kill = now
-                victim = rng.choice(sorted(swarm.servers))
+                # a server whose stage keeps another one: churn, not a stage wiped out
+                victim = rng.choice(_spare(status(swarm.url), set(swarm.servers)) or [None])
+                if victim is None:
+                    continue
                 swarm.kill(victim)
                 kills += 1
                 revive.append((now + 5.0, victim))
@@ -105,6 +108,14 @@ def run_one(
         }  # fmt: skip
     finally:
         swarm.close()
+
+
+def _spare(s: dict[str, Any] | None, ours: set[str]) -> list[str]:
+    """Our live servers whose stage has another live server."""
+    if s is None:
+        return []
+    return sorted(n for x in s["stages"] if len(x["servers"]) >= 2 for n in x["servers"]
+                  if n in ours)  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:

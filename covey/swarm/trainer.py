@@ -182,8 +182,12 @@ class SwarmTrainer:
                 )
                 if time.monotonic() > deadline:
                     raise Dropped(f"stage {k}: {e}") from None
-                # never spin: a dead server answers at once, and fixed mode has no other
-                self.stop.wait(0.2 if self.fixed else 0.05)
+                # never spin: a dead server answers at once; with no other server of the
+                # stage to try (all slow or dead, or fixed wiring), wait longer
+                with self.lock:
+                    other = any(s.stage == k and s.banned is None and s.slow_until <= time.time()
+                                for s in self.router.servers.values())  # fmt: skip
+                self.stop.wait(0.05 if other and not self.fixed else 0.5)
                 continue
             except WireError as e:
                 with self.lock:
