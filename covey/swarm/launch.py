@@ -58,7 +58,7 @@ class Swarm:
             [sys.executable, "-m", "covey", "swarm", *args], stdout=log, stderr=log
         )
 
-    def start_coordinator(self, timeout: float = 120.0, wait: bool = True) -> None:
+    def start_coordinator(self, timeout: float = 300.0, wait: bool = True) -> None:
         """Spawn the coordinator; wait until it answers unless `wait` is False (servers
         started meanwhile wait for it themselves; `ready` waits for both)."""
         sets = [f"--set={k}={json.dumps(v)}" for k, v in self.settings.items()]
@@ -75,7 +75,7 @@ class Swarm:
         self.servers[name] = p
         return p
 
-    def ready(self, names: list[str], timeout: float = 120.0) -> dict[str, Any]:
+    def ready(self, names: list[str], timeout: float = 300.0) -> dict[str, Any]:
         """Wait until every named server is live with a state; the status."""
 
         def check() -> dict[str, Any] | None:
