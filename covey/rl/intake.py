@@ -25,11 +25,12 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import sqlite3
 import time
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from covey.coordinator.views import Rejected
 from covey.protocol.schemas import PeerId, RunId, Signed
@@ -53,11 +54,25 @@ RL_SCHEMA = (
 
 
 class SubmitBatch(Signed):
-    """POST /v1/rl/batch, signed for round = batch.step."""
+    """POST /v1/rl/batch, signed for round = batch.step. Rewards and logprobs must be
+    finite: a NaN or Infinity (which JSON parsers here accept) would be stored as null and
+    make the batch unreadable to every checker, so it is a 422 naming the sample."""
 
     run_id: RunId
     peer_id: PeerId
     batch: RolloutBatch
+
+    @model_validator(mode="after")
+    def _finite(self) -> SubmitBatch:
+        for i, s in enumerate(self.batch.samples):
+            if not math.isfinite(s.reward):
+                raise ValueError(f"batch.samples[{i}].reward is {s.reward}: not finite")
+            bad = next((j for j, x in enumerate(s.logprobs) if not math.isfinite(x)), None)
+            if bad is not None:
+                raise ValueError(
+                    f"batch.samples[{i}].logprobs[{bad}] is {s.logprobs[bad]}: not finite"
+                )
+        return self
 
 
 class ClaimCheck(Signed):

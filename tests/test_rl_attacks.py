@@ -1,0 +1,240 @@
+"""Dishonest rollout workers and validators against a real RL trainer on 127.0.0.1.
+
+Every field a worker or validator sends is an attack surface: each forged value must be a
+4xx naming the field and change nothing, or end in a ledger verdict that rests on the
+trainer's recomputation. One trainer per module; the validator here is driven by hand
+(claim, report) so that each attack meets exactly the batch it targets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from covey.rl.validator import RolloutValidator
+from covey.rl.worker import RolloutWorker
+from covey.trust.identity import NO_ROUND, Identity, request_purpose
+from tests.test_rl_network import (
+    free_port,
+    joined_worker,
+    ledger,
+    policy,
+    start_trainer,
+    wait_for,
+)
+
+pytestmark = pytest.mark.network
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    import signal
+    import subprocess
+
+    d = tmp_path_factory.mktemp("rl-attacks") / "run"
+    port = free_port()
+    proc = start_trainer(d, port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def checker(trainer: str) -> Iterator[RolloutValidator]:
+    """A live validator that claims and reports only when a test tells it to."""
+    v = RolloutValidator(trainer, Identity.generate(), name="v-manual")
+    v.membership.join("validator", v.name, v.stake)
+    try:
+        yield v
+    finally:
+        v.membership.leave("shutdown")
+
+
+def signed(ident: Identity, path: str, body: dict[str, Any], rnd: int = NO_ROUND) -> dict:
+    return ident.sign_request(body, rnd, purpose=request_purpose(path))
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    data = json.dumps(body)  # a dishonest peer sends NaN and Infinity literals too
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{url}{path}", content=data, headers=headers, timeout=30)
+
+
+def batches(url: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{url}/v1/rl/batches").json()
+
+
+def entries(url: str, *about: str) -> int:
+    """Ledger entries (those naming one of `about` in their payload, when given): a
+    trainer step may add its own entries at any time."""
+    rows = httpx.get(f"{url}/v1/ledger", params={"limit": 5000}).json()
+    if about:
+        rows = [e for e in rows if set(map(str, e["payload"].values())) & set(about)]
+    return len(rows)
+
+
+def honest_body(url: str, w: RolloutWorker) -> tuple[dict[str, Any], int]:
+    info = policy(url)
+    batch = w.make_batch(w.policies.model(info["cid"], [url]), info["version"], info["cid"])
+    assert batch is not None
+    body = {"run_id": w.run.run_id, "peer_id": w.identity.peer_id}
+    return {**body, "batch": batch.model_dump(mode="json")}, info["version"]
+
+
+def with_batch(body: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {**body, "batch": {**body["batch"], **fields}}
+
+
+def with_sample(body: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    samples = [dict(s) for s in body["batch"]["samples"]]
+    samples[0] |= fields
+    return with_batch(body, samples=samples)
+
+
+def claim(url: str, v: RolloutValidator) -> dict[str, Any] | None:
+    body = {"run_id": v.run.run_id, "peer_id": v.identity.peer_id}
+    r = post(url, "/v1/rl/claim", signed(v.identity, "/v1/rl/claim", body))
+    assert r.status_code == 200, r.text
+    return r.json()["task"]
+
+
+def report(url: str, v: RolloutValidator, cid: str, **fields: Any) -> httpx.Response:
+    body = {"run_id": v.run.run_id, "peer_id": v.identity.peer_id, "batch_cid": cid, **fields}
+    return post(url, "/v1/rl/report", signed(v.identity, "/v1/rl/report", body))
+
+
+def test_every_submitted_field_a_worker_could_forge_is_refused(
+    trainer: str, checker: RolloutValidator
+) -> None:
+    w = joined_worker(trainer)
+    body, v = honest_body(trainer, w)
+    me, path = w.identity, "/v1/rl/batch"
+    n_batches, n_entries = len(batches(trainer)), entries(trainer)
+    bad_proof = "not base64!"
+    # (the body sent, the round signed, the status expected, what the error must name)
+    attacks: list[tuple[str, dict[str, Any], int, int, str]] = [
+        ("future step", with_batch(body, step=v + 1, policy_version=v + 1), v + 1, 409, "step"),
+        (
+            "another policy version",
+            with_batch(body, policy_version=v + 1),
+            v,
+            409,
+            "policy_version",
+        ),
+        ("another policy", with_batch(body, policy_cid="0" * 64), v, 409, "policy_cid"),
+        ("another run in the batch", with_batch(body, run_id="f" * 16), v, 409, "batch.run_id"),
+        ("another run", {**body, "run_id": "f" * 16}, v, 409, "run"),
+        ("huge G", with_batch(body, group_size=10**9), v, 422, "batch.group_size"),
+        ("negative step", with_batch(body, step=-1), -1, 422, "batch.step"),
+        ("NaN logprob", with_sample(body, logprobs=[math.nan]), v, 422, "logprobs"),
+        ("infinite logprob", with_sample(body, logprobs=[-math.inf]), v, 422, "logprobs"),
+        ("NaN reward", with_sample(body, reward=math.nan), v, 422, "reward"),
+        ("infinite reward", with_sample(body, reward=math.inf), v, 422, "reward"),
+        ("proof not base64", with_sample(body, proof=bad_proof), v, 422, "proof"),
+        ("an extra field", with_sample(body, note="\u202etrust me"), v, 422, "note"),
+        ("unicode ids", with_batch(body, policy_cid="\u00e9" * 64), v, 409, "policy_cid"),
+    ]
+    for what, attack, rnd, status, field in attacks:
+        r = post(trainer, path, signed(me, path, attack, rnd))
+        text = r.text
+        assert r.status_code == status, f"{what}: {r.status_code} {text[:300]}"
+        assert field in text, f"{what}: the error does not name {field!r}: {text[:300]}"
+    # a signature over other bytes: the honest body signed, then one reward edited
+    forged = signed(me, path, body, v)
+    forged["batch"]["samples"][1]["reward"] = -5.0
+    assert post(trainer, path, forged).status_code == 401
+    # a validator's key cannot submit, an unknown key neither
+    stranger = Identity.generate()
+    r = post(trainer, path, signed(stranger, path, {**body, "peer_id": stranger.peer_id}, v))
+    assert r.status_code == 404 and "join" in r.text
+    vbody = {**body, "peer_id": checker.identity.peer_id}
+    r = post(trainer, path, signed(checker.identity, path, vbody, v))
+    assert r.status_code == 403 and "validator" in r.text
+    assert len(batches(trainer)) == n_batches and entries(trainer) == n_entries  # nothing changed
+    w.membership.leave()
+
+
+def test_validator_cannot_report_unassigned_twice_or_falsely(
+    trainer: str, checker: RolloutValidator
+) -> None:
+    w = joined_worker(trainer)
+    body, v = honest_body(trainer, w)
+    r = post(trainer, "/v1/rl/batch", signed(w.identity, "/v1/rl/batch", body, v))
+    assert r.status_code == 200, r.text
+    cid = r.json()["cid"]
+    # a worker cannot claim or report; a report before the claim is refused
+    wb = {"run_id": w.run.run_id, "peer_id": w.identity.peer_id}
+    r = post(trainer, "/v1/rl/claim", signed(w.identity, "/v1/rl/claim", wb))
+    assert r.status_code == 403
+    other = RolloutValidator(trainer, Identity.generate(), name="v-other")
+    other.membership.join("validator", other.name, other.stake)
+    before = entries(trainer)
+    r = report(trainer, checker, cid, ok=True)
+    assert r.status_code == 409 and "not assigned" in r.text
+    try:
+        # the batch goes to one of the two by rank; the other cannot report on it
+        def assigned() -> tuple[RolloutValidator, RolloutValidator] | None:
+            for a, b in ((checker, other), (other, checker)):
+                if (task := claim(trainer, a)) is not None:
+                    assert task["batch_cid"] == cid
+                    return a, b
+            return None
+
+        mine, stranger = wait_for(assigned, 10, "an assignment")
+        r = report(trainer, stranger, cid, ok=False, problem="sampling", detail="made up")
+        assert r.status_code == 409 and "not assigned" in r.text
+        assert entries(trainer) == before  # nothing changed so far
+        # the assigned validator rejects the honest batch with a made-up reason and sample
+        r = report(trainer, mine, cid, ok=False, problem="proof", detail="\u2603", sample=10**12)
+        assert r.status_code == 200, r.text
+        assert r.json()["outcome"] == "false accusation" and r.json()["accepted"] is True
+        # reporting again (either way) is refused and records nothing
+        ids = (cid, w.identity.peer_id, mine.identity.peer_id)
+        after = entries(trainer, *ids)
+        assert report(trainer, mine, cid, ok=True).status_code == 409
+        assert report(trainer, mine, cid, ok=False, problem="reward").status_code == 409
+        assert entries(trainer, *ids) == after
+        accuser = mine.identity.peer_id
+    finally:
+        other.membership.leave("shutdown")
+    penalties = ledger(trainer, "penalty", accuser)
+    [penalty] = [p for p in penalties if cid[:12] in p["payload"]["reason"]]
+    assert penalty["payload"]["kind"] == "false accusation"
+    assert not ledger(trainer, "slash", w.identity.peer_id)  # the honest worker keeps its stake
+    [paid] = ledger(trainer, "reward", w.identity.peer_id)
+    assert paid["payload"]["kind"] == "work"
+    w.membership.leave()
+
+
+def test_out_of_vocabulary_tokens_are_rejected_by_recomputation(
+    trainer: str, checker: RolloutValidator
+) -> None:
+    """Token ids no model has (negative, beyond any vocabulary) pass the schema; the
+    verdict rests on the check, and a validator that waves them through is caught."""
+    w = joined_worker(trainer)
+    body, v = honest_body(trainer, w)
+    tokens = list(body["batch"]["samples"][0]["tokens"])
+    tokens[0] = -(2**62)
+    attack = with_sample(body, tokens=tokens)
+    r = post(trainer, "/v1/rl/batch", signed(w.identity, "/v1/rl/batch", attack, v))
+    assert r.status_code == 200, r.text
+    cid = r.json()["cid"]
+    task = wait_for(lambda: claim(trainer, checker), 10, "the checker's assignment")
+    assert task["batch_cid"] == cid
+    r = report(trainer, checker, cid, ok=True)  # lazy: audit_rate 1.0 re-checks it
+    assert r.status_code == 200 and r.json()["accepted"] is False, r.text
+    row = next(b for b in batches(trainer) if b["cid"] == cid)
+    assert row["status"] == "rejected" and row["problem"] == "tokens", row
+    assert ledger(trainer, "slash", w.identity.peer_id)
+    assert not ledger(trainer, "reward", w.identity.peer_id)
+    w.membership.leave()
