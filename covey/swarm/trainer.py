@@ -166,7 +166,7 @@ class SwarmTrainer:
                 if server is not None:
                     self._note("started", server)
             if server is None:
-                if time.monotonic() > deadline:
+                if exclude is not None or time.monotonic() > deadline:
                     raise Dropped(f"stage {k}: no server")
                 time.sleep(0.2)
                 self.refresh()
@@ -214,7 +214,7 @@ class SwarmTrainer:
         others = [
             s.server
             for s in self.router.servers.values()
-            if s.stage == k and s.banned is None and s.server != exclude
+            if s.stage == k and s.banned is None and s.server != exclude and s.slow_until <= now
         ]
         if not others:
             raise NoServerError(f"stage {k}: no second server")
