@@ -237,4 +237,48 @@ def test_out_of_vocabulary_tokens_are_rejected_by_recomputation(
     assert row["status"] == "rejected" and row["problem"] == "tokens", row
     assert ledger(trainer, "slash", w.identity.peer_id)
     assert not ledger(trainer, "reward", w.identity.peer_id)
+    # excluded: joining again with the same key is refused
+    r = post(
+        trainer, "/v1/join", signed(w.identity, "/v1/join", join_body(trainer, w.identity), -1)
+    )
+    assert r.status_code == 403 and "excluded" in r.text
     w.membership.leave()
+
+
+def join_body(url: str, ident: Identity, **fields: Any) -> dict[str, Any]:
+    run_id = httpx.get(f"{url}/v1/run").json()["run_id"]
+    body = {"peer_id": ident.peer_id, "public_key": ident.public_key, "step_time_s": 1.0}
+    return {"run_id": run_id, **body, "name": "w", "stake": 1.0, **fields}
+
+
+def test_join_fields_a_peer_could_forge_are_refused(
+    trainer: str, checker: RolloutValidator
+) -> None:
+    me, n = Identity.generate(), entries(trainer)
+    path, vpath = "/v1/join", "/v1/rl/validators/join"
+    good = join_body(trainer, me)
+    attacks: list[tuple[str, str, dict[str, Any], int, str]] = [
+        (
+            "a key that is not the id's",
+            path,
+            {**good, "public_key": checker.identity.public_key},
+            400,
+            "public key",
+        ),
+        ("a unicode name", path, {**good, "name": "w\u202eevil"}, 422, "name"),
+        ("NaN stake", path, {**good, "stake": math.nan}, 422, "stake"),
+        ("negative stake", path, {**good, "stake": -5.0}, 422, "stake"),
+        ("another run", path, {**good, "run_id": "f" * 16}, 409, "run"),
+    ]
+    for what, where, body, status, field in attacks:
+        r = post(trainer, where, signed(me, where, body, -1))
+        assert r.status_code == status, f"{what}: {r.status_code} {r.text[:300]}"
+        assert field in r.text, f"{what}: the error does not name {field!r}: {r.text[:300]}"
+    v = {"run_id": good["run_id"], "validator_id": me.peer_id, "public_key": me.public_key}
+    r = post(trainer, vpath, signed(me, vpath, {**v, "stake": 0.5}, -1))
+    assert r.status_code == 403 and "minimum stake" in r.text  # a validator must stake
+    assert entries(trainer) == n  # nothing recorded for any of these
+    # a worker key cannot also validate (no checking its own batches)
+    assert post(trainer, path, signed(me, path, good, -1)).status_code == 200
+    r = post(trainer, vpath, signed(me, vpath, {**v, "stake": 50.0}, -1))
+    assert r.status_code == 409 and "registered as a worker" in r.text

@@ -312,6 +312,7 @@ class Intake:
         m.check_run(req.run_id)
         self._role(req.peer_id, "validator")
         m.authenticate(raw, NO_ROUND, req.peer_id)
+        m.check_not_banned(req.peer_id)  # excluded while holding a claim: it just expires
         row = t.db.one(
             "SELECT * FROM rl_batches WHERE cid = ? AND status = 'claimed' AND validator_id = ?",
             (req.batch_cid, req.peer_id),
