@@ -91,6 +91,19 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _bindable(host: str, port: int) -> None:
+    """Fail now (exit 2) on a port in use or an address not ours, before a run is created
+    and uvicorn exits with its own message."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise _fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 @rl_app.command("trainer")
 def trainer(
     data_dir: Annotated[Path, typer.Option(help="run directory: database, blobs, key")],
@@ -114,6 +127,7 @@ def trainer(
 
     _logging()
     _threads(threads)
+    _bindable(host, port)
     try:
         rl_spec = RLSpec.model_validate(load_toml(spec)) if spec else None
         if rl_spec is None and policy is not None:
