@@ -282,3 +282,47 @@ def test_join_fields_a_peer_could_forge_are_refused(
     assert post(trainer, path, signed(me, path, good, -1)).status_code == 200
     r = post(trainer, vpath, signed(me, vpath, {**v, "stake": 50.0}, -1))
     assert r.status_code == 409 and "registered as a worker" in r.text
+
+
+def test_a_claim_held_without_a_report_expires_and_a_late_report_is_refused(
+    trainer: str, checker: RolloutValidator
+) -> None:
+    """A validator that hoards its assignment stalls nothing: after verify_timeout_s the
+    check is recorded as expired and goes elsewhere (here: the trainer, the only validator
+    having tried it); its late verdict changes nothing."""
+    w = joined_worker(trainer)
+    body, v = honest_body(trainer, w)
+    r = post(trainer, "/v1/rl/batch", signed(w.identity, "/v1/rl/batch", body, v))
+    assert r.status_code == 200, r.text
+    cid = r.json()["cid"]
+    task = wait_for(lambda: claim(trainer, checker), 10, "the checker's assignment")
+    assert task["batch_cid"] == cid
+
+    def expired() -> list[dict[str, Any]]:
+        rows = httpx.get(f"{trainer}/v1/ledger", params={"limit": 5000}).json()
+        return [
+            e
+            for e in rows
+            if e["type"] == "verification"
+            and e["payload"].get("cid") == cid
+            and e["payload"].get("outcome") == "expired"
+        ]
+
+    [entry] = wait_for(expired, 30, "the claim to expire")
+    assert entry["payload"]["validator_id"] == checker.identity.peer_id
+    row = wait_for(
+        lambda: next(
+            (
+                b
+                for b in batches(trainer)
+                if b["cid"] == cid and b["status"] in ("accepted", "consumed")
+            ),
+            None,
+        ),
+        30,
+        "the trainer's own check",
+    )
+    assert row["validator_id"] is None or row["validator_id"] != checker.identity.peer_id
+    r = report(trainer, checker, cid, ok=False, problem="sampling", detail="too late")
+    assert r.status_code == 409 and "not assigned" in r.text
+    w.membership.leave()
