@@ -8,6 +8,7 @@ trainer's recomputation. One trainer per module; the validator here is driven by
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from collections.abc import Iterator
@@ -325,4 +326,28 @@ def test_a_claim_held_without_a_report_expires_and_a_late_report_is_refused(
     assert row["validator_id"] is None or row["validator_id"] != checker.identity.peer_id
     r = report(trainer, checker, cid, ok=False, problem="sampling", detail="too late")
     assert r.status_code == 409 and "not assigned" in r.text
+    w.membership.leave()
+
+
+@pytest.mark.parametrize("proof", [b"", b"\x00" * 7, b"\xff" * 300])
+def test_garbage_proofs_are_a_verdict_not_a_crash(
+    trainer: str, checker: RolloutValidator, proof: bytes
+) -> None:
+    """Proof bytes that are base64 but no proof: the trainer's recomputation rejects the
+    batch ("proof") and slashes; the check never raises."""
+    w = joined_worker(trainer)
+    body, v = honest_body(trainer, w)
+    samples = [dict(s) for s in body["batch"]["samples"]]
+    samples = [{**s, "proof": base64.b64encode(proof).decode()} for s in samples]
+    attack = with_batch(body, samples=samples)
+    r = post(trainer, "/v1/rl/batch", signed(w.identity, "/v1/rl/batch", attack, v))
+    assert r.status_code == 200, r.text
+    cid = r.json()["cid"]
+    task = wait_for(lambda: claim(trainer, checker), 10, "the checker's assignment")
+    assert task["batch_cid"] == cid
+    r = report(trainer, checker, cid, ok=True)  # audit_rate 1.0: the trainer checks it all
+    assert r.status_code == 200 and r.json()["accepted"] is False, r.text
+    row = next(b for b in batches(trainer) if b["cid"] == cid)
+    assert row["status"] == "rejected" and row["problem"] == "proof", row
+    assert ledger(trainer, "slash", w.identity.peer_id)
     w.membership.leave()
