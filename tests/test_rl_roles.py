@@ -99,3 +99,24 @@ def test_cli_refuses_bad_input(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "group_size" in r.output
     r = runner.invoke(app, ["rl", "worker", "--help"])
     assert r.exit_code == 0 and "--behavior" in r.output
+
+
+def test_cli_refuses_a_bad_url_a_busy_port_and_a_missing_policy(tmp_path: Path) -> None:
+    import socket
+
+    runner = CliRunner()
+    for cmd in ("worker", "validator"):
+        r = runner.invoke(app, ["rl", cmd, "--trainer", "notaurl"])
+        assert r.exit_code == 2 and "error: --trainer 'notaurl' is not a URL" in r.output
+    r = runner.invoke(app, ["rl", "worker", "--trainer", "http://h:1", "--max-steps", "0"])
+    assert r.exit_code == 2
+    r = runner.invoke(app, ["rl", "demo", "--policy", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "not a policy directory" in r.output
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        args = ["rl", "trainer", "--data-dir", str(tmp_path / "t"), "--policy", "covey:nano"]
+        r = runner.invoke(app, [*args, "--port", port])
+    assert r.exit_code == 2 and "cannot listen on" in r.output
+    assert not (tmp_path / "t").exists()  # refused before a run was made
