@@ -72,6 +72,7 @@ def test_breakdown_sums_to_the_cycle_and_target_is_reached_by_all() -> None:
     assert [r["time_to_target_s"] for r in records] == [pytest.approx(20.0), 5.0]
 
 
+@pytest.mark.long  # over a minute: `scripts/dev.py test --all`
 @pytest.mark.usefixtures("testbed_support")
 def test_short_run_over_a_10_mbit_testbed(tmp_path: Path) -> None:
     records = run_network_bench(

@@ -100,6 +100,7 @@ def test_demo_trains_and_leaves_a_run_directory(tmp_path: Path) -> None:
         assert re.search(rf"\[{name} [0-9a-f]{{8}}\] left: shutdown", log), name
 
 
+@pytest.mark.long  # over a minute: `scripts/dev.py test --all`
 def test_chaos_kills_workers_and_training_goes_on(tmp_path: Path) -> None:
     # first kill 6-8 s after the start (or after the first commit, if later); 36 s in all
     s = run_local_demo(

@@ -235,9 +235,10 @@ def test_slow_peer_gets_a_smaller_budget_and_weighs_its_tokens(tmp_path: Path) -
 @pytest.mark.parametrize(
     "algorithm",
     [
-        'method = "ddp"',
+        # DDP and DeMo in the long run only (the suite's time budget); Streaming by default
+        pytest.param('method = "ddp"', marks=pytest.mark.long),
         'method = "streaming"\ninner_steps = 8\nfragments = 4\noverlap_steps = 0',
-        'method = "demo"\ntopk = 8',
+        pytest.param('method = "demo"\ntopk = 8', marks=pytest.mark.long),
     ],
     ids=["ddp", "streaming", "demo"],
 )

@@ -205,6 +205,7 @@ def test_every_cheat_is_refused_or_slashed_within_three_rounds(
         assert account["banned"] and account["stake"] <= 50.0, (behavior, account)
 
 
+@pytest.mark.long  # over a minute: `scripts/dev.py test --all`
 def test_honest_run_of_50_rounds_is_never_slashed_and_its_ledger_verifies(
     tmp_path: Path,
 ) -> None:
