@@ -434,11 +434,15 @@ class SlowBlobServer:
     fetch of it keeps a submission in flight that long."""
 
     def __init__(self, data: bytes, delay_s: float) -> None:
+        self.fetching = threading.Event()  # set when the coordinator's fetch has arrived
+        fetching = self.fetching
+
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
             def do_GET(self) -> None:
+                fetching.set()
                 time.sleep(delay_s)  # the server under test waits on this, not the test
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
@@ -479,7 +483,8 @@ def test_a_second_submission_in_flight_is_refused_and_changes_nothing(
         path = f"/v1/rounds/{first_body['round']}/contributions"
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(member.http.post, path, json=first_body)
-            time.sleep(0.3)  # the first is now waiting on the slow blob server
+            # the first is in flight once the coordinator is fetching its blob
+            assert server.fetching.wait(10), "the coordinator never fetched the blob"
             t0 = time.monotonic()
             second = member.http.post(path, json=contribution(member, content_id(data), PAYLOAD))
             assert second.status_code == 409 and "already submitting" in second.text, second.text
