@@ -605,6 +605,16 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
     join(3, "trainer")
     report = {"run_id": run, "peer_id": ids[3].peer_id, "samples": 8, "loss": 3.0,
               "reroutes": 1, "banned": {}, "served": {ids[0].peer_id: 2}}  # fmt: skip
+    # what a dishonest reporter would send: a server paying itself, counts that lie, and
+    # ids that are not servers of this run; each refused or unpaid, nothing else changes
+    own = {**report, "peer_id": ids[0].peer_id, "served": {ids[0].peer_id: 10**6}}
+    assert _post(client, ids[0], "/v1/swarm/report", own).status_code == 403
+    for lie in (-5, 10**9, 2.5, True, "7"):
+        bad = {**report, "served": {ids[0].peer_id: lie}}
+        assert _post(client, ids[3], "/v1/swarm/report", bad).status_code == 422, lie
+    ghost = {**report, "served": {"f" * 32: 10}}
+    assert _post(client, ids[3], "/v1/swarm/report", ghost).status_code == 200
+    assert coord.unpaid == {}
     assert _post(client, ids[3], "/v1/swarm/report", report).status_code == 200
     coord.pay(now=2.0)
     balance = coord.accounts.book.accounts[ids[0].peer_id].balance

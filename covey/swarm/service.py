@@ -33,6 +33,7 @@ from covey.swarm.rebalance import plan_move, speeds_from_measurements
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
+MAX_SERVED_PER_REPORT = 10_000  # microbatches one report may claim for one server
 log = logging.getLogger("covey.swarm")
 
 
@@ -335,18 +336,28 @@ class SwarmCoordinator:
         peer = str(body.get("peer_id"))
         self.membership.check_run(body.get("run_id", ""))
         self.membership.authenticate(body, -1, peer)
+        served = body.get("served", {})
+        if not isinstance(served, dict):
+            raise Rejected(422, "served must be an object {server id: microbatches}")
         with self.lock:
-            t = self.trainers.setdefault(peer, {"name": "?"})
-            t.update(
+            if peer not in self.trainers:  # a server cannot report (and pay) its own work
+                raise Rejected(403, f"peer {peer[:16]} has not joined as a trainer")
+            for server, n in served.items():  # all checked before anything changes
+                if type(n) is not int or not 0 <= n <= MAX_SERVED_PER_REPORT:
+                    raise Rejected(
+                        422, f"served[{server[:16]}]: {n!r} is not an int in "
+                        f"[0, {MAX_SERVED_PER_REPORT}]"
+                    )  # fmt: skip
+            self.trainers[peer].update(
                 samples=int(body["samples"]),
                 loss=body.get("loss"),
                 reroutes=int(body["reroutes"]),
                 banned=dict(body.get("banned", {})),
             )
-            for server, n in dict(body.get("served", {})).items():
-                self.unpaid[server] = self.unpaid.get(server, 0) + int(n)
-                if server in self.servers:
-                    self.servers[server].served += int(n)
+            for server, n in served.items():  # a server gone since is not paid; an id
+                if server in self.servers:  # that never served this run is no account
+                    self.unpaid[server] = self.unpaid.get(server, 0) + n
+                    self.servers[server].served += n
         return {"ok": True}
 
     def pay(self, now: float) -> None:
