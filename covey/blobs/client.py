@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
@@ -244,43 +243,12 @@ class BlobClient(StreamingFetch):
         self, cid: str, providers: list[str], size: int, failures: dict[str, str]
     ) -> tuple[bytes | None, set[str]]:
         """(verified bytes or None, providers to skip from now on)."""
-        ranges = [
-            (s, min(s + self.chunk_bytes, size) - 1) for s in range(0, size, self.chunk_bytes)
-        ]
         # pieces as they arrive: no buffer is allocated from a size someone declared
-        pieces: dict[int, bytes] = {}
-        dead: set[str] = set()
-        abort = threading.Event()  # one chunk had no provider left: stop the others
-
-        def one(i: int) -> bool:
-            start, end = ranges[i]
-            k = i % len(providers)
-            for p in providers[k:] + providers[:k]:
-                with self._lock:
-                    if p in dead:
-                        continue
-                try:
-                    piece = self._with_retries(
-                        lambda p=p: self._get_range(p, cid, start, end), abort
-                    )
-                except _Aborted:
-                    return False
-                except _Failure as f:
-                    with self._lock:
-                        failures[p] = str(f)
-                        if f.skip:
-                            dead.add(p)
-                    continue
-                with self._lock:
-                    pieces[i] = piece
-                return True
-            abort.set()
-            return False
-
-        with ThreadPoolExecutor(max_workers=min(self.parallel, len(ranges))) as pool:
-            complete = all(list(pool.map(one, range(len(ranges)))))
-        if complete:
-            out = b"".join(pieces[i] for i in range(len(ranges)))
+        pieces, dead = self._over_ranges(
+            providers, size, failures, lambda p, start, end: self._get_range(p, cid, start, end)
+        )
+        if pieces is not None:
+            out = b"".join(pieces)
             pieces.clear()
             if content_id(out) == cid:
                 return out, dead

@@ -235,36 +235,32 @@ class BlobStore:
         _fsync_dir(final.parent)
 
 
-class BlobWriter:
-    """Streams one blob into a store: `write` pieces as they arrive (hashed and written,
-    never all held in memory), then `commit` (checks the count and the hash, fsyncs,
-    renames into place) or `abort`. A writer never committed leaves nothing under the blob's
-    id: at worst a `.tmp-*` file, and `abort` removes that. Not thread-safe: one caller."""
+class _PartWriter:
+    """What both writers share: a `.part` file beside the blob's place, and a `commit` that
+    checks the count and the hash and renames the file into place, or aborts. Subclasses
+    say how bytes arrive, how the file is closed (`_close`) and hashed (`_digest`)."""
 
     def __init__(self, store: BlobStore, cid: str, size: int) -> None:
         self.cid, self.size, self.received = cid, size, 0
         self._final = store.path(cid)
-        self._hash = hashlib.sha256()
         try:
             self._final.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._final.parent, prefix=_TMP_PREFIX, suffix=".part")
         except OSError as e:
             raise BlobError(f"cannot store blob {cid}: {e}") from e
+        self._fd: int | None = fd
         self._tmp = Path(tmp)
-        self._file = os.fdopen(fd, "wb")
 
-    def write(self, piece: bytes) -> None:
-        """Append `piece`; BlobError (and the writer aborted) past the declared size."""
-        if self.received + len(piece) > self.size:
-            self.abort()
-            raise BlobError(f"blob {self.cid}: more than the declared {self.size} bytes")
-        self._hash.update(piece)
-        self.received += len(piece)
-        try:
-            self._file.write(piece)
-        except OSError as e:
-            self.abort()
-            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+    def _close(self) -> None:
+        """Flush, fsync and close the file; idempotent."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    def _digest(self) -> str:
+        """The content id of what was written (the file is closed)."""
+        return file_content_id(self._tmp)
 
     def commit(self) -> None:
         """Put the blob in place; BlobError (writer aborted, store unchanged) if fewer bytes
@@ -272,12 +268,10 @@ class BlobWriter:
         try:
             if self.received != self.size:
                 raise BlobError(f"blob {self.cid}: {self.received} of {self.size} bytes arrived")
-            actual = self._hash.hexdigest()
+            self._close()
+            actual = self._digest()
             if actual != self.cid:
                 raise BlobError(f"blob {self.cid}: data hashes to {actual}, refusing to store")
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
             os.replace(self._tmp, self._final)
         except OSError as e:
             self.abort()
@@ -289,12 +283,47 @@ class BlobWriter:
 
     def abort(self) -> None:
         """Drop what was written; idempotent."""
-        if not self._file.closed:
-            self._file.close()
+        try:
+            if self._fd is not None:
+                os.close(self._fd)
+        except OSError:
+            pass  # already unusable: the file is removed below either way
+        self._fd = None
         self._tmp.unlink(missing_ok=True)
 
 
-class RangeWriter:
+class BlobWriter(_PartWriter):
+    """Streams one blob into a store: `write` pieces as they arrive (hashed and written,
+    never all held in memory), then `commit` (checks the count and the hash, fsyncs,
+    renames into place) or `abort`. A writer never committed leaves nothing under the blob's
+    id: at worst a `.tmp-*` file, and `abort` removes that. Not thread-safe: one caller."""
+
+    def __init__(self, store: BlobStore, cid: str, size: int) -> None:
+        super().__init__(store, cid, size)
+        self._hash = hashlib.sha256()
+
+    def write(self, piece: bytes) -> None:
+        """Append `piece`; BlobError (and the writer aborted) past the declared size."""
+        if self.received + len(piece) > self.size:
+            self.abort()
+            raise BlobError(f"blob {self.cid}: more than the declared {self.size} bytes")
+        if self._fd is None:
+            raise BlobError(f"blob {self.cid}: writer already closed")
+        self._hash.update(piece)
+        self.received += len(piece)
+        view = memoryview(piece)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as e:
+            self.abort()
+            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+
+    def _digest(self) -> str:
+        return self._hash.hexdigest()  # hashed as it arrived: no second read
+
+
+class RangeWriter(_PartWriter):
     """Streams one blob into a store as disjoint byte ranges, in any order and from any
     number of threads (`write_at` is a positional write: no shared file offset). `commit`
     checks that exactly `size` bytes arrived, hashes the file in order (its pages are
@@ -302,16 +331,8 @@ class RangeWriter:
     and nothing is stored under the id. Nothing is held in memory beyond one piece."""
 
     def __init__(self, store: BlobStore, cid: str, size: int) -> None:
-        self.cid, self.size, self.received = cid, size, 0
-        self._final = store.path(cid)
+        super().__init__(store, cid, size)
         self._lock = threading.Lock()
-        try:
-            self._final.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self._final.parent, prefix=_TMP_PREFIX, suffix=".part")
-        except OSError as e:
-            raise BlobError(f"cannot store blob {cid}: {e}") from e
-        self._fd: int | None = fd
-        self._tmp = Path(tmp)
 
     def write_at(self, offset: int, piece: bytes) -> None:
         """Write `piece` at `offset`; BlobError past the declared size or on I/O errors.
@@ -332,35 +353,6 @@ class RangeWriter:
             raise BlobError(f"cannot store blob {self.cid}: {e}") from e
         with self._lock:
             self.received += len(piece)
-
-    def commit(self) -> None:
-        """Put the blob in place; BlobError (writer aborted, store unchanged) if fewer
-        bytes than declared arrived or they do not hash to the cid."""
-        try:
-            if self.received != self.size:
-                raise BlobError(f"blob {self.cid}: {self.received} of {self.size} bytes arrived")
-            assert self._fd is not None
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
-            actual = file_content_id(self._tmp)
-            if actual != self.cid:
-                raise BlobError(f"blob {self.cid}: data hashes to {actual}, refusing to store")
-            os.replace(self._tmp, self._final)
-        except OSError as e:
-            self.abort()
-            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
-        except BlobError:
-            self.abort()
-            raise
-        _fsync_dir(self._final.parent)
-
-    def abort(self) -> None:
-        """Drop what was written; idempotent."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self._tmp.unlink(missing_ok=True)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -13,10 +13,13 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 from covey.blobs.store import BlobError, BlobStore, BlobWriter, cid_or_error
 
 logger = logging.getLogger("covey.blobs.client")
+
+T = TypeVar("T")
 
 _WRITE_BYTES = 1 << 20  # a ranged fetch writes to disk in pieces of about this size
 
@@ -46,7 +49,7 @@ class StreamingFetch:
     _lock: threading.Lock
     _candidates: Callable[[Sequence[str], dict[str, str]], list[str]]
     _error: Callable[[str, str, dict[str, str]], BlobError]
-    _with_retries: Callable[..., object]
+    _with_retries: Callable[..., Any]
     _get: Callable[..., int]
 
     def fetch_into(
@@ -136,12 +139,7 @@ class StreamingFetch:
         i % len(providers) first, `parallel` at a time; the blob is stored if every range
         arrived and the file hashes to `cid`. Returns the providers to skip from now on.
         A retried range rewrites its own bytes: the writer counts each range once."""
-        ranges = [
-            (s, min(s + self.chunk_bytes, size) - 1) for s in range(0, size, self.chunk_bytes)
-        ]
         writer = store.range_writer(cid, size, capped=False)
-        dead: set[str] = set()
-        abort = threading.Event()
 
         def attempt(p: str, start: int, end: int) -> None:
             offset = start
@@ -158,31 +156,10 @@ class StreamingFetch:
             self._get(p, cid, (start, end), None, sink)
             writer.write_at(offset, bytes(buf))
 
-        def one(i: int) -> bool:
-            start, end = ranges[i]
-            k = i % len(providers)
-            for p in providers[k:] + providers[:k]:
-                with self._lock:
-                    if p in dead:
-                        continue
-                try:
-                    self._with_retries(lambda p=p: attempt(p, start, end), abort)
-                except _Aborted:
-                    return False
-                except _Failure as f:
-                    with self._lock:
-                        failures[p] = str(f)
-                        if f.skip:
-                            dead.add(p)
-                    continue
-                return True
-            abort.set()
-            return False
-
+        dead: set[str] = set()
         try:
-            with ThreadPoolExecutor(max_workers=min(self.parallel, len(ranges))) as pool:
-                complete = all(list(pool.map(one, range(len(ranges)))))
-            if complete:
+            done, dead = self._over_ranges(providers, size, failures, attempt)
+            if done is not None:
                 # a failed attempt may have written part of a range that a retry rewrote:
                 # count by ranges, not by writes
                 writer.received = size
@@ -192,3 +169,49 @@ class StreamingFetch:
         finally:
             writer.abort()  # a no-op once committed
         return dead
+
+    def _over_ranges(
+        self,
+        providers: list[str],
+        size: int,
+        failures: dict[str, str],
+        attempt: Callable[[str, int, int], T],
+    ) -> tuple[list[T] | None, set[str]]:
+        """`attempt(provider, start, end)` for every `chunk_bytes` range of a `size`-byte
+        blob (end inclusive), range i from provider i % len(providers) first and then the
+        others, with retries, `parallel` at a time. Returns (the results in range order, or
+        None once some range had no provider left; the providers to skip from now on);
+        each provider's last failure goes into `failures`."""
+        ranges = [
+            (s, min(s + self.chunk_bytes, size) - 1) for s in range(0, size, self.chunk_bytes)
+        ]
+        results: dict[int, T] = {}
+        dead: set[str] = set()
+        abort = threading.Event()  # one range had no provider left: stop the others
+
+        def one(i: int) -> bool:
+            start, end = ranges[i]
+            k = i % len(providers)
+            for p in providers[k:] + providers[:k]:
+                with self._lock:
+                    if p in dead:
+                        continue
+                try:
+                    value = self._with_retries(lambda p=p: attempt(p, start, end), abort)
+                except _Aborted:
+                    return False
+                except _Failure as f:
+                    with self._lock:
+                        failures[p] = str(f)
+                        if f.skip:
+                            dead.add(p)
+                    continue
+                with self._lock:
+                    results[i] = value
+                return True
+            abort.set()
+            return False
+
+        with ThreadPoolExecutor(max_workers=min(self.parallel, len(ranges))) as pool:
+            complete = all(list(pool.map(one, range(len(ranges)))))
+        return ([results.pop(i) for i in range(len(ranges))] if complete else None), dead
