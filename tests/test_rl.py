@@ -234,7 +234,7 @@ def honest_gen(policy: GPT) -> sampling.Generation:
 
 def test_proof_size_meets_goal() -> None:
     assert proofs.proof_size(32, 64) == 258 and proofs.proof_size(32, 4096) == 258
-    assert proofs.proof_size(40, 64) == 258 + 258  # 8 tokens x 64 dims still hold 128 values
+    assert proofs.proof_size(40, 64) == 258 + 2 + 2 * 31  # 8 tokens commit 31 values
     assert proofs.proof_size(33, 2) == (2 + 2 * 64) + (2 + 2 * 2)  # fewer values than k
 
 
