@@ -1,0 +1,236 @@
+"""Hugging Face causal LMs as RL policies (issue 14): a tiny GPT-2 and a tiny Llama built
+here (random weights, a BPE tokenizer trained here, nothing downloaded) go through the
+whole protocol: policy bytes, seeded sampling, proofs on the LM head's input, the
+validator's check_batch, and the learner's GRPO step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from covey.rl import policy as pol
+from covey.rl.batch import RolloutSpec, Sample, check_batch, rollout
+from covey.rl.hf_policy import hf_newline_id
+from covey.rl.learn import LearnConfig, Learner, pass_at_1
+from covey.rl.loss import LossConfig
+from covey.rl.sampling import forward_hidden
+from covey.rl.tasks import ArithmeticTask
+
+ARCHS = ("gpt2", "llama")
+
+
+def _tokenizer(directory: Path, bos: bool) -> None:
+    """A byte-level BPE trained on arithmetic text, with "\\n" one token; the Llama's adds
+    a BOS to every encoded prompt (its post-processor), as Llama tokenizers do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([f"{a}+{b}={a + b}\n" for a in range(40) for b in range(40)], trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+    (directory / "tokenizer.json").write_text(tok.to_str())
+
+
+def make_hf_policy(directory: Path, arch: str, seed: int = 0) -> Path:
+    """A local HF policy directory (config.json, model.safetensors, tokenizer.json)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if arch == "gpt2":
+        config = AutoConfig.for_model(
+            "gpt2", vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=2
+        )
+        config.bos_token_id, config.eos_token_id = 0, 1
+    else:
+        config = AutoConfig.for_model(
+            "llama",
+            vocab_size=320,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    _tokenizer(directory, bos=arch == "llama")
+    return directory
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(descriptor, model, spec, task) of one tiny HF policy."""
+    d = make_hf_policy(tmp_path_factory.mktemp("hf") / request.param, request.param)
+    desc, model = pol.load_policy_dir(f"hf:{d}")
+    spec = RolloutSpec("run-hf", 2, 4, 1.0, 6, desc["vocab_size"], hf_newline_id(desc))
+    return desc, model, spec, ArithmeticTask()
+
+
+def _batch(hf, gen_batch: int = 4, model=None, worker: str = "w1"):
+    desc, policy, spec, task = hf
+    return rollout(
+        model or policy,
+        task,
+        spec,
+        step=3,
+        worker_id=worker,
+        policy_version=3,
+        policy_cid="cid",
+        gen_batch=gen_batch,
+        **pol.codec_kwargs(desc),
+    )
+
+
+def _check(hf, batch, model=None):
+    desc, policy, spec, task = hf
+    return check_batch(
+        batch,
+        spec=spec,
+        submitter=batch.worker_id,
+        step=3,
+        policy_cid="cid",
+        model=model or policy,
+        task=task,
+        **pol.codec_kwargs(desc),
+    )
+
+
+def test_descriptor_round_trips_and_refuses_code(hf, tmp_path: Path) -> None:
+    desc, model, _spec, _task = hf
+    data = pol.policy_bytes(model)
+    again = pol.load_weights(pol.build_policy(json.loads(json.dumps(desc))), data)
+    assert pol.policy_bytes(again) == data  # a peer rebuilds the same policy from the spec
+    assert pol.config_of(desc)["config"]["model_type"] in ARCHS
+    for bad in (
+        {**desc, "config": {**desc["config"], "model_type": "bert"}},
+        {**desc, "config": {**desc["config"], "auto_map": {"AutoModel": "x.Y"}}},
+        {**desc, "tokenizer_sha256": "0" * 64},
+        {**desc, "vocab_size": desc["vocab_size"] + 1},
+    ):
+        with pytest.raises(pol.PolicyError):
+            pol.build_policy(bad)
+    with pytest.raises(pol.PolicyError, match=r"config\.json"):
+        pol.load_policy_dir(f"hf:{tmp_path}")
+
+
+def test_hidden_state_is_the_final_norms_output(hf) -> None:
+    """The proofs commit to what covey GPT's ln_f gives: the LM head's input, which is
+    transformers' hidden_states[-1] (after the final norm) and gives the logits."""
+    _desc, model, _spec, _task = hf
+    ids = torch.tensor([[5, 17, 40, 3, 9]])
+    logits, hidden = forward_hidden(model, ids)
+    out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    assert torch.equal(hidden, out.hidden_states[-1].float())
+    head = model.get_output_embeddings()
+    assert torch.allclose(head(hidden), logits, atol=1e-5)
+
+
+def test_tokenizer_codec_and_eos(hf) -> None:
+    desc, _model, spec, _task = hf
+    encode, decode = pol.text_codec(desc)
+    ids = encode("12+7=")
+    bos = desc["config"]["model_type"] == "llama"
+    assert decode(ids) == "12+7=" and len(ids) < len("12+7=") + bos  # merged BPE tokens
+    assert decode([spec.eos_id]) == "\n"
+    if desc["config"]["model_type"] == "llama":
+        assert ids[0] == 0  # the BOS the tokenizer's post-processor adds
+
+
+@pytest.mark.parametrize(("threads", "gen_batch"), [(1, 1), (2, 4)])
+def test_honest_batch_is_accepted_on_1_and_2_threads(hf, threads: int, gen_batch: int) -> None:
+    """Generated one at a time or G at once, on 1 or 2 threads; checked with prefill
+    batches of 4 (check_batch's default)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        verdict = _check(hf, _batch(hf, gen_batch))
+        assert verdict.ok, verdict
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cheats_on_an_hf_policy_are_rejected(hf) -> None:
+    desc, model, _spec, _task = hf
+    honest = _batch(hf)
+    perturbed = pol.build_policy(desc)
+    with torch.no_grad():
+        for p, q in zip(perturbed.parameters(), model.parameters(), strict=True):
+            p.copy_(q * (1 + 1e-3 * torch.randn_like(q)))
+    assert _check(hf, _batch(hf, model=perturbed)).problem.value == "proof"
+    bf16 = pol.build_policy(desc)
+    bf16.load_state_dict({k: v.bfloat16().float() for k, v in model.state_dict().items()})
+    v = _check(hf, _batch(hf, model=bf16))
+    assert not v.ok and v.problem.value in ("proof", "sampling", "logprobs"), v
+    s = honest.samples[0]
+    edited = [(s.tokens[0] + 1) % desc["vocab_size"], *s.tokens[1:]]
+    forged = honest.model_copy(
+        update={"samples": [Sample(**{**s.model_dump(), "tokens": edited}), *honest.samples[1:]]}
+    )
+    v = _check(hf, forged)
+    assert not v.ok and v.problem.value in ("tokens", "reward", "proof", "sampling"), v
+
+
+def test_learner_step_moves_toward_rewarded_samples(hf) -> None:
+    """One GRPO step raises the logprob of the best-rewarded samples of each group and
+    lowers the worst (advantages r - mean(r))."""
+    desc, model, spec, task = hf
+    policy = pol.load_weights(pol.build_policy(desc), pol.policy_bytes(model))
+    batch = _batch(hf)
+    rewards = [float(i % 4 == 0) for i in range(len(batch.samples))]  # one winner per group
+    batch = batch.model_copy(
+        update={
+            "samples": [
+                s.model_copy(update={"reward": r})
+                for s, r in zip(batch.samples, rewards, strict=True)
+            ]
+        }
+    )
+    encode, _ = pol.text_codec(desc)
+    learner = Learner(
+        policy,
+        LearnConfig(lr=1e-2, temperature=spec.temperature, loss=LossConfig(max_tokens=6)),
+        task,
+        encode=encode,
+    )
+
+    def seq_logprob() -> torch.Tensor:
+        logp, mask = learner._token_logprobs(*_rows(learner, batch))
+        return (logp * mask).sum(1).detach()
+
+    before = seq_logprob()
+    stats = learner.step([(batch, 3)], 3)
+    assert stats["updated"] == 1.0
+    delta = seq_logprob() - before
+    win = torch.tensor(rewards) > 0
+    assert delta[win].mean() > 0 > delta[~win].mean(), delta
+    assert pol.policy_bytes(policy) != pol.policy_bytes(model)
+
+
+def _rows(learner: Learner, batch) -> tuple[list[list[int]], list[int], int]:
+    rows, _ = learner._rows([(batch, 3)], 3)
+    width = max(len(s) - p for s, p in zip(rows.seqs, rows.prompt_lens, strict=True))
+    return rows.seqs, rows.prompt_lens, width
+
+
+def test_pass_at_1_uses_the_policys_tokenizer(hf) -> None:
+    desc, model, spec, task = hf
+    score = pass_at_1(model, task, 4, eos_id=spec.eos_id, **pol.codec_kwargs(desc))
+    assert 0.0 <= score <= 1.0
