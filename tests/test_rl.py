@@ -221,6 +221,33 @@ def test_jsonl_task_with_py_reward(tmp_path) -> None:
         JsonlTask(tmp_path / "bad.jsonl", "py:tests.test_rl:reward_contains")
 
 
+def test_parquet_prompts_give_the_same_assignments_as_jsonl(tmp_path) -> None:
+    """The same records as JSONL and as Parquet (through the data layer's table reader):
+    same prompts, same rewards, so the same assignments and checks on every role."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"prompt": f"{a}*{a + 1}=", "answer": str(a * (a + 1)), "n": a} for a in range(23)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "p.parquet")
+    spec = "py:tests.test_rl:reward_contains"
+    jl, pt = JsonlTask(tmp_path / "p.jsonl", spec), JsonlTask(tmp_path / "p.parquet", spec)
+    assert len(pt) == len(jl) == 23
+    for step, worker in ((0, "w1"), (7, "w2")):
+        want = assigned_prompts("run", step, worker, 6, num_prompts=len(jl))
+        assert want == assigned_prompts("run", step, worker, 6, num_prompts=len(pt))
+        assert [pt.prompt(i) for i in want] == [jl.prompt(i) for i in want]
+        assert [pt.reward(i, records[i]["answer"]) for i in want] == [1.0] * 6
+    pq.write_table(pa.Table.from_pylist([{"text": "x"}]), tmp_path / "bad.parquet")
+    with pytest.raises(TaskError, match="string 'prompt'"):
+        JsonlTask(tmp_path / "bad.parquet", spec)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(TaskError, match="junk"):
+        JsonlTask(tmp_path / "junk.parquet", spec)
+
+
 # --- proofs -------------------------------------------------------------------------
 
 from covey.rl import proofs  # noqa: E402

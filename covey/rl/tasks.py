@@ -3,7 +3,9 @@
 - `ArithmeticTask`: verifiable arithmetic generated from a seed ("12+7=" -> "19"), with a
   held-out test split disjoint from the training prompts by construction (a hash of the
   problem decides its split, so no seed or ordering can leak one into the other).
-- `JsonlTask`: prompts from a JSONL file (one object with a "prompt" string per line) and a
+- `JsonlTask`: prompts from a JSONL file (one object with a "prompt" string per line) or a
+  table the data layer reads (`.parquet`, `.csv`, `.json`, `.arrow`: one row per prompt, a
+  string "prompt" column, same columns as the JSONL records), and a
   `py:<module>:<function>` reward `fn(record: dict, completion: str) -> float`.
 - `assigned_prompts(run_id, step, worker_id, n, num_prompts=...)`: the prompt indices a
   worker must answer at a step; workers do not choose them.
@@ -159,31 +161,68 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def _jsonl_records(path: Path) -> list[tuple[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise TaskError(f"cannot read prompts file {path}: {exc}") from exc
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((f"{path}:{n}", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise TaskError(f"{path}:{n}: not JSON: {exc}") from exc
+    return out
+
+
+def _table_records(path: Path, builder: str) -> list[tuple[str, Any]]:
+    """Rows of a table file, read the way the data layer reads one (covey.data.sources:
+    `datasets` in streaming mode, nothing cached), each a dict of its columns."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+        return [(f"{path}:row {i}", dict(row)) for i, row in enumerate(ds)]
+    except Exception as exc:  # datasets raises many types for unreadable files
+        raise TaskError(f"cannot read prompts file {path} as {builder}: {exc}") from None
+
+
+def read_prompt_records(path: str | Path) -> list[dict[str, Any]]:
+    """The prompt records of a JSONL file or a table (suffix in the data layer's
+    TABLE_SUFFIXES, e.g. `.parquet`), in file order. TaskError naming the file and line/row
+    when it cannot be read, a record has no string "prompt", or there are none."""
+    from covey.data.sources import TABLE_SUFFIXES
+
+    p = Path(path)
+    if not p.is_file():
+        raise TaskError(f"prompts file {path} does not exist")
+    suffix = p.suffix.lower()
+    if suffix in TABLE_SUFFIXES:
+        rows = _table_records(p, TABLE_SUFFIXES[suffix])
+    else:  # .jsonl (and anything else) is read as one JSON object per line
+        rows = _jsonl_records(p)
+    records = []
+    for where, record in rows:
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise TaskError(f"{where}: needs an object with a string 'prompt'")
+        records.append(record)
+    if not records:
+        raise TaskError(f"{path} holds no prompts")
+    return records
+
+
 class JsonlTask:
-    """Prompts from a JSONL file (each line an object with a string "prompt"; other fields
-    reach the reward), rewarded by a `py:<module>:<function>` spec."""
+    """Prompts from a JSONL or table file (`read_prompt_records`; each record a "prompt"
+    string, other fields reach the reward), rewarded by a `py:<module>:<function>` spec."""
 
     def __init__(self, path: str | Path, reward_spec: str, name: str = "jsonl") -> None:
         self.name = name
         self.reward_spec = reward_spec
         self._reward = load_reward(reward_spec)
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as exc:
-            raise TaskError(f"cannot read prompts file {path}: {exc}") from exc
-        self._records: list[dict[str, Any]] = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskError(f"{path}:{n}: not JSON: {exc}") from exc
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise TaskError(f"{path}:{n}: needs an object with a string 'prompt'")
-            self._records.append(record)
-        if not self._records:
-            raise TaskError(f"{path} holds no prompts")
+        self._records: list[dict[str, Any]] = read_prompt_records(path)
 
     def __len__(self) -> int:
         return len(self._records)
