@@ -125,13 +125,13 @@ class SubspaceCodec:
     def encode(self, h: torch.Tensor, e_tok: torch.Tensor) -> torch.Tensor:
         """Coefficients c = U^T (h - e_tok), shape (..., rank)."""
         self._check(h, e_tok)
-        return (h - e_tok) @ self.basis.to(h.dtype)
+        return (h - e_tok) @ self.basis.to(device=h.device, dtype=h.dtype)
 
     def decode(self, c: torch.Tensor, e_tok: torch.Tensor) -> torch.Tensor:
         """h = U c + e_tok. ValueError when c's last dim is not `rank`."""
         if c.shape[-1] != self.rank or c.shape[:-1] != e_tok.shape[:-1]:
             raise ValueError(f"coefficients {tuple(c.shape)} do not fit e_tok {tuple(e_tok.shape)}")
-        return c @ self.basis.to(c.dtype).T + e_tok
+        return c @ self.basis.to(device=c.device, dtype=c.dtype).T + e_tok
 
     def project(self, h: torch.Tensor, e_tok: torch.Tensor) -> torch.Tensor:
         """The constraint a stage applies to its output: e_tok + U U^T (h - e_tok).

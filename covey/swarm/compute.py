@@ -4,6 +4,8 @@ server answers and what a referee recomputes are the same code.
 forward: body = pack(input) -> pack(output, meta)
 backward: body = pack(input, grad_output | targets) -> pack(grad_input | b"", meta), where
 meta is JSON {"loss": last stage's loss or null, "sketch": per-parameter grad norms}.
+With codec "subspace" the hidden states and gradients between stages travel as
+coefficients of the run's fixed subspace (covey.swarm.subspace), forward with the ids.
 Inputs are checked before use (shape, dtype, token range): bytes from a trainer are not
 trusted either. Backward recomputes forward from the input (covey.swarm.stage).
 """
@@ -16,6 +18,8 @@ from typing import Any
 
 import torch
 
+from covey.swarm import subspace
+from covey.swarm.codecs import CodecError
 from covey.swarm.config import SwarmConfig
 from covey.swarm.stage import Stage
 from covey.swarm.wire import WireError, decode_tensor, encode_tensor, pack, unpack
@@ -23,46 +27,105 @@ from covey.swarm.wire import WireError, decode_tensor, encode_tensor, pack, unpa
 MAX_ROWS = 1024
 
 
-def check_input(cfg: SwarmConfig, k: int, x: torch.Tensor) -> None:
-    """WireError unless `x` is what stage `k` takes: token ids (B, T) in [0, 256) for stage
-    0, hidden states (B, T, n_embd) otherwise, T <= seq_len."""
+def check_input(cfg: SwarmConfig, k: int, x: torch.Tensor, stage: Stage | None = None) -> None:
+    """WireError unless `x` is what stage `k` takes: token ids (B, T) in [0, vocab) for
+    stage 0, hidden states (B, T, C) otherwise, T <= seq_len. vocab and C are the stage
+    module's (covey GPT: 256 and n_embd)."""
+    vocab = getattr(getattr(stage, "module", None), "vocab_size", 256)
+    hidden = getattr(getattr(stage, "module", None), "hidden_size", cfg.n_embd)
     if k == 0:
         if x.dim() != 2 or x.is_floating_point():
             raise WireError(f"stage 0 takes token ids (B, T), got {tuple(x.shape)} {x.dtype}")
-        if x.numel() and (int(x.min()) < 0 or int(x.max()) >= 256):
-            raise WireError("token ids must be in [0, 256)")
-    elif x.dim() != 3 or x.shape[2] != cfg.n_embd:
-        raise WireError(f"stage {k} takes (B, T, {cfg.n_embd}), got {tuple(x.shape)}")
+        if x.numel() and (int(x.min()) < 0 or int(x.max()) >= vocab):
+            raise WireError(f"token ids must be in [0, {vocab})")
+    elif x.dim() != 3 or x.shape[2] != hidden:
+        raise WireError(f"stage {k} takes (B, T, {hidden}), got {tuple(x.shape)}")
     if not 0 < x.shape[0] <= MAX_ROWS or not 0 < x.shape[1] <= cfg.seq_len:
         raise WireError(f"shape {tuple(x.shape)}: rows 1..{MAX_ROWS}, T 1..{cfg.seq_len}")
 
 
+def decode_any(data: bytes) -> torch.Tensor:
+    """The tensor of a payload between stages: token ids, int8, plain, or a subspace
+    payload's coefficients. WireError when malformed."""
+    if subspace.is_payload(data):
+        try:
+            return subspace.decode_payload(data)[1]
+        except CodecError as e:
+            raise WireError(f"undecodable subspace payload: {e}") from None
+    return decode_tensor(data)
+
+
+def _stage_input(
+    cfg: SwarmConfig, k: int, stage: Stage, data: bytes
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(stage input, token ids or None). In subspace mode a stage after the first
+    receives ids and coefficients and computes on U c + e_tok."""
+    if k == 0 or cfg.codec != "subspace":
+        x = decode_tensor(data)
+        check_input(cfg, k, x, stage)
+        return x, (x if k == 0 else None)
+    try:
+        ids, c = subspace.decode_payload(data)
+    except CodecError as e:
+        raise WireError(f"stage {k} in subspace mode takes ids and coefficients: {e}") from None
+    sw = subspace.for_run(cfg)
+    if c.shape[2] != sw.rank:
+        raise WireError(f"coefficients {tuple(c.shape)}: rank must be {sw.rank}")
+    try:
+        x = sw.from_coeffs(c, ids)
+    except ValueError as e:
+        raise WireError(str(e)) from None
+    check_input(cfg, k, x, stage)
+    return x, ids
+
+
+def _encode_grad(cfg: SwarmConfig, g: torch.Tensor) -> bytes:
+    if cfg.codec == "subspace":  # g_c = U^T dL/dh: r values a token (covey.swarm.subspace)
+        return encode_tensor(subspace.for_run(cfg).grad_to_coeffs(g), "plain")
+    return encode_tensor(g, cfg.codec)
+
+
 def forward(cfg: SwarmConfig, k: int, stage: Stage, body: bytes) -> bytes:
     (data,) = unpack(body, 1)
-    x = decode_tensor(data)
-    check_input(cfg, k, x)
+    x, ids = _stage_input(cfg, k, stage, data)
     out = stage.forward(x)
-    return pack(encode_tensor(out, cfg.codec), json.dumps({"loss": None, "sketch": []}).encode())
+    if cfg.codec == "subspace" and not stage.last:
+        assert ids is not None
+        payload = subspace.encode_payload(ids, subspace.for_run(cfg).to_coeffs(out, ids))
+    else:
+        payload = encode_tensor(out, "plain" if cfg.codec == "subspace" else cfg.codec)
+    return pack(payload, json.dumps({"loss": None, "sketch": []}).encode())
 
 
 def backward(cfg: SwarmConfig, k: int, stage: Stage, body: bytes) -> bytes:
     data, extra = unpack(body, 2)
-    x, g = decode_tensor(data), decode_tensor(extra)
-    check_input(cfg, k, x)
+    x, _ = _stage_input(cfg, k, stage, data)
+    g = decode_tensor(extra)
+    vocab = getattr(stage.module, "vocab_size", 256)
     loss = None
     if stage.last:
         if g.is_floating_point() or g.shape != x.shape[:2]:
             raise WireError(f"targets must be ids of shape {tuple(x.shape[:2])}")
-        if int(g.min()) < 0 or int(g.max()) >= 256:
-            raise WireError("targets must be in [0, 256)")
+        if int(g.min()) < 0 or int(g.max()) >= vocab:
+            raise WireError(f"targets must be in [0, {vocab})")
         loss, grad = stage.backward_loss(x, g)
     else:
-        if g.shape != (*x.shape[:2], cfg.n_embd):
+        if cfg.codec == "subspace":
+            sw = subspace.for_run(cfg)
+            if g.shape != (*x.shape[:2], sw.rank):
+                raise WireError(f"grad coefficients {tuple(g.shape)} do not fit {tuple(x.shape)}")
+            g = sw.grad_from_coeffs(g)
+        if g.shape != (*x.shape[:2], stage_hidden(cfg, stage)):
             raise WireError(f"grad_output {tuple(g.shape)} does not fit input {tuple(x.shape)}")
         grad = stage.backward(x, g)
     meta = {"loss": loss, "sketch": stage.last_sketch}
-    out = b"" if grad is None else encode_tensor(grad, cfg.codec)
+    out = b"" if grad is None else _encode_grad(cfg, grad)
     return pack(out, json.dumps(meta).encode())
+
+
+def stage_hidden(cfg: SwarmConfig, stage: Stage) -> int:
+    """C of the hidden states `stage` outputs."""
+    return int(getattr(stage.module, "hidden_size", cfg.n_embd))
 
 
 def parse_reply(reply: bytes) -> tuple[torch.Tensor | None, dict[str, Any]]:
@@ -77,7 +140,7 @@ def parse_reply(reply: bytes) -> tuple[torch.Tensor | None, dict[str, Any]]:
     loss = meta.get("loss")
     if loss is not None and (not isinstance(loss, (int, float)) or not math.isfinite(loss)):
         raise WireError(f"reply loss {loss!r} is not a finite number")
-    return (decode_tensor(out) if out else None), meta
+    return (decode_any(out) if out else None), meta
 
 
 def distance(a: torch.Tensor | list[float] | None, b: torch.Tensor | list[float] | None) -> float:

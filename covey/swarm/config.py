@@ -7,6 +7,8 @@ peer builds the same model, plan and batches.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from covey.config import Frozen, RunConfig, TrustConfig, config_hash
@@ -17,6 +19,19 @@ class SwarmConfig(Frozen):
 
     name: str = Field("covey-swarm", min_length=1, max_length=80, description="display name")
     seed: int = Field(0, description="seeds the initial weights of every stage and the data")
+    model: str = Field(
+        "",
+        pattern=r"^(|hf:.+)$",
+        description="'' = covey's GPT of n_layer/n_embd/n_head; 'hf:DIR' = a Hugging Face "
+        "decoder (Llama or GPT-2 family) from a local directory (its config.json, and its "
+        "*.safetensors weights if any); n_layer, n_embd and n_head are then ignored",
+    )
+    model_digest: str = Field(
+        "",
+        pattern="^([0-9a-f]{64})?$",
+        description="sha256 of the hf: model's config.json (canonical JSON); filled in from "
+        "the directory when empty, so the run id names the architecture",
+    )
     n_layer: int = Field(4, ge=1, description="GPT blocks, cut into `stages` stages")
     n_embd: int = Field(32, ge=8, description="GPT hidden size")
     n_head: int = Field(2, ge=1, description="GPT attention heads")
@@ -28,7 +43,15 @@ class SwarmConfig(Frozen):
     )
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate of every stage")
     data_paths: tuple[str, ...] = Field((), description="text files or dirs; empty = stdlib")
-    codec: str = Field("int8", pattern="^(int8|plain)$", description="activations on the wire")
+    codec: str = Field(
+        "int8",
+        pattern="^(int8|plain|subspace)$",
+        description="activations and gradients between stages: blockwise 8-bit, fp32, or "
+        "subspace coefficients (arXiv 2506.01260; fp32, `subspace_rank` values a token)",
+    )
+    subspace_rank: int = Field(
+        8, ge=1, description="codec subspace: rank of the fixed basis stage outputs live in"
+    )
     heartbeat_s: float = Field(1.0, gt=0, description="servers heartbeat this often")
     dead_after_s: float = Field(10.0, gt=0, description="a server silent this long is dead")
     round_timeout_s: float = Field(
@@ -54,8 +77,21 @@ class SwarmConfig(Frozen):
     min_stake: float = Field(0.0, ge=0, description="credits a server stakes to join")
     slash_fraction: float = Field(0.5, ge=0, le=1, description="stake a proven liar loses")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _digest(cls, data: Any) -> Any:
+        # only where the spec is made (the coordinator): peers receive it filled in
+        hf = isinstance(data, dict) and str(data.get("model", "")).startswith("hf:")
+        if hf and not data.get("model_digest"):
+            from covey.swarm.hfmodel import model_digest
+
+            data = {**data, "model_digest": model_digest(str(data["model"])[3:])}
+        return data
+
     @model_validator(mode="after")
     def _fits(self) -> SwarmConfig:
+        if self.model:
+            return self  # the directory's config.json is checked when a stage is built
         if self.stages > self.n_layer:
             raise ValueError(
                 f"stages ({self.stages}) cannot be greater than n_layer ({self.n_layer})"

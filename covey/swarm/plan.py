@@ -93,6 +93,9 @@ def _parts(model: nn.Module) -> dict[str, object]:
 class StageModule(nn.Module):
     """One stage: optional embedding, a run of blocks, optional head. Subclasses say how."""
 
+    hidden_size: int  # C of the hidden states between stages
+    vocab_size: int  # token ids a first stage takes are in [0, vocab_size)
+
     def __init__(self, blocks: list[nn.Module], first: bool, last: bool) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
@@ -129,6 +132,7 @@ class GPTStage(StageModule):
     def __init__(self, model: GPT, idx: list[int], first: bool, last: bool) -> None:
         super().__init__([model.blocks[i] for i in idx], first, last)
         self.block_size = model.cfg.block_size
+        self.hidden_size, self.vocab_size = model.cfg.n_embd, model.cfg.vocab_size
         if first:
             self.wte, self.wpe = model.wte, model.wpe
         if last:
@@ -161,6 +165,10 @@ class HFStage(StageModule):
         super().__init__([parts["blocks"][i] for i in idx], first, last)  # type: ignore[index]
         self.kind = kind
         self.config = model.config
+        self.hidden_size, self.vocab_size = (
+            int(model.config.hidden_size),
+            int(model.config.vocab_size),
+        )
         if kind == "llama":
             inner = model.model  # type: ignore[attr-defined]
             self.rotary_emb = inner.rotary_emb

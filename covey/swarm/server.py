@@ -31,13 +31,12 @@ from safetensors.torch import save as st_save
 
 from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
-from covey.swarm import compute
+from covey.swarm import compute, subspace
 from covey.swarm.config import SwarmConfig
 from covey.swarm.stage import Stage
 from covey.swarm.wire import (
     WireError,
     build_stage,
-    decode_tensor,
     encode_tensor,
     load_state,
     pack,
@@ -66,13 +65,17 @@ class StageServer:
         port: int = 0,
         seed: int = 0,
         stage: int | None = None,
+        model: str | None = None,
     ) -> None:
+        """`model`: this machine's copy of the run's `hf:DIR` model (its config.json must
+        have the run's digest); default: the path the run's spec names."""
         if behavior not in BEHAVIORS:
             raise ValueError(f"behavior {behavior!r} must be one of {BEHAVIORS}")
         if slowdown < 1:
             raise ValueError(f"slowdown ({slowdown}) must be >= 1")
         self.name, self.slowdown, self.emulate_s = name, slowdown, emulate_s
         self.behavior, self.stake, self.port, self.wanted = behavior, stake, port, stage
+        self.model = model
         self.identity = Identity.generate()
         self.stop = threading.Event()
         self.client = CoordinatorClient(
@@ -102,6 +105,11 @@ class StageServer:
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
         spec = self.client.get("/v1/swarm/spec")
         self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
+        if self.model is not None:
+            if not self.cfg.model:
+                raise ValueError(f"--model {self.model}: this run trains covey's GPT, not hf:")
+            # the local path only; build_hf_stage checks its config.json by the run's digest
+            self.cfg = self.cfg.model_copy(update={"model": self.model})
         self._join()
         log.info("[%s] serving stage %d (%s, x%.1f)", self.name, self.k, self.behavior,
                  self.slowdown)  # fmt: skip
@@ -334,23 +342,30 @@ def misbehave(behavior: str, kind: str, reply: bytes, codec: str) -> bytes:
         return reply
     out, meta = unpack(reply, 2)
     meta_d = json.loads(meta)
+    ids = subspace.decode_payload(out)[0] if subspace.is_payload(out) else None
     if kind == "backward" and (behavior == "zero" or not out):
         meta_d["sketch"] = [0.0 for _ in meta_d["sketch"]]
     if not out:
         return pack(out, json.dumps(meta_d).encode())
-    x = decode_tensor(out)
+    x = compute.decode_any(out)
     if behavior == "wrong":
         x = torch.randn_like(x)
     elif behavior == "noise":
         x = x + 0.5 * x.std() * torch.randn_like(x)
     elif behavior == "zero" and kind == "backward":
         x = torch.zeros_like(x)
-    return pack(encode_tensor(x, codec), json.dumps(meta_d).encode())
+    payload = (
+        subspace.encode_payload(ids, x)
+        if ids is not None
+        else encode_tensor(x, "plain" if codec == "subspace" else codec)
+    )
+    return pack(payload, json.dumps(meta_d).encode())
 
 
 def _rows(body: bytes) -> int:
     try:
-        return int(decode_tensor(unpack(body, int.from_bytes(body[:4], "little"))[0]).shape[0])
+        first = unpack(body, int.from_bytes(body[:4], "little"))[0]
+        return int(compute.decode_any(first).shape[0])
     except (WireError, ValueError):
         return 1
 

@@ -117,6 +117,10 @@ def build_stage(cfg: SwarmConfig, k: int) -> Stage:
     """Stage `k` at its initial weights (the run's seed), its own copy of every tensor."""
     if not 0 <= k < cfg.stages:
         raise ValueError(f"stage {k}; this run has stages 0..{cfg.stages - 1}")
+    if cfg.model:  # a Hugging Face decoder: only this stage's weights (covey.swarm.hfmodel)
+        from covey.swarm.hfmodel import build_hf_stage
+
+        return build_hf_stage(cfg, k)  # type: ignore[no-any-return]
     torch.manual_seed(cfg.seed)
     model = GPT(gpt_config(cfg))
     module = stage_modules(model, stage_plan(cfg))[k]
