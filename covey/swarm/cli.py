@@ -53,9 +53,14 @@ def register(app: typer.Typer) -> None:
             list[str] | None,
             typer.Option("--set", help="a SwarmConfig field, KEY=VALUE (JSON value); repeat"),
         ] = None,
+        model: Annotated[
+            str | None, typer.Option(help="hf:DIR: a local Hugging Face decoder (Llama, GPT-2)")
+        ] = None,
     ) -> None:
         """Serve a SWARM run: stage assignment, averaging rounds, rebalancing, ledger."""
-        cfg = _config(set_ or [])
+        if model is not None and not model.startswith("hf:"):
+            _fail(f"--model {model!r}: expected hf:DIR")
+        cfg = _config([*(set_ or []), *([f"model={model}"] if model else [])])
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         _quiet_http()
         from covey.swarm.app import serve
@@ -83,6 +88,9 @@ def register(app: typer.Typer) -> None:
         stage: Annotated[
             int | None, typer.Option(help="ask for this stage (default: the coordinator picks)")
         ] = None,
+        model: Annotated[
+            str | None, typer.Option(help="this machine's copy of the run's hf:DIR model")
+        ] = None,
     ) -> None:
         """Serve one pipeline stage (assigned by the coordinator): forward and backward."""
         from covey.swarm.server import BEHAVIORS
@@ -91,6 +99,8 @@ def register(app: typer.Typer) -> None:
             _fail(f"--behavior {behavior!r} must be one of {', '.join(BEHAVIORS)}")
         if slowdown < 1 or emulate_s < 0:
             _fail(f"--slowdown ({slowdown}) must be >= 1 and --emulate-s ({emulate_s}) >= 0")
+        if model is not None and not model.startswith("hf:"):
+            _fail(f"--model {model!r}: expected hf:DIR")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         _quiet_http()
         import torch
@@ -100,7 +110,7 @@ def register(app: typer.Typer) -> None:
         torch.set_num_threads(1)
         s = StageServer(
             coordinator, name=name, slowdown=slowdown, emulate_s=emulate_s, behavior=behavior,
-            stake=stake, port=port, stage=stage,
+            stake=stake, port=port, stage=stage, model=model,
         )  # fmt: skip
         _stop_on_signals(s.stop)
         serve(s)
