@@ -42,6 +42,7 @@ eval_every = 1000
 heartbeat_s = 1
 dead_after_s = 3
 max_batch_bytes = 200000
+canary_rate = 0.0
 """
 
 
@@ -201,6 +202,7 @@ def test_lazy_validator_is_caught_by_the_audit(trainer: str) -> None:
         assert row["status"] == "rejected", row  # audit_rate 1.0 re-checks every acceptance
         assert ledger(trainer, "slash", w.identity.peer_id)
         [penalty] = ledger(trainer, "penalty", v.identity.peer_id)
+        assert penalty["payload"]["kind"] == "missed fraud"  # its own kind, not "canary"
         assert "missed fraud" in penalty["payload"]["reason"]
         w.membership.leave()
 

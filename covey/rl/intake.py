@@ -15,8 +15,13 @@ reports, and the verdicts written to the ledger.
   worker is slashed (the validator wins a catch), and a rejection the trainer cannot
   reproduce costs the validator a penalty (false accusation) while the batch is accepted.
   `audit_rate` of accepted batches are re-checked in full; a bad one is rejected, its
-  worker slashed and the validator penalized (ledger kind "canary": it passed a batch
-  known to be bad). Workers are paid per token of accepted batches only.
+  worker slashed and the validator penalized (a "penalty" of kind "missed fraud": it
+  passed a batch the audit proved bad). Workers are paid per token of accepted batches
+  only.
+- Per policy version (step), one validator claims at most `validator_round_cap` batches;
+  the next-ranked validator (or, past the deadline, the trainer) checks the rest. Canaries
+  (covey.rl.canaries): with `canary_rate` per (step, validator), a claim is answered with a
+  known-bad copy of a batch of that step, which the validator must reject.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pydantic import Field, model_validator
 from covey.coordinator.views import Rejected
 from covey.protocol.schemas import PeerId, RunId, Signed
 from covey.rl.batch import RolloutBatch, verified_subset
+from covey.rl.canaries import CANARY_SCHEMA, Canaries
 from covey.rl.verdicts import Judge
 from covey.trust.identity import NO_ROUND
 
@@ -50,6 +56,7 @@ RL_SCHEMA = (
     "tokens INTEGER, status TEXT NOT NULL, validator_id TEXT, tried TEXT NOT NULL DEFAULT "
     "'[]', claimed_at REAL, draw TEXT, problem TEXT, detail TEXT, submitted_at REAL, "
     "nonce TEXT, signature TEXT, consumed_by INTEGER, UNIQUE (step, worker_id))",
+    *CANARY_SCHEMA,
 )
 
 
@@ -108,6 +115,7 @@ class Intake:
     def __init__(self, trainer: Trainer) -> None:
         self.t = trainer
         self.judge = Judge(trainer)
+        self.canaries = Canaries(trainer)
 
     # -- submissions ----------------------------------------------------------------------
 
@@ -212,15 +220,22 @@ class Intake:
                 "validator_id = ? ORDER BY id LIMIT 1",
                 (req.peer_id,),
             ).fetchone()
+            if mine is None and (canary := self.canaries.assigned(c, req.peer_id)):
+                return {"task": self.canaries.task(canary)}  # reported before anything else
             if mine is None:
+                load = self._load(c)
                 for row in c.execute(
                     "SELECT * FROM rl_batches WHERE status = 'pending' ORDER BY id"
                 ).fetchall():
-                    if self._assignee(row, live | {req.peer_id}) == req.peer_id:
+                    if self._assignee(row, live | {req.peer_id}, load) == req.peer_id:
                         mine = row
                         break
             if mine is None:
                 return {"task": None}
+            if mine["status"] == "pending" and (
+                canary := self.canaries.plant(c, req.peer_id, mine["step"])
+            ):
+                return {"task": self.canaries.task(canary)}
             draw = t.identity.sign(
                 f"covey-rl-draw/v1\n{t.run_id}\n{mine['cid']}\n{req.peer_id}".encode()
             )
@@ -258,10 +273,33 @@ class Intake:
             and not (r["peer_id"] in book and book[r["peer_id"]].banned)
         ]
 
-    @staticmethod
-    def _assignee(row: sqlite3.Row, live: set[str]) -> str | None:
-        tried = set(json.loads(row["tried"]))
-        eligible = sorted(v for v in live if v not in tried and v != row["worker_id"])
+    def _load(self, c: sqlite3.Connection) -> dict[tuple[int, str], int]:
+        """Real batches each validator has claimed per step still checkable (a canary's
+        validator joins its source batch's `tried` too: not counted)."""
+        oldest = self.t.version - self.t.spec.async_level
+        load: dict[tuple[int, str], int] = {}
+        for row in c.execute("SELECT step, tried FROM rl_batches WHERE step >= ?", (oldest,)):
+            for v in json.loads(row["tried"]):
+                load[(row["step"], v)] = load.get((row["step"], v), 0) + 1
+        for row in c.execute(
+            "SELECT step, validator_id FROM rl_canaries WHERE step >= ?", (oldest,)
+        ):
+            key = (row["step"], row["validator_id"])
+            load[key] = load.get(key, 0) - 1
+        return load
+
+    def _assignee(
+        self, row: sqlite3.Row, live: set[str], load: dict[tuple[int, str], int]
+    ) -> str | None:
+        """The live validator ranked first by sha256(cid, validator) among those that did
+        not try this batch, are not its worker and are under validator_round_cap claims at
+        its step; None when none is."""
+        tried, cap = set(json.loads(row["tried"])), self.t.spec.validator_round_cap
+        eligible = sorted(
+            v
+            for v in live
+            if v not in tried and v != row["worker_id"] and load.get((row["step"], v), 0) < cap
+        )
         return min(eligible, key=lambda v: _h("covey-rl-assign", row["cid"], v), default=None)
 
     def expire(self, now: float) -> None:
@@ -298,12 +336,15 @@ class Intake:
                 row["cid"][:12],
                 timeout,
             )
+        self.canaries.sweep(now)
         live = set(self._live_validators())
+        with t.db.transaction() as c:
+            load = self._load(c)
         for row in t.db.query(
             "SELECT * FROM rl_batches WHERE status = 'pending' AND submitted_at < ?",
             (now - timeout,),
         ):
-            if self._assignee(row, live) is None:
+            if self._assignee(row, live, load) is None:
                 with contextlib.suppress(Rejected):  # a validator took it meanwhile
                     self.judge.decide(row, None, None)
 
@@ -313,6 +354,12 @@ class Intake:
         self._role(req.peer_id, "validator")
         m.authenticate(raw, NO_ROUND, req.peer_id)
         m.check_not_banned(req.peer_id)  # excluded while holding a claim: it just expires
+        with t.accounts.transaction() as c:
+            if canary := self.canaries.of_report(c, req.peer_id, req.batch_cid):
+                outcome = "passed" if req.ok else "caught"
+                self.canaries.resolve(c, canary, outcome, time.time())
+        if canary:
+            return {"ok": True, "outcome": f"canary {outcome}", "accepted": False}
         row = t.db.one(
             "SELECT * FROM rl_batches WHERE cid = ? AND status = 'claimed' AND validator_id = ?",
             (req.batch_cid, req.peer_id),

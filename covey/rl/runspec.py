@@ -62,7 +62,7 @@ class RLSpec(BaseModel):
     verify_samples: int = Field(2, ge=1, description="sequences per batch the validator prefills")
     audit_rate: float = Field(0.1, ge=0, le=1, description="accepted batches the trainer re-checks")
     verify_timeout_s: float = Field(60.0, gt=0, description="an unreported check is reassigned")
-    lr: float = Field(3e-4, gt=0, description="AdamW; 1e-3 was unstable on 2-digit addition")
+    lr: float = Field(2e-4, gt=0, description="AdamW; covey.rl.learn.DEFAULT_LR, bench's too")
     eval_prompts: int = Field(64, ge=1, description="held-out prompts for pass@1")
     eval_every: int = Field(5, ge=1, description="trainer steps between pass@1 evaluations")
     max_batch_bytes: int = Field(4 << 20, ge=1024, description="largest batch submission")
@@ -75,6 +75,20 @@ class RLSpec(BaseModel):
     catch_reward: float = Field(1.0, ge=0)
     check_reward: float = Field(0.01, ge=0)
     validator_slash_fraction: float = Field(0.2, ge=0, le=1)
+    validator_round_cap: int = Field(
+        8,
+        ge=1,
+        description="most batches of one policy version a validator claims; the next-ranked "
+        "validator (or, past verify_timeout_s, the trainer) checks the rest",
+    )
+    canary_rate: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="chance per policy version per validator that its next claim is a "
+        "planted known-bad batch (covey.rl.canaries): passing one costs "
+        "validator_slash_fraction of its stake",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RLSpec:
@@ -127,6 +141,8 @@ def ledger_policy(spec: RLSpec) -> Policy:
         min_validator_stake=spec.min_validator_stake,
         validator_slash_fraction=spec.validator_slash_fraction,
         check_reward=spec.check_reward,
+        validator_round_cap=spec.validator_round_cap,
+        canary_rate=spec.canary_rate,
     )
 
 

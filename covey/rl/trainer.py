@@ -28,6 +28,7 @@ from covey.blobs import BlobStore
 from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
 from covey.coordinator.membership import Membership
+from covey.devices import resolve_device, resolve_precision
 from covey.rl import policy as pol
 from covey.rl.batch import RolloutBatch
 from covey.rl.intake import RL_SCHEMA, Intake
@@ -47,10 +48,14 @@ class Trainer:
         spec: RLSpec | None = None,
         policy_dir: str | None = None,
         url: str = "",
+        device: str = "cpu",
+        precision: str = "fp32",
     ) -> None:
         """Open the run in `data_dir`, or create it from `spec` and the policy at
         `policy_dir` (a policy directory or covey:<preset>). ValueError when the directory
-        holds no run and no spec/policy is given, or holds a run with another spec."""
+        holds no run and no spec/policy is given, or holds a run with another spec.
+        `device` (covey.devices.resolve_device) holds the policy and its optimizer state;
+        `precision` ("fp32", "bf16") is the learning step's forward (DeviceError otherwise)."""
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.url = url
@@ -96,10 +101,12 @@ class Trainer:
         rows = self.db.query("SELECT version, cid FROM rl_versions ORDER BY version")
         self.cids = {int(r["version"]): r["cid"] for r in rows}
         self.version = max(self.cids)
+        self.device = resolve_device(device)
         self.policy = pol.load_weights(
             pol.build_policy(self.model_cfg), self.blobs.get(self.cids[self.version])
-        )
-        self.learner = make_learner(self.policy, self.spec, self.task)
+        ).to(self.device)
+        self.learner = make_learner(self.policy, self.spec, self.task, self.model_cfg)
+        self.learner.precision = resolve_precision(precision, self.device)
         self.intake = Intake(self)
         self.history: list[dict[str, Any]] = json.loads(self.db.get_meta("rl_history") or "[]")
         self._thread: threading.Thread | None = None
@@ -265,7 +272,7 @@ class Trainer:
 
     def _evaluate(self, record: bool) -> None:
         with self.lock:
-            score = held_out_pass_at_1(self.policy, self.spec, self.task)
+            score = held_out_pass_at_1(self.policy, self.spec, self.task, self.model_cfg)
             if record or not self.history:
                 self.history.append(
                     {"version": self.version, "at": time.time(), "pass_at_1": score}
@@ -308,6 +315,7 @@ class Trainer:
             "rejected": counts.get("rejected", 0),
             "rejected_by_reason": reasons,
             "audits": self.intake.judge.audits,
+            "canaries": self.intake.canaries.counts(),
             "pass_at_1": [(h["version"], h["pass_at_1"]) for h in evals],
             "reward": [(h["version"], h["reward"]) for h in self.history if "reward" in h],
             "accounts": summary["accounts"],

@@ -6,7 +6,8 @@ slashed and the validator paid a catch; a rejection the trainer cannot reproduce
 false accusation (dispute "validator wrong", penalty) and the batch is accepted; an
 acceptance is audited in full with probability audit_rate (drawn from the trainer's
 signature, so anyone can recompute it), and a bad batch found so costs the worker its
-slash and the validator a penalty (ledger kind "canary": it passed a batch known bad).
+slash and the validator a penalty (ledger kind "missed fraud": it passed a batch the
+audit proved bad).
 A batch no validator could take is checked by the trainer in full.
 
 Ledger entries (covey.trust.incentives), round = the batch's step:
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from covey.coordinator.views import Rejected
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
+from covey.rl.policy import codec_kwargs
 
 if TYPE_CHECKING:
     from covey.rl.trainer import Trainer
@@ -54,6 +56,7 @@ class Judge:
             model=t.policy_at(row["step"]),
             task=t.task,
             verify_samples=samples,
+            **codec_kwargs(t.model_cfg),  # the policy's tokenizer (bytes for GPT)
         )
 
     def decide(
@@ -157,7 +160,7 @@ class Judge:
                         "penalty",
                         step,
                         validator,
-                        kind="canary",
+                        kind="missed fraud",
                         amount=t.accounts.book.penalty_amount(validator),
                         reason=f"accepted {row['cid'][:12]}, which the trainer's audit "
                         f"rejected ({problem}): missed fraud",

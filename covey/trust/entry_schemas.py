@@ -32,9 +32,10 @@ The payload of each entry type is the contract between the coordinator and covey
   validator's report that was malformed or unprovable (segment out of range, a blob missing
   or of the wrong size); it counts against the validator's reputation and ends its
   assignment (another validator is drawn)
-- "penalty": {round, peer_id, amount, kind: "false accusation"|"canary", reason}: a
-  validator loses validator_slash_fraction of its stake (not banned) for a dispute the
-  referee found it wrong in, or for passing a canary
+- "penalty": {round, peer_id, amount, kind: "false accusation"|"canary"|"missed fraud",
+  reason}: a validator loses validator_slash_fraction of its stake (not banned) for a
+  dispute the referee found it wrong in, for passing a canary, or (RL) for accepting a
+  batch the trainer's audit then proved bad
 - "dispute": {round, peer_id, validator_id, segment, outcome: "fraud"|"validator wrong"|
   "honest drift"|"inconclusive", detail}: "honest drift" (the worker right, the validator
   within covey.trust.referee.DRIFT_FACTOR of it) and "inconclusive" cost nobody anything
@@ -84,7 +85,8 @@ _SCHEMA_TEXT = {
     "assignment": "round:count, peer_id:id, beacon:text, validators:ids, reason:draw|reassign",
     "canary": "round:count, peer_id:id, worker_id:id, cid:text, draw:text, "
     "outcome:caught|passed|missed",
-    "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary, reason:text",
+    "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary|missed "
+    "fraud, reason:text",
     "round certificate": "round:count, new_hash:text, certificate_hash:text, accepted:ids, "
     "rejected:ids",
     "checkpoint": "round:count, cid:text, weights_hash:text",
