@@ -16,7 +16,7 @@ sample in by the deadline aborts, and its members keep their gradients for the n
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -157,6 +157,31 @@ class Averaging:
         if not 0 <= stage < len(self.stages):
             raise ValueError(f"stage {stage}; stages are 0..{len(self.stages) - 1}")
         return self.stages[stage]
+
+    # -- persistence: the coordinator saves this after every change and loads it on restart
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything a restarted coordinator needs to resume every stage's rounds: step,
+        agreed state, votes, the open round with its reports, the committed history."""
+        return {"next_id": self._next_id, "stages": [asdict(b) for b in self.stages]}
+
+    def load(self, data: dict[str, Any]) -> None:
+        """Restore `to_dict`'s output. ValueError when it is for another number of stages."""
+        books = data["stages"]
+        if len(books) != len(self.stages):
+            raise ValueError(
+                f"saved averaging has {len(books)} stages, this run {len(self.stages)}"
+            )
+
+        def rnd(r: dict[str, Any] | None) -> AvgRound | None:
+            return None if r is None else AvgRound(**r)
+
+        self._next_id = int(data["next_id"])
+        for k, b in enumerate(books):
+            self.stages[k] = StageBook(
+                **{**b, "round": rnd(b["round"]), "last": rnd(b["last"]),
+                   "history": {int(s): AvgRound(**r) for s, r in b["history"].items()}}
+            )  # fmt: skip
 
     def status(self) -> list[dict[str, Any]]:
         return [

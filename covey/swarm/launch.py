@@ -87,6 +87,18 @@ class Swarm:
 
         return wait_for(check, timeout, f"servers {names} to be live")
 
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator (no goodbye, no flush): `start_coordinator` restarts it
+        on the same directory and port."""
+        assert self.coordinator is not None
+        self.coordinator.send_signal(signal.SIGKILL)
+        self.coordinator.wait(timeout=10)
+        self.coordinator = None
+
+    def start_trainer(self, name: str, *extra: str) -> subprocess.Popen:
+        """A `covey swarm trainer` process (log: `<name>.log`), ended by its handle."""
+        return self._spawn(["trainer", "--coordinator", self.url, "--name", name, *extra], name)
+
     def kill(self, name: str) -> None:
         """SIGKILL a server (no goodbye)."""
         p = self.servers.pop(name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
 MAX_SERVED_PER_REPORT = 10_000  # microbatches one report may claim for one server
+STATE_KEY = "swarm.state"  # the meta row holding what a restarted coordinator resumes
 log = logging.getLogger("covey.swarm")
 
 
@@ -87,13 +89,59 @@ class SwarmCoordinator:
         self.averaging = Averaging(cfg.stages, cfg.target_samples, cfg.round_timeout_s)
         self.rebalances: list[dict[str, Any]] = []
         self.unpaid: dict[str, int] = {}
-        self.epoch = 0
         self.disputes: list[dict[str, Any]] = []
         self._last_rebalance = self._last_payout = time.time()
+        # a restart resumes: rounds, trainers and unpaid work from SQLite; the epoch from
+        # the ledger (each (epoch, peer) is paid once); servers re-learned from heartbeats
+        self.epoch = self._last_epoch()
+        self._saved = ""
+        self._grace_until = 0.0
+        if (saved := self.db.get_meta(STATE_KEY)) is not None:
+            self._restore(json.loads(saved))
         self._thread: threading.Thread | None = None
         from covey.swarm.referee import Referee  # torch: imported once the app is built
 
         self.referee = Referee(cfg)
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def _last_epoch(self) -> int:
+        row = self.db.one(
+            "SELECT MAX(CAST(json_extract(payload, '$.round') AS INTEGER)) AS e FROM ledger "
+            "WHERE type IN ('contribution accepted', 'reward', 'dispute', 'slash')"
+        )
+        return int(row["e"]) if row is not None and row["e"] is not None else 0
+
+    def _snapshot(self) -> str:
+        return json.dumps(
+            {"averaging": self.averaging.to_dict(), "trainers": self.trainers,
+             "unpaid": self.unpaid},
+            sort_keys=True,
+        )  # fmt: skip
+
+    def _save(self, conn: Any = None) -> None:
+        """Write the snapshot when it changed (under self.lock). `conn`: inside an open
+        transaction (a payout's: the ledger entries and the emptied queue commit together)."""
+        snap = self._snapshot()
+        if snap == self._saved:
+            return
+        sql = "INSERT OR REPLACE INTO meta VALUES (?, ?)"
+        if conn is not None:
+            conn.execute(sql, (STATE_KEY, snap))
+        else:
+            with self.db.transaction() as c:
+                c.execute(sql, (STATE_KEY, snap))
+        self._saved = snap
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        self.averaging.load(saved["averaging"])
+        self.trainers = saved["trainers"]
+        self.unpaid = {p: int(n) for p, n in saved["unpaid"].items()}
+        self._saved = self._snapshot()
+        # servers rejoin on their next heartbeat (404 -> join with their stage): until they
+        # had the time to, no member of an open round counts as gone
+        self._grace_until = time.time() + self.cfg.dead_after_s
+        log.info("resumed: stage steps %s", [b.step for b in self.averaging.stages])
 
     def _create(self, mcfg: Any) -> None:
         now = time.time()
@@ -148,7 +196,9 @@ class SwarmCoordinator:
                     del self.servers[p]
             busy = {p for p, s in self.servers.items() if s.moving}
             live = {p: (s.stage, s.step, s.pending) for p, s in self.servers.items()}
-            self.averaging.tick(live, busy, now)
+            if now >= self._grace_until:
+                self.averaging.tick(live, busy, now)
+                self._save()
             if now - self._last_rebalance >= self.cfg.rebalance_s:
                 self._last_rebalance = now
                 self._rebalance(now)
@@ -219,14 +269,22 @@ class SwarmCoordinator:
         )
         if role == "trainer":
             with self.lock:
+                # a restarted trainer (same name) resumes after the last microbatch a
+                # trainer of that name reported, so it does not train on the same data again
+                resume = max((int(t.get("next", 0)) for t in self.trainers.values()
+                              if t["name"] == name), default=0)  # fmt: skip
+                old = self.trainers.get(peer, {})
                 self.trainers[peer] = {
                     "name": name,
-                    "samples": 0,
-                    "loss": None,
-                    "reroutes": 0,
-                    "banned": {},
+                    "samples": old.get("samples", 0),
+                    "loss": old.get("loss"),
+                    "reroutes": old.get("reroutes", 0),
+                    "banned": old.get("banned", {}),
+                    "next": resume,
                 }
-            return {"run_id": self.run_id, "spec": self.cfg.model_dump(mode="json")}
+                self._save()
+            return {"run_id": self.run_id, "spec": self.cfg.model_dump(mode="json"),
+                    "resume": resume}  # fmt: skip
         with self.lock:
             load = [
                 (
@@ -245,7 +303,8 @@ class SwarmCoordinator:
             self.servers[peer] = ServerInfo(
                 peer, name, stage, str(body.get("url")), str(body.get("blob_url")), time.time()
             )
-        log.info("[server %s] joined: stage %d", name, stage)
+        device = str(body.get("device", "cpu"))[:80]
+        log.info("[server %s] joined: stage %d on %s", name, stage, device)
         return {"run_id": self.run_id, "stage": stage, "spec": self.cfg.model_dump(mode="json")}
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +327,7 @@ class SwarmCoordinator:
                 s.throughput = float(body["throughput"])
                 if s.state is not None:
                     self.averaging.state(peer, s.stage, s.step, s.state)
+                    self._save()
             out = self.averaging.directive(peer, s.stage, s.step, s.state)
             out["stage"] = s.stage
             agreed = out["agreed"]
@@ -296,6 +356,7 @@ class SwarmCoordinator:
                 int(body["samples"]),
                 url,
             )
+            self._save()  # before the ok: an accepted report survives a restart
         if why != "ok":
             raise Rejected(409, why)
         return {"ok": True}
@@ -348,25 +409,38 @@ class SwarmCoordinator:
                         422, f"served[{server[:16]}]: {n!r} is not an int in "
                         f"[0, {MAX_SERVED_PER_REPORT}]"
                     )  # fmt: skip
-            self.trainers[peer].update(
+            t = self.trainers[peer]
+            t.update(
                 samples=int(body["samples"]),
                 loss=body.get("loss"),
                 reroutes=int(body["reroutes"]),
                 banned=dict(body.get("banned", {})),
+                next=max(int(t.get("next", 0)), int(body.get("next", 0))),
             )
             for server, n in served.items():  # a server gone since is not paid; an id
                 if server in self.servers:  # that never served this run is no account
                     self.unpaid[server] = self.unpaid.get(server, 0) + n
                     self.servers[server].served += n
+            self._save()
         return {"ok": True}
 
     def pay(self, now: float) -> None:
-        """Pay the microbatches reported since the last payout (covey.swarm.payouts)."""
+        """Pay the work queued since the last payout (covey.swarm.payouts). The ledger
+        entries and the emptied queue commit in one transaction: a crash pays nothing twice
+        and loses nothing accepted."""
         with self.lock:
-            due, self.unpaid = self.unpaid, {}
-            self.epoch += 1
-            epoch = self.epoch
-        payouts.pay(self.accounts, self.cfg, due, epoch)
+            if not self.unpaid:
+                return
+            due, epoch = self.unpaid, self.epoch + 1
+            try:
+                with self.accounts.transaction() as c:
+                    payouts.pay(self.accounts, self.cfg, due, epoch)
+                    self.unpaid = {}
+                    self._save(c)
+            except BaseException:  # rolled back: still due, and the snapshot not written
+                self.unpaid, self._saved = due, ""
+                raise
+            self.epoch = epoch
 
     def dispute(self, body: dict[str, Any]) -> dict[str, Any]:
         """Two servers of a stage disagreed on a duplicated microbatch: the referee

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import torch
 
-from covey.peer.client import CoordinatorClient
+from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
 from covey.swarm.routing import NoServerError, Router
@@ -92,30 +92,44 @@ class SwarmTrainer:
         self.progress = progress or (lambda line: log.info("%s", line))
         spec = self.client.get("/v1/swarm/spec")
         self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
-        self.client.post(
-            "/v1/swarm/join",
-            {
-                "run_id": self.run_id,
-                "peer_id": self.identity.peer_id,
-                "role": "trainer",
-                "public_key": self.identity.public_key,
-                "name": name,
-                "stake": 0.0,
-            },
-        )
+        self._next = self._join()  # a restart goes on after its name's last reported batch
+        self.first = self._next
+        # once running, a call to a coordinator that is down fails within a request timeout:
+        # hops go straight to the servers meanwhile, reports wait for the next try
+        self.client.configure(self.cfg.request_timeout_s, self.cfg.request_timeout_s)
         from covey.data.corpus import load_corpus
 
         paths = list(self.cfg.data_paths) or None
 
         # `tokens`: the run's training stream loaded once already (benchmarks start many)
         self.tokens = tokens if tokens is not None else load_corpus(paths).train
-        self._next = 0
         self.wired = False
+
+    def _join(self) -> int:
+        """Join as a trainer; the microbatch index to start from."""
+        reply = self.client.post(
+            "/v1/swarm/join",
+            {
+                "run_id": self.run_id,
+                "peer_id": self.identity.peer_id,
+                "role": "trainer",
+                "public_key": self.identity.public_key,
+                "name": self.name,
+                "stake": 0.0,
+            },
+        )
+        return int(reply.get("resume", 0))
 
     # -- the server list ---------------------------------------------------------------------
 
     def refresh(self) -> None:
-        view = self.client.get("/v1/swarm/servers", quiet=True)
+        """Take the coordinator's list of live servers; keep the last one while the
+        coordinator cannot be reached (it may be restarting)."""
+        try:
+            view = self.client.get("/v1/swarm/servers", quiet=True)
+        except (CoordinatorLost, PeerRejected) as e:
+            log.warning("[%s] server list unavailable, routing on the last one: %s", self.name, e)
+            return
         seen = set()
         with self.lock:
             for k, servers in enumerate(view["stages"]):
@@ -346,6 +360,9 @@ class SwarmTrainer:
         return sum(tail) / len(tail) if tail else None
 
     def report(self) -> None:
+        """Report progress and served work. When the coordinator is down (restarting) or
+        forgot this trainer, nothing is lost: the work goes in the next report, after a
+        join when it was forgotten."""
         with self.lock:
             served, self.served = self.served, {}
             st = self.stats
@@ -357,8 +374,22 @@ class SwarmTrainer:
                 "loss": self.loss(),
                 "reroutes": self.router.reroutes,
                 "banned": self.router.banned(),
+                "next": self._next,
             }
-        self.client.post("/v1/swarm/report", body)
+        try:
+            try:
+                self.client.post("/v1/swarm/report", body)
+            except PeerRejected as e:
+                if e.status != 403:
+                    raise
+                self._join()  # a restarted coordinator that lost us: join, then report
+                self.client.post("/v1/swarm/report", body)
+        except (CoordinatorLost, PeerRejected) as e:
+            log.warning("[%s] report deferred: %s", self.name, e)
+            with self.lock:
+                for s, n in served.items():
+                    self.served[s] = self.served.get(s, 0) + n
+            return
         loss = body["loss"]
         self.progress(
             f"[{self.name}] {st.samples} samples, loss {loss if loss is None else round(loss, 4)}, "
@@ -383,6 +414,7 @@ def summary(t: SwarmTrainer) -> dict[str, Any]:
     st = t.stats
     return {
         "samples": st.samples,
+        "first_microbatch": t.first,
         "microbatches": st.microbatches,
         "dropped": st.dropped,
         "loss": t.loss(),
