@@ -607,6 +607,26 @@ class TrustConfig(Frozen):
         "among its checks (an accepted contribution's payload sign-flipped): agreeing with "
         "one costs validator_slash_fraction of stake and the check's pay",
     )
+    # sharded aggregation (issue 13 §1, covey/coordinator/sharding.py)
+    sharded_above_peers: int | None = Field(
+        None,
+        ge=1,
+        description="serve sharded aggregation (/v1/shards) for runs of more peers than "
+        "this; None = off (the default while the round driver does not wait for it). "
+        "Crossover: covey.algorithms.shards.crossover_peers (int4: 9 peers)",
+    )
+    shards: int = Field(16, ge=1, description="parameter shards of sharded aggregation")
+    shard_check_rate: float = Field(
+        0.25, ge=0, le=1, description="share of shards re-aggregated by a second aggregator"
+    )
+    shard_publish_timeout_s: float = Field(
+        60.0, gt=0, description="an aggregator silent this long loses its shard to the next"
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        names = ("sharded_above_peers", "shards", "shard_check_rate", "shard_publish_timeout_s")
+        return _drop_defaults(self, handler(self), names)
 
 
 class RunConfig(Frozen):

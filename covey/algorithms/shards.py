@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -305,3 +305,100 @@ def state_from_flat(
             (f"momentum/{n}", t) for n, t in zip(names, unflatten(momentum, like), strict=True)
         )
     return TrainState(new_params, outer, start.round + 1)
+
+
+# -- one aggregator's work on one shard ------------------------------------------------------
+
+
+def read_slice(
+    codec: Codec, numel: int, start: int, end: int, read: Callable[[int, int], bytes]
+) -> torch.Tensor:
+    """Coordinates [start, end) of one contribution whose payload bytes [a, b) are
+    `read(a, b)`: only the shard's byte ranges for dense and block codecs, the whole
+    payload (decoded, then sliced) for sparse ones. CodecError / ValueError on bad bytes."""
+    if codec_align(codec) is None or start % (codec_align(codec) or 1):
+        return codec.decode(read(0, codec.nbytes(numel)), numel)[start:end].clone()
+    ranges = payload_ranges(codec, numel, start, end)
+    return decode_slice(codec, numel, start, end, [read(a, b) for a, b in ranges])
+
+
+def new_shard(
+    rule: Aggregator,
+    slices: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    norms: Sequence[float] | None,
+    params: torch.Tensor,
+    momentum: torch.Tensor | None,
+    *,
+    lr: float,
+    momentum_coef: float,
+    nesterov: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The round's new (params, momentum) on one shard: `aggregate_shard`, then
+    `outer_step_shard`. Errors as theirs."""
+    grad = aggregate_shard(rule, slices, weights, norms)
+    return outer_step_shard(
+        params, momentum, grad, lr=lr, momentum_coef=momentum_coef, nesterov=nesterov
+    )
+
+
+def shard_to_bytes(params: torch.Tensor, momentum: torch.Tensor | None) -> bytes:
+    """A published shard's blob: its float32 params, then its momentum (if any)."""
+    parts = [params.detach().contiguous().cpu().float().numpy().tobytes()]
+    if momentum is not None:
+        parts.append(momentum.detach().contiguous().cpu().float().numpy().tobytes())
+    return b"".join(parts)
+
+
+def shard_from_bytes(
+    data: bytes, length: int, with_momentum: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of `shard_to_bytes` for a shard of `length` coordinates. ValueError for a
+    blob of another size or with non-finite values."""
+    want = 4 * length * (2 if with_momentum else 1)
+    if len(data) != want:
+        raise ValueError(f"shard blob is {len(data)} bytes; a shard of {length} needs {want}")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    if not torch.isfinite(flat).all():
+        raise ValueError("shard blob holds non-finite values")
+    return flat[:length].clone(), flat[length:].clone() if with_momentum else None
+
+
+# -- what each path costs ----------------------------------------------------------------------
+
+
+def bytes_per_peer(
+    peers: int, numel: int, contribution_bytes: int, aggregators: int
+) -> dict[str, float]:
+    """Bytes one peer moves per round on each path, from the formulas (the coordinator's
+    relay and HTTP overhead left out):
+
+    - gather (today): upload its contribution, download the other N - 1:
+      N x C in all;
+    - sharded, a worker: upload its contribution, download the new parameters,
+      C + 4 x numel (float32; the outer momentum stays with the aggregators);
+    - sharded, one of A aggregators on top: its 1/A of every contribution (N x C / A),
+      the momentum of its shards from their previous holders (4 x numel / A) and the
+      new shards it serves to the N peers (N x 4 x numel / A, spread over the shard's
+      sources in practice).
+    """
+    if min(peers, numel, contribution_bytes, aggregators) < 1:
+        raise ValueError(f"need positive sizes, got {peers}, {numel}, {contribution_bytes}, "
+                         f"{aggregators}")  # fmt: skip
+    state = 4.0 * numel
+    return {
+        "gather": float(peers * contribution_bytes),
+        "sharded_worker": contribution_bytes + state,
+        "sharded_aggregator": contribution_bytes
+        + state
+        + (peers * contribution_bytes + state + peers * state) / aggregators,
+    }
+
+
+def crossover_peers(numel: int, contribution_bytes: int) -> int:
+    """The fewest peers for which a worker moves fewer bytes on the sharded path than on
+    the gather path: the smallest N with N x C > C + 4 x numel (about the codec's
+    compression ratio against float32, plus one)."""
+    if numel < 1 or contribution_bytes < 1:
+        raise ValueError(f"need positive sizes, got {numel}, {contribution_bytes}")
+    return (contribution_bytes + 4 * numel) // contribution_bytes + 1

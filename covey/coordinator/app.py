@@ -415,6 +415,10 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
             media_type="application/octet-stream",
         )
 
+    if coord.cfg.trust.sharded_above_peers is not None:  # issue 13 §1; off by default
+        from .sharding import mount as mount_sharding
+
+        mount_sharding(app, coord)
     coord.uploads  # noqa: B018 -- sizes implied by the model, worked out before serving
     # innermost: heartbeats and round polls skip FastAPI's routing, not the layers below
     if fast_paths:

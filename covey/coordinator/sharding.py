@@ -1,0 +1,493 @@
+"""Sharded aggregation's coordinator side (issue 13 §1): it certifies shard hashes, never
+tensors.
+
+For each committed round r a `ShardBoard` draws, from a beacon (the hash of round r's
+certificate, unknown before its inputs were fixed), an ordered list of staked aggregators
+per shard: the first aggregates, the rest are its fallbacks in order. Aggregators publish
+each new shard's hash, signed (`POST /v1/shards/{r}/publish`); a drawn share of shards
+is re-aggregated by the next aggregator in the shard's order (`POST /v1/shards/{r}/check`).
+A check that disagrees goes to the referee, which recomputes the shard from the committed
+inputs (the certified contributions and round r's start state): a published hash that
+differs is fraud -- the aggregator is slashed (a "slash" ledger entry, which bans it) and
+the shard passes to the next aggregator, so the round is not lost; a checker that was
+wrong changes nothing. Once every shard holds a published hash and every drawn check
+agreed, the coordinator signs the shard certificate; peers fetch the shards from the
+aggregators and compare each hash with it (covey.peer.aggregator).
+
+The draws (`assign_shards`, `drawn_for_check`) are pure functions of public values, so
+anyone recomputes them. `mount` adds the routes to the coordinator's app; it is called
+only when the run sets `trust.sharded_above_peers` (off by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi import Path as PathParam
+from starlette.concurrency import run_in_threadpool
+
+from covey.algorithms.aggregation import NormClip, l2_norm
+from covey.algorithms.shards import (
+    ShardPlan,
+    codec_align,
+    flat_state,
+    new_shard,
+    plan_shards,
+    read_slice,
+    shard_hash,
+)
+from covey.config import DiLoCoConfig, StreamingDiLoCoConfig
+from covey.peer.aggregator import certificate_message, shard_purpose
+from covey.protocol import schemas
+from covey.protocol.checkpoint import state_from_file
+from covey.trust.identity import Identity, canonical_json, request_message, verify
+
+from .views import Rejected
+
+if TYPE_CHECKING:
+    from .service import Coordinator
+
+log = logging.getLogger("covey.coordinator")
+
+#: domain tag of the draw that picks shards for a re-aggregation check
+CHECK_DOMAIN = "covey-shard-check/v1"
+
+
+def shard_rank(beacon: str, round: int, shard: int, peer_id: str) -> str:
+    """An aggregator's place in a shard's order (lower first): public, unpredictable
+    before the beacon."""
+    message = f"covey-shard-assign/v1\n{beacon}\n{round}\n{shard}\n{peer_id}"
+    return hashlib.sha256(message.encode()).hexdigest()
+
+
+def assign_shards(
+    beacon: str, round: int, shards: int, aggregators: Sequence[str]
+) -> list[tuple[str, ...]]:
+    """Per shard, every aggregator in order: [0] aggregates, the rest are fallbacks (and
+    [1] checks it when drawn). The first places are balanced: no aggregator is first for
+    more than ceil(shards / aggregators) shards; within that, each shard takes its
+    best-ranked aggregator. ValueError with no aggregators."""
+    pool = sorted(set(aggregators))
+    if not pool:
+        raise ValueError("no staked aggregators to assign shards to")
+    cap, load = -(-shards // len(pool)), dict.fromkeys(pool, 0)
+    out = []
+    for s in range(shards):
+        ranked = sorted(pool, key=lambda p: shard_rank(beacon, round, s, p))
+        first = next(p for p in ranked if load[p] < cap)
+        load[first] += 1
+        out.append((first, *[p for p in ranked if p != first]))
+    return out
+
+
+def drawn_for_check(beacon: str, round: int, shard: int, rate: float) -> bool:
+    """Whether shard `shard` of round `round` is re-aggregated by a second aggregator."""
+    digest = hashlib.sha256(f"{CHECK_DOMAIN}\n{beacon}\n{round}\n{shard}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < rate * 2**64
+
+
+@dataclass
+class ShardRound:
+    """One round's board: its inputs and what the aggregators said about each shard."""
+
+    round: int
+    start_hash: str
+    beacon: str
+    plan: ShardPlan
+    orders: list[tuple[str, ...]]
+    checked: set[int]  # shards drawn for a check
+    inputs: dict[str, Any]  # what aggregators need: contributions, weights, norms
+    opened_at: float = 0.0
+    turn: list[int] = field(default_factory=list)  # position in each order now aggregating
+    turn_since: list[float] = field(default_factory=list)  # when each shard's turn began
+    published: dict[int, dict[str, Any]] = field(default_factory=dict)
+    agreed: set[int] = field(default_factory=set)
+    frauds: list[dict[str, Any]] = field(default_factory=list)
+
+    def current(self, shard: int) -> str | None:
+        order, k = self.orders[shard], self.turn[shard]
+        return order[k] if k < len(order) else None
+
+    def checker(self, shard: int) -> str | None:
+        order, k = self.orders[shard], self.turn[shard]
+        return order[k + 1] if k + 1 < len(order) else None
+
+
+class ShardError(Exception):
+    """A refused request: `status` (HTTP) and a message naming the values."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class ShardBoard:
+    """The shard rounds of one run. Thread-safe; clock-free; knows nothing of HTTP.
+
+    `public_key(peer_id)` gives a peer's key (None: unknown); `is_banned(peer_id)` its
+    standing; `referee(round, shard)` recomputes a shard's hash from the committed inputs
+    (raising when it cannot: then nobody is slashed); `slash(round, peer_id, reason)`
+    writes the penalty.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        identity: Identity,
+        *,
+        public_key: Callable[[str], str | None],
+        is_banned: Callable[[str], bool],
+        referee: Callable[[int, int], str],
+        slash: Callable[[int, str, str], None],
+        check_rate: float,
+        publish_timeout_s: float,
+    ) -> None:
+        self.run_id, self.identity = run_id, identity
+        self._public_key, self._is_banned = public_key, is_banned
+        self._referee, self._slash, self.check_rate = referee, slash, check_rate
+        self.publish_timeout_s = publish_timeout_s
+        self._rounds: dict[int, ShardRound] = {}
+        self._lock = threading.RLock()
+
+    def open(
+        self,
+        round: int,
+        start_hash: str,
+        beacon: str,
+        plan: ShardPlan,
+        aggregators: Sequence[str],
+        inputs: dict[str, Any],
+        now: float,
+    ) -> ShardRound:
+        """Open round `round`'s board at time `now` (idempotent: an open board is returned
+        as it is)."""
+        with self._lock:
+            if round in self._rounds:
+                return self._rounds[round]
+            orders = assign_shards(beacon, round, plan.count, aggregators)
+            checked = {
+                s
+                for s in range(plan.count)
+                if drawn_for_check(beacon, round, s, self.check_rate) and len(orders[s]) > 1
+            }
+            rnd = ShardRound(round, start_hash, beacon, plan, orders, checked, inputs, now)
+            rnd.turn, rnd.turn_since = [0] * plan.count, [now] * plan.count
+            self._rounds[round] = rnd
+            return rnd
+
+    def has(self, round: int) -> bool:
+        return round in self._rounds
+
+    def _get(self, round: int) -> ShardRound:
+        if round not in self._rounds:
+            raise ShardError(404, f"round {round} has no shard board (not committed yet?)")
+        return self._rounds[round]
+
+    def _authentic(self, round: int, action: str, body: dict[str, Any]) -> tuple[str, int, str]:
+        """(peer id, shard, hash) of a signed body, or ShardError."""
+        peer, shard, value = body.get("peer_id"), body.get("index"), body.get("hash")
+        if body.get("run_id") != self.run_id:
+            raise ShardError(422, f"run_id {body.get('run_id')!r} is not this run's")
+        if not isinstance(peer, str) or not isinstance(shard, int) or not isinstance(value, str):
+            raise ShardError(422, "need peer_id (text), index (int), hash (text)")
+        key = self._public_key(peer)
+        signature = body.get("signature")
+        message = request_message(body, round, shard_purpose(round, action))
+        if key is None or not isinstance(signature, str) or not verify(key, message, signature):
+            raise ShardError(401, f"bad signature from {peer[:12]} on its shard {action}")
+        if self._is_banned(peer):
+            raise ShardError(403, f"peer {peer[:12]} is excluded from this run")
+        return peer, shard, value
+
+    def publish(self, round: int, body: dict[str, Any]) -> dict[str, Any]:
+        """An aggregator's signed hash of a new shard, with the URL that serves its blob
+        (`cid`). Only from the aggregator whose turn the shard is; ShardError otherwise."""
+        with self._lock:
+            rnd = self._get(round)
+            peer, shard, value = self._authentic(round, "publish", body)
+            if not 0 <= shard < rnd.plan.count:
+                raise ShardError(422, f"shard {shard} does not exist ({rnd.plan.count} shards)")
+            if rnd.current(shard) != peer:
+                raise ShardError(409, f"shard {shard} of round {round} is not {peer[:12]}'s")
+            if shard in rnd.published:
+                raise ShardError(409, f"shard {shard} of round {round} is published already")
+            rnd.published[shard] = {
+                "hash": value,
+                "aggregator": peer,
+                "cid": str(body.get("cid", "")),
+                "providers": [str(body.get("url", ""))],
+            }
+            return {"ok": True, "shard": shard}
+
+    def check(self, round: int, body: dict[str, Any], now: float) -> dict[str, Any]:
+        """A drawn checker's own hash of a published shard. Equal: the shard is checked
+        (the checker becomes a second source). Different: the referee recomputes; fraud
+        slashes the aggregator and passes the shard to the next in its order."""
+        with self._lock:
+            rnd = self._get(round)
+            peer, shard, value = self._authentic(round, "check", body)
+            if shard not in rnd.checked or rnd.checker(shard) != peer:
+                raise ShardError(409, f"{peer[:12]} is not the drawn checker of shard {shard}")
+            pub = rnd.published.get(shard)
+            if pub is None:
+                raise ShardError(404, f"shard {shard} of round {round} is not published yet")
+            if value == pub["hash"]:
+                rnd.agreed.add(shard)
+                pub["providers"].append(str(body.get("url", "")))
+                return {"ok": True, "outcome": "agree"}
+        # recomputation can take a while: outside the lock, then decided under it
+        try:
+            truth = self._referee(round, shard)
+        except Exception as e:  # a failed referee convicts nobody (DESIGN.md, Trust)
+            return {"ok": True, "outcome": "inconclusive", "detail": str(e)[:200]}
+        with self._lock:
+            if rnd.published.get(shard) is not pub:
+                return {"ok": True, "outcome": "stale"}
+            if truth == pub["hash"]:
+                return {"ok": True, "outcome": "checker wrong"}
+            liar = pub["aggregator"]
+            reason = (
+                f"shard {shard} of round {round}: published {pub['hash'][:16]}, is {truth[:16]}"
+            )
+            self._slash(round, liar, f"wrong aggregate: {reason}")
+            rnd.frauds.append({"shard": shard, "aggregator": liar, "checker": peer})
+            del rnd.published[shard]
+            self._next_turn(rnd, shard, now)
+            rnd.checked.discard(shard)  # the next aggregator is the one who proved it
+            return {"ok": True, "outcome": "fraud", "next": rnd.current(shard)}
+
+    def _next_turn(self, rnd: ShardRound, shard: int, now: float) -> None:
+        """Pass `shard` to the next aggregator in its order that is not banned."""
+        rnd.turn[shard] += 1
+        while rnd.current(shard) is not None and self._is_banned(rnd.current(shard) or ""):
+            rnd.turn[shard] += 1
+        rnd.turn_since[shard] = now
+
+    def expire(self, round: int, now: float) -> list[int]:
+        """Pass every shard whose aggregator did not publish within `publish_timeout_s`
+        of its turn to its next aggregator (a failed aggregator loses the turn, not the
+        round); the shards passed on."""
+        with self._lock:
+            rnd = self._get(round)
+            passed = []
+            for s in range(rnd.plan.count):
+                late = now - rnd.turn_since[s] > self.publish_timeout_s
+                if s not in rnd.published and rnd.current(s) is not None and late:
+                    self._next_turn(rnd, s, now)
+                    passed.append(s)
+            return passed
+
+    def view(self, round: int) -> dict[str, Any]:
+        """What aggregators and peers read: the plan, each shard's order, turn and drawn
+        check, what was published, the inputs, and the certificate once there is one."""
+        with self._lock:
+            rnd = self._get(round)
+            shards = []
+            for s in range(rnd.plan.count):
+                start, end = rnd.plan.span(s)
+                shards.append(
+                    {
+                        "index": s,
+                        "start": start,
+                        "end": end,
+                        "aggregator": rnd.current(s),
+                        "checker": rnd.checker(s) if s in rnd.checked else None,
+                        "published": rnd.published.get(s),
+                        "agreed": s in rnd.agreed,
+                    }
+                )
+            return {
+                "round": round,
+                "start_hash": rnd.start_hash,
+                "beacon": rnd.beacon,
+                "numel": rnd.plan.numel,
+                "shards": shards,
+                "inputs": rnd.inputs,
+                "frauds": list(rnd.frauds),
+                "certificate": self._certificate(rnd),
+            }
+
+    def _certificate(self, rnd: ShardRound) -> dict[str, Any] | None:
+        done = all(
+            s in rnd.published and (s not in rnd.checked or s in rnd.agreed)
+            for s in range(rnd.plan.count)
+        )
+        if not done:
+            return None
+        body = {
+            "run_id": self.run_id,
+            "round": rnd.round,
+            "start_hash": rnd.start_hash,
+            "numel": rnd.plan.numel,
+            "bounds": list(rnd.plan.bounds),
+            "shards": [
+                {
+                    "index": s,
+                    "hash": rnd.published[s]["hash"],
+                    "cid": rnd.published[s]["cid"],
+                    "aggregator": rnd.published[s]["aggregator"],
+                    "providers": rnd.published[s]["providers"],
+                }
+                for s in range(rnd.plan.count)
+            ],
+        }
+        return {**body, "signature": self.identity.sign(certificate_message(body))}
+
+
+# -- the coordinator's side: inputs from its database, routes on its app --------------------
+
+
+def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
+    """Add `/v1/shards/...` to the coordinator's app over a board fed from `coord`'s
+    committed rounds. DiLoCo (outer Nesterov SGD) only: another method is logged and left
+    without routes (None)."""
+    strategy, algo, trust = coord.rounds.strategy, coord.cfg.algorithm, coord.cfg.trust
+    if not isinstance(algo, DiLoCoConfig) or isinstance(algo, StreamingDiLoCoConfig):
+        log.warning("sharded aggregation supports DiLoCo only, not %r: left off", algo.method)
+        return None
+    names = list(strategy.names)
+    numel = sum(coord.rounds.template.params[n].numel() for n in names)
+    plan = plan_shards(numel, trust.shards, codec_align(strategy.codec) or 1)
+    book = coord.accounts.book
+
+    def public_key(peer_id: str) -> str | None:
+        account = book.accounts.get(peer_id)
+        return account.public_key if account is not None else None
+
+    def is_banned(peer_id: str) -> bool:
+        account = book.accounts.get(peer_id)
+        return account is None or account.banned
+
+    def committed(round_: int) -> tuple[Any, schemas.Certificate]:
+        row = coord.db.one("SELECT * FROM rounds WHERE round = ?", (round_,))
+        if row is None or row["status"] != "committed":
+            raise ShardError(404, f"round {round_} is not committed yet")
+        return row, schemas.Certificate.model_validate_json(row["certificate"])
+
+    def referee(round_: int, shard: int) -> str:
+        """The shard recomputed from what round `round_` committed: its start state and
+        its accepted contributions, as stored here."""
+        row, cert = committed(round_)
+        start_state = state_from_file(coord.blobs.path(row["start_cid"]), coord.rounds.template)
+        params, momentum = flat_state(start_state, names)
+        start, end = plan.span(shard)
+        views = [coord.blobs.view(a.cid) for a in cert.accepted]
+        slices = [
+            read_slice(strategy.codec, numel, start, end, lambda a, b, v=v: bytes(v[a:b]))
+            for v in views
+        ]
+        inputs = board.view(round_)["inputs"]
+        new_p, new_m = new_shard(
+            strategy.aggregator,
+            slices,
+            inputs["weights"],
+            inputs["norms"],
+            params[start:end],
+            None if momentum is None else momentum[start:end],
+            lr=algo.outer_lr,
+            momentum_coef=algo.outer_momentum,
+            nesterov=algo.nesterov,
+        )
+        return shard_hash(round_, shard, start, new_p, new_m)
+
+    def slash(round_: int, peer_id: str, reason: str) -> None:
+        with coord.accounts.transaction() as c:
+            amount = coord.accounts.book.slash_amount(peer_id)
+            payload = {"round": round_, "peer_id": peer_id, "amount": amount, "reason": reason}
+            coord.accounts.append(c, "slash", payload, time.time())
+        log.warning("[round %d] aggregator %s slashed: %s", round_, peer_id[:12], reason)
+
+    board = ShardBoard(
+        coord.run_id,
+        coord.identity,
+        public_key=public_key,
+        is_banned=is_banned,
+        referee=referee,
+        slash=slash,
+        check_rate=trust.shard_check_rate,
+        publish_timeout_s=trust.shard_publish_timeout_s,
+    )
+
+    def ensure(round_: int) -> None:
+        if board.has(round_):
+            return
+        row, cert = committed(round_)
+        aggregators = [
+            a.peer_id
+            for a in book.accounts.values()
+            if a.role == "validator"
+            and not a.banned
+            and a.stake > 0
+            and a.stake >= trust.min_validator_stake
+        ]
+        if not aggregators:
+            raise ShardError(409, f"round {round_}: no staked aggregators have joined")
+        weights = [float(a.tokens) for a in cert.accepted]
+        norms = None
+        if isinstance(strategy.aggregator, NormClip) and strategy.aggregator.factor > 0:
+            # TODO(issue 13): contributors should commit block sums in their signed
+            # submissions (shards.block_square_sums) so this decode leaves the coordinator
+            norms = [
+                l2_norm(strategy.codec.decode(coord.blobs.view(a.cid), numel))
+                for a in cert.accepted
+            ]
+        inputs = {
+            "codec": strategy.codec.name,
+            "contributions": [
+                {"peer_id": a.peer_id, "cid": a.cid, "size": a.size} for a in cert.accepted
+            ],
+            "weights": weights,
+            "norms": norms,
+        }
+        beacon = hashlib.sha256(canonical_json(cert.model_dump(mode="json")).encode())
+        board.open(
+            round_, row["start_hash"], beacon.hexdigest(), plan, aggregators, inputs, time.time()
+        )
+
+    def answer(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return fn()
+        except ShardError as e:
+            raise Rejected(e.status, e.message) from None
+
+    def read(round_: int) -> dict[str, Any]:
+        ensure(round_)
+        board.expire(round_, time.time())
+        return board.view(round_)
+
+    @app.get("/v1/shards/{round}", tags=["shards"])
+    async def shard_view(round: int = PathParam(ge=0, le=schemas.MAX_INT)) -> dict[str, Any]:
+        """A committed round's shard board: the plan, each shard's aggregator (a beacon
+        draw) and checker, the published hashes, the inputs, and the signed shard
+        certificate once every shard is published and every drawn check agreed."""
+        return await run_in_threadpool(answer, lambda: read(round))
+
+    @app.post("/v1/shards/{round}/publish", tags=["shards"])
+    async def shard_publish(
+        request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
+    ) -> dict[str, Any]:
+        """An aggregator's signed hash of its new shard, and the URL serving it."""
+        body = await request.json()
+        return await run_in_threadpool(
+            answer, lambda: (ensure(round), board.publish(round, body))[1]
+        )
+
+    @app.post("/v1/shards/{round}/check", tags=["shards"])
+    async def shard_check(
+        request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
+    ) -> dict[str, Any]:
+        """A drawn checker's hash of a published shard: a disagreement goes to the
+        referee, and a proven wrong shard slashes its aggregator."""
+        body = await request.json()
+        return await run_in_threadpool(
+            answer, lambda: (ensure(round), board.check(round, body, time.time()))[1]
+        )
+
+    return board

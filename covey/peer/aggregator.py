@@ -1,0 +1,239 @@
+"""The aggregator role of sharded aggregation (issue 13 §1), and a peer's shard fetch.
+
+An aggregator is a staked validator key: validators are already staked, drawn from the
+beacon, paid and slashed for checks, and do not train, so aggregating between rounds
+takes no inner steps from anyone; a drawn re-aggregation is a check like the ones they
+already do. For each committed round it reads the board (`GET /v1/shards/{r}`), and for
+every shard that is its turn it reads ONLY that shard's byte ranges of every accepted
+contribution from the blob plane (HTTP Range), aggregates and steps it
+(covey.algorithms.shards.new_shard), serves the new shard from its own blob server and
+publishes the hash, signed. For every shard it is the drawn checker of, it does the same
+computation and reports its hash; a disagreement goes to the coordinator's referee.
+
+A peer assembles the new state with `fetch_certified_state`: shard by shard, from each
+shard's providers in turn, each blob checked against the coordinator-signed shard
+certificate; a shard whose hash is not certified is refused and the next provider tried.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import torch
+
+from covey.algorithms.base import Strategy, TrainState
+from covey.algorithms.shards import (
+    flat_state,
+    new_shard,
+    read_slice,
+    shard_from_bytes,
+    shard_hash,
+    shard_to_bytes,
+    state_from_flat,
+)
+from covey.blobs import BlobStore
+from covey.config import DiLoCoConfig
+from covey.trust.identity import Identity, canonical_json, request_purpose, verify
+
+log = logging.getLogger("covey.aggregator")
+
+
+def shard_purpose(round: int, action: str) -> str:
+    """The purpose tag an aggregator signs for `action` ("publish" | "check")."""
+    return request_purpose(f"/v1/shards/{round}/{action}")
+
+
+def certificate_message(body: dict[str, Any]) -> bytes:
+    """The bytes of a shard certificate that the coordinator signs (signature left out)."""
+    unsigned = {k: v for k, v in body.items() if k != "signature"}
+    return f"covey-shard-certificate/v1\n{canonical_json(unsigned)}".encode()
+
+
+class ShardFetchError(RuntimeError):
+    """No provider delivered a shard whose hash the certificate names."""
+
+
+def _request(
+    http: httpx.Client, method: str, url: str, deadline_s: float, **kw: Any
+) -> httpx.Response:
+    """One request, retried while the coordinator's rate limiter answers 429 (its
+    Retry-After honoured) or the connection fails, until `deadline_s` from now."""
+    give_up = time.monotonic() + deadline_s
+    while True:
+        try:
+            resp = http.request(method, url, **kw)
+            if resp.status_code != 429:
+                return resp
+            wait = float(resp.headers.get("Retry-After", "0.5"))
+        except httpx.TransportError:
+            wait = 0.5
+        if time.monotonic() + wait > give_up:
+            raise TimeoutError(f"{method} {url}: no answer but 429/errors for {deadline_s} s")
+        time.sleep(min(wait, 2.0))
+
+
+class ShardAggregator:
+    """One aggregator key's work for a run. `lie=True` publishes a wrong shard (tests)."""
+
+    def __init__(
+        self,
+        coordinator: str,
+        identity: Identity,
+        run_id: str,
+        strategy: Strategy,
+        algorithm: DiLoCoConfig,
+        store: BlobStore,
+        blob_url: str,
+        *,
+        deadline_s: float = 60.0,
+        lie: bool = False,
+    ) -> None:
+        self.coordinator, self.identity, self.run_id = coordinator.rstrip("/"), identity, run_id
+        self.strategy, self.algorithm = strategy, algorithm
+        self.store, self.blob_url, self.deadline_s, self.lie = store, blob_url, deadline_s, lie
+        self.http = httpx.Client(timeout=30.0, trust_env=False)
+        self.bytes_read = 0  # contribution bytes fetched: the shard's ranges only
+
+    def close(self) -> None:
+        self.http.close()
+
+    def board(self, round: int) -> dict[str, Any]:
+        resp = _request(self.http, "GET", f"{self.coordinator}/v1/shards/{round}", self.deadline_s)
+        if resp.status_code != 200:
+            raise RuntimeError(f"shard board of round {round}: {resp.status_code} {resp.text}")
+        return resp.json()
+
+    def _read(self, cid: str) -> Callable[[int, int], bytes]:
+        def read(a: int, b: int) -> bytes:
+            url = f"{self.coordinator}/v1/blobs/{cid}"
+            headers = {"Range": f"bytes={a}-{b - 1}", "Accept-Encoding": "identity"}
+            resp = _request(self.http, "GET", url, self.deadline_s, headers=headers)
+            if resp.status_code != 206 or len(resp.content) != b - a:
+                raise RuntimeError(f"range {a}-{b} of {cid[:12]}: {resp.status_code}")
+            self.bytes_read += b - a
+            return resp.content
+
+        return read
+
+    def compute(
+        self, board: dict[str, Any], index: int, start_state: TrainState
+    ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+        """The new shard `index` of the board's round from the start state: (params,
+        momentum, hash). ValueError if the start state is not the board's."""
+        if start_state.digest() != board["start_hash"]:
+            raise ValueError(f"start state {start_state.digest()[:12]} is not the board's")
+        shard, inputs = board["shards"][index], board["inputs"]
+        start, end, numel = shard["start"], shard["end"], board["numel"]
+        codec = self.strategy.codec
+        slices = [
+            read_slice(codec, numel, start, end, self._read(c["cid"]))
+            for c in inputs["contributions"]
+        ]
+        params, momentum = flat_state(start_state, self.strategy.names)
+        new_p, new_m = new_shard(
+            self.strategy.aggregator,
+            slices,
+            inputs["weights"],
+            inputs["norms"],
+            params[start:end],
+            None if momentum is None else momentum[start:end],
+            lr=self.algorithm.outer_lr,
+            momentum_coef=self.algorithm.outer_momentum,
+            nesterov=self.algorithm.nesterov,
+        )
+        if self.lie:  # a wrong shard, e.g. an attacker's nudge of the weights
+            new_p = new_p + 1e-3
+        return new_p, new_m, shard_hash(board["round"], index, start, new_p, new_m)
+
+    def _post(self, round: int, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        body = {"run_id": self.run_id, "peer_id": self.identity.peer_id, **body}
+        signed = self.identity.sign_request(body, round, purpose=shard_purpose(round, action))
+        url = f"{self.coordinator}/v1/shards/{round}/{action}"
+        resp = _request(self.http, "POST", url, self.deadline_s, json=signed)
+        if resp.status_code != 200:
+            raise RuntimeError(f"shard {action} refused: {resp.status_code} {resp.text}")
+        return resp.json()
+
+    def work(self, round: int, start_state: TrainState) -> list[str]:
+        """One pass over the board: publish each shard that is this key's turn, check each
+        published shard this key was drawn to check. What it did, as log lines."""
+        board, me, done = self.board(round), self.identity.peer_id, []
+        for shard in board["shards"]:
+            i = shard["index"]
+            if shard["aggregator"] == me and shard["published"] is None:
+                p, m, h = self.compute(board, i, start_state)
+                cid = self.store.put(shard_to_bytes(p, m))
+                self._post(round, "publish", {"index": i, "hash": h, "cid": cid,
+                                              "url": self.blob_url})  # fmt: skip
+                done.append(f"published shard {i}")
+            elif shard["checker"] == me and shard["published"] and not shard["agreed"]:
+                p, m, h = self.compute(board, i, start_state)
+                self.store.put(shard_to_bytes(p, m))  # a second source if it agrees
+                answer = self._post(round, "check", {"index": i, "hash": h,
+                                                     "url": self.blob_url})  # fmt: skip
+                done.append(f"checked shard {i}: {answer.get('outcome')}")
+        return done
+
+
+def check_certificate(certificate: dict[str, Any], coordinator_key: str) -> None:
+    """ValueError unless the shard certificate carries the coordinator's signature."""
+    signature = certificate.get("signature", "")
+    if not verify(coordinator_key, certificate_message(certificate), signature):
+        raise ValueError(f"shard certificate of round {certificate.get('round')} is not signed")
+
+
+def certified_shard(
+    certificate: dict[str, Any], index: int, data: bytes, with_momentum: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The shard `index` in blob `data`, if its hash is the certified one; ValueError
+    (naming both hashes) otherwise: a peer never takes an uncertified shard."""
+    bounds = certificate["bounds"]
+    start, end = bounds[index], bounds[index + 1]
+    params, momentum = shard_from_bytes(data, end - start, with_momentum)
+    got = shard_hash(certificate["round"], index, start, params, momentum)
+    want = certificate["shards"][index]["hash"]
+    if got != want:
+        raise ValueError(f"shard {index} hashes to {got[:16]}, certified {want[:16]}: refused")
+    return params, momentum
+
+
+def fetch_certified_state(
+    http: httpx.Client,
+    certificate: dict[str, Any],
+    coordinator_key: str,
+    start_state: TrainState,
+    names: list[str],
+    with_momentum: bool,
+    providers: Callable[[int], list[str]] | None = None,
+) -> tuple[TrainState, list[str]]:
+    """The round's new state, shard by shard from the shards' providers (the certificate's,
+    or `providers(index)`), each checked with `certified_shard`: (state, refusals).
+    ValueError for a certificate not signed by `coordinator_key` or of another start
+    state; ShardFetchError when no provider of a shard delivers its certified bytes."""
+    check_certificate(certificate, coordinator_key)
+    if certificate["start_hash"] != start_state.digest():
+        raise ValueError("the shard certificate starts from another state than ours")
+    params, momenta, refusals = [], [], []
+    for shard in certificate["shards"]:
+        i = shard["index"]
+        urls = providers(i) if providers is not None else shard["providers"]
+        for url in urls:
+            try:
+                resp = http.get(f"{url.rstrip('/')}/v1/blobs/{shard['cid']}")
+                if resp.status_code != 200:
+                    raise ValueError(f"{url}: {resp.status_code}")
+                p, m = certified_shard(certificate, i, resp.content, with_momentum)
+            except (ValueError, httpx.HTTPError) as e:
+                refusals.append(f"shard {i} from {url}: {e}")
+                continue
+            params.append(p)
+            momenta.append(m)
+            break
+        else:
+            raise ShardFetchError(f"shard {i}: no provider delivered it ({refusals[-3:]})")
+    momentum = torch.cat(momenta) if with_momentum else None  # type: ignore[arg-type]
+    return state_from_flat(start_state, names, torch.cat(params), momentum), refusals

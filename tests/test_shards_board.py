@@ -1,0 +1,151 @@
+"""Sharded aggregation's draws and board, in one process (issue 13 §1): who aggregates
+which shard, who checks it, fallback, fraud, certification; a peer refuses a shard whose
+hash is not certified."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from covey.algorithms.shards import plan_shards, shard_hash, shard_to_bytes
+from covey.coordinator.sharding import (
+    ShardBoard,
+    ShardError,
+    assign_shards,
+    drawn_for_check,
+    shard_rank,
+)
+from covey.peer.aggregator import (
+    certified_shard,
+    check_certificate,
+    shard_purpose,
+)
+from covey.trust.identity import Identity
+
+BEACON = hashlib.sha256(b"certificate of round 6").hexdigest()
+
+
+def test_assignment_is_a_balanced_public_draw_with_a_fallback_order() -> None:
+    peers = [f"{i:02d}" * 8 for i in range(7)]
+    orders = assign_shards(BEACON, 7, 32, peers)
+    assert orders == assign_shards(BEACON, 7, 32, list(reversed(peers)))  # order-free
+    assert all(sorted(o) == sorted(peers) for o in orders)  # everyone, once, per shard
+    firsts = Counter(o[0] for o in orders)
+    assert max(firsts.values()) <= -(-32 // 7)  # balanced
+    # a shard's fallbacks follow the public rank: anyone recomputes them
+    for s, order in enumerate(orders):
+        rest = sorted(order[1:], key=lambda p: shard_rank(BEACON, 7, s, p))
+        assert list(order[1:]) == rest
+    assert assign_shards("0" * 64, 7, 32, peers) != orders  # the beacon decides
+    with pytest.raises(ValueError, match="no staked aggregators"):
+        assign_shards(BEACON, 7, 4, [])
+    drawn = sum(drawn_for_check(BEACON, r, s, 0.25) for r in range(40) for s in range(50))
+    assert 400 < drawn < 600  # about a quarter of 2000
+    assert not any(drawn_for_check(BEACON, 1, s, 0.0) for s in range(100))
+    assert all(drawn_for_check(BEACON, 1, s, 1.0) for s in range(100))
+
+
+class Run:
+    """A board over three aggregator keys with a referee that knows the true hashes."""
+
+    def __init__(self, check_rate: float = 1.0) -> None:
+        self.coordinator = Identity.generate()
+        self.keys = {k.peer_id: k for k in (Identity.generate() for _ in range(3))}
+        self.banned: set[str] = set()
+        self.slashed: list[tuple[int, str, str]] = []
+        self.plan = plan_shards(100, 4)
+        self.truth = {s: f"{s}" * 64 for s in range(4)}
+        self.board = ShardBoard(
+            "run1",
+            self.coordinator,
+            public_key=lambda p: self.keys[p].public_key if p in self.keys else None,
+            is_banned=lambda p: p in self.banned,
+            referee=lambda r, s: self.truth[s],
+            slash=self.slash,
+            check_rate=check_rate,
+            publish_timeout_s=30.0,
+        )
+        self.board.open(3, "a" * 64, BEACON, self.plan, list(self.keys), {"weights": [1.0]}, 0.0)
+
+    def slash(self, round: int, peer: str, reason: str) -> None:
+        self.slashed.append((round, peer, reason))
+        self.banned.add(peer)
+
+    def signed(self, who: str, action: str, **body: Any) -> dict[str, Any]:
+        body = {"run_id": "run1", "peer_id": who, **body}
+        return self.keys[who].sign_request(body, 3, purpose=shard_purpose(3, action))
+
+    def shard(self, s: int) -> dict[str, Any]:
+        return self.board.view(3)["shards"][s]
+
+
+def test_a_lying_aggregator_is_slashed_and_its_shard_passes_on() -> None:
+    run = Run()
+    for s in range(4):
+        who = run.shard(s)["aggregator"]
+        value = "f" * 64 if s == 2 else run.truth[s]  # shard 2's aggregator lies
+        run.board.publish(3, run.signed(who, "publish", index=s, hash=value, url="http://a"))
+    assert run.board.view(3)["certificate"] is None  # drawn checks not done yet
+    liar = run.shard(2)["aggregator"]
+    for s in range(4):
+        checker = run.shard(s)["checker"]
+        answer = run.board.check(3, run.signed(checker, "check", index=s, hash=run.truth[s]), 1.0)
+        assert answer["outcome"] == ("fraud" if s == 2 else "agree")
+    assert [(r, p) for r, p, _ in run.slashed] == [(3, liar)]
+    nxt = run.shard(2)["aggregator"]
+    assert nxt != liar and run.shard(2)["published"] is None
+    with pytest.raises(ShardError, match="excluded"):  # the liar cannot publish again
+        run.board.publish(3, run.signed(liar, "publish", index=2, hash="e" * 64, url="x"))
+    run.board.publish(3, run.signed(nxt, "publish", index=2, hash=run.truth[2], url="http://b"))
+    cert = run.board.view(3)["certificate"]
+    assert cert is not None and [x["hash"] for x in cert["shards"]] == list(run.truth.values())
+    check_certificate(cert, run.coordinator.public_key)
+    with pytest.raises(ValueError, match="not signed"):
+        check_certificate({**cert, "round": 4}, run.coordinator.public_key)
+
+
+def test_refusals_change_nothing() -> None:
+    run = Run()
+    who = run.shard(0)["aggregator"]
+    other = next(p for p in run.keys if p != who)
+    with pytest.raises(ShardError, match=r"not .*'s"):
+        run.board.publish(3, run.signed(other, "publish", index=0, hash="1" * 64, url="x"))
+    body = run.signed(who, "publish", index=0, hash="1" * 64, url="x")
+    with pytest.raises(ShardError, match="bad signature"):
+        run.board.publish(3, {**body, "hash": "2" * 64})
+    with pytest.raises(ShardError, match="bad signature"):  # signed for another endpoint
+        run.board.publish(3, run.signed(who, "check", index=0, hash="1" * 64, url="x"))
+    assert run.shard(0)["published"] is None
+    # a checker that is wrong convicts nobody
+    run.board.publish(3, run.signed(who, "publish", index=0, hash=run.truth[0], url="x"))
+    checker = run.shard(0)["checker"]
+    answer = run.board.check(3, run.signed(checker, "check", index=0, hash="9" * 64), 1.0)
+    assert answer["outcome"] == "checker wrong" and not run.slashed
+
+
+def test_a_silent_aggregator_loses_its_turn_not_the_round() -> None:
+    run = Run(check_rate=0.0)
+    first = run.shard(1)["aggregator"]
+    assert run.board.expire(3, 10.0) == []
+    assert run.board.expire(3, 31.0) == [0, 1, 2, 3]
+    assert run.shard(1)["aggregator"] not in (first, None)
+
+
+def test_a_peer_refuses_a_shard_whose_hash_is_not_certified() -> None:
+    params, momentum = torch.randn(25), torch.randn(25)
+    cert = {
+        "round": 3,
+        "bounds": [0, 25, 50],
+        "shards": [{"index": 0, "hash": shard_hash(3, 0, 0, params, momentum)}],
+    }
+    got, _ = certified_shard(cert, 0, shard_to_bytes(params, momentum), True)
+    assert torch.equal(got, params)
+    params[7] += 1e-6  # one coordinate, a hair off
+    with pytest.raises(ValueError, match=r"certified .*: refused"):
+        certified_shard(cert, 0, shard_to_bytes(params, momentum), True)
+    with pytest.raises(ValueError, match="bytes"):
+        certified_shard(cert, 0, shard_to_bytes(params, None), True)
