@@ -39,6 +39,13 @@ TrainerUrl = Annotated[
     str,
     typer.Option("--trainer", help="the trainer's URL, e.g. http://127.0.0.1:8700", callback=_url),
 ]
+Device = Annotated[
+    str,
+    typer.Option(
+        help="where the policy computes: auto (CUDA, then MPS, then CPU) | cpu | cuda | "
+        "cuda:N | mps. Default cpu: the class RL's verification tolerances are calibrated on"
+    ),
+]
 IdentityPath = Annotated[
     Path | None,
     typer.Option(
@@ -85,6 +92,26 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+def _device(spec: str) -> str:
+    """--device checked now (exit 2 naming the value: malformed, or absent here); the
+    resolved name, e.g. "cuda:0", for the role to use."""
+    from covey.devices import DeviceError, resolve_device
+
+    try:
+        return str(resolve_device(spec))
+    except DeviceError as e:
+        raise _fail(f"--device: {e}") from None
+
+
+def _precision(setting: str, device: str) -> str:
+    from covey.devices import DeviceError, resolve_precision
+
+    try:
+        return resolve_precision(setting, device)
+    except DeviceError as e:
+        raise _fail(f"--precision: {e}") from None
+
+
 def _threads(n: int) -> None:
     import torch
 
@@ -110,14 +137,22 @@ def trainer(
     policy: Annotated[
         str | None,
         typer.Option(
-            help="starting policy: a policy directory (covey rl sft) or covey:<preset>; "
-            "needed only when DATA_DIR holds no run yet"
+            help="starting policy: a policy directory (covey rl sft), covey:<preset>, or "
+            "hf:DIR (a local Hugging Face causal LM); needed only when DATA_DIR holds no run yet"
         ),
     ] = None,
     spec: Annotated[Path | None, typer.Option(help="TOML of the run's RLSpec fields")] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on", min=1, max=65535)] = 8700,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+    device: Device = "cpu",
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="the learning step's forward: auto (bf16 on CUDA that has it, else fp32) | "
+            "fp32 | bf16; weights and optimizer state stay fp32"
+        ),
+    ] = "auto",
 ) -> None:
     """Serve an RL run: publish policy versions, take verified batches, train, pay."""
     from covey.config import load_toml
@@ -125,17 +160,32 @@ def trainer(
     from covey.rl.service import serve
     from covey.rl.trainer import Trainer
 
+    where = _device(device)
+    compute = _precision(precision, where)
     _logging()
     _threads(threads)
     _bindable(host, port)
     try:
-        rl_spec = RLSpec.model_validate(load_toml(spec)) if spec else None
+        from covey.rl.policy import spec_defaults
+
+        defaults = spec_defaults(policy)  # hf: eos_id = its newline token unless the TOML says
+        rl_spec = RLSpec.model_validate({**defaults, **load_toml(spec)}) if spec else None
         if rl_spec is None and policy is not None:
-            rl_spec = RLSpec()
-        t = Trainer(data_dir, spec=rl_spec, policy_dir=policy, url=f"http://{host}:{port}")
+            rl_spec = RLSpec(**defaults)
+        t = Trainer(
+            data_dir,
+            spec=rl_spec,
+            policy_dir=policy,
+            url=f"http://{host}:{port}",
+            device=where,
+            precision=compute,
+        )
     except (ValueError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
-    typer.echo(f"trainer of run {t.run_id} at http://{host}:{port} (policy v{t.version})")
+    typer.echo(
+        f"trainer of run {t.run_id} at http://{host}:{port} (policy v{t.version}, "
+        f"learning on {where} in {compute})"
+    )
     serve(t, host, port)
 
 
@@ -155,11 +205,13 @@ def worker(
     serve_blobs: Annotated[bool, typer.Option(help="serve fetched policies to others")] = False,
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+    device: Device = "cpu",
 ) -> None:
     """Generate rollout batches for a trainer and get paid per verified token."""
     from covey.peer.client import CoordinatorLost
     from covey.rl.worker import RolloutWorker
 
+    where = _device(device)
     _logging()
     _threads(threads)
     stop = _stop_on_signals()
@@ -173,6 +225,7 @@ def worker(
             serve_blobs=serve_blobs,
             run_id=run_id,
             stop=stop,
+            device=where,
         )
         n = w.run_loop(max_steps)
     except CoordinatorLost as e:
@@ -194,11 +247,13 @@ def validator(
     ] = None,
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+    device: Device = "cpu",
 ) -> None:
     """Check rollout batches the trainer assigns; earn per check and per proven catch."""
     from covey.peer.client import CoordinatorLost
     from covey.rl.validator import RolloutValidator
 
+    where = _device(device)
     _logging()
     _threads(threads)
     stop = _stop_on_signals()
@@ -211,6 +266,7 @@ def validator(
             behavior=behavior,
             run_id=run_id,
             stop=stop,
+            device=where,
         )
         n = v.run_loop(max_checks)
     except (CoordinatorLost, ValueError) as e:
@@ -237,6 +293,7 @@ def demo(
     ] = None,
     sft_steps: Annotated[int, typer.Option(help="SFT steps when no --policy", min=1)] = 450,
     seed: Annotated[int, typer.Option(help="seeds SFT")] = 0,
+    device: Device = "cpu",
 ) -> None:
     """Run a trainer, 3 rollout workers, a validator and --adversaries cheaters on 127.0.0.1;
     write OUT/summary.json (pass@1 start/end, batches accepted/rejected, cheats caught)."""
@@ -244,10 +301,11 @@ def demo(
 
     from covey.rl.demo import run_demo
 
+    where = _device(device)
     out = out or Path("runs") / time.strftime("rl-demo-%Y%m%d-%H%M%S")
     if (out / "coordinator.db").exists():
         raise _fail(f"{out} holds a run already; give another --out")
-    is_dir = policy is None or policy.startswith("covey:")
+    is_dir = policy is None or policy.startswith(("covey:", "hf:"))
     if not is_dir and not (Path(str(policy)) / "config.json").is_file():
         raise _fail(f"--policy {policy}: not a policy directory (no config.json; covey rl sft)")
     _threads(1)
@@ -260,6 +318,7 @@ def demo(
             sft_steps=sft_steps,
             seed=seed,
             echo=typer.echo,
+            device=where,
         )
     except (ValueError, RuntimeError) as e:
         raise _fail(str(e)) from None

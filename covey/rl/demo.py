@@ -68,9 +68,11 @@ def run_demo(
     sft_steps: int = 450,
     seed: int = 0,
     echo: Callable[[str], None] = print,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run the demo into `out` (created; must not hold another run) and return the summary
-    written to out/summary.json. ValueError for an unknown adversary count or bad paths."""
+    written to out/summary.json. ValueError for an unknown adversary count or bad paths.
+    `device` is passed to the trainer, validator and workers (`--device`)."""
     from covey.rl.cheats import CHEATS
     from covey.rl.sft import sft
 
@@ -96,7 +98,9 @@ def run_demo(
     def spawn(name: str, *args: str) -> None:
         log = (logs / f"{name}.log").open("ab")
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "covey", "rl", *args], stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "covey", "rl", *args, "--device", device],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
     spawn(

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from covey.devices import autocast
 from covey.rl import sampling
 from covey.rl.batch import RolloutBatch, byte_decode, byte_encode, completion_text
 from covey.rl.loss import LossConfig, group_advantages, grpo_loss
@@ -95,6 +96,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
+        self.precision = "fp32"  # "bf16": the forward in bf16 autocast (covey.devices)
         self.steps = 0
         self.dropped_stale = 0  # batches dropped for staleness over the learner's life
 
@@ -154,21 +156,23 @@ class Learner:
         policy (with grad), and the (n, width) mask of real tokens."""
         device = next(self.policy.parameters()).device
         total = max(len(s) for s in seqs) - 1
-        ids = torch.zeros(len(seqs), total, dtype=torch.long)
-        targets = torch.zeros(len(seqs), width, dtype=torch.long)
-        index = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width)
+        # built on the policy's device: nothing per token is computed on the host
+        ids = torch.zeros(len(seqs), total, dtype=torch.long, device=device)
+        targets = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        index = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(seqs), width, device=device)
         for j, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
             ids[j, : len(s) - 1] = torch.tensor(s[:-1])
             n = len(s) - p
             targets[j, :n] = torch.tensor(s[p:])
             # completion token t sits at position p + t and is predicted at p + t - 1
-            index[j, :n] = torch.arange(p - 1, p - 1 + n)
+            index[j, :n] = torch.arange(p - 1, p - 1 + n, device=device)
             mask[j, :n] = 1.0
-        logits, _ = sampling.forward_hidden(self.policy, ids.to(device))
-        picked = logits.gather(1, index.to(device)[:, :, None].expand(-1, -1, logits.size(-1)))
+        with autocast(device, self.precision):
+            logits, _ = sampling.forward_hidden(self.policy, ids)
+        picked = logits.gather(1, index[:, :, None].expand(-1, -1, logits.size(-1)))
         logp = F.log_softmax(picked / self.cfg.temperature, dim=-1)
-        return logp.gather(2, targets.to(device)[:, :, None])[:, :, 0], mask.to(device)
+        return logp.gather(2, targets[:, :, None])[:, :, 0], mask
 
     def step(self, batches: list[tuple[RolloutBatch, int]], version: int) -> dict[str, float]:
         """One learning step at policy `version` on verified `batches` (each with the version
@@ -191,7 +195,7 @@ class Learner:
             return stats
         device = next(self.policy.parameters()).device
         width = max(len(s) - p for s, p in zip(rows.seqs, rows.prompt_lens, strict=True))
-        old = torch.zeros(n, width)
+        old = torch.zeros(n, width, device=device)
         for j, lp in enumerate(rows.old_logprobs):
             old[j, : len(lp)] = torch.tensor(lp)
         self.policy.train()
@@ -204,7 +208,7 @@ class Learner:
                 logp, mask = self._token_logprobs(rows.seqs[part], rows.prompt_lens[part], width)
                 loss, part_stats = grpo_loss(
                     logp,
-                    old[part].to(device),
+                    old[part],
                     rows.advantages[part].to(device),
                     mask,
                     self.cfg.loss,

@@ -64,7 +64,16 @@ class Membership:
         self.stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def join(self, role: str, name: str, stake: float, blob_url: str | None = None) -> None:
+    def join(
+        self,
+        role: str,
+        name: str,
+        stake: float,
+        blob_url: str | None = None,
+        device: str = "cpu",
+    ) -> None:
+        """Join as `role`; a worker reports `device` (covey.devices.device_name) to the
+        status page."""
         ident = self.identity
         if role == "validator":
             self.client.post(
@@ -84,7 +93,7 @@ class Membership:
                 "public_key": ident.public_key,
                 "name": name,
                 "stake": stake,
-                "device": "cpu",
+                "device": device,
                 "step_time_s": 1.0,
                 "accepts_connections": blob_url is not None,
             }
@@ -124,8 +133,15 @@ class PolicyCache:
     """Policies by content id: fetched from the providers (verified by hash), kept in a
     local blob store (which a worker may serve to others), loaded into models."""
 
-    def __init__(self, run: RunInfo, store: BlobStore, fetcher: BlobClient) -> None:
+    def __init__(
+        self,
+        run: RunInfo,
+        store: BlobStore,
+        fetcher: BlobClient,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.run, self.store, self.fetcher = run, store, fetcher
+        self.device = torch.device(device)  # where loaded policies compute
         self._models: dict[str, torch.nn.Module] = {}
 
     def model(self, cid: str, providers: list[str]) -> torch.nn.Module:
@@ -137,6 +153,7 @@ class PolicyCache:
             data = self.fetcher.fetch(cid, providers)
             self.store.put_verified(cid, data)
         model = pol.load_weights(pol.build_policy(self.run.model_cfg), self.store.get(cid))
+        model = model.to(self.device)
         self._models = {cid: model, **dict(list(self._models.items())[-3:])}
         return model
 

@@ -37,14 +37,19 @@ def sample_seed(
     return _h64("covey-rl-sample", run_id, step, worker_id, prompt_index, sample_index)
 
 
-def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise (float32, CPU, shape (vocab_size,)) for one generated position.
+def gumbel_noise(
+    seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Standard Gumbel noise (float32, shape (vocab_size,), on `device`) for one generated
+    position.
 
-    Depends only on (seed, position): a validator regenerates any position on its own."""
+    Depends only on (seed, position): a validator regenerates any position on its own.
+    Always drawn on the CPU (torch.Generator streams differ between CPU and CUDA) and then
+    moved, so a GPU worker and a CPU validator add the same noise to the same logits."""
     g = torch.Generator().manual_seed(_h64("covey-rl-gumbel", seed, position))
     u = torch.rand(vocab_size, generator=g, dtype=torch.float64)
     u = u.clamp_(1e-12, 1.0 - 1e-12)
-    return (-torch.log(-torch.log(u))).float()
+    return (-torch.log(-torch.log(u))).float().to(device)
 
 
 def forward_hidden(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +109,10 @@ def generate_batch(
 ) -> list[Generation]:
     """`generate` for several prompts at once (one seed each): every step is one forward of
     the unfinished sequences, right-padded (causal attention: pads never reach real
-    positions). The tokens are the ones one-at-a-time generation picks, up to float noise
-    from the different shapes, which the validator's tolerances absorb. ValueError on an
+    positions). Sampling runs on the model's device (only each token id comes to the
+    host, to extend its sequence); `logprobs` and `hidden` stay on that device.
+    The tokens are the ones one-at-a-time generation picks, up to float noise from the
+    different shapes, which the validator's tolerances absorb. ValueError on an
     empty prompt, T <= 0 or a seed count that differs from the prompt count."""
     _check_temperature(temperature)
     if len(seeds) != len(prompts):
@@ -128,13 +135,14 @@ def generate_batch(
         for row, r in enumerate(live):
             last = len(seqs[r]) - 1
             if i > 0:  # hidden state of the previous generated token, now the last position
-                hidden[r].append(h[row, last].cpu())
+                hidden[r].append(h[row, last])
             if len(tokens[r]) == max_new_tokens or (
                 eos_id is not None and tokens[r][-1:] == [eos_id]
             ):
                 continue  # done: this pass only collected its last token's hidden state
-            scaled = logits[row, last].cpu() / temperature
-            tok = int(torch.argmax(scaled + gumbel_noise(seeds[r], i, scaled.numel())))
+            scaled = logits[row, last] / temperature
+            noise = gumbel_noise(seeds[r], i, scaled.numel(), scaled.device)
+            tok = int(torch.argmax(scaled + noise))
             logprobs[r].append(torch.log_softmax(scaled, dim=-1)[tok])
             tokens[r].append(tok)
             seqs[r].append(tok)
@@ -146,8 +154,8 @@ def generate_batch(
         out.append(
             Generation(
                 tokens=tokens[r],
-                logprobs=torch.stack(logprobs[r]) if logprobs[r] else torch.zeros(0),
-                hidden=torch.stack(hidden[r]) if hidden[r] else torch.zeros(0, d),
+                logprobs=torch.stack(logprobs[r]) if logprobs[r] else torch.zeros(0, device=device),
+                hidden=torch.stack(hidden[r]) if hidden[r] else torch.zeros(0, d, device=device),
             )
         )
     return out

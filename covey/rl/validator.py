@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.blobs import BlobClient, BlobError, BlobStore
+from covey.devices import resolve_device
 from covey.peer.client import CoordinatorClient, PeerRejected
 from covey.rl.batch import RolloutBatch, check_batch
 from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
@@ -40,11 +41,15 @@ class RolloutValidator:
         run_id: str | None = None,
         stop: threading.Event | None = None,
         work_dir: Path | None = None,
+        device: str = "cpu",
     ) -> None:
+        """`device` (covey.devices.resolve_device: DeviceError naming a bad or absent one)
+        holds the policies it checks under."""
         if behavior not in BEHAVIORS:
             raise ValueError(f"unknown validator behavior {behavior!r}; choose from {BEHAVIORS}")
         self.identity, self.name, self.stake, self.behavior = identity, name, stake, behavior
         self.stop = stop or threading.Event()
+        self.device = resolve_device(device)
         self.client = CoordinatorClient(
             trainer_url, timeout_s=30.0, lost_s=lost_s, stop=self.stop, identity=identity
         )
@@ -52,7 +57,7 @@ class RolloutValidator:
         self.run: RunInfo = read_run(self.client, run_id)
         root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-validator-"))
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)  # bytes are checked by hash
-        self.policies = PolicyCache(self.run, BlobStore(root / "blobs"), self.fetcher)
+        self.policies = PolicyCache(self.run, BlobStore(root / "blobs"), self.fetcher, self.device)
         self.membership = Membership(self.client, identity, self.run)
         self.reports: list[dict[str, Any]] = []
 

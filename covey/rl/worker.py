@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore
+from covey.devices import device_name, resolve_device
 from covey.peer.client import CoordinatorClient, PeerRejected
 from covey.rl.batch import RolloutBatch, rollout
 from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
@@ -64,11 +65,15 @@ class RolloutWorker:
         run_id: str | None = None,
         stop: threading.Event | None = None,
         work_dir: Path | None = None,
+        device: str = "cpu",
     ) -> None:
+        """`device` (covey.devices.resolve_device: DeviceError naming a bad or absent one)
+        holds the policy, generates and builds proofs; it is reported at join."""
         if behavior not in cheat_names():
             raise ValueError(f"unknown behavior {behavior!r}; choose from {cheat_names()}")
         self.identity, self.name, self.stake, self.behavior = identity, name, stake, behavior
         self.stop = stop or threading.Event()
+        self.device = resolve_device(device)
         self.client = CoordinatorClient(
             trainer_url, timeout_s=30.0, lost_s=lost_s, stop=self.stop, identity=identity
         )
@@ -77,7 +82,7 @@ class RolloutWorker:
         root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-worker-"))
         self.store = BlobStore(root / "blobs")
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)
-        self.policies = PolicyCache(self.run, self.store, self.fetcher)
+        self.policies = PolicyCache(self.run, self.store, self.fetcher, self.device)
         self.server = BlobServer(self.store) if serve_blobs else None
         self.membership = Membership(self.client, identity, self.run)
         self.submitted: list[dict[str, Any]] = []
@@ -86,7 +91,7 @@ class RolloutWorker:
         """Work until stopped (or `max_steps` batches submitted); returns batches sent.
         CoordinatorLost propagates once the trainer is gone for `lost_s`."""
         url = self.server.start() if self.server else None
-        self.membership.join("worker", self.name, self.stake, url)
+        self.membership.join("worker", self.name, self.stake, url, device_name(self.device))
         done = -1
         try:
             while not self.stop.is_set() and (max_steps is None or len(self.submitted) < max_steps):

@@ -25,6 +25,23 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+DEVICE_HELP = (
+    "where stage servers compute: auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps"
+)
+
+
+def _device(spec: str) -> str:
+    """--device checked before anything starts: exit 2 naming the value when it is
+    malformed or absent on this machine; the resolved name otherwise."""
+    from covey.devices import DeviceError, resolve_device
+
+    try:
+        return str(resolve_device(spec))
+    except DeviceError as e:
+        _fail(f"--device: {e}")
+        raise  # unreachable: _fail exits
+
+
 def _quiet_http() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -91,6 +108,7 @@ def register(app: typer.Typer) -> None:
         model: Annotated[
             str | None, typer.Option(help="this machine's copy of the run's hf:DIR model")
         ] = None,
+        device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
     ) -> None:
         """Serve one pipeline stage (assigned by the coordinator): forward and backward."""
         from covey.swarm.server import BEHAVIORS
@@ -101,6 +119,7 @@ def register(app: typer.Typer) -> None:
             _fail(f"--slowdown ({slowdown}) must be >= 1 and --emulate-s ({emulate_s}) >= 0")
         if model is not None and not model.startswith("hf:"):
             _fail(f"--model {model!r}: expected hf:DIR")
+        where = _device(device)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         _quiet_http()
         import torch
@@ -110,7 +129,7 @@ def register(app: typer.Typer) -> None:
         torch.set_num_threads(1)
         s = StageServer(
             coordinator, name=name, slowdown=slowdown, emulate_s=emulate_s, behavior=behavior,
-            stake=stake, port=port, stage=stage, model=model,
+            stake=stake, port=port, stage=stage, device=where, model=model,
         )  # fmt: skip
         _stop_on_signals(s.stop)
         serve(s)
@@ -155,13 +174,19 @@ def register(app: typer.Typer) -> None:
         ] = None,
         servers: Annotated[int, typer.Option(help="stage servers of mixed speeds")] = 5,
         port: Annotated[int, typer.Option(help="the coordinator's port")] = 8100,
+        device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
     ) -> None:
         """Coordinator, stage servers of mixed speeds and a trainer on 127.0.0.1."""
         if minutes <= 0 or servers < 2 or (kill_every is not None and kill_every <= 0):
             _fail(f"need --minutes > 0 ({minutes}), --servers >= 2 ({servers}), --kill-every > 0")
+        where = _device(device)
         from covey.swarm.demo import run_demo
 
-        sys.exit(run_demo(minutes=minutes, kill_every=kill_every, n_servers=servers, port=port))
+        sys.exit(
+            run_demo(
+                minutes=minutes, kill_every=kill_every, n_servers=servers, port=port, device=where
+            )
+        )
 
 
 def _config(pairs: list[str]) -> Any:

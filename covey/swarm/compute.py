@@ -88,7 +88,7 @@ def _encode_grad(cfg: SwarmConfig, g: torch.Tensor) -> bytes:
 def forward(cfg: SwarmConfig, k: int, stage: Stage, body: bytes) -> bytes:
     (data,) = unpack(body, 1)
     x, ids = _stage_input(cfg, k, stage, data)
-    out = stage.forward(x)
+    out = stage.forward(x.to(_device(stage))).cpu()  # computed on the device, sent from here
     if cfg.codec == "subspace" and not stage.last:
         assert ids is not None
         payload = subspace.encode_payload(ids, subspace.for_run(cfg).to_coeffs(out, ids))
@@ -108,7 +108,7 @@ def backward(cfg: SwarmConfig, k: int, stage: Stage, body: bytes) -> bytes:
             raise WireError(f"targets must be ids of shape {tuple(x.shape[:2])}")
         if int(g.min()) < 0 or int(g.max()) >= vocab:
             raise WireError(f"targets must be in [0, {vocab})")
-        loss, grad = stage.backward_loss(x, g)
+        loss, grad = stage.backward_loss(x.to(_device(stage)), g.to(_device(stage)))
     else:
         if cfg.codec == "subspace":
             sw = subspace.for_run(cfg)
@@ -117,10 +117,16 @@ def backward(cfg: SwarmConfig, k: int, stage: Stage, body: bytes) -> bytes:
             g = sw.grad_from_coeffs(g)
         if g.shape != (*x.shape[:2], stage_hidden(cfg, stage)):
             raise WireError(f"grad_output {tuple(g.shape)} does not fit input {tuple(x.shape)}")
-        grad = stage.backward(x, g)
+        grad = stage.backward(x.to(_device(stage)), g.to(_device(stage)))
     meta = {"loss": loss, "sketch": stage.last_sketch}
-    out = b"" if grad is None else _encode_grad(cfg, grad)
+    out = b"" if grad is None else _encode_grad(cfg, grad.cpu())
     return pack(out, json.dumps(meta).encode())
+
+
+def _device(stage: Stage) -> torch.device:
+    """Where the stage computes (its parameters' device): inputs are decoded and checked
+    on the host, cross to it, and results come back only to become bytes."""
+    return next(stage.module.parameters()).device
 
 
 def stage_hidden(cfg: SwarmConfig, stage: Stage) -> int:

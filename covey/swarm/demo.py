@@ -47,9 +47,16 @@ def _spare(s: dict | None, ours: set[str]) -> list[str]:
 
 
 def run_demo(
-    *, minutes: float, kill_every: float | None, n_servers: int, port: int, emulate_s: float = 0.02
+    *,
+    minutes: float,
+    kill_every: float | None,
+    n_servers: int,
+    port: int,
+    emulate_s: float = 0.02,
+    device: str = "cpu",
 ) -> int:
-    """0 when the trainer finished its time and trained; 1 otherwise (logs kept)."""
+    """0 when the trainer finished its time and trained; 1 otherwise (logs kept). The stage
+    servers compute on `device` (`--device`)."""
     work = Path(tempfile.mkdtemp(prefix="covey-swarm-demo-"))
     swarm = Swarm(work, SETTINGS, port=port)
     rng = random.Random(0)
@@ -61,7 +68,7 @@ def run_demo(
         for i in range(n_servers):
             name = f"s{i}-x{SPEEDS[i % len(SPEEDS)]:g}"
             swarm.start_server(name, "--slowdown", str(SPEEDS[i % len(SPEEDS)]),
-                               "--emulate-s", str(emulate_s))  # fmt: skip
+                               "--emulate-s", str(emulate_s), "--device", device)  # fmt: skip
             names.append(name)
         swarm.ready(names)
         print("servers up; training")
@@ -89,7 +96,9 @@ def run_demo(
             for when, name in [r for r in revive if r[0] <= now]:
                 revive.remove((when, name))
                 speed = name.split("-x")[-1]
-                swarm.start_server(name, "--slowdown", speed, "--emulate-s", str(emulate_s))
+                swarm.start_server(
+                    name, "--slowdown", speed, "--emulate-s", str(emulate_s), "--device", device
+                )
                 print(f"[{now - start:5.0f} s] {name} restarted")
             if now - last_print >= 5 and (s := status(swarm.url)):
                 last_print = now

@@ -30,6 +30,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore
+from covey.devices import device_name, resolve_device
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.swarm import compute, subspace
 from covey.swarm.config import SwarmConfig
@@ -65,14 +66,18 @@ class StageServer:
         port: int = 0,
         seed: int = 0,
         stage: int | None = None,
+        device: str = "cpu",
         model: str | None = None,
     ) -> None:
-        """`model`: this machine's copy of the run's `hf:DIR` model (its config.json must
-        have the run's digest); default: the path the run's spec names."""
+        """`device` (covey.devices.resolve_device; DeviceError naming a bad or absent one)
+        holds the stage's weights, optimizer state, activations and gradients. `model`:
+        this machine's copy of the run's `hf:DIR` model (its config.json must have the
+        run's digest); default: the path the run's spec names."""
         if behavior not in BEHAVIORS:
             raise ValueError(f"behavior {behavior!r} must be one of {BEHAVIORS}")
         if slowdown < 1:
             raise ValueError(f"slowdown ({slowdown}) must be >= 1")
+        self.device = resolve_device(device)
         self.name, self.slowdown, self.emulate_s = name, slowdown, emulate_s
         self.behavior, self.stake, self.port, self.wanted = behavior, stake, port, stage
         self.model = model
@@ -119,7 +124,7 @@ class StageServer:
             "run_id": self.run_id, "peer_id": self.identity.peer_id, "role": "server",
             "public_key": self.identity.public_key, "name": self.name, "stake": self.stake,
             "url": f"http://127.0.0.1:{self.http.server_address[1]}",
-            "blob_url": self.blobs.url,
+            "blob_url": self.blobs.url, "device": device_name(self.device),
             # a server the coordinator forgot (late heartbeats) asks for its stage back
             "stage": self.wanted if self.wanted is not None else (self.k if self.k >= 0 else None),
         }  # fmt: skip
@@ -203,7 +208,7 @@ class StageServer:
     def _become(self, k: int, agreed: str | None, providers: list[str]) -> None:
         """Serve stage `k` at the agreed state (fetched, hash-checked) or the seed's."""
         assert self.cfg is not None
-        stage = build_stage(self.cfg, k)
+        stage = build_stage(self.cfg, k, self.device)
         if agreed is not None:
             load_state(stage, self.fetcher.fetch(agreed, providers))
         with self.lock:
@@ -247,7 +252,7 @@ class StageServer:
         with self.lock:  # snapshot: later microbatches accumulate for the next round
             s = self.stage
             grads = {
-                f"g.{i}": (torch.zeros_like(p) if p.grad is None else p.grad.clone())
+                f"g.{i}": (torch.zeros_like(p) if p.grad is None else p.grad).cpu().clone()
                 for i, p in enumerate(s.params)
             }
             samples = s.samples
@@ -290,7 +295,7 @@ class StageServer:
                 raise WireError(f"round {rnd['id']}: {peer[:8]}'s blob holds {n} samples")
             total += n
             for i, a in enumerate(acc):
-                a.add_(t[f"g.{i}"])
+                a.add_(t[f"g.{i}"].to(a.device))
         with self.lock:
             if self.behavior != "stale":
                 saved, saved_n = [p.grad for p in s.params], s.samples
@@ -306,8 +311,10 @@ class StageServer:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def handle(self, kind: str, k: int, body: bytes) -> tuple[bytes, str]:
-        """(reply, signature) for a forward or backward request for stage `k`."""
+    def handle(self, kind: str, k: int, body: bytes, check: bool = False) -> tuple[bytes, str]:
+        """(reply, signature) for a forward or backward request for stage `k`. `check`: a
+        trainer's duplicate of a hop another server ran, answered and signed the same but
+        not accumulated: the microbatch counts once in the stage's update."""
         assert self.cfg is not None
         self.waiting += 1
         try:
@@ -316,9 +323,19 @@ class StageServer:
                     raise LookupError(f"this server serves stage {self.k}, not {k}")
                 t0 = time.perf_counter()
                 run = compute.forward if kind == "forward" else compute.backward
-                reply = misbehave(
-                    self.behavior, kind, run(self.cfg, k, self.stage, body), self.cfg.codec
-                )
+                s = self.stage
+                kept = (s.samples, [p.grad for p in s.params]) if check else None
+                if kept is not None:  # backward adds into .grad: let it add into copies
+                    for p in s.params:
+                        p.grad = None if p.grad is None else p.grad.clone()
+                try:
+                    out = run(self.cfg, k, s, body)
+                finally:
+                    if kept is not None:
+                        s.samples = kept[0]
+                        for p, g in zip(s.params, kept[1], strict=True):
+                            p.grad = g
+                reply = misbehave(self.behavior, kind, out, self.cfg.codec)
                 busy = time.perf_counter() - t0
                 extra = (self.slowdown - 1) * busy + self.slowdown * self.emulate_s
                 if extra > 0:
@@ -384,7 +401,8 @@ def _handler(server: StageServer) -> type[BaseHTTPRequestHandler]:
                 k = int(self.headers.get("X-Covey-Stage", "-1"))
                 if kind not in ("forward", "backward") or not 0 <= n <= MAX_BODY:
                     return self._send(404 if n >= 0 else 411, b"no such request")
-                reply, sig = server.handle(kind, k, self.rfile.read(n))
+                check = self.headers.get("X-Covey-Check") == "1"
+                reply, sig = server.handle(kind, k, self.rfile.read(n), check)
                 self._send(200, reply, {"X-Covey-Signature": sig})
             except LookupError as e:
                 self._send(409, str(e).encode())

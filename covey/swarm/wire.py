@@ -42,10 +42,10 @@ def encode_tensor(x: torch.Tensor, codec: str) -> bytes:
     if not x.is_floating_point():
         if x.dim() != 2:
             raise ValueError(f"token ids must be (B, T), got {tuple(x.shape)}")
-        return _IDS.pack(b"CVID", *x.shape) + x.to(torch.int32).contiguous().numpy().tobytes()
+        return _IDS.pack(b"CVID", *x.shape) + x.to(torch.int32).cpu().contiguous().numpy().tobytes()
     if codec == "int8":
         return encode_int8(x, 64)
-    return st_save({"x": x.detach().to(torch.float32).contiguous()})
+    return st_save({"x": x.detach().to(torch.float32).cpu().contiguous()})
 
 
 def decode_tensor(data: bytes) -> torch.Tensor:
@@ -113,20 +113,23 @@ def stage_plan(cfg: SwarmConfig) -> list[list[int]]:
     return plan_stages([1.0] * cfg.n_layer, cfg.stages)
 
 
-def build_stage(cfg: SwarmConfig, k: int) -> Stage:
-    """Stage `k` at its initial weights (the run's seed), its own copy of every tensor."""
+def build_stage(cfg: SwarmConfig, k: int, device: torch.device | str = "cpu") -> Stage:
+    """Stage `k` at its initial weights (the run's seed), its own copy of every tensor, on
+    `device` (weights built on the host from the seed, then moved: the same on every
+    device); its optimizer state is created there on the first step."""
     if not 0 <= k < cfg.stages:
         raise ValueError(f"stage {k}; this run has stages 0..{cfg.stages - 1}")
     if cfg.model:  # a Hugging Face decoder: only this stage's weights (covey.swarm.hfmodel)
         from covey.swarm.hfmodel import build_hf_stage
 
-        return build_hf_stage(cfg, k)  # type: ignore[no-any-return]
+        return build_hf_stage(cfg, k, device)  # type: ignore[no-any-return]
     torch.manual_seed(cfg.seed)
     model = GPT(gpt_config(cfg))
     module = stage_modules(model, stage_plan(cfg))[k]
     # untie wte/lm_head: a stage server trains its own copy (covey.swarm.plan)
     for name, p in list(module.named_parameters()):
         _set_param(module, name, nn.Parameter(p.detach().clone()))
+    module.to(device)
     lr = cfg.lr
     return Stage(
         module,
@@ -145,10 +148,10 @@ def _set_param(module: nn.Module, name: str, p: nn.Parameter) -> None:
 
 def state_bytes(stage: Stage) -> bytes:
     """Weights, AdamW moments and step counts as safetensors bytes (deterministic)."""
-    out = {f"w.{n}": p.detach().contiguous() for n, p in stage.module.named_parameters()}
+    out = {f"w.{n}": p.detach().cpu().contiguous() for n, p in stage.module.named_parameters()}
     for i, p in enumerate(stage.params):
         for key, v in stage.optimizer.state.get(p, {}).items():
-            out[f"o.{i}.{key}"] = v.detach().reshape(-1).contiguous().clone()
+            out[f"o.{i}.{key}"] = v.detach().reshape(-1).cpu().contiguous().clone()
     out["meta.steps"] = torch.tensor([stage.steps], dtype=torch.int64)
     return st_save(dict(sorted(out.items())))
 
@@ -171,6 +174,7 @@ def load_state(stage: Stage, data: bytes) -> None:
             st = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"o.{i}.")}
             if st:
                 stage.optimizer.state[p] = {
-                    k: v.reshape(()) if k == "step" else v.reshape(p.shape) for k, v in st.items()
+                    k: v.reshape(()) if k == "step" else v.reshape(p.shape).to(p.device)
+                    for k, v in st.items()
                 }
     stage.steps = int(tensors["meta.steps"][0]) if "meta.steps" in tensors else 0
