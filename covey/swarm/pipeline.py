@@ -15,6 +15,8 @@ import torch
 
 from covey.swarm.codecs import decode_int8, encode_int8
 from covey.swarm.stage import Stage
+from covey.swarm.subspace import SubspaceWire
+from covey.swarm.wire import encode_tensor
 
 
 @dataclass
@@ -63,3 +65,27 @@ def train_microbatch(stages: Sequence[Stage], batch: torch.Tensor, wire: Wire) -
         assert grad is not None  # only stage 0 takes token ids
         grad = stages[k].backward(inputs[k], wire(grad))
     return loss
+
+
+def train_microbatch_subspace(
+    stages: Sequence[Stage], batch: torch.Tensor, sw: SubspaceWire
+) -> tuple[float, int]:
+    """`train_microbatch` with codec "subspace" between stages (covey.swarm.subspace):
+    stage outputs are cut to e_tok + span(U) and only coefficients (forward, with the
+    ids) and gradient coefficients (backward) cross. Returns (loss, payload bytes), the
+    bytes being what `subspace.encode_payload` and fp32 coefficients take on the wire."""
+    if not stages or not stages[-1].last or any(s.last for s in stages[:-1]):
+        raise ValueError(f"{len(stages)} stages: exactly the last must be marked last")
+    ids = batch[:, :-1]
+    inputs, sent = [ids], 0
+    for s in stages[:-1]:
+        c = sw.to_coeffs(s.forward(inputs[-1]), ids)
+        sent += 16 + 4 * ids.numel() + 4 * c.numel()
+        inputs.append(sw.from_coeffs(c, ids))
+    loss, grad = stages[-1].backward_loss(inputs[-1], batch[:, 1:])
+    for k in range(len(stages) - 2, -1, -1):
+        assert grad is not None
+        gc = sw.grad_to_coeffs(grad)
+        sent += len(encode_tensor(gc, "plain"))
+        grad = stages[k].backward(inputs[k], sw.grad_from_coeffs(gc))
+    return loss, sent
