@@ -91,6 +91,42 @@ def test_heartbeats_do_not_write_sqlite_per_request(tmp_path: Path) -> None:
         coord.db.close()
 
 
+def test_heartbeats_and_polls_are_answered_while_a_round_commits(tmp_path: Path) -> None:
+    """A round's commit holds the database's write lock (its certificate, no-shows and
+    ledger entries); heartbeats and /v1/round read the last committed state on a second
+    connection, so they are answered while it is held, not after."""
+    spec = tmp_path / "run.toml"
+    spec.write_text(SPEC)
+    coord = Coordinator(load_run_config(spec), tmp_path / "coord")
+    try:
+        http = TestClient(create_app(coord))
+        key = Identity.generate()
+        join = signed(key, join_body(key, coord.run_id), "/v1/join")
+        assert http.post("/v1/join", json=join).status_code == 200
+        beat = signed(key, {"run_id": coord.run_id, "peer_id": key.peer_id}, "/v1/heartbeat")
+        assert http.post("/v1/heartbeat", json=beat).status_code == 200  # liveness loaded
+        held, answered, released = threading.Event(), threading.Event(), threading.Event()
+
+        def writer() -> None:  # a long commit: holds the lock until both are answered
+            with coord.db.transaction() as c:
+                c.execute("UPDATE peers SET name = 'renamed' WHERE peer_id = ?", (key.peer_id,))
+                held.set()
+                answered.wait(30)
+            released.set()
+
+        threading.Thread(target=writer, daemon=True).start()
+        assert held.wait(10)
+        beat = signed(key, {"run_id": coord.run_id, "peer_id": key.peer_id}, "/v1/heartbeat")
+        assert http.post("/v1/heartbeat", json=beat).status_code == 200
+        poll = http.get("/v1/round", params={"peer_id": key.peer_id})
+        assert poll.status_code == 200 and poll.json()["phase"] in ("waiting", "open")
+        assert not released.is_set(), "the answers waited for the writer"
+        answered.set()
+        assert released.wait(10)
+    finally:
+        coord.db.close()
+
+
 def test_a_commit_wakes_the_waiters_at_once() -> None:
     """`notify` from another thread wakes an asyncio waiter within milliseconds; without a
     commit the wait ends at its timeout, not done."""

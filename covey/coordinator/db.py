@@ -198,6 +198,12 @@ class Database:
             self._conn.close()
             raise
         self.lock = threading.RLock()
+        # a second connection for reads of the last committed state: in WAL mode it never
+        # waits for the writer, so a round's commit does not stall heartbeats and polls
+        self._reader = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._reader.row_factory = sqlite3.Row
+        self._reader.execute("PRAGMA query_only = ON")
+        self._read_lock = threading.Lock()
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -219,6 +225,18 @@ class Database:
         rows = self.query(sql, args)
         return rows[0] if rows else None
 
+    def read_one(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Row | None:
+        """The first row of a query against the last committed state, on the reading
+        connection: it never waits for a writer's transaction. Not for code inside a
+        transaction that must see its own uncommitted writes (use `one`)."""
+        with self._read_lock:
+            return self._reader.execute(sql, args).fetchone()
+
+    def read_all(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        """`read_one`, every row."""
+        with self._read_lock:
+            return self._reader.execute(sql, args).fetchall()
+
     def get_meta(self, key: str) -> str | None:
         row = self.one("SELECT value FROM meta WHERE key = ?", (key,))
         return None if row is None else row["value"]
@@ -230,5 +248,6 @@ class Database:
         )
 
     def close(self) -> None:
-        with self.lock:
+        with self.lock, self._read_lock:
             self._conn.close()
+            self._reader.close()

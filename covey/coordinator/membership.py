@@ -210,7 +210,9 @@ class Membership:
         flushed in batches (covey.coordinator.liveness); only reviving a dead peer writes
         at once (its "revived" event)."""
         self.check_run(req.run_id)
-        row = self.db.one("SELECT state, public_key FROM peers WHERE peer_id = ?", (req.peer_id,))
+        row = self.db.read_one(  # committed state: a round's commit does not stall this
+            "SELECT state, public_key FROM peers WHERE peer_id = ?", (req.peer_id,)
+        )
         if row is None or not row["public_key"]:
             raise Rejected(404, f"unknown peer {req.peer_id}: join first")
         live = self.liveness

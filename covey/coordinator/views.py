@@ -132,12 +132,14 @@ class Views:
                 signal = self.__dict__["_commits"] = CommitSignal()
         return signal
 
-    def open_round(self) -> OpenRound | None:
+    def open_round(self, committed: bool = False) -> OpenRound | None:
         """The open (or closing) round: the latest round's row, when it is open. Rounds open
         in order and only round `state.round` can be open, so the latest row (a primary-key
         lookup) is the one; its members and assignments are parsed once per (round,
-        attempt, deadline), not per request."""
-        head = self.db.one(
+        attempt, deadline), not per request. `committed`: read the last committed state
+        without waiting for a writer (for polls; not inside a transaction)."""
+        one = self.db.read_one if committed else self.db.one
+        head = one(
             "SELECT round, attempt, status, opened_at, deadline FROM rounds "
             "ORDER BY round DESC LIMIT 1"
         )
@@ -147,7 +149,7 @@ class Views:
         cached = self.__dict__.get("_open_round")
         if cached is not None and cached[0] == key:
             return cached[1]
-        row = self.db.one("SELECT * FROM rounds ORDER BY round DESC LIMIT 1")
+        row = one("SELECT * FROM rounds ORDER BY round DESC LIMIT 1")
         if row is None or row["status"] not in ("open", "closing"):
             return None
         rnd = OpenRound(
@@ -183,7 +185,7 @@ class Views:
             return schemas.RoundInfo(
                 run_id=self.run_id, phase="halted", round=self.state.round, halted=halted["reason"]
             )
-        rnd = self.open_round()
+        rnd = self.open_round(committed=True)
         if rnd is None:
             phase = "finished" if self.finished() else "waiting"
             return schemas.RoundInfo(run_id=self.run_id, phase=phase, round=self.state.round)
@@ -206,14 +208,14 @@ class Views:
     def state_providers(self) -> list[str]:
         """Peers that hold the current canonical state: those accepted in the round that
         produced it (they verified its hash) and that accept connections."""
-        row = self.db.one(
+        row = self.db.read_one(
             "SELECT certificate FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
         )
         if row is None:
             return []
         cert = schemas.Certificate.model_validate_json(row["certificate"])
         live = {
-            p["peer_id"] for p in self.db.query("SELECT peer_id FROM peers WHERE state = 'live'")
+            p["peer_id"] for p in self.db.read_all("SELECT peer_id FROM peers WHERE state = 'live'")
         }
         return [u for a in cert.accepted if a.peer_id in live for u in a.providers]
 
