@@ -9,8 +9,10 @@ verdicts written to the ledger) and the learning loop here.
 
 Everything a restarted trainer needs is in its data directory: the SQLite database
 (`coordinator.db`: spec, versions, batches, peers, nonces, ledger), the blobs (every
-policy version and batch) and its key. The optimizer's moments are not persisted: a
-restarted trainer continues from the latest published policy with fresh moments.
+policy version and batch), its key, and the optimizer's moments of the latest version
+(covey.rl.moments: safetensors, checked on load), so a restarted trainer's next step is
+the one an uninterrupted trainer would take. A run directory without them (an older run)
+restarts with fresh moments and says so; moments that do not fit refuse the start.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from covey.rl import policy as pol
 from covey.rl.batch import RolloutBatch
 from covey.rl.intake import RL_SCHEMA, Intake
 from covey.rl.learning import held_out_pass_at_1, make_learner
+from covey.rl.moments import load_moments, moments_path, prune_moments, save_moments
 from covey.rl.runspec import RLSpec, ledger_policy, membership_config, rollout_spec, run_id_of
 from covey.trust.identity import Identity
 
@@ -107,10 +110,32 @@ class Trainer:
         ).to(self.device)
         self.learner = make_learner(self.policy, self.spec, self.task, self.model_cfg)
         self.learner.precision = resolve_precision(precision, self.device)
+        self._load_moments()
         self.intake = Intake(self)
         self.history: list[dict[str, Any]] = json.loads(self.db.get_meta("rl_history") or "[]")
         self._thread: threading.Thread | None = None
         self._frozen: dict[int, torch.nn.Module] = {}
+
+    def _moments_meta(self, version: int) -> dict[str, str]:
+        return {"run_id": self.run_id, "version": str(version), "policy_cid": self.cids[version]}
+
+    def _load_moments(self) -> None:
+        """The optimizer moments saved with the current version (MomentsError, a
+        ValueError naming the file, when they do not fit the run); fresh ones, with a
+        warning, when none were saved (version 0, or a run from before they were)."""
+        path = moments_path(self.data_dir, self.version)
+        if path.exists():
+            n = load_moments(
+                self.learner.optimizer, self.policy, path, self._moments_meta(self.version)
+            )
+            log.info("[trainer - v%d] optimizer moments of %d parameters loaded", self.version, n)
+        elif self.version > 0:
+            log.warning(
+                "[trainer - v%d] no optimizer moments saved with this version (%s): "
+                "continuing with fresh moments",
+                self.version,
+                path,
+            )
 
     def _create(self, cid0: str) -> None:
         now = time.time()
@@ -229,6 +254,13 @@ class Trainer:
             t0 = time.time()
             stats = self.learner.step(batches, self.version)
             cid = self.blobs.put(pol.policy_bytes(self.policy))
+            meta = {"run_id": self.run_id, "version": str(self.version + 1), "policy_cid": cid}
+            save_moments(  # before the version is committed: a crash leaves v's file
+                self.learner.optimizer,
+                self.policy,
+                moments_path(self.data_dir, self.version + 1),
+                meta,
+            )
             now = time.time()
             with self.accounts.transaction() as c:
                 c.execute("INSERT INTO rl_versions VALUES (?, ?, ?)", (self.version + 1, cid, now))
@@ -246,6 +278,7 @@ class Trainer:
                 )
             self.cids[self.version + 1] = cid
             self.version += 1
+            prune_moments(self.data_dir, self.version)
             rewards = [s.reward for b, _ in batches for s in b.samples]
             entry = {
                 "version": self.version,
