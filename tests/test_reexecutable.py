@@ -79,7 +79,8 @@ def two_rounds(cfg: object, tokens: torch.Tensor, accepted: bool = True):
     _, mine, end0 = train(w, state, batches(tokens, 0))
     _, theirs, _ = train(other, state, batches(tokens, 0, "peer-1"))
     state = w.apply_round(state, [mine, theirs] if accepted else [theirs])
-    w.adopt(state, accepted=accepted)
+    # Streaming merges before inner step tau, as the simulator and an overlapping worker do
+    getattr(w, "merge_late", w.adopt)(state, accepted=accepted)
     commitments, c1, end1 = train(w, state, batches(tokens, 1))
     return state, end0, commitments, c1, end1
 

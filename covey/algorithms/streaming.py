@@ -10,11 +10,13 @@ in 4 bits by default.
 
 Verification: the local parameters (and inner optimizer moments) are the worker's committed
 end state of its previous round; `begin_round` re-applies the merge from it, so a validator
-re-executes a round from (W_r, that end state). The merge does not depend on whether the
-certificate accepted the contribution. A round that follows a gap (the worker missed round
-r-1) starts fresh from W_r, as a joiner does. Error feedback is refused at config load
-(covey.config.StreamingDiLoCoConfig): the outer gradient here is global - local of one
-fragment, and no residual is carried.
+re-executes a round from (W_r, that end state). With tau > 0 the merge happens where the
+simulator and an overlapping worker (covey/peer/overlap.py) do it: before inner step tau of
+the round (`merge_late`), so its first tau steps train on the pre-merge local weights. The
+merge does not depend on whether the certificate accepted the contribution. A round that
+follows a gap (the worker missed round r-1) starts fresh from W_r, as a joiner does. Error
+feedback is refused at config load (covey.config.StreamingDiLoCoConfig): the outer gradient
+here is global - local of one fragment, and no residual is carried.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class StreamingDiLoCo(DiLoCo):
         self.fragments = strided_fragments(self.names, cfg.fragments)
         self._global: dict[str, torch.Tensor] = {}
         self._round = 0  # the round whose contribution this worker makes next
+        # (W_r, accepted) merged before inner step tau of round W_r.round (`merge_late`)
+        self._late: tuple[TrainState, bool] | None = None
 
     @property
     def carries_local_state(self) -> bool:
@@ -115,7 +119,49 @@ class StreamingDiLoCo(DiLoCo):
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
 
+    def begin_round(
+        self,
+        start_state: TrainState,
+        previous_end: dict[str, torch.Tensor] | None = None,
+        accepted: bool = True,
+    ) -> None:
+        """As `Strategy.begin_round`, except that with tau > 0 the merge of W_r is scheduled
+        before inner step tau (`merge_late`), as the simulator applies it."""
+        self._late = None
+        if previous_end is None or not self.overlap_steps:
+            super().begin_round(start_state, previous_end, accepted)
+            return
+        self.load_state(start_state)
+        self.reset_local()
+        self.load_local_state(previous_end)
+        self.merge_late(start_state, accepted)
+
+    def merge_late(self, state: TrainState, accepted: bool = True) -> None:
+        """Schedule `adopt(state, accepted)` before inner step tau of round state.round
+        (steps counted since the last contribution), or at make_contribution when the round
+        has no step tau. Repeats if the round's steps are re-run (a referee's probe).
+        RuntimeError when step tau of this round is already past."""
+        if self.steps > self.overlap_steps:
+            raise RuntimeError(
+                f"merge of round {state.round} due before inner step {self.overlap_steps}, "
+                f"{self.steps} steps already taken"
+            )
+        self._late = (state, accepted)
+        self._round = state.round  # it is this round's: the lr schedule is the same after
+
+    def _merge_if_due(self, at_end: bool = False) -> None:
+        late = self._late
+        if late is None or late[0].round != self._round:  # another round's
+            return
+        if self.steps == self.overlap_steps or (at_end and self.steps <= self.overlap_steps):
+            self.adopt(*late)  # _late stays: a re-run of these steps merges again
+
+    def inner_step(self, batch: torch.Tensor) -> float:
+        self._merge_if_due()
+        return super().inner_step(batch)
+
     def encode_work(self) -> tuple[bytes, int | None]:
+        self._merge_if_due(at_end=True)
         p = self.fragment_of(self._round)
         names = self.fragments[p]
         local = dict(self.model.named_parameters())

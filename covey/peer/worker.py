@@ -35,6 +35,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from covey.data.batches import assignment_batches
 from covey.peer import adversary, group
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.lease import Lease, LeaseLapsed
+from covey.peer.overlap import LateCommitter, Transfer, TransferTimeout, speculation_fails
 from covey.peer.runsetup import set_up_run
 from covey.protocol import schemas
 from covey.protocol.checkpoint import (
@@ -56,6 +58,7 @@ from covey.protocol.checkpoint import (
     state_to_file,
 )
 from covey.protocol.content import content_id
+from covey.protocol.rounds import data_key
 from covey.trust import ledger, verify
 from covey.trust.certify import certificate_is_signed
 from covey.trust.halt import EXIT_HALTED
@@ -66,6 +69,7 @@ log = logging.getLogger("covey.worker")
 KEEP_CONTRIBUTIONS = 8  # own contribution and end-state blobs kept on the blob server
 PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
 _PULL_BYTES_S = 1 << 20  # slowest rate a submission's answer may wait on a payload pull at
+TRANSFER_JOIN_S = 10.0  # a leaving worker waits this long for its background transfer
 
 
 @dataclass
@@ -106,6 +110,21 @@ class LocalStates:
     accepted: bool = False
 
 
+@dataclass
+class Finished:
+    """What finishing a trained round brought back: publish, certificate, the applied
+    weights (on the transfer thread when overlapping, covey.peer.overlap)."""
+
+    info: schemas.RoundInfo  # the round it finished
+    local: LocalStates | None  # that round's local states (H3)
+    submitted: bool
+    certificate: schemas.Certificate | None = None  # None: the round was aborted
+    state: TrainState | None = None  # the certified weights, computed or downloaded
+    state_hash: str | None = None
+    resynced: bool = False  # downloaded: this peer's own result did not match
+    next_info: schemas.RoundInfo | None = None  # the next round, when training ahead
+
+
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
@@ -133,6 +152,9 @@ class Worker:
         self.server: BlobServer | None = None
         self._served_state: str | None = None
         self._published: list[str] = []
+        self._transfer: Transfer[Finished] | None = None  # the last round's, in flight
+        self._train_ended: float | None = None  # when the last round's training ended
+        self._waited_s = 0.0  # how long this round's training waited for the last transfer
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -243,6 +265,8 @@ class Worker:
             return 1
         finally:
             self.stop.set()
+            if self._transfer is not None and not self._transfer.join(TRANSFER_JOIN_S):
+                log.warning("[%s] background transfer still running at exit", self.name)
             if getattr(self, "leader", None) is not None:
                 self.leader.stop()  # type: ignore[union-attr]  # the followers return
             self._leave()
@@ -330,6 +354,8 @@ class Worker:
                 log.debug("[%s] heartbeat failed: %s", self.name, e)
 
     def _one_round(self) -> str:
+        if self._transfer is not None:  # the last round's transfer runs: train ahead
+            return self._overlapped_round()
         info = schemas.RoundInfo.model_validate(
             self.client.get("/v1/round", params={"peer_id": self.peer_id})
         )
@@ -347,25 +373,200 @@ class Worker:
         self._sync_state(info.start_cid, info.start_hash, info.start_size, info.providers)
         assert self.state is not None
         self._begin_round(info.round)
-        contribution, loss, compute_s, commitments = self._train(info, deadline)
+        committer = verify.Committer(self.strategy, self.state, self.cfg.trust.commit_every)
+        return self._train_and_finish(info, deadline, opened, committer)
+
+    def _train_and_finish(
+        self,
+        info: schemas.RoundInfo,
+        deadline: float,
+        started: float,
+        committer: verify.Committer,
+        ahead: tuple[int, float, float] = (0, 0.0, 0.0),
+    ) -> str:
+        """Train the rest of the round (`ahead`: steps, compute seconds and loss sum already
+        done), then publish and apply it: on a background transfer while the next round's
+        first tau steps train (Streaming DiLoCo), else here."""
+        contribution, loss, compute_s, commitments = self._train(info, deadline, committer, ahead)
         self._end_round()
-        submitted = self._publish(
-            info, contribution, loss, compute_s, time.monotonic() - opened, commitments
+        ended = time.monotonic()
+        self._note_round(info.round, compute_s, ended - started, ahead[0])
+        self._train_ended = ended
+        args = (info, contribution, loss, compute_s, ended - started, commitments)
+        del contribution  # the transfer holds it until published
+        if self._overlaps():
+            self._transfer = Transfer(f"round-{info.round}", lambda: self._finish(*args, True))
+            self._transfer.start()
+            return "trained"
+        return self._settle(self._finish(*args, False), adopt=True)
+
+    def _overlaps(self) -> bool:
+        """Whether the next round's first tau steps train while this round's bytes move:
+        Streaming DiLoCo with tau > 0, an honest single-process peer with rounds to go."""
+        last = self.opts.max_rounds and self.rounds_done + 1 >= self.opts.max_rounds
+        return bool(
+            self.strategy.overlap_steps > 0
+            and hasattr(self.strategy, "merge_late")
+            and self._local is not None
+            and self.leader is None
+            and self.opts.behavior == "honest"
+            and not last
         )
-        del contribution  # its payload is on disk now: a big model's is a model's size
-        certificate = self._await_certificate(info)
-        if certificate is None:
-            return "aborted"  # the chain stays: the retried round starts where this did
-        self._apply(certificate)
-        self._last_certificate = certificate
-        if self._local is not None:  # H3: only a recorded contribution continues the chain
-            self._local.accepted = any(a.peer_id == self.peer_id for a in certificate.accepted)
-            self._chain = self._local if submitted else None
-        if submitted:
+
+    def _finish(
+        self,
+        info: schemas.RoundInfo,
+        c: Contribution,
+        loss: float,
+        compute_s: float,
+        wall_s: float,
+        commitments: list[dict[str, Any]],
+        ahead: bool,
+    ) -> Finished:
+        """Publish, await the certificate, compute the certified weights (and with `ahead`,
+        learn the next round). Touches no live training state: it may run on a transfer
+        thread while the strategy trains."""
+        local = self._local
+        submitted = self._publish(info, c, loss, compute_s, wall_s, commitments)
+        del c  # its payload is on disk now: a big model's is a model's size
+        cert = self._await_certificate(info)
+        if cert is None:
+            return Finished(info, local, submitted)  # the chain stays: a retry starts there
+        state, digest, resynced = self._round_result(cert)
+        if submitted and any(a.peer_id == self.peer_id for a in cert.accepted):
+            self._keep_receipt(cert.round)
+        nxt = self._next_round_info(cert.round) if ahead else None
+        return Finished(info, local, submitted, cert, state, digest, resynced, nxt)
+
+    def _settle(self, f: Finished, adopt: bool) -> str:
+        """Take a finished round's outcome into the worker (the training thread only).
+        `adopt`: move the strategy to the new weights now (else the caller merges them
+        late, or the next round reloads them)."""
+        cert = f.certificate
+        if cert is None:
+            self._trained_since_adopt = True  # the retried round reloads its start
+            return "aborted"
+        assert f.state is not None
+        self.state, self.state_hash = f.state, f.state_hash
+        if adopt:
+            if f.resynced:
+                self.strategy.load_state(f.state)
+            else:
+                self.strategy.adopt(f.state)
+        self._trained_since_adopt = not adopt
+        self._last_certificate = cert
+        if f.local is not None:  # H3: only a recorded contribution continues the chain
+            f.local.accepted = any(a.peer_id == self.peer_id for a in cert.accepted)
+            self._chain = f.local if f.submitted else None
+        if f.submitted:
             self.rounds_done += 1
-            if any(a.peer_id == self.peer_id for a in certificate.accepted):
-                self._keep_receipt(certificate.round)
         return "done"
+
+    def _overlapped_round(self) -> str:
+        """Round r+1 while round r's transfer runs (Streaming DiLoCo, arXiv 2501.18512):
+        its first tau steps train from round r's end state on round r+1's data key, round
+        r's weights are merged before step tau, the rest trains as usual. Steps trained
+        ahead that cannot stand (covey.peer.overlap.speculation_fails) are discarded and
+        the round starts over from its committed start."""
+        transfer = self._transfer
+        assert transfer is not None and self._train_ended is not None
+        started = self._train_ended
+        prev = self._local
+        assert prev is not None
+        nxt = prev.round + 1
+        key = data_key(self.run_id, nxt, self.peer_id)
+        tau = self.strategy.overlap_steps
+        committer = LateCommitter(self.strategy, self.cfg.trust.commit_every)
+        self._trained_since_adopt = True
+        compute_s = loss_sum = 0.0
+        try:
+            for step in range(tau):
+                self._check_standing()
+                loss, seconds = self._timed_step(
+                    self.strategy.inner_step, self._batch(nxt, key, step)
+                )
+                loss_sum += loss
+                compute_s += seconds
+                committer.after_step(step + 1)
+        except LeaseLapsed:  # round r still finishes (or fails) first; a signal leaves it
+            self._settle(self._await_transfer(transfer), adopt=False)
+            raise
+        waited = time.monotonic()
+        f = self._await_transfer(transfer)
+        self._waited_s = time.monotonic() - waited
+        if self._settle(f, adopt=False) == "aborted":
+            return "aborted"
+        why = "no next round"
+        if f.next_info is not None:
+            why = speculation_fails(
+                f.next_info,
+                round_=nxt,
+                data_key=key,
+                state_hash=self.state_hash or "",
+                steps_ahead=tau,
+                chained=self._chain is prev,
+            )
+        if why:
+            log.info(
+                "[%s - round %d] %d steps trained ahead discarded: %s", self.name, nxt, tau, why
+            )
+            return "done"
+        info, chain = f.next_info, self._chain
+        assert info is not None and chain is not None and self.state is not None
+        self.strategy.merge_late(self.state, chain.accepted)  # before step tau, as simulated
+        committer.start(self.state)
+        self._local = LocalStates(chain.end_cid, round=nxt)
+        deadline = time.monotonic() + (info.deadline_in_s or 0.0)
+        return self._train_and_finish(
+            info, deadline, started, committer, (tau, compute_s, loss_sum)
+        )
+
+    def _await_transfer(self, transfer: Transfer[Finished]) -> Finished:
+        """The transfer's outcome (its exception re-raised). Every wait inside it is bounded
+        (request timeouts, the certificate's deadline plus coordinator_lost_s); this waits
+        their sum with room to spare, then CoordinatorLost: never a hang."""
+        limits = self.cfg.limits
+        limit = 3 * limits.coordinator_lost_s + 4 * limits.request_timeout_s + 600.0
+        try:
+            return transfer.result(limit, self.stop)
+        except TransferTimeout as e:
+            if self.stop.is_set():
+                raise Stopped() from None
+            raise CoordinatorLost(str(e)) from None
+        finally:
+            self._transfer = None
+
+    def _next_round_info(self, after: int) -> schemas.RoundInfo:
+        """The round after `after` once it is open (or the run is finished or halted), at
+        most a few heartbeats: then whatever /v1/round says (the steps ahead are dropped)."""
+        give_up = time.monotonic() + 2 * self.heartbeat_s
+        while True:
+            info = schemas.RoundInfo.model_validate(
+                self.client.get("/v1/round", params={"peer_id": self.peer_id}, quiet=True)
+            )
+            if info.phase in ("finished", "halted") or (
+                info.phase == "open" and info.round > after
+            ):
+                return info
+            if time.monotonic() > give_up:
+                return info
+            self._pause(0.05)
+
+    def _note_round(self, round_: int, compute_s: float, wall_s: float, ahead: int) -> None:
+        """The worker's own utilization: compute seconds over wall seconds from the end of
+        its previous round's training (or from seeing the round) to the end of this one's;
+        logged and appended to <store>/rounds.jsonl."""
+        waited, self._waited_s = self._waited_s, 0.0
+        util = compute_s / wall_s if wall_s > 0 else 1.0
+        log.info(
+            "[%s - round %d] compute %.2f s of %.2f s wall (%.0f%%), %d steps ahead, waited "
+            "%.2f s for the network",
+            self.name, round_, compute_s, wall_s, 100 * util, ahead, waited,
+        )  # fmt: skip
+        line = {"round": round_, "compute_s": compute_s, "wall_s": wall_s, "ahead": ahead,
+                "waited_s": waited, "ended_at": time.time()}  # fmt: skip
+        with open(self.store_dir / "rounds.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def _begin_round(self, round_: int) -> None:
         """H3: put the strategy at the round's start: chained from the end state of our
@@ -441,24 +642,27 @@ class Worker:
         return state
 
     def _train(
-        self, info: schemas.RoundInfo, deadline: float
+        self,
+        info: schemas.RoundInfo,
+        deadline: float,
+        committer: verify.Committer,
+        ahead: tuple[int, float, float] = (0, 0.0, 0.0),
     ) -> tuple[Contribution, float, float, list[dict[str, Any]]]:
         """The assignment's inner steps, committing to the state every k steps; a flexible
         method stops early rather than miss the deadline (its contribution then weighs
-        fewer tokens and carries the commitments of the steps it took)."""
+        fewer tokens and carries the commitments of the steps it took). `ahead`: (steps,
+        compute seconds, loss sum) already trained for this round (overlap)."""
         assert info.assignment is not None and self.state is not None
         behavior = adversary.behavior_at(self.opts.behavior, info.round, self.peer_id)
         steps = info.assignment.inner_steps
         key = adversary.data_key(behavior, info.assignment.data_key)
-        committer = verify.Committer(self.strategy, self.state, self.cfg.trust.commit_every)
         if self.leader is not None:
             self.leader.begin()  # every rank of the group starts where this one does
         inner_step = self.leader.inner_step if self.leader else self.strategy.inner_step
         self._trained_since_adopt = True
         log.debug("[%s - round %d] training %d inner steps", self.name, info.round, steps)
-        compute_s = loss_sum = 0.0
-        done = 0
-        for step in range(adversary.steps_taken(behavior, steps)):
+        done, compute_s, loss_sum = ahead
+        for step in range(done, adversary.steps_taken(behavior, steps)):
             self._check_standing()
             if done and self.strategy.flexible_steps:
                 per_step = compute_s / done
@@ -470,13 +674,9 @@ class Worker:
                         steps,
                     )
                     break
-            batch = self._batch(info.round, key, step)
-            t0 = time.perf_counter()
-            loss_sum += inner_step(batch)
-            elapsed = time.perf_counter() - t0
-            if self.opts.slowdown > 1:
-                self._emulate_slowdown(elapsed * (self.opts.slowdown - 1))
-            compute_s += time.perf_counter() - t0
+            loss, seconds = self._timed_step(inner_step, self._batch(info.round, key, step))
+            loss_sum += loss
+            compute_s += seconds
             done += 1
             committer.after_step(done)
         commitments = [c.to_dict() for c in committer.commitments]
@@ -497,6 +697,16 @@ class Worker:
         fragment = self.strategy.round_fragment(info.round)
         contribution = Contribution(payload, per_step * claimed, claimed, fragment)
         return contribution, loss_sum / max(done, 1), compute_s, commitments
+
+    def _timed_step(
+        self, inner_step: Callable[[torch.Tensor], float], batch: torch.Tensor
+    ) -> tuple[float, float]:
+        """One inner step -> (loss, compute seconds), --slowdown emulated."""
+        t0 = time.perf_counter()
+        loss = inner_step(batch)
+        if self.opts.slowdown > 1:
+            self._emulate_slowdown((time.perf_counter() - t0) * (self.opts.slowdown - 1))
+        return loss, time.perf_counter() - t0
 
     def _numel(self) -> int:
         """Elements of this round's contribution (its fragment's parameters)."""
@@ -662,15 +872,16 @@ class Worker:
             self._pause(0.05)
         raise CoordinatorLost(f"no certificate for round {info.round} after {limit:.0f} s")
 
-    def _apply(self, cert: schemas.Certificate) -> None:
-        """Apply the accepted set; the result must hash to the certificate's new hash."""
-        assert self.state is not None
+    def _round_result(self, cert: schemas.Certificate) -> tuple[TrainState, str, bool]:
+        """The certified weights: the accepted set applied to our start state, checked
+        against the certificate's hash; on a mismatch (or a start that differs) the
+        canonical state downloaded instead. -> (state, its hash, downloaded). Reads only
+        self.state, never the live model: safe on a transfer thread."""
+        assert self.state is not None and self.store is not None
         if self.state_hash != cert.start_hash:  # we missed something: take the result
-            self._resync(cert, "local start state differs from the certificate's")
-            return
+            return self._canonical(cert, "local start state differs from the certificate's")
         contributions = []
         fetched = []  # others' contributions: dropped once applied
-        assert self.store is not None
         for a in cert.accepted:
             sources = [p for p in a.providers if p != self.blob_url] + [self.opts.coordinator]
             if not self.store.has(a.cid):
@@ -687,11 +898,7 @@ class Worker:
         matched = new_hash == cert.new_hash
         self._record(cert, new_hash, matched)
         if not matched:
-            self._resync(cert, f"weights hash {new_hash[:12]} != certificate's")
-            return
-        self.state, self.state_hash = new_state, new_hash
-        self.strategy.adopt(new_state)
-        self._trained_since_adopt = False
+            return self._canonical(cert, f"weights hash {new_hash[:12]} != certificate's")
         self._serve_state(new_state, cert.new_cid)
         log.info(
             "[%s - round %d] applied %d contributions; weights %s match the certificate",
@@ -700,6 +907,7 @@ class Worker:
             len(contributions),
             cert.new_hash[:12],
         )
+        return new_state, new_hash, False
 
     def _keep_receipt(self, round_: int) -> None:
         """Fetch the signed ledger entry that accepted our contribution and keep it in
@@ -722,16 +930,15 @@ class Worker:
         with open(self.store_dir / "applied.jsonl", "a") as f:
             f.write(json.dumps({**line, "matched": matched}) + "\n")
 
-    def _resync(self, cert: schemas.Certificate, why: str) -> None:
+    def _canonical(self, cert: schemas.Certificate, why: str) -> tuple[TrainState, str, bool]:
+        """The round's certified state, downloaded and hash-checked (a re-sync)."""
         log.warning(
             "[%s - round %d] %s: re-syncing from the canonical state", self.name, cert.round, why
         )
         state = self._download_state(cert.new_cid, cert.new_size, [])
         if state.digest() != cert.new_hash:
             raise RuntimeError(f"canonical state {cert.new_cid[:12]} fails its own hash")
-        self.state, self.state_hash = state, cert.new_hash
-        self.strategy.load_state(state)
-        self._trained_since_adopt = False
+        return state, cert.new_hash, True
 
     def _serve_state(self, state: TrainState, cid: str) -> None:
         """Keep the latest canonical state in our blob store, so joiners can fetch it from

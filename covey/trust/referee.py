@@ -83,6 +83,7 @@ def _run_segment(
     steps: int,
     codec: Codec,
 ) -> Commitment | torch.Tensor:
+    strategy.steps = first  # a loaded segment start: lr schedule and Streaming's merge step
     for step in range(first, end):
         strategy.inner_step(batch_fn(step))
     if end == steps:
@@ -98,18 +99,19 @@ def _nudge(strategy: Strategy, start_state: TrainState, relative: float) -> None
     params = dict(strategy.model.named_parameters())
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
+        # drawn on the host (the same numbers on every device), applied where params live
         noise = {n: torch.randn(params[n].shape, generator=g) for n in sorted(params)}
         size = max(
-            relative * _norm(params[n] - start_state.params[n] for n in params),
+            relative * _norm(params[n].cpu() - start_state.params[n].cpu() for n in params),
             STABILITY_PROBE * _norm(params.values()),
         )
         scale = size / max(_norm(noise.values()), 1e-30)
         for n, z in noise.items():
-            params[n].add_(z.to(params[n].dtype) * scale)
+            params[n].add_(z.to(params[n].device, params[n].dtype) * scale)
         sigma = max(relative, STABILITY_PROBE)
         for name, t in sorted(strategy.local_state(copy=False).items()):
             if not name.startswith("param/") and t.is_floating_point() and t.dim() > 0:
-                t.mul_(1 + sigma * torch.randn(t.shape, generator=g).to(t.dtype))
+                t.mul_(1 + sigma * torch.randn(t.shape, generator=g).to(t.device, t.dtype))
 
 
 def _norm(tensors: Iterable[torch.Tensor]) -> float:
