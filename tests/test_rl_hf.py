@@ -5,6 +5,7 @@ validator's check_batch, and the learner's GRPO step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -51,9 +52,15 @@ def make_hf_policy(directory: Path, arch: str, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     if arch == "gpt2":
         config = AutoConfig.for_model(
-            "gpt2", vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=2
+            "gpt2",
+            vocab_size=320,
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=1,
         )
-        config.bos_token_id, config.eos_token_id = 0, 1
     else:
         config = AutoConfig.for_model(
             "llama",
@@ -234,3 +241,13 @@ def test_pass_at_1_uses_the_policys_tokenizer(hf) -> None:
     desc, model, spec, task = hf
     score = pass_at_1(model, task, 4, eos_id=spec.eos_id, **pol.codec_kwargs(desc))
     assert 0.0 <= score <= 1.0
+
+
+def test_bench_rl_learns_on_an_hf_policy(tmp_path: Path) -> None:
+    """`covey bench rl --policy hf:DIR`'s learning loop runs on the policy's tokenizer."""
+    from covey.bench.rl import QUICK, learning_run
+
+    d = make_hf_policy(tmp_path / "gpt2", "gpt2")
+    cfg = dataclasses.replace(QUICK, rl_steps=2, eval_every=2, eval_prompts=4, prompts_per_step=2)
+    result = learning_run(cfg, tmp_path, echo=lambda _: None, policy_dir=f"hf:{d}")
+    assert result["rl_steps"] == 2 and len(result["reward_per_step"]) == 2

@@ -310,3 +310,14 @@ def test_bench_rl_quick_writes_json_and_plot(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["learning"]["rl_steps"] == 6 and len(doc["learning"]["curve"]) >= 3
     assert "plot" not in result or out.with_suffix(".png").is_file()
+
+
+def test_demo_bench_and_trainer_share_one_default_lr() -> None:
+    """`covey rl demo` (its RLSpec), a trainer's RLSpec and `covey bench rl` start from
+    covey.rl.learn.DEFAULT_LR (why 2e-4: its comment)."""
+    from covey.bench.rl import LearningConfig
+    from covey.rl.demo import demo_spec
+    from covey.rl.learn import DEFAULT_LR
+    from covey.rl.runspec import RLSpec
+
+    assert RLSpec().lr == demo_spec().lr == LearningConfig().lr == LearnConfig().lr == DEFAULT_LR

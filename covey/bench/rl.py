@@ -37,7 +37,7 @@ from covey.rl.batch import (
     byte_encode,
     completion_text,
 )
-from covey.rl.learn import ANSWER_EOS, LearnConfig, Learner, pass_at_1
+from covey.rl.learn import ANSWER_EOS, DEFAULT_LR, LearnConfig, Learner, pass_at_1
 from covey.rl.loss import LossConfig
 from covey.rl.tasks import ArithmeticTask, Task, assigned_prompts
 
@@ -57,7 +57,7 @@ class LearningConfig:
     group_size: int = 8
     temperature: float = 0.6  # T=1 samples are mostly wrong; 0.6 keeps G samples diverse
     max_new_tokens: int = 6
-    lr: float = 2e-4  # 1e-3 destroyed the SFT start (17% -> 4% in 10 steps), 4e-4 learned slower
+    lr: float = DEFAULT_LR  # 2e-4; why in covey.rl.learn (the demo and RLSpec share it)
     epochs: int = 1  # optimizer steps per batch (LearnConfig.epochs)
     lag: int = 0  # batches come from the policy this many versions old
     async_level: int = 2
@@ -118,12 +118,15 @@ def learning_run(
     cfg: LearningConfig,
     work_dir: Path,
     echo: Callable[[str], None] = print,
-    policy_dir: Path | None = None,
+    policy_dir: Path | str | None = None,
 ) -> dict[str, Any]:
-    """SFT (unless `policy_dir` holds a policy already), then GRPO for cfg.rl_steps steps
-    or cfg.minutes, whichever ends first. Returns the curve [(step, minutes, pass@1)],
-    start/end pass@1, the goal verdict and the settings."""
-    from covey.rl.sft import load_policy, sft
+    """SFT (unless `policy_dir` holds a policy already: a `covey rl sft` directory, or
+    `hf:DIR`, a Hugging Face causal LM with its own tokenizer), then GRPO for cfg.rl_steps
+    steps or cfg.minutes, whichever ends first. Returns the curve [(step, minutes,
+    pass@1)], start/end pass@1, the goal verdict and the settings."""
+    from covey.rl import policy as pol
+    from covey.rl.hf_policy import hf_newline_id, is_hf
+    from covey.rl.sft import sft
 
     torch.set_num_threads(cfg.threads)
     task = ArithmeticTask(seed=cfg.seed, max_operand=cfg.max_operand)
@@ -132,15 +135,16 @@ def learning_run(
         echo(f"sft: {cfg.sft_steps} steps on {task.name} (max operand {cfg.max_operand})")
         policy_dir = sft(task, work_dir / "sft", steps=cfg.sft_steps, seed=cfg.seed, hf=False)
     sft_minutes = (time.monotonic() - t0) / 60
-    policy, _ = load_policy(policy_dir)
+    model_cfg, policy = pol.load_policy_dir(policy_dir)
+    codec = pol.codec_kwargs(model_cfg)  # bytes for covey GPT, tokenizer.json for hf:
     spec = RolloutSpec(
         run_id="bench-rl",
         prompts_per_step=cfg.prompts_per_step,
         group_size=cfg.group_size,
         temperature=cfg.temperature,
         max_new_tokens=cfg.max_new_tokens,
-        vocab_size=policy.cfg.vocab_size,
-        eos_id=ANSWER_EOS,
+        vocab_size=int(model_cfg["vocab_size"]),
+        eos_id=hf_newline_id(model_cfg) if is_hf(model_cfg) else ANSWER_EOS,
     )
     learn_cfg = LearnConfig(
         lr=cfg.lr,
@@ -149,12 +153,19 @@ def learning_run(
         epochs=cfg.epochs,
         loss=LossConfig(max_tokens=cfg.max_new_tokens),
     )
-    learner = Learner(policy, learn_cfg, task)
+    learner = Learner(policy, learn_cfg, task, encode=codec["encode"])
     old: deque[dict[str, torch.Tensor]] = deque(maxlen=cfg.lag + 1)
     actor = copy.deepcopy(policy) if cfg.lag else policy
 
     def evaluate() -> float:
-        return pass_at_1(policy, task, cfg.eval_prompts, max_new_tokens=cfg.max_new_tokens)
+        return pass_at_1(
+            policy,
+            task,
+            cfg.eval_prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            eos_id=spec.eos_id,
+            **codec,
+        )
 
     start = evaluate()
     curve: list[tuple[int, float, float]] = [(0, 0.0, start)]
@@ -168,7 +179,7 @@ def learning_run(
         if cfg.lag:
             actor.load_state_dict(old[0])
         batch = honest_batch(
-            actor, task, spec, step=version, worker_id="bench", policy_version=made_by
+            actor, task, spec, step=version, worker_id="bench", policy_version=made_by, **codec
         )
         stats = learner.step([(batch, made_by)], version)
         rewards.append(stats["reward_mean"])
@@ -247,7 +258,7 @@ def run_bench(
     json_path: Path | None = None,
     verify: bool = True,
     cfg: LearningConfig | None = None,
-    policy_dir: Path | None = None,
+    policy_dir: Path | str | None = None,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """The learning section (and R3's verification section, when `verify` and

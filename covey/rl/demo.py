@@ -82,7 +82,9 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    spec = demo_spec()
+    from covey.rl.policy import spec_defaults
+
+    spec = demo_spec().model_copy(update=spec_defaults(policy))  # hf: its newline eos
     task = spec.task.build()
     if policy is None:
         echo(f"sft: {sft_steps} steps teaching the answer format (covey rl sft) ...")
@@ -201,11 +203,11 @@ def _summarize(
                 spec.eval_prompts,
                 max_new_tokens=spec.max_new_tokens,
                 eos_id=spec.eos_id,
+                **pol.codec_kwargs(cfg),  # the policy's tokenizer (bytes for covey GPT)
             )
         )
 
-    _, start = pol.load_policy_dir(policy)
-    cfg = start.cfg.to_dict()
+    cfg, start = pol.load_policy_dir(policy)
     end = pol.load_weights(pol.build_policy(cfg), BlobStore(out / "blobs").get(final["cid"]))
     accepted = ("accepted", "consumed", "dropped")
     honest = [b for b in batches if names.get(b["worker_id"], "") not in cheaters]

@@ -195,9 +195,27 @@ def hf_codec(
 
 def hf_newline_id(desc: dict[str, Any]) -> int | None:
     """The token that ends an answer: "\\n" when it is one token, else the config's
-    eos_token_id, else None (fixed-length completions)."""
-    ids = _tokenizer(desc["tokenizer"]).encode("\n", add_special_tokens=False).ids
+    eos_token_id (when inside the vocabulary), else None (fixed-length completions)."""
+    return _newline_id(desc["tokenizer"], desc["config"])
+
+
+def dir_newline_id(directory: str | Path) -> int | None:
+    """`hf_newline_id` of a policy directory, reading only tokenizer.json and config.json
+    (the weights are not loaded). HFPolicyError when either is missing or unreadable."""
+    d = Path(directory).expanduser()
+    try:
+        return _newline_id(
+            (d / "tokenizer.json").read_text(), json.loads((d / "config.json").read_text())
+        )
+    except (OSError, json.JSONDecodeError) as e:
+        raise HFPolicyError(f"hf policy {d}: {e}") from None
+
+
+def _newline_id(tokenizer: str, config: dict[str, Any]) -> int | None:
+    ids = _tokenizer(tokenizer).encode("\n", add_special_tokens=False).ids
     if len(ids) == 1:
         return int(ids[0])
-    eos = desc["config"].get("eos_token_id")
-    return int(eos) if isinstance(eos, int) else None
+    eos = config.get("eos_token_id")
+    vocab = config.get("vocab_size")
+    ok = isinstance(eos, int) and isinstance(vocab, int) and 0 <= eos < vocab
+    return int(eos) if ok else None

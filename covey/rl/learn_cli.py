@@ -82,7 +82,12 @@ def register_bench(bench_app: typer.Typer) -> None:
             Path | None, typer.Option("--json", help="write results here and the curve as .png")
         ] = None,
         policy: Annotated[
-            Path | None, typer.Option(help="start from this policy directory instead of SFT")
+            str | None,
+            typer.Option(
+                help="start from this policy instead of SFT: a covey rl sft directory, or "
+                "hf:DIR (a local Hugging Face causal LM: config.json, *.safetensors, "
+                "tokenizer.json)"
+            ),
         ] = None,
         minutes: Annotated[
             float | None, typer.Option(min=0.1, help="cap on the RL phase's wall time")
@@ -106,7 +111,10 @@ def register_bench(bench_app: typer.Typer) -> None:
 
         from covey.bench.rl import QUICK, LearningConfig, run_bench
 
-        if policy is not None and not (policy / "policy.json").is_file():
+        if policy is not None and policy.startswith("hf:"):
+            if not (Path(policy[3:]).expanduser() / "config.json").is_file():
+                raise _fail(f"--policy {policy}: no config.json there (a Hugging Face model dir)")
+        elif policy is not None and not (Path(policy) / "policy.json").is_file():
             raise _fail(f"--policy {policy} has no policy.json (write one with covey rl sft)")
         cfg = QUICK if quick else LearningConfig()
         changes = {"minutes": minutes, "rl_steps": rl_steps, "lr": lr}

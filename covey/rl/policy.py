@@ -92,8 +92,10 @@ def spec_defaults(policy: str | None) -> dict[str, Any]:
     `eos_id` is its tokenizer's newline token (covey GPT's byte 10 is RLSpec's default)."""
     if policy is None or not policy.startswith("hf:"):
         return {}
-    desc, _model = load_policy_dir(policy)
-    return {"eos_id": hf_policy.hf_newline_id(desc)}
+    try:
+        return {"eos_id": hf_policy.dir_newline_id(policy[3:])}
+    except hf_policy.HFPolicyError as e:
+        raise PolicyError(str(e)) from None
 
 
 def policy_bytes(model: torch.nn.Module) -> bytes:

@@ -7,7 +7,8 @@ torch.Generator seeded by sha256(seed, i). The seed itself is a hash of
 validator regenerates the noise of any position without the others.
 
 Works with covey's GPT (the hidden state is the output of `ln_f`, the input of the LM head)
-and with a Hugging Face causal LM (`hidden_states[-1]` with output_hidden_states=True).
+and with a Hugging Face causal LM (the input of its LM head: the final norm's output, which
+is transformers' `hidden_states[-1]`).
 No KV cache: each step reruns the prefix, which is the simple and exact choice for the
 small policies this runs on; the hidden state kept for position j is the one computed when
 j was the last position, as an incremental decoder would produce it.
@@ -64,8 +65,21 @@ def forward_hidden(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, t
         finally:
             handle.remove()
         return logits.float(), captured[0].float()
-    out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-    return out.logits.float(), out.hidden_states[-1].float()
+    # A Hugging Face causal LM: the input of its LM head, i.e. the final norm's output, as
+    # for covey's GPT (transformers' hidden_states[-1] is the same tensor for the models
+    # covey admits, tests/test_rl_hf.py checks it; the hook does not depend on that).
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Module):  # a duck-typed causal LM: its last hidden state
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        return out.logits.float(), out.hidden_states[-1].float()
+    inputs: list[torch.Tensor] = []
+    handle = head.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+    try:
+        out = model(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    return out.logits.float(), inputs[0].float()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from covey.devices import resolve_device
 from covey.peer.client import CoordinatorClient, PeerRejected
 from covey.rl.batch import RolloutBatch, check_batch
 from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
-from covey.rl.policy import PolicyError
+from covey.rl.policy import PolicyError, codec_kwargs
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.validator")
@@ -109,6 +109,7 @@ class RolloutValidator:
                 model=model,
                 task=self.run.task,
                 verify_samples=list(task["verify_samples"]),
+                **codec_kwargs(self.run.model_cfg),  # the policy's tokenizer
             )
             report |= {
                 "ok": verdict.ok,

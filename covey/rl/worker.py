@@ -27,7 +27,7 @@ from covey.devices import device_name, resolve_device
 from covey.peer.client import CoordinatorClient, PeerRejected
 from covey.rl.batch import RolloutBatch, rollout
 from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
-from covey.rl.policy import PolicyError
+from covey.rl.policy import PolicyError, codec_kwargs
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.worker")
@@ -158,6 +158,7 @@ class RolloutWorker:
                 policy_version=v,
                 policy_cid=cid,
                 gen_batch=run.rollout.group_size,  # G samples per forward
+                **codec_kwargs(run.model_cfg),  # the policy's tokenizer (bytes for GPT)
             )
         if self.behavior == REPLAY:
             return self._replay(v)
