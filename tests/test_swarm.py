@@ -601,7 +601,7 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
     coord._rebalance(now=1.0)
     assert len(coord.rebalances) == 1  # settled: no move raises the min by 10%
 
-    # a trainer reports served microbatches; the payout writes accepted + reward entries
+    # a trainer reports served microbatches (shown on the status page, never paid)
     join(3, "trainer")
     report = {"run_id": run, "peer_id": ids[3].peer_id, "samples": 8, "loss": 3.0,
               "reroutes": 1, "banned": {}, "served": {ids[0].peer_id: 2}}  # fmt: skip
@@ -616,9 +616,8 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
     assert _post(client, ids[3], "/v1/swarm/report", ghost).status_code == 200
     assert coord.unpaid == {}
     assert _post(client, ids[3], "/v1/swarm/report", report).status_code == 200
-    coord.pay(now=2.0)
-    balance = coord.accounts.book.accounts[ids[0].peer_id].balance
-    assert balance == pytest.approx(2 * 4 * 8 * 0.001)
+    coord.pay(now=2.0)  # a trainer's word pays nothing: checks do (tests/test_swarm_pay.py)
+    assert coord.accounts.book.accounts[ids[0].peer_id].balance == 0
     status = client.get("/v1/swarm/status").json()
     assert status["rebalances"] == 1 and status["reroutes"] == 1
     assert "covey swarm" in client.get("/").text

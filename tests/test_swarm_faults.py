@@ -83,6 +83,9 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
     served = {"run_id": run, "peer_id": ids[2].peer_id, "samples": 8, "loss": 3.0,
               "reroutes": 0, "banned": {}, "served": {ids[0].peer_id: 3}, "next": 17}  # fmt: skip
     assert _post(client, ids[2], "/v1/swarm/report", served).status_code == 200
+    with coord.lock:  # pay queued for a verified check (tests/test_swarm_pay.py: how)
+        coord.unpaid[ids[0].peer_id] = 96
+        coord._save()
 
     # SIGKILL: no stop(), nothing flushed; a new coordinator opens the same directory
     again = _coordinator(tmp_path / "run", target_samples=8)
@@ -90,7 +93,7 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
     book = again.averaging.stages[0]
     assert book.round is not None and book.round.id == rnd.id
     assert set(book.round.reports) == {ids[0].peer_id}  # the accepted report survived
-    assert again.unpaid == {ids[0].peer_id: 3}
+    assert again.unpaid == {ids[0].peer_id: 96}
     assert join(c2, 2, "trainer")["resume"] == 17  # a restarted trainer goes on from here
     again.tick(again._last_payout + 0.1)  # in the grace period: nobody counts as gone
     assert again.averaging.stages[0].round is not None

@@ -86,6 +86,7 @@ def test_sigkill_of_a_server_mid_step_reroutes_and_loses_no_accepted_update(
     swarm: Swarm,
 ) -> None:
     t = trainer(swarm, "churn")
+    start = _accumulated(swarm.url)
     done: dict[str, object] = {}
     run = threading.Thread(target=lambda: done.update(stats=t.train(samples=64)), daemon=True)
     try:
@@ -113,6 +114,19 @@ def test_sigkill_of_a_server_mid_step_reroutes_and_loses_no_accepted_update(
     # every accepted (committed) round was applied by every survivor of its stage
     assert all(b["rounds"] >= 1 for b in s["averaging"])
     assert "b1" not in {x["name"] for x in s["servers"]}
+    # checked hops (verify_rate 0.5) count once: no stage took in more samples than were
+    # trained (dropped microbatches may have reached some stages' backward)
+    bound = t.stats.samples + t.stats.dropped * SETTINGS["microbatch"]
+    assert all(b - a <= bound for a, b in zip(start, _accumulated(swarm.url), strict=True))
+    assert t.stats.checks >= 1 and t.stats.paid_checks >= 1
+
+
+def _accumulated(url: str) -> list[int]:
+    """Samples each stage took in: in committed rounds, and pending on live servers."""
+    s = status(url)
+    assert s is not None
+    return [b["samples"] + sum(x["pending"] for x in s["servers"] if x["stage"] == b["stage"])
+            for b in s["averaging"]]  # fmt: skip
 
 
 def test_an_adversarial_server_is_caught_and_slashed(swarm: Swarm) -> None:

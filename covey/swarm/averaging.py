@@ -150,6 +150,15 @@ class Averaging:
             out["resync"] = book.agreed
         return out
 
+    def drop(self, peer: str) -> None:
+        """A convicted server leaves every open round, its reported gradient sum with it
+        (not averaged into the stage); rounds already committed stay as they are."""
+        for b in self.stages:
+            r = b.round
+            if r is not None and peer in r.members:
+                r.members = [m for m in r.members if m != peer]
+                r.reports.pop(peer, None)
+
     def in_round(self, peer: str) -> bool:
         return any(b.round is not None and peer in b.round.members for b in self.stages)
 

@@ -7,7 +7,7 @@ peer builds the same model, plan and batches.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -65,8 +65,16 @@ class SwarmConfig(Frozen):
     verify_rate: float = Field(
         0.1, ge=0, le=1, description="share of microbatches also sent to a second server"
     )
+    spot_check_rate: float = Field(
+        0.1, ge=0, le=1, description="share of paid checks the referee recomputes first"
+    )
     tolerance: float = Field(
         0.05, gt=0, description="relative L2 distance above which two replies disagree"
+    )
+    verify_device: Literal["cpu", "cuda", "mps"] = Field(
+        "cpu",
+        description="device class the referee recomputes disputed replies on; a "
+        "coordinator without it judges nothing (issue 12)",
     )
     payout_s: float = Field(
         5.0, gt=0, description="the ledger pays verified microbatches this often"

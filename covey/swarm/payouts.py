@@ -15,9 +15,9 @@ from covey.swarm.config import SwarmConfig
 
 
 def pay(accounts: Accounts, cfg: SwarmConfig, due: dict[str, int], epoch: int) -> None:
-    """A "contribution accepted" and a "reward" (work) per server for its `due`
-    microbatches; tokens = microbatches x microbatch x seq_len. Banned or unknown servers
-    and zero counts are skipped (a liar convicted before the payout is not paid)."""
+    """A "contribution accepted" and a "reward" (work) per server for its `due` tokens of
+    verified work (covey.swarm.evidence.tokens_paid). Banned or unknown servers and zero
+    counts are skipped (a liar convicted before the payout is not paid)."""
     now = time.time()
     book = accounts.book
     due = {p: n for p, n in due.items() if n > 0 and p in book.accounts
@@ -25,8 +25,8 @@ def pay(accounts: Accounts, cfg: SwarmConfig, due: dict[str, int], epoch: int) -
     if not due:
         return
     with accounts.transaction() as c:
-        for peer, n in sorted(due.items()):
-            tokens = n * cfg.microbatch * cfg.seq_len
+        for peer, tokens in sorted(due.items()):
+            n = max(1, round(tokens / (cfg.microbatch * cfg.seq_len)))  # in microbatches
             accounts.append(
                 c, "contribution accepted",
                 {"round": epoch, "peer_id": peer, "cid": "", "tokens": tokens, "inner_steps": n,

@@ -27,14 +27,14 @@ from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
 from covey.coordinator.membership import Membership
 from covey.coordinator.views import Rejected
-from covey.swarm import payouts
+from covey.swarm import evidence
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
+from covey.swarm.paydesk import PayDesk
 from covey.swarm.rebalance import plan_move, speeds_from_measurements
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
-MAX_SERVED_PER_REPORT = 10_000  # microbatches one report may claim for one server
 STATE_KEY = "swarm.state"  # the meta row holding what a restarted coordinator resumes
 log = logging.getLogger("covey.swarm")
 
@@ -56,8 +56,9 @@ class ServerInfo:
     served: int = 0
 
 
-class SwarmCoordinator:
-    def __init__(self, cfg: SwarmConfig, data_dir: Path) -> None:
+class SwarmCoordinator(PayDesk):
+    def __init__(self, cfg: SwarmConfig, data_dir: Path, device: str | None = None) -> None:
+        """`device`: where the referee recomputes (covey.swarm.referee.Referee)."""
         data_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.run_id = cfg.run_id
@@ -91,6 +92,12 @@ class SwarmCoordinator:
         self.unpaid: dict[str, int] = {}
         self.disputes: list[dict[str, Any]] = []
         self._last_rebalance = self._last_payout = time.time()
+        # agreed states of each stage: a paid reply was computed on one of them
+        self.known_states: list[list[str]] = [[] for _ in range(cfg.stages)]
+        # checks on a state not agreed yet (a round was applied moments ago): until when
+        self._parked: list[tuple[float, str, evidence.Check]] = []
+        with self.db.transaction() as c:  # ids of paid checks: each request is paid once
+            c.execute("CREATE TABLE IF NOT EXISTS swarm_checks (id TEXT PRIMARY KEY, at REAL)")
         # a restart resumes: rounds, trainers and unpaid work from SQLite; the epoch from
         # the ledger (each (epoch, peer) is paid once); servers re-learned from heartbeats
         self.epoch = self._last_epoch()
@@ -101,7 +108,7 @@ class SwarmCoordinator:
         self._thread: threading.Thread | None = None
         from covey.swarm.referee import Referee  # torch: imported once the app is built
 
-        self.referee = Referee(cfg)
+        self.referee = Referee(cfg, device)
 
     # -- persistence ---------------------------------------------------------------------------
 
@@ -115,7 +122,7 @@ class SwarmCoordinator:
     def _snapshot(self) -> str:
         return json.dumps(
             {"averaging": self.averaging.to_dict(), "trainers": self.trainers,
-             "unpaid": self.unpaid},
+             "unpaid": self.unpaid, "known_states": self.known_states},
             sort_keys=True,
         )  # fmt: skip
 
@@ -137,6 +144,7 @@ class SwarmCoordinator:
         self.averaging.load(saved["averaging"])
         self.trainers = saved["trainers"]
         self.unpaid = {p: int(n) for p, n in saved["unpaid"].items()}
+        self.known_states = saved.get("known_states", self.known_states)
         self._saved = self._snapshot()
         # servers rejoin on their next heartbeat (404 -> join with their stage): until they
         # had the time to, no member of an open round counts as gone
@@ -199,9 +207,14 @@ class SwarmCoordinator:
             if now >= self._grace_until:
                 self.averaging.tick(live, busy, now)
                 self._save()
+            parked, self._parked = self._parked, []
             if now - self._last_rebalance >= self.cfg.rebalance_s:
                 self._last_rebalance = now
                 self._rebalance(now)
+        for until, reporter, check in parked:  # outside the lock: a spot check computes
+            outcome = self._settle(reporter, check, now, park_until=until)
+            if outcome != "parked":
+                log.info("[pay] parked check %s: %s", check.id[:8], outcome)
         if now - self._last_payout >= self.cfg.payout_s:
             self._last_payout = now
             self.pay(now)
@@ -327,6 +340,7 @@ class SwarmCoordinator:
                 s.throughput = float(body["throughput"])
                 if s.state is not None:
                     self.averaging.state(peer, s.stage, s.step, s.state)
+                    self.known_state(s.stage, self.averaging.stages[s.stage].agreed)
                     self._save()
             out = self.averaging.directive(peer, s.stage, s.step, s.state)
             out["stage"] = s.stage
@@ -388,101 +402,6 @@ class SwarmCoordinator:
                 if not s.moving and s.step >= 0 and s.step >= book.step - 1:
                     stages[s.stage].append({"peer_id": s.peer_id, "name": s.name, "url": s.url})
             return {"stages": stages}
-
-    # -- trainers: reports, payouts, disputes -----------------------------------------------
-
-    def trainer_report(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Microbatches each server completed (paid at the next payout unless it is convicted
-        first), the trainer's loss, reroutes and bans."""
-        peer = str(body.get("peer_id"))
-        self.membership.check_run(body.get("run_id", ""))
-        self.membership.authenticate(body, -1, peer)
-        served = body.get("served", {})
-        if not isinstance(served, dict):
-            raise Rejected(422, "served must be an object {server id: microbatches}")
-        with self.lock:
-            if peer not in self.trainers:  # a server cannot report (and pay) its own work
-                raise Rejected(403, f"peer {peer[:16]} has not joined as a trainer")
-            for server, n in served.items():  # all checked before anything changes
-                if type(n) is not int or not 0 <= n <= MAX_SERVED_PER_REPORT:
-                    raise Rejected(
-                        422, f"served[{server[:16]}]: {n!r} is not an int in "
-                        f"[0, {MAX_SERVED_PER_REPORT}]"
-                    )  # fmt: skip
-            t = self.trainers[peer]
-            t.update(
-                samples=int(body["samples"]),
-                loss=body.get("loss"),
-                reroutes=int(body["reroutes"]),
-                banned=dict(body.get("banned", {})),
-                next=max(int(t.get("next", 0)), int(body.get("next", 0))),
-            )
-            for server, n in served.items():  # a server gone since is not paid; an id
-                if server in self.servers:  # that never served this run is no account
-                    self.unpaid[server] = self.unpaid.get(server, 0) + n
-                    self.servers[server].served += n
-            self._save()
-        return {"ok": True}
-
-    def pay(self, now: float) -> None:
-        """Pay the work queued since the last payout (covey.swarm.payouts). The ledger
-        entries and the emptied queue commit in one transaction: a crash pays nothing twice
-        and loses nothing accepted."""
-        with self.lock:
-            if not self.unpaid:
-                return
-            due, epoch = self.unpaid, self.epoch + 1
-            try:
-                with self.accounts.transaction() as c:
-                    payouts.pay(self.accounts, self.cfg, due, epoch)
-                    self.unpaid = {}
-                    self._save(c)
-            except BaseException:  # rolled back: still due, and the snapshot not written
-                self.unpaid, self._saved = due, ""
-                raise
-            self.epoch = epoch
-
-    def dispute(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Two servers of a stage disagreed on a duplicated microbatch: the referee
-        recomputes from the signed stage input and state; each server whose reply is off
-        is slashed and banned (ledger "dispute" + "slash")."""
-        peer = str(body.get("peer_id"))
-        self.membership.check_run(body.get("run_id", ""))
-        self.membership.authenticate(body, -1, peer)
-        with self.lock:
-            providers = [s.blob_url for s in self.servers.values()]
-        keys = {}
-        for r in body.get("replies", []):
-            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (r.get("server"),))
-            if row is None:
-                raise Rejected(404, f"unknown server {str(r.get('server'))[:12]}")
-            keys[r["server"]] = row["public_key"]
-        verdict = self.referee.settle(body, keys, providers)
-        liars, honest = verdict["liars"], verdict["honest"]
-        now = time.time()
-        with self.lock:
-            self.epoch += 1
-            epoch = self.epoch
-        witness = honest[0] if honest else peer
-        payouts.convict(self.accounts, epoch, int(body["stage"]), liars, witness, verdict["detail"])
-        with self.lock:
-            for liar in liars:
-                self.servers.pop(liar, None)
-                log.warning(
-                    "[referee] server %s lied on stage %s: slashed and banned",
-                    liar[:8],
-                    body["stage"],
-                )
-            self.disputes.append(
-                {
-                    "at": now,
-                    "stage": body["stage"],
-                    "kind": body["kind"],
-                    "liars": liars,
-                    "honest": honest,
-                }
-            )
-        return verdict
 
     def status(self) -> dict[str, Any]:
         with self.lock:

@@ -55,6 +55,8 @@ class TrainerStats:
     dropped: int = 0
     checks: int = 0
     disputes: int = 0
+    paid_checks: int = 0  # checks the coordinator accepted as evidence (pay rests on them)
+    refused_checks: int = 0
     bytes_between_stages: int = 0
     losses: list[float] = field(default_factory=list)
     started: float = field(default_factory=time.time)
@@ -87,6 +89,7 @@ class SwarmTrainer:
         self.chain = threading.local()
         self.stats = TrainerStats()
         self.served: dict[str, int] = {}
+        self.evidence: list[dict[str, Any]] = []  # agreed checks not reported yet
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.progress = progress or (lambda line: log.info("%s", line))
@@ -148,14 +151,16 @@ class SwarmTrainer:
 
     # -- one hop, one microbatch -----------------------------------------------------------
 
-    def _send(self, server: str, k: int, kind: str, body: bytes) -> Hop:
-        """One request; raises TimeoutError (reroute) or WireError (invalid: ban)."""
+    def _send(self, server: str, k: int, kind: str, body: bytes, check: bool = False) -> Hop:
+        """One request; raises TimeoutError (reroute) or WireError (invalid: ban). `check`:
+        the duplicate of a hop (the server does not accumulate it a second time)."""
         url = self.urls[server]
+        headers = {"X-Covey-Stage": str(k), **({"X-Covey-Check": "1"} if check else {})}
         try:
             r = self.http.post(
                 f"{url}/v1/swarm/{kind}",
                 content=body,
-                headers={"X-Covey-Stage": str(k)},
+                headers=headers,
                 timeout=self.cfg.request_timeout_s,
             )
         except httpx.HTTPError as e:
@@ -187,7 +192,7 @@ class SwarmTrainer:
                 continue
             t0 = time.monotonic()
             try:
-                h = self._send(server, k, kind, body)
+                h = self._send(server, k, kind, body, check=exclude is not None)
             except TimeoutError as e:
                 with self.lock:
                     self._note("timed_out", server, time.time())
@@ -244,7 +249,14 @@ class SwarmTrainer:
             return h  # no second server now: unchecked
         with self.lock:
             self.stats.checks += 1
-        if h2.state != h.state or compute.reply_distance(h.reply, h2.reply) <= self.cfg.tolerance:
+        if h2.state != h.state:
+            return h  # a round was applied between the two: nothing to compare
+        if compute.reply_distance(h.reply, h2.reply) <= self.cfg.tolerance:
+            with self.lock:  # the evidence both servers are paid on (covey.swarm.evidence)
+                self.evidence.append(
+                    {"stage": k, "kind": kind, "request": base64.b64encode(body).decode(),
+                     "replies": [_reply(h), _reply(h2)]}
+                )  # fmt: skip
             return h
         self.stats.disputes += 1
         verdict = self.client.post(
@@ -255,15 +267,7 @@ class SwarmTrainer:
                 "stage": k,
                 "kind": kind,
                 "request": base64.b64encode(body).decode(),
-                "replies": [
-                    {
-                        "server": x.server,
-                        "state": x.state,
-                        "sig": x.sig,
-                        "reply": base64.b64encode(x.reply).decode(),
-                    }
-                    for x in (h, h2)
-                ],
+                "replies": [_reply(h), _reply(h2)],
             },
         )
         with self.lock:
@@ -363,8 +367,12 @@ class SwarmTrainer:
         """Report progress and served work. When the coordinator is down (restarting) or
         forgot this trainer, nothing is lost: the work goes in the next report, after a
         join when it was forgotten."""
+        from covey.swarm.evidence import MAX_CHECKS_PER_REPORT
+
         with self.lock:
             served, self.served = self.served, {}
+            checks = self.evidence[:MAX_CHECKS_PER_REPORT]
+            del self.evidence[:MAX_CHECKS_PER_REPORT]
             st = self.stats
             body = {
                 "run_id": self.run_id,
@@ -375,21 +383,29 @@ class SwarmTrainer:
                 "reroutes": self.router.reroutes,
                 "banned": self.router.banned(),
                 "next": self._next,
+                "checks": checks,
             }
         try:
             try:
-                self.client.post("/v1/swarm/report", body)
+                reply = self.client.post("/v1/swarm/report", body)
             except PeerRejected as e:
                 if e.status != 403:
                     raise
                 self._join()  # a restarted coordinator that lost us: join, then report
-                self.client.post("/v1/swarm/report", body)
+                reply = self.client.post("/v1/swarm/report", body)
         except (CoordinatorLost, PeerRejected) as e:
             log.warning("[%s] report deferred: %s", self.name, e)
             with self.lock:
                 for s, n in served.items():
                     self.served[s] = self.served.get(s, 0) + n
+                self.evidence[:0] = checks
             return
+        for outcome in reply.get("checks", []):
+            if outcome.startswith("refused"):
+                st.refused_checks += 1
+                log.warning("[%s] check refused: %s", self.name, outcome)
+            else:  # paid, or parked until its state is agreed
+                st.paid_checks += 1
         loss = body["loss"]
         self.progress(
             f"[{self.name}] {st.samples} samples, loss {loss if loss is None else round(loss, 4)}, "
@@ -401,6 +417,11 @@ class SwarmTrainer:
         self.stop.set()
         self.http.close()
         self.client.close()
+
+
+def _reply(h: Hop) -> dict[str, str]:
+    return {"server": h.server, "state": h.state, "sig": h.sig,
+            "reply": base64.b64encode(h.reply).decode()}  # fmt: skip
 
 
 def _parts(reply: bytes) -> tuple[bytes, bytes]:
@@ -420,6 +441,8 @@ def summary(t: SwarmTrainer) -> dict[str, Any]:
         "loss": t.loss(),
         "reroutes": t.router.reroutes,
         "checks": st.checks,
+        "paid_checks": st.paid_checks,
+        "refused_checks": st.refused_checks,
         "disputes": st.disputes,
         "bytes_between_stages": st.bytes_between_stages,
         "banned": t.router.banned(),

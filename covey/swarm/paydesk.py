@@ -1,0 +1,229 @@
+"""The swarm coordinator's money side: trainers' reports, pay per verified check
+(covey.swarm.evidence), payouts and disputes. A mixin of SwarmCoordinator
+(covey.swarm.service), which owns the state these methods read and write.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from covey.coordinator.views import Rejected
+from covey.swarm import evidence, payouts
+
+if TYPE_CHECKING:
+    from covey.coordinator.accounts import Accounts
+    from covey.coordinator.db import Database
+    from covey.coordinator.membership import Membership
+    from covey.swarm.averaging import Averaging
+    from covey.swarm.config import SwarmConfig
+    from covey.swarm.referee import Referee
+    from covey.swarm.service import ServerInfo
+    from covey.trust.identity import Identity
+
+log = logging.getLogger("covey.swarm")
+MAX_SERVED_PER_REPORT = 10_000  # microbatches one report may claim for one server
+KNOWN_STATES = 16  # agreed states per stage whose replies are still paid
+
+
+class PayDesk:
+    cfg: SwarmConfig
+    lock: threading.RLock
+    db: Database
+    accounts: Accounts
+    membership: Membership
+    identity: Identity
+    referee: Referee
+    averaging: Averaging
+    servers: dict[str, ServerInfo]
+    trainers: dict[str, dict[str, Any]]
+    unpaid: dict[str, int]
+    epoch: int
+    disputes: list[dict[str, Any]]
+    known_states: list[list[str]]
+    _parked: list[tuple[float, str, evidence.Check]]
+    _saved: str
+
+    def _save(self, conn: Any = None) -> None:
+        raise NotImplementedError
+
+    def known_state(self, stage: int, agreed: str | None) -> None:
+        """Remember `stage`'s agreed state (under the lock): replies on it are paid."""
+        known = self.known_states[stage]
+        if agreed is not None and agreed not in known:
+            known[:] = [*known, agreed][-KNOWN_STATES:]
+
+    def trainer_report(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The trainer's loss, reroutes, bans, microbatches each server completed (shown,
+        never paid: a trainer's word), and evidence of agreed checks: pay rests on those
+        alone (covey.swarm.evidence). Answers each check's outcome, in order: "paid",
+        "parked" (its state is not agreed yet: settled within two round timeouts) or
+        "refused: why"."""
+        peer = str(body.get("peer_id"))
+        self.membership.check_run(body.get("run_id", ""))
+        self.membership.authenticate(body, -1, peer)
+        served, items = body.get("served", {}), body.get("checks", [])
+        if not isinstance(served, dict):
+            raise Rejected(422, "served must be an object {server id: microbatches}")
+        if not isinstance(items, list) or len(items) > evidence.MAX_CHECKS_PER_REPORT:
+            raise Rejected(
+                422, f"checks must be a list of at most {evidence.MAX_CHECKS_PER_REPORT}"
+            )
+        with self.lock:
+            if peer not in self.trainers:  # a server cannot report (and pay) its own work
+                raise Rejected(403, f"peer {peer[:16]} has not joined as a trainer")
+            for server, n in served.items():  # all checked before anything changes
+                if type(n) is not int or not 0 <= n <= MAX_SERVED_PER_REPORT:
+                    raise Rejected(
+                        422, f"served[{server[:16]}]: {n!r} is not an int in "
+                        f"[0, {MAX_SERVED_PER_REPORT}]"
+                    )  # fmt: skip
+            t = self.trainers[peer]
+            t.update(
+                samples=int(body["samples"]),
+                loss=body.get("loss"),
+                reroutes=int(body["reroutes"]),
+                banned=dict(body.get("banned", {})),
+                next=max(int(t.get("next", 0)), int(body.get("next", 0))),
+            )
+            for server, n in served.items():
+                if server in self.servers:
+                    self.servers[server].served += n
+            self._save()
+        outcomes = []
+        now = time.time()
+        for item in items:
+            try:
+                check = evidence.parse(item, self.cfg.stages)
+            except evidence.EvidenceError as e:
+                outcomes.append(f"refused: {e}")
+                continue
+            until = now + 2 * self.cfg.round_timeout_s
+            outcomes.append(self._settle(peer, check, now, park_until=until))
+        return {"ok": True, "checks": outcomes}
+
+    def _settle(self, reporter: str, check: evidence.Check, now: float, park_until: float) -> str:
+        """Pay one check's servers (queued for the next payout) if it passes every test:
+        both are live servers of its stage, other than the reporter; its state is agreed
+        (else it is parked until `park_until`); both signatures hold and the replies agree;
+        its request was never paid; and, when drawn, the referee's recomputation agrees
+        (a wrong reply convicts). Returns the outcome."""
+        with self.lock:
+            for s in check.servers:
+                info = self.servers.get(s)
+                if info is None or info.stage != check.stage or s == reporter:
+                    return f"refused: {s[:12]} is no live server of stage {check.stage}"
+            if check.state not in self.known_states[check.stage]:
+                if now <= park_until:
+                    self._parked.append((park_until, reporter, check))
+                    return "parked"
+                return f"refused: state {check.state[:12]} is no agreed state of the stage"
+            providers = [x.blob_url for x in self.servers.values() if x.stage == check.stage]
+        keys = {}
+        for s in check.servers:
+            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (s,))
+            keys[s] = "" if row is None else row["public_key"]
+        try:
+            evidence.verify_agreement(check, keys, self.cfg.tolerance)
+        except evidence.EvidenceError as e:
+            return f"refused: {e}"
+        if self.db.one("SELECT 1 FROM swarm_checks WHERE id = ?", (check.id,)) is not None:
+            return "refused: this request was paid already"
+        if evidence.drawn(self.identity, check.id, self.cfg.spot_check_rate):
+            try:
+                verdict = self.referee.settle(check.dispute_body(), keys, providers)
+            except Rejected as e:  # the state is nowhere to be had: not verified, not paid
+                return f"refused: spot check impossible: {e.message}"
+            if verdict["liars"]:
+                self._convict(check.stage, "spot check", verdict, reporter)
+                return f"refused: spot check convicted {', '.join(verdict['liars'])}"
+            if len(verdict["honest"]) != 2:
+                return f"refused: spot check inconclusive: {verdict['detail']}"
+        first, second = evidence.tokens_paid(
+            self.cfg.microbatch, self.cfg.seq_len, self.cfg.verify_rate
+        )
+        with self.lock:
+            before = dict(self.unpaid)
+            for s, n in zip(check.servers, (first, second), strict=True):
+                self.unpaid[s] = self.unpaid.get(s, 0) + n
+            try:  # the id and the queued pay commit together
+                with self.db.transaction() as c:
+                    c.execute("INSERT INTO swarm_checks VALUES (?, ?)", (check.id, now))
+                    self._save(c)
+            except sqlite3.IntegrityError:  # the same evidence settled meanwhile
+                self.unpaid, self._saved = before, ""
+                return "refused: this request was paid already"
+            except BaseException:
+                self.unpaid, self._saved = before, ""
+                raise
+        return "paid"
+
+    def pay(self, now: float) -> None:
+        """Pay the work queued since the last payout (covey.swarm.payouts). The ledger
+        entries and the emptied queue commit in one transaction: a crash pays nothing twice
+        and loses nothing accepted."""
+        with self.lock:
+            if not self.unpaid:
+                return
+            due, epoch = self.unpaid, self.epoch + 1
+            try:
+                with self.accounts.transaction() as c:
+                    payouts.pay(self.accounts, self.cfg, due, epoch)
+                    self.unpaid = {}
+                    self._save(c)
+            except BaseException:  # rolled back: still due, and the snapshot not written
+                self.unpaid, self._saved = due, ""
+                raise
+            self.epoch = epoch
+
+    def dispute(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Two servers of a stage disagreed on a duplicated microbatch: the referee
+        recomputes from the signed stage input and state; each server whose reply is off
+        is slashed and banned (ledger "dispute" + "slash"). Only a joined trainer files
+        one, with exactly two replies (the referee's work is bounded per dispute)."""
+        peer = str(body.get("peer_id"))
+        self.membership.check_run(body.get("run_id", ""))
+        self.membership.authenticate(body, -1, peer)
+        replies = body.get("replies")
+        if not isinstance(replies, list) or len(replies) != 2:
+            raise Rejected(400, "a dispute has exactly two replies")
+        with self.lock:
+            if peer not in self.trainers:
+                raise Rejected(403, f"peer {peer[:16]} has not joined as a trainer")
+            providers = [s.blob_url for s in self.servers.values()]
+        keys = {}
+        for r in replies:
+            server = r.get("server") if isinstance(r, dict) else None
+            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (server,))
+            if row is None:
+                raise Rejected(404, f"unknown server {str(server)[:12]}")
+            keys[str(server)] = row["public_key"]
+        verdict = self.referee.settle(body, keys, providers)
+        self._convict(int(body["stage"]), str(body["kind"]), verdict, peer)
+        return verdict
+
+    def _convict(self, stage: int, kind: str, verdict: dict[str, Any], reporter: str) -> None:
+        """Slash and ban the referee's liars; their reports leave any open round (a liar's
+        gradient sum is not averaged into its stage) and their queued pay is void."""
+        liars, honest = verdict["liars"], verdict["honest"]
+        with self.lock:
+            self.epoch += 1
+            epoch = self.epoch
+        witness = honest[0] if honest else reporter
+        payouts.convict(self.accounts, epoch, stage, liars, witness, verdict["detail"])
+        with self.lock:
+            for liar in liars:
+                self.servers.pop(liar, None)
+                self.unpaid.pop(liar, None)
+                self.averaging.drop(liar)
+                log.warning(
+                    "[referee] server %s lied on stage %s: slashed and banned", liar[:8], stage
+                )
+            self.disputes.append(
+                {"at": time.time(), "stage": stage, "kind": kind, "liars": liars,
+                 "honest": honest}
+            )  # fmt: skip
+            self._save()

@@ -1,0 +1,213 @@
+"""Pay per verified microbatch (covey.swarm.evidence, covey.swarm.paydesk): only evidence of
+an agreed check pays, each request once; every lie a trainer or a colluding server could
+tell in a report is refused and pays nothing; a drawn spot check recomputes and convicts
+two servers that agreed on a reply nobody computed. And a duplicated backward (the check
+hop) is not accumulated a second time. In-process coordinator (FastAPI TestClient, signed
+requests), real stages, real signatures; the referee fetches states over 127.0.0.1."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from covey.blobs import BlobServer, BlobStore
+from covey.swarm import compute
+from covey.swarm.wire import build_stage, encode_tensor, pack, reply_message, sha, state_bytes
+from covey.trust.identity import Identity
+
+SETTINGS = dict(n_layer=2, n_embd=16, n_head=2, seq_len=8, stages=2, microbatch=4,
+                verify_rate=0.25)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Desk:
+    """A swarm coordinator with servers a, b (stage 0), c (stage 1) synced on stage 0's
+    initial state (served by a blob server, for the referee), and a trainer t."""
+
+    def __init__(self, tmp: Path, **settings: Any) -> None:
+        from fastapi.testclient import TestClient
+
+        from covey.swarm.app import create_app
+        from covey.swarm.config import SwarmConfig
+        from covey.swarm.service import SwarmCoordinator
+
+        self.cfg = SwarmConfig(**{**SETTINGS, **settings})
+        self.coord = SwarmCoordinator(self.cfg, tmp / "run")
+        self.client, run = TestClient(create_app(self.coord)), self.coord.run_id
+        self.stage = build_stage(self.cfg, 0)
+        data = state_bytes(self.stage)
+        store = BlobStore(tmp / "states")
+        self.state = store.put(data)
+        self.blobs = BlobServer(store)
+        self.blobs.start()
+        self.ids = {n: Identity.generate() for n in "abct"}
+        for n, ident in self.ids.items():
+            body = {"run_id": run, "peer_id": ident.peer_id, "public_key": ident.public_key,
+                    "name": n, "role": "trainer" if n == "t" else "server", "stake": 10.0,
+                    "url": "u", "blob_url": self.blobs.url, "stage": int(n == "c")}  # fmt: skip
+            assert self.post(n, "/v1/swarm/join", body).status_code == 200
+        for n in "ab":
+            body = {"run_id": run, "peer_id": self.ids[n].peer_id, "stage": 0, "step": 0,
+                    "state": self.state, "pending": 0, "throughput": 1.0, "queue": 0}  # fmt: skip
+            assert self.post(n, "/v1/swarm/heartbeat", body).status_code == 200
+        self.step = 0
+
+    def post(self, who: str, path: str, body: dict) -> Any:
+        signed = self.ids[who].sign_request(body, -1, purpose=f"POST {path}")
+        return self.client.post(path, json=signed)
+
+    def pid(self, who: str) -> str:
+        return self.ids[who].peer_id
+
+    def request(self) -> bytes:
+        self.step += 1
+        g = torch.Generator().manual_seed(self.step)
+        return pack(encode_tensor(torch.randint(0, 256, (4, 8), generator=g), "int8"))
+
+    def reply(self, who: str, request: bytes, out: bytes | None = None, state: str = "") -> dict:
+        """Server `who`'s signed reply (honest unless `out` is given)."""
+        out = out if out is not None else compute.forward(self.cfg, 0, self.stage, request)
+        state = state or self.state
+        sig = self.ids[who].sign(reply_message(0, state, sha(request), sha(out)))
+        return {"server": self.pid(who), "state": state, "sig": sig,
+                "reply": base64.b64encode(out).decode()}  # fmt: skip
+
+    def check(self, request: bytes, first: dict, second: dict) -> dict:
+        return {"stage": 0, "kind": "forward", "request": base64.b64encode(request).decode(),
+                "replies": [first, second]}  # fmt: skip
+
+    def report(self, checks: list, served: dict | None = None, who: str = "t") -> Any:
+        body = {"run_id": self.coord.run_id, "peer_id": self.pid(who), "samples": 4,
+                "loss": 3.0, "reroutes": 0, "banned": {}, "served": served or {},
+                "checks": checks}  # fmt: skip
+        return self.post(who, "/v1/swarm/report", body)
+
+    def close(self) -> None:
+        self.blobs.close()
+        self.coord._stop.set()
+        self.coord.db.close()
+
+
+@pytest.fixture
+def desk(tmp_path: Path) -> Iterator[Desk]:
+    d = Desk(tmp_path, spot_check_rate=0.0)
+    yield d
+    d.close()
+
+
+def test_an_agreed_check_pays_both_servers_once_and_a_trainers_word_pays_nothing(
+    desk: Desk,
+) -> None:
+    req = desk.request()
+    honest = desk.check(req, desk.reply("a", req), desk.reply("b", req))
+    r = desk.report([honest], served={desk.pid("a"): 10_000, desk.pid("b"): 10_000})
+    assert r.status_code == 200 and r.json()["checks"] == ["paid"]
+    one = 4 * 8  # tokens of a microbatch; the routed server is paid for 1 / verify_rate
+    assert desk.coord.unpaid == {desk.pid("a"): 4 * one, desk.pid("b"): one}
+    assert "paid already" in desk.report([honest]).json()["checks"][0]  # replayed
+    desk.coord.pay(now=0.0)
+    book = desk.coord.accounts.book
+    assert book.accounts[desk.pid("a")].balance == pytest.approx(book.work_reward(4 * one))
+    assert book.accounts[desk.pid("b")].balance == pytest.approx(book.work_reward(one))
+
+
+def test_every_lie_in_a_check_is_refused_and_pays_nothing(desk: Desk) -> None:
+    req = desk.request()
+    a, b = desk.reply("a", req), desk.reply("b", req)
+    wrong = compute.forward(desk.cfg, 0, desk.stage, desk.request())  # another request's
+    b_out = base64.b64decode(b["reply"])
+    forged = {**b, "sig": desk.ids["t"].sign(reply_message(0, desk.state, sha(req), sha(b_out)))}
+    lies = {
+        "trainer signs for b": desk.check(req, a, forged),
+        "a's reply swapped": desk.check(req, {**a, "reply": base64.b64encode(wrong).decode()}, b),
+        "both signed, disagree": desk.check(req, a, desk.reply("b", req, out=wrong)),
+        "one server twice": desk.check(req, a, a),
+        "trainer as server": desk.check(req, a, desk.reply("t", req)),
+        "other stage's server": desk.check(req, a, desk.reply("c", req)),
+        "more replies": {**desk.check(req, a, b), "replies": [a, b, b]},
+        "stage out of range": {**desk.check(req, a, b), "stage": 5},
+        "kind": {**desk.check(req, a, b), "kind": "sideways"},
+        "not base64": {**desk.check(req, a, b), "request": "***"},
+        "not an object": "paid please",
+    }
+    r = desk.report(list(lies.values()))
+    assert r.status_code == 200, r.text
+    outcomes = dict(zip(lies, r.json()["checks"], strict=True))
+    assert all(o.startswith("refused") for o in outcomes.values()), outcomes
+    assert "signature" in outcomes["trainer signs for b"]
+    assert "signature" in outcomes["a's reply swapped"]
+    assert "disagree" in outcomes["both signed, disagree"]
+    assert desk.coord.unpaid == {}
+    # a server is no trainer: it cannot report (and pay itself); bodies that are no list: 422
+    assert desk.report([desk.check(req, a, b)], who="a").status_code == 403
+    assert desk.report("checks").status_code == 422  # type: ignore[arg-type]
+    assert desk.report([{}] * 257).status_code == 422
+    assert desk.report([desk.check(req, a, b)]).json()["checks"] == ["paid"]  # the truth pays
+    paid = dict(desk.coord.unpaid)
+    # a state no majority ever agreed on is parked, then refused once its time is up
+    odd = "f" * 64
+    fake = desk.check(req, desk.reply("a", req, state=odd), desk.reply("b", req, state=odd))
+    assert desk.report([fake]).json()["checks"] == ["parked"]
+    desk.coord.tick(desk.coord._last_payout + 3 * desk.cfg.round_timeout_s)
+    assert desk.coord._parked == [] and desk.coord.unpaid in ({}, paid)  # (paid out, or not)
+    book = desk.coord.accounts.book
+    assert book.accounts[desk.pid("a")].balance <= book.work_reward(4 * 32)
+
+
+def test_a_spot_check_convicts_two_servers_that_agree_on_a_reply_nobody_computed(
+    tmp_path: Path,
+) -> None:
+    desk = Desk(tmp_path, spot_check_rate=1.0)
+    try:
+        req = desk.request()
+        assert desk.report([desk.check(req, desk.reply("a", req), desk.reply("b", req))]).json()[
+            "checks"
+        ] == ["paid"]  # recomputed by the referee: both right
+        req = desk.request()
+        fake = compute.forward(desk.cfg, 0, desk.stage, desk.request())  # not this request's
+        lie = desk.check(req, desk.reply("a", req, out=fake), desk.reply("b", req, out=fake))
+        out = desk.report([lie]).json()["checks"]
+        assert "convicted" in out[0]
+        book = desk.coord.accounts.book
+        assert book.accounts[desk.pid("a")].banned and book.accounts[desk.pid("b")].banned
+        assert desk.coord.unpaid == {}  # their earlier verified pay is void too
+        desk.coord.pay(now=0.0)
+        assert book.accounts[desk.pid("a")].balance <= 10.0
+    finally:
+        desk.close()
+
+
+def test_a_check_hop_is_not_accumulated_a_second_time() -> None:
+    from covey.swarm.config import SwarmConfig
+    from covey.swarm.server import StageServer
+
+    cfg = SwarmConfig(**SETTINGS)
+    server = StageServer("http://127.0.0.1:9", name="s")
+    try:
+        server.cfg, server.k, server.state = cfg, 0, "s0"
+        server.stage = stage = build_stage(cfg, 0)
+        ids = torch.randint(0, 256, (4, 8))
+        body = pack(encode_tensor(ids, "plain"), encode_tensor(torch.randn(4, 8, 16), "plain"))
+        first, _ = server.handle("backward", 0, body)
+        grads = [p.grad.clone() for p in stage.params]  # type: ignore[union-attr]
+        assert stage.samples == 4
+        again, _ = server.handle("backward", 0, body, check=True)
+        assert compute.reply_distance(first, again) == 0.0  # the same answer, signed
+        assert stage.samples == 4  # ... but counted once
+        assert all(torch.equal(p.grad, g) for p, g in zip(stage.params, grads, strict=True))
+        server.handle("backward", 0, body)
+        assert stage.samples == 8
+    finally:
+        server.tmp.cleanup()
