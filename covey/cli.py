@@ -639,6 +639,13 @@ def coordinator(
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
     log_json: Annotated[bool, LOG_JSON] = False,
     log: Annotated[str | None, LOG_TO] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="where the referee recomputes disputes: auto|cpu|cuda|cuda:N|mps; default "
+            "the run's [peer] verify_device. On another class it judges nothing (warned)"
+        ),
+    ] = None,
 ) -> None:
     """Serve a training run: membership, rounds, blobs, checkpoints and the status page.
 
@@ -646,13 +653,14 @@ def coordinator(
     from covey.config import load_run_config
 
     cfg = _load(config, {}, load_run_config)
+    _check_device(device)
     _logging(verbose, "coordinator", log_json)
     _check_tracker(log)
     from covey.coordinator.app import serve
     from covey.coordinator.service import Coordinator
 
     try:
-        coord = Coordinator(cfg, data_dir, threads=threads)
+        coord = Coordinator(cfg, data_dir, threads=threads, device=device)
     except ValueError as e:
         raise _fail(str(e)) from None
     # the run id covers the coordinator's key: it is what peers are told to trust

@@ -17,6 +17,7 @@ validator on another class or precision must refuse a check rather than judge it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -189,3 +190,42 @@ def deterministic(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+@dataclasses.dataclass(frozen=True)
+class RefereeCompute:
+    """Where a coordinator's referee recomputes disputed work: `device` and `precision`,
+    or `refusal` (why it must not judge; then `device` is None)."""
+
+    device: torch.device | None
+    precision: Precision
+    refusal: str | None = None
+
+
+def referee_compute(
+    verify_class: str, precision_setting: str, spec: str | None = None
+) -> RefereeCompute:
+    """The referee's device for a run verified on `verify_class` in `precision_setting`
+    (a run spec's `[peer]`). `spec` None: the run's class itself (cuda means cuda:0), or
+    a refusal when this machine has none. A given `spec` is resolved as `resolve_device`
+    does (DeviceError for a malformed or absent one: the command line's error) and refused
+    when its class or precision is not the run's. A refusing referee leaves disputes open:
+    recomputing on another class differs by more than rounding and could convict an
+    honest peer."""
+    precision = run_precision(precision_setting, verify_class)
+    lacks = f"referee lacks device class {verify_class}"
+    if spec is None:
+        try:
+            where = resolve_device(verify_class)
+        except DeviceError as e:
+            return RefereeCompute(None, precision, f"{lacks}: {e}")
+    else:
+        where = resolve_device(spec)
+    try:
+        resolve_precision(precision, where)
+    except DeviceError as e:
+        return RefereeCompute(None, precision, f"{lacks} in {precision}: {e}")
+    reason = verification_mismatch(verify_class, precision, where, precision)
+    if reason is not None:
+        return RefereeCompute(None, precision, f"{lacks}: {reason}")
+    return RefereeCompute(where, precision)

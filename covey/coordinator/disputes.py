@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from covey.algorithms import build_strategy
 from covey.algorithms.codecs import CodecError
 from covey.blobs import BlobError
 from covey.data.batches import assignment_batches
+from covey.devices import RefereeCompute, referee_compute
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes
 from covey.trust import referee, verify
@@ -60,6 +62,7 @@ class Disputes:
     _disputes: queue.Queue[int | None]
     _referee_thread: threading.Thread | None
     _referee_strategy: Strategy | None
+    referee_compute: RefereeCompute | None = None  # set_referee_device; None: the host
     _attempts: dict[int, int]
     _layout: tuple[int, dict[str, int]] | None
     _layout_lock: threading.Lock
@@ -140,6 +143,24 @@ class Disputes:
         self._referee_thread = threading.Thread(target=self._referee, name="referee", daemon=True)
         self._referee_thread.start()
 
+    def set_referee_device(self, spec: str | None = None) -> RefereeCompute:
+        """Where the referee recomputes: the run's `[peer] verify_device` class and
+        precision (covey.devices.referee_compute; `spec` is the coordinator's --device).
+        A coordinator that cannot provide them warns now and judges nothing: disputes stay
+        open (contributions held) until a coordinator on that class is started on this
+        data dir, rather than convict on another class. DeviceError for a bad `spec`."""
+        peer = self.cfg.peer
+        self.referee_compute = referee_compute(peer.verify_device, peer.precision, spec)
+        self._referee_strategy = None
+        if self.referee_compute.refusal is not None:
+            log.warning(
+                "this coordinator will not judge disputes: %s; they stay open until it runs "
+                "with a %s device (--device)",
+                self.referee_compute.refusal,
+                peer.verify_device,
+            )
+        return self.referee_compute
+
     def stop_referee(self) -> None:
         self._disputes.put(None)
         if self._referee_thread is not None:
@@ -199,6 +220,10 @@ class Disputes:
 
     def _settle(self, task_id: int) -> None:
         """Recompute the disputed segment alone and write the outcome to the ledger."""
+        rc = self.referee_compute
+        if rc is not None and rc.refusal is not None:  # open, not judged on another class
+            log.warning("dispute %d stays open: %s", task_id, rc.refusal)
+            return
         task = self._task(task_id)
         row = self.db.one("SELECT report FROM verifications WHERE id = ?", (task_id,))
         assert row is not None
@@ -354,7 +379,16 @@ class Disputes:
         """The referee's own copy of the strategy (its model is trained on; the round
         driver's is not touched)."""
         if self._referee_strategy is None:
-            self._referee_strategy = copy.deepcopy(self.strategy)
+            rc, s = self.referee_compute, self.strategy
+            if rc is None or rc.device is None or rc.device.type == "cpu":
+                self._referee_strategy = copy.deepcopy(s)
+            else:  # on the run's verify class, as a validator there builds it
+                model = copy.deepcopy(s.model).to(rc.device)
+                self._referee_strategy = build_strategy(
+                    self.cfg.algorithm, model, s.loss_fn, s.aggregator
+                )
+            if rc is not None:
+                self._referee_strategy.set_compute(rc.precision, self.cfg.peer.compile)
         return self._referee_strategy
 
     def _batch_fn(self, round_: int, data_key: str) -> Any:

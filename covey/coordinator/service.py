@@ -41,9 +41,17 @@ log = logging.getLogger("covey.coordinator")
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig, data_dir: Path, *, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        data_dir: Path,
+        *,
+        threads: int | None = None,
+        device: str | None = None,
+    ) -> None:
         """Open (or create) the run in `data_dir`. ValueError if the spec names another
-        coordinator key, or `data_dir` holds another run."""
+        coordinator key, or `data_dir` holds another run; DeviceError (a ValueError) for a
+        bad `device`, where the referee recomputes (default: the run's verify_device)."""
         # the coordinator's own key signs certificates and ledger entries; it is part of the
         # spec, so of the run id (ValueError if the spec names another key)
         self.identity = Identity.load_or_create(data_dir / "coordinator.key")
@@ -98,6 +106,7 @@ class Coordinator:
             seq_len=model.seq_len,
             verifying=verifying,
         )
+        self.verification.set_referee_device(device)
         self.uploads = Blobs(  # sizes worked out once, before serving: from the model
             self.db,
             cfg,

@@ -73,17 +73,26 @@ def register(app: typer.Typer) -> None:
         model: Annotated[
             str | None, typer.Option(help="hf:DIR: a local Hugging Face decoder (Llama, GPT-2)")
         ] = None,
+        device: Annotated[
+            str | None,
+            typer.Option(
+                help="where the referee recomputes disputed replies: auto|cpu|cuda|cuda:N|mps; "
+                "default the run's verify_device. On another class it judges nothing (warned)"
+            ),
+        ] = None,
     ) -> None:
         """Serve a SWARM run: stage assignment, averaging rounds, rebalancing, ledger."""
         if model is not None and not model.startswith("hf:"):
             _fail(f"--model {model!r}: expected hf:DIR")
         cfg = _config([*(set_ or []), *([f"model={model}"] if model else [])])
+        if device is not None:
+            _device(device)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         _quiet_http()
         from covey.swarm.app import serve
         from covey.swarm.service import SwarmCoordinator
 
-        coord = SwarmCoordinator(cfg, data_dir)
+        coord = SwarmCoordinator(cfg, data_dir, device)
         typer.echo(f"swarm run {coord.run_id} on http://{host}:{port} (status page: /)")
         serve(coord, host, port)
 

@@ -14,21 +14,32 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import threading
 from typing import Any
 
 from covey.blobs import BlobClient
 from covey.blobs.store import BlobError
 from covey.coordinator.views import Rejected
+from covey.devices import referee_compute
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
 from covey.swarm.wire import WireError, build_stage, load_state, reply_message, sha
 from covey.trust.identity import verify
 
+log = logging.getLogger("covey.swarm.referee")
+
 
 class Referee:
-    def __init__(self, cfg: SwarmConfig) -> None:
+    def __init__(self, cfg: SwarmConfig, device: str | None = None) -> None:
+        """`device` (the coordinator's --device; default the run's `verify_device`) is
+        where replies are recomputed. A coordinator without that class warns now and
+        judges nothing: a dispute then convicts nobody (covey.devices.referee_compute).
+        DeviceError for a malformed or absent `device`."""
         self.cfg = cfg
+        self.compute = referee_compute(cfg.verify_device, "fp32", device)
+        if self.compute.refusal is not None:
+            log.warning("this swarm coordinator will not judge disputes: %s", self.compute.refusal)
         self.fetcher = BlobClient(timeout_s=cfg.request_timeout_s, retries=2)
         self._states: dict[str, bytes] = {}
         self._lock = threading.Lock()  # one recomputation at a time: it is CPU work
@@ -68,6 +79,8 @@ class Referee:
                 "honest": [s for s, _, _ in signed],
                 "detail": "fewer than two signed replies on one state: nothing to settle",
             }
+        if self.compute.refusal is not None:  # not recomputed on another class: open
+            return {"liars": [], "honest": [], "detail": f"not judged: {self.compute.refusal}"}
         state = signed[0][1]
         with self._lock:
             try:
@@ -75,7 +88,7 @@ class Referee:
             except BlobError as e:
                 raise Rejected(409, f"stage {k} state {state[:12]} unavailable: {e}") from None
             self._states = {state: data}
-            stage = build_stage(cfg, k)
+            stage = build_stage(cfg, k, self.compute.device or "cpu")
             try:
                 load_state(stage, data)
                 run = compute.forward if kind == "forward" else compute.backward
