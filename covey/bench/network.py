@@ -9,8 +9,10 @@ until the spec's ``max_rounds``).
 
 Methods (`network_methods`): every-step synchronization (DDP, fp32 gradients), DiLoCo with
 H inner steps (fp32 pseudo-gradients) and the best compressed method of `covey bench
-comms` (BENCHMARKS.md): the same DiLoCo with the int4 codec and error feedback. Outer
-optimizer as in `covey bench comms`: Nesterov lr 0.7, momentum 0.5.
+comms` (BENCHMARKS.md): the same DiLoCo with the int4 codec and error feedback; Streaming
+DiLoCo (int4, 2 fragments) with its communication overlapped with the next round's first
+tau = H/2 - 1 inner steps (covey/peer/overlap.py), and the same without overlap (tau = 0).
+Outer optimizer as in `covey bench comms`: Nesterov lr 0.7, momentum 0.5.
 
 How the numbers are read, and why:
 
@@ -33,6 +35,11 @@ How the numbers are read, and why:
   seconds / the round's cycle (commit to commit); this bench averages rounds >= 1
   (round 0 includes the initial download and warm-up). `breakdown_s` splits the mean cycle
   into parts that sum to it exactly (see `summarize_run`), to say what the rest was.
+- **Worker utilization** is each worker's own: the seconds it spent in inner steps over
+  the wall seconds between the ends of its rounds' training (``<store>/rounds.jsonl``,
+  rounds after its first), averaged over workers. Where the coordinator's figure measures
+  a round's compute against the commit-to-commit cycle, this one also sees a worker that
+  trains ahead while the network works (Streaming DiLoCo's overlap) as busy.
 - **Target loss.** Unless one is given, it is the highest of the runs' best validation
   losses: the best loss that *every* run reached within its budget, so each run has a
   time to target, and the slowest run's time is its time to its own best. One target for
@@ -88,13 +95,23 @@ class NetMethod:
     eval_every: int = 1
 
 
-METHOD_KEYS = ("ddp", "diloco", "diloco-int4-ef")
+METHOD_KEYS = (
+    "ddp", "diloco", "diloco-int4-ef", "streaming-int4", "streaming-int4-no-overlap"
+)  # fmt: skip
+STREAMING_FRAGMENTS = 2
 
 
 def network_methods(inner_steps: int = 50) -> list[NetMethod]:
+    """The methods at H = inner_steps. Streaming DiLoCo is among them only when H is a
+    multiple of STREAMING_FRAGMENTS with at least 2 steps per round (`streaming_fits`)."""
     outer = {"outer_lr": 0.7, "outer_momentum": 0.5}  # as `covey bench comms`
     diloco = {"method": "diloco", "inner_steps": inner_steps, **outer}
-    return [
+    p = STREAMING_FRAGMENTS
+    # tau: all but the last step of a round hide the previous round's transfer
+    streaming = {"method": "streaming", "inner_steps": inner_steps, "fragments": p,
+                 "codec": "int4", **outer}  # fmt: skip
+    tau = inner_steps // p - 1
+    methods = [
         NetMethod("ddp", "ddp", {"method": "ddp", "codec": "fp32"}, eval_every=5),
         NetMethod("diloco", f"diloco-h{inner_steps}", {**diloco, "codec": "fp32"}),
         NetMethod(
@@ -102,7 +119,23 @@ def network_methods(inner_steps: int = 50) -> list[NetMethod]:
             f"diloco-h{inner_steps}-int4-ef",
             {**diloco, "codec": "int4", "error_feedback": True},
         ),
+        NetMethod(
+            "streaming-int4",
+            f"streaming-h{inner_steps}-p{p}-tau{tau}-int4",
+            {**streaming, "overlap_steps": tau},
+        ),
+        NetMethod(
+            "streaming-int4-no-overlap",
+            f"streaming-h{inner_steps}-p{p}-tau0-int4",
+            {**streaming, "overlap_steps": 0},
+        ),
     ]
+    return [m for m in methods if streaming_fits(inner_steps) or m.key in METHOD_KEYS[:3]]
+
+
+def streaming_fits(inner_steps: int) -> bool:
+    p = STREAMING_FRAGMENTS
+    return inner_steps % p == 0 and inner_steps // p >= 2
 
 
 # ---------------------------------------------------------------- plan (pure functions)
@@ -242,6 +275,31 @@ def summarize_run(
     }
 
 
+def worker_utilization(store_dirs: Sequence[Path]) -> dict[str, Any]:
+    """Each worker's own utilization from its ``rounds.jsonl`` (covey.peer.worker): compute
+    seconds of its rounds after the first over the wall seconds from the end of the first
+    one's training to the end of the last. -> {"mean", "each", "waited_s"} (None where a
+    worker finished fewer than two rounds)."""
+    each: list[float | None] = []
+    waited: list[float] = []
+    for d in store_dirs:
+        path = d / "rounds.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        rows.sort(key=lambda r: r["ended_at"])
+        if len(rows) < 2 or rows[-1]["ended_at"] <= rows[0]["ended_at"]:
+            each.append(None)
+            continue
+        wall = rows[-1]["ended_at"] - rows[0]["ended_at"]
+        each.append(sum(r["compute_s"] for r in rows[1:]) / wall)
+        waited.extend(r.get("waited_s", 0.0) for r in rows[1:])
+    known = [u for u in each if u is not None]
+    return {
+        "mean": fmean(known) if known else None,
+        "each": each,
+        "waited_s": fmean(waited) if waited else None,
+    }
+
+
 def default_target(records: Sequence[dict[str, Any]]) -> float | None:
     """The best loss every run reached: the highest of the runs' best validation losses."""
     best = [r["best_val_loss"] for r in records if r["best_val_loss"] is not None]
@@ -266,8 +324,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     target = records[0]["target_loss"] if records else None
     lines = [
         f"| link | method | rounds | final val loss | time to {num(target, '.3f', 'target')} "
-        "| utilization | bytes / round | tokens / s | mean cycle | compute |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| utilization | worker util. | bytes / round | tokens / s | mean cycle | compute |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         b = r["breakdown_s"]
@@ -276,7 +334,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             f"| {num(r['final_val_loss'], '.4f')} "
             f"| {num(r['time_to_target_s'], '.1f', 'not reached')}"
             f"{'' if r['time_to_target_s'] is None else ' s'} "
-            f"| {num(r['utilization'], '.1%')} | {r['bytes_per_round']:,.0f} "
+            f"| {num(r['utilization'], '.1%')} | {num(r.get('worker_utilization'), '.1%')} "
+            f"| {r['bytes_per_round']:,.0f} "
             f"| {num(r['tokens_per_s'], ',.0f')} | {num(b.get('cycle'), '.2f')} s "
             f"| {num(b.get('compute'), '.2f')} s |"
         )
@@ -456,6 +515,10 @@ def run_one(
     )
     # This run's own processes make a load of about workers + 1 while they compute; more
     # means other work competed for the cores (it slows compute and inflates utilization).
+    own = worker_utilization([run_dir / "peers" / n for n in names[1:]])
+    record["worker_utilization"] = own["mean"]
+    record["worker_utilization_each"] = own["each"]
+    record["worker_waited_s_mean"] = own["waited_s"]
     record["load_1m_mean"] = fmean(loads) if loads else None
     record["load_1m_max"] = max(loads, default=None)
     return record
@@ -532,7 +595,11 @@ def run_network_bench(
         raise ValueError(f"minutes_per_run must be positive, got {minutes_per_run}")
     known = {m.key: m for m in network_methods(inner_steps)}
     if unknown := sorted(set(methods) - set(known)):
-        raise ValueError(f"unknown method(s) {unknown}; choose from {list(known)}")
+        why = "" if streaming_fits(inner_steps) else (
+            f" (Streaming DiLoCo needs H = {inner_steps} to be a multiple of "
+            f"{STREAMING_FRAGMENTS}, at least {2 * STREAMING_FRAGMENTS})"
+        )  # fmt: skip
+        raise ValueError(f"unknown method(s) {unknown}; choose from {list(known)}{why}")
     out_dir.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
     for mbit in mbits:
