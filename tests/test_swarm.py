@@ -599,7 +599,12 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
     assert beat(moved, 0, 10.0)["stage"] == 1  # told to move
     beat(moved, 1, 10.0)
     coord._rebalance(now=1.0)
-    assert len(coord.rebalances) == 1  # settled: no move raises the min by 10%
+    # stage 0 (one server at 10/s) now gives 5, stage 1 12: the 2/s server on stage 0
+    # makes it 6 > 1.1 x 5; then stage 1 keeps one server, so no donor is left
+    assert len(coord.rebalances) == 2 and coord.rebalances[1]["to"] == 0
+    beat(1, 0, 2.0)
+    coord._rebalance(now=1.5)
+    assert len(coord.rebalances) == 2  # settled
 
     # a trainer reports served microbatches (shown on the status page, never paid)
     join(3, "trainer")
@@ -619,7 +624,7 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
     coord.pay(now=2.0)  # a trainer's word pays nothing: checks do (tests/test_swarm_pay.py)
     assert coord.accounts.book.accounts[ids[0].peer_id].balance == 0
     status = client.get("/v1/swarm/status").json()
-    assert status["rebalances"] == 1 and status["reroutes"] == 1
+    assert status["rebalances"] == 2 and status["reroutes"] == 1
     assert "covey swarm" in client.get("/").text
     coord.stop()
 

@@ -1,12 +1,12 @@
 """Move servers between stages so the pipeline's slowest stage gets faster (SWARM sec. 3.3).
 
-A pipeline runs at its minimum stage throughput. Given each stage's cost (relative compute
-per sample) and each server's speed (cost units per second, i.e. measured samples/s times
-its stage's cost), `plan_move` proposes moving one server from the stage with the most
-spare throughput to the bottleneck stage, and only when that raises the minimum stage
-throughput by more than the factor `hysteresis`. Each accepted move multiplies the
-minimum by more than `hysteresis` > 1, so repeated calls on a fixed load cannot cycle:
-servers do not oscillate between stages.
+A pipeline runs at its minimum stage throughput. Given each stage's cost (requests, or
+relative compute, per sample) and each server's speed (cost units per second, i.e. its
+samples/s measured per request, `speeds_from_measurements`), `plan_move` proposes
+moving one server from the stage with the most spare throughput to the bottleneck
+stage, and only when that raises the minimum stage throughput by more than the factor
+`hysteresis`. Each accepted move multiplies the minimum by more than `hysteresis` > 1, so
+repeated calls on a fixed load cannot cycle: servers do not oscillate between stages.
 """
 
 from __future__ import annotations
@@ -45,8 +45,22 @@ def stage_throughputs(
 def speeds_from_measurements(
     stage_costs: Sequence[float], measured: Mapping[str, tuple[int, float]]
 ) -> dict[str, tuple[int, float]]:
-    """Server -> (stage, speed) from server -> (stage, measured samples/s)."""
-    return {n: (k, tp * stage_costs[k]) for n, (k, tp) in measured.items()}
+    """Server -> (stage, speed) from server -> (stage, samples/s measured per request).
+
+    A stage's cost is the requests one sample makes there (stage servers measure each
+    request), so a request on one sample is one cost unit and the per-request rate is
+    already the speed in cost units per second. Multiplying it by the cost, as this did
+    before, counted a stage-0 server's forward and backward as if each finished a sample:
+    stage 0 looked twice as fast as it is, and with servers of 1x-4x the rebalancer moved
+    the 3x server off stage 0 (measured "min stage 11.64 -> 15.78 samples/s") while the
+    pipeline actually fell from ~13 to 10 samples/s. ValueError names a stage out of range.
+    """
+    for name, (stage, _) in measured.items():
+        if not 0 <= stage < len(stage_costs):
+            raise ValueError(
+                f"server {name} on stage {stage}; stages are 0..{len(stage_costs) - 1}"
+            )
+    return {n: (k, float(tp)) for n, (k, tp) in measured.items()}
 
 
 def plan_move(

@@ -12,6 +12,7 @@ reply bans it for the run with the reason kept for the report. The clock is an a
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -29,16 +30,24 @@ class ServerState:
     banned: str | None = None  # reason, once banned
     timeouts: int = 0
     replies: int = 0
+    ahead: deque[int] = field(default_factory=deque)  # queue at each unanswered send
 
 
 @dataclass
 class Router:
-    """Routing state of one trainer. `ema`: weight of the newest measurement."""
+    """Routing state of one trainer. `ema`: weight of the newest measurement.
+
+    `service_time`: measure a server by its service time, not its latency: a reply that
+    waited behind `a` earlier requests of this trainer to the same server took about
+    seconds / (a + 1) of the server's time. Latency already holds the queue, and expected
+    finish multiplies by (queue + 1) again, so a busy fast server would look (queue + 1)
+    times slower than it is and microbatches would go to slower servers."""
 
     ema: float = 0.3
     probe_rate: float = 0.05
     slow_s: float = 30.0
     seed: int = 0
+    service_time: bool = False
     servers: dict[str, ServerState] = field(default_factory=dict)
     reroutes: int = 0
 
@@ -87,16 +96,23 @@ class Router:
         return [self.choose(k, now) for k in range(n_stages)]
 
     def started(self, server: str) -> None:
-        self.servers[server].queue += 1
+        s = self.servers[server]
+        s.ahead.append(s.queue)
+        s.queue += 1
+
+    def _answered(self, s: ServerState) -> int:
+        """One request left the queue; how many were ahead of it when it was sent."""
+        s.queue = max(0, s.queue - 1)
+        return s.ahead.popleft() if s.ahead else 0
 
     def finished(self, server: str, samples: int, seconds: float) -> None:
         """A valid reply for `samples` samples that took `seconds` (send to answer)."""
         if samples <= 0 or seconds <= 0:
             raise ValueError(f"samples ({samples}) and seconds ({seconds}) must be > 0")
         s = self.servers[server]
-        s.queue = max(0, s.queue - 1)
+        ahead = self._answered(s)
         s.replies += 1
-        rate = samples / seconds
+        rate = samples / seconds * ((ahead + 1) if self.service_time else 1)
         s.throughput = (
             rate if s.throughput is None else (1 - self.ema) * s.throughput + self.ema * rate
         )
@@ -106,7 +122,7 @@ class Router:
         """No answer within the deadline: slow for `slow_s`, its estimate halved, and the
         microbatch is rerouted (counted)."""
         s = self.servers[server]
-        s.queue = max(0, s.queue - 1)
+        self._answered(s)
         s.timeouts += 1
         s.slow_until = now + self.slow_s
         if s.throughput is not None:
@@ -116,7 +132,7 @@ class Router:
     def invalid(self, server: str, reason: str) -> None:
         """An invalid reply (malformed bytes, wrong shape, non-finite): banned for the run."""
         s = self.servers[server]
-        s.queue = max(0, s.queue - 1)
+        self._answered(s)
         s.banned = reason
         self.reroutes += 1
 
