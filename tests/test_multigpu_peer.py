@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,84 @@ def test_covey_worker_under_torchrun_is_one_peer(tmp_path: Path) -> None:
         peers = cluster.status()["peers"]
         assert [p["peer_id"] for p in peers] == [cluster.ids["g"]], peers
         assert status is not None
+
+
+# -- a dead rank does not hang the group ---------------------------------------------------------
+
+
+def _doomed_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 leads a round whose second step comes after the test SIGKILLed rank 1; it
+    must fail with GroupLost naming rank 1 (exit 3), within the group's timeout."""
+    import sys
+
+    from covey.peer.group import GroupLost
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    group = group_from_env("cpu", timeout_s=30.0)
+    assert group is not None
+    s = _strategy()
+    attach(s, group)
+    batches = _batches()
+    if not group.leader:
+        Path(out, "pid1").write_text(str(os.getpid()))
+        follow(s, group)  # killed in here
+        return
+    lead = Leader(s, group)
+    lead.begin()
+    lead.inner_step(batches[0])
+    Path(out, "stepped").write_text("1")
+    deadline = time.monotonic() + 120  # the test kills rank 1 once it sees "stepped"
+    while not Path(out, "killed").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+        lead.inner_step(batches[1])
+        lead.end()
+    except GroupLost as e:
+        Path(out, "lost").write_text(f"{time.monotonic() - t0:.1f} {e}")
+        lead.stop()  # a broken group: returns at once, nothing to release
+        sys.exit(3)
+    Path(out, "lost").write_text("no error")
+
+
+@pytest.mark.network
+@pytest.mark.long  # two fresh interpreters and an 8 s liveness window: ~60 s when loaded
+def test_a_killed_rank_fails_the_leader_naming_it_instead_of_hanging(tmp_path: Path) -> None:
+    import signal
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_doomed_rank, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        _wait_file(tmp_path / "stepped", procs, 240)
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+        (tmp_path / "killed").write_text("1")
+        procs[0].join(120)
+        assert procs[0].exitcode == 3, (procs[0].exitcode, _read(tmp_path / "lost"))
+        took, message = _read(tmp_path / "lost").split(" ", 1)
+        assert "rank 1 lost" in message and "STEP" in message, message
+        assert float(took) < 60  # well inside the group's 30 s timeout + liveness window
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+
+
+def _wait_file(path: Path, procs: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        dead = [p.exitcode for p in procs if p.exitcode is not None]
+        assert not dead, f"a rank exited ({dead}) before {path.name}"
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
+        time.sleep(0.1)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else "(nothing written)"

@@ -17,16 +17,27 @@ The protocol is a command tensor that the leader broadcasts and every rank acts 
     STOP       followers return
 
 Commands and tensors travel only inside the group (its own process group, set up by
-torchrun on the same machine or cluster); nothing is pickled. A follower that dies takes
-the collective down; the leader then errors out of the round, as a single peer that
-crashed would, and the group leaves.
+torchrun on the same machine or cluster); nothing is pickled.
+
+A rank that dies does not hang the group: every collective has a deadline (the process
+group's timeout, `GROUP_TIMEOUT_S`; a SIGKILLed rank's closed connections fail sooner),
+and a failed collective raises `GroupLost` naming the lost rank(s), found by their
+heartbeats in the group's store (each follower bumps a counter every `BEAT_S`). The leader
+then leaves the run without a contribution (the worker exits 1 after its deathrattle): the
+coordinator sees a no-show, never a contribution of part of a group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -38,6 +49,14 @@ from covey.devices import resolve_device
 
 BEGIN, STEP, END, STOP = 1, 2, 3, 4
 _NAMES = {BEGIN: "BEGIN", STEP: "STEP", END: "END", STOP: "STOP"}
+GROUP_TIMEOUT_S = 120.0  # a collective waits this long for a rank that is alive but stuck
+BEAT_S = 1.0  # a follower bumps its heartbeat counter this often
+LOST_AFTER_S = 8.0  # a rank whose counter did not move for this long is lost
+log = logging.getLogger("covey.peer.group")
+
+
+class GroupLost(RuntimeError):
+    """A rank of the group died or stopped answering: the group cannot finish its round."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +72,12 @@ class Group:
         return self.rank == 0
 
 
-def group_from_env(device: str = "auto") -> Group | None:
+def group_from_env(device: str = "auto", timeout_s: float = GROUP_TIMEOUT_S) -> Group | None:
     """The group torchrun started this process in (WORLD_SIZE > 1), its process group
-    initialized: NCCL with one GPU per local rank on CUDA, gloo on the CPU. None when not
-    under torchrun (a one-device peer). ValueError for a group on CUDA with more local ranks
-    than GPUs."""
+    initialized: NCCL with one GPU per local rank on CUDA, gloo on the CPU, every
+    collective bounded by `timeout_s`; a follower starts its heartbeat. None when not
+    under torchrun (a one-device peer). ValueError for a group on CUDA with more local
+    ranks than GPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
@@ -72,8 +92,61 @@ def group_from_env(device: str = "auto") -> Group | None:
         where = torch.device("cuda", local)
         torch.cuda.set_device(where)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if where.type == "cuda" else "gloo")
+        dist.init_process_group(
+            "nccl" if where.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+        )
+    if rank > 0:
+        _start_heartbeat(rank)
     return Group(rank, world, where)
+
+
+# -- liveness: heartbeats in the group's store -------------------------------------------------
+
+
+def _store() -> dist.TCPStore:
+    """A client of the store torchrun (or rank 0) serves at MASTER_ADDR:MASTER_PORT: it
+    outlives any follower, so the leader can read who stopped beating."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=10),
+    )
+
+
+def _beat_key(rank: int) -> str:
+    return f"covey/group/beat/{rank}"
+
+
+def _start_heartbeat(rank: int) -> None:
+    def beat() -> None:
+        try:
+            store = _store()
+            while True:
+                store.add(_beat_key(rank), 1)
+                time.sleep(BEAT_S)
+        except Exception as e:  # the store's host is gone: the group is over anyway
+            log.debug("[group/%d] heartbeat stopped: %s", rank, e)
+
+    threading.Thread(target=beat, name=f"group-beat-{rank}", daemon=True).start()
+
+
+def lost_ranks(world: int, wait_s: float = LOST_AFTER_S) -> list[int]:
+    """The followers (ranks 1..world-1) whose heartbeat did not move within `wait_s`;
+    every follower when the store cannot be reached."""
+    followers = list(range(1, world))
+    try:
+        store = _store()
+        first = {r: store.add(_beat_key(r), 0) for r in followers}
+        alive: set[int] = set()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and len(alive) < len(followers):
+            time.sleep(0.25)
+            alive |= {r for r in followers if store.add(_beat_key(r), 0) != first[r]}
+    except Exception as e:
+        log.warning("[group/0] the group's store is unreachable (%s): all followers lost", e)
+        return followers
+    return [r for r in followers if r not in alive]
 
 
 def attach(strategy: Strategy, group: Group) -> None:
@@ -99,6 +172,26 @@ class Leader:
         if not group.leader:
             raise ValueError(f"rank {group.rank} is not the group's leader (rank 0)")
         self.strategy, self.group = strategy, group
+        self.lost: str | None = None  # why the group broke: no collective is tried again
+
+    @contextlib.contextmanager
+    def _collectives(self, what: str) -> Iterator[None]:
+        """GroupLost naming the lost rank(s) when a collective inside fails (a dead rank's
+        connection closes, or the group's timeout passes). A failure with every follower
+        still beating and no distributed error is the step's own bug: raised as it is."""
+        if self.lost is not None:
+            raise GroupLost(self.lost)
+        try:
+            yield
+        except RuntimeError as e:
+            lost = lost_ranks(self.group.world)
+            if not lost and not isinstance(e, dist.DistError):
+                raise
+            who = f"rank {', '.join(map(str, lost))} lost" if lost else "no rank stopped beating"
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            self.lost = f"the group broke during {what}: {who} ({first})"
+            log.error("[group/0] %s", self.lost)
+            raise GroupLost(self.lost) from None
 
     def _command(self, *words: int) -> None:
         cmd = torch.tensor([*words, 0, 0, 0][:3], dtype=torch.int64, device=self._wire)
@@ -109,32 +202,49 @@ class Leader:
         return self.group.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def begin(self) -> None:
-        self._command(BEGIN)
-        _broadcast_local_state(self.strategy, self._wire)
+        with self._collectives("BEGIN"):
+            self._command(BEGIN)
+            _broadcast_local_state(self.strategy, self._wire)
 
     def inner_step(self, batch: torch.Tensor) -> float:
-        self._command(STEP, *batch.shape)
-        full = batch.to(self._wire, torch.int64).contiguous()
-        dist.broadcast(full, 0)
-        return self.strategy.inner_step(shard(full, 0, self.group.world))
+        with self._collectives("STEP"):
+            self._command(STEP, *batch.shape)
+            full = batch.to(self._wire, torch.int64).contiguous()
+            dist.broadcast(full, 0)
+            return self.strategy.inner_step(shard(full, 0, self.group.world))
 
     def end(self) -> None:
         """Sum the ranks' tokens into the leader's strategy: its contribution counts the
         whole group's work."""
-        self._command(END)
-        tokens = torch.tensor([self.strategy.tokens], dtype=torch.int64, device=self._wire)
-        dist.all_reduce(tokens)
-        self.strategy.tokens = int(tokens.item())
+        with self._collectives("END"):
+            self._command(END)
+            tokens = torch.tensor([self.strategy.tokens], dtype=torch.int64, device=self._wire)
+            dist.all_reduce(tokens)
+            self.strategy.tokens = int(tokens.item())
 
     def stop(self) -> None:
-        self._command(STOP)
+        """Release the followers; nothing to release (no collective tried) once the group
+        broke."""
+        if self.lost is None:
+            with self._collectives("STOP"):
+                self._command(STOP)
 
 
 def follow(strategy: Strategy, group: Group) -> int:
     """A follower's whole life: act on the leader's commands until STOP; returns the
-    number of inner steps taken. Nothing here talks to the coordinator."""
+    number of inner steps taken. Nothing here talks to the coordinator. GroupLost when a
+    collective fails (the leader or another rank is gone, or the group's timeout passed)."""
     if group.leader:
         raise ValueError("rank 0 leads; follow() is for the other ranks")
+    try:
+        return _follow(strategy, group)
+    except RuntimeError as e:
+        if isinstance(e, GroupLost) or not isinstance(e, dist.DistError):
+            raise
+        raise GroupLost(f"rank {group.rank}: the group broke ({str(e)[:300]})") from None
+
+
+def _follow(strategy: Strategy, group: Group) -> int:
     wire = group.device if dist.get_backend() == "nccl" else torch.device("cpu")
     steps = 0
     while True:
@@ -222,6 +332,10 @@ def run_follower(device: str | None, threads: int | None) -> int:
     info = share_info(group, None)
     run = set_up_run(_RunInfo(info), threads, None, str(group.device))  # type: ignore[arg-type]
     attach(run.strategy, group)
-    follow(run.strategy, group)
+    try:
+        follow(run.strategy, group)
+    except GroupLost as e:
+        log.error("[group/%d] %s: exiting", group.rank, e)
+        return 1
     dist.destroy_process_group()
     return 0
