@@ -46,6 +46,15 @@ def _post(client: Any, identity: Any, path: str, body: dict) -> Any:
     return client.post(path, json=identity.sign_request(body, -1, purpose=f"POST {path}"))
 
 
+def _gradient_sum(shapes: list[tuple[int, ...]], samples: int, seed: int) -> bytes:
+    """A server's gradient sum as covey.swarm.sums checks it."""
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(seed)
+    sums = {f"g.{i}": torch.randn(shape, generator=g) for i, shape in enumerate(shapes)}
+    return save({**sums, "samples": torch.tensor([samples], dtype=torch.int64)})
+
+
 def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_path: Path) -> None:
     from covey.trust.identity import Identity
 
@@ -68,7 +77,8 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
         assert r.status_code == 200, r.text
         return r.json()
 
-    def report(c: Any, i: int, round_id: int, data: bytes) -> Any:
+    def report(c: Any, i: int, round_id: int, seed: int) -> Any:
+        data = _gradient_sum(coord._shapes(0), 4, seed)
         body = {"run_id": run, "peer_id": ids[i].peer_id, "stage": 0, "round": round_id,
                 "cid": hashlib.sha256(data).hexdigest(), "samples": 4,
                 "data": base64.b64encode(data).decode()}  # fmt: skip
@@ -79,7 +89,7 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
     coord.tick(coord._last_payout + 0.1)
     rnd = coord.averaging.stages[0].round
     assert rnd is not None and rnd.members == sorted([ids[0].peer_id, ids[1].peer_id])
-    assert report(client, 0, rnd.id, b"grads of p0").status_code == 200
+    assert report(client, 0, rnd.id, seed=0).status_code == 200
     served = {"run_id": run, "peer_id": ids[2].peer_id, "samples": 8, "loss": 3.0,
               "reroutes": 0, "banned": {}, "served": {ids[0].peer_id: 3}, "next": 17}  # fmt: skip
     assert _post(client, ids[2], "/v1/swarm/report", served).status_code == 200
@@ -103,7 +113,7 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
                      "pending": 0, "throughput": 1.0, "queue": 0}).status_code == 404  # fmt: skip
         join(c2, i)
         assert beat(c2, i, 0, "s0", 0)["round"]["id"] == rnd.id
-    assert report(c2, 1, rnd.id, b"grads of p1").status_code == 200
+    assert report(c2, 1, rnd.id, seed=1).status_code == 200
     again.tick(again._grace_until + 0.1)
     assert book.step == 1 and again.averaging.stages[0].rounds == 1
     assert set(again.averaging.stages[0].last.reports) == {ids[0].peer_id, ids[1].peer_id}

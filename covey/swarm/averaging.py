@@ -19,6 +19,19 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+NORM_FACTOR = 10.0  # a per-sample gradient norm this many times the low median is left out
+
+
+def outliers(norms: dict[str, float], reference: list[float]) -> set[str]:
+    """Reports whose per-sample norm exceeds NORM_FACTOR x the low median of this round's
+    nonzero norms and `reference` (the stage's last accepted ones). With two members the
+    low median is the smaller: the larger of two is left out only at 10x the other."""
+    pool = sorted(v for v in [*norms.values(), *reference] if v > 0)
+    if len(pool) < 2:
+        return set()
+    low = pool[(len(pool) - 1) // 2]
+    return {p for p, v in norms.items() if v > NORM_FACTOR * low}
+
 
 @dataclass
 class AvgRound:
@@ -29,6 +42,7 @@ class AvgRound:
     opened: float
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # peer -> cid, samples, url
     status: str = "open"  # open | committed | aborted
+    dropped: list[str] = field(default_factory=list)  # reports left out: outlier norms
 
     def view(self) -> dict[str, Any]:
         return {
@@ -54,6 +68,8 @@ class StageBook:
     rounds: int = 0
     aborted: int = 0
     samples: int = 0  # accepted samples
+    norms: list[float] = field(default_factory=list)  # per-sample norms of the last round
+    quorum: int = 0  # live servers that reported to the last committed round
 
 
 class Averaging:
@@ -69,6 +85,10 @@ class Averaging:
         """Open rounds where enough samples wait; close rounds past their deadline or
         complete. `busy`: servers that must not join a round (moving, resyncing)."""
         for book in self.stages:
+            last = book.last
+            if last is not None:  # the dead are no voters
+                book.quorum = sum(p in live for p in last.reports)
+                self._agree(book)
             r = book.round
             if r is not None:
                 gone = [m for m in r.members if m not in live and m not in r.reports]
@@ -96,8 +116,18 @@ class Averaging:
                 book.round = AvgRound(book.stage, self._next_id, book.step, sorted(synced), now)
                 self._next_id += 1
 
-    def report(self, peer: str, stage: int, round_id: int, cid: str, samples: int, url: str) -> str:
-        """A member's gradient blob. Returns "ok", or why it is refused."""
+    def report(
+        self,
+        peer: str,
+        stage: int,
+        round_id: int,
+        cid: str,
+        samples: int,
+        url: str,
+        norm: float = 0.0,
+    ) -> str:
+        """A member's gradient blob (`norm`: its L2 norm per sample, covey.swarm.sums).
+        Returns "ok", or why it is refused."""
         book = self._book(stage)
         r = book.round
         if r is None or r.id != round_id:
@@ -106,12 +136,17 @@ class Averaging:
             return f"peer {peer[:8]} is not a member of round {round_id}"
         if samples < 0:
             return f"samples ({samples}) must be >= 0"
-        r.reports[peer] = {"cid": cid, "samples": samples, "url": url}
+        r.reports[peer] = {"cid": cid, "samples": samples, "url": url, "norm": norm}
         return "ok"
 
     def _close(self, book: StageBook, now: float) -> None:
         r = book.round
         assert r is not None
+        # a sum far larger per sample than the others' poisons every member: left out
+        norms = {p: float(x.get("norm", 0.0)) for p, x in r.reports.items()}
+        for p in sorted(outliers(norms, book.norms)):
+            r.reports.pop(p)
+            r.dropped.append(p)
         total = sum(x["samples"] for x in r.reports.values())
         book.round = None
         if total <= 0:
@@ -126,6 +161,8 @@ class Averaging:
         book.samples += total
         book.step += 1
         book.agreed, book.states = None, {}
+        book.norms = [norms[p] for p in sorted(r.reports) if norms[p] > 0]
+        book.quorum = len(r.reports)
 
     def state(self, peer: str, stage: int, step: int, cid: str) -> None:
         """A server's state id after applying rounds up to `step`."""
@@ -133,8 +170,19 @@ class Averaging:
         if step != book.step:
             return
         book.states[peer] = cid
+        self._agree(book)
+
+    @staticmethod
+    def _agree(book: StageBook) -> None:
+        """The agreed state: one that more than half of the votes name, counting as voters
+        at least the live servers that reported to the last committed round (they all
+        apply it). A tie agrees on nothing: a lone liar neither wins a coin toss nor
+        gets its state pushed on others as a resync."""
+        if not book.states:
+            return
         votes = Counter(book.states.values())
-        book.agreed = max(votes, key=lambda c: (votes[c], c))
+        cid, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
+        book.agreed = cid if 2 * n > max(len(book.states), book.quorum) else None
 
     def directive(self, peer: str, stage: int, step: int, cid: str | None) -> dict[str, Any]:
         """What a server of `stage` at `step` holding state `cid` does next: join the open

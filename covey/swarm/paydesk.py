@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sqlite3
 import threading
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("covey.swarm")
 MAX_SERVED_PER_REPORT = 10_000  # microbatches one report may claim for one server
 KNOWN_STATES = 16  # agreed states per stage whose replies are still paid
+MAX_VERDICTS = 1024  # settled disputes remembered, to answer a replay without recomputing
 
 
 class PayDesk:
@@ -46,6 +49,7 @@ class PayDesk:
     known_states: list[list[str]]
     _parked: list[tuple[float, str, evidence.Check]]
     _saved: str
+    _verdicts: dict[str, dict[str, Any]]
 
     def _save(self, conn: Any = None) -> None:
         raise NotImplementedError
@@ -201,8 +205,24 @@ class PayDesk:
             if row is None:
                 raise Rejected(404, f"unknown server {str(server)[:12]}")
             keys[str(server)] = row["public_key"]
+        if len(keys) != 2:
+            raise Rejected(400, "a dispute's two replies come from two different servers")
+        # the same dispute again (replayed, or filed by another trainer) is answered from
+        # its verdict: the referee's recomputation is not a service to call in a loop
+        ident = hashlib.sha256(
+            json.dumps([body.get(k) for k in ("stage", "kind", "request", "replies")],
+                       sort_keys=True).encode()
+        ).hexdigest()  # fmt: skip
+        with self.lock:
+            known = self._verdicts.get(ident)
+        if known is not None:
+            return known
         verdict = self.referee.settle(body, keys, providers)
         self._convict(int(body["stage"]), str(body["kind"]), verdict, peer)
+        with self.lock:
+            self._verdicts[ident] = verdict
+            while len(self._verdicts) > MAX_VERDICTS:
+                self._verdicts.pop(next(iter(self._verdicts)))
         return verdict
 
     def _convict(self, stage: int, kind: str, verdict: dict[str, Any], reporter: str) -> None:

@@ -96,6 +96,8 @@ class SwarmCoordinator(PayDesk):
         self.known_states: list[list[str]] = [[] for _ in range(cfg.stages)]
         # checks on a state not agreed yet (a round was applied moments ago): until when
         self._parked: list[tuple[float, str, evidence.Check]] = []
+        self._stage_shapes: dict[int, list[tuple[int, ...]]] = {}
+        self._verdicts: dict[str, dict[str, Any]] = {}  # settled disputes, by request
         with self.db.transaction() as c:  # ids of paid checks: each request is paid once
             c.execute("CREATE TABLE IF NOT EXISTS swarm_checks (id TEXT PRIMARY KEY, at REAL)")
         # a restart resumes: rounds, trainers and unpaid work from SQLite; the epoch from
@@ -355,31 +357,58 @@ class SwarmCoordinator(PayDesk):
             return out
 
     def round_report(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A round member's gradient sum. Rejected(422) for a sum no member could apply or
+        should (covey.swarm.sums: form, shapes, finite, samples), 409 when the round is
+        not open to it."""
+        from covey.swarm.sums import SumError, check_sum
+
         peer = str(body.get("peer_id"))
         self.membership.check_run(body.get("run_id", ""))
         self.membership.authenticate(body, -1, peer)
         self.membership.check_not_banned(peer)
-        self._store(str(body["cid"]), body.get("data"))
+        stage, samples, cid = body["stage"], body["samples"], str(body["cid"])
+        if type(stage) is not int or not 0 <= stage < self.cfg.stages:
+            raise Rejected(422, f"stage {stage!r}: stages are 0..{self.cfg.stages - 1}")
+        if type(samples) is not int:
+            raise Rejected(422, f"samples {samples!r} is not an int")
+        data = self._decode(cid, body.get("data"))
+        try:
+            norm = check_sum(data, self._shapes(stage), samples, self.cfg.target_samples)
+        except SumError as e:
+            raise Rejected(422, f"gradient sum {cid[:12]} of {peer[:12]}: {e}") from None
+        self._store(cid, data)
         with self.lock:
             url = ""  # the coordinator holds it
             why = self.averaging.report(
-                peer,
-                int(body["stage"]),
-                int(body["round"]),
-                str(body["cid"]),
-                int(body["samples"]),
-                url,
+                peer, stage, int(body["round"]), cid, samples, url, norm=norm
             )
             self._save()  # before the ok: an accepted report survives a restart
         if why != "ok":
             raise Rejected(409, why)
         return {"ok": True}
 
-    def _store(self, cid: str, data: Any) -> None:
+    @staticmethod
+    def _decode(cid: str, data: Any) -> bytes:
         try:
-            self.blobs.put_verified(cid, base64.b64decode(str(data), validate=True))
-        except (BlobError, binascii.Error, ValueError) as e:
+            return base64.b64decode(str(data), validate=True)
+        except (binascii.Error, ValueError) as e:
             raise Rejected(400, f"blob {cid[:12]}: {e}") from None
+
+    def _store(self, cid: str, data: Any) -> None:
+        raw = data if isinstance(data, bytes) else self._decode(cid, data)
+        try:
+            self.blobs.put_verified(cid, raw)
+        except (BlobError, ValueError) as e:
+            raise Rejected(400, f"blob {cid[:12]}: {e}") from None
+
+    def _shapes(self, stage: int) -> list[tuple[int, ...]]:
+        """Parameter shapes of `stage` (built once from the run's spec)."""
+        if stage not in self._stage_shapes:
+            from covey.swarm.wire import build_stage
+
+            built = build_stage(self.cfg, stage)
+            self._stage_shapes[stage] = [tuple(p.shape) for p in built.params]
+        return self._stage_shapes[stage]
 
     def state_upload(self, body: dict[str, Any]) -> dict[str, Any]:
         """A copy of a stage's agreed state, so a stage that loses every server resumes."""

@@ -1,0 +1,56 @@
+"""What the swarm coordinator checks in a server's gradient sum before it enters an averaging
+round (covey.swarm.averaging): every member of the round applies every reported sum, so one
+malformed sum would stop the whole stage, and one huge sum would poison it.
+
+A sum is safetensors bytes holding `g.0 .. g.{n-1}` (float32, the stage's parameter shapes,
+finite) and `samples` (int64, one value: the reported samples). A sum of zero samples must be
+all zeros (it carries no weight in the mean, so anything else is an unweighted push), and no
+server reports more than `MAX_SAMPLES_FACTOR` x the stage's target batch in one round. The
+per-sample norm it returns lets the round leave out a sum far larger than the others'
+(covey.swarm.averaging.outliers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+
+MAX_SAMPLES_FACTOR = 4  # an honest server reports about its pending samples at the round's open
+
+
+class SumError(ValueError):
+    """A gradient sum no round may hold; the message says why."""
+
+
+def check_sum(data: bytes, shapes: list[tuple[int, ...]], samples: int, target: int) -> float:
+    """The sum's L2 norm per sample (0.0 for an empty sum) if it is well-formed for a stage
+    with parameter `shapes`; SumError naming what is wrong otherwise."""
+    if not 0 <= samples <= MAX_SAMPLES_FACTOR * target:
+        raise SumError(f"samples ({samples}) must be in [0, {MAX_SAMPLES_FACTOR * target}]")
+    try:
+        tensors = st_load(data)
+    except SafetensorError as e:
+        raise SumError(f"gradient sum is not safetensors: {e}") from None
+    want = {f"g.{i}" for i in range(len(shapes))} | {"samples"}
+    if set(tensors) != want:
+        raise SumError(f"gradient sum must hold exactly g.0..g.{len(shapes) - 1} and samples")
+    n = tensors["samples"]
+    if n.dtype != torch.int64 or n.numel() != 1 or int(n[0]) != samples:
+        raise SumError(f"the sum's samples tensor does not hold {samples}")
+    total = 0.0
+    for i, shape in enumerate(shapes):
+        g = tensors[f"g.{i}"]
+        if g.dtype != torch.float32 or tuple(g.shape) != shape:
+            raise SumError(f"g.{i} is {g.dtype} {tuple(g.shape)}, not float32 {shape}")
+        if not bool(torch.isfinite(g).all()):
+            raise SumError(f"g.{i} holds inf or nan")
+        total += float(g.double().pow(2).sum())
+    norm = math.sqrt(total)
+    if samples == 0:
+        if norm > 0:
+            raise SumError("a sum of 0 samples must be all zeros")
+        return 0.0
+    return norm / samples
