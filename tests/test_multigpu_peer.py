@@ -249,3 +249,73 @@ def _wait_file(path: Path, procs: list, timeout: float) -> None:
 
 def _read(path: Path) -> str:
     return path.read_text() if path.exists() else "(nothing written)"
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of torchrun's child with RANK=`rank` (read from /proc; Linux)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(d.name)
+    return None
+
+
+@pytest.mark.network
+@pytest.mark.long  # three interpreters and a coordinator: minutes on a busy 2-core machine
+def test_a_group_peer_that_loses_a_rank_is_a_no_show(tmp_path: Path) -> None:
+    """`torchrun ... -m covey worker` whose rank 1 is SIGKILLed mid-round: the group exits
+    non-zero (rank 0 names rank 1), leaves the run, and the coordinator accepts no
+    contribution from it for any round after the one the kill interrupted."""
+    import signal
+    import subprocess
+    import sys
+
+    from covey.local.cluster import LocalCluster
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"row {i}: {i * 31 % 97} lazy dogs\n" for i in range(3000)))
+    spec = tmp_path / "run.toml"
+    spec.write_text(GROUP_SPEC.format(corpus=corpus))
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_coordinator()
+        log = open(tmp_path / "group.log", "wb")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+        cmd += ["-m", "covey", "worker", "--coordinator", cluster.url, "--name", "g"]
+        cmd += ["--identity", str(cluster.key("g")), "--run-id", cluster.run_id]
+        cmd += ["--device", "cpu", "--slowdown", "3", "--store-dir", str(tmp_path / "g")]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            status = cluster.wait_for(
+                lambda s: s.get("committed_rounds", 0) >= 1, 300, "a round from the group peer"
+            )
+            victim = _rank_pid(proc.pid, 1)
+            assert victim is not None, "rank 1 not found under torchrun"
+            killed_in = int(cluster.status().get("round", 0))
+            os.kill(victim, signal.SIGKILL)
+            code = proc.wait(150)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+        text = (tmp_path / "group.log").read_text(errors="replace")
+        assert code != 0, text[-3000:]
+        assert "the group broke during" in text and "rank 1 lost" in text, text[-3000:]
+        cluster.wait_for(
+            lambda s: all(p.get("state") != "live" for p in s.get("peers", [])),
+            60,
+            "the group peer to be gone",
+        )
+        accepted = [
+            e["payload"]["round"]
+            for e in cluster.get("/v1/ledger", limit=5000)
+            if e["type"] == "contribution accepted"
+            and e["payload"].get("peer_id") == cluster.ids["g"]
+        ]
+        assert accepted and max(accepted) <= killed_in, (accepted, killed_in, status)
