@@ -42,7 +42,7 @@ def _strategy() -> Strategy:
     return s
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, mode: str = "ddp") -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
@@ -51,10 +51,10 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     group = group_from_env("cpu")
     assert group is not None and group.world == world
     s = _strategy()
-    attach(s, group)
+    replica = attach(s, group, mode)
     try:
         if group.leader:
-            lead = Leader(s, group)
+            lead = Leader(s, group, replica)
             lead.begin()
             for b in _batches():
                 lead.inner_step(b)
@@ -63,8 +63,13 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             lead.stop()
             Path(out, "payload").write_bytes(c.payload)
             Path(out, "tokens").write_text(f"{c.tokens} {c.inner_steps}")
+            if replica is not None:  # what this rank holds of the replica's parameters
+                held = sum(t.to_local().numel() for t in replica.shards.values())  # type: ignore[attr-defined]
+                Path(out, "held").write_text(
+                    f"{held} {sum(p.numel() for p in s.model.parameters())}"
+                )
         else:
-            Path(out, f"steps{rank}").write_text(str(follow(s, group)))
+            Path(out, f"steps{rank}").write_text(str(follow(s, group, replica)))
     finally:
         dist.destroy_process_group()
 
@@ -77,8 +82,12 @@ def _free_port() -> int:
 
 @pytest.mark.network
 @pytest.mark.long  # ~15 s of CPU, but two fresh interpreters: ~90 s on a busy machine
-def test_two_gloo_ranks_are_one_peer_with_one_contribution(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_gloo_ranks_are_one_peer_with_one_contribution(tmp_path: Path, mode: str) -> None:
+    """DDP, or FSDP2 (fully_shard: sharded gradients and AdamW moments, gathered into the
+    leader's strategy after each step): the leader's contribution is one device's on the
+    whole batches, to 1e-6 (float sums in another order)."""
+    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path), mode), nprocs=2, join=True)
     single = _strategy()
     for b in _batches():
         single.inner_step(b)
@@ -91,6 +100,9 @@ def test_two_gloo_ranks_are_one_peer_with_one_contribution(tmp_path: Path) -> No
     # the same update as one device on the whole batch, up to the order of float sums
     assert torch.allclose(got, ref, atol=1e-6), float((got - ref).abs().max())
     assert float(ref.abs().max()) > 1e-4  # it really trained
+    if mode == "fsdp":  # each rank held about half of the replica (dim-0 shards)
+        held, whole = map(int, Path(tmp_path, "held").read_text().split())
+        assert held <= 0.6 * whole, (held, whole)
 
 
 def test_shard_takes_strided_rows_and_refuses_too_few() -> None:

@@ -1,7 +1,8 @@
 """A peer made of many devices: a `torchrun` group that is one peer (issue 12).
 
 As in INTELLECT-1, parallelism inside a peer is the peer's business and covey sits between
-peers: the group trains with DistributedDataParallel (NCCL on GPUs, gloo on CPUs), and only
+peers: the group trains with DistributedDataParallel (NCCL on GPUs, gloo on CPUs), or with
+FSDP2 (`mode="fsdp"`, covey/peer/fsdp.py: sharded gradients and optimizer moments), and only
 rank 0, the leader, talks to the coordinator. It has the peer's one identity, publishes the
 peer's one contribution and applies certified rounds; the other ranks follow it over the
 group's own collectives and never open a connection.
@@ -46,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from covey.algorithms.base import Strategy
 from covey.devices import resolve_device
+from covey.peer.fsdp import MODES, ShardedReplica
 
 BEGIN, STEP, END, STOP = 1, 2, 3, 4
 _NAMES = {BEGIN: "BEGIN", STEP: "STEP", END: "END", STOP: "STOP"}
@@ -149,11 +151,18 @@ def lost_ranks(world: int, wait_s: float = LOST_AFTER_S) -> list[int]:
     return [r for r in followers if r not in alive]
 
 
-def attach(strategy: Strategy, group: Group) -> None:
-    """Train `strategy` as one rank of `group`: its loss runs through DDP (gradients are
-    averaged over the ranks in backward). The model must already be on `group.device`."""
+def attach(strategy: Strategy, group: Group, mode: str = "ddp") -> ShardedReplica | None:
+    """Train `strategy` as one rank of `group`. "ddp": its loss runs through DDP (gradients
+    averaged over the ranks in backward); returns None. "fsdp": inner steps run on an FSDP2
+    replica (covey/peer/fsdp.py), returned for Leader/follow. The model must already be on
+    `group.device`. ValueError for another mode or a strategy fsdp does not support."""
+    if mode == "fsdp":
+        return ShardedReplica(strategy)
+    if mode != "ddp":
+        raise ValueError(f"group mode {mode!r} is not one of {', '.join(MODES)}")
     ids = [group.device.index] if group.device.type == "cuda" else None
     strategy.forward_module = DistributedDataParallel(strategy.model, device_ids=ids)
+    return None
 
 
 def shard(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -168,10 +177,12 @@ class Leader:
     """Rank 0's side: call `begin` once the strategy is at the round's start, `inner_step`
     for each step, `end` before `make_contribution`, `stop` when leaving."""
 
-    def __init__(self, strategy: Strategy, group: Group) -> None:
+    def __init__(
+        self, strategy: Strategy, group: Group, replica: ShardedReplica | None = None
+    ) -> None:
         if not group.leader:
             raise ValueError(f"rank {group.rank} is not the group's leader (rank 0)")
-        self.strategy, self.group = strategy, group
+        self.strategy, self.group, self.replica = strategy, group, replica
         self.lost: str | None = None  # why the group broke: no collective is tried again
 
     @contextlib.contextmanager
@@ -205,13 +216,20 @@ class Leader:
         with self._collectives("BEGIN"):
             self._command(BEGIN)
             _broadcast_local_state(self.strategy, self._wire)
+            if self.replica is not None:
+                self.replica.load()
 
     def inner_step(self, batch: torch.Tensor) -> float:
         with self._collectives("STEP"):
             self._command(STEP, *batch.shape)
             full = batch.to(self._wire, torch.int64).contiguous()
             dist.broadcast(full, 0)
-            return self.strategy.inner_step(shard(full, 0, self.group.world))
+            rows = shard(full, 0, self.group.world)
+            if self.replica is None:
+                return self.strategy.inner_step(rows)
+            loss = self.replica.step(rows)
+            self.replica.gather(leader=True)  # the strategy's state: one device's, stepped
+            return loss
 
     def end(self) -> None:
         """Sum the ranks' tokens into the leader's strategy: its contribution counts the
@@ -230,21 +248,21 @@ class Leader:
                 self._command(STOP)
 
 
-def follow(strategy: Strategy, group: Group) -> int:
+def follow(strategy: Strategy, group: Group, replica: ShardedReplica | None = None) -> int:
     """A follower's whole life: act on the leader's commands until STOP; returns the
     number of inner steps taken. Nothing here talks to the coordinator. GroupLost when a
     collective fails (the leader or another rank is gone, or the group's timeout passed)."""
     if group.leader:
         raise ValueError("rank 0 leads; follow() is for the other ranks")
     try:
-        return _follow(strategy, group)
+        return _follow(strategy, group, replica)
     except RuntimeError as e:
         if isinstance(e, GroupLost) or not isinstance(e, dist.DistError):
             raise
         raise GroupLost(f"rank {group.rank}: the group broke ({str(e)[:300]})") from None
 
 
-def _follow(strategy: Strategy, group: Group) -> int:
+def _follow(strategy: Strategy, group: Group, replica: ShardedReplica | None) -> int:
     wire = group.device if dist.get_backend() == "nccl" else torch.device("cpu")
     steps = 0
     while True:
@@ -253,10 +271,17 @@ def _follow(strategy: Strategy, group: Group) -> int:
         op, rows, cols = (int(v) for v in cmd.tolist())
         if op == BEGIN:
             _broadcast_local_state(strategy, wire)
+            if replica is not None:
+                replica.load()
         elif op == STEP:
             full = torch.empty(rows, cols, dtype=torch.int64, device=wire)
             dist.broadcast(full, 0)
-            strategy.inner_step(shard(full, group.rank, group.world))
+            rows = shard(full, group.rank, group.world)
+            if replica is None:
+                strategy.inner_step(rows)
+            else:
+                replica.step(rows)
+                replica.gather(leader=False)
             steps += 1
         elif op == END:
             tokens = torch.tensor([strategy.tokens], dtype=torch.int64, device=wire)
@@ -321,9 +346,9 @@ class _RunInfo:
         return None
 
 
-def run_follower(device: str | None, threads: int | None) -> int:
+def run_follower(device: str | None, threads: int | None, mode: str = "ddp") -> int:
     """`covey worker` on a rank > 0: join the group, take the run from the leader, follow
-    its commands until STOP. 0 on a clean stop."""
+    its commands until STOP (`mode`: ddp or fsdp, as the leader's). 0 on a clean stop."""
     from covey.peer.runsetup import set_up_run
 
     group = group_from_env(device or "auto")
@@ -331,9 +356,9 @@ def run_follower(device: str | None, threads: int | None) -> int:
         raise RuntimeError("run_follower needs a torchrun rank > 0")
     info = share_info(group, None)
     run = set_up_run(_RunInfo(info), threads, None, str(group.device))  # type: ignore[arg-type]
-    attach(run.strategy, group)
+    replica = attach(run.strategy, group, mode)
     try:
-        follow(run.strategy, group)
+        follow(run.strategy, group, replica)
     except GroupLost as e:
         log.error("[group/%d] %s: exiting", group.rank, e)
         return 1
