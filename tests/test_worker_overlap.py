@@ -21,7 +21,7 @@ from covey.algorithms import StreamingDiLoCo, TrainState, build_strategy
 from covey.config import InnerOptim, StreamingDiLoCoConfig
 from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss
-from covey.peer.overlap import LateCommitter, Transfer, TransferTimeout, speculation_fails
+from covey.peer.overlap import SideCommitter, Transfer, TransferTimeout, speculation_fails
 from covey.protocol import schemas
 from covey.trust.verify import (
     Committer,
@@ -73,7 +73,7 @@ def test_late_merge_on_an_overlapping_worker_equals_the_simulator_and_a_validato
     batch = batches(tokens, 1, "me")
     tau = CFG.overlap_steps
     # the worker: tau steps before round 1's start is known, then the late merge
-    committer = LateCommitter(live, K)
+    committer = SideCommitter(live, None, K)
     for step in range(tau):
         live.inner_step(batch(step))
         committer.after_step(step + 1)
@@ -115,6 +115,22 @@ def test_late_merge_on_an_overlapping_worker_equals_the_simulator_and_a_validato
     bad = compare(wrong.commitments, early.make_contribution().payload, mine, v.codec, numel,
                   0.0, end)  # fmt: skip
     assert not bad.exact
+
+
+def test_side_commitments_equal_inline_ones(tokens: torch.Tensor) -> None:
+    """Sketched on a side thread from copies, the commitments are Committer's, bit for bit."""
+    a, b = make(), make()
+    state = a.init_state()
+    a.begin_round(state)
+    b.begin_round(state)
+    inline, side = Committer(a, state, K), SideCommitter(b, state, K)
+    for step in range(a.steps_per_round):
+        a.inner_step(batches(tokens, 0, "me")(step))
+        b.inner_step(batches(tokens, 0, "me")(step))
+        inline.after_step(step + 1)
+        side.after_step(step + 1)
+    assert side.commitments == inline.commitments and len(side.commitments) == 2
+    assert side.recorded == inline.recorded
 
 
 def test_a_merge_past_step_tau_is_refused(tokens: torch.Tensor) -> None:

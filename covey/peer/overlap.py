@@ -10,9 +10,10 @@ worker (covey/peer/worker.py) uses three pieces from here:
   starts round r+1's transfer before round r's result is in). Its result, or the exception
   that ended it, is handed to the training loop by `result`, which has a deadline and ends
   early when the worker is stopped; `join` bounds how long a leaving worker waits for it.
-- `LateCommitter`: the commitments of a round whose start state W_r arrives after its
-  first steps. States at commitment steps before then are kept (copies) and committed once
-  W_r is known: the same commitments a worker that had W_r from the start would make.
+- `SideCommitter`: a round's commitments, sketched on a side thread from copies of the
+  local state (the training thread only copies), and for a round whose start state W_r
+  arrives after its first steps, kept until W_r is known: the same commitments a worker
+  that had W_r from the start and sketched inline would make.
 - `speculation_fails`: whether the steps trained ahead stand. They were trained on the
   data of `data_key(run, r+1, peer)` from the end state of this peer's round-r
   contribution; they stand only if round r+1 is open with this peer as a member on that
@@ -26,14 +27,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 import torch
 
 from covey.algorithms.base import Strategy, TrainState
 from covey.protocol import schemas
-from covey.trust.sketch import BUCKETS, commitment_of
-from covey.trust.verify import Committer
+from covey.trust.sketch import BUCKETS, Commitment, commitment_of
 
 T = TypeVar("T")
 _POLL_S = 0.25  # how often a wait for a transfer looks at the stop flag
@@ -94,48 +95,85 @@ class Transfer(Generic[T]):
         return not self._thread.is_alive()
 
 
-class LateCommitter(Committer):
-    """A `Committer` for a round whose start state arrives after its first inner steps.
+class SideCommitter:
+    """A worker's commitments (the `Committer` contract: `after_step`, `commitments`,
+    `recorded`), sketched off the training thread.
 
-    Until `start(W_r)`, each commitment step's local state is copied and kept; `start`
-    commits them relative to W_r. From then on it is a Committer. `commitments` before
-    `start` raises RuntimeError."""
+    At each commitment step the local state is copied (a memory copy) and its sketch
+    computed on a side thread, so the training thread does not wait for it; at most
+    MAX_PENDING copies wait for the sketcher (then the next one waits: bounded memory).
+    With `start_state` None the round's start W_r is not known yet (overlap): copies are
+    kept until `start(W_r)`. The commitments equal `Committer`'s for the same steps
+    (`commitment_of` of the same state at the same step). `commitments` and `recorded`
+    wait for the sketches (RuntimeError before `start`; what a sketch raised, re-raised)."""
 
-    def __init__(self, strategy: Strategy, commit_every: int, buckets: int = BUCKETS) -> None:
+    MAX_PENDING = 2
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        start_state: TrainState | None,
+        commit_every: int,
+        buckets: int = BUCKETS,
+    ) -> None:
         if commit_every < 1:
             raise ValueError(f"commit_every must be >= 1, got {commit_every}")
         self.strategy = strategy
         self.commit_every = commit_every
         self.buckets = buckets
         self.steps_done = 0
-        self.start_params: dict[str, torch.Tensor] | None = None  # type: ignore[assignment]
-        self._held: list[tuple[int, dict[str, torch.Tensor]]] = [(0, strategy.local_state())]
-        self._recorded = []
+        self.start_params: dict[str, torch.Tensor] | None = None
+        self._held: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._sketches: list[Future[Commitment]] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="commitments")
+        self._take(0)
+        if start_state is not None:
+            self.start(start_state)
 
-    def after_step(self, steps_done: int):  # type: ignore[no-untyped-def]
-        if self.start_params is not None:
-            return super().after_step(steps_done)
+    def _take(self, step: int) -> None:
+        state = self.strategy.local_state()  # a copy: training goes on at once
+        if self.start_params is None:
+            self._held.append((step, state))
+            return
+        pending = [f for f in self._sketches if not f.done()]
+        if len(pending) >= self.MAX_PENDING:
+            pending[0].result()
+        self._sketches.append(
+            self._pool.submit(commitment_of, state, self.start_params, step, self.buckets)
+        )
+
+    def after_step(self, steps_done: int) -> None:
+        """Note that `steps_done` inner steps are done; at a multiple of k, take the state.
+        ValueError unless steps_done is the previous call's + 1."""
         if steps_done != self.steps_done + 1:
             raise ValueError(f"after_step({steps_done}) after {self.steps_done} steps")
         self.steps_done = steps_done
         if steps_done % self.commit_every == 0:
-            self._held.append((steps_done, self.strategy.local_state()))
-        return None
+            self._take(steps_done)
 
     def start(self, start_state: TrainState) -> None:
-        """The round's start W_r is known: commit the kept states relative to it."""
+        """The round's start W_r is known: sketch the states kept so far relative to it."""
         self.start_params = start_state.params
-        self._recorded = [
-            commitment_of(state, start_state.params, step, self.buckets)
-            for step, state in self._held
-        ]
-        self._held = []
+        held, self._held = self._held, []
+        for step, state in held:
+            self._sketches.append(
+                self._pool.submit(commitment_of, state, start_state.params, step, self.buckets)
+            )
 
     @property
-    def commitments(self):  # type: ignore[no-untyped-def]
+    def recorded(self) -> list[Commitment]:
+        """Every commitment taken so far, including one at the current step."""
         if self.start_params is None:
             raise RuntimeError("commitments of a round whose start state is not known yet")
-        return super().commitments
+        done = [f.result() for f in self._sketches]
+        self._pool.shutdown(wait=False)  # nothing is pending: the thread ends
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="commitments")
+        return done
+
+    @property
+    def commitments(self) -> list[Commitment]:
+        """The claim for a round that ends after `steps_done` steps."""
+        return [c for c in self.recorded if c.step < self.steps_done]
 
 
 def speculation_fails(

@@ -25,50 +25,49 @@ whether that round's certificate accepted it)`, and fresh when it did not contri
 round r-1 (a joiner, a restart, a missed or refused round). Each contribution names the
 start it chained from and publishes its end state as a blob, so the coordinator checks the
 chain by content id at intake and a validator re-executes from the committed state.
+
+Streaming DiLoCo with tau > 0 overlaps communication with compute (covey.peer.overlap,
+covey.peer.worker_overlap): round r is published and applied on a background transfer
+while round r+1's first tau steps train. The worker is split by concern: this module is
+the loop and the training; covey.peer.worker_state keeps the canonical state,
+covey.peer.worker_publish publishes contributions.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from covey.algorithms import Contribution, TrainState
-from covey.blobs import BlobError, BlobServer, BlobStore
+from covey.blobs import BlobServer, BlobStore
 from covey.data.batches import assignment_batches
 from covey.peer import adversary, group
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.lease import Lease, LeaseLapsed
-from covey.peer.overlap import LateCommitter, Transfer, TransferTimeout, speculation_fails
+from covey.peer.overlap import SideCommitter, Transfer
 from covey.peer.runsetup import set_up_run
+from covey.peer.worker_overlap import Overlapping
+from covey.peer.worker_publish import Publishing
+from covey.peer.worker_state import StateKeeping
+from covey.peer.worker_types import Finished, LocalStates, Stopped
 from covey.protocol import schemas
-from covey.protocol.checkpoint import (
-    CheckpointError,
-    max_state_bytes,
-    state_from_file,
-    state_to_file,
-)
 from covey.protocol.content import content_id
-from covey.protocol.rounds import data_key
-from covey.trust import ledger, verify
-from covey.trust.certify import certificate_is_signed
+from covey.trust import verify
 from covey.trust.halt import EXIT_HALTED
-from covey.trust.identity import Identity, canonical_json, request_purpose
-from covey.trust.polls import poll_headers
+from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.worker")
-KEEP_CONTRIBUTIONS = 8  # own contribution and end-state blobs kept on the blob server
 PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
-_PULL_BYTES_S = 1 << 20  # slowest rate a submission's answer may wait on a payload pull at
 TRANSFER_JOIN_S = 10.0  # a leaving worker waits this long for its background transfer
 
 
@@ -80,6 +79,7 @@ class WorkerOptions:
     stake: float = 0.0
     behavior: str = "honest"  # see covey.peer.adversary (tests and demos only)
     device: str | None = None  # auto|cpu|cuda|cuda:N|mps; None: the run's [peer] device
+    group: str = "ddp"  # under torchrun: ddp or fsdp inside the group (covey/peer/group.py)
     threads: int | None = 1
     serve_blobs: bool = True
     blob_host: str = "127.0.0.1"
@@ -93,39 +93,7 @@ class WorkerOptions:
     run_id: str | None = None  # refuse a coordinator serving another run (key included)
 
 
-class Stopped(Exception):
-    """SIGINT/SIGTERM arrived: leave cleanly."""
-
-
-@dataclass
-class LocalStates:
-    """H3: a round's committed local states: the start's content id (None: fresh) and the
-    end state (the next round's start, if this contribution is recorded)."""
-
-    start_cid: str | None
-    end: dict[str, torch.Tensor] = field(default_factory=dict)
-    end_bytes: bytes = b""
-    end_cid: str | None = None
-    round: int = -1
-    accepted: bool = False
-
-
-@dataclass
-class Finished:
-    """What finishing a trained round brought back: publish, certificate, the applied
-    weights (on the transfer thread when overlapping, covey.peer.overlap)."""
-
-    info: schemas.RoundInfo  # the round it finished
-    local: LocalStates | None  # that round's local states (H3)
-    submitted: bool
-    certificate: schemas.Certificate | None = None  # None: the round was aborted
-    state: TrainState | None = None  # the certified weights, computed or downloaded
-    state_hash: str | None = None
-    resynced: bool = False  # downloaded: this peer's own result did not match
-    next_info: schemas.RoundInfo | None = None  # the next round, when training ahead
-
-
-class Worker:
+class Worker(StateKeeping, Publishing, Overlapping):
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
         adversary.check_behavior(opts.behavior)  # ValueError: a plain, late or intermittent one
@@ -166,8 +134,8 @@ class Worker:
         self.leader: group.Leader | None = None
         if self.group is not None:
             group.share_info(self.group, run.info)  # the followers build the run from it
-            group.attach(run.strategy, self.group)
-            self.leader = group.Leader(run.strategy, self.group)
+            replica = group.attach(run.strategy, self.group, self.opts.group)
+            self.leader = group.Leader(run.strategy, self.group, replica)
         self.device = run.device  # its name, reported at join (covey.devices.device_name)
         if run.device.split(":")[0] != run.cfg.peer.verify_device:
             log.warning(
@@ -373,7 +341,8 @@ class Worker:
         self._sync_state(info.start_cid, info.start_hash, info.start_size, info.providers)
         assert self.state is not None
         self._begin_round(info.round)
-        committer = verify.Committer(self.strategy, self.state, self.cfg.trust.commit_every)
+        # sketched on a side thread: training does not wait for its own commitments
+        committer = SideCommitter(self.strategy, self.state, self.cfg.trust.commit_every)
         return self._train_and_finish(info, deadline, opened, committer)
 
     def _train_and_finish(
@@ -381,7 +350,7 @@ class Worker:
         info: schemas.RoundInfo,
         deadline: float,
         started: float,
-        committer: verify.Committer,
+        committer: verify.Committer | SideCommitter,
         ahead: tuple[int, float, float] = (0, 0.0, 0.0),
     ) -> str:
         """Train the rest of the round (`ahead`: steps, compute seconds and loss sum already
@@ -400,19 +369,6 @@ class Worker:
             return "trained"
         return self._settle(self._finish(*args, False), adopt=True)
 
-    def _overlaps(self) -> bool:
-        """Whether the next round's first tau steps train while this round's bytes move:
-        Streaming DiLoCo with tau > 0, an honest single-process peer with rounds to go."""
-        last = self.opts.max_rounds and self.rounds_done + 1 >= self.opts.max_rounds
-        return bool(
-            self.strategy.overlap_steps > 0
-            and hasattr(self.strategy, "merge_late")
-            and self._local is not None
-            and self.leader is None
-            and self.opts.behavior == "honest"
-            and not last
-        )
-
     def _finish(
         self,
         info: schemas.RoundInfo,
@@ -427,6 +383,7 @@ class Worker:
         learn the next round). Touches no live training state: it may run on a transfer
         thread while the strategy trains."""
         local = self._local
+        self._seal(local)
         submitted = self._publish(info, c, loss, compute_s, wall_s, commitments)
         del c  # its payload is on disk now: a big model's is a model's size
         cert = self._await_certificate(info)
@@ -462,112 +419,6 @@ class Worker:
             self.rounds_done += 1
         return "done"
 
-    def _overlapped_round(self) -> str:
-        """Round r+1 while round r's transfer runs (Streaming DiLoCo, arXiv 2501.18512):
-        its first tau steps train from round r's end state on round r+1's data key, round
-        r's weights are merged before step tau, the rest trains as usual. Steps trained
-        ahead that cannot stand (covey.peer.overlap.speculation_fails) are discarded and
-        the round starts over from its committed start."""
-        transfer = self._transfer
-        assert transfer is not None and self._train_ended is not None
-        started = self._train_ended
-        prev = self._local
-        assert prev is not None
-        nxt = prev.round + 1
-        key = data_key(self.run_id, nxt, self.peer_id)
-        tau = self.strategy.overlap_steps
-        committer = LateCommitter(self.strategy, self.cfg.trust.commit_every)
-        self._trained_since_adopt = True
-        compute_s = loss_sum = 0.0
-        try:
-            for step in range(tau):
-                self._check_standing()
-                loss, seconds = self._timed_step(
-                    self.strategy.inner_step, self._batch(nxt, key, step)
-                )
-                loss_sum += loss
-                compute_s += seconds
-                committer.after_step(step + 1)
-        except LeaseLapsed:  # round r still finishes (or fails) first; a signal leaves it
-            self._settle(self._await_transfer(transfer), adopt=False)
-            raise
-        waited = time.monotonic()
-        f = self._await_transfer(transfer)
-        self._waited_s = time.monotonic() - waited
-        if self._settle(f, adopt=False) == "aborted":
-            return "aborted"
-        why = "no next round"
-        if f.next_info is not None:
-            why = speculation_fails(
-                f.next_info,
-                round_=nxt,
-                data_key=key,
-                state_hash=self.state_hash or "",
-                steps_ahead=tau,
-                chained=self._chain is prev,
-            )
-        if why:
-            log.info(
-                "[%s - round %d] %d steps trained ahead discarded: %s", self.name, nxt, tau, why
-            )
-            return "done"
-        info, chain = f.next_info, self._chain
-        assert info is not None and chain is not None and self.state is not None
-        self.strategy.merge_late(self.state, chain.accepted)  # before step tau, as simulated
-        committer.start(self.state)
-        self._local = LocalStates(chain.end_cid, round=nxt)
-        deadline = time.monotonic() + (info.deadline_in_s or 0.0)
-        return self._train_and_finish(
-            info, deadline, started, committer, (tau, compute_s, loss_sum)
-        )
-
-    def _await_transfer(self, transfer: Transfer[Finished]) -> Finished:
-        """The transfer's outcome (its exception re-raised). Every wait inside it is bounded
-        (request timeouts, the certificate's deadline plus coordinator_lost_s); this waits
-        their sum with room to spare, then CoordinatorLost: never a hang."""
-        limits = self.cfg.limits
-        limit = 3 * limits.coordinator_lost_s + 4 * limits.request_timeout_s + 600.0
-        try:
-            return transfer.result(limit, self.stop)
-        except TransferTimeout as e:
-            if self.stop.is_set():
-                raise Stopped() from None
-            raise CoordinatorLost(str(e)) from None
-        finally:
-            self._transfer = None
-
-    def _next_round_info(self, after: int) -> schemas.RoundInfo:
-        """The round after `after` once it is open (or the run is finished or halted), at
-        most a few heartbeats: then whatever /v1/round says (the steps ahead are dropped)."""
-        give_up = time.monotonic() + 2 * self.heartbeat_s
-        while True:
-            info = schemas.RoundInfo.model_validate(
-                self.client.get("/v1/round", params={"peer_id": self.peer_id}, quiet=True)
-            )
-            if info.phase in ("finished", "halted") or (
-                info.phase == "open" and info.round > after
-            ):
-                return info
-            if time.monotonic() > give_up:
-                return info
-            self._pause(0.05)
-
-    def _note_round(self, round_: int, compute_s: float, wall_s: float, ahead: int) -> None:
-        """The worker's own utilization: compute seconds over wall seconds from the end of
-        its previous round's training (or from seeing the round) to the end of this one's;
-        logged and appended to <store>/rounds.jsonl."""
-        waited, self._waited_s = self._waited_s, 0.0
-        util = compute_s / wall_s if wall_s > 0 else 1.0
-        log.info(
-            "[%s - round %d] compute %.2f s of %.2f s wall (%.0f%%), %d steps ahead, waited "
-            "%.2f s for the network",
-            self.name, round_, compute_s, wall_s, 100 * util, ahead, waited,
-        )  # fmt: skip
-        line = {"round": round_, "compute_s": compute_s, "wall_s": wall_s, "ahead": ahead,
-                "waited_s": waited, "ended_at": time.time()}  # fmt: skip
-        with open(self.store_dir / "rounds.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
-
     def _begin_round(self, round_: int) -> None:
         """H3: put the strategy at the round's start: chained from the end state of our
         contribution to the previous round, else fresh (see the module docstring)."""
@@ -593,59 +444,25 @@ class Worker:
         """H3: the local state after this round's work, as the blob the contribution names."""
         if self._local is None:
             return
-        self._local.end = self.strategy.local_state()
-        self._local.end_bytes = verify.local_state_to_bytes(self._local.end)
-        self._local.end_cid = content_id(self._local.end_bytes)
+        self._local.end = self.strategy.local_state()  # its bytes: `_seal`, off the training thread
+
+    @staticmethod
+    def _seal(local: LocalStates | None) -> None:
+        """The end state's blob bytes and content id (H3), once, before it is published."""
+        if local is None or local.end_cid is not None or not local.end:
+            return
+        local.end_bytes = verify.local_state_to_bytes(local.end)
+        local.end_cid = content_id(local.end_bytes)
 
     def _pause(self, seconds: float) -> None:
         if self.stop.wait(seconds):
             raise Stopped()
 
-    def _sync_state(self, cid: str, digest: str, size: int, providers: list[str]) -> None:
-        """Make the local canonical state the round's start state (download if needed). A
-        model that trained in a round that was then aborted goes back to it as well."""
-        if self.state_hash == digest:
-            if self._trained_since_adopt:
-                assert self.state is not None
-                self.strategy.load_state(self.state)
-                self._trained_since_adopt = False
-            return
-        state = self._download_state(cid, size, providers)
-        if state.digest() != digest:
-            raise RuntimeError(f"state {cid[:12]} does not hash to the round's {digest[:12]}")
-        self.state, self.state_hash = state, digest
-        self.strategy.load_state(state)
-        self._trained_since_adopt = False
-        log.info("[%s] loaded canonical state of round %d (%s)", self.name, state.round, cid[:12])
-
-    def _download_state(self, cid: str, size: int, providers: list[str]) -> TrainState:
-        sources = [p for p in providers if p != self.blob_url] + [self.opts.coordinator]
-        assert self.store is not None
-        try:
-            before = dict(self.blobs.served)
-            # streamed to disk, hashed on arrival; bounded by the model, not the blob cap
-            path = self.blobs.fetch_into(
-                self.store, cid, sources, size=size, max_bytes=max_state_bytes(self.template)
-            )
-            served = {u: n - before.get(u, 0) for u, n in self.blobs.served.items()}
-            log.info(
-                "[%s] fetched state %s (%d bytes) from %s",
-                self.name,
-                cid[:12],
-                size,
-                ", ".join(f"{u} ({n} B)" for u, n in served.items() if n) or "?",
-            )
-            state = state_from_file(path, self.template)
-        except (BlobError, CheckpointError) as e:
-            raise RuntimeError(f"could not get canonical state {cid[:12]}: {e}") from None
-        self._keep_state(cid)
-        return state
-
     def _train(
         self,
         info: schemas.RoundInfo,
         deadline: float,
-        committer: verify.Committer,
+        committer: verify.Committer | SideCommitter,
         ahead: tuple[int, float, float] = (0, 0.0, 0.0),
     ) -> tuple[Contribution, float, float, list[dict[str, Any]]]:
         """The assignment's inner steps, committing to the state every k steps; a flexible
@@ -674,7 +491,9 @@ class Worker:
                         steps,
                     )
                     break
-            loss, seconds = self._timed_step(inner_step, self._batch(info.round, key, step))
+            loss, seconds = self._timed_step(
+                inner_step, partial(self._batch, info.round, key, step)
+            )
             loss_sum += loss
             compute_s += seconds
             done += 1
@@ -699,273 +518,15 @@ class Worker:
         return contribution, loss_sum / max(done, 1), compute_s, commitments
 
     def _timed_step(
-        self, inner_step: Callable[[torch.Tensor], float], batch: torch.Tensor
+        self, inner_step: Callable[[torch.Tensor], float], batch: Callable[[], torch.Tensor]
     ) -> tuple[float, float]:
-        """One inner step -> (loss, compute seconds), --slowdown emulated."""
+        """One inner step, its batch sampled first -> (loss, compute seconds: both),
+        --slowdown emulated."""
         t0 = time.perf_counter()
-        loss = inner_step(batch)
+        loss = inner_step(batch())
         if self.opts.slowdown > 1:
             self._emulate_slowdown((time.perf_counter() - t0) * (self.opts.slowdown - 1))
         return loss, time.perf_counter() - t0
 
-    def _numel(self) -> int:
-        """Elements of this round's contribution (its fragment's parameters)."""
-        assert self.state is not None
-        names = self.strategy.fragment_names(self.strategy.round_fragment(self.state.round))
-        return sum(self.state.params[n].numel() for n in names)
-
-    def _zeros(self) -> torch.Tensor:
-        return torch.zeros(self._numel())
-
     def _batch(self, round: int, key: str, step: int) -> torch.Tensor:
         return assignment_batches(self.cfg, self.corpus, self.seq_len, round, key)(step)
-
-    def _publish(
-        self,
-        info: schemas.RoundInfo,
-        c: Contribution,
-        loss: float,
-        compute_s: float,
-        wall_s: float,
-        commitments: list[dict[str, Any]],
-    ) -> bool:
-        """Serve the contribution from our blob server (the coordinator pulls it) or upload
-        it; then submit its metadata, signed for this round. False when the coordinator
-        refused it; PeerRejected when this peer has been excluded from the run."""
-        assert self.store is not None and self.state is not None
-        path = f"/v1/rounds/{info.round}/contributions"
-        payload = self._misbehave(info, c)
-        if payload is None:
-            return False
-        if self.opts.behavior == "replay" and self._last_request is not None:
-            old_path, old_body = self._last_request  # sent again verbatim, signature and all
-            try:
-                self.client.post_once(old_path, old_body, timeout_s=self.heartbeat_s, round=None)
-            except PeerRejected as e:
-                log.warning("[%s - round %d] replay refused: %s", self.name, info.round, e)
-            return False
-        cid = self.store.put(payload)
-        self._published.append(cid)
-        while len(self._published) > KEEP_CONTRIBUTIONS:  # peers fetch within a round or two
-            old = self._published.pop(0)
-            if old not in self._published:
-                self.store.delete(old)
-        if self.server is None:
-            self.blobs.upload(
-                self.opts.coordinator, payload, cid, signer=(self.identity, self.run_id)
-            )
-        local: dict[str, Any] = {}
-        if self._local is not None and self._local.end_cid is not None:  # H3: its end state
-            end_cid = self.store.put(self._local.end_bytes)
-            self._published.append(end_cid)
-            if self.server is None:
-                self.blobs.upload(
-                    self.opts.coordinator,
-                    self._local.end_bytes,
-                    end_cid,
-                    signer=(self.identity, self.run_id),
-                )
-            local = {
-                "local_state_cid": self._local.start_cid,
-                "end_state_cid": end_cid,
-                "end_state_size": len(self._local.end_bytes),
-            }
-        body = {
-            "run_id": self.run_id,
-            "round": info.round,
-            "attempt": info.attempt,
-            "peer_id": self.peer_id,
-            "cid": cid,
-            "start_hash": info.start_hash or "",
-            "size": len(payload),
-            "tokens": c.tokens,
-            "inner_steps": c.inner_steps,
-            "fragment": c.fragment,
-            "train_loss": loss if loss == loss else None,  # NaN: no loss to report
-            "compute_s": compute_s,
-            "wall_s": wall_s,
-            "commitments": commitments,
-            **local,
-        }
-        signed = self.identity.sign_request(body, info.round, purpose=request_purpose(path))
-        self._last_request = (path, signed)
-        try:
-            # the coordinator may pull the payload from us before it answers: allow for
-            # that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual wait
-            pull_s = self.cfg.limits.request_timeout_s + len(payload) / _PULL_BYTES_S
-            self.client.post(path, signed, round=None, timeout_s=pull_s)
-        except PeerRejected as e:
-            log.warning("[%s - round %d] contribution refused: %s", self.name, info.round, e)
-            if e.status == 403:
-                raise
-            return False
-        log.info(
-            "[%s - round %d] %d steps, loss %.4f, sent %d bytes",
-            self.name,
-            info.round,
-            c.inner_steps,
-            loss,
-            len(payload),
-        )
-        return True
-
-    def _misbehave(self, info: schemas.RoundInfo, c: Contribution) -> bytes | None:
-        """The payload this worker's behavior sends (None: nothing to send this round)."""
-        behavior = adversary.behavior_at(self.opts.behavior, info.round, self.peer_id)
-        payload = c.payload
-        if behavior in adversary.PAYLOAD_CHEATS and behavior != "free-rider":
-            numel = self._numel()
-            payload = adversary.forge_payload(
-                behavior, payload, self.strategy.codec, numel, info.round
-            )
-        elif behavior == "stale":
-            payload, self._last_payload = self._last_payload or payload, payload
-        elif behavior == "copycat":
-            theirs = [
-                a
-                for a in (self._last_certificate.accepted if self._last_certificate else [])
-                if a.peer_id != self.peer_id
-            ]
-            if not theirs:
-                log.info("[%s - round %d] nothing to copy yet", self.name, info.round)
-                return None
-            victim = theirs[0]
-            sources = [*victim.providers, self.opts.coordinator]
-            payload = self.blobs.fetch(victim.cid, sources, size=victim.size)
-        return payload
-
-    def _await_certificate(self, info: schemas.RoundInfo) -> schemas.Certificate | None:
-        """Poll for the round's certificate until it exists, or the round turns out to
-        have been aborted and reopened (None), bounded by the deadline plus the time a
-        coordinator may take to close and to come back after a restart."""
-        limit = (info.deadline_in_s or 0) + self.cfg.limits.coordinator_lost_s
-        give_up = time.monotonic() + limit
-        while time.monotonic() < give_up:
-            if self.stop.is_set():  # a signal or a HALT: no certificate is coming for us
-                raise Stopped()
-            try:
-                body = self.client.get(
-                    f"/v1/rounds/{info.round}/certificate",
-                    params={"wait": 5, "peer_id": self.peer_id},
-                    quiet=True,  # signed: long-polls count per peer (covey.trust.polls)
-                    headers=poll_headers(self.identity, self.run_id, info.round),
-                )
-                cert = schemas.Certificate.model_validate(body)
-                if not certificate_is_signed(cert, self.coordinator_key):
-                    raise RuntimeError(
-                        f"round {info.round}'s certificate is not signed by the run's "
-                        f"coordinator key {self.coordinator_key[:12]}"
-                    )
-                return cert
-            except PeerRejected as e:
-                if e.status != 404:
-                    raise
-            now = schemas.RoundInfo.model_validate(
-                self.client.get("/v1/round", params={"peer_id": self.peer_id})
-            )
-            if now.phase == "halted":
-                self.halted = now.halted or "halted"
-                raise Stopped()
-            if (now.round, now.attempt) != (info.round, info.attempt) and now.round <= info.round:
-                log.warning("[%s] round %d was aborted; rejoining", self.name, info.round)
-                return None
-            self._pause(0.05)
-        raise CoordinatorLost(f"no certificate for round {info.round} after {limit:.0f} s")
-
-    def _round_result(self, cert: schemas.Certificate) -> tuple[TrainState, str, bool]:
-        """The certified weights: the accepted set applied to our start state, checked
-        against the certificate's hash; on a mismatch (or a start that differs) the
-        canonical state downloaded instead. -> (state, its hash, downloaded). Reads only
-        self.state, never the live model: safe on a transfer thread."""
-        assert self.state is not None and self.store is not None
-        if self.state_hash != cert.start_hash:  # we missed something: take the result
-            return self._canonical(cert, "local start state differs from the certificate's")
-        contributions = []
-        fetched = []  # others' contributions: dropped once applied
-        for a in cert.accepted:
-            sources = [p for p in a.providers if p != self.blob_url] + [self.opts.coordinator]
-            if not self.store.has(a.cid):
-                self.blobs.fetch_into(self.store, a.cid, sources, size=a.size)
-                fetched.append(a.cid)
-            # mapped from disk, not read into memory: N contributions are not N in RAM
-            payload = self.store.view(a.cid)
-            contributions.append(Contribution(payload, a.tokens, a.inner_steps, a.fragment))
-        new_state = self.strategy.apply_round(self.state, contributions)
-        for cid in fetched:
-            if cid not in self._published:
-                self.store.delete(cid)
-        new_hash = new_state.digest()
-        matched = new_hash == cert.new_hash
-        self._record(cert, new_hash, matched)
-        if not matched:
-            return self._canonical(cert, f"weights hash {new_hash[:12]} != certificate's")
-        self._serve_state(new_state, cert.new_cid)
-        log.info(
-            "[%s - round %d] applied %d contributions; weights %s match the certificate",
-            self.name,
-            cert.round,
-            len(contributions),
-            cert.new_hash[:12],
-        )
-        return new_state, new_hash, False
-
-    def _keep_receipt(self, round_: int) -> None:
-        """Fetch the signed ledger entry that accepted our contribution and keep it in
-        <store>/receipts.jsonl once its hash and the coordinator's signature check out."""
-        try:
-            entry = self.client.get(
-                "/v1/ledger/receipt", params={"round": round_, "peer_id": self.peer_id}
-            )
-            parsed = ledger.parse_line(canonical_json(entry), entry.get("index", 0))
-            ledger.check_entry(parsed, self.coordinator_key)
-        except (PeerRejected, ledger.LedgerError, ValueError) as e:
-            log.warning("[%s - round %d] no valid receipt: %s", self.name, round_, e)
-            return
-        with open(self.store_dir / "receipts.jsonl", "a") as f:
-            f.write(ledger.to_line(parsed) + "\n")
-
-    def _record(self, cert: schemas.Certificate, digest: str, matched: bool) -> None:
-        """Append to <store>/applied.jsonl what this peer computed for each round."""
-        line = {"round": cert.round, "weights_hash": digest, "certificate": cert.new_hash}
-        with open(self.store_dir / "applied.jsonl", "a") as f:
-            f.write(json.dumps({**line, "matched": matched}) + "\n")
-
-    def _canonical(self, cert: schemas.Certificate, why: str) -> tuple[TrainState, str, bool]:
-        """The round's certified state, downloaded and hash-checked (a re-sync)."""
-        log.warning(
-            "[%s - round %d] %s: re-syncing from the canonical state", self.name, cert.round, why
-        )
-        state = self._download_state(cert.new_cid, cert.new_size, [])
-        if state.digest() != cert.new_hash:
-            raise RuntimeError(f"canonical state {cert.new_cid[:12]} fails its own hash")
-        return state, cert.new_hash, True
-
-    def _serve_state(self, state: TrainState, cid: str) -> None:
-        """Keep the latest canonical state in our blob store, so joiners can fetch it from
-        us. Serialization is deterministic, so its id must be the certificate's."""
-        if self.server is None or self.store is None:
-            return
-        tmp = self.store.scratch()
-        try:  # streamed to disk and hashed on the way: never a second copy in memory
-            written, _ = state_to_file(state, tmp)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            log.warning("[%s] could not write the state to serve it: %s", self.name, e)
-            return
-        if written != cid:
-            tmp.unlink(missing_ok=True)
-            log.warning("[%s] serialized state differs from the certificate's blob", self.name)
-            return
-        self.store.adopt(tmp, written)
-        self._keep_state(cid)
-
-    def _keep_state(self, cid: str) -> None:
-        """The canonical state `cid` is in our store: serve it (dropping the one served
-        before), or drop it at once when we serve nothing."""
-        assert self.store is not None
-        if self.server is None:
-            self.store.delete(cid)
-            return
-        if self._served_state and self._served_state != cid:
-            self.store.delete(self._served_state)
-        self._served_state = cid

@@ -1,0 +1,163 @@
+"""Publishing a worker's contribution: the payload served from its blob server (or
+uploaded), its end-state blob (H3), and the signed submission; the test-only misbehaviors
+of covey.peer.adversary. Mixed into covey.peer.worker.Worker, whose attributes it uses.
+Safe on the overlap's transfer thread: it touches no live training state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from covey.algorithms import Contribution, TrainState
+from covey.peer import adversary
+from covey.peer.client import PeerRejected
+from covey.peer.worker_types import LocalStates
+from covey.protocol import schemas
+from covey.trust.identity import request_purpose
+
+log = logging.getLogger("covey.worker")
+KEEP_CONTRIBUTIONS = 8  # own contribution and end-state blobs kept on the blob server
+_PULL_BYTES_S = 1 << 20  # slowest rate a submission's answer may wait on a payload pull at
+
+
+class Publishing:
+    """The publishing half of a worker (see the module docstring)."""
+
+    # set by Worker
+    state: TrainState | None
+    _local: LocalStates | None
+    _published: list[str]
+    _last_payload: bytes | None
+    _last_request: tuple[str, dict[str, Any]] | None
+    _last_certificate: schemas.Certificate | None
+    name: str
+    opts: Any
+    store: Any
+    server: Any
+    strategy: Any
+
+    def _publish(
+        self,
+        info: schemas.RoundInfo,
+        c: Contribution,
+        loss: float,
+        compute_s: float,
+        wall_s: float,
+        commitments: list[dict[str, Any]],
+    ) -> bool:
+        """Serve the contribution from our blob server (the coordinator pulls it) or upload
+        it; then submit its metadata, signed for this round. False when the coordinator
+        refused it; PeerRejected when this peer has been excluded from the run."""
+        assert self.store is not None and self.state is not None
+        path = f"/v1/rounds/{info.round}/contributions"
+        payload = self._misbehave(info, c)
+        if payload is None:
+            return False
+        if self.opts.behavior == "replay" and self._last_request is not None:
+            old_path, old_body = self._last_request  # sent again verbatim, signature and all
+            try:
+                self.client.post_once(old_path, old_body, timeout_s=self.heartbeat_s, round=None)
+            except PeerRejected as e:
+                log.warning("[%s - round %d] replay refused: %s", self.name, info.round, e)
+            return False
+        cid = self.store.put(payload)
+        self._published.append(cid)
+        while len(self._published) > KEEP_CONTRIBUTIONS:  # peers fetch within a round or two
+            old = self._published.pop(0)
+            if old not in self._published:
+                self.store.delete(old)
+        if self.server is None:
+            self.blobs.upload(
+                self.opts.coordinator, payload, cid, signer=(self.identity, self.run_id)
+            )
+        local: dict[str, Any] = {}
+        if self._local is not None and self._local.end_cid is not None:  # H3: its end state
+            end_cid = self.store.put(self._local.end_bytes)
+            self._published.append(end_cid)
+            if self.server is None:
+                self.blobs.upload(
+                    self.opts.coordinator,
+                    self._local.end_bytes,
+                    end_cid,
+                    signer=(self.identity, self.run_id),
+                )
+            local = {
+                "local_state_cid": self._local.start_cid,
+                "end_state_cid": end_cid,
+                "end_state_size": len(self._local.end_bytes),
+            }
+        body = {
+            "run_id": self.run_id,
+            "round": info.round,
+            "attempt": info.attempt,
+            "peer_id": self.peer_id,
+            "cid": cid,
+            "start_hash": info.start_hash or "",
+            "size": len(payload),
+            "tokens": c.tokens,
+            "inner_steps": c.inner_steps,
+            "fragment": c.fragment,
+            "train_loss": loss if loss == loss else None,  # NaN: no loss to report
+            "compute_s": compute_s,
+            "wall_s": wall_s,
+            "commitments": commitments,
+            **local,
+        }
+        signed = self.identity.sign_request(body, info.round, purpose=request_purpose(path))
+        self._last_request = (path, signed)
+        try:
+            # the coordinator may pull the payload from us before it answers: allow for
+            # that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual wait
+            pull_s = self.cfg.limits.request_timeout_s + len(payload) / _PULL_BYTES_S
+            self.client.post(path, signed, round=None, timeout_s=pull_s)
+        except PeerRejected as e:
+            log.warning("[%s - round %d] contribution refused: %s", self.name, info.round, e)
+            if e.status == 403:
+                raise
+            return False
+        log.info(
+            "[%s - round %d] %d steps, loss %.4f, sent %d bytes",
+            self.name,
+            info.round,
+            c.inner_steps,
+            loss,
+            len(payload),
+        )
+        return True
+
+    def _misbehave(self, info: schemas.RoundInfo, c: Contribution) -> bytes | None:
+        """The payload this worker's behavior sends (None: nothing to send this round)."""
+        behavior = adversary.behavior_at(self.opts.behavior, info.round, self.peer_id)
+        payload = c.payload
+        if behavior in adversary.PAYLOAD_CHEATS and behavior != "free-rider":
+            numel = self._numel()
+            payload = adversary.forge_payload(
+                behavior, payload, self.strategy.codec, numel, info.round
+            )
+        elif behavior == "stale":
+            payload, self._last_payload = self._last_payload or payload, payload
+        elif behavior == "copycat":
+            theirs = [
+                a
+                for a in (self._last_certificate.accepted if self._last_certificate else [])
+                if a.peer_id != self.peer_id
+            ]
+            if not theirs:
+                log.info("[%s - round %d] nothing to copy yet", self.name, info.round)
+                return None
+            victim = theirs[0]
+            sources = [*victim.providers, self.opts.coordinator]
+            payload = self.blobs.fetch(victim.cid, sources, size=victim.size)
+        return payload
+
+    def _numel(self) -> int:
+        """Elements of this round's contribution (its fragment's parameters)."""
+        assert self.state is not None
+        names = self.strategy.fragment_names(self.strategy.round_fragment(self.state.round))
+        return sum(self.state.params[n].numel() for n in names)
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self._numel())

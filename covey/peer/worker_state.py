@@ -1,0 +1,223 @@
+"""A worker's canonical state: syncing to a round's start, the certificate, the certified
+weights (computed from the accepted set, else downloaded), receipts, and serving the state
+to joiners. Mixed into covey.peer.worker.Worker, whose attributes it uses (set up in
+`Worker._setup`); `_round_result` reads only `self.state`, never the live model, so it may
+run on the overlap's transfer thread (covey.peer.overlap).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from covey.algorithms import Contribution, TrainState
+from covey.blobs import BlobError
+from covey.peer.client import CoordinatorLost, PeerRejected
+from covey.peer.worker_types import Stopped
+from covey.protocol import schemas
+from covey.protocol.checkpoint import (
+    CheckpointError,
+    max_state_bytes,
+    state_from_file,
+    state_to_file,
+)
+from covey.trust import ledger
+from covey.trust.certify import certificate_is_signed
+from covey.trust.identity import canonical_json
+from covey.trust.polls import poll_headers
+
+log = logging.getLogger("covey.worker")
+
+
+class StateKeeping:
+    """The canonical-state half of a worker (see the module docstring)."""
+
+    # set by Worker
+    state: TrainState | None
+    state_hash: str | None
+    _published: list[str]
+    _served_state: str | None
+    _trained_since_adopt: bool
+    name: str
+    opts: Any
+    store: Any
+    server: Any
+    strategy: Any
+
+    def _sync_state(self, cid: str, digest: str, size: int, providers: list[str]) -> None:
+        """Make the local canonical state the round's start state (download if needed). A
+        model that trained in a round that was then aborted goes back to it as well."""
+        if self.state_hash == digest:
+            if self._trained_since_adopt:
+                assert self.state is not None
+                self.strategy.load_state(self.state)
+                self._trained_since_adopt = False
+            return
+        state = self._download_state(cid, size, providers)
+        if state.digest() != digest:
+            raise RuntimeError(f"state {cid[:12]} does not hash to the round's {digest[:12]}")
+        self.state, self.state_hash = state, digest
+        self.strategy.load_state(state)
+        self._trained_since_adopt = False
+        log.info("[%s] loaded canonical state of round %d (%s)", self.name, state.round, cid[:12])
+
+    def _download_state(self, cid: str, size: int, providers: list[str]) -> TrainState:
+        sources = [p for p in providers if p != self.blob_url] + [self.opts.coordinator]
+        assert self.store is not None
+        try:
+            before = dict(self.blobs.served)
+            # streamed to disk, hashed on arrival; bounded by the model, not the blob cap
+            path = self.blobs.fetch_into(
+                self.store, cid, sources, size=size, max_bytes=max_state_bytes(self.template)
+            )
+            served = {u: n - before.get(u, 0) for u, n in self.blobs.served.items()}
+            log.info(
+                "[%s] fetched state %s (%d bytes) from %s",
+                self.name,
+                cid[:12],
+                size,
+                ", ".join(f"{u} ({n} B)" for u, n in served.items() if n) or "?",
+            )
+            state = state_from_file(path, self.template)
+        except (BlobError, CheckpointError) as e:
+            raise RuntimeError(f"could not get canonical state {cid[:12]}: {e}") from None
+        self._keep_state(cid)
+        return state
+
+    def _await_certificate(self, info: schemas.RoundInfo) -> schemas.Certificate | None:
+        """Poll for the round's certificate until it exists, or the round turns out to
+        have been aborted and reopened (None), bounded by the deadline plus the time a
+        coordinator may take to close and to come back after a restart."""
+        limit = (info.deadline_in_s or 0) + self.cfg.limits.coordinator_lost_s
+        give_up = time.monotonic() + limit
+        while time.monotonic() < give_up:
+            if self.stop.is_set():  # a signal or a HALT: no certificate is coming for us
+                raise Stopped()
+            try:
+                body = self.client.get(
+                    f"/v1/rounds/{info.round}/certificate",
+                    params={"wait": 5, "peer_id": self.peer_id},
+                    quiet=True,  # signed: long-polls count per peer (covey.trust.polls)
+                    headers=poll_headers(self.identity, self.run_id, info.round),
+                )
+                cert = schemas.Certificate.model_validate(body)
+                if not certificate_is_signed(cert, self.coordinator_key):
+                    raise RuntimeError(
+                        f"round {info.round}'s certificate is not signed by the run's "
+                        f"coordinator key {self.coordinator_key[:12]}"
+                    )
+                return cert
+            except PeerRejected as e:
+                if e.status != 404:
+                    raise
+            now = schemas.RoundInfo.model_validate(
+                self.client.get("/v1/round", params={"peer_id": self.peer_id})
+            )
+            if now.phase == "halted":
+                self.halted = now.halted or "halted"
+                raise Stopped()
+            if (now.round, now.attempt) != (info.round, info.attempt) and now.round <= info.round:
+                log.warning("[%s] round %d was aborted; rejoining", self.name, info.round)
+                return None
+            self._pause(0.05)
+        raise CoordinatorLost(f"no certificate for round {info.round} after {limit:.0f} s")
+
+    def _round_result(self, cert: schemas.Certificate) -> tuple[TrainState, str, bool]:
+        """The certified weights: the accepted set applied to our start state, checked
+        against the certificate's hash; on a mismatch (or a start that differs) the
+        canonical state downloaded instead. -> (state, its hash, downloaded). Reads only
+        self.state, never the live model: safe on a transfer thread."""
+        assert self.state is not None and self.store is not None
+        if self.state_hash != cert.start_hash:  # we missed something: take the result
+            return self._canonical(cert, "local start state differs from the certificate's")
+        contributions = []
+        fetched = []  # others' contributions: dropped once applied
+        for a in cert.accepted:
+            sources = [p for p in a.providers if p != self.blob_url] + [self.opts.coordinator]
+            if not self.store.has(a.cid):
+                self.blobs.fetch_into(self.store, a.cid, sources, size=a.size)
+                fetched.append(a.cid)
+            # mapped from disk, not read into memory: N contributions are not N in RAM
+            payload = self.store.view(a.cid)
+            contributions.append(Contribution(payload, a.tokens, a.inner_steps, a.fragment))
+        new_state = self.strategy.apply_round(self.state, contributions)
+        for cid in fetched:
+            if cid not in self._published:
+                self.store.delete(cid)
+        new_hash = new_state.digest()
+        matched = new_hash == cert.new_hash
+        self._record(cert, new_hash, matched)
+        if not matched:
+            return self._canonical(cert, f"weights hash {new_hash[:12]} != certificate's")
+        self._serve_state(new_state, cert.new_cid)
+        log.info(
+            "[%s - round %d] applied %d contributions; weights %s match the certificate",
+            self.name,
+            cert.round,
+            len(contributions),
+            cert.new_hash[:12],
+        )
+        return new_state, new_hash, False
+
+    def _keep_receipt(self, round_: int) -> None:
+        """Fetch the signed ledger entry that accepted our contribution and keep it in
+        <store>/receipts.jsonl once its hash and the coordinator's signature check out."""
+        try:
+            entry = self.client.get(
+                "/v1/ledger/receipt", params={"round": round_, "peer_id": self.peer_id}
+            )
+            parsed = ledger.parse_line(canonical_json(entry), entry.get("index", 0))
+            ledger.check_entry(parsed, self.coordinator_key)
+        except (PeerRejected, ledger.LedgerError, ValueError) as e:
+            log.warning("[%s - round %d] no valid receipt: %s", self.name, round_, e)
+            return
+        with open(self.store_dir / "receipts.jsonl", "a") as f:
+            f.write(ledger.to_line(parsed) + "\n")
+
+    def _record(self, cert: schemas.Certificate, digest: str, matched: bool) -> None:
+        """Append to <store>/applied.jsonl what this peer computed for each round."""
+        line = {"round": cert.round, "weights_hash": digest, "certificate": cert.new_hash}
+        with open(self.store_dir / "applied.jsonl", "a") as f:
+            f.write(json.dumps({**line, "matched": matched}) + "\n")
+
+    def _canonical(self, cert: schemas.Certificate, why: str) -> tuple[TrainState, str, bool]:
+        """The round's certified state, downloaded and hash-checked (a re-sync)."""
+        log.warning(
+            "[%s - round %d] %s: re-syncing from the canonical state", self.name, cert.round, why
+        )
+        state = self._download_state(cert.new_cid, cert.new_size, [])
+        if state.digest() != cert.new_hash:
+            raise RuntimeError(f"canonical state {cert.new_cid[:12]} fails its own hash")
+        return state, cert.new_hash, True
+
+    def _serve_state(self, state: TrainState, cid: str) -> None:
+        """Keep the latest canonical state in our blob store, so joiners can fetch it from
+        us. Serialization is deterministic, so its id must be the certificate's."""
+        if self.server is None or self.store is None:
+            return
+        tmp = self.store.scratch()
+        try:  # streamed to disk and hashed on the way: never a second copy in memory
+            written, _ = state_to_file(state, tmp)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            log.warning("[%s] could not write the state to serve it: %s", self.name, e)
+            return
+        if written != cid:
+            tmp.unlink(missing_ok=True)
+            log.warning("[%s] serialized state differs from the certificate's blob", self.name)
+            return
+        self.store.adopt(tmp, written)
+        self._keep_state(cid)
+
+    def _keep_state(self, cid: str) -> None:
+        """The canonical state `cid` is in our store: serve it (dropping the one served
+        before), or drop it at once when we serve nothing."""
+        assert self.store is not None
+        if self.server is None:
+            self.store.delete(cid)
+            return
+        if self._served_state and self._served_state != cid:
+            self.store.delete(self._served_state)
+        self._served_state = cid
