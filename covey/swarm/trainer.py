@@ -83,7 +83,7 @@ class SwarmTrainer:
         self.client = CoordinatorClient(coordinator, identity=self.identity, lost_s=30.0)
         self.http = httpx.Client(trust_env=False)
         self.rng = random.Random(seed)
-        self.router = Router(seed=seed, slow_s=5.0)
+        self.router = Router(seed=seed, slow_s=5.0, service_time=True)
         self.urls: dict[str, str] = {}
         self.pinned: dict[int, list[str]] = {}
         self.chain = threading.local()
