@@ -732,6 +732,13 @@ def worker(
     run_id: Annotated[str | None, RUN_ID_OPTION] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
     log_json: Annotated[bool, LOG_JSON] = False,
+    group: Annotated[
+        str,
+        typer.Option(
+            help="under torchrun: ddp (every rank holds the model) or fsdp (FSDP2: gradients "
+            "and optimizer moments sharded; DiLoCo only)"
+        ),
+    ] = "ddp",
 ) -> None:
     """Join a run and train: fetch the canonical state, train each round's assignment,
     publish contributions, apply certified rounds. Ctrl-C / SIGTERM leave cleanly."""
@@ -745,12 +752,14 @@ def worker(
         raise _fail(f"--behavior: {e}") from None
     _check_name(name)
     _check_device(device)
+    if group not in ("ddp", "fsdp"):
+        raise _fail(f"--group must be ddp or fsdp, got {group!r}")
     from covey.peer.group import rank_from_env
 
     if rank_from_env() > 0:  # under torchrun: rank 0 is the peer, the others follow it
         from covey.peer.group import run_follower
 
-        raise typer.Exit(run_follower(device, threads))
+        raise typer.Exit(run_follower(device, threads, group))
     _check_coordinator(coordinator, connect_timeout)
     _logging(verbose, name or "worker", log_json)
     from covey.peer.worker import Worker, WorkerOptions
@@ -763,6 +772,7 @@ def worker(
         stake=stake,
         behavior=behavior,
         device=device,
+        group=group,
         threads=threads,
         serve_blobs=serve_blobs,
         blob_host=blob_host,

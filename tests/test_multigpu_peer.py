@@ -145,7 +145,8 @@ eval_batches = 1
 
 @pytest.mark.network
 @pytest.mark.long  # three interpreters and a coordinator: minutes on a busy 2-core machine
-def test_covey_worker_under_torchrun_is_one_peer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_covey_worker_under_torchrun_is_one_peer(tmp_path: Path, mode: str) -> None:
     """`torchrun --nproc-per-node 2 -m covey worker`: the coordinator sees one peer (rank
     0's identity), which trains certified rounds; rank 1 never connects, and both exit 0."""
     import subprocess
@@ -165,6 +166,7 @@ def test_covey_worker_under_torchrun_is_one_peer(tmp_path: Path) -> None:
         cmd += ["-m", "covey", "worker", "--coordinator", cluster.url, "--name", "g"]
         cmd += ["--identity", str(cluster.key("g")), "--run-id", cluster.run_id]
         cmd += ["--device", "cpu", "--max-rounds", "2", "--store-dir", str(tmp_path / "g")]
+        cmd += ["--group", mode]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
             status = cluster.wait_for(
@@ -331,3 +333,12 @@ def test_a_group_peer_that_loses_a_rank_is_a_no_show(tmp_path: Path) -> None:
             and e["payload"].get("peer_id") == cluster.ids["g"]
         ]
         assert accepted and max(accepted) <= killed_in, (accepted, killed_in, status)
+
+
+def test_a_bad_group_mode_is_a_clear_error() -> None:
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+
+    result = CliRunner().invoke(app, ["worker", "--group", "zero"])
+    assert result.exit_code == 2 and "--group must be ddp or fsdp, got 'zero'" in result.output
