@@ -41,7 +41,8 @@ SETTINGS = {
 
 def run_one(
     mode: str, scenario: str, *, seconds: float, kill_every: float, emulate_s: float,
-    echo: Callable[[str], None], tokens: Any = None,
+    echo: Callable[[str], None], tokens: Any = None, service_time: bool = True,
+    inflight: int = 4,
 ) -> dict[str, Any]:  # fmt: skip
     from covey.swarm.codecs import bytes_per_token
     from covey.swarm.launch import Swarm, status
@@ -62,22 +63,33 @@ def run_one(
             stage = str(i % settings["stages"])  # s0, s2 on stage 0; s1, s3 on stage 1
             swarm.start_server(names[-1], "--slowdown", str(speed), "--emulate-s",
                                str(emulate_s), "--stage", stage)  # fmt: skip
-        swarm.ready(names)
-        t = SwarmTrainer(swarm.url, name="bench", inflight=4, fixed=mode == "fixed",
+        who = {x["peer_id"]: x["name"] for x in swarm.ready(names)["servers"]}
+        t = SwarmTrainer(swarm.url, name="bench", inflight=inflight, fixed=mode == "fixed",
                          progress=lambda _: None, tokens=tokens)  # fmt: skip
+        t.router.service_time = service_time
         run = threading.Thread(target=lambda: t.train(seconds=seconds), daemon=True)
         start = time.monotonic()
         run.start()
         kills, revive, last_kill = 0, [], start
+        # victims drawn up front by name, the same sequence in both modes; a drawn server
+        # that is down or alone on its stage now is passed over for the next one
+        order = [rng.choice(sorted(names)) for _ in range(64)]
+        marks: list[tuple[float, int]] = []  # (seconds since start, samples) at each kill
+        at_end: int | None = None
         while run.is_alive():
             run.join(timeout=0.5)
             now = time.monotonic()
-            if spec["kill"] and now - last_kill >= kill_every:
+            if at_end is None and now - start >= seconds:
+                at_end = t.stats.samples
+            if spec["kill"] and now - last_kill >= kill_every and now - start < seconds:
                 last_kill = now
                 # a server whose stage keeps another one: churn, not a stage wiped out
-                victim = rng.choice(_spare(status(swarm.url), set(swarm.servers)) or [None])
+                spare = set(_spare(status(swarm.url), set(swarm.servers)))
+                victim = next((v for v in order if v in spare), None)
                 if victim is None:
                     continue
+                order.remove(victim)
+                marks.append((now - start, t.stats.samples))
                 swarm.kill(victim)
                 kills += 1
                 revive.append((now + 5.0, victim))
@@ -99,6 +111,13 @@ def run_one(
             "samples": t.stats.samples, "samples_per_s": round(t.stats.samples / elapsed, 3),
             "final_loss": t.loss(), "reroutes": t.router.reroutes,
             "rebalances": st["rebalances"], "dropped": t.stats.dropped, "kills": kills,
+            "samples_per_s_until_end": round((t.stats.samples if at_end is None else at_end)
+                                             / seconds, 3),
+            "samples_per_s_before_first_kill": round(marks[0][1] / marks[0][0], 3)
+            if marks else None,
+            "kills_at": [[round(a, 1), n] for a, n in marks],
+            "wiring": {k: [who.get(p, p[:8]) for p in v] for k, v in t.pinned.items()} or None,
+            "router": "service_time" if service_time else "latency", "inflight": inflight,
             "bytes_per_microbatch": {
                 "int8_measured": round(t.stats.bytes_between_stages / mbs),
                 "plain": round(boundaries * tokens * per_token["fp32"]),
@@ -143,6 +162,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
 def run_swarm_bench(
     *, quick: bool, seconds: float | None, kill_every: float, emulate_s: float,
     json_path: Path | None, plot_path: Path | None, echo: Callable[[str], None],
+    inflight: int = 4,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Both scenarios, both modes; rows as in the module docstring."""
     from covey.data.corpus import load_corpus
@@ -154,7 +174,8 @@ def run_swarm_bench(
         for mode in MODES:
             echo(f"{scenario} / {mode}: {secs:.0f} s ...")
             row = run_one(mode, scenario, seconds=secs, kill_every=kill_every,
-                          emulate_s=emulate_s, echo=echo, tokens=tokens)  # fmt: skip
+                          emulate_s=emulate_s, echo=echo, tokens=tokens,
+                          inflight=inflight)  # fmt: skip
             echo(f"  {json.dumps(row)}")
             rows.append(row)
     if json_path is not None:
@@ -182,16 +203,27 @@ def register(bench_app: Any) -> None:
         ] = 0.2,
         json_path: Annotated[Path | None, typer.Option("--json", help="write the rows")] = None,
         plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG")] = None,
+        inflight: Annotated[
+            int, typer.Option(help="microbatches in flight (both modes; fixed: split per pipeline)")
+        ] = 4,
     ) -> None:
         """SWARM vs a fixed GPipe-style pipeline on the same 4 servers (2 stages), emulated
         speeds: homogeneous, and heterogeneous (1x-4x) with a server SIGKILLed every
         --kill-every s. Prints samples/s, loss, reroutes, rebalances, bytes between stages."""
-        if (seconds is not None and seconds <= 0) or kill_every <= 0 or emulate_s < 0:
-            typer.echo("error: --seconds and --kill-every must be > 0, --emulate-s >= 0", err=True)
+        if (
+            (seconds is not None and seconds <= 0)
+            or kill_every <= 0
+            or emulate_s < 0
+            or inflight < 1
+        ):
+            typer.echo(
+                "error: --seconds and --kill-every must be > 0, --emulate-s >= 0, --inflight >= 1",
+                err=True,
+            )
             raise typer.Exit(2)
         rows = run_swarm_bench(
             quick=quick, seconds=seconds, kill_every=kill_every, emulate_s=emulate_s,
-            json_path=json_path, plot_path=plot_path, echo=typer.echo,
+            json_path=json_path, plot_path=plot_path, echo=typer.echo, inflight=inflight,
         )  # fmt: skip
         for scenario in SCENARIOS:
             by = {r["mode"]: r for r in rows if r["scenario"] == scenario}
@@ -201,4 +233,45 @@ def register(bench_app: Any) -> None:
                 f"{by['fixed']['samples_per_s']:.2f} samples/s (x{ratio:.2f}); loss "
                 f"{by['swarm']['final_loss']} vs {by['fixed']['final_loss']}; reroutes "
                 f"{by['swarm']['reroutes']}, rebalances {by['swarm']['rebalances']}"
+            )
+
+    @bench_app.command("swarm-codecs")
+    def bench_swarm_codecs(
+        microbatches: Annotated[
+            int, typer.Option(help="training microbatches per codec (same tokens for each)")
+        ] = 600,
+        seeds: Annotated[int, typer.Option(help="runs per codec (weights, basis, batches)")] = 3,
+        codec: Annotated[
+            list[str] | None,
+            typer.Option(help="plain, int8 or subspace:RANK (repeat; default: all five)"),
+        ] = None,
+        json_path: Annotated[Path | None, typer.Option("--json", help="write the rows")] = None,
+    ) -> None:
+        """Bytes between stages per microbatch (over HTTP) and held-out loss after the same
+        tokens, for fp32, 8-bit and subspace (ranks 4, 8, 16) activations between stages."""
+        from covey.bench.swarm_codecs import CODECS, run_codecs
+
+        chosen = tuple(codec or CODECS)
+        bad = [
+            c
+            for c in chosen
+            if not (c in ("plain", "int8") or (c.startswith("subspace:") and c[9:].isdigit()))
+        ]
+        if bad:
+            typer.echo(
+                f"error: --codec {bad[0]!r}: expected plain, int8 or subspace:RANK", err=True
+            )
+            raise typer.Exit(2)
+        if microbatches < 50 or seeds < 1:
+            typer.echo(
+                f"error: --microbatches ({microbatches}) must be >= 50, --seeds ({seeds}) >= 1",
+                err=True,
+            )
+            raise typer.Exit(2)
+        rows = run_codecs(microbatches, seeds, json_path, typer.echo, chosen)
+        for r in rows:
+            typer.echo(
+                f"{r['codec']:>12}: {r['bytes_per_microbatch_http']:>7} bytes/microbatch, "
+                f"held-out loss {r['held_out_loss']:.4f} ({100 * r['held_out_vs_plain']:+.2f}%; "
+                f"per seed {r['held_out_loss_per_seed']})"
             )
