@@ -77,7 +77,7 @@ def test_a_gradient_sum_no_member_could_apply_is_refused(desk: Desk) -> None:
         "nan": (_sum(shapes, 4, **{"g.0": nan}), 4),
         "samples differ from the blob's": (_sum(shapes, 4), 5),
         "0 samples, a push": (_sum(shapes, 0), 0),
-        "samples past the cap": (_sum(shapes, 10_000), 10_000),
+        "samples past any sense": (_sum(shapes, 2**40), 2**40),
         "negative samples": (_sum(shapes, -4), -4),
     }
     for why, (data, n) in lies.items():
@@ -86,17 +86,23 @@ def test_a_gradient_sum_no_member_could_apply_is_refused(desk: Desk) -> None:
     for why, over in {"stage as text": {"stage": "0"}, "stage 9": {"stage": 9},
                       "samples as float": {"samples": 4.0}}.items():  # fmt: skip
         assert _report(desk, "a", rnd, _sum(shapes, 4), **over).status_code == 422, why
-    assert rnd.reports == {}  # nothing entered the round
-    assert _report(desk, "a", rnd, _sum(shapes, 4)).status_code == 200
+    assert rnd.reports == {}  # nothing entered the round, and a left it: nobody waits for it
+    assert rnd.members == [desk.pid("b")]
+    assert _report(desk, "a", rnd, _sum(shapes, 4)).status_code == 409
     zero = _sum(shapes, 0, scale=0.0)  # an honest server with nothing pending
     assert _report(desk, "b", rnd, zero, samples=0).status_code == 200
 
 
-def test_a_sum_far_larger_per_sample_is_left_out_of_the_round(desk: Desk) -> None:
+@pytest.mark.parametrize("lie", ["norm", "samples"])
+def test_a_sum_far_larger_or_heavier_is_left_out_of_the_round(desk: Desk, lie: str) -> None:
+    """A huge sum poisons every member; a sum of ordinary per-sample norm claiming many
+    samples sets the round's direction (samples weigh it in the mean)."""
     rnd = _round(desk)
     shapes = desk.coord._shapes(0)
     assert _report(desk, "a", rnd, _sum(shapes, 4, seed=1)).status_code == 200
-    assert _report(desk, "b", rnd, _sum(shapes, 4, scale=1000.0, seed=2)).status_code == 200
+    n = 4 if lie == "norm" else 4000
+    scale = 1000.0  # per sample: 1000x a's, or with 1000x the samples a quarter of it
+    assert _report(desk, "b", rnd, _sum(shapes, n, scale=scale, seed=2), n).status_code == 200
     desk.coord.tick(desk.coord._last_payout + 0.2)
     book = desk.coord.averaging.stages[0]
     assert book.step == 1 and book.last is not None

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 NORM_FACTOR = 10.0  # a per-sample gradient norm this many times the low median is left out
+SAMPLES_FACTOR = 8  # samples this many times the low median (or the target) are left out
 
 
 def outliers(norms: dict[str, float], reference: list[float]) -> set[str]:
@@ -31,6 +32,18 @@ def outliers(norms: dict[str, float], reference: list[float]) -> set[str]:
         return set()
     low = pool[(len(pool) - 1) // 2]
     return {p for p, v in norms.items() if v > NORM_FACTOR * low}
+
+
+def heavy(samples: dict[str, int], target: int) -> set[str]:
+    """Reports claiming more than SAMPLES_FACTOR x max(low median of the round's samples,
+    `target`): the samples weigh a sum in the mean, so a liar claiming many with a sum
+    of ordinary per-sample norm would set the round's direction. Honest servers of 1x to
+    4x different speeds stay within it."""
+    pool = sorted(samples.values())
+    if len(pool) < 2:
+        return set()
+    cap = SAMPLES_FACTOR * max(pool[(len(pool) - 1) // 2], target)
+    return {p for p, n in samples.items() if n > cap}
 
 
 @dataclass
@@ -142,9 +155,11 @@ class Averaging:
     def _close(self, book: StageBook, now: float) -> None:
         r = book.round
         assert r is not None
-        # a sum far larger per sample than the others' poisons every member: left out
+        # a sum far larger per sample, or far heavier, than the others' would poison every
+        # member or set the round's direction: left out
         norms = {p: float(x.get("norm", 0.0)) for p, x in r.reports.items()}
-        for p in sorted(outliers(norms, book.norms)):
+        samples = {p: int(x["samples"]) for p, x in r.reports.items()}
+        for p in sorted(outliers(norms, book.norms) | heavy(samples, self.target)):
             r.reports.pop(p)
             r.dropped.append(p)
         total = sum(x["samples"] for x in r.reports.values())

@@ -373,8 +373,11 @@ class SwarmCoordinator(PayDesk):
             raise Rejected(422, f"samples {samples!r} is not an int")
         data = self._decode(cid, body.get("data"))
         try:
-            norm = check_sum(data, self._shapes(stage), samples, self.cfg.target_samples)
+            norm = check_sum(data, self._shapes(stage), samples)
         except SumError as e:
+            with self.lock:  # it missed this round: the others do not wait for it
+                self.averaging.drop(peer)
+                self._save()
             raise Rejected(422, f"gradient sum {cid[:12]} of {peer[:12]}: {e}") from None
         self._store(cid, data)
         with self.lock:
