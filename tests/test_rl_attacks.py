@@ -9,17 +9,25 @@ trainer's recomputation. One trainer per module; the validator here is driven by
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
+import http.server
 import json
 import math
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from covey.blobs import BlobStore
+from covey.rl.batch import RolloutBatch
 from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
-from covey.trust.identity import NO_ROUND, Identity, request_purpose
+from covey.trust.identity import NO_ROUND, Identity, request_purpose, verify
 from tests.test_rl_network import (
     free_port,
     joined_worker,
@@ -30,6 +38,7 @@ from tests.test_rl_network import (
 )
 
 pytestmark = pytest.mark.network
+DATA_DIRS: dict[str, Path] = {}  # trainer URL -> its data directory (its key is in it)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +49,7 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     d = tmp_path_factory.mktemp("rl-attacks") / "run"
     port = free_port()
     proc = start_trainer(d, port)
+    DATA_DIRS[f"http://127.0.0.1:{port}"] = d
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -351,3 +361,137 @@ def test_garbage_proofs_are_a_verdict_not_a_crash(
     assert row["status"] == "rejected" and row["problem"] == "proof", row
     assert ledger(trainer, "slash", w.identity.peer_id)
     w.membership.leave()
+
+
+def _old_rank(cid: str, v: str) -> str:
+    """The assignment rank before session 3: sha256(cid, validator), which the worker can
+    compute, so grind."""
+    return hashlib.sha256("|".join(("covey-rl-assign", cid, v)).encode()).hexdigest()
+
+
+def test_a_worker_cannot_aim_its_batch_at_a_chosen_validator(
+    trainer: str, checker: RolloutValidator
+) -> None:
+    """The validator ranking rests on the trainer's signature over (run, cid), which the
+    worker cannot compute: grinding its batch's bytes until the cid-only rank picks a
+    colluder no longer works. (The test reads the trainer's key to grind for the worst
+    case: old rank -> checker, signed rank -> the other validator.)"""
+    from covey.rl.intake import assign_rank
+
+    key = Identity.load_or_create(DATA_DIRS[trainer] / "trainer.key")
+    other = RolloutValidator(trainer, Identity.generate(), name="v-second")
+    other.membership.join("validator", other.name, other.stake)
+    w = joined_worker(trainer)
+    try:
+        body, v = honest_body(trainer, w)
+        pair = (checker.identity.peer_id, other.identity.peer_id)
+        for j in range(1000):  # each try is a hash: a cheater's grinding, at no cost
+            attack = with_sample(body, reward=j / 1000)
+            batch = RolloutBatch.model_validate(attack["batch"])
+            cid = hashlib.sha256(batch.model_dump_json().encode()).hexdigest()
+            draw = key.sign(f"covey-rl-assign/v1\n{w.run.run_id}\n{cid}".encode())
+            old = min(pair, key=lambda x: _old_rank(cid, x))
+            new = min(pair, key=lambda x: assign_rank(draw, x))
+            if old == pair[0] and new == pair[1]:
+                break
+        else:
+            raise AssertionError("no grinding result in 1000 tries")
+        r = post(trainer, "/v1/rl/batch", signed(w.identity, "/v1/rl/batch", attack, v))
+        assert r.status_code == 200 and r.json()["cid"] == cid, r.text
+        [row] = [b for b in batches(trainer) if b["worker_id"] == w.identity.peer_id]
+        assert row == {**row, "status": "pending", "cid": None, "validator_id": None}
+        assert claim(trainer, checker) is None  # the colluder the worker aimed at
+        task = wait_for(lambda: claim(trainer, other), 10, "the signed rank's assignment")
+        assert task["batch_cid"] == cid and task["assign_draw"] == draw
+        message = f"covey-rl-assign/v1\n{w.run.run_id}\n{cid}".encode()
+        assert verify(w.run.trainer_key, message, task["assign_draw"])  # auditable
+        [row] = [b for b in batches(trainer) if b["worker_id"] == w.identity.peer_id]
+        assert row["status"] == "pending" and row["validator_id"] is None  # who: secret
+        r = report(trainer, other, cid, ok=False, problem="reward", detail="edited reward")
+        assert r.status_code == 200 and r.json()["outcome"] == "caught", r.text
+    finally:
+        other.membership.leave("shutdown")
+        w.membership.leave()
+
+
+def test_report_words_that_would_reach_the_ledger_must_be_plain(
+    trainer: str, checker: RolloutValidator
+) -> None:
+    n = entries(trainer)
+    cid = "ab" * 32
+    attacks = [
+        ("an unknown problem", {"ok": False, "problem": "you are fired"}, "problem"),
+        ("a terminal escape", {"ok": False, "problem": "proof", "detail": "\x1b[2J"}, "detail"),
+        ("a bidi override", {"ok": False, "detail": "\u202eevil"}, "detail"),
+        ("a newline", {"ok": True, "detail": "ok\nINVALID"}, "detail"),
+    ]
+    for what, fields, name in attacks:
+        r = report(trainer, checker, cid, **fields)
+        assert r.status_code == 422, f"{what}: {r.status_code} {r.text[:300]}"
+        assert name in r.text, f"{what}: the error does not name {name!r}: {r.text[:300]}"
+    assert entries(trainer) == n
+
+
+class _Flood(http.server.BaseHTTPRequestHandler):
+    """A peer's "blob server" that streams bytes forever (no Content-Length)."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.end_headers()
+        deadline = time.monotonic() + 60
+        with contextlib.suppress(OSError):
+            while time.monotonic() < deadline:
+                self.wfile.write(b"\0" * 65536)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_policy_provider_cannot_flood_a_worker_or_crowd_the_list(
+    trainer: str, tmp_path: Path
+) -> None:
+    """The trainer's policy size bounds every fetch (an endless body fails its provider at
+    size + 1 bytes, the next provider serves), and at most 4 peers' servers are listed."""
+    from covey.rl.peer import PolicyCache
+    from covey.rl.trainer import MAX_PEER_PROVIDERS
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flood)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    w = joined_worker(trainer)
+    crowd = [Identity.generate() for _ in range(MAX_PEER_PROVIDERS + 3)]
+    try:
+        flood = f"http://127.0.0.1:{server.server_address[1]}"
+        for i, ident in enumerate(crowd):
+            fields = {"accepts_connections": True, "blob_url": f"{flood}/p{i}"}
+            r = post(
+                trainer,
+                "/v1/join",
+                signed(ident, "/v1/join", join_body(trainer, ident, **fields), -1),
+            )
+            assert r.status_code == 200, r.text
+        info = policy(trainer)
+        peers = [p for p in info["providers"] if p.startswith(flood)]
+        assert len(peers) == MAX_PEER_PROVIDERS and info["providers"][-1] == trainer
+        cache = PolicyCache(w.run, BlobStore(tmp_path / "mine"), w.fetcher)
+        started = time.monotonic()
+        cache.model(info["cid"], [flood, trainer], info["size"])
+        assert time.monotonic() - started < 30  # not read forever
+        assert (
+            cache.store.get(info["cid"]) == httpx.get(f"{trainer}/v1/blobs/{info['cid']}").content
+        )
+    finally:
+        for ident in crowd:
+            post(
+                trainer,
+                "/v1/leave",
+                signed(
+                    ident,
+                    "/v1/leave",
+                    {"run_id": w.run.run_id, "peer_id": ident.peer_id, "reason": "done"},
+                    -1,
+                ),
+            )
+        w.membership.leave()
+        server.shutdown()

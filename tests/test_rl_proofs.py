@@ -84,3 +84,29 @@ def test_partial_chunk_forgives_one_ulp_in_total_not_two(policy: GPT) -> None:
     assert one.ok and one.chunks[0].mean_ulp == 0, one.reason
     two = proofs.compare_proof(proofs.build_proof(_nudged(mine, 2)), mine)
     assert not two.ok and "value error 0.333" in two.reason
+
+
+def _dropped(hidden: torch.Tensor, n: int) -> torch.Tensor:
+    """`hidden` with its n largest-magnitude values zeroed: a proof built from it misses
+    those n indices of the true top-k."""
+    out = hidden.clone()
+    flat = out.reshape(-1)
+    flat[torch.topk(flat.abs(), n).indices] = 0.0
+    return out
+
+
+@pytest.mark.parametrize("n_tokens, k_n", [(1, 3), (2, 7)])
+def test_partial_chunk_forgives_two_missed_indices_not_three(
+    policy: GPT, n_tokens: int, k_n: int
+) -> None:
+    gen = sampling.generate(policy, PROMPTS[1], n_tokens, 1.0, seed=9)
+    _, hidden = sampling.prefill(policy, [PROMPTS[1] + gen.tokens])[0]
+    mine = hidden[len(PROMPTS[1]) :]
+    assert proofs.chunk_k(n_tokens, CFG.n_embd) == k_n
+    two = proofs.compare_proof(proofs.build_proof(_dropped(mine, 2)), mine)
+    assert two.ok and two.chunks[0].overlap == 1.0, two.reason
+    three = proofs.compare_proof(proofs.build_proof(_dropped(mine, 3)), mine)
+    assert not three.ok and "overlap" in three.reason
+    other = sampling.generate(policy, PROMPTS[2], n_tokens, 1.0, seed=9)  # other states
+    forged = proofs.compare_proof(proofs.build_proof(other.hidden), mine)
+    assert not forged.ok and forged.chunks[0].overlap < 0.9

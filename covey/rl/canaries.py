@@ -6,12 +6,13 @@ For each policy version (step) s and validator V, the trainer signs (run, s, V)
 (covey.trust.certify.canary_draw): V gets a canary at s when the draw is below
 `canary_rate`, secret until revealed on the ledger, verifiable afterwards by anyone (the
 book's "canary" handler checks the signature and the rate). The canary is a real batch of
-step s that V was not assigned, with every sample made bad in a way only a prefill tells:
-each proof's coefficients replaced by a pseudo-random polynomial (its chunk layout and
-moduli kept, so it parses like any proof) and each logprob lowered by 0.02 (still <= 0,
-200x the fp32 tolerance). Its task looks like any other (content id, step, worker, the
-trainer's draw of the samples to prefill). Reporting it bad is a caught canary (a
-completed check, paid check_reward); reporting it good is "passed" (a "penalty" of kind
+step s that V was not assigned and that is still undecided (a decided one's content id is
+public: the copy would be told apart at once), with every sample made bad in a way only a
+prefill tells: each proof's coefficients replaced by a pseudo-random polynomial (its chunk
+layout and moduli kept, so it parses like any proof) and each logprob lowered by 0.02
+(still <= 0, 200x the fp32 tolerance). Its task looks like any other (content id, step,
+worker, the trainer's draw of the samples to prefill). Reporting it bad is a caught canary
+(a completed check, paid check_reward); reporting it good is "passed" (a "penalty" of kind
 canary: validator_slash_fraction of its stake); not reporting within verify_timeout_s is
 "missed" (a missed check). The "canary" ledger entry is written only then.
 
@@ -123,7 +124,7 @@ class Canaries:
             r
             for r in c.execute(
                 "SELECT * FROM rl_batches WHERE step = ? AND cid != '' AND samples > 0 AND "
-                "status IN ('pending', 'claimed', 'accepted', 'consumed') ORDER BY id",
+                "status IN ('pending', 'claimed') ORDER BY id",
                 (step,),
             ).fetchall()
             if validator not in json.loads(r["tried"]) and r["worker_id"] != validator
@@ -229,6 +230,7 @@ class Canaries:
             "policy_version": row["step"],
             "policy_cid": self.t.cids[row["step"]],
             "draw": row["task_draw"],
+            "assign_draw": self.t.intake.assign_draw(row["cid"]),
             "verify_samples": draw_samples(
                 row["cid"], row["task_draw"], row["samples"], self.t.spec.verify_samples
             ),

@@ -7,7 +7,10 @@ reports, and the verdicts written to the ledger.
   slashed. Wrong run, a step outside [version - async_level, version], a policy that is
   not that step's, a second batch for a step: refused (409), nothing changes.
 - Every batch is checked. It is assigned to one live validator, ranked by
-  sha256(batch cid, validator id) (not first come); the sequences it prefills are drawn
+  sha256(the trainer's signature over (run, batch cid), validator id) (not first come, and
+  not steerable: a worker that grinds its batch's bytes cannot predict the signature, so
+  cannot aim its batch at a colluding validator; the signature is in the task, so the
+  rank is auditable); the sequences it prefills are drawn
   from the trainer's signature over (run, batch cid, validator), which the worker cannot
   know when it generates. A check not reported within verify_timeout_s is recorded as
   missed and reassigned; with no eligible validator the trainer checks it itself.
@@ -39,7 +42,7 @@ from pydantic import Field, model_validator
 
 from covey.coordinator.views import Rejected
 from covey.protocol.schemas import PeerId, RunId, Signed
-from covey.rl.batch import RolloutBatch, verified_subset
+from covey.rl.batch import Problem, RolloutBatch, verified_subset
 from covey.rl.canaries import CANARY_SCHEMA, Canaries
 from covey.rl.verdicts import Judge
 from covey.trust.identity import NO_ROUND
@@ -89,20 +92,39 @@ class ClaimCheck(Signed):
     peer_id: PeerId
 
 
+PROBLEMS = tuple(p.value for p in Problem)
+# no control characters (C0, DEL, C1) nor bidi overrides: a report's words reach the
+# ledger, which `covey ledger show` prints to terminals
+PLAIN_TEXT = r"^[^\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]*$"
+
+
 class ReportCheck(Signed):
-    """POST /v1/rl/report: a validator's verdict on the batch it was assigned."""
+    """POST /v1/rl/report: a validator's verdict on the batch it was assigned. `problem`
+    is one of covey.rl.batch.Problem's values; `detail` is plain text."""
 
     run_id: RunId
     peer_id: PeerId
     batch_cid: str = Field(pattern=r"^[0-9a-f]{64}$")
     ok: bool
     problem: str | None = Field(None, max_length=64)
-    detail: str = Field("", max_length=500)
+    detail: str = Field("", max_length=500, pattern=PLAIN_TEXT)
     sample: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _known_problem(self) -> ReportCheck:
+        if self.problem is not None and self.problem not in PROBLEMS:
+            raise ValueError(f"problem {self.problem[:64]!r} is not one of {list(PROBLEMS)}")
+        return self
 
 
 def _h(*parts: object) -> str:
     return hashlib.sha256("|".join(str(p) for p in parts).encode()).hexdigest()
+
+
+def assign_rank(assign_draw: str, validator_id: str) -> str:
+    """A validator's place in a batch's ranking (lowest checks it): public once the
+    trainer's `assign_draw` is, unpredictable before."""
+    return _h("covey-rl-assign/v1", assign_draw, validator_id)
 
 
 def draw_samples(cid: str, draw: str, n: int, k: int) -> list[int]:
@@ -116,6 +138,7 @@ class Intake:
         self.t = trainer
         self.judge = Judge(trainer)
         self.canaries = Canaries(trainer)
+        self._assign_draws: dict[str, str] = {}
 
     # -- submissions ----------------------------------------------------------------------
 
@@ -253,6 +276,7 @@ class Intake:
                 "policy_version": mine["step"],
                 "policy_cid": t.cids[mine["step"]],
                 "draw": draw,
+                "assign_draw": self.assign_draw(mine["cid"]),
                 "verify_samples": draw_samples(
                     mine["cid"], draw, mine["samples"], t.spec.verify_samples
                 ),
@@ -300,7 +324,18 @@ class Intake:
             for v in live
             if v not in tried and v != row["worker_id"] and load.get((row["step"], v), 0) < cap
         )
-        return min(eligible, key=lambda v: _h("covey-rl-assign", row["cid"], v), default=None)
+        beacon = self.assign_draw(row["cid"])
+        return min(eligible, key=lambda v: assign_rank(beacon, v), default=None)
+
+    def assign_draw(self, cid: str) -> str:
+        """The trainer's signature over (run, batch cid): the beacon of the batch's
+        validator ranking, unknown to the worker when it builds the batch."""
+        if (draw := self._assign_draws.get(cid)) is None:
+            message = f"covey-rl-assign/v1\n{self.t.run_id}\n{cid}".encode()
+            draw = self._assign_draws[cid] = self.t.identity.sign(message)
+            if len(self._assign_draws) > 4096:  # bounded: drop the oldest
+                self._assign_draws.pop(next(iter(self._assign_draws)))
+        return draw
 
     def expire(self, now: float) -> None:
         """Checks held past verify_timeout_s go back (a missed check in the ledger); a

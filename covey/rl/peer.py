@@ -144,13 +144,15 @@ class PolicyCache:
         self.device = torch.device(device)  # where loaded policies compute
         self._models: dict[str, torch.nn.Module] = {}
 
-    def model(self, cid: str, providers: list[str]) -> torch.nn.Module:
+    def model(self, cid: str, providers: list[str], size: int | None = None) -> torch.nn.Module:
         """The policy with content id `cid`. BlobError when no provider serves bytes with
-        that hash; PolicyError when they do not load into the run's model."""
+        that hash (a provider sending more than `size` bytes, the trainer's figure, fails
+        at once: a peer's server cannot stream a worker out of memory); PolicyError when
+        they do not load into the run's model."""
         if cid in self._models:
             return self._models[cid]
         if not self.store.has(cid):
-            data = self.fetcher.fetch(cid, providers)
+            data = self.fetcher.fetch(cid, providers, size)
             self.store.put_verified(cid, data)
         model = pol.load_weights(pol.build_policy(self.run.model_cfg), self.store.get(cid))
         model = model.to(self.device)

@@ -85,11 +85,17 @@ def create_app(trainer: Trainer) -> FastAPI:
 
     @app.get("/v1/rl/batches")
     def batches() -> list[dict[str, Any]]:
+        """Every batch; one not decided yet shows as "pending" without its content id or
+        validator (who checks what, and which real batch a canary copies, stay secret)."""
         rows = t.db.query(
             "SELECT step, worker_id, cid, samples, tokens, status, validator_id, "
             "problem, detail FROM rl_batches ORDER BY id"
         )
-        return [dict(r) for r in rows]
+        out = [dict(r) for r in rows]
+        for r in out:
+            if r["status"] in ("pending", "claimed"):
+                r.update(status="pending", cid=None, validator_id=None)
+        return out
 
     @app.post("/v1/join")
     async def join(req: schemas.JoinRequest, request: Request) -> schemas.JoinReply:

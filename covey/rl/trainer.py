@@ -17,6 +17,7 @@ restarts with fresh moments and says so; moments that do not fit refuse the star
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -41,6 +42,7 @@ from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.trainer")
 KEY_FILE = "trainer.key"
+MAX_PEER_PROVIDERS = 4  # peers' blob servers listed per policy version
 
 
 class Trainer:
@@ -178,16 +180,22 @@ class Trainer:
         }
 
     def policy_info(self) -> dict[str, Any]:
-        """GET /v1/rl/policy: the current version, its content id and who serves it (peers
-        that announced a blob server first, the trainer last: any may be wrong, the hash
-        decides)."""
+        """GET /v1/rl/policy: the current version, its content id, its size and who serves
+        it: at most MAX_PEER_PROVIDERS peers that announced a blob server (a different
+        draw each version, so many Sybil servers cannot stand before every worker's
+        fetch), the trainer last. Any may lie; the hash decides, and a fetch stops at
+        `size` bytes."""
         with self.lock:
             v, cid = self.version, self.cids[self.version]
         peers = self.db.query(
             "SELECT blob_url FROM peers WHERE role = 'worker' AND state = "
             "'live' AND blob_url IS NOT NULL AND accepts_connections = 1"
         )
-        providers = [r["blob_url"] for r in peers] + ([self.url] if self.url else [])
+        urls = sorted(
+            {r["blob_url"] for r in peers},
+            key=lambda u: hashlib.sha256(f"{cid}|{u}".encode()).digest(),
+        )[:MAX_PEER_PROVIDERS]
+        providers = urls + ([self.url] if self.url else [])
         return {"version": v, "cid": cid, "size": self.blobs.size(cid), "providers": providers}
 
     def policy_at(self, version: int) -> torch.nn.Module:

@@ -113,7 +113,7 @@ class RolloutValidator:
             )
             report |= {
                 "ok": verdict.ok,
-                "detail": verdict.detail[:500],
+                "detail": "".join(ch if ch.isprintable() else " " for ch in verdict.detail)[:500],
                 "problem": verdict.problem.value if verdict.problem else None,
                 "sample": verdict.sample,
             }

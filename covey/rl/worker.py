@@ -114,7 +114,8 @@ class RolloutWorker:
         v, cid = int(info["version"]), str(info["cid"])
         providers = [*info.get("providers", []), self.trainer_url]
         try:
-            model = self.policies.model(cid, list(dict.fromkeys(providers)))
+            size = int(info["size"]) if info.get("size") else None
+            model = self.policies.model(cid, list(dict.fromkeys(providers)), size)
         except (BlobError, PolicyError) as e:
             log.warning(
                 "[%s - step %d] policy %s refused, not generating: %s", self.name, v, cid[:12], e
