@@ -34,6 +34,7 @@ from covey.swarm.wire import WireError, encode_tensor, pack
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.swarm.trainer")
+MAX_EVIDENCE = 4096  # agreed checks kept for reports while the coordinator is unreachable
 
 
 class Dropped(Exception):
@@ -257,6 +258,7 @@ class SwarmTrainer:
                     {"stage": k, "kind": kind, "request": base64.b64encode(body).decode(),
                      "replies": [_reply(h), _reply(h2)]}
                 )  # fmt: skip
+                del self.evidence[:-MAX_EVIDENCE]  # a long outage: the oldest go unpaid
             return h
         self.stats.disputes += 1
         verdict = self.client.post(
