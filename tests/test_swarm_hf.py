@@ -179,3 +179,38 @@ def test_hf_stages_train_and_average_over_http(hf_swarm: object) -> None:
         return s if ok else None
 
     wait_for(applied, 60, "each stage to commit and apply an averaging round")
+
+
+RACE = """
+import sys, threading
+from covey.swarm.config import SwarmConfig
+from covey.swarm.wire import build_stage
+cfg = SwarmConfig(model="hf:" + sys.argv[1], stages=2, seq_len=16)
+errs = []
+def build(k):
+    try:
+        build_stage(cfg, k)
+    except Exception as e:
+        errs.append(repr(e))
+threads = [threading.Thread(target=build, args=(k % 2,)) for k in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("errors", errs)
+"""
+
+
+@pytest.mark.long
+def test_threads_of_a_fresh_process_build_hf_stages_at_once(
+    llama_dir: tuple[Path, nn.Module],
+) -> None:
+    """A coordinator builds stages from request threads; transformers' first import is
+    not thread-safe ("cannot import name 'CONFIG_MAPPING'" seen in a coordinator), so HF
+    stage building is serialized. Needs a fresh process: this one imported it already."""
+    import subprocess
+    import sys
+
+    d, _ = llama_dir
+    out = subprocess.run([sys.executable, "-c", RACE, str(d)], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("errors []"), out.stdout[-2000:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,11 @@ from covey.models.hf import ModelSourceError, hf_config, max_positions, read_hf_
 from covey.swarm.plan import StageModule, plan_stages, stage_modules
 
 BYTE_VOCAB = 256
+# transformers' lazy imports are not thread-safe: two threads importing it for the first
+# time at once get "cannot import name 'CONFIG_MAPPING'" (seen in the coordinator, whose
+# request threads build stages for round checks). Building also seeds torch's global RNG.
+# So a process builds one HF stage at a time.
+_BUILD = threading.RLock()
 
 
 def model_digest(directory: str | Path) -> str:
@@ -74,6 +80,11 @@ def load_stage_module(directory: str | Path, seed: int, stages: int, k: int) -> 
     tensors are read), else the seed's random init. ModelSourceError / ValueError name the
     directory, stage or tensor that does not fit.
     """
+    with _BUILD:
+        return _load_stage_module(directory, seed, stages, k)
+
+
+def _load_stage_module(directory: str | Path, seed: int, stages: int, k: int) -> StageModule:
     from transformers import AutoModelForCausalLM
 
     d = Path(directory).expanduser()
@@ -139,9 +150,13 @@ def token_embedding(directory: str | Path, seed: int) -> torch.Tensor:
     """The model's input token embedding (vocab, hidden) at the run's start: read by name
     from the safetensors files (that tensor only), or the seed's random init. The subspace
     codec's fixed token term (covey.swarm.subspace)."""
+    with _BUILD:
+        return _token_embedding(Path(directory).expanduser(), seed)
+
+
+def _token_embedding(d: Path, seed: int) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    d = Path(directory).expanduser()
     config = hf_config(d)
     files = _weights(d)
     if not files:
@@ -165,10 +180,15 @@ def build_hf_stage(cfg: Any, k: int, device: torch.device | str = "cpu") -> Any:
     same as covey.swarm.wire.build_stage makes for covey's GPT. ValueError when the
     directory's config.json is not the one the run names (`model_digest`), or the model
     does not fit byte tokens and seq_len."""
+    directory = str(cfg.model)[3:]
+    with _BUILD:
+        return _build_hf_stage(cfg, k, directory, device)
+
+
+def _build_hf_stage(cfg: Any, k: int, directory: str, device: torch.device | str) -> Any:
     from covey.swarm.optim import AdamW
     from covey.swarm.stage import Stage
 
-    directory = str(cfg.model)[3:]
     if cfg.model_digest and (got := model_digest(directory)) != cfg.model_digest:
         raise ValueError(
             f"{directory}/config.json has digest {got[:12]}, the run names {cfg.model_digest[:12]}"
