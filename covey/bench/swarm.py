@@ -8,9 +8,14 @@ every hop by least expected finish time, reroutes on failure and lets the coordi
 rebalance; `fixed` wires pipelines once (pipeline j = the j-th server of every stage) and
 never reroutes, so a dead server stalls its pipeline. Scenarios: `homogeneous` (all 1x, no
 failures) and `heterogeneous-churn` (1x to 4x, every `kill_every` s one server whose stage
-keeps another is SIGKILLed, and a fresh one started 5 s later). Rows: mode, scenario,
-samples_per_s, final_loss, reroutes, rebalances, and bytes between stages per microbatch
-(int8 measured; plain and subspace computed from the shapes, codecs.bytes_per_token).
+keeps another is SIGKILLed, and a fresh one started 5 s later). Victims are drawn up
+front by name from a seeded generator, so both modes lose the same servers at the same
+times; kills happen only during the training time. Rows: mode, scenario, samples_per_s
+(samples over the whole wall time, a stalled pipeline's overrun included),
+samples_per_s_until_end (samples by the nominal end over its length),
+samples_per_s_before_first_kill, kills_at, final_loss, reroutes, rebalances, the fixed
+wiring, and bytes between stages per microbatch (int8 measured; plain and subspace
+computed from the shapes; `covey bench swarm-codecs` measures every codec on the wire).
 """
 
 from __future__ import annotations
