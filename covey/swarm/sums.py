@@ -25,24 +25,27 @@ class SumError(ValueError):
     """A gradient sum no round may hold; the message says why."""
 
 
-def check_sum(data: bytes, shapes: list[tuple[int, ...]], samples: int) -> float:
+def check_sum(data: bytes, shapes: list[tuple[int, ...]] | None, samples: int) -> float:
     """The sum's L2 norm per sample (0.0 for an empty sum) if it is well-formed for a stage
-    with parameter `shapes`; SumError naming what is wrong otherwise."""
+    with parameter `shapes` (None: any shapes, g.0..g.n-1 still); SumError naming what is
+    wrong otherwise."""
     if not 0 <= samples <= MAX_SAMPLES:
         raise SumError(f"samples ({samples}) must be in [0, {MAX_SAMPLES}]")
     try:
         tensors = st_load(data)
     except SafetensorError as e:
         raise SumError(f"gradient sum is not safetensors: {e}") from None
-    want = {f"g.{i}" for i in range(len(shapes))} | {"samples"}
+    count = len(shapes) if shapes is not None else len(tensors) - 1
+    want = {f"g.{i}" for i in range(count)} | {"samples"}
     if set(tensors) != want:
-        raise SumError(f"gradient sum must hold exactly g.0..g.{len(shapes) - 1} and samples")
+        raise SumError(f"gradient sum must hold exactly g.0..g.{count - 1} and samples")
     n = tensors["samples"]
     if n.dtype != torch.int64 or n.numel() != 1 or int(n[0]) != samples:
         raise SumError(f"the sum's samples tensor does not hold {samples}")
     total = 0.0
-    for i, shape in enumerate(shapes):
+    for i in range(count):
         g = tensors[f"g.{i}"]
+        shape = tuple(g.shape) if shapes is None else shapes[i]
         if g.dtype != torch.float32 or tuple(g.shape) != shape:
             raise SumError(f"g.{i} is {g.dtype} {tuple(g.shape)}, not float32 {shape}")
         if not bool(torch.isfinite(g).all()):
