@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from covey.bench.rl_hf_verify import make_hf_policy  # a random-init GPT-2 / Llama dir
 from covey.rl import policy as pol
 from covey.rl.batch import RolloutSpec, Sample, check_batch, rollout
 from covey.rl.hf_policy import hf_newline_id
@@ -21,65 +22,6 @@ from covey.rl.sampling import forward_hidden
 from covey.rl.tasks import ArithmeticTask
 
 ARCHS = ("gpt2", "llama")
-
-
-def _tokenizer(directory: Path, bos: bool) -> None:
-    """A byte-level BPE trained on arithmetic text, with "\\n" one token; the Llama's adds
-    a BOS to every encoded prompt (its post-processor), as Llama tokenizers do."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([f"{a}+{b}={a + b}\n" for a in range(40) for b in range(40)], trainer)
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-        )
-    (directory / "tokenizer.json").write_text(tok.to_str())
-
-
-def make_hf_policy(directory: Path, arch: str, seed: int = 0) -> Path:
-    """A local HF policy directory (config.json, model.safetensors, tokenizer.json)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    directory.mkdir(parents=True, exist_ok=True)
-    if arch == "gpt2":
-        config = AutoConfig.for_model(
-            "gpt2",
-            vocab_size=320,
-            n_positions=64,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
-    else:
-        config = AutoConfig.for_model(
-            "llama",
-            vocab_size=320,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(directory), safe_serialization=True)
-    _tokenizer(directory, bos=arch == "llama")
-    return directory
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -251,3 +193,26 @@ def test_bench_rl_learns_on_an_hf_policy(tmp_path: Path) -> None:
     cfg = dataclasses.replace(QUICK, rl_steps=2, eval_every=2, eval_prompts=4, prompts_per_step=2)
     result = learning_run(cfg, tmp_path, echo=lambda _: None, policy_dir=f"hf:{d}")
     assert result["rl_steps"] == 2 and len(result["reward_per_step"]) == 2
+
+
+def test_cli_refuses_a_bad_hf_policy(tmp_path: Path) -> None:
+    """`covey rl trainer` and `covey bench rl` name what is wrong with a bad hf: directory
+    (exit 2): a missing tokenizer.json, a model type outside the allow-list."""
+    from tokenizers import Tokenizer, models
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+    from tests.test_rl_network import free_port
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text('{"model_type": "bert", "vocab_size": 9}')
+    tok = Tokenizer(models.WordLevel({"\n": 0, "?": 1}, unk_token="?"))
+    (tmp_path / "cfg" / "tokenizer.json").write_text(tok.to_str())
+    runner = CliRunner()
+    bad = ((f"hf:{tmp_path}/none", "tokenizer.json"), (f"hf:{tmp_path}/cfg", "not allowed"))
+    for policy, why in bad:
+        args = ["rl", "trainer", "--data-dir", str(tmp_path / "run"), "--policy", policy]
+        result = runner.invoke(app, [*args, "--port", str(free_port())])
+        assert result.exit_code == 2 and "error:" in result.output and why in result.output
+    result = runner.invoke(app, ["bench", "rl", "--policy", f"hf:{tmp_path}/none"])
+    assert result.exit_code == 2 and "config.json" in result.output

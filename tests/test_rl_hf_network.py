@@ -24,13 +24,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from covey.bench.rl_hf_verify import make_hf_policy
 from covey.rl import policy as pol
 from covey.rl.hf_policy import dir_newline_id
 from covey.rl.runspec import RLSpec, TaskSpec
 from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity
-from tests.test_rl_hf import make_hf_policy
 from tests.test_rl_network import free_port, wait_for
 
 pytestmark = pytest.mark.network
