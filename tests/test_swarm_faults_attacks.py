@@ -165,3 +165,28 @@ def test_dispute_bodies_a_server_or_a_replay_would_send(desk: Desk) -> None:
     again = dispute("t")  # replayed: the same verdict, no second recomputation
     assert again.status_code == 200 and again.json() == r.json() and calls == [1]
     assert desk.coord.accounts.book.accounts[desk.pid("b")].banned
+
+
+def test_a_member_that_claims_samples_and_never_reports_is_benched() -> None:
+    """A heartbeat's `pending` opens rounds; a member that never reports made every round
+    wait out its timeout. After two misses in a row it is kept out for a while, and the
+    next round commits as soon as the others report."""
+    avg = Averaging(1, target_samples=4, round_timeout_s=10.0)
+    now, members = 0.0, []
+    for step in range(3):
+        live = {"honest": (0, step, 4), "idle": (0, step, 10**6)}
+        for p in live:  # both claim the agreed state
+            avg.state(p, 0, step, f"state-{step}")
+        avg.tick(live, set(), now)
+        r = avg.stages[0].round
+        assert r is not None
+        members.append(r.members)
+        assert avg.report("honest", 0, r.id, f"sum-{step}", 4, "") == "ok"
+        avg.tick(live, set(), now + 1.0)
+        if avg.stages[0].round is not None:  # waiting for "idle"
+            now += 11.0
+            avg.tick(live, set(), now)
+        assert avg.stages[0].round is None and avg.stages[0].step == step + 1
+        now += 1.0
+    assert members == [["honest", "idle"], ["honest", "idle"], ["honest"]]
+    assert avg.stages[0].benched["idle"] > now  # for 2 timeouts after its second miss

@@ -83,6 +83,8 @@ class StageBook:
     samples: int = 0  # accepted samples
     norms: list[float] = field(default_factory=list)  # per-sample norms of the last round
     quorum: int = 0  # live servers that reported to the last committed round
+    missed: dict[str, int] = field(default_factory=dict)  # peer -> rounds missed in a row
+    benched: dict[str, float] = field(default_factory=dict)  # peer -> kept out until
 
 
 class Averaging:
@@ -117,6 +119,7 @@ class Averaging:
                 and step == book.step
                 and p not in busy
                 and (book.agreed is None or book.states.get(p) in (None, book.agreed))
+                and book.benched.get(p, 0.0) <= now
             }
             # the last round's members apply it first, so the next round has them all
             last = book.last
@@ -157,6 +160,7 @@ class Averaging:
         assert r is not None
         # a sum far larger per sample, or far heavier, than the others' would poison every
         # member or set the round's direction: left out
+        self._bench(book, r, now)
         norms = {p: float(x.get("norm", 0.0)) for p, x in r.reports.items()}
         samples = {p: int(x["samples"]) for p, x in r.reports.items()}
         for p in sorted(outliers(norms, book.norms) | heavy(samples, self.target)):
@@ -178,6 +182,20 @@ class Averaging:
         book.agreed, book.states = None, {}
         book.norms = [norms[p] for p in sorted(r.reports) if norms[p] > 0]
         book.quorum = len(r.reports)
+
+    def _bench(self, book: StageBook, r: AvgRound, now: float) -> None:
+        """A member that misses two rounds in a row (a heartbeat that claims samples and
+        never reports them makes every round wait out its timeout) is kept out of the
+        stage's rounds for timeout x 2^(misses - 1), at most 64 timeouts; a report clears
+        it. Bounded either way: an honest server that was only slow rejoins soon."""
+        for p in r.members:
+            if p in r.reports:
+                book.missed.pop(p, None)
+                book.benched.pop(p, None)
+                continue
+            n = book.missed[p] = book.missed.get(p, 0) + 1
+            if n >= 2:
+                book.benched[p] = now + self.timeout_s * 2 ** min(n - 1, 6)
 
     def state(self, peer: str, stage: int, step: int, cid: str) -> None:
         """A server's state id after applying rounds up to `step`."""
