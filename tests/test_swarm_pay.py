@@ -211,3 +211,15 @@ def test_a_check_hop_is_not_accumulated_a_second_time() -> None:
         assert stage.samples == 8
     finally:
         server.tmp.cleanup()
+
+
+def test_checks_on_made_up_states_cannot_fill_the_coordinators_memory(desk: Desk) -> None:
+    from covey.swarm.paydesk import MAX_PARKED
+
+    req = desk.request()
+    odd = "e" * 64
+    fake = desk.check(req, desk.reply("a", req, state=odd), desk.reply("b", req, state=odd))
+    for _ in range(MAX_PARKED // 256):
+        assert desk.report([fake] * 256).json()["checks"] == ["parked"] * 256
+    assert "too many" in desk.report([fake]).json()["checks"][0]
+    assert len(desk.coord._parked) == MAX_PARKED

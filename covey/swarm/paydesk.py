@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("covey.swarm")
 MAX_SERVED_PER_REPORT = 10_000  # microbatches one report may claim for one server
 KNOWN_STATES = 16  # agreed states per stage whose replies are still paid
+MAX_PARKED = 4 * evidence.MAX_CHECKS_PER_REPORT  # checks waiting for their state, all trainers
 MAX_VERDICTS = 1024  # settled disputes remembered, to answer a replay without recomputing
 
 
@@ -121,6 +122,8 @@ class PayDesk:
                 if info is None or info.stage != check.stage or s == reporter:
                     return f"refused: {s[:12]} is no live server of stage {check.stage}"
             if check.state not in self.known_states[check.stage]:
+                if len(self._parked) >= MAX_PARKED:  # made-up states must not fill memory
+                    return "refused: too many checks wait for their state; report it later"
                 if now <= park_until:
                     self._parked.append((park_until, reporter, check))
                     return "parked"
