@@ -33,7 +33,7 @@ def hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
     return desc, model, spec, ArithmeticTask()
 
 
-def _batch(hf, gen_batch: int = 4, model=None, worker: str = "w1"):
+def _batch(hf, gen_batch: int = 8, model=None, worker: str = "w1"):
     desc, policy, spec, task = hf
     return rollout(
         model or policy,
