@@ -126,6 +126,7 @@ def test_honest_validator_catches_its_canary_and_a_lazy_one_is_penalized(trainer
         assert penalty["payload"]["kind"] == "canary" and "canary" in penalty["payload"]["reason"]
         status = httpx.get(f"{trainer}/v1/rl/status").json()
         assert status["canaries"].get("caught", 0) >= 1 and status["canaries"]["passed"] == 1
+        assert 'id="canaries"' in httpx.get(f"{trainer}/").text  # the status page shows them
         assert status["accounts"][lazy.identity.peer_id]["counts"]["canaries_passed"] == 1
         wait_for(lambda: _all_decided(trainer, more), 60, "the lazy step's batch decided")
     for w in workers + more:

@@ -7,7 +7,8 @@ table{border-collapse:collapse}td,th{padding:2px 10px;border-bottom:1px solid #d
 svg{border:1px solid #ccc;background:#fafafa}</style></head>
 <body><h1>covey rl <span id="run"></span></h1>
 <p>policy version <b id="version">?</b> &middot; batches accepted <b id="acc">0</b>,
-rejected <b id="rej">0</b> &middot; audits <span id="audits"></span></p>
+rejected <b id="rej">0</b> &middot; audits <span id="audits"></span> &middot;
+canaries <span id="canaries"></span></p>
 <h2>reward (per step) and pass@1 (held-out)</h2>
 <svg id="plot" width="600" height="200"></svg>
 <p><span style="color:#c60">&#9632; reward</span> <span style="color:#06c">&#9632; pass@1</span>
@@ -33,6 +34,10 @@ async function tick() {
     document.getElementById("rej").textContent = s.rejected;
     document.getElementById("audits").textContent = s.audits.audited + " audited, " +
       s.audits.caught + " caught";
+    const k = s.canaries || {};
+    document.getElementById("canaries").textContent = (k.caught || 0) + " caught, " +
+      (k.passed || 0) + " passed, " + (k.missed || 0) + " missed, " + (k.assigned || 0) +
+      " open";
     const p = s.pass_at_1; document.getElementById("pass").textContent =
       p.length ? p[p.length - 1][1].toFixed(3) : "?";
     document.getElementById("plot").innerHTML = line(s.reward, "#c60", s.version) +
