@@ -50,6 +50,8 @@ class Book(Draws):
         self._paid: set[tuple[int, str]] = set()
         self._catches_due: dict[tuple[int, str], int] = {}  # (round, validator) -> unpaid
         self._checks_due: dict[tuple[int, str], int] = {}  # (round, validator) -> unpaid
+        self._agreed_by: dict[tuple[int, str], set[str]] = {}  # (round, peer) -> validators
+        self._missed_due: dict[tuple[int, str], int] = {}  # (round, validator) -> passed frauds
         self.check_rewards = 0.0
         self.penalties = 0.0
         # validator assignment (see the "assignment" entry); keys (round, worker)
@@ -239,6 +241,8 @@ class Book(Draws):
 
     def _contribution_rejected(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p).rejected += 1
+        for v in self._agreed_by.pop((p["round"], p["peer_id"]), set()):  # they passed it
+            self._missed_due[(p["round"], v)] = self._missed_due.get((p["round"], v), 0) + 1
 
     def _verification(self, i: int, p: dict[str, Any]) -> None:
         acc = self._peer(i, p)
@@ -264,6 +268,7 @@ class Book(Draws):
         self._checks_due[due] = self._checks_due.get(due, 0) + 1
         if p["outcome"] == "agree":
             acc.agreed += 1
+            self._agreed_by.setdefault(key, set()).add(validator.peer_id)
 
     def _report_refused(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p).refused_reports += 1
@@ -280,6 +285,15 @@ class Book(Draws):
                 f"penalty: {amount} is not validator_slash_fraction "
                 f"{self._policy().validator_slash_fraction} x stake {acc.stake} = {expected}",
             )
+        if p["kind"] == "missed fraud":  # (RL) it agreed on a contribution rejected after
+            due = (p["round"], acc.peer_id)
+            if not self._missed_due.get(due):
+                raise LedgerError(
+                    i,
+                    f"penalty (missed fraud): validator {acc.peer_id} agreed on no contribution "
+                    f"rejected in round {p['round']}",
+                )
+            self._missed_due[due] -= 1
         acc.stake -= amount
         acc.slashed += amount
         self.penalties += amount
