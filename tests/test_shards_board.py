@@ -83,26 +83,32 @@ class Run:
         return self.board.view(3)["shards"][s]
 
 
-def test_a_lying_aggregator_is_slashed_and_its_shard_passes_on() -> None:
+def test_a_lying_aggregator_is_slashed_and_its_shards_pass_on() -> None:
+    """Everyone acts on the board as an aggregator does; one key lies on every shard."""
     run = Run()
-    for s in range(4):
-        who = run.shard(s)["aggregator"]
-        value = "f" * 64 if s == 2 else run.truth[s]  # shard 2's aggregator lies
-        run.board.publish(3, run.signed(who, "publish", index=s, hash=value, url="http://a"))
-    assert run.board.view(3)["certificate"] is None  # drawn checks not done yet
     liar = run.shard(2)["aggregator"]
-    for s in range(4):
-        checker = run.shard(s)["checker"]
-        answer = run.board.check(3, run.signed(checker, "check", index=s, hash=run.truth[s]), 1.0)
-        assert answer["outcome"] == ("fraud" if s == 2 else "agree")
-    assert [(r, p) for r, p, _ in run.slashed] == [(3, liar)]
-    nxt = run.shard(2)["aggregator"]
-    assert nxt != liar and run.shard(2)["published"] is None
+    outcomes: list[str] = []
+    for _ in range(20):  # passes over the board, as aggregators poll it
+        view = run.board.view(3)
+        if view["certificate"] is not None:
+            break
+        for s in range(len(view["shards"])):
+            shard = run.shard(s)  # fresh: a fraud moves turns and checkers
+            who = shard["aggregator"]
+            if shard["published"] is None and who not in run.banned:
+                value = "f" * 64 if who == liar else run.truth[s]
+                run.board.publish(3, run.signed(who, "publish", index=s, hash=value, url="u"))
+            elif shard["published"] and shard["checker"] and not shard["agreed"]:
+                body = run.signed(shard["checker"], "check", index=s, hash=run.truth[s])
+                outcomes.append(run.board.check(3, body, 1.0)["outcome"])
+    cert = run.board.view(3)["certificate"]
+    assert cert is not None, run.board.view(3)
+    assert [x["hash"] for x in cert["shards"]] == list(run.truth.values())
+    assert liar not in {x["aggregator"] for x in cert["shards"]}
+    assert [(r, p) for r, p, _ in run.slashed] == [(3, liar)]  # once, however many lies
+    assert outcomes.count("fraud") == 1 and "agree" in outcomes
     with pytest.raises(ShardError, match="excluded"):  # the liar cannot publish again
         run.board.publish(3, run.signed(liar, "publish", index=2, hash="e" * 64, url="x"))
-    run.board.publish(3, run.signed(nxt, "publish", index=2, hash=run.truth[2], url="http://b"))
-    cert = run.board.view(3)["certificate"]
-    assert cert is not None and [x["hash"] for x in cert["shards"]] == list(run.truth.values())
     check_certificate(cert, run.coordinator.public_key)
     with pytest.raises(ValueError, match="not signed"):
         check_certificate({**cert, "round": 4}, run.coordinator.public_key)

@@ -115,9 +115,10 @@ class ShardRound:
         order, k = self.orders[shard], self.turn[shard]
         return order[k] if k < len(order) else None
 
-    def checker(self, shard: int) -> str | None:
+    def checker(self, shard: int, banned: Callable[[str], bool]) -> str | None:
+        """The drawn checker: the first aggregator after the current one not banned."""
         order, k = self.orders[shard], self.turn[shard]
-        return order[k + 1] if k + 1 < len(order) else None
+        return next((p for p in order[k + 1 :] if not banned(p)), None)
 
 
 class ShardError(Exception):
@@ -233,7 +234,7 @@ class ShardBoard:
         with self._lock:
             rnd = self._get(round)
             peer, shard, value = self._authentic(round, "check", body)
-            if shard not in rnd.checked or rnd.checker(shard) != peer:
+            if shard not in rnd.checked or rnd.checker(shard, self._is_banned) != peer:
                 raise ShardError(409, f"{peer[:12]} is not the drawn checker of shard {shard}")
             pub = rnd.published.get(shard)
             if pub is None:
@@ -258,9 +259,11 @@ class ShardBoard:
             )
             self._slash(round, liar, f"wrong aggregate: {reason}")
             rnd.frauds.append({"shard": shard, "aggregator": liar, "checker": peer})
-            del rnd.published[shard]
-            self._next_turn(rnd, shard, now)
             rnd.checked.discard(shard)  # the next aggregator is the one who proved it
+            for s, other in list(rnd.published.items()):  # nothing unchecked of a liar stays
+                if other["aggregator"] == liar and s not in rnd.agreed:
+                    del rnd.published[s]
+                    self._next_turn(rnd, s, now)
             return {"ok": True, "outcome": "fraud", "next": rnd.current(shard)}
 
     def _next_turn(self, rnd: ShardRound, shard: int, now: float) -> None:
@@ -298,7 +301,7 @@ class ShardBoard:
                         "start": start,
                         "end": end,
                         "aggregator": rnd.current(s),
-                        "checker": rnd.checker(s) if s in rnd.checked else None,
+                        "checker": rnd.checker(s, self._is_banned) if s in rnd.checked else None,
                         "published": rnd.published.get(s),
                         "agreed": s in rnd.agreed,
                     }
@@ -316,7 +319,12 @@ class ShardBoard:
 
     def _certificate(self, rnd: ShardRound) -> dict[str, Any] | None:
         done = all(
-            s in rnd.published and (s not in rnd.checked or s in rnd.agreed)
+            s in rnd.published
+            and (
+                s not in rnd.checked
+                or s in rnd.agreed
+                or rnd.checker(s, self._is_banned) is None  # nobody left to check it
+            )
             for s in range(rnd.plan.count)
         )
         if not done:
