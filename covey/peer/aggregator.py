@@ -97,6 +97,7 @@ class ShardAggregator:
         self.store, self.blob_url, self.deadline_s, self.lie = store, blob_url, deadline_s, lie
         self.http = httpx.Client(timeout=30.0, trust_env=False)
         self.bytes_read = 0  # contribution bytes fetched: the shard's ranges only
+        self.shards_computed = 0
 
     def close(self) -> None:
         self.http.close()
@@ -127,6 +128,7 @@ class ShardAggregator:
         if start_state.digest() != board["start_hash"]:
             raise ValueError(f"start state {start_state.digest()[:12]} is not the board's")
         shard, inputs = board["shards"][index], board["inputs"]
+        self.shards_computed += 1
         start, end, numel = shard["start"], shard["end"], board["numel"]
         codec = self.strategy.codec
         slices = [
@@ -154,28 +156,33 @@ class ShardAggregator:
         signed = self.identity.sign_request(body, round, purpose=shard_purpose(round, action))
         url = f"{self.coordinator}/v1/shards/{round}/{action}"
         resp = _request(self.http, "POST", url, self.deadline_s, json=signed)
+        if resp.status_code == 409:  # the board moved on (a turn passed, a fraud proven)
+            return {"error": resp.json().get("error", "409")}
         if resp.status_code != 200:
             raise RuntimeError(f"shard {action} refused: {resp.status_code} {resp.text}")
         return resp.json()
 
     def work(self, round: int, start_state: TrainState) -> list[str]:
         """One pass over the board: publish each shard that is this key's turn, check each
-        published shard this key was drawn to check. What it did, as log lines."""
-        board, me, done = self.board(round), self.identity.peer_id, []
-        for shard in board["shards"]:
-            i = shard["index"]
+        published shard this key was drawn to check. The board is read again after every
+        post (a proven fraud moves turns and checkers); a 409 means it moved on under us,
+        and the shard is left to the next pass. What it did, as log lines."""
+        me, done = self.identity.peer_id, []
+        board = self.board(round)
+        for i in range(len(board["shards"])):
+            shard = board["shards"][i]
             if shard["aggregator"] == me and shard["published"] is None:
-                p, m, h = self.compute(board, i, start_state)
-                cid = self.store.put(shard_to_bytes(p, m))
-                self._post(round, "publish", {"index": i, "hash": h, "cid": cid,
-                                              "url": self.blob_url})  # fmt: skip
-                done.append(f"published shard {i}")
+                action = "publish"
             elif shard["checker"] == me and shard["published"] and not shard["agreed"]:
-                p, m, h = self.compute(board, i, start_state)
-                self.store.put(shard_to_bytes(p, m))  # a second source if it agrees
-                answer = self._post(round, "check", {"index": i, "hash": h,
-                                                     "url": self.blob_url})  # fmt: skip
-                done.append(f"checked shard {i}: {answer.get('outcome')}")
+                action = "check"
+            else:
+                continue
+            p, m, h = self.compute(board, i, start_state)
+            cid = self.store.put(shard_to_bytes(p, m))  # checker: a second source if agreed
+            body = {"index": i, "hash": h, "cid": cid, "url": self.blob_url}
+            answer = self._post(round, action, body)
+            done.append(f"{action} shard {i}: {answer.get('outcome', answer.get('error'))}")
+            board = self.board(round)
         return done
 
 
