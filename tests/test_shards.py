@@ -16,8 +16,10 @@ from covey.algorithms.shards import (
     aggregate_shard,
     block_square_sums,
     blocks_touching,
+    bytes_per_peer,
     check_block_sums,
     codec_align,
+    crossover_peers,
     decode_slice,
     flat_state,
     norm_from_block_sums,
@@ -192,3 +194,15 @@ def test_decode_slice_is_a_slice_of_decode_and_checks_bytes() -> None:
     assert codec_align(get_codec("topk:0.1")) is None
     with pytest.raises(ValueError, match="not aligned"):
         payload_ranges(codec, 128, 3, 64)
+
+
+def test_crossover_is_where_a_worker_moves_fewer_bytes_sharded() -> None:
+    numel = 120_576
+    for name in ("fp32", "int8", "int4", "topk:0.01:fp16"):
+        c = get_codec(name).nbytes(numel)
+        n = crossover_peers(numel, c)
+        below, at = bytes_per_peer(n - 1, numel, c, 4), bytes_per_peer(n, numel, c, 4)
+        assert below["gather"] <= below["sharded_worker"] and at["gather"] > at["sharded_worker"]
+    assert crossover_peers(numel, get_codec("int4").nbytes(numel)) == 9
+    with pytest.raises(ValueError, match="positive"):
+        bytes_per_peer(0, numel, 10, 1)
