@@ -295,6 +295,11 @@ def test_overlapping_workers_commit_agree_with_the_validator_and_the_simulator(
             checks = [e.payload["outcome"] for e in found if e.type == "verification"]
             time.sleep(0.5)
         certs = [cluster.get(f"/v1/rounds/{r}/certificate") for r in range(5)]
+        # SIGTERM while a transfer is (most likely) in flight: a clean, bounded exit
+        import signal
+
+        cluster.signal("w0", signal.SIGTERM)
+        assert cluster.wait_exit("w0", 60) == 0, cluster.tail("w0")
     assert checks.count("agree") >= 2, (checks, cluster.tail("v0"))
     assert "disagree" not in checks and "fraud" not in checks, checks
     for w in ("w0", "w1"):
