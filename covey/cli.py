@@ -317,7 +317,11 @@ def bench_network(
     ] = 3.0,
     inner_steps: Annotated[int, typer.Option("--inner-steps", "-H", help="DiLoCo's H")] = 50,
     only: Annotated[
-        list[str] | None, typer.Option(help="methods: ddp, diloco, diloco-int4-ef; repeat")
+        list[str] | None,
+        typer.Option(
+            help="methods: ddp, diloco, diloco-int4-ef, streaming-int4, "
+            "streaming-int4-no-overlap; repeat"
+        ),
     ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write records here")] = None,
     out: Annotated[Path, typer.Option(help="directory for each run's spec, logs and data")] = Path(
