@@ -171,6 +171,8 @@ def test_a_lying_aggregator_is_slashed_and_the_round_still_certifies(
         resp = post(http, path, k.sign_request(body, -1, purpose=f"POST {path}"))
         assert resp.status_code == 200, resp.text
     board = until("the shard board", lambda: _json_if_ok(http, "/v1/shards/0"))
+    start = http.get(f"/v1/blobs/{board['inputs']['start_cid']}")
+    assert content_id(start.content) == board["inputs"]["start_cid"]  # aggregators' W_0
     liar = board["shards"][0]["aggregator"]
     servers, aggregators = [], []
     for i, k in enumerate(keys):

@@ -448,6 +448,7 @@ def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
             ]
         inputs = {
             "codec": strategy.codec.name,
+            "start_cid": row["start_cid"],  # the start state, on this coordinator's blob plane
             "contributions": [
                 {"peer_id": a.peer_id, "cid": a.cid, "size": a.size} for a in cert.accepted
             ],
