@@ -128,3 +128,41 @@ def test_moments_that_do_not_fit_refuse_the_start(
     with pytest.raises(MomentsError, match=message) as e:
         Trainer(d)
     assert str(path) in str(e.value)
+
+
+def test_concurrent_checks_of_one_policy_agree(run: dict) -> None:
+    """The trainer checks batches from its loop thread (deadline and canary-source checks)
+    and from request threads (audits, re-checks), on one frozen model per version. The
+    prefill captures hidden states with a forward hook on that shared model, so two
+    checks at once read each other's states: a demo rejected an honest batch so ("top-k
+    overlap 0.667"). `Judge.check` serializes them."""
+    import threading
+
+    t = Trainer(run["dir"])
+    try:
+        b = rollout(
+            t.policy_at(2),
+            t.task,
+            t.rollout,
+            step=2,
+            worker_id="w3",
+            policy_version=2,
+            policy_cid=t.cids[2],
+        )
+        _accept(t, b)
+        row = t.db.one("SELECT * FROM rl_batches WHERE worker_id = 'w3'")
+        verdicts: list[object] = []
+
+        def check() -> None:
+            for _ in range(8):
+                verdicts.append(t.intake.judge.check(row, None))
+
+        threads = [threading.Thread(target=check) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert len(verdicts) == 32
+        assert all(v.ok for v in verdicts), [v for v in verdicts if not v.ok][:2]
+    finally:
+        t.stop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import sqlite3
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +43,22 @@ class Judge:
     def __init__(self, trainer: Trainer) -> None:
         self.t = trainer
         self.audits = {"audited": 0, "caught": 0}
+        # one check at a time: the prefill captures hidden states with a forward hook on
+        # the version's shared frozen model (covey.rl.sampling.forward_hidden), so two
+        # concurrent checks (the loop's deadline checks, request threads' audits) read each
+        # other's states and reject honest batches (seen in a demo: "top-k overlap 0.667")
+        self._checking = threading.Lock()
 
     def check(self, row: sqlite3.Row, samples: list[int] | None) -> BatchVerdict:
         t = self.t
         batch = RolloutBatch.model_validate_json(t.blobs.get(row["cid"]))
+        with self._checking:
+            return self._check(batch, row, samples)
+
+    def _check(
+        self, batch: RolloutBatch, row: sqlite3.Row, samples: list[int] | None
+    ) -> BatchVerdict:
+        t = self.t
         return check_batch(
             batch,
             spec=t.rollout,
