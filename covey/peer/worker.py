@@ -80,7 +80,6 @@ class WorkerOptions:
     behavior: str = "honest"  # see covey.peer.adversary (tests and demos only)
     device: str | None = None  # auto|cpu|cuda|cuda:N|mps; None: the run's [peer] device
     group: str = "ddp"  # under torchrun: ddp or fsdp inside the group (covey/peer/group.py)
-    group: str = "ddp"  # under torchrun: ddp or fsdp inside the group (covey/peer/group.py)
     threads: int | None = 1
     serve_blobs: bool = True
     blob_host: str = "127.0.0.1"
