@@ -46,6 +46,14 @@ Device = Annotated[
         "cuda:N | mps. Default cpu: the class RL's verification tolerances are calibrated on"
     ),
 ]
+PeerDevice = Annotated[
+    str,
+    typer.Option(
+        help="where the policy computes: auto (default: the device class the run verifies "
+        "on, its spec's verify_device; cuda means cuda:0) | cpu | cuda | cuda:N | mps. A "
+        "validator on another class refuses to check (exit 1); a worker on one is warned"
+    ),
+]
 IdentityPath = Annotated[
     Path | None,
     typer.Option(
@@ -101,6 +109,18 @@ def _device(spec: str) -> str:
         return str(resolve_device(spec))
     except DeviceError as e:
         raise _fail(f"--device: {e}") from None
+
+
+def _peer_device(spec: str) -> str:
+    """A worker's or validator's --device: "auto" is left for the run's spec to decide
+    (its verify class); anything else is checked now as `_device` does."""
+    from covey.devices import DeviceError, check_device_spec
+
+    try:
+        norm = check_device_spec(spec)
+    except DeviceError as e:
+        raise _fail(f"--device: {e}") from None
+    return norm if norm == "auto" else _device(norm)
 
 
 def _precision(setting: str, device: str) -> str:
@@ -205,13 +225,13 @@ def worker(
     serve_blobs: Annotated[bool, typer.Option(help="serve fetched policies to others")] = False,
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
-    device: Device = "cpu",
+    device: PeerDevice = "auto",
 ) -> None:
     """Generate rollout batches for a trainer and get paid per verified token."""
     from covey.peer.client import CoordinatorLost
     from covey.rl.worker import RolloutWorker
 
-    where = _device(device)
+    where = _peer_device(device)
     _logging()
     _threads(threads)
     stop = _stop_on_signals()
@@ -247,13 +267,16 @@ def validator(
     ] = None,
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
-    device: Device = "cpu",
+    device: PeerDevice = "auto",
 ) -> None:
-    """Check rollout batches the trainer assigns; earn per check and per proven catch."""
+    """Check rollout batches the trainer assigns; earn per check and per proven catch.
+    Exit 1, before claiming anything, when this validator's device is of another class
+    than the run's verify_device (re-checking there could convict honest work)."""
     from covey.peer.client import CoordinatorLost
+    from covey.rl.runspec import VerifyRefused
     from covey.rl.validator import RolloutValidator
 
-    where = _device(device)
+    where = _peer_device(device)
     _logging()
     _threads(threads)
     stop = _stop_on_signals()
@@ -269,6 +292,9 @@ def validator(
             device=where,
         )
         n = v.run_loop(max_checks)
+    except VerifyRefused as e:
+        logging.getLogger("covey.rl.validator").error("[%s] %s", name, e)
+        raise typer.Exit(1) from None
     except (CoordinatorLost, ValueError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"validator {name}: {n} checks reported")

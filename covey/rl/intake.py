@@ -44,6 +44,7 @@ from covey.coordinator.views import Rejected
 from covey.protocol.schemas import PeerId, RunId, Signed
 from covey.rl.batch import Problem, RolloutBatch, verified_subset
 from covey.rl.canaries import CANARY_SCHEMA, Canaries
+from covey.rl.runspec import NotJudged
 from covey.rl.verdicts import Judge
 from covey.trust.identity import NO_ROUND
 
@@ -411,4 +412,13 @@ class Intake:
                 f"{req.peer_id[:12]} (reported already, or reassigned)",
             )
         claim = {"ok": req.ok, "problem": req.problem, "detail": req.detail, "sample": req.sample}
-        return self.judge.decide(row, req.peer_id, claim)
+        try:
+            return self.judge.decide(row, req.peer_id, claim)
+        except NotJudged:  # the trainer lacks the verify class: undecided, nobody's miss
+            with t.db.transaction() as c:
+                c.execute(
+                    "UPDATE rl_batches SET status = 'pending', validator_id = NULL WHERE id = ? "
+                    "AND status = 'claimed'",
+                    (row["id"],),
+                )
+            raise

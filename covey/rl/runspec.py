@@ -6,21 +6,46 @@ trainer serving another run. It says which task (built-in arithmetic or JSONL pr
 a `py:` reward), how rollouts are drawn (prompts per step, G, temperature, token budget,
 eos), how the trainer learns (async_level, samples per step) and verifies (prefill checks
 per batch, audit rate, deadlines), and the incentive rules its ledger is created with.
+
+Verification across devices (issue 12): GPUs do not round like CPUs, and RL's checks
+(prefill logprobs against a worker's proofs, the tolerances of covey.rl.proofs) were
+calibrated on CPU in fp32. `verify_device` names the device class every check of the run
+runs on (validators, the trainer's re-checks and audits), `verify_precision` its
+precision; a peer of another class refuses to judge rather than convict honest work for
+rounding (`verify_refusal`), and a worker's `--device auto` means that class
+(`peer_device`). Both enter the run id only when not the default, so runs created before
+they existed keep their ids.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from covey.config import LimitsConfig, RoundsConfig, TrustConfig
+from covey.coordinator.views import Rejected
+from covey.devices import (
+    DeviceError,
+    RefereeCompute,
+    device_class,
+    device_name,
+    referee_compute,
+    resolve_device,
+    verification_mismatch,
+)
 from covey.rl.batch import RolloutSpec
 from covey.rl.tasks import ArithmeticTask, JsonlTask, Task
 from covey.trust.policy import Policy
+
+log = logging.getLogger("covey.rl.runspec")
+# fields hashed into the run id only when they differ from these (older runs' ids stand)
+_HASHED_IF_SET = {"verify_device": "cpu", "verify_precision": "fp32"}
 
 
 class TaskSpec(BaseModel):
@@ -90,6 +115,17 @@ class RLSpec(BaseModel):
         "validator_slash_fraction of its stake",
     )
 
+    verify_device: Literal["cpu", "cuda", "mps"] = Field(
+        "cpu",
+        description="device class every check runs on (validators, the trainer's re-checks "
+        "and audits); cpu: the class RL's proof tolerances are calibrated on",
+    )
+    verify_precision: Literal["fp32"] = Field(
+        "fp32",
+        description="precision of sampling and checks: fp32 only (RL's rollouts and prefill "
+        "checks do not autocast; the trainer's learning step may, with --precision)",
+    )
+
     @model_validator(mode="after")
     def _consistent(self) -> RLSpec:
         if self.dead_after_s <= self.heartbeat_s:
@@ -102,9 +138,15 @@ class RLSpec(BaseModel):
 
 
 def run_id_of(spec: RLSpec, model_cfg: dict[str, Any], policy_cid: str, trainer_key: str) -> str:
-    """16 hex digits of sha256 over the spec, the model, the first policy and the trainer."""
+    """16 hex digits of sha256 over the spec, the model, the first policy and the trainer.
+    The verify device class and precision are left out at their defaults (cpu, fp32), so
+    a run's id is what it was before the spec had them."""
+    dumped = spec.model_dump(mode="json")
+    for field, default in _HASHED_IF_SET.items():
+        if dumped.get(field) == default:
+            del dumped[field]
     body = {
-        "spec": spec.model_dump(mode="json"),
+        "spec": dumped,
         "model": model_cfg,
         "policy0": policy_cid,
         "trainer_key": trainer_key,
@@ -156,3 +198,70 @@ def membership_config(spec: RLSpec) -> Any:
     )
     trust = TrustConfig(min_stake=spec.min_stake, min_validator_stake=spec.min_validator_stake)
     return SimpleNamespace(trust=trust, rounds=rounds, limits=LimitsConfig())
+
+
+class VerifyRefused(RuntimeError):
+    """A peer whose device cannot judge the run's batches (another device class or
+    precision than the spec's `verify_device` / `verify_precision`)."""
+
+
+class NotJudged(Rejected):
+    """The trainer cannot recompute a verdict here (it lacks the run's verify class): the
+    batch stays undecided (409 to a validator reporting on it; nobody is paid or
+    penalized for it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(409, f"not judged: {reason}")
+
+
+def verify_refusal(spec: RLSpec, device: torch.device | str, precision: str = "fp32") -> str | None:
+    """Why a peer computing on `device` in `precision` must not judge this run's batches,
+    or None when it may (covey.devices.verification_mismatch against the spec's class)."""
+    return verification_mismatch(spec.verify_device, spec.verify_precision, device, precision)
+
+
+def verify_compute(spec: RLSpec, device: str | None = None) -> RefereeCompute:
+    """Where the trainer re-checks and audits batches: the run's verify class (cuda means
+    cuda:0), or a `refusal` when this machine has none; then it judges nothing. `device`
+    is resolved as covey.devices.resolve_device does (DeviceError when malformed or
+    absent) and refused when of another class."""
+    return referee_compute(spec.verify_device, spec.verify_precision, device)
+
+
+def peer_device(spec: RLSpec, setting: str, role: str = "worker") -> torch.device:
+    """The device a worker or validator computes on. `setting` "auto": the run's verify
+    class (cuda: cuda:0), DeviceError naming it when this machine has none (a validator:
+    VerifyRefused); any other
+    setting: covey.devices.resolve_device's device. A worker on another class than the
+    run's is warned (honest work may fail the checks); a validator on one raises
+    VerifyRefused, before it claims anything."""
+    auto = setting.strip().lower() == "auto"
+    try:
+        where = resolve_device(spec.verify_device if auto else setting)
+    except DeviceError as e:
+        if role == "validator" and auto:
+            raise VerifyRefused(
+                f"refusing to validate: this run verifies on {spec.verify_device}, which "
+                f"this machine lacks: {e}"
+            ) from None
+        if auto:
+            raise DeviceError(
+                f"--device auto means this run's verify class, {spec.verify_device}: {e}; "
+                f"pass --device cpu to generate elsewhere (warned)"
+            ) from None
+        raise
+    if role == "validator":
+        reason = verify_refusal(spec, where)
+        if reason is not None:
+            raise VerifyRefused(f"refusing to validate: {reason}")
+    elif device_class(where) != spec.verify_device:
+        log.warning(
+            "this run verifies on %s; this worker generates on %s (%s): its batches are "
+            "checked on %s, where rounding differs, so honest work may fail the checks "
+            "and be slashed. Use --device auto (the run's class) to avoid it",
+            spec.verify_device,
+            device_class(where),
+            device_name(where),
+            spec.verify_device,
+        )
+    return where

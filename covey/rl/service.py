@@ -158,7 +158,12 @@ def _validator_join(t: Trainer, req: schemas.ValidatorJoin, raw: dict[str, Any])
             "UPDATE peers SET state = 'live', last_seen = ? WHERE peer_id = ?",
             (time.time(), req.validator_id),
         )
-    return {"ok": True, "heartbeat_s": t.spec.heartbeat_s, "dead_after_s": t.spec.dead_after_s}
+    return {
+        "ok": True,
+        "heartbeat_s": t.spec.heartbeat_s,
+        "dead_after_s": t.spec.dead_after_s,
+        "verify_device": t.spec.verify_device,  # the class its checks must run on (issue 12)
+    }
 
 
 def serve(trainer: Trainer, host: str, port: int) -> None:

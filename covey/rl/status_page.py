@@ -8,7 +8,8 @@ svg{border:1px solid #ccc;background:#fafafa}</style></head>
 <body><h1>covey rl <span id="run"></span></h1>
 <p>policy version <b id="version">?</b> &middot; batches accepted <b id="acc">0</b>,
 rejected <b id="rej">0</b> &middot; audits <span id="audits"></span> &middot;
-canaries <span id="canaries"></span></p>
+canaries <span id="canaries"></span> &middot; verified on <b id="verify"></b>
+(<span id="judging"></span>)</p>
 <h2>reward (per step) and pass@1 (held-out)</h2>
 <svg id="plot" width="600" height="200"></svg>
 <p><span style="color:#c60">&#9632; reward</span> <span style="color:#06c">&#9632; pass@1</span>
@@ -30,6 +31,9 @@ async function tick() {
     const s = await (await fetch("/v1/rl/status")).json();
     document.getElementById("run").textContent = s.run_id;
     document.getElementById("version").textContent = s.version;
+    document.getElementById("verify").textContent = s.verify_device;
+    document.getElementById("judging").textContent = (s.judging.startsWith("on ") ?
+      "trainer judges " : "trainer does not judge: ") + s.judging;
     document.getElementById("acc").textContent = s.accepted;
     document.getElementById("rej").textContent = s.rejected;
     document.getElementById("audits").textContent = s.audits.audited + " audited, " +

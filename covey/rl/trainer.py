@@ -37,7 +37,15 @@ from covey.rl.batch import RolloutBatch
 from covey.rl.intake import RL_SCHEMA, Intake
 from covey.rl.learning import held_out_pass_at_1, make_learner
 from covey.rl.moments import load_moments, moments_path, prune_moments, save_moments
-from covey.rl.runspec import RLSpec, ledger_policy, membership_config, rollout_spec, run_id_of
+from covey.rl.runspec import (
+    NotJudged,
+    RLSpec,
+    ledger_policy,
+    membership_config,
+    rollout_spec,
+    run_id_of,
+    verify_compute,
+)
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.trainer")
@@ -106,6 +114,12 @@ class Trainer:
         rows = self.db.query("SELECT version, cid FROM rl_versions ORDER BY version")
         self.cids = {int(r["version"]): r["cid"] for r in rows}
         self.version = max(self.cids)
+        # issue 12: re-checks and audits run on the run's verify class (a policy version
+        # loaded there by policy_at), or not at all: judged elsewhere, rounding could convict
+        self.judging = verify_compute(self.spec)
+        self._not_judged: set[int] = set()
+        if self.judging.refusal is not None:
+            log.warning("[trainer] this trainer will not judge batches: %s", self.judging.refusal)
         self.device = resolve_device(device)
         self.policy = pol.load_weights(
             pol.build_policy(self.model_cfg), self.blobs.get(self.cids[self.version])
@@ -199,13 +213,19 @@ class Trainer:
         return {"version": v, "cid": cid, "size": self.blobs.size(cid), "providers": providers}
 
     def policy_at(self, version: int) -> torch.nn.Module:
-        """The frozen policy of `version` (cached while it can still be checked against)."""
+        """The frozen policy of `version` (cached while it can still be checked against), on
+        the run's verify device class; NotJudged when this machine has none."""
+        if self.judging.device is None:  # NotJudged: the batch stays undecided
+            if version not in self._not_judged:  # once per version: the loop retries often
+                self._not_judged.add(version)
+                log.warning("[trainer - v%d] batches not judged: %s", version, self.judging.refusal)
+            raise NotJudged(str(self.judging.refusal))
         with self.lock:
             model = self._frozen.get(version)
             if model is None:
                 model = pol.load_weights(
                     pol.build_policy(self.model_cfg), self.blobs.get(self.cids[version])
-                )
+                ).to(self.judging.device)
                 self._frozen[version] = model
                 for old in [v for v in self._frozen if v < self.version - self.spec.async_level]:
                     del self._frozen[old]
@@ -351,6 +371,8 @@ class Trainer:
         return {
             "run_id": self.run_id,
             "version": self.version,
+            "verify_device": self.spec.verify_device,
+            "judging": self.judging.refusal or f"on {self.judging.device}",
             "batches": counts,
             "accepted": sum(counts.get(k, 0) for k in ("accepted", "consumed", "dropped")),
             "rejected": counts.get("rejected", 0),

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from covey.blobs import BlobClient, BlobError, BlobStore
-from covey.devices import resolve_device
 from covey.peer.client import CoordinatorClient, PeerRejected
 from covey.rl.batch import RolloutBatch, check_batch
 from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
 from covey.rl.policy import PolicyError, codec_kwargs
+from covey.rl.runspec import peer_device
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.validator")
@@ -41,20 +41,22 @@ class RolloutValidator:
         run_id: str | None = None,
         stop: threading.Event | None = None,
         work_dir: Path | None = None,
-        device: str = "cpu",
+        device: str = "auto",
     ) -> None:
-        """`device` (covey.devices.resolve_device: DeviceError naming a bad or absent one)
-        holds the policies it checks under."""
+        """`device` (covey.rl.runspec.peer_device: auto is the run's verify class) holds
+        the policies it checks under. VerifyRefused, before joining, when it is of another
+        class than the run's verify_device (or auto and this machine lacks that class)."""
         if behavior not in BEHAVIORS:
             raise ValueError(f"unknown validator behavior {behavior!r}; choose from {BEHAVIORS}")
         self.identity, self.name, self.stake, self.behavior = identity, name, stake, behavior
         self.stop = stop or threading.Event()
-        self.device = resolve_device(device)
         self.client = CoordinatorClient(
             trainer_url, timeout_s=30.0, lost_s=lost_s, stop=self.stop, identity=identity
         )
         self.trainer_url = trainer_url.rstrip("/")
         self.run: RunInfo = read_run(self.client, run_id)
+        # issue 12: on another device class than the run's, VerifyRefused before any claim
+        self.device = peer_device(self.run.spec, device, "validator")
         root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-validator-"))
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)  # bytes are checked by hash
         self.policies = PolicyCache(self.run, BlobStore(root / "blobs"), self.fetcher, self.device)

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore
-from covey.devices import device_name, resolve_device
+from covey.devices import device_name
 from covey.peer.client import CoordinatorClient, PeerRejected
 from covey.rl.batch import RolloutBatch, rollout
 from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
 from covey.rl.policy import PolicyError, codec_kwargs
+from covey.rl.runspec import peer_device
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.worker")
@@ -65,20 +66,21 @@ class RolloutWorker:
         run_id: str | None = None,
         stop: threading.Event | None = None,
         work_dir: Path | None = None,
-        device: str = "cpu",
+        device: str = "auto",
     ) -> None:
-        """`device` (covey.devices.resolve_device: DeviceError naming a bad or absent one)
-        holds the policy, generates and builds proofs; it is reported at join."""
+        """`device` (covey.rl.runspec.peer_device: auto is the run's verify class; DeviceError
+        naming a bad or absent one) holds the policy, generates and builds proofs; it is
+        reported at join."""
         if behavior not in cheat_names():
             raise ValueError(f"unknown behavior {behavior!r}; choose from {cheat_names()}")
         self.identity, self.name, self.stake, self.behavior = identity, name, stake, behavior
         self.stop = stop or threading.Event()
-        self.device = resolve_device(device)
         self.client = CoordinatorClient(
             trainer_url, timeout_s=30.0, lost_s=lost_s, stop=self.stop, identity=identity
         )
         self.trainer_url = trainer_url.rstrip("/")
         self.run: RunInfo = read_run(self.client, run_id)
+        self.device = peer_device(self.run.spec, device)  # auto: the run's verify class
         root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-worker-"))
         self.store = BlobStore(root / "blobs")
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)

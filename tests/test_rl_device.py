@@ -1,0 +1,180 @@
+"""The RL run's verify device class (issue 12): the spec names the class every check runs on
+(`verify_device`, default cpu), a validator of another class refuses before claiming, the
+trainer judges nothing where it lacks the class, a worker's `--device auto` is the run's
+class, and the default run's id is what it was before the field existed.
+
+The run verified on "cuda" is served on this CPU machine: exactly the case to refuse."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from covey.cli import app
+from covey.devices import DeviceError
+from covey.rl.runspec import (
+    NotJudged,
+    RLSpec,
+    VerifyRefused,
+    peer_device,
+    run_id_of,
+    verify_compute,
+)
+from covey.rl.trainer import Trainer
+from covey.rl.worker import RolloutWorker
+from covey.trust.identity import Identity
+from tests.test_rl_network import ROOT, batch_status, free_port, ledger, policy, wait_for
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+CUDA_SPEC = """
+verify_device = "cuda"
+group_size = 4
+samples_per_step = 1000
+audit_rate = 0.0
+verify_timeout_s = 1
+eval_prompts = 4
+eval_every = 1000
+heartbeat_s = 1
+dead_after_s = 3
+max_batch_bytes = 200000
+canary_rate = 0.0
+"""
+
+
+def test_default_run_id_is_unchanged_and_the_class_is_hashed_when_set() -> None:
+    cfg, policy0, key = {"vocab_size": 256}, "a" * 64, "b" * 64
+    # computed with the spec before verify_device existed (commit df396d2)
+    assert run_id_of(RLSpec(), cfg, policy0, key) == "5e3274c9f2c67c92"
+    assert run_id_of(RLSpec(group_size=4), cfg, policy0, key) == "e4e1987e09fcad09"
+    assert run_id_of(RLSpec(verify_device="cuda"), cfg, policy0, key) != "5e3274c9f2c67c92"
+    old = RLSpec().model_dump(mode="json")
+    del old["verify_device"], old["verify_precision"]
+    assert RLSpec.model_validate(old) == RLSpec()  # a stored spec of an older run loads
+    with pytest.raises(ValueError, match="verify_device"):
+        RLSpec(verify_device="tpu")  # type: ignore[arg-type]
+
+
+def test_auto_resolves_to_the_run_verify_class() -> None:
+    spec = RLSpec()
+    assert peer_device(spec, "auto") == torch.device("cpu")
+    assert peer_device(spec, "AUTO", "validator") == torch.device("cpu")
+    assert peer_device(spec, "cpu", "validator") == torch.device("cpu")
+    assert verify_compute(spec).device == torch.device("cpu")
+
+
+@NO_CUDA
+def test_a_cuda_run_on_this_cpu_machine_refuses_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    spec = RLSpec(verify_device="cuda")
+    with pytest.raises(VerifyRefused, match="this run verifies on cuda, this validator computes"):
+        peer_device(spec, "cpu", "validator")
+    with pytest.raises(VerifyRefused, match="verifies on cuda, which this machine lacks"):
+        peer_device(spec, "auto", "validator")
+    with pytest.raises(DeviceError, match="auto means this run's verify class, cuda"):
+        peer_device(spec, "auto")
+    with caplog.at_level(logging.WARNING, logger="covey.rl.runspec"):
+        assert peer_device(spec, "cpu") == torch.device("cpu")
+    assert "honest work may fail the checks" in caplog.text
+    assert verify_compute(spec).refusal is not None
+
+
+@NO_CUDA
+def test_a_trainer_without_the_verify_class_judges_nothing(tmp_path: Path) -> None:
+    t = Trainer(
+        tmp_path / "run", spec=RLSpec(verify_device="cuda", eval_prompts=2), policy_dir="covey:nano"
+    )
+    try:
+        status = t.status()
+        assert status["verify_device"] == "cuda"
+        assert "referee lacks device class cuda" in status["judging"]
+        with pytest.raises(NotJudged, match="not judged: referee lacks device class cuda") as e:
+            t.policy_at(0)
+        assert e.value.status == 409
+    finally:
+        t.stop()
+
+
+@pytest.fixture(scope="module")
+def cuda_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A trainer process serving a run verified on cuda (on this CPU machine)."""
+    d = tmp_path_factory.mktemp("rl-cuda")
+    (d / "spec.toml").write_text(CUDA_SPEC)
+    port = free_port()
+    cmd = [sys.executable, "-m", "covey", "rl", "trainer", "--data-dir", str(d / "run")]
+    cmd += ["--policy", "covey:nano", "--spec", str(d / "spec.toml"), "--port", str(port)]
+    log = d / "trainer.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, f"trainer exited {proc.returncode}: {log.read_text()}"
+        try:
+            return httpx.get(f"{url}/v1/rl/policy", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 120, "the trainer to serve")
+        yield url, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _cli(args: list[str]) -> tuple[int, str]:
+    """`covey ARGS` in this process (torch is imported already: fast), signals restored."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    return result.exit_code, result.output
+
+
+@NO_CUDA
+@pytest.mark.network
+def test_cuda_run_validator_refuses_and_nothing_is_judged(
+    cuda_run: tuple[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, log = cuda_run
+    status = httpx.get(f"{url}/v1/rl/status").json()
+    assert status["verify_device"] == "cuda" and "lacks device class cuda" in status["judging"]
+    assert httpx.get(f"{url}/v1/rl/spec").json()["spec"]["verify_device"] == "cuda"
+    with caplog.at_level(logging.ERROR, logger="covey.rl.validator"):
+        for device in ("auto", "cpu"):
+            code, _ = _cli(["rl", "validator", "--trainer", url, "--device", device])
+            assert code == 1, device
+    assert "refusing to validate: this run verifies on cuda" in caplog.text
+    code, out = _cli(["rl", "worker", "--trainer", url, "--max-steps", "1"])
+    assert code == 2 and "auto means this run's verify class, cuda" in out, out
+
+    w = RolloutWorker(url, Identity.generate(), name="w-cpu", device="cpu")  # warned
+    w.membership.join("worker", w.name, w.stake)
+    try:
+        assert w.step(policy(url)) is not None
+        # no validator may take it, so the trainer would check it itself: it cannot
+        wait_for(lambda: "batches not judged" in log.read_text(), 30, "the trainer to decline")
+        [row] = batch_status(url, w.identity.peer_id)
+        assert row["status"] == "pending", row
+        peer = w.identity.peer_id
+        for kind in ("verification", "contribution accepted", "contribution rejected", "slash"):
+            assert ledger(url, kind, peer) == [], kind
+        accounts = httpx.get(f"{url}/v1/rl/status").json()["accounts"]
+        assert [a["role"] for a in accounts.values()] == ["worker"]  # no validator joined
+    finally:
+        w.membership.leave()
