@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from covey.devices import device_class
 from covey.rl.runspec import RLSpec
 
 HONEST_WORKERS = 3
@@ -85,6 +86,9 @@ def run_demo(
     from covey.rl.policy import spec_defaults
 
     spec = demo_spec().model_copy(update=spec_defaults(policy))  # hf: its newline eos
+    # every role runs on `device`, so the run verifies on its class (a CUDA demo checks on
+    # CUDA; a cpu-verified run's validators on CUDA would refuse every check)
+    spec = spec.model_copy(update={"verify_device": device_class(device)})
     task = spec.task.build()
     if policy is None:
         echo(f"sft: {sft_steps} steps teaching the answer format (covey rl sft) ...")
