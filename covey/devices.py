@@ -10,8 +10,9 @@ or to be hashed.
 
 Verification across devices: GPUs do not round like CPUs (other reduction orders, fused
 kernels, TF32, bf16), so a contribution is re-executed on the device class and precision the
-run spec names (`[peer] verify_device`, `precision`). `verification_mismatch` says why a
-validator on another class or precision must refuse a check rather than judge it.
+run spec names (`[peer] verify_device`, `precision`; an RL run's `verify_device`,
+`verify_precision`, covey.rl.runspec). `verification_mismatch` says why a validator on
+another class or precision must refuse a check rather than judge it.
 """
 
 from __future__ import annotations
