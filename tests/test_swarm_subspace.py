@@ -121,3 +121,20 @@ def test_a_two_stage_hop_over_http_in_subspace_mode(swarm: object, tmp_path: Pat
     assert meta1["loss"] == pytest.approx(loss, rel=1e-5)
     assert meta1["sketch"] == pytest.approx(want1, rel=1e-4, abs=1e-7)
     assert meta0["sketch"] == pytest.approx(want0, rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("behavior", ["wrong", "noise"])
+def test_an_adversary_in_subspace_mode_sends_a_valid_payload_that_is_caught(behavior: str) -> None:
+    """A lying server's forward reply still decodes (ids kept, coefficients changed), and
+    the duplicate check's distance puts it beyond tolerance."""
+    from covey.swarm import compute
+    from covey.swarm.server import misbehave
+    from covey.swarm.wire import build_stage, encode_tensor, pack, unpack
+
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    honest = compute.forward(CFG, 0, build_stage(CFG, 0), pack(encode_tensor(batch, "plain")))
+    bad = misbehave(behavior, "forward", honest, CFG.codec)
+    ids, c = decode_payload(unpack(bad, 2)[0])
+    assert torch.equal(ids, batch) and c.shape == (2, 16, CFG.subspace_rank)
+    assert compute.reply_distance(bad, honest) > CFG.tolerance
+    assert compute.reply_distance(honest, honest) == 0.0
