@@ -21,6 +21,8 @@ from typer.testing import CliRunner
 
 from covey.cli import app
 from covey.devices import DeviceError
+from covey.peer.client import CoordinatorClient, PeerRejected
+from covey.rl.peer import Membership, read_run
 from covey.rl.runspec import (
     NotJudged,
     RLSpec,
@@ -176,5 +178,32 @@ def test_cuda_run_validator_refuses_and_nothing_is_judged(
             assert ledger(url, kind, peer) == [], kind
         accounts = httpx.get(f"{url}/v1/rl/status").json()["accounts"]
         assert [a["role"] for a in accounts.values()] == ["worker"]  # no validator joined
+        _a_rejection_reported_is_not_judged(url, peer)
     finally:
         w.membership.leave()
+
+
+def _a_rejection_reported_is_not_judged(url: str, worker_id: str) -> None:
+    """A validator that claims the batch anyway (its own client, as one on CUDA would) and
+    rejects it: the trainer cannot re-check the rejection, so 409 "not judged", the batch
+    goes back to pending, and neither side is paid, slashed or penalized."""
+    me = Identity.generate()
+    client = CoordinatorClient(url, timeout_s=30.0, lost_s=30.0, identity=me)
+    membership = Membership(client, me, read_run(client))
+    membership.join("validator", "v-elsewhere", 10.0)
+    try:
+        body = {"run_id": membership.run.run_id, "peer_id": me.peer_id}
+        task = wait_for(lambda: client.post("/v1/rl/claim", body)["task"], 30, "a claim")
+        assert task["worker_id"] == worker_id
+        cid = task["batch_cid"]
+        report = {**body, "batch_cid": cid, "ok": False, "problem": "sampling", "detail": "x"}
+        with pytest.raises(PeerRejected, match="not judged: referee lacks device class cuda"):
+            client.post("/v1/rl/report", report)
+        [row] = batch_status(url, worker_id)
+        assert row["status"] == "pending", row  # (claimed batches show as pending too)
+        # released, not held: a claim that still held it would be handed it again
+        assert client.post("/v1/rl/claim", body)["task"] is None
+        for kind in ("verification", "report refused", "penalty", "slash", "reward"):
+            assert ledger(url, kind, worker_id) == [] and ledger(url, kind, me.peer_id) == []
+    finally:
+        membership.leave()
