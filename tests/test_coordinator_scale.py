@@ -124,6 +124,7 @@ def test_heartbeats_and_polls_are_answered_while_a_round_commits(tmp_path: Path)
         answered.set()
         assert released.wait(10)
     finally:
+        coord.membership._stop.set()  # the liveness flusher ends before its database does
         coord.db.close()
 
 
