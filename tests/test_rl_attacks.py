@@ -386,7 +386,8 @@ def test_a_worker_cannot_aim_its_batch_at_a_chosen_validator(
         body, v = honest_body(trainer, w)
         pair = (checker.identity.peer_id, other.identity.peer_id)
         for j in range(1000):  # each try is a hash: a cheater's grinding, at no cost
-            attack = with_sample(body, reward=j / 1000)
+            # an edited reward: never a value the task pays (0, format_reward, 1)
+            attack = with_sample(body, reward=0.5 + j / 4000)
             batch = RolloutBatch.model_validate(attack["batch"])
             cid = hashlib.sha256(batch.model_dump_json().encode()).hexdigest()
             draw = key.sign(f"covey-rl-assign/v1\n{w.run.run_id}\n{cid}".encode())

@@ -115,8 +115,10 @@ def test_sigkill_of_a_server_mid_step_reroutes_and_loses_no_accepted_update(
     assert all(b["rounds"] >= 1 for b in s["averaging"])
     assert "b1" not in {x["name"] for x in s["servers"]}
     # checked hops (verify_rate 0.5) count once: no stage took in more samples than were
-    # trained (dropped microbatches may have reached some stages' backward)
-    bound = t.stats.samples + t.stats.dropped * SETTINGS["microbatch"]
+    # trained (dropped microbatches may have reached some stages' backward, and a rerouted
+    # hop may have been accumulated by the server whose reply was lost: at least once)
+    mb = SETTINGS["microbatch"]
+    bound = t.stats.samples + (t.stats.dropped + t.router.reroutes) * mb
     assert all(b - a <= bound for a, b in zip(start, _accumulated(swarm.url), strict=True))
     assert t.stats.checks >= 1 and t.stats.paid_checks >= 1
 
