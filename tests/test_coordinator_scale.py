@@ -263,6 +263,7 @@ def test_a_crash_loses_at_most_the_flush_interval_of_liveness(cluster: LocalClus
 
 
 @pytest.mark.network
+@pytest.mark.long  # a benchmark's smoke run (~13 s)
 def test_bench_coordinator_smoke(tmp_path: Path) -> None:
     """20 simulated peers for ~5 s: every operation answered, none refused."""
     rows = run_coordinator_bench(

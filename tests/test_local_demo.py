@@ -66,7 +66,7 @@ def _assert_all_stopped(summary: dict[str, Any]) -> None:
 
 
 def test_demo_trains_and_leaves_a_run_directory(tmp_path: Path) -> None:
-    s = run_local_demo(workers=2, minutes=0.5, out_dir=tmp_path, progress=False)
+    s = run_local_demo(workers=2, minutes=0.35, out_dir=tmp_path, progress=False)
 
     assert s["rounds_committed"] >= 2
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

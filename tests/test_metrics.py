@@ -75,6 +75,7 @@ def test_route_label_is_the_template_never_the_raw_path() -> None:
 
 
 @pytest.mark.network
+@pytest.mark.long  # ~14 s; /metrics is also read by test_dos.py and test_openapi.py
 def test_healthz_and_metrics_move_during_a_run(tmp_path: Path) -> None:
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC)

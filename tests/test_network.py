@@ -235,9 +235,13 @@ def test_slow_peer_gets_a_smaller_budget_and_weighs_its_tokens(tmp_path: Path) -
 @pytest.mark.parametrize(
     "algorithm",
     [
-        # DDP and DeMo in the long run only (the suite's time budget); Streaming by default
+        # the long run only (the suite's time budget)
         pytest.param('method = "ddp"', marks=pytest.mark.long),
-        'method = "streaming"\ninner_steps = 8\nfragments = 4\noverlap_steps = 0',
+        # Streaming over the network runs by default in test_worker_overlap.py (with overlap)
+        pytest.param(
+            'method = "streaming"\ninner_steps = 8\nfragments = 4\noverlap_steps = 0',
+            marks=pytest.mark.long,
+        ),
         pytest.param('method = "demo"\ntopk = 8', marks=pytest.mark.long),
     ],
     ids=["ddp", "streaming", "demo"],

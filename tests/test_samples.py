@@ -64,6 +64,7 @@ sample_tokens = 8
 
 
 @pytest.mark.network
+@pytest.mark.long  # ~17 s; the samples themselves are tested without a process above
 def test_a_running_coordinator_serves_samples(tmp_path: Path) -> None:
     """Coordinator and worker processes: after the first evaluation /v1/status carries one
     sample per default prompt, and it is refreshed at later multiples of samples_every."""

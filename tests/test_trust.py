@@ -96,7 +96,8 @@ CAUGHT_BY_REEXECUTION = ("sign-flip", "scaled", "noise", "free-rider", "lazy", "
 REFUSED_AT_INTAKE = ("stale", "replay", "copycat", "nan")
 
 
-@pytest.fixture(params=["re-execution", "intake"])
+# intake refusals have fast HTTP tests (test_coordinator_input.py); the process run is long
+@pytest.fixture(params=["re-execution", pytest.param("intake", marks=pytest.mark.long)])
 def cheaters(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any, ...]]:
     behaviors = CAUGHT_BY_REEXECUTION if request.param == "re-execution" else REFUSED_AT_INTAKE
     # rounds wait for 4 workers: a round that is one cheater's alone (a x100 update as the
