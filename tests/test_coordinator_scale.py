@@ -226,6 +226,7 @@ def test_the_certificate_long_poll_returns_at_the_commit(cluster: LocalCluster) 
 
 
 @pytest.mark.network
+@pytest.mark.long  # ~11 s: a SIGKILL and a restart; the flush itself is tested above
 def test_a_crash_loses_at_most_the_flush_interval_of_liveness(cluster: LocalCluster) -> None:
     """Heartbeats for a few flush intervals, then SIGKILL: SQLite holds a last_seen no
     older than the flush interval before the last accepted heartbeat; after a restart a

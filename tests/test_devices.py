@@ -341,6 +341,7 @@ verify_device = "{verify}"
 
 
 @pytest.mark.network
+@pytest.mark.long  # ~12 s; the class rules run by default in test_devices_referee/test_rl_device
 def test_join_reports_the_device_and_a_validator_of_another_class_refuses(
     tmp_path: Path,
 ) -> None:
