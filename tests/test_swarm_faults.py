@@ -24,6 +24,8 @@ import torch
 
 from covey.swarm.launch import Swarm, status, wait_for
 from covey.trust import audit
+from tests.swarm_helpers import SETTINGS as BASE
+from tests.swarm_helpers import four_servers
 
 
 def _coordinator(path: Path, **settings: Any) -> Any:
@@ -135,27 +137,12 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
 
 # ---- real processes: SIGKILL of the coordinator and of a trainer --------------------------
 
-SETTINGS = {
-    "n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "stages": 2, "microbatch": 4,
-    "target_samples": 16, "verify_rate": 0.25, "rebalance_s": 3600, "request_timeout_s": 10,
-    "payout_s": 1.0,
-}  # fmt: skip
+SETTINGS = {**BASE, "verify_rate": 0.25}
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
-    work = tmp_path_factory.mktemp("swarm-faults")
-    data = work / "data.txt"
-    data.write_text((Path(__file__).resolve().parents[1] / "README.md").read_text() * 2)
-    s = Swarm(work, {**SETTINGS, "data_paths": [str(data)]})
-    try:
-        s.start_coordinator()
-        for name in ("a0", "a1", "b0", "b1"):  # a: stage 0, b: stage 1
-            s.start_server(name, "--emulate-s", "0.01", "--stage", str(int(name[0] == "b")))
-        s.ready(["a0", "a1", "b0", "b1"])
-        yield s
-    finally:
-        s.close()
+    yield from four_servers(tmp_path_factory.mktemp("swarm-faults"), SETTINGS)
 
 
 @pytest.fixture(autouse=True)
