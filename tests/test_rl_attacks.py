@@ -28,12 +28,11 @@ from covey.rl.batch import RolloutBatch
 from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import NO_ROUND, Identity, request_purpose, verify
-from tests.test_rl_network import (
-    free_port,
+from tests.rl_helpers import (
     joined_worker,
     ledger,
     policy,
-    start_trainer,
+    trainer_process,
     wait_for,
 )
 
@@ -43,21 +42,10 @@ DATA_DIRS: dict[str, Path] = {}  # trainer URL -> its data directory (its key is
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import signal
-    import subprocess
-
     d = tmp_path_factory.mktemp("rl-attacks") / "run"
-    port = free_port()
-    proc = start_trainer(d, port)
-    DATA_DIRS[f"http://127.0.0.1:{port}"] = d
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with trainer_process(d) as url:
+        DATA_DIRS[url] = d
+        yield url
 
 
 @pytest.fixture(scope="module")

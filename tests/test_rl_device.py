@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +32,13 @@ from covey.rl.runspec import (
 from covey.rl.trainer import Trainer
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity
-from tests.test_rl_network import ROOT, batch_status, free_port, ledger, policy, wait_for
+from tests.rl_helpers import (
+    batch_status,
+    ledger,
+    policy,
+    trainer_process,
+    wait_for,
+)
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 CUDA_SPEC = """
@@ -109,32 +113,9 @@ def test_a_trainer_without_the_verify_class_judges_nothing(tmp_path: Path) -> No
 @pytest.fixture(scope="module")
 def cuda_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A trainer process serving a run verified on cuda (on this CPU machine)."""
-    d = tmp_path_factory.mktemp("rl-cuda")
-    (d / "spec.toml").write_text(CUDA_SPEC)
-    port = free_port()
-    cmd = [sys.executable, "-m", "covey", "rl", "trainer", "--data-dir", str(d / "run")]
-    cmd += ["--policy", "covey:nano", "--spec", str(d / "spec.toml"), "--port", str(port)]
-    log = d / "trainer.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert proc.poll() is None, f"trainer exited {proc.returncode}: {log.read_text()}"
-        try:
-            return httpx.get(f"{url}/v1/rl/policy", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, 120, "the trainer to serve")
-        yield url, log
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    d = tmp_path_factory.mktemp("rl-cuda") / "run"
+    with trainer_process(d, CUDA_SPEC) as url:
+        yield url, d.parent / "run.log"
 
 
 def _cli(args: list[str]) -> tuple[int, str]:

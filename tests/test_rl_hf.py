@@ -202,7 +202,7 @@ def test_cli_refuses_a_bad_hf_policy(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from covey.cli import app
-    from tests.test_rl_network import free_port
+    from tests.rl_helpers import free_port
 
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text('{"model_type": "bert", "vocab_size": 9}')

@@ -11,9 +11,6 @@ torch/transformers import in a subprocess); the long one runs `covey rl trainer`
 from __future__ import annotations
 
 import contextlib
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +28,7 @@ from covey.rl.runspec import RLSpec, TaskSpec
 from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity
-from tests.test_rl_network import free_port, wait_for
+from tests.rl_helpers import free_port, trainer_process, wait_for
 
 pytestmark = pytest.mark.network
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,32 +99,12 @@ def in_process_trainer(data_dir: Path, policy: str) -> Iterator[str]:
 @contextlib.contextmanager
 def subprocess_trainer(data_dir: Path, policy: str) -> Iterator[str]:
     """`covey rl trainer --policy hf:DIR --spec TOML` as its own process."""
-    port = free_port()
-    spec = data_dir.parent / "spec.toml"
     task = _prompts(data_dir.parent)
-    spec.write_text(
-        "".join(f"{k} = {v}\n" for k, v in SPEC.items())
-        + f'[task]\nkind = "jsonl"\npath = "{task.path}"\nreward = "{task.reward}"\n'
-    )
-    cmd = [sys.executable, "-m", "covey", "rl", "trainer", "--data-dir", str(data_dir)]
-    cmd += ["--policy", policy, "--spec", str(spec), "--port", str(port)]
-    with open(data_dir.parent / "trainer.log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> Any:
-            assert proc.poll() is None, f"trainer exited {proc.returncode}"
-            return _get(f"{url}/v1/rl/policy")
-
-        wait_for(up, 180, "the trainer to serve")  # torch + transformers on a loaded machine
+    spec = "".join(f"{k} = {v}\n" for k, v in SPEC.items())
+    spec += f'[task]\nkind = "jsonl"\npath = "{task.path}"\nreward = "{task.reward}"\n'
+    # torch + transformers imports on a loaded machine
+    with trainer_process(data_dir, spec, policy=policy, serve_timeout_s=180) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _accepted_and_trained_on(url: str, policy_dir: Path) -> None:

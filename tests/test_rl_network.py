@@ -7,16 +7,12 @@ One trainer per module; each test leaves it usable for the next. Policies are co
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,123 +22,30 @@ import pytest
 from covey.blobs import BlobError, BlobServer, BlobStore
 from covey.rl.peer import PolicyCache
 from covey.rl.policy import PolicyError
-from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity, request_purpose
+from tests.rl_helpers import (
+    ROOT,
+    batch_status,
+    decided,
+    free_port,
+    joined_worker,
+    ledger,
+    policy,
+    start_trainer,
+    stop,
+    trainer_process,
+    validator,
+    wait_for,
+)
 
 pytestmark = pytest.mark.network
-ROOT = Path(__file__).resolve().parents[1]
-SPEC = """
-group_size = 4
-samples_per_step = 8
-audit_rate = 1.0
-verify_timeout_s = 5
-eval_prompts = 4
-eval_every = 1000
-heartbeat_s = 1
-dead_after_s = 3
-max_batch_bytes = 200000
-canary_rate = 0.0
-"""
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_trainer(data_dir: Path, port: int) -> subprocess.Popen:
-    spec = data_dir.parent / f"{data_dir.name}.toml"
-    spec.write_text(SPEC)
-    cmd = [
-        sys.executable,
-        "-m",
-        "covey",
-        "rl",
-        "trainer",
-        "--data-dir",
-        str(data_dir),
-        "--policy",
-        "covey:nano",
-        "--spec",
-        str(spec),
-        "--port",
-        str(port),
-    ]
-    log = open(data_dir.parent / f"{data_dir.name}.log", "ab")  # noqa: SIM115 -- the process's
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert proc.poll() is None, f"trainer exited {proc.returncode}"
-        try:
-            return httpx.get(f"{url}/v1/rl/policy", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(up, 120, "the trainer to serve")  # a loaded 2-core machine: torch imports are slow
-    return proc
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    d = tmp_path_factory.mktemp("rl") / "run"
-    port = free_port()
-    proc = start_trainer(d, port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-@contextlib.contextmanager
-def validator(url: str, behavior: str = "honest") -> Iterator[RolloutValidator]:
-    v = RolloutValidator(url, Identity.generate(), name=f"v-{behavior}", behavior=behavior)
-    thread = threading.Thread(target=v.run_loop, kwargs={"poll_s": 0.1}, daemon=True)
-    thread.start()
-    try:
-        yield v
-    finally:
-        v.stop.set()
-        thread.join(10)
-
-
-def joined_worker(url: str, behavior: str = "honest") -> RolloutWorker:
-    w = RolloutWorker(url, Identity.generate(), name=f"w-{behavior}", behavior=behavior)
-    w.membership.join("worker", w.name, w.stake)
-    return w
-
-
-def batch_status(url: str, worker_id: str) -> list[dict[str, Any]]:
-    return [b for b in httpx.get(f"{url}/v1/rl/batches").json() if b["worker_id"] == worker_id]
-
-
-def decided(url: str, worker_id: str) -> dict[str, Any] | None:
-    rows = [b for b in batch_status(url, worker_id) if b["status"] not in ("pending", "claimed")]
-    return rows[-1] if rows else None
-
-
-def ledger(url: str, type_: str, peer_id: str) -> list[dict[str, Any]]:
-    entries = httpx.get(f"{url}/v1/ledger", params={"limit": 5000}).json()
-    return [e for e in entries if e["type"] == type_ and e["payload"].get("peer_id") == peer_id]
-
-
-def policy(url: str) -> dict[str, Any]:
-    return httpx.get(f"{url}/v1/rl/policy").json()
+    with trainer_process(tmp_path_factory.mktemp("rl") / "run") as url:
+        yield url
 
 
 def test_honest_batch_is_accepted_paid_and_trained_on(trainer: str) -> None:
@@ -345,11 +248,7 @@ def test_trainer_restart_keeps_versions_and_ledger(tmp_path: Path) -> None:
         )
         assert out.returncode == 0, out.stdout + out.stderr
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 @pytest.mark.long  # SFT, then every role as a process for two minutes

@@ -6,8 +6,6 @@ validator gets a canary at every step), validator_round_cap 1."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,13 +14,12 @@ import httpx
 import pytest
 
 from covey.trust.audit import verify as verify_ledger
-from tests.test_rl_network import (
-    ROOT,
+from tests.rl_helpers import (
     batch_status,
-    free_port,
     joined_worker,
     ledger,
     policy,
+    trainer_process,
     validator,
     wait_for,
 )
@@ -45,34 +42,8 @@ validator_round_cap = 1
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import sys
-
-    d = tmp_path_factory.mktemp("rlv")
-    spec = d / "spec.toml"
-    spec.write_text(SPEC)
-    port = free_port()
-    cmd = [sys.executable, "-m", "covey", "rl", "trainer", "--data-dir", str(d / "run")]
-    cmd += ["--policy", "covey:nano", "--spec", str(spec), "--port", str(port)]
-    with open(d / "trainer.log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert proc.poll() is None, f"trainer exited {proc.returncode}"
-        try:
-            return httpx.get(f"{url}/v1/rl/policy", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, 120, "the trainer to serve")
+    with trainer_process(tmp_path_factory.mktemp("rlv") / "run", SPEC) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _canaries(url: str, validator_id: str) -> list[dict[str, Any]]:
