@@ -155,3 +155,21 @@ def test_a_peer_refuses_a_shard_whose_hash_is_not_certified() -> None:
         certified_shard(cert, 0, shard_to_bytes(params, momentum), True)
     with pytest.raises(ValueError, match="bytes"):
         certified_shard(cert, 0, shard_to_bytes(params, None), True)
+
+
+def test_when_no_aggregator_delivers_the_coordinator_takes_the_shard_over() -> None:
+    run = Run(check_rate=0.0)
+    assert run.board.orphans(3) == []
+    for t in (31.0, 62.0, 93.0):  # each of the three aggregators misses its turn
+        run.board.expire(3, t)
+    assert run.board.orphans(3) == [0, 1, 2, 3] and run.board.certificate(3) is None
+    for s in range(4):
+        run.board.take_over(3, s, run.truth[s], f"cid{s}")
+    cert = run.board.certificate(3)
+    assert cert is not None and cert["new_hash"] is None
+    assert {x["aggregator"] for x in cert["shards"]} == {run.coordinator.peer_id}
+    final = run.board.finish(3, "d" * 64)  # the assembled state's digest, signed in
+    assert final["new_hash"] == "d" * 64
+    check_certificate(final, run.coordinator.public_key)
+    with pytest.raises(ValueError, match="not signed"):
+        check_certificate({**final, "new_hash": "e" * 64}, run.coordinator.public_key)

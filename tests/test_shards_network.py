@@ -1,12 +1,15 @@
-"""Sharded aggregation through the HTTP API of a real coordinator process (issue 13 §1).
+"""Sharded aggregation as the round driver's path, through the HTTP API of a real
+coordinator process (issue 13 §1).
 
-Two workers (this process, signed requests) submit int4 contributions to round 0; three
-staked validator keys aggregate its 4 shards, each reading only its shards' byte ranges
-of the contributions from the blob plane and serving its new shards from its own blob
-server. One of them lies: the drawn checker catches it, the coordinator's referee
-recomputes the shard, the liar is slashed (ledger) and its shards pass on; the shard
-certificate is signed, and a peer that assembles the state shard by shard (refusing a
-tampered copy) reaches the weights hash of the coordinator's own unsharded round."""
+Three staked validator keys join; two workers (this process, signed requests) submit int4
+contributions to round 0. The round is above `sharded_above_peers`, so the driver does not
+aggregate: it opens the shard board, and the three aggregators (polling `GET /v1/shards`)
+compute its 4 shards, each reading only its shards' byte ranges of the contributions and
+serving its new shards from its own blob server. One of them lies: the drawn checker
+catches it, the referee recomputes the shard, the liar is slashed (ledger) and its shards
+pass on; the driver assembles the certified shards and commits round 0 with the weights
+hash of the unsharded `apply_round`, bit for bit. A peer assembles the same state shard by
+shard, refusing the liar's copy."""
 
 from __future__ import annotations
 
@@ -20,10 +23,16 @@ import httpx
 import pytest
 import torch
 
+from covey.algorithms import Contribution
 from covey.blobs import BlobServer, BlobStore
 from covey.blobs.client import upload_headers
 from covey.local.cluster import LocalCluster
-from covey.peer.aggregator import ShardAggregator, certified_shard, fetch_certified_state
+from covey.peer.aggregator import (
+    ShardAggregator,
+    certified_shard,
+    check_certificate,
+    fetch_certified_state,
+)
 from covey.peer.client import CoordinatorClient
 from covey.peer.runsetup import set_up_run
 from covey.protocol.content import content_id
@@ -54,9 +63,10 @@ min_stake = 1
 sample_rate = 0
 new_peer_rate = 0
 canary_rate = 0
-sharded_above_peers = 1
+sharded_above_peers = 2
 shards = 4
 shard_check_rate = 1.0
+shard_publish_timeout_s = 30
 """
 
 
@@ -99,6 +109,69 @@ class Worker:
             )
 
 
+class Aggregators:
+    """Three staked aggregator keys polling the pending board, each in its own thread,
+    serving its shards from its own blob server; `liar` publishes wrong shards."""
+
+    def __init__(self, cluster: LocalCluster, http: httpx.Client, setup: Any, tmp: Path) -> None:
+        self.keys = [Identity.generate() for _ in range(3)]
+        for k in self.keys:
+            body = {"run_id": cluster.run_id, "validator_id": k.peer_id,
+                    "public_key": k.public_key, "stake": 5.0}  # fmt: skip
+            path = "/v1/validators/join"
+            resp = post(http, path, k.sign_request(body, -1, purpose=f"POST {path}"))
+            assert resp.status_code == 200, resp.text
+        self.liar = ""  # shard 0's first aggregator, read off the board once it opens
+        self._lock = threading.Lock()
+        self.servers, self.workers = [], []
+        for i, k in enumerate(self.keys):
+            store = BlobStore(tmp / f"agg{i}")
+            server = BlobServer(store)
+            self.servers.append(server)
+            url = server.start()
+            self.workers.append(
+                ShardAggregator(
+                    cluster.url,
+                    k,
+                    cluster.run_id,
+                    setup.strategy,
+                    setup.cfg.algorithm,
+                    store,
+                    url,  # type: ignore[arg-type]
+                )
+            )
+        self.stop, self.errors = threading.Event(), []
+        self.threads = [
+            threading.Thread(target=self._loop, args=(a, setup.template), daemon=True)
+            for a in self.workers
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, agg: ShardAggregator, template: Any) -> None:
+        http = httpx.Client(base_url=agg.coordinator, timeout=20, trust_env=False)
+        while not self.stop.wait(0.2):
+            try:
+                with self._lock:
+                    if not self.liar and (board := _json_if_ok(http, "/v1/shards")):
+                        self.liar = board["shards"][0]["aggregator"]
+                agg.lie = bool(self.liar) and agg.identity.peer_id == self.liar
+                agg.poll(template)
+            except Exception as e:  # a banned liar is refused (403): it stops
+                self.errors.append(f"{agg.identity.peer_id[:8]}: {e}")
+                if "excluded" in str(e):
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+        for a in self.workers:
+            a.close()
+        for s in self.servers:
+            s.close()
+
+
 @pytest.fixture(scope="module")
 def round0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp: Path = tmp_path_factory.mktemp("shards")
@@ -107,47 +180,58 @@ def round0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         cluster.start_coordinator()
         http = httpx.Client(base_url=cluster.url, timeout=20, trust_env=False)
         run_id = cluster.run_id
-        workers = [Worker(http, run_id) for _ in range(2)]
-        info = until(
-            "round 0 to open with both workers",
-            lambda: (
-                (r := http.get("/v1/round").json())["phase"] == "open"
-                and http.get("/v1/round", params={"peer_id": workers[1].key.peer_id}).json()[
-                    "member"
-                ]
-                and r
-            ),
-        )
         setup = set_up_run(CoordinatorClient(cluster.url), threads=1)
-        numel = sum(setup.template.params[n].numel() for n in setup.strategy.names)
-        g = torch.Generator().manual_seed(0)
-        for i, w in enumerate(workers):
-            mine = http.get("/v1/round", params={"peer_id": w.key.peer_id}).json()
-            steps = mine["assignment"]["inner_steps"]
-            data = setup.strategy.codec.encode(torch.randn(numel, generator=g) * 1e-3 * (i + 1))
-            cid = content_id(data)
-            resp = http.put(f"/v1/blobs/{cid}", content=data,
-                            headers=_upload(w.key, run_id, cid, len(data)))  # fmt: skip
-            assert resp.status_code in (200, 201), resp.text
-            body = {
-                "run_id": run_id,
-                "round": 0,
-                "attempt": info["attempt"],
-                "peer_id": w.key.peer_id,
-                "cid": cid,
-                "start_hash": info["start_hash"],
-                "size": len(data),
-                "tokens": steps * 4 * 32 - i,
-                "inner_steps": steps,
-            }
-            path = "/v1/rounds/0/contributions"
-            resp = post(http, path, w.key.sign_request(body, 0, purpose=f"POST {path}"))
-            assert resp.status_code == 200, resp.text
-        cert = until("round 0's certificate", lambda: _json_if_ok(http, "/v1/rounds/0/certificate"))
-        assert len(cert["accepted"]) == 2, cert
-        for w in workers:
-            w.stop.set()
-        yield {"cluster": cluster, "http": http, "setup": setup, "cert": cert, "tmp": tmp}
+        aggs = Aggregators(cluster, http, setup, tmp)
+        workers = [Worker(http, run_id) for _ in range(2)]
+        try:
+            info = until(
+                "round 0 to open with both workers",
+                lambda: (
+                    (r := http.get("/v1/round").json())["phase"] == "open"
+                    and http.get("/v1/round", params={"peer_id": workers[1].key.peer_id}).json()[
+                        "member"
+                    ]
+                    and r
+                ),
+            )
+            numel = sum(setup.template.params[n].numel() for n in setup.strategy.names)
+            g = torch.Generator().manual_seed(0)
+            payloads = {}
+            for i, w in enumerate(workers):
+                mine = http.get("/v1/round", params={"peer_id": w.key.peer_id}).json()
+                steps = mine["assignment"]["inner_steps"]
+                data = setup.strategy.codec.encode(torch.randn(numel, generator=g) * 1e-3 * (i + 1))
+                cid = content_id(data)
+                payloads[cid] = data
+                resp = http.put(f"/v1/blobs/{cid}", content=data,
+                                headers=_upload(w.key, run_id, cid, len(data)))  # fmt: skip
+                assert resp.status_code in (200, 201), resp.text
+                body = {
+                    "run_id": run_id,
+                    "round": 0,
+                    "attempt": info["attempt"],
+                    "peer_id": w.key.peer_id,
+                    "cid": cid,
+                    "start_hash": info["start_hash"],
+                    "size": len(data),
+                    "tokens": steps * 4 * 32 - i,
+                    "inner_steps": steps,
+                }
+                path = "/v1/rounds/0/contributions"
+                resp = post(http, path, w.key.sign_request(body, 0, purpose=f"POST {path}"))
+                assert resp.status_code == 200, resp.text
+            cert = until(
+                "round 0's certificate",
+                lambda: _json_if_ok(http, "/v1/rounds/0/certificate"),
+                timeout_s=120,
+            )
+            assert len(cert["accepted"]) == 2, cert
+            yield {"cluster": cluster, "http": http, "setup": setup, "cert": cert, "tmp": tmp,
+                   "aggs": aggs, "payloads": payloads}  # fmt: skip
+        finally:
+            for w in workers:
+                w.stop.set()
+            aggs.close()
 
 
 def _upload(key: Identity, run_id: str, cid: str, size: int) -> dict[str, str]:
@@ -159,69 +243,55 @@ def _json_if_ok(http: httpx.Client, path: str) -> Any:
     return resp.json() if resp.status_code == 200 else None
 
 
-def test_a_lying_aggregator_is_slashed_and_the_round_still_certifies(
+def test_the_round_driver_certifies_a_sharded_round_bit_exactly_and_slashes_a_liar(
     round0: dict[str, Any],
 ) -> None:
-    cluster, http, setup = round0["cluster"], round0["http"], round0["setup"]
-    keys = [Identity.generate() for _ in range(3)]
-    for k in keys:
-        body = {"run_id": cluster.run_id, "validator_id": k.peer_id,
-                "public_key": k.public_key, "stake": 5.0}  # fmt: skip
-        path = "/v1/validators/join"
-        resp = post(http, path, k.sign_request(body, -1, purpose=f"POST {path}"))
-        assert resp.status_code == 200, resp.text
-    board = until("the shard board", lambda: _json_if_ok(http, "/v1/shards/0"))
-    start = http.get(f"/v1/blobs/{board['inputs']['start_cid']}")
-    assert content_id(start.content) == board["inputs"]["start_cid"]  # aggregators' W_0
-    liar = board["shards"][0]["aggregator"]
-    servers, aggregators = [], []
-    for i, k in enumerate(keys):
-        store = BlobStore(round0["tmp"] / f"agg{i}")
-        server = BlobServer(store)
-        servers.append(server)
-        aggregators.append(
-            ShardAggregator(
-                cluster.url,
-                k,
-                cluster.run_id,
-                setup.strategy,
-                setup.cfg.algorithm,
-                store,
-                server.start(),  # type: ignore[arg-type]
-                lie=k.peer_id == liar,
-            )
+    cluster, http, setup, aggs = round0["cluster"], round0["http"], round0["setup"], round0["aggs"]
+    cert = round0["cert"]
+    # the driver's new_hash is the unsharded apply_round's, bit for bit
+    contributions = [
+        Contribution(round0["payloads"][a["cid"]], a["tokens"], a["inner_steps"], a["fragment"])
+        for a in cert["accepted"]
+    ]
+    unsharded = setup.strategy.apply_round(setup.template, contributions)
+    assert cert["new_hash"] == unsharded.digest()
+    # ... and came from the aggregators' certified shards: the stored shard certificate
+    board = http.get("/v1/shards/0").json()
+    shard_cert = board["certificate"]
+    assert shard_cert["new_hash"] == cert["new_hash"]
+    check_certificate(shard_cert, setup.coordinator_key)
+    coordinator_id = Identity.load_or_create(round0["tmp"] / "coordinator.key").peer_id
+    assert {s["aggregator"] for s in shard_cert["shards"]} <= {k.peer_id for k in aggs.keys}
+    assert coordinator_id not in {s["aggregator"] for s in shard_cert["shards"]}
+    # the liar (first for at least one shard, every shard checked) was caught and slashed
+    liar = aggs.liar
+    balances = cluster.get("/v1/ledger/balances")["accounts"]
+    assert balances[liar]["banned"] and balances[liar]["slashed"] == 2.5, balances[liar]
+    assert liar not in {s["aggregator"] for s in shard_cert["shards"]}
+    # each shard computed read only its ranges: a quarter of every contribution (+ heads)
+    total = sum(a["size"] for a in cert["accepted"])
+    for a in aggs.workers:
+        assert a.bytes_read <= a.shards_computed * (total / 4 + 2 * 64), (a.bytes_read, total)
+    # a peer refuses the liar's wrong shard, fetched from the liar's own server
+    lying = next(a for a in aggs.workers if a.identity.peer_id == liar)
+    bad = [c for c in lying.store.cids()]
+    assert bad, "the liar published nothing"
+    for c in bad:
+        blob = http.get(f"{lying.blob_url}/v1/blobs/{c}").content
+        index = next(
+            (
+                i
+                for i in range(4)
+                if len(blob) == 8 * (shard_cert["bounds"][i + 1] - shard_cert["bounds"][i])
+            ),
+            None,
         )
-    try:
-        give_up = time.monotonic() + 60
-        while (board := http.get("/v1/shards/0").json())["certificate"] is None:
-            assert time.monotonic() < give_up, board
-            for a in aggregators:
-                if not cluster.get("/v1/ledger/balances")["accounts"][a.identity.peer_id]["banned"]:
-                    a.work(0, setup.template)
-        cert = board["certificate"]
-        balances = cluster.get("/v1/ledger/balances")["accounts"]
-        assert balances[liar]["banned"] and balances[liar]["slashed"] == 2.5, balances[liar]
-        assert [f["aggregator"] for f in board["frauds"]] == [liar]
-        assert liar not in {s["aggregator"] for s in cert["shards"]}
-        # each shard computed read only its ranges: a quarter of every contribution (+ heads)
-        total = sum(a["size"] for a in round0["cert"]["accepted"])
-        for a in aggregators:
-            assert a.bytes_read <= a.shards_computed * (total / 4 + 2 * 64), (a.bytes_read, total)
-        # a peer refuses the liar's shard 0, fetched from the liar's own server
-        lying = next(a for a in aggregators if a.identity.peer_id == liar)
-        cids = [c for c in lying.store.cids() if lying.store.size(c) == 8 * cert["bounds"][1]]
-        assert cids, "the liar published no shard 0"
-        blob = http.get(f"{lying.blob_url}/v1/blobs/{cids[0]}").content
-        with pytest.raises(ValueError, match="refused"):
-            certified_shard(cert, 0, blob, True)
-        # ... and assembles the state shard by shard from the certified sources
-        state, refusals = fetch_certified_state(
-            http, cert, setup.coordinator_key, setup.template, setup.strategy.names, True
-        )
-        assert not refusals, refusals
-        assert state.digest() == round0["cert"]["new_hash"]  # the unsharded round's hash
-    finally:
-        for a in aggregators:
-            a.close()
-        for s in servers:
-            s.close()
+        if index is not None and c != shard_cert["shards"][index]["cid"]:
+            with pytest.raises(ValueError, match="refused"):
+                certified_shard(shard_cert, index, blob, True)
+    # ... and assembles the state shard by shard from the certified sources
+    state, refusals = fetch_certified_state(
+        http, shard_cert, setup.coordinator_key, setup.template, setup.strategy.names, True
+    )
+    assert not refusals, refusals
+    assert state.digest() == cert["new_hash"]

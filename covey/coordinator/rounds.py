@@ -110,6 +110,7 @@ class Rounds(Intake, Halting, Views):
         self._evals: queue.Queue[TrainState | None] = queue.Queue()
         self.samples: dict[str, Any] | None = None  # the status page's, by the evaluator
         self._evaluator: threading.Thread | None = None
+        self.sharding: Any = None  # ShardRounds when the run shards (coordinator.shard_rounds)
         self.state, self.state_cid = self._load_or_create()
         self.state_hash = self.state.digest()  # hashed once per state, not per request
         Halting.__init__(self)
@@ -232,6 +233,9 @@ class Rounds(Intake, Halting, Views):
         if now - self._nonces_pruned > 60:
             self.membership.prune_nonces(now)
             self._nonces_pruned = now
+        if self.sharding is not None and self.sharding.pending is not None:
+            self.sharding.advance(now)  # a closed round waits on its aggregators
+            return
         views = self._peer_views()
         alive = {p.peer_id for p in views if is_alive(now, p, cfg)}
         current = self.open_round()
@@ -296,7 +300,11 @@ class Rounds(Intake, Halting, Views):
             deadline - now,
         )
 
-    def _close(self, rnd: OpenRound, reason: str) -> None:
+    def _close(
+        self, rnd: OpenRound, reason: str, assembled: tuple[list[Any], TrainState] | None = None
+    ) -> None:
+        """Commit `rnd` (or abort it); `assembled`: its rows and the new state that sharded
+        aggregation computed (covey.coordinator.shard_rounds), instead of apply_round."""
         with self.db.transaction() as c:
             c.execute("UPDATE rounds SET status = 'closing' WHERE round = ?", (rnd.round,))
             rows = c.execute(
@@ -305,6 +313,10 @@ class Rounds(Intake, Halting, Views):
             ).fetchall()
         banned = {p for p, a in self.accounts.book.accounts.items() if a.banned}
         rows = [r for r in rows if r["peer_id"] not in banned]  # excluded since it submitted
+        if assembled is not None:
+            rows = assembled[0]
+        elif rows and self.sharding is not None and self.sharding.begin(rnd, rows, reason):
+            return  # above the crossover: aggregators compute it, tick() commits it
         contributions = [
             # mapped from disk (BlobStore.view): N contributions are not N copies in memory
             Contribution(self.blobs.view(r["cid"]), r["tokens"], r["inner_steps"], r["fragment"])
@@ -314,7 +326,10 @@ class Rounds(Intake, Halting, Views):
             self._abort(rnd, f"no contributions ({reason})")
             return
         try:
-            new_state = self.strategy.apply_round(self.state, contributions)
+            if assembled is not None:
+                new_state = assembled[1]
+            else:
+                new_state = self.strategy.apply_round(self.state, contributions)
         except (RoundError, ValueError) as e:  # validated at submit: a bug; never commit it
             log.error("[round %d] apply_round failed: %s", rnd.round, e)
             self._abort(rnd, f"apply_round failed: {e}")

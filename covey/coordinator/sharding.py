@@ -1,8 +1,8 @@
 """Sharded aggregation's coordinator side (issue 13 §1): it certifies shard hashes, never
 tensors.
 
-For each committed round r a `ShardBoard` draws, from a beacon (the hash of round r's
-certificate, unknown before its inputs were fixed), an ordered list of staked aggregators
+For each sharded round r a `ShardBoard` draws, from a beacon (the hash of round r's
+closed input set, unknown before its inputs were fixed), an ordered list of staked aggregators
 per shard: the first aggregates, the rest are its fallbacks in order. Aggregators publish
 each new shard's hash, signed (`POST /v1/shards/{r}/publish`); a drawn share of shards
 is re-aggregated by the next aggregator in the shard's order (`POST /v1/shards/{r}/check`).
@@ -15,8 +15,8 @@ agreed, the coordinator signs the shard certificate; peers fetch the shards from
 aggregators and compare each hash with it (covey.peer.aggregator).
 
 The draws (`assign_shards`, `drawn_for_check`) are pure functions of public values, so
-anyone recomputes them. `mount` adds the routes to the coordinator's app; it is called
-only when the run sets `trust.sharded_above_peers` (off by default).
+anyone recomputes them. The round driver's use of the board (open at close, commit on
+the certificate) is covey.coordinator.shard_rounds.
 """
 
 from __future__ import annotations
@@ -24,32 +24,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from fastapi import Path as PathParam
-from starlette.concurrency import run_in_threadpool
+from fastapi import FastAPI
 
-from covey.algorithms.aggregation import NormClip, l2_norm
 from covey.algorithms.shards import (
     ShardPlan,
-    codec_align,
-    flat_state,
-    new_shard,
-    plan_shards,
-    read_slice,
-    shard_hash,
 )
-from covey.config import DiLoCoConfig, StreamingDiLoCoConfig
 from covey.peer.aggregator import certificate_message, shard_purpose
-from covey.protocol import schemas
-from covey.protocol.checkpoint import state_from_file
-from covey.trust.identity import Identity, canonical_json, request_message, verify
-
-from .views import Rejected
+from covey.trust.identity import Identity, request_message, verify
 
 if TYPE_CHECKING:
     from .service import Coordinator
@@ -110,6 +95,7 @@ class ShardRound:
     published: dict[int, dict[str, Any]] = field(default_factory=dict)
     agreed: set[int] = field(default_factory=set)
     frauds: list[dict[str, Any]] = field(default_factory=list)
+    new_hash: str | None = None  # the assembled state's digest, once the driver has it
 
     def current(self, shard: int) -> str | None:
         order, k = self.orders[shard], self.turn[shard]
@@ -185,6 +171,14 @@ class ShardBoard:
 
     def has(self, round: int) -> bool:
         return round in self._rounds
+
+    def inputs(self, round: int) -> dict[str, Any]:
+        with self._lock:
+            return self._get(round).inputs
+
+    def discard(self, round: int) -> None:
+        with self._lock:
+            self._rounds.pop(round, None)
 
     def _get(self, round: int) -> ShardRound:
         if round not in self._rounds:
@@ -273,6 +267,50 @@ class ShardBoard:
             rnd.turn[shard] += 1
         rnd.turn_since[shard] = now
 
+    def take_over(self, round: int, shard: int, value: str, cid: str, url: str = "") -> None:
+        """The coordinator's own shard: when no aggregator is left to publish it, or the
+        published one proved wrong at assembly. Counts as published and checked."""
+        with self._lock:
+            rnd = self._get(round)
+            rnd.published[shard] = {
+                "hash": value,
+                "aggregator": self.identity.peer_id,
+                "cid": cid,
+                "providers": [url] if url else [],
+            }
+            rnd.agreed.add(shard)
+
+    def orphans(self, round: int) -> list[int]:
+        """Shards nobody is left to publish (every aggregator in the order failed)."""
+        with self._lock:
+            rnd = self._get(round)
+            return [
+                s
+                for s in range(rnd.plan.count)
+                if s not in rnd.published and rnd.current(s) is None
+            ]
+
+    def finish(self, round: int, new_hash: str) -> dict[str, Any]:
+        """Bind the assembled state's digest into the shard certificate: the final,
+        signed certificate (ValueError if not every shard is published and checked)."""
+        with self._lock:
+            rnd = self._get(round)
+            rnd.new_hash = new_hash
+            cert = self._certificate(rnd)
+            if cert is None:
+                raise ValueError(f"round {round}: shards are still missing or unchecked")
+            return cert
+
+    def certificate(self, round: int) -> dict[str, Any] | None:
+        with self._lock:
+            return self._certificate(self._get(round))
+
+    def drop_before(self, round: int) -> None:
+        """Forget the boards of rounds before `round` (their certificates are stored)."""
+        with self._lock:
+            for r in [r for r in self._rounds if r < round]:
+                del self._rounds[r]
+
     def expire(self, round: int, now: float) -> list[int]:
         """Pass every shard whose aggregator did not publish within `publish_timeout_s`
         of its turn to its next aggregator (a failed aggregator loses the turn, not the
@@ -333,6 +371,7 @@ class ShardBoard:
             "run_id": self.run_id,
             "round": rnd.round,
             "start_hash": rnd.start_hash,
+            "new_hash": rnd.new_hash,
             "numel": rnd.plan.numel,
             "bounds": list(rnd.plan.bounds),
             "shards": [
@@ -349,154 +388,8 @@ class ShardBoard:
         return {**body, "signature": self.identity.sign(certificate_message(body))}
 
 
-# -- the coordinator's side: inputs from its database, routes on its app --------------------
-
-
 def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
-    """Add `/v1/shards/...` to the coordinator's app over a board fed from `coord`'s
-    committed rounds. DiLoCo (outer Nesterov SGD) only: another method is logged and left
-    without routes (None)."""
-    strategy, algo, trust = coord.rounds.strategy, coord.cfg.algorithm, coord.cfg.trust
-    if not isinstance(algo, DiLoCoConfig) or isinstance(algo, StreamingDiLoCoConfig):
-        log.warning("sharded aggregation supports DiLoCo only, not %r: left off", algo.method)
-        return None
-    names = list(strategy.names)
-    numel = sum(coord.rounds.template.params[n].numel() for n in names)
-    plan = plan_shards(numel, trust.shards, codec_align(strategy.codec) or 1)
-    book = coord.accounts.book
+    """Sharded rounds on the coordinator's app (covey.coordinator.shard_rounds.mount)."""
+    from .shard_rounds import mount as mount_rounds
 
-    def public_key(peer_id: str) -> str | None:
-        account = book.accounts.get(peer_id)
-        return account.public_key if account is not None else None
-
-    def is_banned(peer_id: str) -> bool:
-        account = book.accounts.get(peer_id)
-        return account is None or account.banned
-
-    def committed(round_: int) -> tuple[Any, schemas.Certificate]:
-        row = coord.db.one("SELECT * FROM rounds WHERE round = ?", (round_,))
-        if row is None or row["status"] != "committed":
-            raise ShardError(404, f"round {round_} is not committed yet")
-        return row, schemas.Certificate.model_validate_json(row["certificate"])
-
-    def referee(round_: int, shard: int) -> str:
-        """The shard recomputed from what round `round_` committed: its start state and
-        its accepted contributions, as stored here."""
-        row, cert = committed(round_)
-        start_state = state_from_file(coord.blobs.path(row["start_cid"]), coord.rounds.template)
-        params, momentum = flat_state(start_state, names)
-        start, end = plan.span(shard)
-        views = [coord.blobs.view(a.cid) for a in cert.accepted]
-        slices = [
-            read_slice(strategy.codec, numel, start, end, lambda a, b, v=v: bytes(v[a:b]))
-            for v in views
-        ]
-        inputs = board.view(round_)["inputs"]
-        new_p, new_m = new_shard(
-            strategy.aggregator,
-            slices,
-            inputs["weights"],
-            inputs["norms"],
-            params[start:end],
-            None if momentum is None else momentum[start:end],
-            lr=algo.outer_lr,
-            momentum_coef=algo.outer_momentum,
-            nesterov=algo.nesterov,
-        )
-        return shard_hash(round_, shard, start, new_p, new_m)
-
-    def slash(round_: int, peer_id: str, reason: str) -> None:
-        with coord.accounts.transaction() as c:
-            amount = coord.accounts.book.slash_amount(peer_id)
-            payload = {"round": round_, "peer_id": peer_id, "amount": amount, "reason": reason}
-            coord.accounts.append(c, "slash", payload, time.time())
-        log.warning("[round %d] aggregator %s slashed: %s", round_, peer_id[:12], reason)
-
-    board = ShardBoard(
-        coord.run_id,
-        coord.identity,
-        public_key=public_key,
-        is_banned=is_banned,
-        referee=referee,
-        slash=slash,
-        check_rate=trust.shard_check_rate,
-        publish_timeout_s=trust.shard_publish_timeout_s,
-    )
-
-    def ensure(round_: int) -> None:
-        if board.has(round_):
-            return
-        row, cert = committed(round_)
-        aggregators = [
-            a.peer_id
-            for a in book.accounts.values()
-            if a.role == "validator"
-            and not a.banned
-            and a.stake > 0
-            and a.stake >= trust.min_validator_stake
-        ]
-        if not aggregators:
-            raise ShardError(409, f"round {round_}: no staked aggregators have joined")
-        weights = [float(a.tokens) for a in cert.accepted]
-        norms = None
-        if isinstance(strategy.aggregator, NormClip) and strategy.aggregator.factor > 0:
-            # TODO(issue 13): contributors should commit block sums in their signed
-            # submissions (shards.block_square_sums) so this decode leaves the coordinator
-            norms = [
-                l2_norm(strategy.codec.decode(coord.blobs.view(a.cid), numel))
-                for a in cert.accepted
-            ]
-        inputs = {
-            "codec": strategy.codec.name,
-            "start_cid": row["start_cid"],  # the start state, on this coordinator's blob plane
-            "contributions": [
-                {"peer_id": a.peer_id, "cid": a.cid, "size": a.size} for a in cert.accepted
-            ],
-            "weights": weights,
-            "norms": norms,
-        }
-        beacon = hashlib.sha256(canonical_json(cert.model_dump(mode="json")).encode())
-        board.open(
-            round_, row["start_hash"], beacon.hexdigest(), plan, aggregators, inputs, time.time()
-        )
-
-    def answer(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        try:
-            return fn()
-        except ShardError as e:
-            raise Rejected(e.status, e.message) from None
-
-    def read(round_: int) -> dict[str, Any]:
-        ensure(round_)
-        board.expire(round_, time.time())
-        return board.view(round_)
-
-    @app.get("/v1/shards/{round}", tags=["shards"])
-    async def shard_view(round: int = PathParam(ge=0, le=schemas.MAX_INT)) -> dict[str, Any]:
-        """A committed round's shard board: the plan, each shard's aggregator (a beacon
-        draw) and checker, the published hashes, the inputs, and the signed shard
-        certificate once every shard is published and every drawn check agreed."""
-        return await run_in_threadpool(answer, lambda: read(round))
-
-    @app.post("/v1/shards/{round}/publish", tags=["shards"])
-    async def shard_publish(
-        request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
-    ) -> dict[str, Any]:
-        """An aggregator's signed hash of its new shard, and the URL serving it."""
-        body = await request.json()
-        return await run_in_threadpool(
-            answer, lambda: (ensure(round), board.publish(round, body))[1]
-        )
-
-    @app.post("/v1/shards/{round}/check", tags=["shards"])
-    async def shard_check(
-        request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
-    ) -> dict[str, Any]:
-        """A drawn checker's hash of a published shard: a disagreement goes to the
-        referee, and a proven wrong shard slashes its aggregator."""
-        body = await request.json()
-        return await run_in_threadpool(
-            answer, lambda: (ensure(round), board.check(round, body, time.time()))[1]
-        )
-
-    return board
+    return mount_rounds(app, coord)

@@ -37,6 +37,8 @@ from covey.algorithms.shards import (
 )
 from covey.blobs import BlobStore
 from covey.config import DiLoCoConfig
+from covey.protocol.checkpoint import state_from_bytes
+from covey.protocol.content import content_id
 from covey.trust.identity import Identity, canonical_json, request_purpose, verify
 
 log = logging.getLogger("covey.aggregator")
@@ -98,6 +100,7 @@ class ShardAggregator:
         self.http = httpx.Client(timeout=30.0, trust_env=False)
         self.bytes_read = 0  # contribution bytes fetched: the shard's ranges only
         self.shards_computed = 0
+        self._start: tuple[str, TrainState] | None = None  # (cid, state): one per round
 
     def close(self) -> None:
         self.http.close()
@@ -184,6 +187,31 @@ class ShardAggregator:
             done.append(f"{action} shard {i}: {answer.get('outcome', answer.get('error'))}")
             board = self.board(round)
         return done
+
+    def poll(self, template: TrainState) -> list[str]:
+        """One look at the sharded round now waiting on its aggregators (`GET
+        /v1/shards`): nothing when there is none or it is certified; else `work` on it,
+        from its start state (fetched from the coordinator once per round, checked
+        against the board's start hash)."""
+        resp = _request(self.http, "GET", f"{self.coordinator}/v1/shards", self.deadline_s)
+        if resp.status_code == 404:
+            return []
+        if resp.status_code != 200:
+            raise RuntimeError(f"pending shard board: {resp.status_code} {resp.text[:200]}")
+        board = resp.json()
+        if board.get("certificate") is not None:
+            return []
+        cid = board["inputs"]["start_cid"]
+        if self._start is None or self._start[0] != cid:
+            url = f"{self.coordinator}/v1/blobs/{cid}"
+            got = _request(self.http, "GET", url, self.deadline_s)
+            if got.status_code != 200 or content_id(got.content) != cid:
+                raise RuntimeError(f"start state {cid[:12]}: {got.status_code}")
+            state = state_from_bytes(got.content, template)
+            if state.digest() != board["start_hash"]:
+                raise RuntimeError(f"start state {cid[:12]} is not the board's start hash")
+            self._start = (cid, state)
+        return self.work(board["round"], self._start[1])
 
 
 def check_certificate(certificate: dict[str, Any], coordinator_key: str) -> None:

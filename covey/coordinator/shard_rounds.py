@@ -1,0 +1,350 @@
+"""Sharded rounds: the round driver's path above the crossover (issue 13 §1).
+
+When a round closes with at least `trust.sharded_above_peers` accepted contributions and
+staked aggregators (validators) have joined, the driver (covey.coordinator.rounds) does
+not aggregate: `ShardRounds.begin` opens the round's shard board (covey.coordinator.
+sharding) from a beacon over the closed input set, and every tick `advance` moves it on:
+
+- a shard whose aggregator is silent past `shard_publish_timeout_s` passes to the next in
+  its drawn order (`ShardBoard.expire`); a proven liar is slashed and its shards passed on;
+- a shard nobody is left to publish is aggregated by the coordinator itself, so a round is
+  never lost (it costs the coordinator that shard's byte ranges of every contribution);
+- once every shard is published and every drawn check agreed, the coordinator fetches the
+  new shards (O(model) bytes, never O(peers x model)), checks each against its signed
+  hash, assembles the state, binds its digest into the shard certificate (stored in the
+  database as meta `shards/<round>`) and commits the round with the ordinary certificate,
+  whose `new_hash` is that digest: bit-identical to the unsharded `apply_round`.
+
+Crash safety: nothing of a sharded round is durable before its commit; a coordinator
+killed while one is open reopens the round on restart (its contributions are stored), it
+closes again on the same inputs, the beacon draws the same aggregators, and they publish
+again. `mount` adds the `/v1/shards` routes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from fastapi import Path as PathParam
+from starlette.concurrency import run_in_threadpool
+
+from covey.algorithms import TrainState
+from covey.algorithms.aggregation import NormClip, l2_norm
+from covey.algorithms.shards import (
+    codec_align,
+    flat_state,
+    new_shard,
+    plan_shards,
+    read_slice,
+    shard_hash,
+    shard_to_bytes,
+    state_from_flat,
+)
+from covey.config import DiLoCoConfig, StreamingDiLoCoConfig
+from covey.peer.aggregator import certified_shard
+from covey.protocol import schemas
+from covey.protocol.checkpoint import state_from_file
+from covey.trust.identity import canonical_json
+
+from .sharding import ShardBoard, ShardError
+from .views import OpenRound, Rejected
+
+if TYPE_CHECKING:
+    from .service import Coordinator
+
+log = logging.getLogger("covey.coordinator")
+
+
+@dataclass
+class Pending:
+    """The sharded round the driver waits on: what `_close` will commit."""
+
+    rnd: OpenRound
+    rows: list[Any]
+    reason: str
+    began: float
+
+
+def input_beacon(run_id: str, rnd: OpenRound, start_hash: str, rows: list[Any]) -> str:
+    """The round's beacon: a hash of its closed input set, unknown before intake closed."""
+    inputs = [[r["peer_id"], r["cid"], r["tokens"]] for r in rows]
+    body = {"run_id": run_id, "round": rnd.round, "attempt": rnd.attempt,
+            "start_hash": start_hash, "inputs": inputs}  # fmt: skip
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+class ShardRounds:
+    """The coordinator's side of sharded rounds (see the module docstring)."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord, self.rounds = coord, coord.rounds
+        self.strategy, self.algo, self.trust = (
+            coord.rounds.strategy,
+            coord.cfg.algorithm,
+            coord.cfg.trust,
+        )
+        self.names = list(self.strategy.names)
+        self.numel = sum(self.rounds.template.params[n].numel() for n in self.names)
+        self.plan = plan_shards(
+            self.numel, self.trust.shards, codec_align(self.strategy.codec) or 1
+        )
+        self.with_momentum = getattr(self.algo, "outer_momentum", 0.0) != 0
+        self.pending: Pending | None = None
+        self.http = httpx.Client(timeout=30.0, trust_env=False)
+        self._start: tuple[str, torch.Tensor, torch.Tensor | None] | None = None
+        book = coord.accounts.book
+        self.board = ShardBoard(
+            coord.run_id,
+            coord.identity,
+            public_key=lambda p: a.public_key if (a := book.accounts.get(p)) else None,
+            is_banned=lambda p: (a := book.accounts.get(p)) is None or a.banned,
+            referee=lambda r, s: self.compute(r, s)[2],
+            slash=self.slash,
+            check_rate=self.trust.shard_check_rate,
+            publish_timeout_s=self.trust.shard_publish_timeout_s,
+        )
+
+    # -- the committed inputs, recomputed here (referee, fallback) -------------------------
+
+    def compute(self, round_: int, shard: int) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+        """Shard `shard` of round `round_` from its board's inputs, as stored here: (params,
+        momentum, hash). Reads only the shard's byte ranges of each contribution."""
+        inputs = self.board.inputs(round_)
+        cid = inputs["start_cid"]
+        if self._start is None or self._start[0] != cid:
+            state = state_from_file(self.coord.blobs.path(cid), self.rounds.template)
+            self._start = (cid, *flat_state(state, self.names))
+        _, params, momentum = self._start
+        start, end = self.plan.span(shard)
+        codec = self.strategy.codec
+        slices = [
+            read_slice(codec, self.numel, start, end, _reader(self.coord.blobs.view(c["cid"])))
+            for c in inputs["contributions"]
+        ]
+        new_p, new_m = new_shard(
+            self.strategy.aggregator,
+            slices,
+            inputs["weights"],
+            inputs["norms"],
+            params[start:end],
+            None if momentum is None else momentum[start:end],
+            lr=self.algo.outer_lr,  # type: ignore[union-attr]
+            momentum_coef=self.algo.outer_momentum,  # type: ignore[union-attr]
+            nesterov=self.algo.nesterov,  # type: ignore[union-attr]
+        )
+        return new_p, new_m, shard_hash(round_, shard, start, new_p, new_m)
+
+    def slash(self, round_: int, peer_id: str, reason: str) -> None:
+        accounts = self.coord.accounts
+        with accounts.transaction() as c:
+            amount = accounts.book.slash_amount(peer_id)
+            payload = {"round": round_, "peer_id": peer_id, "amount": amount, "reason": reason}
+            accounts.append(c, "slash", payload, time.time())
+        log.warning("[round %d] aggregator %s slashed: %s", round_, peer_id[:12], reason)
+
+    def aggregators(self) -> list[str]:
+        """Staked, unbanned validators: the draw's pool."""
+        least = self.trust.min_validator_stake
+        return [
+            a.peer_id
+            for a in self.coord.accounts.book.accounts.values()
+            if a.role == "validator" and not a.banned and a.stake > 0 and a.stake >= least
+        ]
+
+    # -- the round driver's hooks ------------------------------------------------------------
+
+    def begin(self, rnd: OpenRound, rows: list[Any], reason: str) -> bool:
+        """Open `rnd`'s shard board instead of aggregating, when it is big enough and has
+        aggregators: True (the driver then waits for `advance`); False: the driver
+        aggregates as below the crossover."""
+        above = self.trust.sharded_above_peers
+        if above is None or len(rows) < above:
+            return False
+        pool = self.aggregators()
+        if not pool:
+            log.warning("[round %d] %d contributions but no staked aggregators: the "
+                        "coordinator aggregates", rnd.round, len(rows))  # fmt: skip
+            return False
+        rule, blobs = self.strategy.aggregator, self.coord.blobs
+        norms = None
+        if isinstance(rule, NormClip) and rule.factor > 0:
+            # TODO(issue 13): contributors should commit block sums in their signed
+            # submissions (shards.block_square_sums) so this decode leaves the coordinator
+            codec = self.strategy.codec
+            norms = [l2_norm(codec.decode(blobs.view(r["cid"]), self.numel)) for r in rows]
+        inputs = {
+            "codec": self.strategy.codec.name,
+            "start_cid": self.rounds.state_cid,  # the start state, on this blob plane
+            "contributions": [
+                {"peer_id": r["peer_id"], "cid": r["cid"], "size": r["size"]} for r in rows
+            ],
+            "weights": [float(r["tokens"]) for r in rows],
+            "norms": norms,
+        }
+        beacon = input_beacon(self.coord.run_id, rnd, self.rounds.state_hash, rows)
+        now = time.time()
+        self.board.drop_before(rnd.round - 3)
+        self.board.discard(rnd.round)  # an earlier attempt's board
+        self.board.open(rnd.round, self.rounds.state_hash, beacon, self.plan, pool, inputs, now)
+        self.pending = Pending(rnd, rows, reason, now)
+        log.info("[round %d] sharded: %d contributions, %d shards, %d aggregators",
+                 rnd.round, len(rows), self.plan.count, len(pool))  # fmt: skip
+        return True
+
+    def advance(self, now: float) -> None:
+        """One driver tick of the pending sharded round: pass late shards on, aggregate
+        orphaned ones here, and commit once the shard certificate is complete."""
+        p = self.pending
+        if p is None:
+            return
+        r = p.rnd.round
+        self.board.expire(r, now)
+        for s in self.board.orphans(r):
+            new_p, new_m, h = self.compute(r, s)
+            self.board.take_over(r, s, h, self.coord.blobs.put(shard_to_bytes(new_p, new_m)))
+            log.warning("[round %d] no aggregator delivered shard %d: the coordinator "
+                        "aggregated it", r, s)  # fmt: skip
+        cert = self.board.certificate(r)
+        if cert is None:
+            return
+        state = self._assemble(r, cert)
+        if state is None:
+            return  # a shard was taken over at assembly: its certificate changed
+        final = self.board.finish(r, state.digest())
+        with self.coord.db.transaction() as c:  # peers fetch shard by shard with it
+            c.execute(
+                "INSERT OR REPLACE INTO meta VALUES (?, ?)", (f"shards/{r}", json.dumps(final))
+            )
+        self.pending = None
+        log.info("[round %d] shards certified after %.1f s", r, now - p.began)
+        self.rounds._close(p.rnd, p.reason, assembled=(p.rows, state))
+
+    def _assemble(self, r: int, cert: dict[str, Any]) -> TrainState | None:
+        """The new state from the certified shards, each fetched from its providers and
+        checked against its hash (kept here too: the coordinator is a last provider). A
+        shard nobody serves is recomputed here; if its certified hash is not the truth,
+        its aggregator is slashed, the shard taken over, and None returned."""
+        params, momenta = [], []
+        for shard in cert["shards"]:
+            i = shard["index"]
+            got = self._fetch(cert, i)
+            if got is None:
+                new_p, new_m, h = self.compute(r, i)
+                if h != shard["hash"]:
+                    self.slash(r, shard["aggregator"], f"shard {i} of round {r}: "
+                               f"published {shard['hash'][:16]}, is {h[:16]}")  # fmt: skip
+                    cid = self.coord.blobs.put(shard_to_bytes(new_p, new_m))
+                    self.board.take_over(r, i, h, cid)
+                    return None
+                got = (new_p, new_m)
+            params.append(got[0])
+            momenta.append(got[1])
+        momentum = torch.cat(momenta) if self.with_momentum else None  # type: ignore[arg-type]
+        return state_from_flat(self.rounds.state, self.names, torch.cat(params), momentum)
+
+    def _fetch(self, cert: dict[str, Any], i: int) -> tuple[torch.Tensor, Any] | None:
+        shard = cert["shards"][i]
+        if self.coord.blobs.has(shard["cid"]):
+            data = self.coord.blobs.get(shard["cid"])
+            try:
+                return certified_shard(cert, i, data, self.with_momentum)
+            except ValueError:
+                pass
+        for url in shard["providers"]:
+            if not url:
+                continue
+            try:
+                resp = self.http.get(f"{url.rstrip('/')}/v1/blobs/{shard['cid']}")
+                if resp.status_code != 200:
+                    raise ValueError(f"{resp.status_code}")
+                got = certified_shard(cert, i, resp.content, self.with_momentum)
+            except (ValueError, httpx.HTTPError) as e:
+                log.warning("[round %d] shard %d from %s: %s", cert["round"], i, url, e)
+                continue
+            self.coord.blobs.put(resp.content)
+            return got
+        return None
+
+    def stored(self, round_: int) -> dict[str, Any] | None:
+        """The final shard certificate of a committed sharded round."""
+        raw = self.coord.db.get_meta(f"shards/{round_}")
+        return json.loads(raw) if raw else None
+
+
+def _reader(view: memoryview) -> Callable[[int, int], bytes]:
+    return lambda a, b: bytes(view[a:b])
+
+
+def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
+    """Make sharded rounds the driver's path above the crossover and add `/v1/shards`.
+    DiLoCo (outer Nesterov SGD) only: another method is logged and left without (None)."""
+    algo = coord.cfg.algorithm
+    if not isinstance(algo, DiLoCoConfig) or isinstance(algo, StreamingDiLoCoConfig):
+        log.warning("sharded aggregation supports DiLoCo only, not %r: left off", algo.method)
+        return None
+    sharded = ShardRounds(coord)
+    coord.rounds.sharding = sharded
+    board = sharded.board
+
+    def answer(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return fn()
+        except ShardError as e:
+            raise Rejected(e.status, e.message) from None
+
+    def read(round_: int) -> dict[str, Any]:
+        if board.has(round_):
+            board.expire(round_, time.time())
+            return board.view(round_)
+        stored = sharded.stored(round_)
+        if stored is None:
+            raise ShardError(404, f"round {round_} has no shard board (not sharded, or not yet)")
+        return {"round": round_, "start_hash": stored["start_hash"], "shards": [],
+                "certificate": stored}  # fmt: skip
+
+    def live() -> int:
+        p = sharded.pending
+        if p is None or not board.has(p.rnd.round):
+            raise ShardError(404, "no sharded round is waiting on its aggregators")
+        return p.rnd.round
+
+    @app.get("/v1/shards", tags=["shards"])
+    async def shard_pending() -> dict[str, Any]:
+        """The board of the sharded round now waiting on its aggregators (404: none)."""
+        return await run_in_threadpool(answer, lambda: read(live()))
+
+    @app.get("/v1/shards/{round}", tags=["shards"])
+    async def shard_view(round: int = PathParam(ge=0, le=schemas.MAX_INT)) -> dict[str, Any]:
+        """A sharded round's board: the plan, each shard's aggregator (a beacon draw) and
+        checker, the published hashes, the inputs, and the signed shard certificate once
+        every shard is published and every drawn check agreed (with `new_hash` once the
+        round is committed)."""
+        return await run_in_threadpool(answer, lambda: read(round))
+
+    @app.post("/v1/shards/{round}/publish", tags=["shards"])
+    async def shard_publish(
+        request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
+    ) -> dict[str, Any]:
+        """An aggregator's signed hash of its new shard, and the URL serving it."""
+        body = await request.json()
+        return await run_in_threadpool(answer, lambda: board.publish(round, body))
+
+    @app.post("/v1/shards/{round}/check", tags=["shards"])
+    async def shard_check(
+        request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
+    ) -> dict[str, Any]:
+        """A drawn checker's hash of a published shard: a disagreement goes to the
+        referee, and a proven wrong shard slashes its aggregator."""
+        body = await request.json()
+        return await run_in_threadpool(answer, lambda: board.check(round, body, time.time()))
+
+    return board
