@@ -875,6 +875,22 @@ def validator(
     ] = 120.0,
     run_id: Annotated[str | None, RUN_ID_OPTION] = None,
     stake: Annotated[float, typer.Option(help="credits to stake at the first join")] = 0.0,
+    aggregate: Annotated[
+        bool,
+        typer.Option(
+            help="also aggregate the shards of sharded rounds drawn to this key (needs a "
+            "stake; the run must set trust.sharded_above_peers and use DiLoCo)"
+        ),
+    ] = False,
+    blob_host: Annotated[
+        str, typer.Option(help="--aggregate: address the shard blob server listens on")
+    ] = "127.0.0.1",
+    blob_port: Annotated[
+        int, typer.Option(help="--aggregate: its port (0: any free one)", min=0, max=65535)
+    ] = 0,
+    advertise_host: Annotated[
+        str | None, typer.Option(help="--aggregate: address others reach it at")
+    ] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
     log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
@@ -882,7 +898,14 @@ def validator(
 
     Each task is replayed from the round's start state on the same data; a disagreement
     is narrowed to one segment of the worker's commitments, which the coordinator's
-    referee recomputes. Proven catches are paid in the run's ledger."""
+    referee recomputes. Proven catches are paid in the run's ledger.
+
+    With --aggregate (and a stake) it is also an aggregator of sharded rounds: for the
+    shards a round's beacon draws to this key it reads only those shards' byte ranges of
+    every contribution, computes the new shard, serves it from its own blob server and
+    publishes its signed hash; a wrong shard is slashed."""
+    if aggregate and stake <= 0:
+        raise _fail("--aggregate needs --stake > 0: aggregators are drawn from staked keys")
     _check_name(name)
     _check_device(device)
     _check_coordinator(coordinator, connect_timeout)
@@ -900,6 +923,10 @@ def validator(
         connect_timeout_s=connect_timeout,
         run_id=run_id,
         stake=stake,
+        aggregate=aggregate,
+        blob_host=blob_host,
+        blob_port=blob_port,
+        advertise_host=advertise_host,
     )
     try:
         checker = Validator(opts)

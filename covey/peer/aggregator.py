@@ -272,3 +272,36 @@ def fetch_certified_state(
             raise ShardFetchError(f"shard {i}: no provider delivered it ({refusals[-3:]})")
     momentum = torch.cat(momenta) if with_momentum else None  # type: ignore[arg-type]
     return state_from_flat(start_state, names, torch.cat(params), momentum), refusals
+
+
+def fetch_round_shards(
+    board: dict[str, Any] | None,
+    new_hash: str,
+    coordinator_url: str,
+    coordinator_key: str,
+    start_state: TrainState,
+    names: list[str],
+    with_momentum: bool,
+) -> TrainState | None:
+    """A worker's new state of a sharded round: shard by shard from the providers of
+    `board`'s signed certificate (the coordinator last), each shard checked against its
+    hash, the whole against the round certificate's `new_hash`. None when the round was
+    not sharded (no board, or a certificate of another state); ValueError or
+    ShardFetchError when a certified state cannot be had (then take the canonical one)."""
+    cert = (board or {}).get("certificate")
+    if not cert or cert.get("new_hash") != new_hash:
+        return None
+    last = coordinator_url.rstrip("/")
+
+    def providers(i: int) -> list[str]:
+        return [p for p in cert["shards"][i]["providers"] if p and p != last] + [last]
+
+    with httpx.Client(timeout=60.0, trust_env=False) as http:
+        state, refusals = fetch_certified_state(
+            http, cert, coordinator_key, start_state, names, with_momentum, providers
+        )
+    for r in refusals:
+        log.warning("refused: %s", r)
+    if state.digest() != new_hash:
+        raise ValueError(f"assembled shards hash to {state.digest()[:12]}, not {new_hash[:12]}")
+    return state

@@ -49,6 +49,10 @@ class ValidatorOptions:
     connect_timeout_s: float = 120.0
     run_id: str | None = None  # refuse a coordinator serving another run (key included)
     stake: float = 0.0  # credits staked at the first join (the run's min_validator_stake)
+    aggregate: bool = False  # also aggregate drawn shards (covey.peer.aggregating)
+    blob_host: str = "127.0.0.1"  # where --aggregate serves its shards
+    blob_port: int = 0
+    advertise_host: str | None = None  # the address others reach them at (default: bound)
 
 
 class Validator:
@@ -64,6 +68,7 @@ class Validator:
         self.done = 0
         self.compute_s = 0.0
         self._state: tuple[str, TrainState] | None = None
+        self.aggregating: Any = None  # covey.peer.aggregating.AggregatorLoop
 
     def _setup(self) -> None:
         run = set_up_run(
@@ -100,6 +105,8 @@ class Validator:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._setup()
+            if self.opts.aggregate:
+                self._start_aggregating()
             while not self.stop.is_set():
                 if self.opts.max_tasks and self.done >= self.opts.max_tasks:
                     break
@@ -126,8 +133,25 @@ class Validator:
             return 1
         finally:
             self.stop.set()
+            if self.aggregating is not None:
+                self.aggregating.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def _start_aggregating(self) -> None:
+        """--aggregate: serve as an aggregator of this run's sharded rounds, beside the
+        checks (a run that does not shard is logged and left alone)."""
+        from covey.peer.aggregating import AggregatorLoop, unsupported
+
+        why = unsupported(self.cfg)
+        if why is not None:
+            log.warning("[%s] --aggregate: nothing to aggregate: %s", self.name, why)
+            return
+        self.aggregating = AggregatorLoop(
+            self.opts.coordinator, self.identity, self.run_id, self.cfg, self.strategy,
+            self.template, self.stop, host=self.opts.blob_host, port=self.opts.blob_port,
+            advertise_host=self.opts.advertise_host,
+        )  # fmt: skip
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("[%s] %s: stopping", self.name, signal.Signals(signum).name)

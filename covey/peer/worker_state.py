@@ -132,6 +132,11 @@ class StateKeeping:
         assert self.state is not None and self.store is not None
         if self.state_hash != cert.start_hash:  # we missed something: take the result
             return self._canonical(cert, "local start state differs from the certificate's")
+        above = self.cfg.trust.sharded_above_peers
+        if above is not None and len(cert.accepted) >= above:  # issue 13 §1: shard by shard
+            sharded = self._sharded_result(cert)
+            if sharded is not None:
+                return sharded
         contributions = []
         fetched = []  # others' contributions: dropped once applied
         for a in cert.accepted:
@@ -160,6 +165,31 @@ class StateKeeping:
             cert.new_hash[:12],
         )
         return new_state, new_hash, False
+
+    def _sharded_result(self, cert: schemas.Certificate) -> tuple[TrainState, str, bool] | None:
+        """The new state of a sharded round, fetched shard by shard and checked against
+        the signed shard certificate (covey.peer.aggregator); None: the round was not
+        sharded (apply it as usual); the canonical state when the shards cannot be had."""
+        from covey.peer.aggregator import ShardFetchError, fetch_round_shards
+
+        assert self.state is not None
+        try:
+            board = self.client.get(f"/v1/shards/{cert.round}", quiet=True)
+        except PeerRejected:
+            return None
+        momentum = getattr(self.cfg.algorithm, "outer_momentum", 0.0) != 0
+        try:
+            state = fetch_round_shards(board, cert.new_hash, self.opts.coordinator,
+                self.coordinator_key, self.state, list(self.strategy.names), momentum)  # fmt: skip
+        except (ShardFetchError, ValueError) as e:
+            return self._canonical(cert, f"sharded state: {e}")
+        if state is None:
+            return None
+        self._record(cert, cert.new_hash, True)
+        self._serve_state(state, cert.new_cid)
+        log.info("[%s - round %d] assembled %d certified shards; weights %s", self.name,
+                 cert.round, len(board["certificate"]["shards"]), cert.new_hash[:12])  # fmt: skip
+        return state, cert.new_hash, False
 
     def _keep_receipt(self, round_: int) -> None:
         """Fetch the signed ledger entry that accepted our contribution and keep it in
