@@ -879,7 +879,7 @@ def validator(
         bool,
         typer.Option(
             help="also aggregate the shards of sharded rounds drawn to this key (needs a "
-            "stake; the run must set trust.sharded_above_peers and use DiLoCo)"
+            "stake; the run must use DiLoCo and not turn trust.sharded_above_peers off)"
         ),
     ] = False,
     blob_host: Annotated[

@@ -609,11 +609,12 @@ class TrustConfig(Frozen):
     )
     # sharded aggregation (issue 13 §1, covey/coordinator/sharding.py)
     sharded_above_peers: int | None = Field(
-        None,
+        16,
         ge=1,
-        description="serve sharded aggregation (/v1/shards) for runs of more peers than "
-        "this; None = off (the default while the round driver does not wait for it). "
-        "Crossover: covey.algorithms.shards.crossover_peers (int4: 9 peers)",
+        description="a DiLoCo round with at least this many accepted contributions is "
+        "aggregated shard by shard by staked validators that run --aggregate (none ready: "
+        "the coordinator aggregates as below it); None = never. 16: the measured byte "
+        "crossover per worker (micro model, int4; scripts/bench_shards.py)",
     )
     shards: int = Field(16, ge=1, description="parameter shards of sharded aggregation")
     shard_check_rate: float = Field(

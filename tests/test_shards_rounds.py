@@ -71,8 +71,8 @@ def pending(cluster: LocalCluster) -> dict[str, Any] | None:
 
 
 def stake(cluster: LocalCluster, name: str) -> str:
-    """Join `name`'s key as a staked validator over HTTP (no process: it aggregates
-    nothing until one starts with this key)."""
+    """Join `name`'s key as a staked validator that aggregates, over HTTP (no process: it
+    publishes nothing until one starts with this key)."""
     key = Identity.load_or_create(cluster.key(name))
     body = {"run_id": cluster.run_id, "validator_id": key.peer_id, "name": name,
             "public_key": key.public_key, "stake": 5.0}  # fmt: skip
@@ -83,6 +83,11 @@ def stake(cluster: LocalCluster, name: str) -> str:
         if resp.status_code != 429:
             break
         time.sleep(0.5)
+    assert resp.status_code == 200, resp.text
+    path = "/v1/shards/ready"  # it says it aggregates: in the draw for the next minute
+    body = {"run_id": cluster.run_id, "peer_id": key.peer_id}
+    resp = httpx.post(f"{cluster.url}{path}", json=key.sign_request(
+        body, -1, purpose=f"POST {path}"), timeout=10, trust_env=False)  # fmt: skip
     assert resp.status_code == 200, resp.text
     return key.peer_id
 

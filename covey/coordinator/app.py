@@ -415,7 +415,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
             media_type="application/octet-stream",
         )
 
-    if coord.cfg.trust.sharded_above_peers is not None:  # issue 13 §1; off by default
+    if coord.cfg.trust.sharded_above_peers is not None:  # issue 13 §1
         from .sharding import mount as mount_sharding
 
         mount_sharding(app, coord)

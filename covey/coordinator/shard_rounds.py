@@ -53,7 +53,7 @@ from covey.config import DiLoCoConfig, StreamingDiLoCoConfig
 from covey.peer.aggregator import certified_shard
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_file
-from covey.trust.identity import canonical_json
+from covey.trust.identity import canonical_json, request_message, request_purpose, verify
 
 from .sharding import ShardBoard, ShardError
 from .views import OpenRound, Rejected
@@ -62,6 +62,10 @@ if TYPE_CHECKING:
     from .service import Coordinator
 
 log = logging.getLogger("covey.coordinator")
+
+#: an aggregator that said it is ready within this long is in the draw
+READY_S = 60.0
+READY_PURPOSE = request_purpose("/v1/shards/ready")
 
 
 @dataclass
@@ -151,14 +155,54 @@ class ShardRounds:
             accounts.append(c, "slash", payload, time.time())
         log.warning("[round %d] aggregator %s slashed: %s", round_, peer_id[:12], reason)
 
-    def aggregators(self) -> list[str]:
-        """Staked, unbanned validators: the draw's pool."""
+    def aggregators(self, now: float) -> list[str]:
+        """The draw's pool: staked, unbanned validators that said they aggregate (`POST
+        /v1/shards/ready`) within READY_S; a validator that only re-executes is never
+        drawn, so it costs no round a publish timeout."""
         least = self.trust.min_validator_stake
+        ready = {
+            r["key"].removeprefix("aggregator/")
+            for r in self.coord.db.query(
+                "SELECT key, value FROM meta WHERE key LIKE 'aggregator/%'"
+            )
+            if now - float(r["value"]) < READY_S
+        }
         return [
             a.peer_id
             for a in self.coord.accounts.book.accounts.values()
-            if a.role == "validator" and not a.banned and a.stake > 0 and a.stake >= least
+            if a.role == "validator"
+            and not a.banned
+            and a.stake > 0
+            and a.stake >= least
+            and a.peer_id in ready
         ]
+
+    def ready(self, body: dict[str, Any], now: float) -> dict[str, Any]:
+        """A validator's signed "I aggregate" (fresh nonce), kept in the database so a
+        restarted coordinator still draws it. ShardError for anything else."""
+        peer = body.get("peer_id")
+        if body.get("run_id") != self.coord.run_id or not isinstance(peer, str):
+            raise ShardError(
+                422, f"need this run's run_id and a peer_id, got {body.get('run_id')!r}"
+            )
+        account = self.coord.accounts.book.accounts.get(peer)
+        nonce, signature = str(body.get("nonce", "")), body.get("signature")
+        message = request_message(body, -1, READY_PURPOSE)
+        if account is None or not isinstance(signature, str):
+            raise ShardError(401, f"peer {peer[:12]} has not joined as a validator")
+        if not verify(account.public_key, message, signature):
+            raise ShardError(401, f"bad signature from {peer[:12]} on its shard readiness")
+        if not nonce[:13].isdigit() or abs(now - int(nonce[:13]) / 1000) > READY_S:
+            raise ShardError(401, f"stale readiness from {peer[:12]} (nonce {nonce[:20]!r})")
+        if account.role != "validator" or account.banned:
+            raise ShardError(
+                403, f"peer {peer[:12]} is excluded (not a validator in good standing)"
+            )
+        with self.coord.db.transaction() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO meta VALUES (?, ?)", (f"aggregator/{peer}", repr(now))
+            )
+        return {"ok": True, "stake": account.stake}
 
     # -- the round driver's hooks ------------------------------------------------------------
 
@@ -169,7 +213,7 @@ class ShardRounds:
         above = self.trust.sharded_above_peers
         if above is None or len(rows) < above:
             return False
-        pool = self.aggregators()
+        pool = self.aggregators(time.time())
         if not pool:
             log.warning("[round %d] %d contributions but no staked aggregators: the "
                         "coordinator aggregates", rnd.round, len(rows))  # fmt: skip
@@ -289,7 +333,7 @@ def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
     DiLoCo (outer Nesterov SGD) only: another method is logged and left without (None)."""
     algo = coord.cfg.algorithm
     if not isinstance(algo, DiLoCoConfig) or isinstance(algo, StreamingDiLoCoConfig):
-        log.warning("sharded aggregation supports DiLoCo only, not %r: left off", algo.method)
+        log.info("sharded aggregation supports DiLoCo only, not %r: left off", algo.method)
         return None
     sharded = ShardRounds(coord)
     coord.rounds.sharding = sharded
@@ -321,6 +365,13 @@ def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
     async def shard_pending() -> dict[str, Any]:
         """The board of the sharded round now waiting on its aggregators (404: none)."""
         return await run_in_threadpool(answer, lambda: read(live()))
+
+    @app.post("/v1/shards/ready", tags=["shards"])
+    async def shard_ready(request: Request) -> dict[str, Any]:
+        """A staked validator's signed statement that it aggregates: it is in the draw
+        of rounds closing within the next minute (aggregators repeat it while they run)."""
+        body = await request.json()
+        return await run_in_threadpool(answer, lambda: sharded.ready(body, time.time()))
 
     @app.get("/v1/shards/{round}", tags=["shards"])
     async def shard_view(round: int = PathParam(ge=0, le=schemas.MAX_INT)) -> dict[str, Any]:

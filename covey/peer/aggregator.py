@@ -43,6 +43,9 @@ from covey.trust.identity import Identity, canonical_json, request_purpose, veri
 
 log = logging.getLogger("covey.aggregator")
 
+#: how often an aggregator repeats its readiness (the coordinator's window is 60 s)
+READY_EVERY_S = 10.0
+
 
 def shard_purpose(round: int, action: str) -> str:
     """The purpose tag an aggregator signs for `action` ("publish" | "check")."""
@@ -101,6 +104,7 @@ class ShardAggregator:
         self.bytes_read = 0  # contribution bytes fetched: the shard's ranges only
         self.shards_computed = 0
         self._start: tuple[str, TrainState] | None = None  # (cid, state): one per round
+        self._ready_at = 0.0  # when this key last told the coordinator it aggregates
 
     def close(self) -> None:
         self.http.close()
@@ -188,11 +192,26 @@ class ShardAggregator:
             board = self.board(round)
         return done
 
+    def ready(self) -> None:
+        """Tell the coordinator this key aggregates (`POST /v1/shards/ready`, signed): only
+        keys that did so lately are drawn. RuntimeError when refused."""
+        body = {"run_id": self.run_id, "peer_id": self.identity.peer_id}
+        path = "/v1/shards/ready"
+        signed = self.identity.sign_request(body, -1, purpose=request_purpose(path))
+        resp = _request(
+            self.http, "POST", f"{self.coordinator}{path}", self.deadline_s, json=signed
+        )
+        if resp.status_code != 200:
+            raise RuntimeError(f"shard readiness refused: {resp.status_code} {resp.text[:200]}")
+        self._ready_at = time.monotonic()
+
     def poll(self, template: TrainState) -> list[str]:
         """One look at the sharded round now waiting on its aggregators (`GET
         /v1/shards`): nothing when there is none or it is certified; else `work` on it,
         from its start state (fetched from the coordinator once per round, checked
         against the board's start hash)."""
+        if time.monotonic() - self._ready_at > READY_EVERY_S:
+            self.ready()
         resp = _request(self.http, "GET", f"{self.coordinator}/v1/shards", self.deadline_s)
         if resp.status_code == 404:
             return []

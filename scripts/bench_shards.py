@@ -1,0 +1,253 @@
+"""Gather vs sharded aggregation per round, on 127.0.0.1 (issue 13 §1's crossover).
+
+For each peer count N and each path, a real coordinator process runs one DiLoCo round of
+N signed peers (this process) that upload int4 contributions of the model's size; on the
+sharded path three staked aggregators (threads here, ShardAggregator.poll) do the shards.
+Measured after the last submission: the seconds until the round's certificate, and until
+one worker holds the certified new state (gather: it downloads the N - 1 other
+contributions and applies them, as `covey worker` does; sharded: it fetches the new state
+shard by shard); the bytes that worker downloads; the aggregators' bytes read.
+
+    .venv/bin/python scripts/bench_shards.py --peers 4 8 16 32 --model micro --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from covey.algorithms import Contribution
+from covey.blobs import BlobServer, BlobStore
+from covey.blobs.client import upload_headers
+from covey.local.cluster import LocalCluster
+from covey.peer.aggregator import ShardAggregator, fetch_round_shards
+from covey.peer.client import CoordinatorClient
+from covey.peer.runsetup import set_up_run
+from covey.protocol.content import content_id
+from covey.trust.identity import Identity
+
+SPEC = """
+name = "bench-shards-{mode}-{n}"
+seed = 5
+[model]
+size = "{model}"
+[data]
+batch_size = 4
+seq_len = 32
+[algorithm]
+method = "diloco"
+inner_steps = 4
+codec = "int4"
+outer_momentum = 0.9
+inner_state = "reset"
+[rounds]
+min_peers = {n}
+deadline_min_s = 120
+deadline_max_s = 300
+eval_batches = 1
+max_rounds = 1
+[trust]
+sample_rate = 0
+new_peer_rate = 0
+canary_rate = 0
+shards = {shards}
+shard_check_rate = 0.25
+{sharded}
+"""
+
+
+def post(http: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
+    for _ in range(200):
+        resp = http.post(path, json=body)
+        if resp.status_code != 429:
+            return resp
+        time.sleep(float(resp.headers.get("Retry-After", "0.5")))
+    raise RuntimeError(f"{path}: 429 two hundred times")
+
+
+def until(what: str, check: Any, timeout_s: float = 300.0) -> Any:
+    give_up = time.monotonic() + timeout_s
+    while not (got := check()):
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return got
+
+
+def one(n: int, mode: str, model: str, shards: int, tmp: Path) -> dict[str, Any]:
+    sharded = "sharded_above_peers = 2" if mode == "sharded" else ""
+    spec = SPEC.format(mode=mode, n=n, model=model, shards=shards, sharded=sharded)
+    (tmp / "run.toml").write_text(spec)
+    stop = threading.Event()
+    with LocalCluster(tmp / "run.toml", tmp) as cluster:
+        cluster.start_coordinator()
+        http = httpx.Client(base_url=cluster.url, timeout=60, trust_env=False)
+        run_id = cluster.run_id
+        setup = set_up_run(CoordinatorClient(cluster.url), threads=1)
+        aggs: list[ShardAggregator] = []
+        servers: list[BlobServer] = []
+        if mode == "sharded":
+            for i in range(3):
+                k = Identity.generate()
+                body = {
+                    "run_id": run_id,
+                    "validator_id": k.peer_id,
+                    "public_key": k.public_key,
+                    "stake": 5.0,
+                }
+                path = "/v1/validators/join"
+                assert post(http, path, k.sign_request(body, -1, purpose=f"POST {path}")).is_success
+                store = BlobStore(tmp / f"agg{i}")
+                servers.append(BlobServer(store))
+                url = servers[-1].start()
+                aggs.append(
+                    ShardAggregator(
+                        cluster.url, k, run_id, setup.strategy, setup.cfg.algorithm, store, url
+                    )
+                )  # type: ignore[arg-type]
+
+            def loop(a: ShardAggregator) -> None:
+                while not stop.wait(0.05):
+                    try:
+                        a.poll(setup.template)
+                    except Exception as e:  # report and go on
+                        print("aggregator:", e, file=sys.stderr)
+
+            for a in aggs:
+                threading.Thread(target=loop, args=(a,), daemon=True).start()
+        keys = [Identity.generate() for _ in range(n)]
+        for k in keys:
+            body = {
+                "run_id": run_id,
+                "peer_id": k.peer_id,
+                "public_key": k.public_key,
+                "step_time_s": 0.01,
+            }
+            assert post(
+                http, "/v1/join", k.sign_request(body, -1, purpose="POST /v1/join")
+            ).is_success
+
+        def beat() -> None:
+            while not stop.wait(0.5):
+                for k in keys:
+                    body = {"run_id": run_id, "peer_id": k.peer_id}
+                    http.post(
+                        "/v1/heartbeat", json=k.sign_request(body, -1, purpose="POST /v1/heartbeat")
+                    )
+
+        threading.Thread(target=beat, daemon=True).start()
+        info = until(
+            "round 0 with every peer",
+            lambda: (r := http.get("/v1/round").json())["phase"] == "open" and r,
+        )
+        numel = sum(setup.template.params[nm].numel() for nm in setup.strategy.names)
+        g = torch.Generator().manual_seed(0)
+        payloads = {}
+        for i, k in enumerate(keys):
+            mine = http.get("/v1/round", params={"peer_id": k.peer_id}).json()
+            assert mine["member"], f"peer {i} is not in round 0"
+            steps = mine["assignment"]["inner_steps"]
+            data = setup.strategy.codec.encode(torch.randn(numel, generator=g) * 1e-3)
+            cid = content_id(data)
+            payloads[cid] = data
+            resp = http.put(
+                f"/v1/blobs/{cid}", content=data, headers=upload_headers(k, run_id, cid, len(data))
+            )
+            assert resp.status_code in (200, 201), resp.text
+            body = {
+                "run_id": run_id,
+                "round": 0,
+                "attempt": info["attempt"],
+                "peer_id": k.peer_id,
+                "cid": cid,
+                "start_hash": info["start_hash"],
+                "size": len(data),
+                "tokens": steps * 128,
+                "inner_steps": steps,
+            }
+            path = "/v1/rounds/0/contributions"
+            resp = post(http, path, k.sign_request(body, 0, purpose=f"POST {path}"))
+            assert resp.status_code == 200, resp.text
+        t0 = time.monotonic()
+        cert = until(
+            "the certificate",
+            lambda: (r := http.get("/v1/rounds/0/certificate")).status_code == 200 and r.json(),
+        )
+        t_cert = time.monotonic() - t0
+        # one worker's result step: it holds its own contribution, fetches the rest
+        got = 0
+        if mode == "gather":
+            contributions = []
+            for j, a in enumerate(cert["accepted"]):
+                blob = payloads[a["cid"]] if j == 0 else http.get(f"/v1/blobs/{a['cid']}").content
+                got += 0 if j == 0 else len(blob)
+                contributions.append(
+                    Contribution(blob, a["tokens"], a["inner_steps"], a["fragment"])
+                )
+            digest = setup.strategy.apply_round(setup.template, contributions).digest()
+        else:
+            board = http.get("/v1/shards/0").json()
+            state = fetch_round_shards(
+                board,
+                cert["new_hash"],
+                cluster.url,
+                setup.coordinator_key,
+                setup.template,
+                list(setup.strategy.names),
+                True,
+            )
+            assert state is not None
+            digest = state.digest()
+            bounds = board["certificate"]["bounds"]
+            got = 8 * (bounds[-1] - bounds[0])  # params and momentum, float32
+        t_done = time.monotonic() - t0
+        assert digest == cert["new_hash"], "the worker's state is not the certified one"
+        stop.set()
+        for a in aggs:
+            a.close()
+        for s in servers:
+            s.close()
+        return {
+            "peers": n,
+            "path": mode,
+            "model": model,
+            "numel": numel,
+            "contribution_bytes": len(next(iter(payloads.values()))),
+            "worker_download_bytes": got,
+            "aggregator_read_bytes": sum(a.bytes_read for a in aggs),
+            "certificate_s": round(t_cert, 3),
+            "worker_state_s": round(t_done, 3),
+        }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--model", default="micro")
+    p.add_argument("--shards", type=int, default=16)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    rows = []
+    for n in args.peers:
+        for mode in ("gather", "sharded"):
+            with tempfile.TemporaryDirectory() as d:
+                row = one(n, mode, args.model, args.shards, Path(d))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
