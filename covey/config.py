@@ -610,10 +610,10 @@ class TrustConfig(Frozen):
     # sharded aggregation (issue 13 §1, covey/coordinator/sharding.py)
     sharded_above_peers: int | None = Field(
         16,
-        ge=1,
+        ge=0,
         description="a DiLoCo round with at least this many accepted contributions is "
         "aggregated shard by shard by staked validators that run --aggregate (none ready: "
-        "the coordinator aggregates as below it); None = never. 16: the measured byte "
+        "the coordinator aggregates as below it); 0 or None = never. 16: the measured byte "
         "crossover per worker (micro model, int4; scripts/bench_shards.py)",
     )
     shards: int = Field(16, ge=1, description="parameter shards of sharded aggregation")

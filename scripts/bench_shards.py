@@ -55,6 +55,13 @@ deadline_min_s = 120
 deadline_max_s = 300
 eval_batches = 1
 max_rounds = 1
+[limits]
+# every simulated peer and aggregator shares 127.0.0.1: lift the per-address rate limit
+# (on a real network each has its own address)
+address_rate = 1000000
+address_burst = 1000000
+peer_rate = 1000000
+peer_burst = 1000000
 [trust]
 sample_rate = 0
 new_peer_rate = 0

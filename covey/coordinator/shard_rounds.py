@@ -211,7 +211,7 @@ class ShardRounds:
         aggregators: True (the driver then waits for `advance`); False: the driver
         aggregates as below the crossover."""
         above = self.trust.sharded_above_peers
-        if above is None or len(rows) < above:
+        if not above or len(rows) < above:
             return False
         pool = self.aggregators(time.time())
         if not pool:

@@ -31,7 +31,7 @@ KEEP_ROUNDS = 3
 
 def unsupported(cfg: RunConfig) -> str | None:
     """Why this run has no shards to aggregate, or None."""
-    if cfg.trust.sharded_above_peers is None:
+    if not cfg.trust.sharded_above_peers:
         return "the run does not shard (trust.sharded_above_peers is off)"
     algo = cfg.algorithm
     if not isinstance(algo, DiLoCoConfig) or isinstance(algo, StreamingDiLoCoConfig):

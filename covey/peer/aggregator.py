@@ -18,8 +18,10 @@ certificate; a shard whose hash is not certified is refused and the next provide
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -45,6 +47,8 @@ log = logging.getLogger("covey.aggregator")
 
 #: how often an aggregator repeats its readiness (the coordinator's window is 60 s)
 READY_EVERY_S = 10.0
+#: concurrent range reads of one shard's slices of the contributions
+READERS = 8
 
 
 def shard_purpose(round: int, action: str) -> str:
@@ -104,7 +108,11 @@ class ShardAggregator:
         self.bytes_read = 0  # contribution bytes fetched: the shard's ranges only
         self.shards_computed = 0
         self._start: tuple[str, TrainState] | None = None  # (cid, state): one per round
-        self._ready_at = 0.0  # when this key last told the coordinator it aggregates
+        self._ready_at = 0.0
+        self._count = threading.Lock()
+        self._flat: tuple[TrainState, str, torch.Tensor, torch.Tensor | None] | None = (
+            None  # when this key last told the coordinator it aggregates
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -122,7 +130,8 @@ class ShardAggregator:
             resp = _request(self.http, "GET", url, self.deadline_s, headers=headers)
             if resp.status_code != 206 or len(resp.content) != b - a:
                 raise RuntimeError(f"range {a}-{b} of {cid[:12]}: {resp.status_code}")
-            self.bytes_read += b - a
+            with self._count:
+                self.bytes_read += b - a
             return resp.content
 
         return read
@@ -132,17 +141,26 @@ class ShardAggregator:
     ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
         """The new shard `index` of the board's round from the start state: (params,
         momentum, hash). ValueError if the start state is not the board's."""
-        if start_state.digest() != board["start_hash"]:
-            raise ValueError(f"start state {start_state.digest()[:12]} is not the board's")
+        if self._flat is None or self._flat[0] is not start_state:  # once per start state
+            self._flat = (
+                start_state,
+                start_state.digest(),
+                *flat_state(start_state, self.strategy.names),
+            )
+        _, digest, params, momentum = self._flat
+        if digest != board["start_hash"]:
+            raise ValueError(f"start state {digest[:12]} is not the board's")
         shard, inputs = board["shards"][index], board["inputs"]
         self.shards_computed += 1
         start, end, numel = shard["start"], shard["end"], board["numel"]
         codec = self.strategy.codec
-        slices = [
-            read_slice(codec, numel, start, end, self._read(c["cid"]))
-            for c in inputs["contributions"]
-        ]
-        params, momentum = flat_state(start_state, self.strategy.names)
+        with ThreadPoolExecutor(READERS) as pool:  # range reads are round trips: overlap them
+            slices = list(
+                pool.map(
+                    lambda c: read_slice(codec, numel, start, end, self._read(c["cid"])),
+                    inputs["contributions"],
+                )
+            )
         new_p, new_m = new_shard(
             self.strategy.aggregator,
             slices,

@@ -133,7 +133,7 @@ class StateKeeping:
         if self.state_hash != cert.start_hash:  # we missed something: take the result
             return self._canonical(cert, "local start state differs from the certificate's")
         above = self.cfg.trust.sharded_above_peers
-        if above is not None and len(cert.accepted) >= above:  # issue 13 §1: shard by shard
+        if above and len(cert.accepted) >= above:  # issue 13 §1: shard by shard
             sharded = self._sharded_result(cert)
             if sharded is not None:
                 return sharded
