@@ -173,3 +173,15 @@ def test_when_no_aggregator_delivers_the_coordinator_takes_the_shard_over() -> N
     check_certificate(final, run.coordinator.public_key)
     with pytest.raises(ValueError, match="not signed"):
         check_certificate({**final, "new_hash": "e" * 64}, run.coordinator.public_key)
+
+
+def test_validator_aggregate_needs_a_stake_and_documents_itself() -> None:
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+
+    result = CliRunner().invoke(app, ["validator", "--aggregate"])
+    assert result.exit_code == 2 and "--aggregate needs --stake" in result.output
+    helped = CliRunner().invoke(app, ["validator", "--help"], env={"COLUMNS": "200"})
+    assert helped.exit_code == 0 and "--aggregate" in helped.output
+    assert "aggregator of sharded rounds" in helped.output
