@@ -621,7 +621,10 @@ class TrustConfig(Frozen):
         0.25, ge=0, le=1, description="share of shards re-aggregated by a second aggregator"
     )
     shard_publish_timeout_s: float = Field(
-        60.0, gt=0, description="an aggregator silent this long loses its shard to the next"
+        30.0,
+        gt=0,
+        description="an aggregator silent this long loses its shard to the next; twice "
+        "this after the round closed, the coordinator finishes what is left itself",
     )
 
     @model_serializer(mode="wrap")

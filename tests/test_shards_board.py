@@ -185,3 +185,15 @@ def test_validator_aggregate_needs_a_stake_and_documents_itself() -> None:
     helped = CliRunner().invoke(app, ["validator", "--help"], env={"COLUMNS": "200"})
     assert helped.exit_code == 0 and "--aggregate" in helped.output
     assert "aggregator of sharded rounds" in helped.output
+
+
+def test_a_silent_checker_leaves_its_shards_to_the_coordinator() -> None:
+    run = Run(check_rate=1.0)
+    for s in range(4):
+        who = run.shard(s)["aggregator"]
+        run.board.publish(3, run.signed(who, "publish", index=s, hash=run.truth[s], url="u"))
+    assert run.board.unfinished(3) == ([], [0, 1, 2, 3]) and run.board.certificate(3) is None
+    for s in range(4):  # the driver's overdue path: it checked them itself, all right
+        run.board.agree(3, s)
+    assert run.board.unfinished(3) == ([], [])
+    assert run.board.certificate(3) is not None

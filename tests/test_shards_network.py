@@ -54,6 +54,7 @@ inner_steps = 4
 codec = "int4"
 inner_state = "reset"
 [rounds]
+min_peers = 2
 deadline_min_s = 30
 deadline_max_s = 60
 eval_batches = 1
@@ -123,6 +124,7 @@ class Aggregators:
             assert resp.status_code == 200, resp.text
         self.liar = ""  # shard 0's first aggregator, read off the board once it opens
         self._lock = threading.Lock()
+        self.ready = 0
         self.servers, self.workers = [], []
         for i, k in enumerate(self.keys):
             store = BlobStore(tmp / f"agg{i}")
@@ -150,12 +152,18 @@ class Aggregators:
 
     def _loop(self, agg: ShardAggregator, template: Any) -> None:
         http = httpx.Client(base_url=agg.coordinator, timeout=20, trust_env=False)
+        agg.ready()  # in the draw from now on
+        with self._lock:
+            self.ready += 1
+        while not self.liar:  # nobody publishes before the liar is known
+            if self.stop.wait(0.1):
+                return
+            with self._lock:
+                if not self.liar and (board := _json_if_ok(http, "/v1/shards")):
+                    self.liar = board["shards"][0]["aggregator"]
+        agg.lie = agg.identity.peer_id == self.liar
         while not self.stop.wait(0.2):
             try:
-                with self._lock:
-                    if not self.liar and (board := _json_if_ok(http, "/v1/shards")):
-                        self.liar = board["shards"][0]["aggregator"]
-                agg.lie = bool(self.liar) and agg.identity.peer_id == self.liar
                 agg.poll(template)
             except Exception as e:  # a banned liar is refused (403): it stops
                 self.errors.append(f"{agg.identity.peer_id[:8]}: {e}")
@@ -182,6 +190,7 @@ def round0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         run_id = cluster.run_id
         setup = set_up_run(CoordinatorClient(cluster.url), threads=1)
         aggs = Aggregators(cluster, http, setup, tmp)
+        until("the aggregators to be ready", lambda: aggs.ready == 3)
         workers = [Worker(http, run_id) for _ in range(2)]
         try:
             info = until(

@@ -66,6 +66,9 @@ log = logging.getLogger("covey.coordinator")
 #: an aggregator that said it is ready within this long is in the draw
 READY_S = 60.0
 READY_PURPOSE = request_purpose("/v1/shards/ready")
+#: a sharded round still open this many publish timeouts after it closed is finished by
+#: the coordinator (workers wait limits.coordinator_lost_s past the deadline for it)
+OVERDUE = 2.0
 
 
 @dataclass
@@ -252,6 +255,8 @@ class ShardRounds:
             return
         r = p.rnd.round
         self.board.expire(r, now)
+        if now - p.began > OVERDUE * self.trust.shard_publish_timeout_s:
+            self._overdue(r)  # workers wait for the certificate: finish it here
         for s in self.board.orphans(r):
             new_p, new_m, h = self.compute(r, s)
             self.board.take_over(r, s, h, self.coord.blobs.put(shard_to_bytes(new_p, new_m)))
@@ -271,6 +276,26 @@ class ShardRounds:
         self.pending = None
         log.info("[round %d] shards certified after %.1f s", r, now - p.began)
         self.rounds._close(p.rnd, p.reason, assembled=(p.rows, state))
+
+    def _overdue(self, r: int) -> None:
+        """Past the round's sharding deadline: aggregate every unpublished shard here, and
+        do every drawn check still open here (a wrong shard: its aggregator is slashed and
+        the shard taken over)."""
+        missing, unchecked = self.board.unfinished(r)
+        published = self.board.view(r)["shards"]
+        for s in missing + unchecked:
+            new_p, new_m, h = self.compute(r, s)
+            pub = published[s]["published"]
+            if pub is not None and pub["hash"] == h:
+                self.board.agree(r, s)
+                continue
+            if pub is not None:
+                self.slash(r, pub["aggregator"], f"shard {s} of round {r}: published "
+                           f"{pub['hash'][:16]}, is {h[:16]}")  # fmt: skip
+            self.board.take_over(r, s, h, self.coord.blobs.put(shard_to_bytes(new_p, new_m)))
+        if missing or unchecked:
+            log.warning("[round %d] sharding overdue: the coordinator aggregated shards %s "
+                        "and checked %s itself", r, missing, unchecked)  # fmt: skip
 
     def _assemble(self, r: int, cert: dict[str, Any]) -> TrainState | None:
         """The new state from the certified shards, each fetched from its providers and

@@ -280,6 +280,26 @@ class ShardBoard:
             }
             rnd.agreed.add(shard)
 
+    def unfinished(self, round: int) -> tuple[list[int], list[int]]:
+        """(shards not published, shards published but drawn for a check that has not
+        agreed yet): what keeps the certificate back."""
+        with self._lock:
+            rnd = self._get(round)
+            missing = [s for s in range(rnd.plan.count) if s not in rnd.published]
+            unchecked = [
+                s
+                for s in sorted(rnd.checked)
+                if s in rnd.published
+                and s not in rnd.agreed
+                and rnd.checker(s, self._is_banned) is not None
+            ]
+            return missing, unchecked
+
+    def agree(self, round: int, shard: int) -> None:
+        """The coordinator checked a published shard itself and it was right."""
+        with self._lock:
+            self._get(round).agreed.add(shard)
+
     def orphans(self, round: int) -> list[int]:
         """Shards nobody is left to publish (every aggregator in the order failed)."""
         with self._lock:
