@@ -582,32 +582,51 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
     forged = ids[3].sign_request(body, -1, purpose="POST /v1/swarm/heartbeat")
     assert client.post("/v1/swarm/join", json=forged).status_code == 401  # signed for another path
 
-    def beat(i: int, stage: int, tp: float) -> dict:
+    def beat(i: int, stage: int, claim: float = 1000.0) -> dict:
+        """A heartbeat; every server claims to be fast: claims steer nothing."""
         body = {"run_id": run, "peer_id": ids[i].peer_id, "stage": stage, "step": 0,
-                "state": "s0" if stage == 0 else "s1", "pending": 0, "throughput": tp,
+                "state": "s0" if stage == 0 else "s1", "pending": 0, "throughput": claim,
                 "queue": 0}  # fmt: skip
         r = _post(client, ids[i], "/v1/swarm/heartbeat", body)
         assert r.status_code == 200, r.text
         return r.json()
 
+    join(3, "trainer")
+
+    def measure(tps: dict[int, float]) -> None:
+        """The trainer's router measured these servers (samples/s)."""
+        body = {"run_id": run, "peer_id": ids[3].peer_id, "samples": 0, "loss": None,
+                "reroutes": 0, "banned": {}, "served": {},
+                "measured": {ids[i].peer_id: tp for i, tp in tps.items()}}  # fmt: skip
+        assert _post(client, ids[3], "/v1/swarm/report", body).status_code == 200
+
     # stage 0 costs two requests per microbatch: 2 servers at 10/s give it 10 samples/s,
     # stage 1's one server at 2/s gives 2: moving one server to stage 1 gives min 5 > 1.1 x 2
-    beat(0, 0, 10.0), beat(1, 1, 2.0), beat(2, 0, 10.0)
+    beat(0, 0), beat(1, 1), beat(2, 0)
+    coord._rebalance(now=0.0)
+    assert coord.rebalances == []  # nobody measured by a trainer: no move on claims alone
+    measure({0: 10.0, 1: 2.0, 2: 10.0})
     coord._rebalance(now=0.0)
     assert len(coord.rebalances) == 1 and coord.rebalances[0]["to"] == 1
     moved = next(i for i in (0, 2) if coord.servers[ids[i].peer_id].stage == 1)
-    assert beat(moved, 0, 10.0)["stage"] == 1  # told to move
-    beat(moved, 1, 10.0)
+    assert beat(moved, 0)["stage"] == 1  # told to move
+    beat(moved, 1)
+    measure({moved: 10.0})  # measured afresh on its new stage
     coord._rebalance(now=1.0)
     # stage 0 (one server at 10/s) now gives 5, stage 1 12: the 2/s server on stage 0
     # makes it 6 > 1.1 x 5; then stage 1 keeps one server, so no donor is left
     assert len(coord.rebalances) == 2 and coord.rebalances[1]["to"] == 0
-    beat(1, 0, 2.0)
+    beat(1, 0)
+    measure({1: 2.0})
     coord._rebalance(now=1.5)
     assert len(coord.rebalances) == 2  # settled
+    for lie in (-1.0, 1e9, True, "fast"):  # measurements are checked too
+        bad = {"run_id": run, "peer_id": ids[3].peer_id, "samples": 0, "loss": None,
+               "reroutes": 0, "banned": {}, "served": {},
+               "measured": {ids[0].peer_id: lie}}  # fmt: skip
+        assert _post(client, ids[3], "/v1/swarm/report", bad).status_code == 422, lie
 
     # a trainer reports served microbatches (shown on the status page, never paid)
-    join(3, "trainer")
     report = {"run_id": run, "peer_id": ids[3].peer_id, "samples": 8, "loss": 3.0,
               "reroutes": 1, "banned": {}, "served": {ids[0].peer_id: 2}}  # fmt: skip
     # what a dishonest reporter would send: a server paying itself, counts that lie, and

@@ -87,6 +87,11 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
         return _post(c, ids[i], "/v1/swarm/round", body)
 
     join(client, 0), join(client, 1), join(client, 2, "trainer")
+    # pending samples count as far as a trainer vouches it was served (one microbatch each)
+    vouch = {"run_id": run, "peer_id": ids[2].peer_id, "samples": 8, "loss": 3.0,
+             "reroutes": 0, "banned": {},
+             "served": {ids[0].peer_id: 1, ids[1].peer_id: 1}}  # fmt: skip
+    assert _post(client, ids[2], "/v1/swarm/report", vouch).status_code == 200
     beat(client, 0, 0, "s0", 4), beat(client, 1, 0, "s0", 4)
     coord.tick(coord._last_payout + 0.1)
     rnd = coord.averaging.stages[0].round

@@ -44,6 +44,7 @@ def _sum(shapes: list, samples: int, scale: float = 1.0, seed: int = 0, **over: 
 
 def _round(desk: Desk) -> Any:
     """Open a round of stage 0 with servers a and b."""
+    desk.vouch("a", "b")
     for n in "ab":
         body = {"run_id": desk.coord.run_id, "peer_id": desk.pid(n), "stage": 0, "step": 0,
                 "state": desk.state, "pending": 4, "throughput": 1.0, "queue": 0}  # fmt: skip
@@ -190,3 +191,25 @@ def test_a_member_that_claims_samples_and_never_reports_is_benched() -> None:
         now += 1.0
     assert members == [["honest", "idle"], ["honest", "idle"], ["honest"]]
     assert avg.stages[0].benched["idle"] > now  # for 2 timeouts after its second miss
+
+
+def test_a_server_claiming_pending_samples_trainers_never_sent_opens_no_round(
+    desk: Desk,
+) -> None:
+    """A server's pending count opens averaging rounds; it counts only as far as trainers
+    vouch the server answered their backward hops (covey.swarm.observed)."""
+
+    def beat(n: str, pending: int) -> None:
+        body = {"run_id": desk.coord.run_id, "peer_id": desk.pid(n), "stage": 0, "step": 0,
+                "state": desk.state, "pending": pending, "throughput": 1e5, "queue": 0}  # fmt: skip
+        assert desk.post(n, "/v1/swarm/heartbeat", body).status_code == 200
+
+    beat("a", 10**6), beat("b", 0)  # a lie: target_samples is 8
+    desk.coord.tick(desk.coord._last_payout + 0.1)
+    assert desk.coord.averaging.stages[0].round is None
+    desk.vouch("a")  # one microbatch (4 samples) served: still short of the target
+    desk.coord.tick(desk.coord._last_payout + 0.1)
+    assert desk.coord.averaging.stages[0].round is None
+    desk.vouch("a")
+    desk.coord.tick(desk.coord._last_payout + 0.1)
+    assert desk.coord.averaging.stages[0].round is not None

@@ -1,7 +1,9 @@
 """`covey bench swarm`: SWARM against a fixed GPipe-style pipeline on the same servers.
 
 Each run starts a swarm coordinator and 4 stage servers (2 stages) as processes on
-127.0.0.1; this process is the trainer (4 microbatches in flight). Server speed is
+127.0.0.1; this process is the trainer. Both modes keep the same number of microbatches in
+flight: by default the SWARM trainer's own default, two per server (8; the fixed pipeline
+splits them per pipeline, 4 each: GPipe wants several microbatches per stage). Server speed is
 emulated: each request sleeps `emulate_s` x its slowdown (plus real compute x slowdown),
 so the comparison does not hinge on the load of a shared machine. Modes: `swarm` routes
 every hop by least expected finish time, reroutes on failure and lets the coordinator
@@ -47,13 +49,14 @@ SETTINGS = {
 def run_one(
     mode: str, scenario: str, *, seconds: float, kill_every: float, emulate_s: float,
     echo: Callable[[str], None], tokens: Any = None, service_time: bool = True,
-    inflight: int = 4,
+    inflight: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     from covey.swarm.codecs import bytes_per_token
     from covey.swarm.launch import Swarm, status
     from covey.swarm.trainer import SwarmTrainer
 
     spec = SCENARIOS[scenario]
+    inflight = inflight or 2 * len(spec["speeds"])  # the trainer's default, for both modes
     work = Path(tempfile.mkdtemp(prefix=f"covey-bench-swarm-{mode}-"))
     settings = dict(SETTINGS)
     if mode == "fixed":
@@ -167,7 +170,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
 def run_swarm_bench(
     *, quick: bool, seconds: float | None, kill_every: float, emulate_s: float,
     json_path: Path | None, plot_path: Path | None, echo: Callable[[str], None],
-    inflight: int = 4,
+    inflight: int | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Both scenarios, both modes; rows as in the module docstring."""
     from covey.data.corpus import load_corpus
@@ -209,8 +212,12 @@ def register(bench_app: Any) -> None:
         json_path: Annotated[Path | None, typer.Option("--json", help="write the rows")] = None,
         plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG")] = None,
         inflight: Annotated[
-            int, typer.Option(help="microbatches in flight (both modes; fixed: split per pipeline)")
-        ] = 4,
+            int | None,
+            typer.Option(
+                help="microbatches in flight, both modes (fixed: split per pipeline) "
+                "[default: the SWARM trainer's, 2 per server]"
+            ),
+        ] = None,
     ) -> None:
         """SWARM vs a fixed GPipe-style pipeline on the same 4 servers (2 stages), emulated
         speeds: homogeneous, and heterogeneous (1x-4x) with a server SIGKILLed every
@@ -219,7 +226,7 @@ def register(bench_app: Any) -> None:
             (seconds is not None and seconds <= 0)
             or kill_every <= 0
             or emulate_s < 0
-            or inflight < 1
+            or (inflight is not None and inflight < 1)
         ):
             typer.echo(
                 "error: --seconds and --kill-every must be > 0, --emulate-s >= 0, --inflight >= 1",

@@ -37,8 +37,10 @@ async function tick(){const s=await (await fetch('/v1/swarm/status')).json();
  rows(document.getElementById('stages'),['stage','servers','samples/s','step','rounds'],
   s.stages.map((x,i)=>[x.stage,x.servers.join(', '),x.throughput,s.averaging[i].step,
   s.averaging[i].rounds]));
- rows(document.getElementById('servers'),['server','stage','samples/s','queue','step','served'],
-  s.servers.map(x=>[x.name,x.stage,x.throughput.toFixed(2),x.queue,x.step,x.served]));
+ rows(document.getElementById('servers'),['server','stage','samples/s (trainers)',
+  'samples/s (its claim)','queue','step','served'],
+  s.servers.map(x=>[x.name,x.stage,x.measured==null?'-':x.measured.toFixed(2),
+  x.throughput.toFixed(2),x.queue,x.step,x.served]));
  document.getElementById('moves').textContent=s.moves.map(m=>m.server+': '+m.from+' -> '+m.to+
   ' ('+m.min_before+' -> '+m.min_after+')').join('\\n');
  document.getElementById('disputes').textContent=JSON.stringify(s.disputes,null,1);}

@@ -149,7 +149,10 @@ def register(app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="display name (also seeds its data)")] = "trainer",
         samples: Annotated[int | None, typer.Option(help="stop after this many samples")] = None,
         seconds: Annotated[float | None, typer.Option(help="stop after this long")] = None,
-        inflight: Annotated[int, typer.Option(help="microbatches in flight at once")] = 2,
+        inflight: Annotated[
+            int | None,
+            typer.Option(help="microbatches in flight at once [default: 2 per live server]"),
+        ] = None,
         fixed: Annotated[
             bool, typer.Option(help="GPipe-style baseline: one fixed server per stage")
         ] = False,
@@ -158,7 +161,7 @@ def register(app: typer.Typer) -> None:
         """Train: route microbatches through one server per stage, forward then backward."""
         if samples is None and seconds is None:
             _fail("give --samples or --seconds")
-        if inflight < 1:
+        if inflight is not None and inflight < 1:
             _fail(f"--inflight ({inflight}) must be at least 1")
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         import torch

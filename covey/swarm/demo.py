@@ -76,7 +76,7 @@ def run_demo(
         log = open(work / "trainer.log", "ab")  # noqa: SIM115 -- the child's
         trainer = subprocess.Popen(
             [sys.executable, "-m", "covey", "swarm", "trainer", "--coordinator", swarm.url,
-             "--seconds", str(minutes * 60), "--inflight", "4", "--json", str(out)],
+             "--seconds", str(minutes * 60), "--json", str(out)],
             stdout=log, stderr=log,
         )  # fmt: skip
         start = last_kill = last_print = time.monotonic()

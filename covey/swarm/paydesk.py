@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from covey.coordinator.views import Rejected
 from covey.swarm import evidence, payouts
+from covey.swarm.observed import Observations, parse_measured
 
 if TYPE_CHECKING:
     from covey.coordinator.accounts import Accounts
@@ -43,6 +44,7 @@ class PayDesk:
     referee: Referee
     averaging: Averaging
     servers: dict[str, ServerInfo]
+    observed: Observations
     trainers: dict[str, dict[str, Any]]
     unpaid: dict[str, int]
     epoch: int
@@ -63,16 +65,18 @@ class PayDesk:
 
     def trainer_report(self, body: dict[str, Any]) -> dict[str, Any]:
         """The trainer's loss, reroutes, bans, microbatches each server completed (shown,
-        never paid: a trainer's word), and evidence of agreed checks: pay rests on those
-        alone (covey.swarm.evidence). Answers each check's outcome, in order: "paid",
-        "parked" (its state is not agreed yet: settled within two round timeouts) or
-        "refused: why"."""
+        never paid: a trainer's word; they cap the server's pending samples), its router's
+        measured throughput of each server (covey.swarm.observed), and evidence of agreed
+        checks: pay rests on those alone (covey.swarm.evidence). Answers each check's
+        outcome, in order: "paid", "parked" (its state is not agreed yet: settled within two
+        round timeouts) or "refused: why"."""
         peer = str(body.get("peer_id"))
         self.membership.check_run(body.get("run_id", ""))
         self.membership.authenticate(body, -1, peer)
         served, items = body.get("served", {}), body.get("checks", [])
         if not isinstance(served, dict):
             raise Rejected(422, "served must be an object {server id: microbatches}")
+        measured = parse_measured(body.get("measured", {}))
         if not isinstance(items, list) or len(items) > evidence.MAX_CHECKS_PER_REPORT:
             raise Rejected(
                 422, f"checks must be a list of at most {evidence.MAX_CHECKS_PER_REPORT}"
@@ -97,6 +101,8 @@ class PayDesk:
             for server, n in served.items():
                 if server in self.servers:
                     self.servers[server].served += n
+                    self.observed.vouch(server, n * self.cfg.microbatch)
+            self.observed.record(peer, measured, set(self.servers), time.time())
             self._save()
         outcomes = []
         now = time.time()

@@ -30,6 +30,7 @@ from covey.coordinator.views import Rejected
 from covey.swarm import evidence
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
+from covey.swarm.observed import Observations
 from covey.swarm.paydesk import PayDesk
 from covey.swarm.rebalance import plan_move, speeds_from_measurements
 from covey.trust.identity import Identity
@@ -86,6 +87,8 @@ class SwarmCoordinator(PayDesk):
             self._create(mcfg)
         self.lock = threading.RLock()
         self.servers: dict[str, ServerInfo] = {}
+        # trainers' measurements of servers: rebalancing never rests on a server's own word
+        self.observed = Observations(fresh_s=max(30.0, 3 * cfg.rebalance_s))
         self.trainers: dict[str, dict[str, Any]] = {}
         self.averaging = Averaging(cfg.stages, cfg.target_samples, cfg.round_timeout_s)
         self.rebalances: list[dict[str, Any]] = []
@@ -125,7 +128,8 @@ class SwarmCoordinator(PayDesk):
     def _snapshot(self) -> str:
         return json.dumps(
             {"averaging": self.averaging.to_dict(), "trainers": self.trainers,
-             "unpaid": self.unpaid, "known_states": self.known_states},
+             "unpaid": self.unpaid, "known_states": self.known_states,
+             "vouched": self.observed.vouched},
             sort_keys=True,
         )  # fmt: skip
 
@@ -148,6 +152,7 @@ class SwarmCoordinator(PayDesk):
         self.trainers = saved["trainers"]
         self.unpaid = {p: int(n) for p, n in saved["unpaid"].items()}
         self.known_states = saved.get("known_states", self.known_states)
+        self.observed.vouched = {p: int(n) for p, n in saved.get("vouched", {}).items()}
         self._saved = self._snapshot()
         # servers rejoin on their next heartbeat (404 -> join with their stage): until they
         # had the time to, no member of an open round counts as gone
@@ -205,8 +210,13 @@ class SwarmCoordinator(PayDesk):
                         now - s.last_seen,
                     )
                     del self.servers[p]
+                    self.observed.forget(p)
             busy = {p for p, s in self.servers.items() if s.moving}
-            live = {p: (s.stage, s.step, s.pending) for p, s in self.servers.items()}
+            # a server's pending samples count only as far as trainers vouch for them
+            live = {
+                p: (s.stage, s.step, self.observed.pending(p, s.pending))
+                for p, s in self.servers.items()
+            }
             if now >= self._grace_until:
                 self.averaging.tick(live, busy, now)
                 self._save()
@@ -222,9 +232,13 @@ class SwarmCoordinator(PayDesk):
             self._last_payout = now
             self.pay(now)
 
+    def _measured(self, peer: str, now: float) -> float:
+        """Trainers' median measurement of `peer` in samples/s (0.0: not measured yet)."""
+        return self.observed.throughput(peer, now) or 0.0
+
     def _rebalance(self, now: float) -> None:
         free = {
-            p: (s.stage, s.throughput)
+            p: (s.stage, self._measured(p, now))
             for p, s in self.servers.items()
             if not s.moving and not self.averaging.in_round(p)
         }
@@ -251,6 +265,7 @@ class SwarmCoordinator(PayDesk):
     def _move(self, peer: str, src: int, dst: int, before: float, after: float, now: float) -> None:
         s = self.servers[peer]
         s.stage, s.moving, s.step, s.state, s.pending = dst, True, -1, None, 0
+        self.observed.forget(peer)  # its speed on the new stage is measured afresh
         entry = {
             "at": now,
             "server": s.name,
@@ -302,10 +317,11 @@ class SwarmCoordinator(PayDesk):
             return {"run_id": self.run_id, "spec": self.cfg.model_dump(mode="json"),
                     "resume": resume}  # fmt: skip
         with self.lock:
+            now = time.time()
             load = [
                 (
                     sum(s.stage == k for s in self.servers.values()),
-                    sum(s.throughput for s in self.servers.values() if s.stage == k),
+                    sum(self._measured(p, now) for p, s in self.servers.items() if s.stage == k),
                     k,
                 )
                 for k in range(self.cfg.stages)
@@ -386,6 +402,8 @@ class SwarmCoordinator(PayDesk):
             why = self.averaging.report(
                 peer, stage, int(body["round"]), cid, samples, url, norm=norm
             )
+            if why == "ok":
+                self.observed.reported_sum(peer, samples)
             self._save()  # before the ok: an accepted report survives a restart
         if why != "ok":
             raise Rejected(409, why)
@@ -446,8 +464,12 @@ class SwarmCoordinator(PayDesk):
 
     def status(self) -> dict[str, Any]:
         with self.lock:
+            now = time.time()
             servers = [
-                {k: v for k, v in asdict(s).items() if k not in ("url", "blob_url")}
+                {
+                    **{k: v for k, v in asdict(s).items() if k not in ("url", "blob_url")},
+                    "measured": self.observed.throughput(s.peer_id, now),  # by trainers
+                }
                 for s in self.servers.values()
             ]
             per_stage = [
@@ -455,7 +477,7 @@ class SwarmCoordinator(PayDesk):
                     "stage": k,
                     "servers": [s["name"] for s in servers if s["stage"] == k],
                     "throughput": round(
-                        sum(s["throughput"] for s in servers if s["stage"] == k), 3
+                        sum(s["measured"] or 0.0 for s in servers if s["stage"] == k), 3
                     ),
                 }
                 for k in range(self.cfg.stages)

@@ -9,7 +9,10 @@ reroutes the hop to another server of the stage, an invalid reply bans the serve
 run and is reported. A `verify_rate` share of hops also goes to a second server of the
 stage: replies on one state that disagree go to the coordinator's referee, and the
 microbatch is dropped. `inflight` microbatches run at once (threads), so servers of every
-stage are busy. Loss, served microbatches per server, reroutes and bans are reported.
+stage are busy: by default two per live server, as SWARM keeps many microbatches in flight
+(with fewer, least-expected-finish routing keeps every hop on the fastest chain and slower
+servers idle; BENCHMARKS.md, SWARM). Loss, served microbatches per server, reroutes and
+bans are reported.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class SwarmTrainer:
         coordinator: str,
         *,
         name: str = "trainer",
-        inflight: int = 2,
+        inflight: int | None = None,
         seed: int = 0,
         fixed: bool = False,
         progress: Callable[[str], None] | None = None,
@@ -78,7 +81,10 @@ class SwarmTrainer:
         """`fixed`: the GPipe-style baseline for benchmarks: fixed pipelines wired once
         from the servers first seen (pipeline j takes the j-th server of every stage), each
         worker thread bound to one pipeline; never rerouted, so a dead server stalls its
-        pipeline."""
+        pipeline. `inflight`: microbatches at once; None: `auto_inflight()` when training
+        starts."""
+        if inflight is not None and inflight < 1:
+            raise ValueError(f"inflight ({inflight}) must be at least 1")
         self.name, self.inflight, self.fixed = name, inflight, fixed
         self.identity = Identity.generate()
         self.client = CoordinatorClient(coordinator, identity=self.identity, lost_s=30.0)
@@ -317,6 +323,13 @@ class SwarmTrainer:
 
     # -- the loop ----------------------------------------------------------------------------
 
+    def auto_inflight(self) -> int:
+        """Two microbatches per live server (at least two): one being served, one queued,
+        so no server idles while a reply is on the wire."""
+        with self.lock:
+            live = sum(s.banned is None for s in self.router.servers.values())
+        return max(2, 2 * live)
+
     def train(self, *, samples: int | None = None, seconds: float | None = None) -> TrainerStats:
         """Train until `samples` samples or `seconds` passed (either may be None, not both)."""
         if samples is None and seconds is None:
@@ -346,9 +359,8 @@ class SwarmTrainer:
                     st.samples += self.cfg.microbatch
                     st.losses.append(loss)
 
-        threads = [
-            threading.Thread(target=worker, args=(j,), daemon=True) for j in range(self.inflight)
-        ]
+        n = self.inflight or self.auto_inflight()
+        threads = [threading.Thread(target=worker, args=(j,), daemon=True) for j in range(n)]
         for t in threads:
             t.start()
         last = time.monotonic()
@@ -380,6 +392,13 @@ class SwarmTrainer:
                 "run_id": self.run_id,
                 "peer_id": self.identity.peer_id,
                 "served": served,
+                # what this trainer measured of each server (the coordinator rebalances on
+                # trainers' measurements, never on a server's own claim)
+                "measured": {
+                    p: round(x.throughput, 4)
+                    for p, x in self.router.servers.items()
+                    if x.throughput is not None and x.banned is None
+                },
                 "samples": st.samples,
                 "loss": self.loss(),
                 "reroutes": self.router.reroutes,
