@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 LLAMA = {
-    "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+    "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
     "tie_word_embeddings": False,
 }  # fmt: skip
@@ -95,10 +95,16 @@ def hf_swarm(
 ) -> Iterator[object]:
     from covey.swarm.config import SwarmConfig
     from covey.swarm.local import LocalSwarm
+    from tests.tiny_hf import TEXTS, tiny_tokenizer
 
     d, _ = llama_dir
+    tok = tiny_tokenizer(tmp_path_factory.mktemp("hf-tok"), vocab_size=300)
+    data = tmp_path_factory.mktemp("hf-data") / "stories.txt"
+    data.write_text("\n\n".join(TEXTS * 4))
+    # trainers tokenize with this tokenizer.json (servers see ids only)
     cfg = SwarmConfig(model=f"hf:{d}", stages=2, seq_len=16, microbatch=2, codec="plain",
-                      verify_rate=0.0, rebalance_s=3600, target_samples=8)  # fmt: skip
+                      verify_rate=0.0, rebalance_s=3600, target_samples=8,
+                      tokenizer=f"hf:{tok}", data_paths=(str(data),))  # fmt: skip
     s = LocalSwarm(cfg, tmp_path_factory.mktemp("hf-swarm"))
     try:
         s.add_server("h0", 0, model=f"hf:{d}")
@@ -161,8 +167,8 @@ def test_hf_stages_train_and_average_over_http(hf_swarm: object) -> None:
     from covey.swarm.trainer import SwarmTrainer
 
     url = hf_swarm.url  # type: ignore[attr-defined]
-    t = SwarmTrainer(url, name="hf-train", inflight=2, progress=lambda _: None,
-                     tokens=torch.randint(0, 256, (4096,)))  # fmt: skip
+    t = SwarmTrainer(url, name="hf-train", inflight=2, progress=lambda _: None)
+    assert int(t.tokens.max()) >= 256  # the run's BPE tokenizer, not covey's bytes
     try:
         st = t.train(samples=24)
     finally:

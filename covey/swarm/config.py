@@ -7,11 +7,14 @@ peer builds the same model, plan and batches.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from covey.config import Frozen, RunConfig, TrustConfig, config_hash
+from covey.config import Frozen, RunConfig, TrustConfig
 
 
 class SwarmConfig(Frozen):
@@ -43,6 +46,18 @@ class SwarmConfig(Frozen):
     )
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate of every stage")
     data_paths: tuple[str, ...] = Field((), description="text files or dirs; empty = stdlib")
+    tokenizer: str = Field(
+        "",
+        pattern=r"^(|bytes|hf:.+)$",
+        description="what trainers tokenize the data with: '' = an hf: model's own "
+        "tokenizer.json when its directory has one, else covey's bytes; 'bytes'; 'hf:DIR'",
+    )
+    tokenizer_digest: str = Field(
+        "",
+        pattern="^([0-9a-f]{64})?$",
+        description="sha256 of the tokenizer.json trainers use; filled in where the spec is "
+        "made, so every trainer tokenizes alike (a different file is refused)",
+    )
     codec: str = Field(
         "int8",
         pattern="^(int8|plain|subspace)$",
@@ -94,6 +109,10 @@ class SwarmConfig(Frozen):
             from covey.swarm.hfmodel import model_digest
 
             data = {**data, "model_digest": model_digest(str(data["model"])[3:])}
+        if isinstance(data, dict) and not data.get("tokenizer_digest"):
+            directory = tokenizer_dir(str(data.get("model", "")), str(data.get("tokenizer", "")))
+            if directory is not None:
+                data = {**data, "tokenizer_digest": tokenizer_digest(directory)}
         return data
 
     @model_validator(mode="after")
@@ -110,7 +129,26 @@ class SwarmConfig(Frozen):
 
     @property
     def run_id(self) -> str:
-        return config_hash(self)
+        data = self.model_dump(mode="json")
+        for name in ("tokenizer", "tokenizer_digest"):  # added later: hashed only when set,
+            if not data[name]:  # so earlier runs keep their ids
+                del data[name]
+        canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def tokenizer_source(self) -> str:
+        """`bytes` or `hf:DIR` for covey.data.corpus.load_corpus. ValueError naming the file
+        when this peer's tokenizer.json is missing or is not the one the run names."""
+        if self.tokenizer == "bytes" or not (self.tokenizer_digest or self.tokenizer):
+            return "bytes"
+        directory = self.tokenizer[3:] if self.tokenizer else self.model[3:]
+        got = tokenizer_digest(directory)
+        if self.tokenizer_digest and got != self.tokenizer_digest:
+            raise ValueError(
+                f"{directory}/tokenizer.json has digest {got[:12]}, the run names "
+                f"{self.tokenizer_digest[:12]}: every trainer must tokenize alike"
+            )
+        return f"hf:{directory}"
 
     def membership_config(self) -> RunConfig:
         """The data-parallel RunConfig whose trust and liveness fields Membership reads."""
@@ -124,3 +162,21 @@ class SwarmConfig(Frozen):
                 ).model_dump(),
             }
         )
+
+
+def tokenizer_dir(model: str, tokenizer: str) -> str | None:
+    """The directory whose tokenizer.json trainers use; None for covey's bytes."""
+    if tokenizer.startswith("hf:"):
+        return tokenizer[3:]
+    own = model.startswith("hf:") and (Path(model[3:]) / "tokenizer.json").is_file()
+    if tokenizer == "" and own:
+        return model[3:]
+    return None
+
+
+def tokenizer_digest(directory: str) -> str:
+    """sha256 of `directory`/tokenizer.json; ValueError naming the path when it is missing."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"tokenizer directory {directory} has no tokenizer.json")
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -8,8 +8,10 @@ starts from random init seeded by the run seed; that needs the whole model built
 (the same weights on every peer), then every tensor outside the stage is dropped.
 Local files only; a config that names remote code is refused (covey.models.hf).
 
-Tokens are covey's byte stream (ids < 256), so the model's vocabulary must have at least
-256 rows; the run's seq_len must fit its positions. Errors name the values.
+Tokens are the model's own tokenizer's when its directory has a tokenizer.json (trainers
+check that it fits the embedding), else covey's byte stream (ids < 256), and then the
+model's vocabulary must have at least 256 rows; the run's seq_len must fit its positions.
+Errors name the values.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def hf_stage_plan(config: Any, stages: int) -> list[list[int]]:
     return plan_stages([1.0] * n, stages)
 
 
-def check_fits(config: Any, seq_len: int) -> None:
+def check_fits(config: Any, seq_len: int, byte_tokens: bool = True) -> None:
     """ValueError naming the values when byte tokens or seq_len do not fit `config`."""
-    if int(config.vocab_size) < BYTE_VOCAB:
+    if byte_tokens and int(config.vocab_size) < BYTE_VOCAB:
         raise ValueError(
             f"vocab_size ({config.vocab_size}) must be at least {BYTE_VOCAB}: SWARM trainers "
             "send covey's byte tokens"
@@ -193,7 +195,8 @@ def _build_hf_stage(cfg: Any, k: int, directory: str, device: torch.device | str
         raise ValueError(
             f"{directory}/config.json has digest {got[:12]}, the run names {cfg.model_digest[:12]}"
         )
-    check_fits(hf_config(directory), cfg.seq_len)
+    bytes_ = cfg.tokenizer == "bytes" or not (cfg.tokenizer or cfg.tokenizer_digest)
+    check_fits(hf_config(directory), cfg.seq_len, byte_tokens=bytes_)
     module = load_stage_module(directory, cfg.seed, cfg.stages, k).to(device)
     lr = cfg.lr
     return Stage(

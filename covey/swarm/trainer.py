@@ -66,6 +66,25 @@ class TrainerStats:
     started: float = field(default_factory=time.time)
 
 
+def training_tokens(cfg: SwarmConfig) -> torch.Tensor:
+    """The run's training stream, tokenized as the run names (covey's bytes, or the hf:
+    model's own tokenizer.json: SwarmConfig.tokenizer_source). ValueError naming the
+    values when the tokenizer's vocabulary is larger than the model's embedding."""
+    from covey.data.corpus import load_corpus
+
+    corpus = load_corpus(list(cfg.data_paths) or None, tokenizer=cfg.tokenizer_source())
+    if cfg.model.startswith("hf:"):
+        from covey.models.hf import hf_config
+
+        rows = int(hf_config(cfg.model[3:]).vocab_size)
+        if corpus.vocab_size > rows:
+            raise ValueError(
+                f"tokenizer {cfg.tokenizer_source()} has {corpus.vocab_size} tokens, the "
+                f"model's embedding {rows} rows"
+            )
+    return corpus.train
+
+
 class SwarmTrainer:
     def __init__(
         self,
@@ -102,17 +121,13 @@ class SwarmTrainer:
         self.progress = progress or (lambda line: log.info("%s", line))
         spec = self.client.get("/v1/swarm/spec")
         self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
+        # `tokens`: the run's training stream loaded once already (benchmarks start many)
+        self.tokens = tokens if tokens is not None else training_tokens(self.cfg)
         self._next = self._join()  # a restart goes on after its name's last reported batch
         self.first = self._next
         # once running, a call to a coordinator that is down fails within a request timeout:
         # hops go straight to the servers meanwhile, reports wait for the next try
         self.client.configure(self.cfg.request_timeout_s, self.cfg.request_timeout_s)
-        from covey.data.corpus import load_corpus
-
-        paths = list(self.cfg.data_paths) or None
-
-        # `tokens`: the run's training stream loaded once already (benchmarks start many)
-        self.tokens = tokens if tokens is not None else load_corpus(paths).train
         self.wired = False
 
     def _join(self) -> int:
