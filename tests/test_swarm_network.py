@@ -116,16 +116,26 @@ def _accumulated(url: str) -> list[int]:
             for b in s["averaging"]]  # fmt: skip
 
 
-def test_an_adversarial_server_is_caught_and_slashed(swarm: Swarm) -> None:
-    swarm.start_server("liar", "--behavior", "noise", "--stage", "1")
-    s = swarm.ready(["liar"])
-    liar = next(x for x in s["servers"] if x["name"] == "liar")
+@pytest.mark.parametrize(
+    "behavior",
+    [
+        "noise",
+        # claims each agreed state but keeps its first weights: its replies differ from
+        # b0's once a round is applied (~20-60 s of training)
+        pytest.param("stale", marks=pytest.mark.long),
+    ],
+)
+def test_an_adversarial_server_is_caught_and_slashed(swarm: Swarm, behavior: str) -> None:
+    name = f"liar-{behavior}"
+    swarm.start_server(name, "--behavior", behavior, "--stage", "1")
+    s = swarm.ready([name])
+    liar = next(x for x in s["servers"] if x["name"] == name)
     assert liar["stage"] == 1  # beside b0, the honest server left on stage 1
     t = trainer(swarm, "checker")
-    run = threading.Thread(target=lambda: t.train(seconds=60), daemon=True)
+    run = threading.Thread(target=lambda: t.train(seconds=90), daemon=True)
     try:
         run.start()
-        wait_for(lambda: (st := status(swarm.url)) and liar["peer_id"] in st["banned"], 60,
+        wait_for(lambda: (st := status(swarm.url)) and liar["peer_id"] in st["banned"], 90,
                  "the liar to be banned")  # fmt: skip
     finally:
         t.stop.set()

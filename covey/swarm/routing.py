@@ -139,3 +139,27 @@ class Router:
     def banned(self) -> dict[str, str]:
         """Banned servers and why, for the run's report."""
         return {s.server: s.banned for s in self.servers.values() if s.banned is not None}
+
+
+@dataclass
+class StateWatch:
+    """Which stage state a server's replies are signed on. Servers of a stage hold the same
+    weights between averaging rounds, so an honest reply is on the stage's agreed state or,
+    for moments after a round commits, on the next one. A server whose replies name any
+    other state (one superseded rounds ago, or an id never agreed: it skips rounds or
+    serves old weights) for longer than `grace_s` is not used until it answers on an
+    agreed state again. The clock runs from the first such reply and a new made-up id does
+    not restart it. A server that names the agreed state but computed on other weights is
+    the duplicated-hop comparison's to catch (its replies differ beyond `tolerance`)."""
+
+    grace_s: float = 10.0
+    agreed: dict[int, list[str]] = field(default_factory=dict)  # stage -> recent agreed ids
+    since: dict[str, float] = field(default_factory=dict)  # server -> first off-state reply
+
+    def usable(self, server: str, stage: int, state: str, now: float) -> bool:
+        recent = self.agreed.get(stage)
+        if not recent or state in recent:  # nothing known yet (a coordinator restarting)
+            self.since.pop(server, None)
+            return True
+        first = self.since.setdefault(server, now)
+        return now - first <= self.grace_s

@@ -453,14 +453,17 @@ class SwarmCoordinator(PayDesk):
         return {"ok": True}
 
     def servers_view(self) -> dict[str, Any]:
-        """Live, synced servers per stage, for trainers' routing."""
+        """Live, synced servers per stage and each stage's recent agreed states, for
+        trainers' routing (covey.swarm.routing.StateWatch)."""
         with self.lock:
             stages: list[list[dict[str, Any]]] = [[] for _ in range(self.cfg.stages)]
             for s in self.servers.values():
                 book = self.averaging.stages[s.stage]
                 if not s.moving and s.step >= 0 and s.step >= book.step - 1:
                     stages[s.stage].append({"peer_id": s.peer_id, "name": s.name, "url": s.url})
-            return {"stages": stages}
+            # the states replies may be signed on (the last two agreed: a round's switch-over)
+            agreed = [states[-2:] for states in self.known_states]
+            return {"stages": stages, "agreed": agreed}
 
     def status(self) -> dict[str, Any]:
         with self.lock:

@@ -32,7 +32,7 @@ import torch
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
-from covey.swarm.routing import NoServerError, Router
+from covey.swarm.routing import NoServerError, Router, StateWatch
 from covey.swarm.wire import WireError, encode_tensor, pack
 from covey.trust.identity import Identity
 
@@ -110,6 +110,7 @@ class SwarmTrainer:
         self.http = httpx.Client(trust_env=False)
         self.rng = random.Random(seed)
         self.router = Router(seed=seed, slow_s=5.0, service_time=True)
+        self.states = StateWatch()
         self.urls: dict[str, str] = {}
         self.pinned: dict[int, list[str]] = {}
         self.chain = threading.local()
@@ -167,6 +168,7 @@ class SwarmTrainer:
                         s["peer_id"] for s in sorted(servers, key=lambda s: s["name"])
                     ]
             self.wired = self.wired or (self.fixed and len(self.pinned) == len(view["stages"]))
+            self.states.agreed = {k: list(ids) for k, ids in enumerate(view.get("agreed", []))}
             for p in list(self.router.servers):
                 if p not in seen and self.router.servers[p].banned is None:
                     self.router.remove_server(p)
@@ -193,6 +195,10 @@ class SwarmTrainer:
             raise WireError(f"HTTP {r.status_code}: {r.text[:100]}")
         state, _, sig = r.headers.get("X-Covey-Signature", "").partition(" ")
         compute.parse_reply(r.content)  # WireError when malformed
+        with self.lock:
+            usable = self.states.usable(server, k, state, time.monotonic())
+        if not usable:  # skipped rounds or serves old weights: rerouted, not banned
+            raise TimeoutError(f"replies on state {state[:12]}, not stage {k}'s agreed state")
         return Hop(server, state, r.content, sig)
 
     def hop(self, k: int, kind: str, body: bytes, rows: int, exclude: str | None = None) -> Hop:
