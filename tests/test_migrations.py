@@ -179,12 +179,24 @@ def test_a_version_1_ledger_signed_the_old_way_audits_after_opening(tmp_path: Pa
     from covey.config import TrustConfig
     from covey.trust.incentives import Policy
 
-    new_fields = {"min_validator_stake", "validator_slash_fraction", "check_reward",
-                  "validators_per_check", "validator_round_cap", "canary_rate"}
-    policy = {k: v for k, v in Policy.from_config(TrustConfig()).to_dict().items()
-              if k not in new_fields}  # the policy 0.1.0 wrote
-    created = {"run_id": "abc123", "name": "old", "spec": {},
-               "coordinator_key": identity.public_key, "policy": policy}
+    new_fields = {
+        "min_validator_stake",
+        "validator_slash_fraction",
+        "check_reward",
+        "validators_per_check",
+        "validator_round_cap",
+        "canary_rate",
+    }
+    policy = {
+        k: v for k, v in Policy.from_config(TrustConfig()).to_dict().items() if k not in new_fields
+    }  # the policy 0.1.0 wrote
+    created = {
+        "run_id": "abc123",
+        "name": "old",
+        "spec": {},
+        "coordinator_key": identity.public_key,
+        "policy": policy,
+    }
     ledger.append(conn, identity, "run created", created, 1.0)
     for idx, digest in conn.execute("SELECT idx, hash FROM ledger").fetchall():
         old = identity.sign(ledger.legacy_signed_message(digest))  # as 0.1.0 signed it

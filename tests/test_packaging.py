@@ -82,9 +82,7 @@ def test_plots_are_skipped_with_one_note_without_matplotlib(
     assert (tmp_path / "metrics.jsonl").is_file() and (tmp_path / "summary.json").is_file()
     assert not (tmp_path / "plot.png").exists()
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "note: plots skipped, matplotlib is not installed (pip install 'covey[plots]')"
-    ]
+    assert err == ["note: plots skipped, matplotlib is not installed (pip install 'covey[plots]')"]
 
 
 def test_browser_helper_lives_in_tests_not_in_the_package() -> None:
@@ -92,7 +90,7 @@ def test_browser_helper_lives_in_tests_not_in_the_package() -> None:
 
     assert importlib.util.find_spec("covey.dashboard.browser") is None
     assert (ROOT / "tests" / "browser.py").is_file()
-    assert "tests\" / \"browser.py" in (ROOT / "scripts" / "dev.py").read_text()
+    assert 'tests" / "browser.py' in (ROOT / "scripts" / "dev.py").read_text()
 
 
 def test_the_wheel_holds_the_package_and_license_only(tmp_path: Path) -> None:

@@ -28,9 +28,7 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
-    return {
-        tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
-    }
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_scalars_keep_finite_numbers_only() -> None:

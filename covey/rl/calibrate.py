@@ -97,8 +97,17 @@ def _verify(
             bad = int((check.gap > sampling.SAMPLING_TOLERANCE).sum())
             mismatches += bad
             rejected += int(not verdict.ok or bad > 0)
-    return Row(name, min(overlaps), min(ulps), max(ulps), max(gaps), mismatches,
-               sum(len(g.tokens) for g in gens), rejected, len(gens))
+    return Row(
+        name,
+        min(overlaps),
+        min(ulps),
+        max(ulps),
+        max(gaps),
+        mismatches,
+        sum(len(g.tokens) for g in gens),
+        rejected,
+        len(gens),
+    )
 
 
 def calibrate(n_seq: int = 8, n_new: int = 64) -> list[Row]:
@@ -125,8 +134,9 @@ def _calibrate(n_seq: int, n_new: int) -> list[Row]:
     # A run that says bf16: the policy itself in bf16 on both sides (its own thresholds).
     model16 = copy.deepcopy(model).to(torch.bfloat16)
     gens16 = _generate(model16, prompts, n_new, threads=1)
-    rows.append(_verify("bf16 run, honest: gen 1 thread, verify 2 thr, b4", model16, prompts,
-                        gens16, 2, 4))
+    rows.append(
+        _verify("bf16 run, honest: gen 1 thread, verify 2 thr, b4", model16, prompts, gens16, 2, 4)
+    )
     cheats = {
         "cheat: weights perturbed 1e-3 rel": perturbed(model, 1e-3),
         "cheat: weights rounded to bf16": bf16_rounded(model),
@@ -154,8 +164,12 @@ def measure_costs(n_new: int) -> dict[str, float]:
     proofs.compare_proof(proof, hidden[len(prompt) :])
     t4 = time.perf_counter()
     ms = 1000.0
-    return {"generate": (t1 - t0) * ms, "prefill": (t2 - t1) * ms,
-            "build_proof": (t3 - t2) * ms, "check_proof": (t4 - t3) * ms}
+    return {
+        "generate": (t1 - t0) * ms,
+        "prefill": (t2 - t1) * ms,
+        "build_proof": (t3 - t2) * ms,
+        "check_proof": (t4 - t3) * ms,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,15 +180,21 @@ def main(argv: list[str] | None = None) -> None:
     t = proofs.ProofThresholds()
     size = proofs.proof_size(proofs.CHUNK, CALIB_CFG.n_embd)
     print(f"policy: covey GPT {CALIB_CFG}; proof bytes per {proofs.CHUNK} tokens: {size}")
-    print(f"thresholds: min_overlap {t.min_overlap}, max_mean_ulp {t.max_mean_ulp}, "
-          f"sampling tolerance {sampling.SAMPLING_TOLERANCE}")
+    print(
+        f"thresholds: min_overlap {t.min_overlap}, max_mean_ulp {t.max_mean_ulp}, "
+        f"sampling tolerance {sampling.SAMPLING_TOLERANCE}"
+    )
     costs = measure_costs(args.tokens)
     print("costs (1 sequence, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
-    print(f"{'condition':48s} {'min ovl':>8s} {'ulp min':>8s} {'ulp max':>8s} {'max gap':>9s} "
-          f"{'mism':>5s} {'tokens':>6s} {'rejected':>9s}")
+    print(
+        f"{'condition':48s} {'min ovl':>8s} {'ulp min':>8s} {'ulp max':>8s} {'max gap':>9s} "
+        f"{'mism':>5s} {'tokens':>6s} {'rejected':>9s}"
+    )
     for r in calibrate(args.sequences, args.tokens):
-        print(f"{r.name:48s} {r.min_overlap:8.3f} {r.min_mean_ulp:8.3f} {r.max_mean_ulp:8.3f} "
-              f"{r.max_gap:9.2e} {r.mismatches:5d} {r.tokens:6d} {r.rejected:4d}/{r.sequences}")
+        print(
+            f"{r.name:48s} {r.min_overlap:8.3f} {r.min_mean_ulp:8.3f} {r.max_mean_ulp:8.3f} "
+            f"{r.max_gap:9.2e} {r.mismatches:5d} {r.tokens:6d} {r.rejected:4d}/{r.sequences}"
+        )
 
 
 if __name__ == "__main__":

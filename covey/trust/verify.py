@@ -198,9 +198,7 @@ def reexecute(
     payload = strategy.make_contribution().payload
     end_state = strategy.local_state()
     end = commitment_of(end_state, start_state.params, steps)
-    return Reexecution(
-        payload, committer.commitments, states, steps, commit_every, end, end_state
-    )
+    return Reexecution(payload, committer.commitments, states, steps, commit_every, end, end_state)
 
 
 @dataclass(frozen=True)
@@ -331,8 +329,12 @@ def compare(
         return Verdict(False, False, math.inf, 0, fault)
     n = len(mine.commitments)
     end_exact = claimed_end is None or mine.end is None or claimed_end.hash == mine.end.hash
-    if end_exact and claimed_payload == mine.payload and all(
-        a.hash == b.hash for a, b in zip(claimed_commitments, mine.commitments, strict=True)
+    if (
+        end_exact
+        and claimed_payload == mine.payload
+        and all(
+            a.hash == b.hash for a, b in zip(claimed_commitments, mine.commitments, strict=True)
+        )
     ):
         return Verdict(True, True, 0.0, None, "bit-identical", (0.0,) * (n + 1))
     payload_distance = distance(
