@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from covey import __version__
 from covey.bench.gpu_cli import register as register_bench_gpu
+from covey.bench.shards import register as register_bench_shards
 from covey.bench.swarm import register as register_bench_swarm
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
@@ -37,6 +38,7 @@ register_io(app)  # tokenizer train, export, generate
 register_bench_gpu(bench_app)  # covey bench gpu (covey/bench/gpu_cli.py)
 register_swarm(app)  # swarm coordinator, server, trainer, demo
 register_bench_swarm(bench_app)  # covey bench swarm
+register_bench_shards(bench_app)  # covey bench shards (gather vs sharded rounds)
 register_bench_rl(bench_app)  # covey bench rl (covey/rl/learn_cli.py)
 register_rl(app)  # rl trainer, worker, validator, demo
 

@@ -614,7 +614,7 @@ class TrustConfig(Frozen):
         description="a DiLoCo round with at least this many accepted contributions is "
         "aggregated shard by shard by staked validators that run --aggregate (none ready: "
         "the coordinator aggregates as below it); 0 or None = never. 16: the measured byte "
-        "crossover per worker (micro model, int4; scripts/bench_shards.py)",
+        "crossover per worker (micro model, int4; covey bench shards)",
     )
     shards: int = Field(16, ge=1, description="parameter shards of sharded aggregation")
     shard_check_rate: float = Field(

@@ -8,22 +8,22 @@ one worker holds the certified new state (gather: it downloads the N - 1 other
 contributions and applies them, as `covey worker` does; sharded: it fetches the new state
 shard by shard); the bytes that worker downloads; the aggregators' bytes read.
 
-    .venv/bin/python scripts/bench_shards.py --peers 4 8 16 32 --model micro --json out.json
+    covey bench shards --peers 4,8,16,32 --model micro --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import torch
+import typer
 
 from covey.algorithms import Contribution
 from covey.blobs import BlobServer, BlobStore
@@ -236,25 +236,42 @@ def one(n: int, mode: str, model: str, shards: int, tmp: Path) -> dict[str, Any]
         }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16, 32])
-    p.add_argument("--model", default="micro")
-    p.add_argument("--shards", type=int, default=16)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args()
+def run_shards_bench(
+    peers: list[int], model: str, shards: int, json_path: Path | None
+) -> list[dict[str, Any]]:
+    """Both paths at every peer count; rows as `one` returns them, printed as they come."""
     rows = []
-    for n in args.peers:
+    for n in peers:
         for mode in ("gather", "sharded"):
             with tempfile.TemporaryDirectory() as d:
-                row = one(n, mode, args.model, args.shards, Path(d))
+                row = one(n, mode, model, shards, Path(d))
             rows.append(row)
             print(json.dumps(row), flush=True)
-            if args.json:
-                args.json.write_text(json.dumps(rows, indent=1))
+            if json_path is not None:
+                json_path.write_text(json.dumps(rows, indent=1))
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+def register(bench_app: Any) -> None:
+    """Add `covey bench shards` to the bench sub-app."""
+
+    @bench_app.command("shards")
+    def bench_shards(
+        peers: Annotated[str, typer.Option(help="peer counts, comma-separated")] = "4,8,16,32",
+        model: Annotated[str, typer.Option(help="covey GPT size of the contributions")] = "micro",
+        shards: Annotated[int, typer.Option(min=1, help="shards of the parameter space")] = 16,
+        json_path: Annotated[
+            Path | None, typer.Option("--json", help="write the rows here")
+        ] = None,
+    ) -> None:
+        """Gather vs sharded aggregation, one DiLoCo round per peer count and path, on
+        127.0.0.1: seconds to the certificate and to a worker holding the new state, bytes a
+        worker downloads, bytes the aggregators read (issue 13 section 1's crossover)."""
+        try:
+            counts = [int(x) for x in peers.split(",") if x.strip()]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 2:
+            typer.echo(f"error: --peers {peers!r}: give peer counts >= 2, e.g. 4,8,16", err=True)
+            raise typer.Exit(2)
+        run_shards_bench(counts, model, shards, json_path)
