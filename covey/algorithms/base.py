@@ -62,7 +62,7 @@ from torch import nn
 
 from covey.algorithms.aggregation import Aggregator, WeightedMean
 from covey.algorithms.codecs import Codec, CodecError
-from covey.algorithms.lazy_aggregation import aggregate_lazily
+from covey.algorithms.lazy_aggregation import aggregate_lazily, drop_mapped_pages
 from covey.devices import autocast, maybe_compile
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -88,7 +88,7 @@ class TrainState:
             for name in sorted(tensors):
                 t = tensors[name].detach().contiguous().cpu()
                 h.update(f"|{section}/{name}/{t.dtype}/{tuple(t.shape)}|".encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(t.reshape(-1).view(torch.uint8).numpy())  # no copy: its buffer
         return h.hexdigest()
 
     def nbytes(self) -> int:
@@ -386,6 +386,8 @@ class Strategy(ABC):
                 return self.codec.decode(contributions[i].payload, numel, device=device)
             except CodecError as e:
                 raise RoundError(f"contribution {i}: {e}") from None
+            finally:  # a mapped payload's pages are not held once decoded (issue 13.3)
+                drop_mapped_pages(contributions[i].payload)
 
         # one decoded contribution in memory at a time, the rule's exact bits (issue 13.3)
         flat = aggregate_lazily(self.aggregator, len(contributions), load, weights)

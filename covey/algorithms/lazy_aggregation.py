@@ -4,7 +4,8 @@
 `aggregator([load(0), ..., load(n-1)], weights)` returns, bit for bit, while a peer's memory
 stays about model + optimizer + one contribution, never N of them:
 
-    WeightedMean        one pass: each vector is loaded, added (same order, same ops), dropped
+    WeightedMean        one pass: each vector is loaded, added (same order, same ops) a
+                        16 MiB block at a time (no model-sized product), dropped
     NormClip(f, inner)  a first pass loads each vector for its norm only; the second applies
                         the clip as each vector is loaded again and hands it to `inner`
     TrimmedMean,        these need all N values of a coordinate at once: each vector is
@@ -21,7 +22,9 @@ twice for a clipped rule: it must return the same vector each time (decoding doe
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -105,10 +108,23 @@ def _mean(load: Load, n: int, weights: Sequence[float]) -> torch.Tensor:
         v = load(i)
         if out is None:
             out = torch.zeros_like(v, dtype=torch.float32)
-        out.add_(v.float() * (weights[i] / total))
+        _scaled_add(out, v, weights[i] / total)
         del v
     assert out is not None
     return out
+
+
+def _scaled_add(out: torch.Tensor, v: torch.Tensor, w: float) -> None:
+    """`out.add_(v.float() * w)` a block of _BLOCK_VALUES at a time: the product's
+    temporary is 16 MiB, not a model-sized vector. Element-wise multiply, then add, as
+    WeightedMean does: every element's two roundings are the same, so the bits are too."""
+    if not out.is_contiguous():  # zeros_like kept a strided layout: no flat view
+        out.add_(v.float() * w)
+        return
+    flat_out, flat_v = out.view(-1), v.reshape(-1)
+    for start in range(0, flat_out.numel(), _BLOCK_VALUES):
+        end = start + _BLOCK_VALUES
+        flat_out[start:end].add_(flat_v[start:end].float() * w)
 
 
 def _clipped(
@@ -171,3 +187,15 @@ def _read(fd: int, start: int, width: int) -> torch.Tensor:
     if len(raw) != 4 * width:
         raise OSError(f"spill file: read {len(raw)} of {4 * width} bytes at value {start}")
     return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy())
+
+
+def drop_mapped_pages(payload: object) -> None:
+    """Let go of the pages a decode touched in a payload mapped from a file (a memoryview
+    of an mmap, as BlobStore.view makes): read pages otherwise stay in the process's
+    resident set until unmapped, N contributions' worth by the end of a round. The data
+    stays on disk (and in the page cache); a later read maps it in again. Anything else
+    is left alone."""
+    obj = payload.obj if isinstance(payload, memoryview) else None
+    if isinstance(obj, mmap.mmap) and hasattr(obj, "madvise"):
+        with contextlib.suppress(OSError, ValueError):  # closed, or refused: only memory
+            obj.madvise(mmap.MADV_DONTNEED)

@@ -51,6 +51,7 @@ import torch
 from covey.algorithms import Contribution, TrainState
 from covey.blobs import BlobServer, BlobStore
 from covey.data.batches import assignment_batches
+from covey.memory import bound_heap, shapes_only
 from covey.peer import adversary, group
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.lease import Lease, LeaseLapsed
@@ -144,7 +145,10 @@ class Worker(StateKeeping, Publishing, Overlapping):
             )  # fmt: skip
         self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
         self.run_id, self.coordinator_key = run.run_id, run.coordinator_key
-        self.strategy, self.template, self.blobs = run.strategy, run.template, run.blobs
+        # the template is only checked for names, shapes and dtypes: no model-sized copy
+        self.strategy, self.blobs = run.strategy, run.blobs
+        self.template = shapes_only(run.template)
+        bound_heap()  # freed tensors go back to the kernel (covey.memory)
         limits = self.cfg.limits
         self.step_time_s = self._measure_step_time()
         store_dir = self.opts.store_dir or Path(f".covey-peer/{self.name}")
