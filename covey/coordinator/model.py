@@ -16,6 +16,7 @@ from covey.algorithms import Strategy, TrainState, build_aggregator, build_strat
 from covey.blobs import BlobStore
 from covey.config import RunConfig
 from covey.data.corpus import Corpus
+from covey.memory import bound_heap
 from covey.models.bundle import publish_model_files
 from covey.models.source import build_run_model
 from covey.models.warmstart import apply_init
@@ -36,6 +37,7 @@ def build_model(cfg: RunConfig, corpus: Corpus, blobs: BlobStore) -> RunModel:
     """The run's model from its spec (seeded: every peer builds the same); hf config and
     tokenizer files are put on `blobs` so workers need no model files. Raises what
     covey.models.source raises for a spec it cannot build."""
+    bound_heap()  # the coordinator's freed states go back to the kernel (covey.memory)
     model, loss_fn, _, seq_len = build_run_model(
         cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=cfg.data.seq_len
     )

@@ -25,6 +25,7 @@ from covey.algorithms import TrainState
 from covey.blobs import BlobError
 from covey.data.batches import assignment_batches
 from covey.devices import verification_mismatch
+from covey.memory import bound_heap, shapes_only
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.runsetup import fetch_state, set_up_run
 from covey.protocol import schemas
@@ -82,7 +83,9 @@ class Validator:
         if refusal is not None:
             raise RuntimeError(f"refusing to validate: {refusal}")
         self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
-        self.run_id, self.strategy, self.template = run.run_id, run.strategy, run.template
+        self.run_id, self.strategy = run.run_id, run.strategy
+        self.template = shapes_only(run.template)  # checked for shapes only: no weights
+        bound_heap()  # freed tensors go back to the kernel (covey.memory)
         self.blobs = run.blobs
         reply = self.client.post(
             "/v1/validators/join",
