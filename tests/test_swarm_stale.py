@@ -28,17 +28,22 @@ def _threads() -> Iterator[None]:
 
 
 def test_replies_on_states_the_stage_has_not_agreed_on_stop_being_used() -> None:
-    w = StateWatch(grace_s=10.0, agreed={0: ["old", "new"]})
-    assert w.usable("a", 0, "new", now=0.0) and w.usable("a", 0, "old", now=0.0)
-    # a round's switch-over: a state not agreed yet is used for grace_s
-    assert w.usable("b", 0, "next", now=0.0) and w.usable("b", 0, "next", now=9.0)
-    w.agreed[0] = ["new", "next"]
-    assert w.usable("b", 0, "next", now=20.0)  # agreed now: the clock is cleared
-    # a server that stays on a superseded state, or makes up a new id each reply
-    assert w.usable("c", 0, "old", now=20.0) and not w.usable("c", 0, "old", now=31.0)
-    assert not w.usable("c", 0, "made-up-1", now=32.0)  # a new id does not restart it
-    assert w.usable("c", 0, "next", now=33.0)  # back on the agreed state: used again
-    assert StateWatch().usable("d", 0, "anything", now=0.0)  # nothing known: no judgment
+    w = StateWatch(grace_s=10.0, agreed={0: ["s1", "s2", "s3"]})
+    assert w.usable("a", 0, "s3", now=0.0) and w.usable("a", 0, "s2", now=0.0)
+    # an honest server ahead: its new state is used for grace_s, then agreed, and the same
+    # again for the next one, however often rounds commit
+    assert w.usable("b", 0, "s4", now=0.0) and w.usable("b", 0, "s4", now=9.0)
+    w.agreed[0] = ["s1", "s2", "s3", "s4"]
+    assert w.usable("b", 0, "s5", now=15.0) and w.usable("b", 0, "s5", now=24.0)
+    # behind: a superseded agreed state is used for grace_s, then never, until it resyncs
+    assert w.usable("c", 0, "s1", now=0.0) and not w.usable("c", 0, "s1", now=11.0)
+    assert w.usable("c", 0, "s4", now=12.0)
+    # made-up ids, a new one at every reply: the first one's clock keeps running
+    assert all(w.usable("d", 0, f"fake{i}", now=float(i)) for i in range(11))
+    assert not w.usable("d", 0, "fake-new", now=11.0)
+    assert not w.usable("d", 0, "s1", now=12.0)  # nor does a superseded state help it
+    assert w.usable("d", 0, "s3", now=13.0)  # back on an agreed state: used again
+    assert StateWatch().usable("e", 0, "anything", now=0.0)  # nothing known: no judgment
 
 
 def test_old_weights_are_far_beyond_tolerance_after_one_round_and_honest_noise_is_not() -> None:

@@ -143,23 +143,40 @@ class Router:
 
 @dataclass
 class StateWatch:
-    """Which stage state a server's replies are signed on. Servers of a stage hold the same
-    weights between averaging rounds, so an honest reply is on the stage's agreed state or,
-    for moments after a round commits, on the next one. A server whose replies name any
-    other state (one superseded rounds ago, or an id never agreed: it skips rounds or
-    serves old weights) for longer than `grace_s` is not used until it answers on an
-    agreed state again. The clock runs from the first such reply and a new made-up id does
-    not restart it. A server that names the agreed state but computed on other weights is
-    the duplicated-hop comparison's to catch (its replies differ beyond `tolerance`)."""
+    """Which stage state a server's replies are signed on.
+
+    Servers of a stage hold the same weights between averaging rounds, so an honest reply
+    is on one of the stage's last two agreed states, or on a newer one for the moments
+    before the coordinator agrees on it. `agreed` holds each stage's recent agreed ids
+    (oldest first, as the servers view sends them). A reply on any other state opens a
+    clock for its server: a state that was agreed before and is superseded (the server
+    skips rounds or serves old weights) never closes it; an id unknown when first seen
+    closes it once it is agreed (an honest server ahead), and one never agreed (made up)
+    does not. A server with a clock older than `grace_s` is not used until it answers on
+    one of the last two agreed states, which clears its clocks. `grace_s` must outlast how
+    long the coordinator may take to agree on an honest server's new state: a round's
+    apply, a heartbeat, and a dead member still counted in the vote until `dead_after_s`
+    (the trainer sets it so). A server that names the agreed state but computed on other
+    weights is the duplicated-hop comparison's to catch (its replies differ beyond
+    `tolerance`)."""
 
     grace_s: float = 10.0
     agreed: dict[int, list[str]] = field(default_factory=dict)  # stage -> recent agreed ids
-    since: dict[str, float] = field(default_factory=dict)  # server -> first off-state reply
+    # server -> state -> (first seen, whether it was a superseded agreed state then)
+    clocks: dict[str, dict[str, tuple[float, bool]]] = field(default_factory=dict)
+    max_clocks: int = 64  # states remembered a server (made-up ids do not grow it further)
 
     def usable(self, server: str, stage: int, state: str, now: float) -> bool:
-        recent = self.agreed.get(stage)
-        if not recent or state in recent:  # nothing known yet (a coordinator restarting)
-            self.since.pop(server, None)
+        history = self.agreed.get(stage)
+        if not history:  # nothing known yet (a coordinator restarting): no judgment
             return True
-        first = self.since.setdefault(server, now)
-        return now - first <= self.grace_s
+        mine = self.clocks.setdefault(server, {})
+        if state in history[-2:]:
+            mine.clear()
+            return True
+        for s, (_, behind) in list(mine.items()):
+            if not behind and s in history:  # it was ahead, and is agreed now
+                del mine[s]
+        if state not in mine and len(mine) < self.max_clocks:
+            mine[state] = (now, state in history)
+        return not mine or now - min(t for t, _ in mine.values()) <= self.grace_s

@@ -461,8 +461,9 @@ class SwarmCoordinator(PayDesk):
                 book = self.averaging.stages[s.stage]
                 if not s.moving and s.step >= 0 and s.step >= book.step - 1:
                     stages[s.stage].append({"peer_id": s.peer_id, "name": s.name, "url": s.url})
-            # the states replies may be signed on (the last two agreed: a round's switch-over)
-            agreed = [states[-2:] for states in self.known_states]
+            # recent agreed states, oldest first: replies are signed on the last two (a
+            # round's switch-over) or on a newer one about to be agreed (routing.StateWatch)
+            agreed = [list(states) for states in self.known_states]
             return {"stages": stages, "agreed": agreed}
 
     def status(self) -> dict[str, Any]:

@@ -110,7 +110,6 @@ class SwarmTrainer:
         self.http = httpx.Client(trust_env=False)
         self.rng = random.Random(seed)
         self.router = Router(seed=seed, slow_s=5.0, service_time=True)
-        self.states = StateWatch()
         self.urls: dict[str, str] = {}
         self.pinned: dict[int, list[str]] = {}
         self.chain = threading.local()
@@ -122,6 +121,10 @@ class SwarmTrainer:
         self.progress = progress or (lambda line: log.info("%s", line))
         spec = self.client.get("/v1/swarm/spec")
         self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
+        # an honest server's new state is agreed within a heartbeat of its round's apply,
+        # but a dead member counts in the vote until dead_after_s: the grace covers both
+        c = self.cfg
+        self.states = StateWatch(grace_s=c.dead_after_s + c.round_timeout_s + 2 * c.heartbeat_s)
         # `tokens`: the run's training stream loaded once already (benchmarks start many)
         self.tokens = tokens if tokens is not None else training_tokens(self.cfg)
         self._next = self._join()  # a restart goes on after its name's last reported batch
