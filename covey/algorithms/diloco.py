@@ -62,6 +62,7 @@ class DiLoCo(Strategy):
         self.steps_per_round = cfg.inner_steps
         self.inner_opt = make_inner_optimizer(model, cfg.optim)
         self._start: torch.Tensor | None = None  # flat start weights of the current round
+        self._start_params: list[torch.Tensor] | None = None  # or the state's own tensors
         self._start_round = 0  # its round: with inner steps, the lr schedule's position
         numel = sum(p.numel() for p in model.parameters()) if cfg.error_feedback else 0
         # error feedback, on the model's device: carried into the next round / pending
@@ -78,7 +79,14 @@ class DiLoCo(Strategy):
 
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
-        self._start = flatten([state.params[n] for n in self.names]).to(self.device)
+        start = [state.params[n] for n in self.names]
+        if all(t.device == self.device and t.dtype == torch.float32 for t in start):
+            # the state's tensors, not a flat copy: a model size less (issue 13.3); a
+            # state's tensors are never changed in place (outer_step makes new ones)
+            self._start, self._start_params = None, start
+        else:
+            self._start = flatten(start).to(self.device)
+            self._start_params = None
         self._start_round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
@@ -157,9 +165,17 @@ class DiLoCo(Strategy):
 
     def pseudo_gradient(self) -> torch.Tensor:
         """start - local, flat float32, plus the carried residual under error feedback."""
-        if self._start is None:
+        delta = flatten(list(self.model.parameters()))
+        if self._start is not None:  # in place, element by element: the same bits
+            torch.sub(self._start, delta, out=delta)
+        elif self._start_params is not None:
+            at = 0
+            for t in self._start_params:
+                part = delta[at : at + t.numel()]
+                torch.sub(t.reshape(-1), part, out=part)
+                at += t.numel()
+        else:
             raise RuntimeError("load_state must run before the first round")
-        delta = self._start - flatten(list(self.model.parameters()))
         if self.cfg.error_feedback:
             delta += self._residual
         return delta
