@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.algorithms import TrainState
-from covey.blobs import BlobError
+from covey.blobs import BlobError, BlobStore
 from covey.data.batches import assignment_batches
 from covey.devices import verification_mismatch
 from covey.memory import bound_heap, shapes_only
@@ -258,21 +259,32 @@ class Validator:
         template = self.strategy.local_state(copy=False)
         previous_end = None
         if task.local_state_cid is not None:
-            data = self.blobs.fetch(task.local_state_cid, sources, size=task.local_state_size)
+            data = self._fetch_local(task.local_state_cid, sources, task.local_state_size)
             try:
                 previous_end = verify.local_state_from_bytes(data, template)
+                del data  # parsed: never two local states' bytes at once
             except ValueError as e:
                 log.warning("[%s] task %d: start state unusable: %s", self.name, task.task_id, e)
         claimed_end = None
         if task.end_state_cid is not None:
-            data = self.blobs.fetch(task.end_state_cid, sources, size=task.end_state_size)
+            data = self._fetch_local(task.end_state_cid, sources, task.end_state_size)
             try:
                 end = verify.local_state_from_bytes(data, template)
+                del data
                 claimed_end = verify.commitment_of(end, start.params, task.inner_steps)
+                del end  # only its commitment is needed
             except ValueError as e:
                 log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
                 claimed_end = verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()})
         return previous_end, claimed_end
+
+    def _fetch_local(self, cid: str, sources: list[str], size: int | None) -> bytes:
+        """A local state's bytes (weights + moments: 2 GB at 124M), streamed to a scratch
+        file and read once: an in-memory fetch holds its chunks and their joined copy
+        (issue 13.3). BlobError as `fetch_into` raises it."""
+        with tempfile.TemporaryDirectory(prefix="covey-validator-") as scratch:
+            path = self.blobs.fetch_into(BlobStore(Path(scratch)), cid, sources, size=size)
+            return path.read_bytes()
 
     def _start_state(self, task: schemas.VerifyTask, sources: list[str]) -> TrainState:
         if self._state is not None and self._state[0] == task.start_cid:
