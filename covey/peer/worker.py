@@ -148,6 +148,7 @@ class Worker(StateKeeping, Publishing, Overlapping):
         # the template is only checked for names, shapes and dtypes: no model-sized copy
         self.strategy, self.blobs = run.strategy, run.blobs
         self.template = shapes_only(run.template)
+        del run  # its template's weights go now, before the step timing trains
         bound_heap()  # freed tensors go back to the kernel (covey.memory)
         limits = self.cfg.limits
         self.step_time_s = self._measure_step_time()
