@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from covey import __version__
 from covey.bench.gpu_cli import register as register_bench_gpu
-from covey.bench.shards import register as register_bench_shards
+from covey.bench.shards_cli import register as register_bench_shards
 from covey.bench.swarm import register as register_bench_swarm
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error

@@ -19,11 +19,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
 import torch
-import typer
 
 from covey.algorithms import Contribution
 from covey.blobs import BlobServer, BlobStore
@@ -250,28 +249,3 @@ def run_shards_bench(
             if json_path is not None:
                 json_path.write_text(json.dumps(rows, indent=1))
     return rows
-
-
-def register(bench_app: Any) -> None:
-    """Add `covey bench shards` to the bench sub-app."""
-
-    @bench_app.command("shards")
-    def bench_shards(
-        peers: Annotated[str, typer.Option(help="peer counts, comma-separated")] = "4,8,16,32",
-        model: Annotated[str, typer.Option(help="covey GPT size of the contributions")] = "micro",
-        shards: Annotated[int, typer.Option(min=1, help="shards of the parameter space")] = 16,
-        json_path: Annotated[
-            Path | None, typer.Option("--json", help="write the rows here")
-        ] = None,
-    ) -> None:
-        """Gather vs sharded aggregation, one DiLoCo round per peer count and path, on
-        127.0.0.1: seconds to the certificate and to a worker holding the new state, bytes a
-        worker downloads, bytes the aggregators read (issue 13 section 1's crossover)."""
-        try:
-            counts = [int(x) for x in peers.split(",") if x.strip()]
-        except ValueError:
-            counts = []
-        if not counts or min(counts) < 2:
-            typer.echo(f"error: --peers {peers!r}: give peer counts >= 2, e.g. 4,8,16", err=True)
-            raise typer.Exit(2)
-        run_shards_bench(counts, model, shards, json_path)

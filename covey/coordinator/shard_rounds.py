@@ -55,6 +55,7 @@ from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_file
 from covey.trust.identity import canonical_json, request_message, request_purpose, verify
 
+from .openapi import errors
 from .sharding import ShardBoard, ShardError
 from .views import OpenRound, Rejected
 
@@ -364,6 +365,16 @@ def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
     coord.rounds.sharding = sharded
     board = sharded.board
 
+    async def body_of(request: Request) -> dict[str, Any]:
+        """The JSON object a peer sent; 400 naming the problem when it is not one."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise Rejected(400, f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise Rejected(400, f"the body must be a JSON object, not {type(body).__name__}")
+        return body
+
     def answer(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         try:
             return fn()
@@ -386,19 +397,19 @@ def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
             raise ShardError(404, "no sharded round is waiting on its aggregators")
         return p.rnd.round
 
-    @app.get("/v1/shards", tags=["shards"])
+    @app.get("/v1/shards", tags=["shards"], responses=errors(404))
     async def shard_pending() -> dict[str, Any]:
         """The board of the sharded round now waiting on its aggregators (404: none)."""
         return await run_in_threadpool(answer, lambda: read(live()))
 
-    @app.post("/v1/shards/ready", tags=["shards"])
+    @app.post("/v1/shards/ready", tags=["shards"], responses=errors(400, 401, 403, 422))
     async def shard_ready(request: Request) -> dict[str, Any]:
         """A staked validator's signed statement that it aggregates: it is in the draw
         of rounds closing within the next minute (aggregators repeat it while they run)."""
-        body = await request.json()
+        body = await body_of(request)
         return await run_in_threadpool(answer, lambda: sharded.ready(body, time.time()))
 
-    @app.get("/v1/shards/{round}", tags=["shards"])
+    @app.get("/v1/shards/{round}", tags=["shards"], responses=errors(404))
     async def shard_view(round: int = PathParam(ge=0, le=schemas.MAX_INT)) -> dict[str, Any]:
         """A sharded round's board: the plan, each shard's aggregator (a beacon draw) and
         checker, the published hashes, the inputs, and the signed shard certificate once
@@ -406,21 +417,23 @@ def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
         round is committed)."""
         return await run_in_threadpool(answer, lambda: read(round))
 
-    @app.post("/v1/shards/{round}/publish", tags=["shards"])
+    refusals = errors(400, 401, 403, 404, 409, 422)
+
+    @app.post("/v1/shards/{round}/publish", tags=["shards"], responses=refusals)
     async def shard_publish(
         request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
     ) -> dict[str, Any]:
         """An aggregator's signed hash of its new shard, and the URL serving it."""
-        body = await request.json()
+        body = await body_of(request)
         return await run_in_threadpool(answer, lambda: board.publish(round, body))
 
-    @app.post("/v1/shards/{round}/check", tags=["shards"])
+    @app.post("/v1/shards/{round}/check", tags=["shards"], responses=refusals)
     async def shard_check(
         request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
     ) -> dict[str, Any]:
         """A drawn checker's hash of a published shard: a disagreement goes to the
         referee, and a proven wrong shard slashes its aggregator."""
-        body = await request.json()
+        body = await body_of(request)
         return await run_in_threadpool(answer, lambda: board.check(round, body, time.time()))
 
     return board
