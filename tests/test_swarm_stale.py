@@ -28,21 +28,25 @@ def _threads() -> Iterator[None]:
 
 
 def test_replies_on_states_the_stage_has_not_agreed_on_stop_being_used() -> None:
-    w = StateWatch(grace_s=10.0, agreed={0: ["s1", "s2", "s3"]})
+    w = StateWatch(grace_s=10.0)
+    w.agree({0: ["s1", "s2", "s3"]}, now=0.0)
     assert w.usable("a", 0, "s3", now=0.0) and w.usable("a", 0, "s2", now=0.0)
+    assert not w.usable("a", 0, "s1", now=0.0)  # two rounds behind: never
     # an honest server ahead: its new state is used for grace_s, then agreed, and the same
     # again for the next one, however often rounds commit
-    assert w.usable("b", 0, "s4", now=0.0) and w.usable("b", 0, "s4", now=9.0)
-    w.agreed[0] = ["s1", "s2", "s3", "s4"]
+    assert w.usable("b", 0, "s4", now=1.0) and w.usable("b", 0, "s4", now=10.0)
+    w.agree({0: ["s1", "s2", "s3", "s4"]}, now=11.0)
     assert w.usable("b", 0, "s5", now=15.0) and w.usable("b", 0, "s5", now=24.0)
-    # behind: a superseded agreed state is used for grace_s, then never, until it resyncs
-    assert w.usable("c", 0, "s1", now=0.0) and not w.usable("c", 0, "s1", now=11.0)
-    assert w.usable("c", 0, "s4", now=12.0)
+    # behind: the previous state is a switch-over for grace_s after the newest is seen
+    assert w.usable("c", 0, "s3", now=21.0) and not w.usable("c", 0, "s3", now=22.0)
+    assert w.usable("c", 0, "s4", now=22.0)  # caught up: used
     # made-up ids, a new one at every reply: the first one's clock keeps running
-    assert all(w.usable("d", 0, f"fake{i}", now=float(i)) for i in range(11))
-    assert not w.usable("d", 0, "fake-new", now=11.0)
-    assert not w.usable("d", 0, "s1", now=12.0)  # nor does a superseded state help it
-    assert w.usable("d", 0, "s3", now=13.0)  # back on an agreed state: used again
+    assert all(w.usable("d", 0, f"fake{i}", now=float(20 + i)) for i in range(11))
+    assert not w.usable("d", 0, "fake-new", now=31.0)
+    assert not w.usable("d", 0, "s3", now=32.0)  # nor does a superseded state help it
+    # on the agreed state its replies are used (the duplicated-hop comparison checks them),
+    # and they do not reopen its made-up states
+    assert w.usable("d", 0, "s4", now=33.0) and not w.usable("d", 0, "fake0", now=34.0)
     assert StateWatch().usable("e", 0, "anything", now=0.0)  # nothing known: no judgment
 
 

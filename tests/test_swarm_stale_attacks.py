@@ -1,21 +1,22 @@
 """Attacks on SWARM's stale-weights defences (issue 15; review of 61b5830, 5d6b229, 81acde0).
 
-Each test is a hole found by S5 acting as a malicious server or a careless deployment; each
-is marked xfail(strict=True) until the lead fixes it (a fixed hole then fails the suite
-until its marker is removed). All in-process or 127.0.0.1, well under a second each.
+Each test is a hole found by a review acting as a malicious server or a careless deployment,
+kept as a regression test now that it is closed. All in-process or 127.0.0.1, well under a
+second each.
 
-1. A server that signs the stage's PREVIOUS agreed state is used forever (StateWatch accepts
-   the last two agreed states without a time limit) and is never compared: checked_hop
-   skips the comparison when the two replies name different states, so garbage signed on
-   the previous state is neither disputed nor convicted.
-2. One reply on the agreed state clears every clock of a server (StateWatch.usable
-   `mine.clear()`), so a server answering on a made-up state, with one agreed-state reply
-   per grace period, is used indefinitely (and, as in 1, never compared).
-3. A reply whose signature does not verify is used: the trainer never checks it, and the
-   referee (rightly) ignores unsigned replies, so a liar that signs badly is never convicted.
-4. A peer parsing the coordinator's spec fills in tokenizer_digest from ITS OWN files when
-   the spec has none (the coordinator's model directory had no tokenizer.json): trainers
-   then tokenize differently (hf: here, bytes there) and nothing refuses them.
+1. A server that signs the stage's PREVIOUS agreed state was used forever and never
+   compared (checked_hop skipped the comparison when two replies named different states).
+   Now the previous state is usable only for `grace_s` after the newest was first seen, and
+   of two replies on different states only the one on the newest agreed state is used.
+2. One reply on the agreed state cleared every clock of a server, so a server answering on
+   made-up states, with one agreed-state reply per grace period, was used indefinitely. Now
+   a clock closes only when its own state is agreed.
+3. A reply whose signature did not verify was used, and the referee (rightly) ignores
+   unsigned replies, so a liar that signed badly was never convicted. Now trainers verify
+   every reply against the server's key from the servers view, and ban on failure.
+4. A peer parsing the coordinator's spec filled in tokenizer_digest from ITS OWN files when
+   the spec had none, so trainers could tokenize differently. Now the tokenizer is resolved
+   where the spec is made ('bytes' or 'hf:DIR' with its digest) and never again.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ import torch
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
 from covey.swarm.routing import StateWatch
-from covey.swarm.trainer import Dropped, Hop, SwarmTrainer, TrainerStats
-from covey.swarm.wire import WireError, build_stage, encode_tensor, pack
+from covey.swarm.trainer import Dropped, Hop, SwarmTrainer, TrainerStats, _keyed
+from covey.swarm.wire import WireError, build_stage, encode_tensor, pack, reply_message, sha
+from covey.trust.identity import Identity
 from tests.tiny_hf import tiny_llama, tiny_tokenizer
 
-HOLE = pytest.mark.xfail(strict=True, reason="S5 review: open hole, see module docstring")
 CFG = SwarmConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16, stages=2, microbatch=4)
 
 
@@ -54,18 +55,16 @@ def _replies() -> tuple[bytes, bytes, bytes]:
 
 
 def _bare_trainer(cfg: SwarmConfig = CFG) -> Any:
-    """A SwarmTrainer without a coordinator: only what checked_hop and _send read. (A fix
-    that gives trainers the servers' public keys sets them here too.)"""
+    """A SwarmTrainer without a coordinator: only what checked_hop and _send read."""
     t: Any = SwarmTrainer.__new__(SwarmTrainer)
     t.cfg, t.fixed, t.rng, t.lock = cfg, False, Random(0), threading.Lock()
     t.stats, t.evidence, t.name, t.run_id = TrainerStats(), [], "t", "run"
     t.states = StateWatch(grace_s=10.0, agreed={0: ["s1", "s2"]})
-    t.urls, t.http = {}, httpx.Client()
+    t.urls, t.keys, t.http = {}, {}, httpx.Client()
     t.client = None  # a dispute would fail loudly: none is expected in these tests
     return t
 
 
-@HOLE
 def test_a_server_signing_the_previous_agreed_state_is_not_used_for_ever() -> None:
     w = StateWatch(grace_s=10.0, agreed={0: ["s1", "s2"]})
     assert w.usable("lazy", 0, "s1", now=0.0)  # a round's switch-over: fine for a while
@@ -73,7 +72,6 @@ def test_a_server_signing_the_previous_agreed_state_is_not_used_for_ever() -> No
     assert not w.usable("lazy", 0, "s1", now=100.0)
 
 
-@HOLE
 def test_a_checked_hop_never_uses_garbage_signed_on_the_previous_state() -> None:
     body, honest, garbage = _replies()
     t = _bare_trainer(CFG.model_copy(update={"verify_rate": 1.0}))
@@ -83,11 +81,9 @@ def test_a_checked_hop_never_uses_garbage_signed_on_the_previous_state() -> None
         h = t.checked_hop(0, "forward", body, 4)
     except Dropped:
         return  # refusing the microbatch is an answer too
-    # today: the states differ, so nothing is compared and the liar's reply is used
     assert h.server == "honest", f"used {h.server}'s reply on superseded state {h.state}"
 
 
-@HOLE
 def test_one_agreed_reply_does_not_reset_the_clock_of_made_up_states() -> None:
     w = StateWatch(grace_s=10.0, agreed={0: ["s1", "s2"]})
     used = []
@@ -100,18 +96,27 @@ def test_one_agreed_reply_does_not_reset_the_clock_of_made_up_states() -> None:
     assert not any(used[20:]), "replies on never-agreed states used after 100 s"
 
 
-@pytest.fixture
-def bad_signer() -> Iterator[tuple[str, bytes]]:
+SERVER = Identity.generate()  # the key the servers view names for "srv"
+
+
+@pytest.fixture(params=["garbage", "another key", "another state", "its key"])
+def signer(request: pytest.FixtureRequest) -> Iterator[tuple[str, bytes, str]]:
     """A real HTTP server on 127.0.0.1 answering an honest reply on the agreed state "s2",
-    with a signature that verifies under no key."""
+    signed as the param says: bytes that verify under no key, another server's key, its
+    own key over another state than the header names, or its own key honestly."""
     body, honest, _ = _replies()
+    how = request.param
+    signer = Identity.generate() if how == "another key" else SERVER
+    signed_state = "s1" if how == "another state" else "s2"
+    sig = signer.sign(reply_message(0, signed_state, sha(body), sha(honest)))
+    header = "s2 " + ("00" * 64 if how == "garbage" else sig)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
             self.send_response(200)
             self.send_header("Content-Length", str(len(honest)))
-            self.send_header("X-Covey-Signature", "s2 " + "00" * 64)
+            self.send_header("X-Covey-Signature", header)
             self.end_headers()
             self.wfile.write(honest)
 
@@ -122,25 +127,35 @@ def bad_signer() -> Iterator[tuple[str, bytes]]:
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", body
+        yield f"http://127.0.0.1:{srv.server_address[1]}", body, how
     finally:
         srv.shutdown()
         srv.server_close()
 
 
-@HOLE
 @pytest.mark.network
-def test_a_reply_whose_signature_does_not_verify_is_not_used(bad_signer: Any) -> None:
-    url, body = bad_signer
+def test_a_reply_whose_signature_does_not_verify_is_not_used(signer: Any) -> None:
+    url, body, how = signer
     t = _bare_trainer()
-    t.urls = {"srv": url}
+    t.urls, t.keys = {"srv": url}, {"srv": SERVER.public_key}
+    if how == "its key":
+        assert t._send("srv", 0, "forward", body).state == "s2"
+        return
     # unsigned, it can never be disputed (the referee settles signed replies only), so a
     # liar that signs badly would be compared, disagree, and never be convicted
-    with pytest.raises(WireError):
+    with pytest.raises(WireError, match="does not verify"):
         t._send("srv", 0, "forward", body)
 
 
-@HOLE
+def test_a_server_whose_key_is_not_its_id_is_not_routed_to() -> None:
+    """The servers view names each server's key; one that does not hash to its peer id
+    (a coordinator bug, or a view tampered with) leaves the server out of routing."""
+    good = {"peer_id": SERVER.peer_id, "public_key": SERVER.public_key}
+    assert _keyed(good)
+    assert not _keyed({**good, "public_key": Identity.generate().public_key})
+    assert not _keyed({**good, "public_key": "not hex"}) and not _keyed({"peer_id": "x"})
+
+
 def test_a_trainer_does_not_fill_in_its_own_tokenizer_digest(tmp_path: Path) -> None:
     model = tiny_llama(tmp_path / "llama", vocab_size=320)
     coordinator = SwarmConfig(model=f"hf:{model}")  # its copy has no tokenizer.json

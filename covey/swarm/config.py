@@ -49,8 +49,9 @@ class SwarmConfig(Frozen):
     tokenizer: str = Field(
         "",
         pattern=r"^(|bytes|hf:.+)$",
-        description="what trainers tokenize the data with: '' = an hf: model's own "
-        "tokenizer.json when its directory has one, else covey's bytes; 'bytes'; 'hf:DIR'",
+        description="what trainers tokenize the data with: 'bytes' (covey's), or 'hf:DIR' "
+        "(its tokenizer.json). Left empty for an hf: model, it is resolved where the spec is "
+        "made: the model directory's own tokenizer.json when it has one, else bytes",
     )
     tokenizer_digest: str = Field(
         "",
@@ -109,10 +110,14 @@ class SwarmConfig(Frozen):
             from covey.swarm.hfmodel import model_digest
 
             data = {**data, "model_digest": model_digest(str(data["model"])[3:])}
-        if isinstance(data, dict) and not data.get("tokenizer_digest"):
-            directory = tokenizer_dir(str(data.get("model", "")), str(data.get("tokenizer", "")))
-            if directory is not None:
-                data = {**data, "tokenizer_digest": tokenizer_digest(directory)}
+        if hf and not data.get("tokenizer"):
+            # resolved here, where the spec is made: a peer parsing the spec it received
+            # never resolves it again from its own copy of the directory
+            own = Path(str(data["model"])[3:]) / "tokenizer.json"
+            data = {**data, "tokenizer": f"{data['model']}" if own.is_file() else "bytes"}
+        tokenizer = str(data.get("tokenizer", "")) if isinstance(data, dict) else ""
+        if tokenizer.startswith("hf:") and not data.get("tokenizer_digest"):
+            data = {**data, "tokenizer_digest": tokenizer_digest(tokenizer[3:])}
         return data
 
     @model_validator(mode="after")
@@ -139,9 +144,9 @@ class SwarmConfig(Frozen):
     def tokenizer_source(self) -> str:
         """`bytes` or `hf:DIR` for covey.data.corpus.load_corpus. ValueError naming the file
         when this peer's tokenizer.json is missing or is not the one the run names."""
-        if self.tokenizer == "bytes" or not (self.tokenizer_digest or self.tokenizer):
+        if not self.tokenizer.startswith("hf:"):
             return "bytes"
-        directory = self.tokenizer[3:] if self.tokenizer else self.model[3:]
+        directory = self.tokenizer[3:]
         got = tokenizer_digest(directory)
         if self.tokenizer_digest and got != self.tokenizer_digest:
             raise ValueError(
@@ -162,16 +167,6 @@ class SwarmConfig(Frozen):
                 ).model_dump(),
             }
         )
-
-
-def tokenizer_dir(model: str, tokenizer: str) -> str | None:
-    """The directory whose tokenizer.json trainers use; None for covey's bytes."""
-    if tokenizer.startswith("hf:"):
-        return tokenizer[3:]
-    own = model.startswith("hf:") and (Path(model[3:]) / "tokenizer.json").is_file()
-    if tokenizer == "" and own:
-        return model[3:]
-    return None
 
 
 def tokenizer_digest(directory: str) -> str:

@@ -8,9 +8,10 @@ starts from random init seeded by the run seed; that needs the whole model built
 (the same weights on every peer), then every tensor outside the stage is dropped.
 Local files only; a config that names remote code is refused (covey.models.hf).
 
-Tokens are the model's own tokenizer's when its directory has a tokenizer.json (trainers
-check that it fits the embedding), else covey's byte stream (ids < 256), and then the
-model's vocabulary must have at least 256 rows; the run's seq_len must fit its positions.
+Tokens are the run's tokenizer's (SwarmConfig.tokenizer: by default the model's own
+tokenizer.json when the directory has one where the spec is made; trainers check that it
+fits the embedding), else covey's byte stream (ids < 256), and then the model's vocabulary
+must have at least 256 rows; the run's seq_len must fit its positions.
 Errors name the values.
 """
 
@@ -195,7 +196,7 @@ def _build_hf_stage(cfg: Any, k: int, directory: str, device: torch.device | str
         raise ValueError(
             f"{directory}/config.json has digest {got[:12]}, the run names {cfg.model_digest[:12]}"
         )
-    bytes_ = cfg.tokenizer == "bytes" or not (cfg.tokenizer or cfg.tokenizer_digest)
+    bytes_ = not cfg.tokenizer.startswith("hf:")
     check_fits(hf_config(directory), cfg.seq_len, byte_tokens=bytes_)
     module = load_stage_module(directory, cfg.seed, cfg.stages, k).to(device)
     lr = cfg.lr

@@ -143,40 +143,65 @@ class Router:
 
 @dataclass
 class StateWatch:
-    """Which stage state a server's replies are signed on.
+    """Which stage state a server's replies may be signed on.
 
     Servers of a stage hold the same weights between averaging rounds, so an honest reply
-    is on one of the stage's last two agreed states, or on a newer one for the moments
-    before the coordinator agrees on it. `agreed` holds each stage's recent agreed ids
-    (oldest first, as the servers view sends them). A reply on any other state opens a
-    clock for its server: a state that was agreed before and is superseded (the server
-    skips rounds or serves old weights) never closes it; an id unknown when first seen
-    closes it once it is agreed (an honest server ahead), and one never agreed (made up)
-    does not. A server with a clock older than `grace_s` is not used until it answers on
-    one of the last two agreed states, which clears its clocks. `grace_s` must outlast how
-    long the coordinator may take to agree on an honest server's new state: a round's
-    apply, a heartbeat, and a dead member still counted in the vote until `dead_after_s`
-    (the trainer sets it so). A server that names the agreed state but computed on other
-    weights is the duplicated-hop comparison's to catch (its replies differ beyond
-    `tolerance`)."""
+    is on the stage's newest agreed state, on the one before it during a round's
+    switch-over, or on a newer one for the moments before the coordinator agrees on it.
+    `agreed` holds each stage's recent agreed ids, oldest first, as the servers view sends
+    them (set with `agree`, which notes when each stage's newest id was first seen).
+
+    A reply is usable when it is on:
+    - the newest agreed state;
+    - the previous agreed state, for `grace_s` after the newest was first seen (after
+      that the server skipped a round or serves old weights);
+    - a state not agreed (yet), while the server's oldest open clock is younger than
+      `grace_s`. A clock opens at a server's first reply on an unagreed state and closes
+      only when that state is agreed (an honest server ahead). A made-up id never closes
+      its clock, and a reply on an agreed state does not close it either, so a liar that
+      sprinkles honest replies among made-up ones is not used on made-up ones after
+      `grace_s`.
+    Any older agreed state is never usable. `grace_s` must outlast how long the coordinator
+    may take to agree on an honest server's new state: a round's apply, a heartbeat, and a
+    dead member still counted in the vote until `dead_after_s` (the trainer sets it so). A
+    server that names the agreed state but computed on other weights is the
+    duplicated-hop comparison's to catch (its replies differ beyond `tolerance`)."""
 
     grace_s: float = 10.0
     agreed: dict[int, list[str]] = field(default_factory=dict)  # stage -> recent agreed ids
-    # server -> state -> (first seen, whether it was a superseded agreed state then)
-    clocks: dict[str, dict[str, tuple[float, bool]]] = field(default_factory=dict)
-    max_clocks: int = 64  # states remembered a server (made-up ids do not grow it further)
+    clocks: dict[str, dict[str, float]] = field(default_factory=dict)  # server -> state -> t
+    max_clocks: int = 64  # open clocks kept a server (made-up ids do not grow it further)
+    newest: dict[int, tuple[str, float]] = field(default_factory=dict)  # stage -> (id, since)
+
+    def agree(self, agreed: dict[int, list[str]], now: float) -> None:
+        """The coordinator's recent agreed ids per stage (oldest first), seen at `now`."""
+        self.agreed = agreed
+        for stage in agreed:
+            self._newest(stage, now)
+
+    def newest_state(self, stage: int) -> str | None:
+        history = self.agreed.get(stage)
+        return history[-1] if history else None
+
+    def _newest(self, stage: int, now: float) -> float:
+        """When the stage's newest agreed id was first seen."""
+        last = self.agreed[stage][-1]
+        if stage not in self.newest or self.newest[stage][0] != last:
+            self.newest[stage] = (last, now)
+        return self.newest[stage][1]
 
     def usable(self, server: str, stage: int, state: str, now: float) -> bool:
         history = self.agreed.get(stage)
         if not history:  # nothing known yet (a coordinator restarting): no judgment
             return True
-        mine = self.clocks.setdefault(server, {})
-        if state in history[-2:]:
-            mine.clear()
+        since = self._newest(stage, now)
+        if state == history[-1]:
             return True
-        for s, (_, behind) in list(mine.items()):
-            if not behind and s in history:  # it was ahead, and is agreed now
-                del mine[s]
+        if state in history:  # the previous state for a switch-over's grace; older never
+            return len(history) > 1 and state == history[-2] and now - since <= self.grace_s
+        mine = self.clocks.setdefault(server, {})
+        for s in [s for s in mine if s in history]:  # it was ahead, and is agreed now
+            del mine[s]
         if state not in mine and len(mine) < self.max_clocks:
-            mine[state] = (now, state in history)
-        return not mine or now - min(t for t, _ in mine.values()) <= self.grace_s
+            mine[state] = now
+        return now - min(mine.values(), default=now) <= self.grace_s

@@ -55,6 +55,10 @@ class ServerInfo:
     queue: int = 0
     moving: bool = False  # told to move; busy until it reports the new stage
     served: int = 0
+    public_key: str = ""  # its join's key (registered): trainers verify its replies with it
+
+
+PRIVATE = ("url", "blob_url", "public_key")  # ServerInfo fields the status page leaves out
 
 
 class SwarmCoordinator(PayDesk):
@@ -333,8 +337,9 @@ class SwarmCoordinator(PayDesk):
                     raise Rejected(400, f"stage {wanted!r}: stages are 0..{self.cfg.stages - 1}")
                 stage = wanted
             self.servers[peer] = ServerInfo(
-                peer, name, stage, str(body.get("url")), str(body.get("blob_url")), time.time()
-            )
+                peer, name, stage, str(body.get("url")), str(body.get("blob_url")), time.time(),
+                public_key=str(body.get("public_key")),
+            )  # fmt: skip
         device = str(body.get("device", "cpu"))[:80]
         log.info("[server %s] joined: stage %d on %s", name, stage, device)
         return {"run_id": self.run_id, "stage": stage, "spec": self.cfg.model_dump(mode="json")}
@@ -453,14 +458,16 @@ class SwarmCoordinator(PayDesk):
         return {"ok": True}
 
     def servers_view(self) -> dict[str, Any]:
-        """Live, synced servers per stage and each stage's recent agreed states, for
-        trainers' routing (covey.swarm.routing.StateWatch)."""
+        """Live, synced servers per stage (with the key each signs its replies with) and
+        each stage's recent agreed states, for trainers' routing
+        (covey.swarm.routing.StateWatch)."""
         with self.lock:
             stages: list[list[dict[str, Any]]] = [[] for _ in range(self.cfg.stages)]
             for s in self.servers.values():
                 book = self.averaging.stages[s.stage]
                 if not s.moving and s.step >= 0 and s.step >= book.step - 1:
-                    stages[s.stage].append({"peer_id": s.peer_id, "name": s.name, "url": s.url})
+                    stages[s.stage].append({"peer_id": s.peer_id, "name": s.name, "url": s.url,
+                                            "public_key": s.public_key})  # fmt: skip
             # recent agreed states, oldest first: replies are signed on the last two (a
             # round's switch-over) or on a newer one about to be agreed (routing.StateWatch)
             agreed = [list(states) for states in self.known_states]
@@ -471,7 +478,7 @@ class SwarmCoordinator(PayDesk):
             now = time.time()
             servers = [
                 {
-                    **{k: v for k, v in asdict(s).items() if k not in ("url", "blob_url")},
+                    **{k: v for k, v in asdict(s).items() if k not in PRIVATE},
                     "measured": self.observed.throughput(s.peer_id, now),  # by trainers
                 }
                 for s in self.servers.values()

@@ -33,8 +33,8 @@ from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
 from covey.swarm.routing import NoServerError, Router, StateWatch
-from covey.swarm.wire import WireError, encode_tensor, pack
-from covey.trust.identity import Identity
+from covey.swarm.wire import WireError, encode_tensor, pack, reply_message, sha
+from covey.trust.identity import Identity, IdentityError, peer_id_of, verify
 
 log = logging.getLogger("covey.swarm.trainer")
 MAX_EVIDENCE = 4096  # agreed checks kept for reports while the coordinator is unreachable
@@ -111,6 +111,7 @@ class SwarmTrainer:
         self.rng = random.Random(seed)
         self.router = Router(seed=seed, slow_s=5.0, service_time=True)
         self.urls: dict[str, str] = {}
+        self.keys: dict[str, str] = {}  # server -> the public key its replies are signed with
         self.pinned: dict[int, list[str]] = {}
         self.chain = threading.local()
         self.stats = TrainerStats()
@@ -163,15 +164,19 @@ class SwarmTrainer:
         with self.lock:
             for k, servers in enumerate(view["stages"]):
                 for s in servers:
+                    if not _keyed(s):  # its replies could not be checked: not used
+                        log.warning("[%s] server %s has no valid key", self.name, s["peer_id"])
+                        continue
                     seen.add(s["peer_id"])
-                    self.urls[s["peer_id"]] = s["url"]
+                    self.urls[s["peer_id"]], self.keys[s["peer_id"]] = s["url"], s["public_key"]
                     self.router.add_server(s["peer_id"], k)
                 if self.fixed and not self.wired:  # by name: the wiring does not race joins
                     self.pinned[k] = [
-                        s["peer_id"] for s in sorted(servers, key=lambda s: s["name"])
+                        s["peer_id"] for s in sorted(servers, key=lambda s: s["name"]) if _keyed(s)
                     ]
             self.wired = self.wired or (self.fixed and len(self.pinned) == len(view["stages"]))
-            self.states.agreed = {k: list(ids) for k, ids in enumerate(view.get("agreed", []))}
+            agreed = {k: list(ids) for k, ids in enumerate(view.get("agreed", []))}
+            self.states.agree(agreed, time.monotonic())
             for p in list(self.router.servers):
                 if p not in seen and self.router.servers[p].banned is None:
                     self.router.remove_server(p)
@@ -198,6 +203,10 @@ class SwarmTrainer:
             raise WireError(f"HTTP {r.status_code}: {r.text[:100]}")
         state, _, sig = r.headers.get("X-Covey-Signature", "").partition(" ")
         compute.parse_reply(r.content)  # WireError when malformed
+        # an unsigned reply could never be disputed (the referee settles signed ones only)
+        message = reply_message(k, state, sha(body), sha(r.content))
+        if not verify(self.keys.get(server, ""), message, sig):
+            raise WireError(f"reply signature on state {state[:12]} does not verify")
         with self.lock:
             usable = self.states.usable(server, k, state, time.monotonic())
         if not usable:  # skipped rounds or serves old weights: rerouted, not banned
@@ -281,7 +290,15 @@ class SwarmTrainer:
         with self.lock:
             self.stats.checks += 1
         if h2.state != h.state:
-            return h  # a round was applied between the two: nothing to compare
+            # a round applied between the two, or a server behind or ahead: nothing to
+            # compare, and only a reply on the newest agreed state is used (one on the
+            # previous state may be a stale server's, used for ever if it were taken)
+            with self.lock:
+                newest = self.states.newest_state(k)
+            for x in (h, h2):
+                if newest is None or x.state == newest:
+                    return x
+            raise Dropped(f"stage {k}: replies on states {h.state[:12]} and {h2.state[:12]}")
         if compute.reply_distance(h.reply, h2.reply) <= self.cfg.tolerance:
             with self.lock:  # the evidence both servers are paid on (covey.swarm.evidence)
                 self.evidence.append(
@@ -493,3 +510,11 @@ def summary(t: SwarmTrainer) -> dict[str, Any]:
         "banned": t.router.banned(),
         "seconds": time.time() - st.started,
     }
+
+
+def _keyed(server: dict[str, Any]) -> bool:
+    """Whether a servers-view entry carries the public key its peer id is the hash of."""
+    try:
+        return peer_id_of(str(server.get("public_key", ""))) == server["peer_id"]
+    except IdentityError:
+        return False
