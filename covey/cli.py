@@ -369,15 +369,30 @@ def bench_network(
 def bench_coordinator(
     peers: Annotated[int, typer.Option(min=1, help="simulated peers (own keys, real HTTP)")] = 1000,
     duration: Annotated[float, typer.Option(min=1, help="seconds measured")] = 60.0,
+    warmup: Annotated[
+        float, typer.Option(min=0, help="seconds run before measuring (the start-up herd)")
+    ] = 5.0,
     heartbeat_s: Annotated[float, typer.Option(help="each peer heartbeats this often")] = 2.0,
-    poll_s: Annotated[float, typer.Option(help="each peer polls /v1/round this often")] = 2.0,
+    round_wait_s: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=30,
+            help="each peer long-polls /v1/round this long, as workers do; 0: poll every "
+            "--poll-s instead",
+        ),
+    ] = 5.0,
+    poll_s: Annotated[
+        float, typer.Option(help="with --round-wait-s 0: each peer polls /v1/round this often")
+    ] = 2.0,
     submitters: Annotated[int, typer.Option(min=0, help="peers that submit every round")] = 4,
     procs: Annotated[int, typer.Option(min=1, help="client processes")] = 2,
     out: Annotated[Path | None, typer.Option(help="run directory")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write rows here")] = None,
 ) -> None:
-    """Latency (p50/p99) of heartbeat, round poll, upload and submit against a real
-    coordinator with many simulated peers, and the coordinator's CPU share."""
+    """Latency (p50/p99) of heartbeat, round poll (or round long-poll wake-up), upload and
+    submit against a real coordinator with many simulated peers, and the coordinator's CPU
+    share."""
     from covey.bench.coordinator import rows_json, run_coordinator_bench
 
     out = out or Path("runs") / time.strftime("bench-coordinator-%Y%m%d-%H%M%S")
@@ -385,15 +400,17 @@ def bench_coordinator(
         out,
         peers=peers,
         duration_s=duration,
+        warmup_s=warmup,
         heartbeat_s=heartbeat_s,
         poll_s=poll_s,
+        round_wait_s=round_wait_s,
         submitters=submitters,
         procs=procs,
         echo=typer.echo,
     )
     for r in rows[:-1]:
         typer.echo(
-            f"{r['op']:>9}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, {r['requests']} "
+            f"{r['op']:>10}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, {r['requests']} "
             f"requests ({r['per_s']}/s), {r['errors']} errors, {r['peers']} peers"
         )
     c = rows[-1]

@@ -501,7 +501,9 @@ class LimitsConfig(Frozen):
         1.0, gt=0, description="sustained joins/s per client address (each writes the ledger)"
     )
     join_burst: int = Field(20, ge=1, description="joins an address may send at once")
-    max_long_polls: int = Field(256, ge=1, description="certificate long-polls held at once")
+    max_long_polls: int = Field(
+        256, ge=1, description="long-polls (certificate and round) held at once"
+    )
     max_long_polls_per_peer: int = Field(
         2, ge=1, description="long-polls held at once for one peer id (or one address: x16)"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import pytest
 from covey.bench.coordinator import SPEC
 from covey.config import load_run_config
 from covey.coordinator.app import create_app
+from covey.coordinator.fastpaths import FastPaths
+from covey.coordinator.limits import LongPolls
 from covey.coordinator.service import Coordinator
 from covey.trust.identity import Identity
 
@@ -104,9 +107,38 @@ def test_fast_paths_answer_as_the_routes_do(apps: tuple[Any, Any, Coordinator]) 
             continue
         assert a[0] == b[0] and a[0] >= 400, (what, a, b)
         assert ("problems" in a[1]) == ("problems" in b[1]), (what, a, b)
-    for query in (b"", b"peer_id=" + key.peer_id.encode(), b"peer_id=", b"peer_id=XYZ"):
+    long_polls = (  # the round long-poll's parameters (tag "waiting:0": min_peers = 99)
+        b"after=waiting:0&wait=0.05",  # held 50 ms, then the unchanged view
+        b"after=open:9:9&wait=0.05",  # another tag, but no news (no round): held too
+        b"after=waiting:0&wait=31",
+        b"after=waiting:0&wait=-1",
+        b"after=waiting:0&wait=soon",
+        b"after=" + b"x" * 65 + b"&wait=1",
+        b"wait=5",  # no tag to wait past: answered at once
+    )
+    for query in (b"", b"peer_id=" + key.peer_id.encode(), b"peer_id=", b"peer_id=XYZ",
+                  *long_polls):  # fmt: skip
         a, b = (
             call(fast, "GET", "/v1/round", query=query),
             call(slow, "GET", "/v1/round", query=query),
         )
         assert a == b, (query, a, b)
+
+
+def test_a_round_long_poll_past_every_slot_is_a_plain_poll(
+    apps: tuple[Any, Any, Coordinator],
+) -> None:
+    """More peers than limits.max_long_polls: a long-poll that finds every slot taken is
+    answered at once with the view (the peer polls), not refused, not held."""
+    _, _, coord = apps
+    slots = LongPolls(total=1, per_key=2)
+    fast = FastPaths(None, coord, slots)  # type: ignore[arg-type]  # never passes on
+    query = b"after=waiting:0&wait=5"
+    with slots.hold("someone else"):
+        t0 = time.monotonic()
+        status, view = call(fast, "GET", "/v1/round", query=query)
+        assert status == 200 and view["tag"] == "waiting:0"
+        assert time.monotonic() - t0 < 2.5  # not held for its 5 s (0.75-1x)
+    t0 = time.monotonic()
+    assert call(fast, "GET", "/v1/round", query=b"after=waiting:0&wait=0.3")[0] == 200
+    assert time.monotonic() - t0 >= 0.2  # a free slot: held again

@@ -264,17 +264,20 @@ def test_a_crash_loses_at_most_the_flush_interval_of_liveness(cluster: LocalClus
 
 
 @pytest.mark.network
-@pytest.mark.long  # a benchmark's smoke run (~13 s)
+@pytest.mark.long  # a benchmark's smoke run (~18 s)
 def test_bench_coordinator_smoke(tmp_path: Path) -> None:
-    """20 simulated peers for ~5 s: every operation answered, none refused."""
+    """20 simulated peers for ~10 s: every operation answered, none refused, and every
+    peer's round long-poll woken by the round's commit (deadline_max_s = 8)."""
     rows = run_coordinator_bench(
-        tmp_path, peers=20, duration_s=5, submitters=2, procs=1, echo=lambda _: None
+        tmp_path, peers=20, duration_s=10, warmup_s=0, submitters=2, procs=1, echo=lambda _: None
     )
     by_op = {r["op"]: r for r in rows}
-    assert set(by_op) == {"heartbeat", "round", "upload", "submit", "coordinator"}
+    assert set(by_op) == {"heartbeat", "round", "round wake", "upload", "submit", "coordinator"}
     for op in ("heartbeat", "round", "submit"):
         assert by_op[op]["requests"] > 0, by_op[op]
         assert by_op[op]["p99_ms"] is not None
     assert by_op["coordinator"]["errors"] == 0, by_op["coordinator"]["error_reasons"]
-    assert by_op["heartbeat"]["requests"] >= 20 * 2 * 0.8  # ~2 heartbeats each in 5 s
+    assert by_op["heartbeat"]["requests"] >= 20 * 5 * 0.8  # ~5 heartbeats each in 10 s
     assert 0 < by_op["coordinator"]["cpu_share"] < 2.5
+    assert by_op["coordinator"]["rounds"] >= 1
+    assert by_op["round wake"]["requests"] >= 20, by_op["round wake"]

@@ -51,6 +51,10 @@ expected-statuses = ["4xx"]
 [[operations]]
 include-path = "/v1/rounds/{round}/certificate"
 parameters = { wait = 0 }
+
+[[operations]]
+include-path = "/v1/round"
+parameters = { wait = 0 }
 """
 CHECKS = (
     "not_a_server_error",

@@ -60,7 +60,7 @@ def _bare_trainer(cfg: SwarmConfig = CFG) -> Any:
     t.cfg, t.fixed, t.rng, t.lock = cfg, False, Random(0), threading.Lock()
     t.stats, t.evidence, t.name, t.run_id = TrainerStats(), [], "t", "run"
     t.states = StateWatch(grace_s=10.0, agreed={0: ["s1", "s2"]})
-    t.urls, t.keys, t.http = {}, {}, httpx.Client()
+    t.urls, t.keys, t.http, t.dims = {}, {}, httpx.Client(), (256, cfg.n_embd)
     t.client = None  # a dispute would fail loudly: none is expected in these tests
     return t
 

@@ -2,17 +2,25 @@
 
 Starts a coordinator (`python -m covey coordinator`, a nano-model run) and `procs` client
 processes, each an asyncio loop holding its share of `peers` simulated peers: every peer
-has its own Ed25519 key, joins, then heartbeats every `heartbeat_s` and polls
-`/v1/round?peer_id=...` every `poll_s` (random phases), all signed and over real HTTP on
-127.0.0.1 (httpx.AsyncClient, a bounded connection pool per process). `submitters` of the
+has its own Ed25519 key, joins, then heartbeats every `heartbeat_s` (random phases) and
+watches the round as a worker does: a signed long-poll `/v1/round?after=TAG&wait=S`
+(`round_wait_s`, covey.peer.worker_state.ROUND_WAIT_S), sent again as soon as it is
+answered; with `round_wait_s` = 0, a plain poll every `poll_s` instead (the old workers'
+way). All over real HTTP on 127.0.0.1. `submitters` of the
 peers also train nothing but submit a real contribution to every round they are members
 of: a random fp32 payload of the model's size, uploaded (signed PUT) and submitted through
 the normal signed path, then the certificate long-poll. The others never submit, so after
 two rounds as no-shows they sit out rounds (limits.no_show_backoff_s) and rounds close as
 soon as the submitters are in. Latency is measured from the request's send to its reply,
-over `duration_s` after every peer has joined; any reply but 200 (429 included) and any
-transport error is an error. The coordinator's CPU share comes from /proc/<pid>/stat over
-the same window (1.0 = one core busy).
+over `duration_s` after every peer has joined and `warmup_s` more has passed (at the
+start every peer's first heartbeat and round poll land within a second or two); any reply
+but 200 (429 included) and any transport error is an error. A long-poll is not timed (it
+lasts until there is news): op "round wake" is how late each woken peer learns of a round
+it is in, from the first peer of its client process that learned of it (the spread of
+delivering one change to its members: a reply naming a round the peer is a member of,
+with a tag it had not seen).
+The coordinator's CPU share comes from /proc/<pid>/stat over the same window (1.0 = one
+core busy).
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ max_long_polls = 4096
 keep_alive_s = 30.0
 no_show_backoff_s = 3600.0
 """
-OPS = ("heartbeat", "round", "upload", "submit")
+OPS = ("heartbeat", "round", "round wake", "upload", "submit")
 JOIN_TIMEOUT_S = 300.0
 
 
@@ -91,6 +99,8 @@ def run_coordinator_bench(
     duration_s: float = 60.0,
     heartbeat_s: float = 2.0,
     poll_s: float = 2.0,
+    round_wait_s: float = 5.0,
+    warmup_s: float = 5.0,
     submitters: int = 4,
     procs: int = 2,
     echo: Any = print,
@@ -128,6 +138,8 @@ def run_coordinator_bench(
                     submitters,
                     heartbeat_s,
                     poll_s,
+                    round_wait_s,
+                    warmup_s,
                     duration_s,
                     go,
                     results,
@@ -144,17 +156,19 @@ def run_coordinator_bench(
             if message[0] != "joined":
                 raise RuntimeError(f"a bench client failed while joining: {message}")
             joined += 1
-        echo(f"{peers} peers joined; measuring for {duration_s:.0f} s")
-        cpu0, wall0 = _cpu_seconds(pid), time.monotonic()
-        rounds0 = cluster.status()["committed_rounds"]
+        echo(f"{peers} peers joined; warm-up {warmup_s:.0f} s, then measuring {duration_s:.0f} s")
         go.set()
+        time.sleep(warmup_s)  # the clients measure from the same moment
+        cpu0, wall0, t0 = _cpu_seconds(pid), time.monotonic(), time.time()
+        rounds0 = cluster.status()["committed_rounds"]
         samples: dict[str, list[float]] = {op: [] for op in OPS}
+        sent: dict[str, list[float]] = {op: [] for op in OPS}  # when each sample was sent
         errors: dict[str, int] = dict.fromkeys(OPS, 0)
         reasons: dict[str, int] = {}
-        late = 0
+        late = long_polls = 0
         cpu1 = rss = None
         for _ in workers:
-            message = results.get(timeout=duration_s + 120)
+            message = results.get(timeout=warmup_s + duration_s + 120)
             if cpu1 is None:  # the first client is done: the window is over
                 cpu1, wall1, rss = _cpu_seconds(pid), time.monotonic(), _rss_mib(pid)
             if message[0] != "done":
@@ -166,6 +180,9 @@ def run_coordinator_bench(
             for reason, n in message[3].items():
                 reasons[reason] = reasons.get(reason, 0) + n
             late += message[4]
+            for op, values in message[5].items():
+                sent[op].extend(values)
+            long_polls += message[6]
         for w in workers:
             w.join(30)
         status = cluster.status()
@@ -183,15 +200,21 @@ def run_coordinator_bench(
                 "errors": errors[op],
                 "per_s": round((len(values) + errors[op]) / window, 1),
                 "peers": submitters if op in ("upload", "submit") else peers,
+                # [second of the window, requests sent in it, their max latency in ms]:
+                # where a tail comes from (a burst at a round change, a stall)
+                "timeline": _timeline(sent[op], values, t0),
             }
         )
-    answered = sum(len(samples[op]) + errors[op] for op in OPS)
+    # every request the coordinator answered: the round wakes are long-polls, counted
+    # in long_polls with those that ended at their `wait`
+    answered = sum(len(samples[op]) + errors[op] for op in OPS if op != "round wake")
+    answered += long_polls
     rows.append(
         {
             "op": "coordinator",
             "p50_ms": None,
             "p99_ms": None,
-            "requests": sum(r["requests"] for r in rows),
+            "requests": answered,
             "errors": sum(r["errors"] for r in rows),
             "cpu_share": round((cpu1 - cpu0) / window, 3),
             # load-independent: the coordinator's CPU time per answered request
@@ -200,15 +223,25 @@ def run_coordinator_bench(
             "rounds": status["committed_rounds"] - rounds0,
             "window_s": round(window, 1),
             "late_ticks": late,
+            "long_polls": long_polls,
             "error_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:5]),
             "peers": peers,
             "submitters": submitters,
             "heartbeat_s": heartbeat_s,
             "poll_s": poll_s,
+            "round_wait_s": round_wait_s,
+            "warmup_s": warmup_s,
             "load_avg": os.getloadavg()[0],
         }
     )
     return rows
+
+
+def _timeline(sent: list[float], latency: list[float], t0: float) -> list[list[float]]:
+    by_second: dict[int, list[float]] = {}
+    for at, s in zip(sent, latency, strict=True):
+        by_second.setdefault(int(at - t0), []).append(s)
+    return [[k, len(v), round(1000 * max(v), 1)] for k, v in sorted(by_second.items())]
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -229,11 +262,14 @@ class _Conn:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def request(self, method: str, target: str, body: bytes = b"") -> tuple[int, bytes]:
+    async def request(
+        self, method: str, target: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
         head = f"{method} {target} HTTP/1.1\r\nHost: {self.host}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         if body:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         try:
@@ -264,17 +300,19 @@ def _client_main(
     submitters: int,
     heartbeat_s: float,
     poll_s: float,
+    round_wait_s: float,
+    warmup_s: float,
     duration_s: float,
     go: Any,
     results: Any,
 ) -> None:
-    """One client process: its peers join, then run until `duration_s` after `go`."""
+    """One client process: its peers join, then run until `warmup_s` + `duration_s`
+    after `go`, measuring the last `duration_s`."""
     try:
-        asyncio.run(
-            _Client(url, run_id, indices, submitters, heartbeat_s, poll_s).run(
-                duration_s, go, results
-            )
+        client = _Client(
+            url, run_id, indices, submitters, heartbeat_s, poll_s, round_wait_s, warmup_s
         )
+        asyncio.run(client.run(duration_s, go, results))
     except BaseException as e:  # reported, so the parent fails with the reason
         results.put(("failed", f"{type(e).__name__}: {e}"))
 
@@ -288,17 +326,23 @@ class _Client:
         submitters: int,
         heartbeat_s: float,
         poll_s: float,
+        round_wait_s: float,
+        warmup_s: float,
     ) -> None:
         from covey.trust.identity import Identity
 
         self.url, self.run_id = url, run_id
         self.keys = {i: Identity.generate() for i in indices}
         self.submitting = [i for i in indices if i < submitters]
-        self.heartbeat_s, self.poll_s = heartbeat_s, poll_s
+        self.heartbeat_s, self.poll_s, self.round_wait_s = heartbeat_s, poll_s, round_wait_s
+        self.warmup_s = warmup_s
+        self.first_seen: dict[str, float] = {}  # round tag -> when a peer here first saw it
         self.samples: dict[str, list[float]] = {op: [] for op in OPS}
+        self.sent: dict[str, list[float]] = {op: [] for op in OPS}
         self.errors: dict[str, int] = dict.fromkeys(OPS, 0)
         self.reasons: dict[str, int] = {}
         self.late = 0
+        self.long_polls = 0  # answered round long-polls (not timed: they last until news)
         self.measuring = False
         self.last_failure = ""
 
@@ -320,15 +364,25 @@ class _Client:
             results.put(("joined",))
             while not await asyncio.to_thread(go.wait, 1.0):
                 pass
-            self.measuring, self.reasons = True, {}
-            stop_at = time.monotonic() + duration_s
+            # the first `warmup_s`: every peer's first heartbeat and round poll land at
+            # once (a start-up herd, not the steady state this bench measures)
+            stop_at = time.monotonic() + self.warmup_s + duration_s
+            asyncio.get_running_loop().call_later(self.warmup_s, self._start_measuring)
             tasks = [self._every(self.heartbeat_s, stop_at, self._heartbeat, i) for i in self.keys]
-            tasks += [self._every(self.poll_s, stop_at, self._poll, i) for i in self.keys]
+            if self.round_wait_s > 0:  # as workers do: a long-poll, sent again when answered
+                tasks += [self._watch(i, stop_at) for i in self.keys]
+            else:
+                tasks += [self._every(self.poll_s, stop_at, self._poll, i) for i in self.keys]
             tasks += [self._submit_loop(i, stop_at) for i in self.submitting]
             await asyncio.gather(*tasks)
             for conn in self.conns.values():
                 conn.close()
-        results.put(("done", self.samples, self.errors, self.reasons, self.late))
+        results.put(
+            ("done", self.samples, self.errors, self.reasons, self.late, self.sent, self.long_polls)
+        )
+
+    def _start_measuring(self) -> None:
+        self.measuring, self.reasons = True, {}
 
     async def _post(self, op: str, path: str, i: int, body: dict[str, Any], round: int) -> Any:
         from covey.trust.identity import request_purpose
@@ -349,6 +403,7 @@ class _Client:
             return None
         if self.measuring:
             self.samples[op].append(elapsed)
+            self.sent[op].append(time.time() - elapsed)
         return resp.json()
 
     def _error(self, op: str, reason: str) -> None:
@@ -385,10 +440,19 @@ class _Client:
                 self.late += 1
                 next_at += period
 
-    async def _lean(self, op: str, conn: _Conn, method: str, target: str, body: bytes) -> Any:
+    async def _lean(
+        self,
+        op: str,
+        conn: _Conn,
+        method: str,
+        target: str,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         start = time.perf_counter()
         try:
-            status, payload = await asyncio.wait_for(conn.request(method, target, body), 30.0)
+            request = conn.request(method, target, body, headers)
+            status, payload = await asyncio.wait_for(request, 30.0 + self.round_wait_s)
         except Exception as e:
             self._error(op, type(e).__name__)
             return None
@@ -398,6 +462,7 @@ class _Client:
             return None
         if self.measuring:
             self.samples[op].append(elapsed)
+            self.sent[op].append(time.time() - elapsed)
         return payload
 
     async def _heartbeat(self, i: int) -> None:
@@ -412,6 +477,49 @@ class _Client:
         target = f"/v1/round?peer_id={self.keys[i].peer_id}"
         payload = await self._lean("round", self.conns[(i, conn)], "GET", target, b"")
         return None if payload is None else json.loads(payload)
+
+    async def _watch(self, i: int, stop_at: float) -> None:
+        """Watch the round as a worker does: one plain poll, then long-polls past the tag
+        last seen until `stop_at`, each sent as soon as the last is answered (a member
+        that never trains: the most long-polls a peer holds). A reply with a new tag is
+        timed as "round wake" from the first peer of this process that saw that tag."""
+        from covey.trust.polls import ROUND_POLL, poll_headers
+
+        await asyncio.sleep(random.uniform(0, self.heartbeat_s))  # first polls spread out
+        info = await self._poll(i)
+        tag = None if info is None else info.get("tag")
+        while (left := stop_at - time.monotonic()) > 0.05:
+            if tag is None:  # no view yet (an error): poll again, not in a tight loop
+                await asyncio.sleep(min(1.0, left))
+                info = await self._poll(i)
+                tag = None if info is None else info.get("tag")
+                continue
+            wait = round(min(self.round_wait_s, left), 3)
+            target = f"/v1/round?peer_id={self.keys[i].peer_id}&after={tag}&wait={wait}"
+            signed = poll_headers(self.keys[i], self.run_id, path=ROUND_POLL)
+            conn = self.conns[(i, "poll")]
+            try:
+                request = conn.request("GET", target, b"", signed)
+                status, payload = await asyncio.wait_for(request, wait + 30.0)
+            except Exception as e:
+                self._error("round", f"long-poll: {type(e).__name__}")
+                tag = None
+                continue
+            if status != 200:
+                self._error("round", f"long-poll: {status} {payload[:80]!r}")
+                tag = None
+                continue
+            if self.measuring:
+                self.long_polls += 1
+            view, now = json.loads(payload), time.monotonic()
+            new = view.get("tag")
+            woken = new != tag and view.get("member")  # woken by news: a round it is in
+            if woken:
+                first = self.first_seen.setdefault(new, now)
+                if self.measuring:
+                    self.samples["round wake"].append(now - first)
+                    self.sent["round wake"].append(time.time() - (now - first))
+            tag = new  # and at once the next long-poll (a member that never trains)
 
     async def _submit_loop(self, i: int, stop_at: float) -> None:
         """Submit to every round this peer is a member of, then wait for its certificate."""

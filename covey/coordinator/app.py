@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from covey.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
 
 from .auth import ReceivedAt
-from .fastpaths import FastPaths
+from .fastpaths import MAX_ROUND_WAIT_S, FastPaths, hold_round_poll
 from .limits import LongPolls, RateLimit, header_deadline_protocol
 from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
 from .openapi import BLOB_BODY, BLOB_UPLOAD, errors
@@ -204,7 +205,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     metrics = Metrics(coord)
     limits = coord.cfg.limits
     long_polls = LongPolls(limits.max_long_polls, limits.max_long_polls_per_peer)
-    metrics.gauge("covey_long_polls_held", "Certificate long-polls held now", long_polls.held)
+    metrics.gauge("covey_long_polls_held", "Long-polls held now", long_polls.held)
 
     @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, Any]:
@@ -257,11 +258,29 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
         heartbeats (410) and /v1/round (phase "halted"). GETs keep being answered."""
         return await run_in_threadpool(coord.halt, req, await request.json())
 
-    @app.get("/v1/round")
+    @app.get("/v1/round", responses=errors(401))
     async def current_round(
+        request: Request,
         peer_id: str | None = Query(None, pattern=schemas.PEER_ID_PATTERN),
+        after: str | None = Query(
+            None, max_length=64, description="long-poll: the `tag` of the view last seen"
+        ),
+        wait: float = Query(
+            0.0, ge=0, le=MAX_ROUND_WAIT_S, description="long-poll seconds (with `after`)"
+        ),
     ) -> schemas.RoundInfo:
-        """The open round: start weights, this peer's assignment and the deadline."""
+        """The open round: start weights, this peer's assignment and the deadline. With
+        `after` and `wait`, the request is held until the view past tag `after` has news
+        for `peer_id` (a round it is a member of opens; the run finishes or is halted; a
+        round that only closes, or one it is not in, is not news) or `wait` seconds pass,
+        holding no thread: a waiting peer learns of its round at once instead of
+        polling. Held polls are bounded like the certificate's (signed in headers with
+        covey.trust.polls' ROUND_POLL purpose: per peer; else per address)."""
+        if wait > 0 and after is not None:
+            client = request.client.host if request.client else "-"
+            await hold_round_poll(
+                coord, long_polls, request.headers, client, after, wait, peer_id or None
+            )
         return await _inline_or_thread(coord.round_info, peer_id)
 
     @app.post("/v1/rounds/{round}/contributions")
@@ -422,7 +441,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     coord.uploads  # noqa: B018 -- sizes implied by the model, worked out before serving
     # innermost: heartbeats and round polls skip FastAPI's routing, not the layers below
     if fast_paths:
-        app.add_middleware(FastPaths, coord=coord)
+        app.add_middleware(FastPaths, coord=coord, long_polls=long_polls)
     app.add_middleware(RateLimit, limits=limits)  # inside BodyLimit: reads bounded bodies
     app.add_middleware(
         BodyLimit,
@@ -436,6 +455,19 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     app.add_middleware(HttpMetrics, metrics=metrics)
     document_api(app, coord.run_id)  # every status code each operation can answer
     return app
+
+
+def quiet_gc() -> None:
+    """Keep the garbage collector from pausing the event loop for a quarter second every
+    few seconds. What exists once the coordinator is up (torch, the model template,
+    FastAPI, pydantic's schemas: most of the heap) lives as long as the process, so it is
+    frozen out of every collection; and the youngest generation is collected per 50,000
+    new container objects instead of 700, so a busy coordinator reaches a full collection
+    less often. Measured: full collections took 150-290 ms every ~3 s at 1000 peers
+    (BENCHMARKS.md, `covey bench coordinator`)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 def serve(coord: Coordinator, host: str, port: int) -> None:
@@ -458,6 +490,7 @@ def serve(coord: Coordinator, host: str, port: int) -> None:
     # SIGTERM action that would kill the process before the driver is stopped below
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     coord.start()
+    quiet_gc()
     try:
         server.run()
     finally:

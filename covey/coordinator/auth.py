@@ -148,8 +148,10 @@ class Auth:
         round_: int,
         run_id: str,
         public_key_of: Callable[[str], str | None],
+        path: str = "",
     ) -> str | None:
-        """The peer that signed this certificate long-poll (covey.trust.polls), or None for
+        """The peer that signed this certificate long-poll (or with `path`, the long-poll of
+        that path: covey.trust.polls.ROUND_POLL) (covey.trust.polls), or None for
         an unsigned one (counted against its address). Rejected(401) for a signature that
         does not verify for the peer it names (or a peer `public_key_of` does not know) or
         a nonce outside the window: naming a peer proves nothing without its key."""
@@ -159,9 +161,11 @@ class Auth:
         nonce = headers.get(POLL_NONCE_HEADER, "")
         signature = headers.get(POLL_SIGNATURE_HEADER, "")
         key = public_key_of(peer_id)
-        if key is None or not verify(key, poll_message(run_id, peer_id, round_, nonce), signature):
+        message = poll_message(run_id, peer_id, round_, nonce, path)
+        if key is None or not verify(key, message, signature):
+            what = path or f"round {round_}"
             raise Rejected(
-                401, f"long-poll signature does not verify for peer {peer_id[:12]}, round {round_}"
+                401, f"long-poll signature does not verify for peer {peer_id[:12]}, {what}"
             )
         try:
             age = time.time() - nonce_time(nonce)

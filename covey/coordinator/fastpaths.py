@@ -6,7 +6,8 @@ and serialization and a few exception-handling layers: most of a request's CPU, 
 (BENCHMARKS: `covey bench coordinator`; /work/notes/s2/bench/T1.md). `FastPaths` is a raw
 ASGI layer just inside the app's own middlewares (rate limits, body limits and deadlines,
 the endpoint tag signatures are checked against, metrics: all still apply) that answers
-exactly `POST /v1/heartbeat` and `GET /v1/round` itself and passes everything else on.
+exactly `POST /v1/heartbeat` and `GET /v1/round` (with its long-poll, `hold_round_poll`)
+itself and passes everything else on.
 
 It does what the FastAPI routes would, in the same words: the body is validated by the
 same pydantic model (a refusal is the same 422 with the same `problems`), the query by
@@ -19,20 +20,26 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import parse_qs
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from covey.protocol import schemas
+from covey.trust.polls import ROUND_POLL
 
 from .views import Rejected
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .limits import LongPolls
     from .service import Coordinator
 
 log = logging.getLogger("covey.coordinator")
@@ -48,13 +55,47 @@ class _Route:
 
 
 _HEARTBEAT, _ROUND = _Route("/v1/heartbeat"), _Route("/v1/round")
+MAX_ROUND_WAIT_S = 30.0
+_WAIT = TypeAdapter(Annotated[float, Field(ge=0, le=MAX_ROUND_WAIT_S)])
+_AFTER = TypeAdapter(Annotated[str, Field(max_length=64)])
+
+
+async def hold_round_poll(
+    coord: Coordinator,
+    long_polls: LongPolls,
+    headers: Mapping[str, str],
+    client: str,
+    after: str,
+    wait_s: float,
+    peer_id: str | None,
+) -> None:
+    """The round long-poll: return once the view past tag `after` has news for `peer_id`
+    (a round it is a member of opened, the run finished or halted: Views.round_news) or
+    about `wait_s` passed (0.75-1x, at random), holding no thread meanwhile. Held polls
+    count against the peer that signed the poll (covey.trust.polls, purpose ROUND_POLL)
+    or, unsigned, against the client address (16 peers' share), like the certificate's;
+    past that, Rejected(429). Past the total (limits.max_long_polls) the poll is answered
+    at once, as a plain poll: a run with more peers than slots degrades to polling."""
+    if coord.round_news(after, peer_id):
+        return
+    signer = coord.membership.poll_signer(headers, -1, ROUND_POLL)
+    key, share = (f"peer:{signer}", None) if signer else (f"address:{client}", 16)
+    with long_polls.hold(key, None if share is None else share * long_polls.per_key) as ok:
+        if not ok and long_polls.held() >= long_polls.total:
+            return  # every slot taken (more peers than max_long_polls): a plain poll
+        if not ok:
+            raise Rejected(429, f"too many long-polls held for {key[:40]}: retry shortly")
+        # held a little less than asked, at random: polls woken together by one round
+        # do not all time out, and come back, together ever after
+        held_s = wait_s * random.uniform(0.75, 1.0)
+        await coord.commits.wait(lambda: coord.round_news(after, peer_id), held_s)
 
 
 class FastPaths:
     """ASGI middleware: heartbeats and round polls answered directly (see the module)."""
 
-    def __init__(self, app: ASGIApp, coord: Coordinator) -> None:
-        self.app, self.coord = app, coord
+    def __init__(self, app: ASGIApp, coord: Coordinator, long_polls: LongPolls) -> None:
+        self.app, self.coord, self.long_polls = app, coord, long_polls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -95,6 +136,35 @@ class FastPaths:
                 send, [f"query.peer_id: String should match pattern '{schemas.PEER_ID_PATTERN}'"]
             )
             return
+        problems, wait_s, after = [], 0.0, None
+        try:
+            wait_s = _WAIT.validate_python(query.get("wait", ["0"])[-1], strict=False)
+        except ValidationError as e:
+            problems += _problems(e, "query.wait")
+        try:
+            after = _AFTER.validate_python(query["after"][-1]) if "after" in query else None
+        except ValidationError as e:
+            problems += _problems(e, "query.after")
+        if problems:
+            await _invalid(send, problems)
+            return
+        if wait_s > 0 and after is not None:
+            client = scope.get("client") or ("-", 0)
+            try:
+                await hold_round_poll(
+                    self.coord,
+                    self.long_polls,
+                    Headers(scope=scope),
+                    client[0],
+                    after,
+                    wait_s,
+                    peer_id or None,
+                )
+            except Rejected as e:
+                log.warning("fast path -> %d: %s", e.status, e.message)
+                retry = [(b"retry-after", b"1")] if e.status == 429 else []
+                await _send_json(send, e.status, {"error": e.message}, retry)
+                return
         await self._answer(send, self.coord.round_info, peer_id)
 
     async def _answer(self, send: Send, fn: Callable[..., Any], *args: Any) -> None:

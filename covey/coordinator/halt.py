@@ -50,6 +50,7 @@ class Halting:
     authenticate: Any
     open_round: Any
     _abort: Any
+    commits: Any  # covey.coordinator.views.CommitSignal
 
     def __init__(self) -> None:
         self._halt_lock = threading.Lock()
@@ -117,6 +118,7 @@ class Halting:
                     payload["round"],
                     payload["reason"],
                 )
+                self.commits.notify()  # round long-polls learn of the HALT at once
             except Exception as e:
                 pending.error = f"{type(e).__name__}: {e}"
                 raise

@@ -81,7 +81,7 @@ class Membership:
         signed by `peer_id` for the receiving endpoint and `round`, with a fresh nonce."""
         self.auth.authenticate(raw, round, peer_id, public_key, nonces)
 
-    def poll_signer(self, headers: Mapping[str, str], round_: int) -> str | None:
+    def poll_signer(self, headers: Mapping[str, str], round_: int, path: str = "") -> str | None:
         """Auth.poll_signer over the ledger's registered keys (no database read): the
         member that signed this long-poll, None when unsigned, Rejected(401) when forged."""
         accounts = self.accounts.book.accounts
@@ -90,7 +90,7 @@ class Membership:
             account = accounts.get(peer_id)
             return None if account is None else account.public_key
 
-        return self.auth.poll_signer(headers, round_, self.run_id, key_of)
+        return self.auth.poll_signer(headers, round_, self.run_id, key_of, path)
 
     def prune_nonces(self, now: float) -> None:
         """Forget nonces older than the window: requests that old are refused anyway."""

@@ -292,6 +292,7 @@ class Rounds(Intake, Halting, Views):
                     self.state_hash,
                 ),
             )
+        self.commits.notify()  # wakes the round long-polls: members start at once
         log.info(
             "[round %d.%d] open: %d members, deadline in %.1f s",
             r,
@@ -448,6 +449,7 @@ class Rounds(Intake, Halting, Views):
         with self.db.transaction() as c:
             c.execute("UPDATE rounds SET status = 'aborted' WHERE round = ?", (rnd.round,))
             self.db.event(c, now, "round aborted", "", {"round": rnd.round, "why": why})
+        self.commits.notify()  # the round view changed: wake the round long-polls
         log.warning("[round %d.%d] aborted: %s", rnd.round, rnd.attempt, why)
 
     def _store_state(self, state: TrainState) -> tuple[str, int]:

@@ -61,20 +61,28 @@ class OpenRound:
 
 
 class CommitSignal:
-    """Wakes the certificate long-polls when a round commits: `notify` (from any thread,
-    the round driver's) resolves every waiter's future on its own event loop, so a waiter
-    learns of a commit at once instead of polling a timer."""
+    """Wakes the long-polls when the round view changes (a round opens, commits or is
+    aborted; the run is halted): `notify` (from any thread, the round driver's) resolves
+    every waiter's future on its own event loop, so a waiter learns of it at once instead
+    of polling a timer. Each waiter re-checks its own condition (a certificate, a new
+    round tag) and waits on if it is not met."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
 
     def notify(self) -> None:
+        """Wake every waiter, WAKE_CHUNK at a time per event loop: between chunks the loop
+        reads and answers other requests, so a wake of a thousand long-polls is not a
+        second during which no heartbeat is answered."""
         with self._lock:
             waiters, self._waiters = self._waiters, set()
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
         for loop, future in waiters:
+            by_loop.setdefault(loop, []).append(future)
+        for loop, futures in by_loop.items():
             with contextlib.suppress(RuntimeError):  # its loop has closed: nobody waits
-                loop.call_soon_threadsafe(_resolve, future)
+                loop.call_soon_threadsafe(_resolve_chunks, loop, futures)
 
     async def wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until `done()` (checked after every commit) or `timeout_s` passes; whether
@@ -99,9 +107,15 @@ class CommitSignal:
         return True
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+WAKE_CHUNK = 16  # long-polls woken per turn of the event loop (CommitSignal.notify)
+
+
+def _resolve_chunks(loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future[None]]) -> None:
+    for future in futures[:WAKE_CHUNK]:
+        if not future.done():
+            future.set_result(None)
+    if len(futures) > WAKE_CHUNK:  # the rest on a later turn, after the loop polls sockets
+        loop.call_soon(_resolve_chunks, loop, futures[WAKE_CHUNK:])
 
 
 class Views:
@@ -125,7 +139,8 @@ class Views:
 
     @property
     def commits(self) -> CommitSignal:
-        """Set at every commit (rounds._close); the certificate long-poll waits on it."""
+        """Notified at every round change (rounds: _open, _close, _abort; halt); the
+        certificate and round long-polls wait on it."""
         with _CACHE_LOCK:
             signal = self.__dict__.get("_commits")
             if signal is None:
@@ -180,15 +195,47 @@ class Views:
         cap = self.cfg.rounds.max_rounds
         return self.halted is not None or (cap is not None and self.state.round >= cap)
 
+    def round_tag(self) -> str:
+        """RoundInfo.tag of the view now: what changes when a round opens, commits or is
+        aborted, or the run finishes or is halted (not the deadline, nor membership)."""
+        if self.halted is not None:
+            return "halted"
+        rnd = self.open_round(committed=True)
+        if rnd is None:
+            return f"{'finished' if self.finished() else 'waiting'}:{self.state.round}"
+        return f"open:{rnd.round}:{rnd.attempt}"
+
+    def round_news(self, after: str, peer_id: str | None) -> bool:
+        """Whether a round long-poll past tag `after` has news for `peer_id` now: the tag
+        differs and it is something the peer acts on: a round it is a member of (any
+        round, for a poll that names no peer), or the run finished or halted. A round that
+        only closed ("waiting"), or one the peer is not in, is not: the poll waits on, so
+        one round change wakes its members, not every peer."""
+        if self.halted is not None:
+            return after != "halted"
+        rnd = self.open_round(committed=True)
+        if rnd is None:
+            return self.finished() and after != f"finished:{self.state.round}"
+        if after == f"open:{rnd.round}:{rnd.attempt}":
+            return False
+        return peer_id is None or peer_id in rnd.member_set
+
     def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
         if (halted := self.halted) is not None:
             return schemas.RoundInfo(
-                run_id=self.run_id, phase="halted", round=self.state.round, halted=halted["reason"]
+                run_id=self.run_id,
+                phase="halted",
+                round=self.state.round,
+                halted=halted["reason"],
+                tag="halted",
             )
         rnd = self.open_round(committed=True)
         if rnd is None:
             phase = "finished" if self.finished() else "waiting"
-            return schemas.RoundInfo(run_id=self.run_id, phase=phase, round=self.state.round)
+            return schemas.RoundInfo(
+                run_id=self.run_id, phase=phase, round=self.state.round,
+                tag=f"{phase}:{self.state.round}",
+            )  # fmt: skip
         member = peer_id in rnd.member_set
         start_size, providers = self._start_view()
         return schemas.RoundInfo(
@@ -203,6 +250,7 @@ class Views:
             deadline_in_s=rnd.deadline - time.time(),
             member=member,
             assignment=schemas.AssignmentOut(**rnd.assignments[peer_id]) if member else None,
+            tag=f"open:{rnd.round}:{rnd.attempt}",
         )
 
     def state_providers(self) -> list[str]:

@@ -59,7 +59,7 @@ from covey.peer.overlap import SideCommitter, Transfer
 from covey.peer.runsetup import set_up_run
 from covey.peer.worker_overlap import Overlapping
 from covey.peer.worker_publish import Publishing
-from covey.peer.worker_state import StateKeeping
+from covey.peer.worker_state import ROUND_WAIT_S, StateKeeping
 from covey.peer.worker_types import Finished, LocalStates, Stopped
 from covey.protocol import schemas
 from covey.protocol.content import content_id
@@ -122,6 +122,7 @@ class Worker(StateKeeping, Publishing, Overlapping):
         self._served_state: str | None = None
         self._published: list[str] = []
         self._transfer: Transfer[Finished] | None = None  # the last round's, in flight
+        self._waited: str | None = None  # the round tag a "waiting" saw (covey.peer.worker_state)
         self._train_ended: float | None = None  # when the last round's training ended
         self._waited_s = 0.0  # how long this round's training waited for the last transfer
 
@@ -226,7 +227,9 @@ class Worker(StateKeeping, Publishing, Overlapping):
                     return self._exit_halted()
                 if self.opts.max_rounds and self.rounds_done >= self.opts.max_rounds:
                     break
-            return 0
+            # stopped between rounds (a signal, or a heartbeat that learned of a HALT or an
+            # exclusion): the same status as when stopped inside one
+            return self._exit_halted() if self.halted else (1 if self.excluded else 0)
         except Stopped:
             return self._exit_halted() if self.halted else (1 if self.excluded else 0)
         except (CoordinatorLost, PeerRejected, RuntimeError) as e:
@@ -329,16 +332,19 @@ class Worker(StateKeeping, Publishing, Overlapping):
     def _one_round(self) -> str:
         if self._transfer is not None:  # the last round's transfer runs: train ahead
             return self._overlapped_round()
-        info = schemas.RoundInfo.model_validate(
-            self.client.get("/v1/round", params={"peer_id": self.peer_id})
-        )
+        # after a "waiting", a long-poll: held until the round view changes
+        info = self._round_view(self._waited, ROUND_WAIT_S)
+        self._waited = None
         if info.phase == "finished":
             return "finished"
         if info.phase == "halted":
             self.halted = info.halted or "halted"
             return "halted"
         if info.phase != "open" or not info.member or info.assignment is None:
-            self._pause(min(1.0, self.heartbeat_s / 2))
+            if info.tag:
+                self._waited = info.tag  # the next look waits for a change
+            else:  # a coordinator without the round long-poll: poll
+                self._pause(min(1.0, self.heartbeat_s / 2))
             return "waiting"
         assert info.start_hash and info.start_cid and info.start_size
         deadline = time.monotonic() + (info.deadline_in_s or 0.0)

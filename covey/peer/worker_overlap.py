@@ -133,17 +133,18 @@ class Overlapping:
         """The round after `after` once it is open (or the run is finished or halted), at
         most a few heartbeats: then whatever /v1/round says (the steps ahead are dropped)."""
         give_up = time.monotonic() + 2 * self.heartbeat_s
+        info = self._round_view()
         while True:
-            info = schemas.RoundInfo.model_validate(
-                self.client.get("/v1/round", params={"peer_id": self.peer_id}, quiet=True)
-            )
             if info.phase in ("finished", "halted") or (
                 info.phase == "open" and info.round > after
             ):
                 return info
-            if time.monotonic() > give_up:
+            left = give_up - time.monotonic()
+            if left <= 0:
                 return info
-            self._pause(0.05)
+            if not info.tag:  # a coordinator without the round long-poll
+                self._pause(0.05)
+            info = self._round_view(info.tag, left)  # held until the view changes
 
     def _note_round(self, round_: int, compute_s: float, wall_s: float, ahead: int) -> None:
         """The worker's own utilization: compute seconds over wall seconds from the end of

@@ -26,9 +26,10 @@ from covey.protocol.checkpoint import (
 from covey.trust import ledger
 from covey.trust.certify import certificate_is_signed
 from covey.trust.identity import canonical_json
-from covey.trust.polls import poll_headers
+from covey.trust.polls import ROUND_POLL, poll_headers
 
 log = logging.getLogger("covey.worker")
+ROUND_WAIT_S = 5.0  # a waiting worker's round long-poll: woken at once by a change
 
 
 class StateKeeping:
@@ -45,6 +46,24 @@ class StateKeeping:
     store: Any
     server: Any
     strategy: Any
+
+    def _round_view(self, after: str | None = None, wait_s: float = 0.0) -> schemas.RoundInfo:
+        """GET /v1/round. With `after` (a tag this worker saw), a long-poll: held until the
+        view's tag differs (a round opened, committed or was aborted; the run finished or
+        was halted) or `wait_s` passes, and signed, so it counts against this worker."""
+        params: dict[str, Any] = {"peer_id": self.peer_id}
+        headers = None
+        if after and wait_s > 0:
+            params |= {"after": after, "wait": round(min(wait_s, 30.0), 3)}
+            headers = poll_headers(self.identity, self.run_id, path=ROUND_POLL)
+        sent = time.monotonic()
+        got = self.client.get("/v1/round", params=params, quiet=bool(headers), headers=headers)
+        info = schemas.RoundInfo.model_validate(got)
+        if headers and info.tag == after and time.monotonic() - sent < min(1.0, wait_s / 2):
+            # answered without news and without being held (every long-poll slot of the
+            # coordinator is taken): poll at the old pace instead of spinning
+            self._pause(min(1.0, wait_s / 2))
+        return info
 
     def _sync_state(self, cid: str, digest: str, size: int, providers: list[str]) -> None:
         """Make the local canonical state the round's start state (download if needed). A
@@ -112,9 +131,7 @@ class StateKeeping:
             except PeerRejected as e:
                 if e.status != 404:
                     raise
-            now = schemas.RoundInfo.model_validate(
-                self.client.get("/v1/round", params={"peer_id": self.peer_id})
-            )
+            now = self._round_view()
             if now.phase == "halted":
                 self.halted = now.halted or "halted"
                 raise Stopped()

@@ -119,6 +119,9 @@ class RoundInfo(BaseModel):
     deadline_in_s: float | None = None
     member: bool = False
     assignment: AssignmentOut | None = None
+    # what a peer's loop branches on ("open:3:0", "waiting:4", "finished:9", "halted"):
+    # GET /v1/round?after=TAG&wait=S is held until the tag differs (a long-poll)
+    tag: str = ""
 
 
 class CommitmentIn(Request):

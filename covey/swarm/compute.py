@@ -149,6 +149,37 @@ def parse_reply(reply: bytes) -> tuple[torch.Tensor | None, dict[str, Any]]:
     return (decode_any(out) if out else None), meta
 
 
+def check_reply(cfg: SwarmConfig, k: int, kind: str, reply: bytes, dims: tuple[int, int]) -> None:
+    """WireError unless `reply` (stage `k`'s answer to a `kind` request for a microbatch
+    of cfg.microbatch x cfg.seq_len tokens) is what a trainer may pass on: forward, the
+    next stage's input (finite hidden states, or in subspace mode ids in [0, vocab) and
+    coefficients); backward, a finite gradient of the stage input's shape (nothing at
+    stage 0), and from the last stage a finite loss. `dims`: the model's (vocab, hidden).
+    Checked before use, so a bad reply bans the server that sent it, never the honest
+    server of the next stage that would refuse it."""
+    rows, T, (vocab, hidden) = cfg.microbatch, cfg.seq_len, dims
+    t, meta = parse_reply(reply)  # a dict meta with a sketch list, a finite loss if any
+    width = subspace.for_run(cfg).rank if cfg.codec == "subspace" else hidden
+    if kind == "backward" and k == cfg.stages - 1 and meta.get("loss") is None:
+        raise WireError(f"stage {k} backward: the last stage's reply names no loss")
+    if kind == "backward" and k == 0:
+        return  # token ids have no gradient: nothing is passed on
+    if kind == "forward" and cfg.codec == "subspace":  # ids travel with the coefficients
+        try:
+            ids, _ = subspace.decode_payload(unpack(reply, 2)[0])
+        except CodecError as e:
+            raise WireError(f"stage {k} forward: {e}") from None
+        if tuple(ids.shape) != (rows, T) or ids.is_floating_point():
+            raise WireError(f"stage {k} forward: ids {tuple(ids.shape)}, not ({rows}, {T})")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise WireError(f"stage {k} forward: ids outside [0, {vocab})")
+    if t is None or tuple(t.shape) != (rows, T, width) or not t.is_floating_point():
+        shape = None if t is None else (tuple(t.shape), t.dtype)
+        raise WireError(f"stage {k} {kind}: {shape}, not ({rows}, {T}, {width})")
+    if not bool(torch.isfinite(t).all()):
+        raise WireError(f"stage {k} {kind}: NaN or Inf")
+
+
 def distance(a: torch.Tensor | list[float] | None, b: torch.Tensor | list[float] | None) -> float:
     """Relative L2 distance ||a - b|| / ||b||; inf when one is missing or shapes differ."""
     if a is None or b is None:

@@ -135,9 +135,12 @@ class SwarmConfig(Frozen):
     @property
     def run_id(self) -> str:
         data = self.model_dump(mode="json")
-        for name in ("tokenizer", "tokenizer_digest"):  # added later: hashed only when set,
-            if not data[name]:  # so earlier runs keep their ids
-                del data[name]
+        # added later: hashed only when they change what trainers do, so earlier runs keep
+        # their ids (covey's bytes, named or resolved, is what every run did before)
+        if data["tokenizer"] in ("", "bytes"):
+            del data["tokenizer"]
+        if not data["tokenizer_digest"]:
+            del data["tokenizer_digest"]
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

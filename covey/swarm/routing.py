@@ -174,10 +174,17 @@ class StateWatch:
     newest: dict[int, tuple[str, float]] = field(default_factory=dict)  # stage -> (id, since)
 
     def agree(self, agreed: dict[int, list[str]], now: float) -> None:
-        """The coordinator's recent agreed ids per stage (oldest first), seen at `now`."""
+        """The coordinator's recent agreed ids per stage (oldest first), seen at `now`.
+        Every server's clock on a state agreed now closes here (an honest server ahead),
+        whether or not it answers again on an unagreed state, and whichever stage it
+        serves now (the rebalancer moves servers)."""
         self.agreed = agreed
         for stage in agreed:
             self._newest(stage, now)
+        known = {s for ids in agreed.values() for s in ids}
+        for mine in self.clocks.values():
+            for s in [s for s in mine if s in known]:
+                del mine[s]
 
     def newest_state(self, stage: int) -> str | None:
         history = self.agreed.get(stage)

@@ -126,6 +126,7 @@ class SwarmTrainer:
         # but a dead member counts in the vote until dead_after_s: the grace covers both
         c = self.cfg
         self.states = StateWatch(grace_s=c.dead_after_s + c.round_timeout_s + 2 * c.heartbeat_s)
+        self.dims = model_dims(self.cfg)
         # `tokens`: the run's training stream loaded once already (benchmarks start many)
         self.tokens = tokens if tokens is not None else training_tokens(self.cfg)
         self._next = self._join()  # a restart goes on after its name's last reported batch
@@ -207,6 +208,7 @@ class SwarmTrainer:
         message = reply_message(k, state, sha(body), sha(r.content))
         if not verify(self.keys.get(server, ""), message, sig):
             raise WireError(f"reply signature on state {state[:12]} does not verify")
+        compute.check_reply(self.cfg, k, kind, r.content, self.dims)  # before it is passed on
         with self.lock:
             usable = self.states.usable(server, k, state, time.monotonic())
         if not usable:  # skipped rounds or serves old weights: rerouted, not banned
@@ -395,6 +397,11 @@ class SwarmTrainer:
                         st.dropped += 1
                     log.warning("[%s] microbatch %d dropped: %s", self.name, i, e)
                     continue
+                except Exception:  # a bug or an unforeseen reply: this microbatch only
+                    with self.lock:
+                        st.dropped += 1
+                    log.exception("[%s] microbatch %d failed", self.name, i)
+                    continue
                 with self.lock:
                     st.microbatches += 1
                     st.samples += self.cfg.microbatch
@@ -510,6 +517,16 @@ def summary(t: SwarmTrainer) -> dict[str, Any]:
         "banned": t.router.banned(),
         "seconds": time.time() - st.started,
     }
+
+
+def model_dims(cfg: SwarmConfig) -> tuple[int, int]:
+    """(vocab, hidden) of the run's model: covey's GPT (bytes, n_embd) or the hf: config's."""
+    if cfg.model.startswith("hf:"):
+        from covey.models.hf import hf_config
+
+        c = hf_config(cfg.model[3:])
+        return int(c.vocab_size), int(c.hidden_size)
+    return 256, cfg.n_embd
 
 
 def _keyed(server: dict[str, Any]) -> bool:

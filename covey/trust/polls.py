@@ -1,4 +1,5 @@
-"""Signed long-polls: who holds a certificate long-poll, proven by a signature in headers.
+"""Signed long-polls: who holds a certificate (or round) long-poll, proven by a signature
+in headers.
 
 The coordinator bounds the long-polls one peer may hold at once. Keyed on a `peer_id` query
 parameter, that bound is no bound: an attacker spreads its polls over made-up ids, or names
@@ -29,19 +30,27 @@ POLL_NONCE_HEADER = "X-Covey-Nonce"
 POLL_SIGNATURE_HEADER = "X-Covey-Signature"
 
 
-def poll_message(run_id: str, peer_id: str, round_: int, nonce: str) -> bytes:
-    """The bytes a long-poll's signature covers: its purpose (the certificate of `round_`),
-    the run, the poller and a nonce (covey.trust.identity.make_nonce)."""
-    purpose = f"GET /v1/rounds/{round_}/certificate"
+ROUND_POLL = "/v1/round"  # the other long-poll: held until the round view changes
+
+
+def poll_message(run_id: str, peer_id: str, round_: int, nonce: str, path: str = "") -> bytes:
+    """The bytes a long-poll's signature covers: its purpose (the certificate of `round_`,
+    or with `path` = ROUND_POLL the round view, for which `round_` is not used), the run,
+    the poller and a nonce (covey.trust.identity.make_nonce)."""
+    purpose = f"GET {path or f'/v1/rounds/{round_}/certificate'}"
     return "\n".join(("covey-poll/v1", purpose, run_id, peer_id, nonce)).encode()
 
 
-def poll_headers(identity: Identity, run_id: str, round_: int) -> dict[str, str]:
-    """Headers that sign long-polls for round `round_`'s certificate by `identity` (valid
-    for the run's nonce window: make new ones for each round)."""
+def poll_headers(
+    identity: Identity, run_id: str, round_: int = -1, path: str = ""
+) -> dict[str, str]:
+    """Headers that sign long-polls by `identity` for round `round_`'s certificate, or with
+    `path` = ROUND_POLL for the round view (valid for the run's nonce window: make new ones
+    for each round or wait)."""
     nonce = make_nonce()
+    message = poll_message(run_id, identity.peer_id, round_, nonce, path)
     return {
         POLL_PEER_HEADER: identity.peer_id,
         POLL_NONCE_HEADER: nonce,
-        POLL_SIGNATURE_HEADER: identity.sign(poll_message(run_id, identity.peer_id, round_, nonce)),
+        POLL_SIGNATURE_HEADER: identity.sign(message),
     }

@@ -1,0 +1,190 @@
+"""What a trainer passes on from a server's signed reply is checked first (issue 15; a
+review of ab62c29 acting as a malicious server). Before, the trainer passed on any reply
+that decoded, so:
+
+1. framing: a stage-0 server answering forward with hidden states one unit too wide got
+   the HONEST stage-1 servers banned: they refused the input (400) and the trainer banned
+   each in turn. Now covey.swarm.compute.check_reply refuses the reply (the liar is banned).
+2. a crash: a last-stage reply with {"loss": null} raised TypeError in microbatch and ended
+   the trainer's worker thread. Now it is refused, and any unforeseen error costs the
+   microbatch only.
+
+Also here: StateWatch closes an honest server's clock once its state is agreed, on any
+stage and however long ago (the review's second finding), and an hf: run without a
+tokenizer keeps the run id it had before tokenizers were named. Real HTTP on 127.0.0.1
+with the real server request handler."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from random import Random
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from covey.swarm import compute
+from covey.swarm.config import SwarmConfig
+from covey.swarm.routing import Router, StateWatch
+from covey.swarm.server import StageServer, _handler
+from covey.swarm.trainer import Dropped, SwarmTrainer, TrainerStats
+from covey.swarm.wire import build_stage, encode_tensor, pack, unpack
+from covey.trust.identity import Identity
+from tests.tiny_hf import tiny_llama
+
+CFG = SwarmConfig(
+    n_layer=2, n_embd=32, n_head=2, seq_len=16, stages=2, microbatch=4,
+    verify_rate=0.0, request_timeout_s=0.5,
+)  # fmt: skip
+
+
+def _server(k: int, behavior: str) -> StageServer:
+    s: Any = StageServer.__new__(StageServer)
+    s.cfg, s.k, s.stage, s.state = CFG, k, build_stage(CFG, k), "agreed-" + str(k)
+    s.lock, s.waiting, s.behavior, s.slowdown, s.emulate_s = threading.Lock(), 0, "honest", 1.0, 0.0
+    s.throughput, s.identity = 0.0, Identity.generate()
+    if behavior == "wide":  # forward outputs one hidden unit too many
+
+        def run(cfg: SwarmConfig, kk: int, stage: Any, body: bytes) -> bytes:
+            out, meta = unpack(compute.forward(cfg, kk, stage, body), 2)
+            x = compute.decode_any(out)
+            return pack(encode_tensor(torch.cat([x, x[..., :1]], -1), cfg.codec), meta)
+
+        s._run, s._kind = run, "forward"
+    elif behavior == "no-loss":  # backward with the loss left out
+
+        def run(cfg: SwarmConfig, kk: int, stage: Any, body: bytes) -> bytes:
+            out, meta = unpack(compute.backward(cfg, kk, stage, body), 2)
+            m = json.loads(meta)
+            m["loss"] = None
+            return pack(out, json.dumps(m).encode())
+
+        s._run, s._kind = run, "backward"
+    return s
+
+
+@pytest.fixture
+def swarm(request: pytest.FixtureRequest) -> Iterator[dict[str, StageServer]]:
+    behaviors: dict[str, tuple[int, str]] = request.param
+    servers, https = {}, []
+    for name, (k, behavior) in behaviors.items():
+        s = _server(k, behavior)
+        if hasattr(s, "_run"):  # misbehave through the real handler: wrap handle
+            run = s._run
+
+            def handle(
+                kind: str,
+                kk: int,
+                body: bytes,
+                check: bool = False,
+                s=s,
+                run=run,
+                real=StageServer.handle,
+            ) -> tuple[bytes, str]:
+                if kind == s._kind:
+                    from covey.swarm.wire import reply_message, sha
+
+                    reply = run(s.cfg, kk, s.stage, body)
+                    return reply, s.state + " " + s.identity.sign(
+                        reply_message(kk, s.state, sha(body), sha(reply))
+                    )
+                return real(s, kind, kk, body, check)
+
+            s.handle = handle  # type: ignore[method-assign]
+        http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(s))
+        http.daemon_threads = True
+        threading.Thread(target=http.serve_forever, daemon=True).start()
+        s.url = f"http://127.0.0.1:{http.server_address[1]}"
+        servers[name], https = s, [*https, http]
+    try:
+        yield servers
+    finally:
+        for h in https:
+            h.shutdown()
+            h.server_close()
+
+
+def _trainer(servers: dict[str, StageServer]) -> Any:
+    t: Any = SwarmTrainer.__new__(SwarmTrainer)
+    t.cfg, t.fixed, t.rng, t.lock = CFG, False, Random(0), threading.Lock()
+    t.stats, t.evidence, t.name, t.run_id, t.served = TrainerStats(), [], "t", "run", {}
+    t.states = StateWatch(grace_s=10.0)
+    t.states.agree({0: ["agreed-0"], 1: ["agreed-1"]}, 0.0)
+    t.router = Router(seed=0, slow_s=5.0, service_time=True)
+    t.http, t.stop, t.chain = httpx.Client(trust_env=False), threading.Event(), threading.local()
+    t.urls, t.keys, t.dims = {}, {}, (256, CFG.n_embd)
+    for name, s in servers.items():
+        t.urls[name], t.keys[name] = s.url, s.identity.public_key
+        t.router.add_server(name, s.k)
+    t.refresh = lambda: None  # no coordinator: the view stays as it is
+    t.tokens = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0))
+    return t
+
+
+@pytest.mark.parametrize(
+    "swarm",
+    [{"liar0": (0, "wide"), "honest1a": (1, "honest"), "honest1b": (1, "honest")}],
+    indirect=True,
+)
+def test_a_bad_forward_does_not_get_the_next_stage_banned(swarm: dict[str, Any]) -> None:
+    t = _trainer(swarm)
+    with pytest.raises(Dropped):  # stage 0's only server is a liar: nothing to pass on
+        t.microbatch(0)
+    banned = t.router.banned()
+    assert not {"honest1a", "honest1b"} & set(banned), f"honest servers banned: {banned}"
+    assert "not (4, 16, 32)" in banned["liar0"]  # the liar, for the reply it sent
+
+
+@pytest.mark.parametrize(
+    "swarm", [{"honest0": (0, "honest"), "liar1": (1, "no-loss")}], indirect=True
+)
+def test_a_last_stage_reply_without_a_loss_does_not_kill_the_worker(swarm: dict[str, Any]) -> None:
+    t = _trainer(swarm)
+    with pytest.raises(Dropped):  # what train()'s worker catches; a TypeError ended it
+        t.microbatch(0)
+    assert "names no loss" in t.router.banned()["liar1"]
+
+
+@pytest.mark.parametrize(
+    "swarm", [{"honest0": (0, "honest"), "liar1": (1, "no-loss")}], indirect=True
+)
+def test_a_trainer_worker_survives_a_reply_without_a_loss(swarm: dict[str, Any]) -> None:
+    """train()'s workers go on after the bad reply: the liar is banned, microbatches drop."""
+    t = _trainer(swarm)
+    t.inflight, t._next, t.report = 1, 0, lambda: None
+    stats = t.train(seconds=2.0)
+    assert "liar1" in t.router.banned() and stats.dropped >= 1 and stats.microbatches == 0
+
+
+def test_an_honest_servers_clock_closes_once_its_state_is_agreed_on_any_stage() -> None:
+    w = StateWatch(grace_s=10.0)
+    w.agree({0: ["a0", "a1"], 1: ["b0", "b1"]}, now=0.0)
+    assert w.usable("srv", 0, "a2", now=1.0)  # ahead on stage 0 for a moment (honest)
+    w.agree({0: ["a0", "a1", "a2"], 1: ["b0", "b1"]}, now=2.0)  # ... and agreed
+    assert w.usable("srv", 1, "b1", now=50.0)  # moved by the rebalancer to stage 1
+    assert w.usable("srv", 1, "b2", now=100.0), f"honest server refused; clocks {w.clocks}"
+    history = ["s0", "s1"]
+    w.agree({2: list(history)}, now=0.0)
+    assert w.usable("srv2", 2, "s2", now=1.0)
+    for i in range(2, 20):  # rounds go by; the coordinator keeps the last 16 agreed ids
+        history = [*history, f"s{i}"][-16:]
+        w.agree({2: list(history)}, now=10.0 * i)
+        assert w.usable("srv2", 2, f"s{i}", now=10.0 * i + 5)
+    assert w.usable("srv2", 2, "s20", now=200.0), f"honest server refused; clocks {w.clocks}"
+
+
+def test_an_hf_run_without_a_tokenizer_keeps_its_run_id(tmp_path: Path) -> None:
+    model = tiny_llama(tmp_path / "llama", vocab_size=320)
+    cfg = SwarmConfig(model=f"hf:{model}")  # resolved to covey's bytes where it is made
+    assert cfg.tokenizer == "bytes"
+    data = cfg.model_dump(mode="json")
+    del data["tokenizer"], data["tokenizer_digest"]  # the spec before tokenizers were named
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    assert cfg.run_id == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    assert SwarmConfig.model_validate(cfg.model_dump(mode="json")).run_id == cfg.run_id
