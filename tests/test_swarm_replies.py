@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from covey.swarm import compute
+from covey.swarm.averaging import Averaging, StageBook
 from covey.swarm.config import SwarmConfig
 from covey.swarm.routing import Router, StateWatch
 from covey.swarm.server import StageServer, _handler
@@ -188,3 +189,25 @@ def test_an_hf_run_without_a_tokenizer_keeps_its_run_id(tmp_path: Path) -> None:
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     assert cfg.run_id == hashlib.sha256(canonical.encode()).hexdigest()[:16]
     assert SwarmConfig.model_validate(cfg.model_dump(mode="json")).run_id == cfg.run_id
+
+
+def test_a_state_honest_servers_held_without_a_quorum_does_not_block_them() -> None:
+    """A member that left still counts in the next vote (the quorum), so two servers of a
+    stage holding one state can fail to agree on it: the coordinator names it corroborated
+    (a majority of the step's reporters, two at least), never agreed, and a trainer's clock
+    on it closes. One server alone corroborates nothing."""
+    book = StageBook(0, quorum=4)
+    book.states = {"a": "x", "b": "x"}
+    Averaging._agree(book)
+    assert book.agreed is None and book.corroborated == ["x"]
+    lone = StageBook(0)
+    lone.states = {"liar": "made-up", "honest": "y"}
+    Averaging._agree(lone)
+    assert lone.corroborated == []
+    w = StateWatch(grace_s=10.0)
+    w.agree({0: ["s0", "s1"]}, now=0.0)
+    assert w.usable("a", 0, "x", now=1.0)  # its clock opens
+    w.agree({0: ["s0", "s1", "s2"]}, now=20.0)  # the next state is agreed; "x" never is
+    assert not w.usable("a", 0, "s3", now=25.0)  # x's clock, 24 s old, blocks it
+    w.agree({0: ["s0", "s1", "s2"]}, now=26.0, corroborated=["x"])
+    assert w.usable("a", 0, "s3", now=27.0)

@@ -85,6 +85,10 @@ class StageBook:
     quorum: int = 0  # live servers that reported to the last committed round
     missed: dict[str, int] = field(default_factory=dict)  # peer -> rounds missed in a row
     benched: dict[str, float] = field(default_factory=dict)  # peer -> kept out until
+    # states a majority of a step's reporters (two at least) named, agreed or not (a vote
+    # short of its quorum while a departed member still counts): routing's hint that an
+    # honest server held it (covey.swarm.routing.StateWatch), never pay or a resync
+    corroborated: list[str] = field(default_factory=list)
 
 
 class Averaging:
@@ -216,6 +220,8 @@ class Averaging:
         votes = Counter(book.states.values())
         cid, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
         book.agreed = cid if 2 * n > max(len(book.states), book.quorum) else None
+        if n >= 2 and 2 * n > len(book.states) and cid not in book.corroborated:
+            book.corroborated[:] = [*book.corroborated, cid][-16:]
 
     def directive(self, peer: str, stage: int, step: int, cid: str | None) -> dict[str, Any]:
         """What a server of `stage` at `step` holding state `cid` does next: join the open

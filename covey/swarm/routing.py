@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -173,15 +174,19 @@ class StateWatch:
     max_clocks: int = 64  # open clocks kept a server (made-up ids do not grow it further)
     newest: dict[int, tuple[str, float]] = field(default_factory=dict)  # stage -> (id, since)
 
-    def agree(self, agreed: dict[int, list[str]], now: float) -> None:
+    def agree(
+        self, agreed: dict[int, list[str]], now: float, corroborated: Iterable[str] = ()
+    ) -> None:
         """The coordinator's recent agreed ids per stage (oldest first), seen at `now`.
         Every server's clock on a state agreed now closes here (an honest server ahead),
         whether or not it answers again on an unagreed state, and whichever stage it
-        serves now (the rebalancer moves servers)."""
+        serves now (the rebalancer moves servers); so does one on a `corroborated` state,
+        which a majority of a step's reporters named though the vote fell short of its
+        quorum (a member that left still counted): honest servers held it."""
         self.agreed = agreed
         for stage in agreed:
             self._newest(stage, now)
-        known = {s for ids in agreed.values() for s in ids}
+        known = {s for ids in agreed.values() for s in ids} | set(corroborated)
         for mine in self.clocks.values():
             for s in [s for s in mine if s in known]:
                 del mine[s]
@@ -198,17 +203,27 @@ class StateWatch:
         return self.newest[stage][1]
 
     def usable(self, server: str, stage: int, state: str, now: float) -> bool:
+        return self.refusal(server, stage, state, now) is None
+
+    def refusal(self, server: str, stage: int, state: str, now: float) -> str | None:
+        """None when a reply of `server` on `state` may be used (`usable`), else why not."""
         history = self.agreed.get(stage)
         if not history:  # nothing known yet (a coordinator restarting): no judgment
-            return True
+            return None
         since = self._newest(stage, now)
         if state == history[-1]:
-            return True
+            return None
         if state in history:  # the previous state for a switch-over's grace; older never
-            return len(history) > 1 and state == history[-2] and now - since <= self.grace_s
+            if len(history) > 1 and state == history[-2]:
+                late = now - since - self.grace_s
+                return None if late <= 0 else f"the previous agreed state, {late:.1f} s late"
+            return f"an agreed state {len(history) - 1 - history.index(state)} rounds old"
         mine = self.clocks.setdefault(server, {})
         for s in [s for s in mine if s in history]:  # it was ahead, and is agreed now
             del mine[s]
         if state not in mine and len(mine) < self.max_clocks:
             mine[state] = now
-        return now - min(mine.values(), default=now) <= self.grace_s
+        oldest = min(mine, key=mine.__getitem__, default=None)
+        if oldest is None or now - mine[oldest] <= self.grace_s:
+            return None
+        return f"not agreed; its state {oldest[:12]} went unagreed {now - mine[oldest]:.0f} s"

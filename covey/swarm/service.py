@@ -471,7 +471,8 @@ class SwarmCoordinator(PayDesk):
             # recent agreed states, oldest first: replies are signed on the last two (a
             # round's switch-over) or on a newer one about to be agreed (routing.StateWatch)
             agreed = [list(states) for states in self.known_states]
-            return {"stages": stages, "agreed": agreed}
+            corroborated = [list(b.corroborated) for b in self.averaging.stages]
+            return {"stages": stages, "agreed": agreed, "corroborated": corroborated}
 
     def status(self) -> dict[str, Any]:
         with self.lock:

@@ -177,7 +177,8 @@ class SwarmTrainer:
                     ]
             self.wired = self.wired or (self.fixed and len(self.pinned) == len(view["stages"]))
             agreed = {k: list(ids) for k, ids in enumerate(view.get("agreed", []))}
-            self.states.agree(agreed, time.monotonic())
+            held = {str(x) for ids in view.get("corroborated", []) for x in ids}
+            self.states.agree(agreed, time.monotonic(), held)
             for p in list(self.router.servers):
                 if p not in seen and self.router.servers[p].banned is None:
                     self.router.remove_server(p)
@@ -210,9 +211,9 @@ class SwarmTrainer:
             raise WireError(f"reply signature on state {state[:12]} does not verify")
         compute.check_reply(self.cfg, k, kind, r.content, self.dims)  # before it is passed on
         with self.lock:
-            usable = self.states.usable(server, k, state, time.monotonic())
-        if not usable:  # skipped rounds or serves old weights: rerouted, not banned
-            raise TimeoutError(f"replies on state {state[:12]}, not stage {k}'s agreed state")
+            why = self.states.refusal(server, k, state, time.monotonic())
+        if why is not None:  # skipped rounds or serves old weights: rerouted, not banned
+            raise TimeoutError(f"replies on state {state[:12]} of stage {k}: {why}")
         return Hop(server, state, r.content, sig)
 
     def hop(self, k: int, kind: str, body: bytes, rows: int, exclude: str | None = None) -> Hop:
