@@ -199,11 +199,21 @@ def test_a_state_honest_servers_held_without_a_quorum_does_not_block_them() -> N
     book = StageBook(0, quorum=4)
     book.states = {"a": "x", "b": "x"}
     Averaging._agree(book)
-    assert book.agreed is None and book.corroborated == ["x"]
+    assert book.agreed is None and book.corroborated == []  # counted when the step ends
+    Averaging._corroborate(book)
+    assert book.corroborated == ["x"]
     lone = StageBook(0)
     lone.states = {"liar": "made-up", "honest": "y"}
-    Averaging._agree(lone)
+    Averaging._corroborate(lone)
     assert lone.corroborated == []
+    # two that report first are a majority only until the others report
+    early = StageBook(0, quorum=5)
+    early.states = {"liar1": "fake", "liar2": "fake"}
+    Averaging._agree(early)
+    early.states |= {"h1": "z", "h2": "z", "h3": "z"}
+    Averaging._agree(early)
+    Averaging._corroborate(early)
+    assert early.agreed == "z" and early.corroborated == ["z"]
     w = StateWatch(grace_s=10.0)
     w.agree({0: ["s0", "s1"]}, now=0.0)
     assert w.usable("a", 0, "x", now=1.0)  # its clock opens

@@ -183,6 +183,7 @@ class Averaging:
         book.rounds += 1
         book.samples += total
         book.step += 1
+        self._corroborate(book)
         book.agreed, book.states = None, {}
         book.norms = [norms[p] for p in sorted(r.reports) if norms[p] > 0]
         book.quorum = len(r.reports)
@@ -220,6 +221,17 @@ class Averaging:
         votes = Counter(book.states.values())
         cid, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
         book.agreed = cid if 2 * n > max(len(book.states), book.quorum) else None
+
+    @staticmethod
+    def _corroborate(book: StageBook) -> None:
+        """At the end of a step (its states are final): the state a majority of the step's
+        reporters named, two at least, joins `corroborated`. Counted once the step is over,
+        not while reports come in, so two servers that report first cannot make a state
+        they made up corroborated before the others report."""
+        votes = Counter(book.states.values())
+        if not votes:
+            return
+        cid, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
         if n >= 2 and 2 * n > len(book.states) and cid not in book.corroborated:
             book.corroborated[:] = [*book.corroborated, cid][-16:]
 
