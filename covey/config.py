@@ -502,7 +502,7 @@ class LimitsConfig(Frozen):
     )
     join_burst: int = Field(20, ge=1, description="joins an address may send at once")
     max_long_polls: int = Field(
-        256, ge=1, description="long-polls (certificate and round) held at once"
+        256, ge=1, description="long-polls held at once, of each kind (certificate, round)"
     )
     max_long_polls_per_peer: int = Field(
         2, ge=1, description="long-polls held at once for one peer id (or one address: x16)"

@@ -56,7 +56,10 @@ def call(app: Any, method: str, path: str, body: bytes = b"", query: bytes = b""
     out: dict[str, Any] = {"body": b""}
 
     async def receive() -> dict[str, Any]:
-        return pending.pop() if pending else {"type": "http.disconnect"}
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays connected until it is answered
+        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":

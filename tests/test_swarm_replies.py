@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from covey.swarm import compute
-from covey.swarm.averaging import Averaging, StageBook
+from covey.swarm.averaging import Averaging, AvgRound
 from covey.swarm.config import SwarmConfig
 from covey.swarm.routing import Router, StateWatch
 from covey.swarm.server import StageServer, _handler
@@ -191,33 +191,24 @@ def test_an_hf_run_without_a_tokenizer_keeps_its_run_id(tmp_path: Path) -> None:
     assert SwarmConfig.model_validate(cfg.model_dump(mode="json")).run_id == cfg.run_id
 
 
-def test_a_state_honest_servers_held_without_a_quorum_does_not_block_them() -> None:
-    """A member that left still counts in the next vote (the quorum), so two servers of a
-    stage holding one state can fail to agree on it: the coordinator names it corroborated
-    (a majority of the step's reporters, two at least), never agreed, and a trainer's clock
-    on it closes. One server alone corroborates nothing."""
-    book = StageBook(0, quorum=4)
-    book.states = {"a": "x", "b": "x"}
-    Averaging._agree(book)
-    assert book.agreed is None and book.corroborated == []  # counted when the step ends
-    Averaging._corroborate(book)
-    assert book.corroborated == ["x"]
-    lone = StageBook(0)
-    lone.states = {"liar": "made-up", "honest": "y"}
-    Averaging._corroborate(lone)
-    assert lone.corroborated == []
-    # two that report first are a majority only until the others report
-    early = StageBook(0, quorum=5)
-    early.states = {"liar1": "fake", "liar2": "fake"}
-    Averaging._agree(early)
-    early.states |= {"h1": "z", "h2": "z", "h3": "z"}
-    Averaging._agree(early)
-    Averaging._corroborate(early)
-    assert early.agreed == "z" and early.corroborated == ["z"]
-    w = StateWatch(grace_s=10.0)
-    w.agree({0: ["s0", "s1"]}, now=0.0)
-    assert w.usable("a", 0, "x", now=1.0)  # its clock opens
-    w.agree({0: ["s0", "s1", "s2"]}, now=20.0)  # the next state is agreed; "x" never is
-    assert not w.usable("a", 0, "s3", now=25.0)  # x's clock, 24 s old, blocks it
-    w.agree({0: ["s0", "s1", "s2"]}, now=26.0, corroborated=["x"])
-    assert w.usable("a", 0, "s3", now=27.0)
+def test_a_server_moved_to_another_stage_is_no_voter_of_its_old_one() -> None:
+    """The vote on a stage's state counts as voters at least the live servers that
+    reported to its last round; one the rebalancer moved to another stage is not one of
+    them any more. It was: the two servers left could not agree on their state, so it was
+    never agreed, and trainers refused their replies at every switch-over after it (the
+    bench's homogeneous runs at 0.90x; BENCHMARKS.md, SWARM, session 5)."""
+    avg = Averaging(2, target_samples=1000, round_timeout_s=10.0)
+    book = avg.stages[0]
+    book.last = AvgRound(0, 0, 0, ["a", "b", "c"], 0.0, status="committed")
+    book.last.reports = {p: {"cid": "x", "samples": 4, "url": "", "norm": 1.0} for p in "abc"}
+    book.step = 1
+    avg.state("a", 0, 1, "s1")
+    avg.state("b", 0, 1, "s1")
+    live = {"a": (0, 1, 0), "b": (0, 1, 0), "c": (0, 1, 0)}  # c is still on stage 0
+    avg.tick(live, set(), now=1.0)
+    assert book.quorum == 3 and book.agreed == "s1"  # two of three
+    book.last.reports["d"] = {"cid": "x", "samples": 4, "url": "", "norm": 1.0}
+    avg.tick({**live, "d": (0, 1, 0)}, set(), now=2.0)
+    assert book.quorum == 4 and book.agreed is None  # two of four: no majority
+    avg.tick({**live, "d": (1, 0, 0)}, set(), now=3.0)  # d moved to stage 1
+    assert book.quorum == 3 and book.agreed == "s1"

@@ -31,7 +31,7 @@ from covey.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
 
 from .auth import ReceivedAt
-from .fastpaths import MAX_ROUND_WAIT_S, FastPaths, hold_round_poll
+from .fastpaths import MAX_ROUND_WAIT_S, ClientGone, FastPaths, hold_round_poll, unless_gone
 from .limits import LongPolls, RateLimit, header_deadline_protocol
 from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
 from .openapi import BLOB_BODY, BLOB_UPLOAD, errors
@@ -205,7 +205,14 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     metrics = Metrics(coord)
     limits = coord.cfg.limits
     long_polls = LongPolls(limits.max_long_polls, limits.max_long_polls_per_peer)
-    metrics.gauge("covey_long_polls_held", "Long-polls held now", long_polls.held)
+    # the round long-poll has a pool of its own: waiting peers that fill it never leave a
+    # member without a slot for its certificate (which has no plain-poll fallback)
+    round_polls = LongPolls(limits.max_long_polls, limits.max_long_polls_per_peer)
+    metrics.gauge(
+        "covey_long_polls_held",
+        "Long-polls held now (certificate and round)",
+        lambda: long_polls.held() + round_polls.held(),
+    )
 
     @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, Any]:
@@ -278,9 +285,19 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
         covey.trust.polls' ROUND_POLL purpose: per peer; else per address)."""
         if wait > 0 and after is not None:
             client = request.client.host if request.client else "-"
-            await hold_round_poll(
-                coord, long_polls, request.headers, client, after, wait, peer_id or None
-            )
+            try:
+                await hold_round_poll(
+                    coord,
+                    round_polls,
+                    request.headers,
+                    client,
+                    after,
+                    wait,
+                    peer_id or None,
+                    request.receive,
+                )
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it: the client left
         return await _inline_or_thread(coord.round_info, peer_id)
 
     @app.post("/v1/rounds/{round}/contributions")
@@ -316,8 +333,13 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
         with long_polls.hold(key, None if share is None else share * long_polls.per_key) as ok:
             if not ok:
                 raise Rejected(429, f"too many long-polls held for {key[:40]}: retry shortly")
-            # woken by the commit itself (CommitSignal, set in service._close), not a timer
-            await coord.commits.wait(lambda: coord.state.round > round, wait)
+            # woken by the commit itself (CommitSignal, set in service._close), not a timer;
+            # a client that disconnects gives its slot back at once
+            try:
+                committed = coord.commits.wait(lambda: coord.state.round > round, wait)
+                await unless_gone(committed, request.receive)
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it: the client left
         return coord.certificate(round)
 
     @app.post("/v1/validators/join")
@@ -441,7 +463,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     coord.uploads  # noqa: B018 -- sizes implied by the model, worked out before serving
     # innermost: heartbeats and round polls skip FastAPI's routing, not the layers below
     if fast_paths:
-        app.add_middleware(FastPaths, coord=coord, long_polls=long_polls)
+        app.add_middleware(FastPaths, coord=coord, long_polls=round_polls)
     app.add_middleware(RateLimit, limits=limits)  # inside BodyLimit: reads bounded bodies
     app.add_middleware(
         BodyLimit,

@@ -18,11 +18,12 @@ database is free, in the thread pool when a writer holds it (as `_inline_or_thre
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import parse_qs
 
@@ -60,6 +61,32 @@ _WAIT = TypeAdapter(Annotated[float, Field(ge=0, le=MAX_ROUND_WAIT_S)])
 _AFTER = TypeAdapter(Annotated[str, Field(max_length=64)])
 
 
+class ClientGone(Exception):
+    """The client disconnected while its long-poll was held: nothing is sent."""
+
+
+async def unless_gone(waiting: Awaitable[Any], receive: Receive | None) -> Any:
+    """`waiting`'s result, or ClientGone as soon as the client disconnects (read from
+    `receive`, whose body, if any, is already in): a held long-poll gives its slot back
+    when its connection drops, not when its `wait` runs out."""
+    if receive is None:
+        return await waiting
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(waiting), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
 async def hold_round_poll(
     coord: Coordinator,
     long_polls: LongPolls,
@@ -68,6 +95,7 @@ async def hold_round_poll(
     after: str,
     wait_s: float,
     peer_id: str | None,
+    receive: Receive | None = None,
 ) -> None:
     """The round long-poll: return once the view past tag `after` has news for `peer_id`
     (a round it is a member of opened, the run finished or halted: Views.round_news) or
@@ -75,7 +103,8 @@ async def hold_round_poll(
     count against the peer that signed the poll (covey.trust.polls, purpose ROUND_POLL)
     or, unsigned, against the client address (16 peers' share), like the certificate's;
     past that, Rejected(429). Past the total (limits.max_long_polls) the poll is answered
-    at once, as a plain poll: a run with more peers than slots degrades to polling."""
+    at once, as a plain poll: a run with more peers than slots degrades to polling. With
+    `receive`, ClientGone when the client disconnects while held (its slot freed)."""
     if coord.round_news(after, peer_id):
         return
     signer = coord.membership.poll_signer(headers, -1, ROUND_POLL)
@@ -88,7 +117,8 @@ async def hold_round_poll(
         # held a little less than asked, at random: polls woken together by one round
         # do not all time out, and come back, together ever after
         held_s = wait_s * random.uniform(0.75, 1.0)
-        await coord.commits.wait(lambda: coord.round_news(after, peer_id), held_s)
+        news = coord.commits.wait(lambda: coord.round_news(after, peer_id), held_s)
+        await unless_gone(news, receive)  # ClientGone: the slot is back at once
 
 
 class FastPaths:
@@ -106,7 +136,7 @@ class FastPaths:
                 return
             if method == "GET" and path == "/v1/round":
                 scope["route"] = _ROUND
-                await self._round(scope, send)
+                await self._round(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -128,7 +158,7 @@ class FastPaths:
             return
         await self._answer(send, self.coord.heartbeat, req, raw)
 
-    async def _round(self, scope: Scope, send: Send) -> None:
+    async def _round(self, scope: Scope, receive: Receive, send: Send) -> None:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         peer_id = query.get("peer_id", [None])[-1]
         if peer_id is not None and not _PEER_ID.match(peer_id):
@@ -159,7 +189,10 @@ class FastPaths:
                     after,
                     wait_s,
                     peer_id or None,
+                    receive,
                 )
+            except ClientGone:
+                return  # nobody to answer
             except Rejected as e:
                 log.warning("fast path -> %d: %s", e.status, e.message)
                 retry = [(b"retry-after", b"1")] if e.status == 429 else []

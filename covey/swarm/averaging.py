@@ -85,10 +85,6 @@ class StageBook:
     quorum: int = 0  # live servers that reported to the last committed round
     missed: dict[str, int] = field(default_factory=dict)  # peer -> rounds missed in a row
     benched: dict[str, float] = field(default_factory=dict)  # peer -> kept out until
-    # states a majority of a step's reporters (two at least) named, agreed or not (a vote
-    # short of its quorum while a departed member still counts): routing's hint that an
-    # honest server held it (covey.swarm.routing.StateWatch), never pay or a resync
-    corroborated: list[str] = field(default_factory=list)
 
 
 class Averaging:
@@ -105,8 +101,8 @@ class Averaging:
         complete. `busy`: servers that must not join a round (moving, resyncing)."""
         for book in self.stages:
             last = book.last
-            if last is not None:  # the dead are no voters
-                book.quorum = sum(p in live for p in last.reports)
+            if last is not None:  # the dead are no voters, nor those moved to another stage
+                book.quorum = sum(p in live and live[p][0] == book.stage for p in last.reports)
                 self._agree(book)
             r = book.round
             if r is not None:
@@ -183,7 +179,6 @@ class Averaging:
         book.rounds += 1
         book.samples += total
         book.step += 1
-        self._corroborate(book)
         book.agreed, book.states = None, {}
         book.norms = [norms[p] for p in sorted(r.reports) if norms[p] > 0]
         book.quorum = len(r.reports)
@@ -221,19 +216,6 @@ class Averaging:
         votes = Counter(book.states.values())
         cid, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
         book.agreed = cid if 2 * n > max(len(book.states), book.quorum) else None
-
-    @staticmethod
-    def _corroborate(book: StageBook) -> None:
-        """At the end of a step (its states are final): the state a majority of the step's
-        reporters named, two at least, joins `corroborated`. Counted once the step is over,
-        not while reports come in, so two servers that report first cannot make a state
-        they made up corroborated before the others report."""
-        votes = Counter(book.states.values())
-        if not votes:
-            return
-        cid, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
-        if n >= 2 and 2 * n > len(book.states) and cid not in book.corroborated:
-            book.corroborated[:] = [*book.corroborated, cid][-16:]
 
     def directive(self, peer: str, stage: int, step: int, cid: str | None) -> dict[str, Any]:
         """What a server of `stage` at `step` holding state `cid` does next: join the open

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -174,19 +173,15 @@ class StateWatch:
     max_clocks: int = 64  # open clocks kept a server (made-up ids do not grow it further)
     newest: dict[int, tuple[str, float]] = field(default_factory=dict)  # stage -> (id, since)
 
-    def agree(
-        self, agreed: dict[int, list[str]], now: float, corroborated: Iterable[str] = ()
-    ) -> None:
+    def agree(self, agreed: dict[int, list[str]], now: float) -> None:
         """The coordinator's recent agreed ids per stage (oldest first), seen at `now`.
         Every server's clock on a state agreed now closes here (an honest server ahead),
         whether or not it answers again on an unagreed state, and whichever stage it
-        serves now (the rebalancer moves servers); so does one on a `corroborated` state,
-        which a majority of a step's reporters named though the vote fell short of its
-        quorum (a member that left still counted): honest servers held it."""
+        serves now (the rebalancer moves servers)."""
         self.agreed = agreed
         for stage in agreed:
             self._newest(stage, now)
-        known = {s for ids in agreed.values() for s in ids} | set(corroborated)
+        known = {s for ids in agreed.values() for s in ids}
         for mine in self.clocks.values():
             for s in [s for s in mine if s in known]:
                 del mine[s]

@@ -471,8 +471,7 @@ class SwarmCoordinator(PayDesk):
             # recent agreed states, oldest first: replies are signed on the last two (a
             # round's switch-over) or on a newer one about to be agreed (routing.StateWatch)
             agreed = [list(states) for states in self.known_states]
-            corroborated = [list(b.corroborated) for b in self.averaging.stages]
-            return {"stages": stages, "agreed": agreed, "corroborated": corroborated}
+            return {"stages": stages, "agreed": agreed}
 
     def status(self) -> dict[str, Any]:
         with self.lock:

@@ -177,8 +177,7 @@ class SwarmTrainer:
                     ]
             self.wired = self.wired or (self.fixed and len(self.pinned) == len(view["stages"]))
             agreed = {k: list(ids) for k, ids in enumerate(view.get("agreed", []))}
-            held = {str(x) for ids in view.get("corroborated", []) for x in ids}
-            self.states.agree(agreed, time.monotonic(), held)
+            self.states.agree(agreed, time.monotonic())
             for p in list(self.router.servers):
                 if p not in seen and self.router.servers[p].banned is None:
                     self.router.remove_server(p)
