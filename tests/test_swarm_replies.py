@@ -212,3 +212,39 @@ def test_a_server_moved_to_another_stage_is_no_voter_of_its_old_one() -> None:
     assert book.quorum == 4 and book.agreed is None  # two of four: no majority
     avg.tick({**live, "d": (1, 0, 0)}, set(), now=3.0)  # d moved to stage 1
     assert book.quorum == 3 and book.agreed == "s1"
+
+
+@pytest.mark.xfail(strict=True, reason="open: SWARM's vote counts the last round's reporters")
+def test_two_colluders_cannot_carry_a_stage_whose_honest_servers_are_slow() -> None:
+    """The open trust gap (README, SWARM; found by a review): three honest servers and two
+    colluders all report to step 0's round. Two honest ones are slower than
+    round_timeout_s, so step 1's round has h1 and the colluders only; at step 2 the quorum
+    is those three, and the colluders' state would be agreed (every honest server then
+    resyncs to it). Strict xfail until the vote counts the stage's live servers."""
+    servers = ["h1", "h2", "h3", "m1", "m2"]
+    av = Averaging(1, target_samples=10, round_timeout_s=10.0)
+    for p in servers:
+        av.state(p, 0, 0, "s0")
+    av.tick({p: (0, 0, 10) for p in servers}, set(), 1000.0)
+    r = av.stages[0].round
+    assert r is not None
+    for p in servers:
+        assert av.report(p, 0, r.id, f"sum-{p}", 10, "u", 1.0) == "ok"
+    av.tick({p: (0, 0, 10) for p in servers}, set(), 1001.0)
+    book = av.stages[0]
+    assert book.step == 1 and book.quorum == 5
+    for p, cid in (("h1", "honest-1"), ("m1", "X1"), ("m2", "X1")):
+        av.state(p, 0, 1, cid)
+    live = {"h1": (0, 1, 10), "m1": (0, 1, 10), "m2": (0, 1, 10)}
+    live |= {"h2": (0, 0, 10), "h3": (0, 0, 10)}  # still applying step 0's round
+    av.tick(live, set(), 1012.0)  # past the wait for the slow: a round of the three opens
+    r = book.round
+    assert r is not None and sorted(r.members) == ["h1", "m1", "m2"]
+    for p in r.members:
+        av.report(p, 0, r.id, f"sum-{p}", 10, "u", 1.0)
+    av.tick(live, set(), 1013.0)
+    assert book.step == 2
+    for p, cid in (("h1", "honest-2"), ("m1", "X2"), ("m2", "X2")):
+        av.state(p, 0, 2, cid)
+    av.tick({**live, "h2": (0, 1, 10), "h3": (0, 1, 10)}, set(), 1014.0)
+    assert book.agreed != "X2", "two colluders of five servers set the stage's agreed state"
