@@ -6,7 +6,6 @@ schemathesis in test_openapi)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from covey.coordinator.fastpaths import FastPaths
 from covey.coordinator.limits import LongPolls
 from covey.coordinator.service import Coordinator
 from covey.trust.identity import Identity
+from tests.asgi import call
 
 
 @pytest.fixture(scope="module")
@@ -32,43 +32,6 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, C
     coord = Coordinator(load_run_config(spec), tmp / "data")
     yield create_app(coord), create_app(coord, fast_paths=False), coord
     coord.stop()
-
-
-def call(app: Any, method: str, path: str, body: bytes = b"", query: bytes = b"") -> tuple:
-    """(status, decoded JSON body) of one request through the ASGI app."""
-    headers = [(b"host", b"x"), (b"content-length", str(len(body)).encode())]
-    headers.append((b"content-type", b"application/json"))
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": query,
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 5000),
-        "server": ("127.0.0.1", 80),
-    }
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-    out: dict[str, Any] = {"body": b""}
-
-    async def receive() -> dict[str, Any]:
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # the client stays connected until it is answered
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-        elif message["type"] == "http.response.body":
-            out["body"] += message.get("body", b"")
-
-    asyncio.run(app(scope, receive, send))
-    return out["status"], json.loads(out["body"])
 
 
 def test_fast_paths_answer_as_the_routes_do(apps: tuple[Any, Any, Coordinator]) -> None:

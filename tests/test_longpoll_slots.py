@@ -25,62 +25,7 @@ from covey.coordinator.app import create_app
 from covey.coordinator.service import Coordinator
 from covey.trust.identity import Identity
 from covey.trust.polls import poll_headers
-
-
-async def acall(
-    app: Any,
-    method: str,
-    path: str,
-    query: bytes = b"",
-    body: bytes = b"",
-    headers: dict[str, str] | None = None,
-    client: str = "127.0.0.1",
-    disconnect_at_once: bool = False,
-) -> tuple[int, Any]:
-    hdrs = [
-        (b"host", b"x"),
-        (b"content-length", str(len(body)).encode()),
-        (b"content-type", b"application/json"),
-    ]
-    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": query,
-        "root_path": "",
-        "headers": hdrs,
-        "client": (client, 5000),
-        "server": ("127.0.0.1", 80),
-    }
-    pending = (
-        [] if disconnect_at_once else [{"type": "http.request", "body": body, "more_body": False}]
-    )
-    out: dict[str, Any] = {"body": b"", "status": None}
-
-    async def receive() -> dict[str, Any]:
-        if pending:
-            return pending.pop()
-        if disconnect_at_once:  # the client went away before anything was answered
-            return {"type": "http.disconnect"}
-        await asyncio.sleep(3600)  # a client that stays connected
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-        elif message["type"] == "http.response.body":
-            out["body"] += message.get("body", b"")
-
-    await app(scope, receive, send)
-    try:
-        return out["status"], json.loads(out["body"])
-    except ValueError:
-        return out["status"], out["body"].decode()
+from tests.asgi import acall
 
 
 async def held(app: Any) -> float:

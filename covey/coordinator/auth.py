@@ -150,11 +150,11 @@ class Auth:
         public_key_of: Callable[[str], str | None],
         path: str = "",
     ) -> str | None:
-        """The peer that signed this certificate long-poll (or with `path`, the long-poll of
-        that path: covey.trust.polls.ROUND_POLL) (covey.trust.polls), or None for
-        an unsigned one (counted against its address). Rejected(401) for a signature that
-        does not verify for the peer it names (or a peer `public_key_of` does not know) or
-        a nonce outside the window: naming a peer proves nothing without its key."""
+        """The peer that signed this certificate long-poll (with `path`, the long-poll of
+        that path: covey.trust.polls.ROUND_POLL), or None for an unsigned one (counted
+        against its address). Rejected(401) for a signature that does not verify for the
+        peer it names (or a peer `public_key_of` does not know) or a nonce outside the
+        window: naming a peer proves nothing without its key."""
         peer_id = headers.get(POLL_PEER_HEADER)
         if peer_id is None:
             return None

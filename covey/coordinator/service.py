@@ -240,9 +240,6 @@ class Coordinator:
     def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
         return self.rounds.round_info(peer_id)
 
-    def round_tag(self) -> str:
-        return self.rounds.round_tag()
-
     def round_news(self, after: str, peer_id: str | None) -> bool:
         return self.rounds.round_news(after, peer_id)
 

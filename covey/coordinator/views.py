@@ -195,12 +195,11 @@ class Views:
         cap = self.cfg.rounds.max_rounds
         return self.halted is not None or (cap is not None and self.state.round >= cap)
 
-    def round_tag(self) -> str:
-        """RoundInfo.tag of the view now: what changes when a round opens, commits or is
-        aborted, or the run finishes or is halted (not the deadline, nor membership)."""
+    def _round_tag(self, rnd: OpenRound | None) -> str:
+        """RoundInfo.tag: what changes when a round opens, commits or is aborted, or the
+        run finishes or is halted (not the deadline, nor membership)."""
         if self.halted is not None:
             return "halted"
-        rnd = self.open_round(committed=True)
         if rnd is None:
             return f"{'finished' if self.finished() else 'waiting'}:{self.state.round}"
         return f"open:{rnd.round}:{rnd.attempt}"
@@ -211,14 +210,11 @@ class Views:
         round, for a poll that names no peer), or the run finished or halted. A round that
         only closed ("waiting"), or one the peer is not in, is not: the poll waits on, so
         one round change wakes its members, not every peer."""
-        if self.halted is not None:
-            return after != "halted"
-        rnd = self.open_round(committed=True)
-        if rnd is None:
-            return self.finished() and after != f"finished:{self.state.round}"
-        if after == f"open:{rnd.round}:{rnd.attempt}":
+        rnd = None if self.halted is not None else self.open_round(committed=True)
+        tag = self._round_tag(rnd)
+        if tag == after or tag.startswith("waiting:"):
             return False
-        return peer_id is None or peer_id in rnd.member_set
+        return rnd is None or peer_id is None or peer_id in rnd.member_set
 
     def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
         if (halted := self.halted) is not None:
@@ -227,15 +223,14 @@ class Views:
                 phase="halted",
                 round=self.state.round,
                 halted=halted["reason"],
-                tag="halted",
+                tag=self._round_tag(None),
             )
         rnd = self.open_round(committed=True)
         if rnd is None:
             phase = "finished" if self.finished() else "waiting"
             return schemas.RoundInfo(
-                run_id=self.run_id, phase=phase, round=self.state.round,
-                tag=f"{phase}:{self.state.round}",
-            )  # fmt: skip
+                run_id=self.run_id, phase=phase, round=self.state.round, tag=self._round_tag(None)
+            )
         member = peer_id in rnd.member_set
         start_size, providers = self._start_view()
         return schemas.RoundInfo(
@@ -250,7 +245,7 @@ class Views:
             deadline_in_s=rnd.deadline - time.time(),
             member=member,
             assignment=schemas.AssignmentOut(**rnd.assignments[peer_id]) if member else None,
-            tag=f"open:{rnd.round}:{rnd.attempt}",
+            tag=self._round_tag(rnd),
         )
 
     def state_providers(self) -> list[str]:

@@ -48,9 +48,9 @@ class StateKeeping:
     strategy: Any
 
     def _round_view(self, after: str | None = None, wait_s: float = 0.0) -> schemas.RoundInfo:
-        """GET /v1/round. With `after` (a tag this worker saw), a long-poll: held until the
-        view's tag differs (a round opened, committed or was aborted; the run finished or
-        was halted) or `wait_s` passes, and signed, so it counts against this worker."""
+        """GET /v1/round. With `after` (a tag this worker saw), a long-poll: held until
+        there is news for this worker (a round it is a member of opened; the run finished
+        or was halted) or about `wait_s` passes, and signed, so it counts against it."""
         params: dict[str, Any] = {"peer_id": self.peer_id}
         headers = None
         if after and wait_s > 0:

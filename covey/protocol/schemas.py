@@ -120,7 +120,7 @@ class RoundInfo(BaseModel):
     member: bool = False
     assignment: AssignmentOut | None = None
     # what a peer's loop branches on ("open:3:0", "waiting:4", "finished:9", "halted"):
-    # GET /v1/round?after=TAG&wait=S is held until the tag differs (a long-poll)
+    # GET /v1/round?after=TAG&wait=S is held until there is news past it (a long-poll)
     tag: str = ""
 
 

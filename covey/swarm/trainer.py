@@ -18,6 +18,7 @@ bans are reported.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import random
 import threading
@@ -74,9 +75,7 @@ def training_tokens(cfg: SwarmConfig) -> torch.Tensor:
 
     corpus = load_corpus(list(cfg.data_paths) or None, tokenizer=cfg.tokenizer_source())
     if cfg.model.startswith("hf:"):
-        from covey.models.hf import hf_config
-
-        rows = int(hf_config(cfg.model[3:]).vocab_size)
+        rows = model_dims(cfg)[0]
         if corpus.vocab_size > rows:
             raise ValueError(
                 f"tokenizer {cfg.tokenizer_source()} has {corpus.vocab_size} tokens, the "
@@ -203,12 +202,12 @@ class SwarmTrainer:
         if r.status_code != 200:
             raise WireError(f"HTTP {r.status_code}: {r.text[:100]}")
         state, _, sig = r.headers.get("X-Covey-Signature", "").partition(" ")
-        compute.parse_reply(r.content)  # WireError when malformed
         # an unsigned reply could never be disputed (the referee settles signed ones only)
         message = reply_message(k, state, sha(body), sha(r.content))
         if not verify(self.keys.get(server, ""), message, sig):
             raise WireError(f"reply signature on state {state[:12]} does not verify")
-        compute.check_reply(self.cfg, k, kind, r.content, self.dims)  # before it is passed on
+        # malformed, or not what the next hop takes: WireError, before it is passed on
+        compute.check_reply(self.cfg, k, kind, r.content, self.dims)
         with self.lock:
             why = self.states.refusal(server, k, state, time.monotonic())
         if why is not None:  # skipped rounds or serves old weights: rerouted, not banned
@@ -353,7 +352,7 @@ class SwarmTrainer:
         )
         used.append(h.server)
         grad, _ = _parts(h.reply)
-        loss = float(compute.parse_reply(h.reply)[1]["loss"])
+        loss = float(json.loads(_parts(h.reply)[1])["loss"])  # checked in _send
         for k in range(S - 2, -1, -1):
             self.stats.bytes_between_stages += len(grad)
             h = self.checked_hop(k, "backward", pack(inputs[k], grad), rows)
