@@ -20,6 +20,7 @@ from covey.trust import audit
 from covey.trust.certify import canary_message
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book, Policy
+from covey.trust.policy import Account
 from covey.trust.ledger import (
     ENTRY_TYPES,
     GENESIS,
@@ -305,6 +306,16 @@ def test_verify_chain_catches_a_wrong_key_and_a_foreign_signature(tmp_path: Path
 
 
 # -- incentives -------------------------------------------------------------------------
+
+
+def test_a_passed_canary_voids_a_validators_checks() -> None:
+    """A validator that agreed with a canary has shown it agrees without re-executing: its
+    many agreements earn nothing, and one that checks honestly but misses some ranks above."""
+    stamp = Account("s", "stamp", "validator", "", checks=40, canaries_passed=1)
+    honest = Account("h", "honest", "validator", "", checks=2, missed_checks=2)
+    assert stamp.reputation == 1 / 3 and honest.reputation == 3 / 6
+    assert Account("n", "new", "validator", "").reputation == 0.5
+    assert Account("f", "liar", "validator", "", checks=4, false_accusations=1).reputation == 4 / 6
 
 
 def test_replay_recomputes_what_the_coordinator_kept(tmp_path: Path) -> None:

@@ -97,10 +97,12 @@ class Account:
     @property
     def reputation(self) -> float:
         """A worker: (agreed + 1) / (agreed + frauds + no_shows + 2), counting repeated
-        no-shows only (a first one is a crash anyone may have). A validator: (checks + 1) /
-        (checks + faults + 2). 0.5 for a peer with no record."""
+        no-shows only (a first one is a crash anyone may have). A validator: (good + 1) /
+        (good + faults + 2), where good is its checks less its false accusations, and none
+        once it passed a canary: that proves it agrees without re-executing, so none of its
+        agreements is evidence of work. 0.5 for a peer with no record."""
         if self.role == "validator":
-            good = max(self.checks - self.false_accusations - self.canaries_passed, 0)
+            good = 0 if self.canaries_passed else max(self.checks - self.false_accusations, 0)
             return (good + 1) / (good + self.validator_faults + 2)
         return (self.agreed + 1) / (self.agreed + self.frauds + self.no_shows + 2)
 
