@@ -235,9 +235,13 @@ def test_a_rubber_stamp_validator_passes_canaries_and_pays_for_it(
     assert accounts[stamp.id]["stake"] < 8.0 and accounts[stamp.id]["counts"]["canaries_passed"]
     # a passed canary voids its agreements: its reputation is at most 1/3, whatever it did
     stamped = accounts[stamp.id]
-    assert stamped["reputation"] == 1 / (stamped["counts"]["canaries_passed"] + 2 + sum(
-        stamped["counts"][k] for k in ("false_accusations", "refused_reports", "missed_checks")
-    ))
+    assert stamped["reputation"] == 1 / (
+        stamped["counts"]["canaries_passed"]
+        + 2
+        + sum(
+            stamped["counts"][k] for k in ("false_accusations", "refused_reports", "missed_checks")
+        )
+    )
     assert stamped["reputation"] < accounts[checker]["reputation"]
     audit.verify(cluster.url)  # every canary's draw is the coordinator's, below canary_rate
 

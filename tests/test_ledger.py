@@ -20,7 +20,6 @@ from covey.trust import audit
 from covey.trust.certify import canary_message
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book, Policy
-from covey.trust.policy import Account
 from covey.trust.ledger import (
     ENTRY_TYPES,
     GENESIS,
@@ -35,6 +34,7 @@ from covey.trust.ledger import (
     verify_chain,
 )
 from covey.trust.ledger_cli import register
+from covey.trust.policy import Account
 
 POLICY = Policy(
     min_stake=5.0,
