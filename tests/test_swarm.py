@@ -445,10 +445,12 @@ def test_averaging_round_commits_all_or_nothing_and_drops_the_silent() -> None:
     book = avg.stages[0]
     assert book.round is None and book.step == 1 and book.samples == 4
     assert r.status == "committed" and list(r.reports) == ["a"]
-    # a applies the round; b, who missed it, resyncs to the agreed state
+    # a applies the round; b, who missed it, catches up by applying it too (its own sum
+    # waits for the next round); were its state then another, it would resync
     assert avg.directive("a", 0, 0, "s0")["apply"]["reports"]["a"]["cid"] == "ga"
     avg.state("a", 0, 1, "s1")
-    assert avg.directive("b", 0, 0, "s0")["resync"] == "s1"
+    assert avg.directive("b", 0, 0, "s0")["apply"]["reports"] == {"a": r.reports["a"]}
+    assert avg.directive("b", 0, 1, "other")["resync"] == "s1"
     assert "apply" not in avg.directive("a", 0, 1, "s1")
     # a round without any sample by its deadline aborts: nothing is accepted
     avg.state("b", 0, 1, "s1")

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from covey.swarm import compute
-from covey.swarm.averaging import Averaging, AvgRound
+from covey.swarm.averaging import STANDING_ROUNDS, Averaging, AvgRound
 from covey.swarm.config import SwarmConfig
 from covey.swarm.routing import Router, StateWatch
 from covey.swarm.server import StageServer, _handler
@@ -214,13 +214,13 @@ def test_a_server_moved_to_another_stage_is_no_voter_of_its_old_one() -> None:
     assert book.quorum == 3 and book.agreed == "s1"
 
 
-@pytest.mark.xfail(strict=True, reason="open: SWARM's vote counts the last round's reporters")
 def test_two_colluders_cannot_carry_a_stage_whose_honest_servers_are_slow() -> None:
-    """The open trust gap (README, SWARM; found by a review): three honest servers and two
-    colluders all report to step 0's round. Two honest ones are slower than
-    round_timeout_s, so step 1's round has h1 and the colluders only; at step 2 the quorum
-    is those three, and the colluders' state would be agreed (every honest server then
-    resyncs to it). Strict xfail until the vote counts the stage's live servers."""
+    """Found by a review: three honest servers and two colluders all report to step 0's
+    round. Two honest ones are slower than round_timeout_s, so step 1's round has h1 and
+    the colluders only. The vote at step 2 counted that round's three reporters, and the
+    colluders' state was agreed (every honest server then resynced to it). Now the voters
+    are the live servers that reported to one of the stage's last rounds, and the slow ones
+    catch up by applying the round they missed: the honest state is agreed."""
     servers = ["h1", "h2", "h3", "m1", "m2"]
     av = Averaging(1, target_samples=10, round_timeout_s=10.0)
     for p in servers:
@@ -246,5 +246,42 @@ def test_two_colluders_cannot_carry_a_stage_whose_honest_servers_are_slow() -> N
     assert book.step == 2
     for p, cid in (("h1", "honest-2"), ("m1", "X2"), ("m2", "X2")):
         av.state(p, 0, 2, cid)
-    av.tick({**live, "h2": (0, 1, 10), "h3": (0, 1, 10)}, set(), 1014.0)
+    live |= {"h2": (0, 1, 10), "h3": (0, 1, 10)}  # applied step 0's round at last
+    av.tick(live, set(), 1014.0)
     assert book.agreed != "X2", "two colluders of five servers set the stage's agreed state"
+    assert book.quorum == 5 and book.agreed is None
+    # the slow ones apply step 1's round, which they missed, and vote for the honest state
+    for p in ("h2", "h3"):
+        d = av.directive(p, 0, 1, "honest-1")
+        assert d["apply"]["step"] == 1 and "resync" not in d
+        av.state(p, 0, 2, "honest-2")
+    assert book.agreed == "honest-2"
+    assert av.directive("m1", 0, 2, "X2")["resync"] == "honest-2"
+    assert "resync" not in av.directive("h2", 0, 2, "honest-2")
+
+
+def test_a_server_that_stops_reporting_stops_voting() -> None:
+    """A live server that reports to none of a stage's last STANDING_ROUNDS rounds is no
+    voter: a stuck or withholding one cannot hold up the stage's agreement for ever."""
+    av = Averaging(1, target_samples=10, round_timeout_s=10.0)
+    book = av.stages[0]
+    t = 1000.0
+    for step in range(STANDING_ROUNDS + 1):
+        live = {p: (0, step, 10) for p in ("a", "b", "c")}
+        voting = ("a", "b") if step else ("a", "b", "c")  # c stops after step 0
+        for p in voting:
+            av.state(p, 0, step, f"s{step}")
+        t += 11.0  # past the wait for a last round's member that has not applied it (c)
+        av.tick(live, set(), t)
+        assert book.agreed == f"s{step}" and book.quorum == (3 if step else 0)
+        r = book.round
+        assert r is not None and r.step == step
+        for p in voting:
+            av.report(p, 0, r.id, f"sum-{p}-{step}", 10, "u", 1.0)
+        t += 11.0  # the round closes at its deadline without c
+        av.tick(live, set(), t)
+    assert book.step == STANDING_ROUNDS + 1 and book.quorum == 2
+    av.state("a", 0, book.step, "last")
+    assert book.agreed is None  # one of two
+    av.state("b", 0, book.step, "last")
+    assert book.agreed == "last"

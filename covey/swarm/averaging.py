@@ -6,11 +6,13 @@ servers of a stage report `target_samples` pending samples between them, a round
 with them as members. Each member snapshots its accumulated gradient sum, publishes it as a
 blob and reports (cid, samples). The round commits when every member reported, or at the
 deadline with those that did if any sample is in; a member that missed it is not waited
-for and resyncs. After a commit every reporting member fetches every reported blob
-(hash-checked), applies sum / samples with its optimizer and reports its new state id;
-the id most members report is the stage's agreed state, and a server holding another
-resyncs from it. An update is accepted when its round commits: a round without any
-sample in by the deadline aborts, and its members keep their gradients for the next.
+for. After a commit every server of the stage at that step fetches every reported blob
+(hash-checked), applies sum / samples with its optimizer (a server that missed the round
+keeps its own sum for the next) and reports its new state id. The servers that reported
+to one of the stage's last STANDING_ROUNDS rounds vote: an id named by more than half of
+them is the stage's agreed state, and a server holding another resyncs from it. An update
+is accepted when its round commits: a round without any sample in by the deadline aborts,
+and its members keep their gradients for the next.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 NORM_FACTOR = 10.0  # a per-sample gradient norm this many times the low median is left out
 SAMPLES_FACTOR = 8  # samples this many times the low median (or the target) are left out
+STANDING_ROUNDS = 4  # a server that reported to one of a stage's last this many rounds votes
 
 
 def outliers(norms: dict[str, float], reference: list[float]) -> set[str]:
@@ -100,9 +103,8 @@ class Averaging:
         """Open rounds where enough samples wait; close rounds past their deadline or
         complete. `busy`: servers that must not join a round (moving, resyncing)."""
         for book in self.stages:
-            last = book.last
-            if last is not None:  # the dead are no voters, nor those moved to another stage
-                book.quorum = sum(p in live and live[p][0] == book.stage for p in last.reports)
+            if book.last is not None:
+                book.quorum = len(self._voters(book, live))
                 self._agree(book)
             r = book.round
             if r is not None:
@@ -131,6 +133,21 @@ class Averaging:
             if synced and sum(synced.values()) >= self.target:
                 book.round = AvgRound(book.stage, self._next_id, book.step, sorted(synced), now)
                 self._next_id += 1
+
+    @staticmethod
+    def _voters(book: StageBook, live: dict[str, tuple[int, int, int]] | None = None) -> set[str]:
+        """Who votes on the stage's state: the live servers on this stage that reported to
+        one of its last STANDING_ROUNDS committed rounds. Not the last round's alone: two
+        colluders with one honest server could carry a round that the other honest servers
+        were too slow to join, then the vote after it. The dead are no voters, nor those
+        moved to another stage, nor newcomers with no round behind them."""
+        recent = [r for s, r in book.history.items() if s >= book.step - STANDING_ROUNDS]
+        if book.last is not None:
+            recent.append(book.last)
+        voters = {p for r in recent for p in r.reports}
+        if live is None:
+            return voters
+        return {p for p in voters if p in live and live[p][0] == book.stage}
 
     def report(
         self,
@@ -181,7 +198,7 @@ class Averaging:
         book.step += 1
         book.agreed, book.states = None, {}
         book.norms = [norms[p] for p in sorted(r.reports) if norms[p] > 0]
-        book.quorum = len(r.reports)
+        book.quorum = len(self._voters(book))  # the next tick leaves out the dead and moved
 
     def _bench(self, book: StageBook, r: AvgRound, now: float) -> None:
         """A member that misses two rounds in a row (a heartbeat that claims samples and
@@ -208,9 +225,9 @@ class Averaging:
     @staticmethod
     def _agree(book: StageBook) -> None:
         """The agreed state: one that more than half of the votes name, counting as voters
-        at least the live servers that reported to the last committed round (they all
-        apply it). A tie agrees on nothing: a lone liar neither wins a coin toss nor
-        gets its state pushed on others as a resync."""
+        at least the stage's `_voters` (its live servers with a recent round behind them).
+        A tie agrees on nothing: a lone liar neither wins a coin toss nor gets its state
+        pushed on others as a resync."""
         if not book.states:
             return
         votes = Counter(book.states.values())
@@ -219,13 +236,14 @@ class Averaging:
 
     def directive(self, peer: str, stage: int, step: int, cid: str | None) -> dict[str, Any]:
         """What a server of `stage` at `step` holding state `cid` does next: join the open
-        round, apply the last committed one, or resync to the agreed state."""
+        round, apply the committed round at its step (kept for 8 steps), or resync to the
+        agreed state."""
         book = self._book(stage)
         out: dict[str, Any] = {"step": book.step, "agreed": book.agreed}
         if book.round is not None and peer in book.round.members:
             out["round"] = book.round.view()
         done = book.history.get(step)
-        if done is not None and peer in done.reports:
+        if done is not None:  # a member applies it; one that missed it catches up with it
             out["apply"] = done.view()
         elif book.agreed is not None and (step != book.step or cid != book.agreed):
             out["resync"] = book.agreed
