@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
 from covey.config import Frozen, RunConfig, TrustConfig
 
@@ -46,6 +46,13 @@ class SwarmConfig(Frozen):
     )
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate of every stage")
     data_paths: tuple[str, ...] = Field((), description="text files or dirs; empty = stdlib")
+    data_fingerprint: str = Field(
+        "",
+        pattern="^([0-9a-f]{16})?$",
+        description="the fingerprint of data_paths' corpus (covey.data.corpus), filled in "
+        "where the spec is made. A trainer sends nothing from data whose fingerprint differs, "
+        "so a coordinator cannot have trainers read out a file it does not know already",
+    )
     tokenizer: str = Field(
         "",
         pattern=r"^(|bytes|hf:.+)$",
@@ -101,10 +108,19 @@ class SwarmConfig(Frozen):
     min_stake: float = Field(0.0, ge=0, description="credits a server stakes to join")
     slash_fraction: float = Field(0.5, ge=0, le=1, description="stake a proven liar loses")
 
+    @classmethod
+    def received(cls, spec: Any) -> SwarmConfig:
+        """A spec as a peer receives it from the coordinator: validated, nothing filled in.
+        A field left empty stays empty: a peer never fills in a digest or fingerprint from
+        its own files (a coordinator could send one empty to have it match anything)."""
+        return cls.model_validate(spec, context={"received": True})
+
     @model_validator(mode="before")
     @classmethod
-    def _digest(cls, data: Any) -> Any:
+    def _digest(cls, data: Any, info: ValidationInfo) -> Any:
         # only where the spec is made (the coordinator): peers receive it filled in
+        if info.context and info.context.get("received"):
+            return data
         hf = isinstance(data, dict) and str(data.get("model", "")).startswith("hf:")
         if hf and not data.get("model_digest"):
             from covey.swarm.hfmodel import model_digest
@@ -118,6 +134,13 @@ class SwarmConfig(Frozen):
         tokenizer = str(data.get("tokenizer", "")) if isinstance(data, dict) else ""
         if tokenizer.startswith("hf:") and not data.get("tokenizer_digest"):
             data = {**data, "tokenizer_digest": tokenizer_digest(tokenizer[3:])}
+        paths = data.get("data_paths") if isinstance(data, dict) else None
+        if paths and not data.get("data_fingerprint"):
+            from covey.data.corpus import load_corpus
+
+            source = tokenizer if tokenizer.startswith("hf:") else "bytes"
+            corpus = load_corpus([str(p) for p in paths], tokenizer=source)
+            data = {**data, "data_fingerprint": corpus.fingerprint}
         return data
 
     @model_validator(mode="after")
@@ -141,6 +164,8 @@ class SwarmConfig(Frozen):
             del data["tokenizer"]
         if not data["tokenizer_digest"]:
             del data["tokenizer_digest"]
+        if not data["data_fingerprint"]:
+            del data["data_fingerprint"]
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -109,7 +109,7 @@ class StageServer:
         self.http.daemon_threads = True
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
         spec = self.client.get("/v1/swarm/spec")
-        self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
+        self.run_id, self.cfg = spec["run_id"], SwarmConfig.received(spec["spec"])
         if self.model is not None:
             if not self.cfg.model:
                 raise ValueError(f"--model {self.model}: this run trains covey's GPT, not hf:")

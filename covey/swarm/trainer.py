@@ -70,10 +70,20 @@ class TrainerStats:
 def training_tokens(cfg: SwarmConfig) -> torch.Tensor:
     """The run's training stream, tokenized as the run names (covey's bytes, or the hf:
     model's own tokenizer.json: SwarmConfig.tokenizer_source). ValueError naming the
-    values when the tokenizer's vocabulary is larger than the model's embedding."""
+    values when the tokenizer's vocabulary is larger than the model's embedding, and
+    before any of it is sent, when the spec names data files but this machine's corpus of
+    them does not have the spec's fingerprint: a coordinator naming a file it does not
+    know (a key, a password store) would otherwise receive it as token ids at stage 0."""
     from covey.data.corpus import load_corpus
 
     corpus = load_corpus(list(cfg.data_paths) or None, tokenizer=cfg.tokenizer_source())
+    if cfg.data_paths and corpus.fingerprint != cfg.data_fingerprint:
+        raise ValueError(
+            f"the run's data_paths ({', '.join(cfg.data_paths)}) give this machine a corpus "
+            f"with fingerprint {corpus.fingerprint}, the run names "
+            f"{cfg.data_fingerprint or 'none'}: a trainer sends only the data the run's "
+            "spec was made with"
+        )
     if cfg.model.startswith("hf:"):
         rows = model_dims(cfg)[0]
         if corpus.vocab_size > rows:
@@ -120,7 +130,7 @@ class SwarmTrainer:
         self.stop = threading.Event()
         self.progress = progress or (lambda line: log.info("%s", line))
         spec = self.client.get("/v1/swarm/spec")
-        self.run_id, self.cfg = spec["run_id"], SwarmConfig.model_validate(spec["spec"])
+        self.run_id, self.cfg = spec["run_id"], SwarmConfig.received(spec["spec"])
         # an honest server's new state is agreed within a heartbeat of its round's apply,
         # but a dead member counts in the vote until dead_after_s: the grace covers both
         c = self.cfg
