@@ -396,18 +396,21 @@ def bench_coordinator(
     from covey.bench.coordinator import rows_json, run_coordinator_bench
 
     out = out or Path("runs") / time.strftime("bench-coordinator-%Y%m%d-%H%M%S")
-    rows = run_coordinator_bench(
-        out,
-        peers=peers,
-        duration_s=duration,
-        warmup_s=warmup,
-        heartbeat_s=heartbeat_s,
-        poll_s=poll_s,
-        round_wait_s=round_wait_s,
-        submitters=submitters,
-        procs=procs,
-        echo=typer.echo,
-    )
+    try:
+        rows = run_coordinator_bench(
+            out,
+            peers=peers,
+            duration_s=duration,
+            warmup_s=warmup,
+            heartbeat_s=heartbeat_s,
+            poll_s=poll_s,
+            round_wait_s=round_wait_s,
+            submitters=submitters,
+            procs=procs,
+            echo=typer.echo,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     for r in rows[:-1]:
         typer.echo(
             f"{r['op']:>10}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, {r['requests']} "

@@ -281,3 +281,20 @@ def test_bench_coordinator_smoke(tmp_path: Path) -> None:
     assert 0 < by_op["coordinator"]["cpu_share"] < 2.5
     assert by_op["coordinator"]["rounds"] >= 1
     assert by_op["round wake"]["requests"] >= 20, by_op["round wake"]
+
+
+def test_bench_coordinator_refuses_an_out_directory_holding_a_run(tmp_path: Path) -> None:
+    """Reusing --out resumed the earlier run's coordinator: its seeded submissions met their
+    own earlier ones (409s counted as errors). Refused before anything starts."""
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+
+    (tmp_path / "coordinator").mkdir()
+    with pytest.raises(ValueError, match="holds an earlier bench run"):
+        run_coordinator_bench(tmp_path, peers=2, submitters=1, echo=lambda _: None)
+    result = CliRunner().invoke(
+        app, ["bench", "coordinator", "--peers", "2", "--submitters", "1", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 2 and "give a new --out directory" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coordinator"]  # nothing written

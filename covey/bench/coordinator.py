@@ -107,10 +107,14 @@ def run_coordinator_bench(
 ) -> list[dict[str, Any]]:
     """Run the bench; rows {op, p50_ms, p99_ms, max_ms, requests, errors, ...} per
     operation, then one row op="coordinator" with its CPU share, memory and rounds.
+    ValueError for a bad count or an `out_dir` holding an earlier run (its coordinator would
+    resume that run, and the seeded submissions would meet their own earlier ones);
     ClusterError if the coordinator does not come up; RuntimeError if the peers do not
     all join within JOIN_TIMEOUT_S or a client process fails."""
     if not 0 <= submitters <= peers or procs < 1 or peers < 1:
         raise ValueError(f"need 0 <= submitters ({submitters}) <= peers ({peers}), procs >= 1")
+    if (out_dir / "coordinator").exists():  # its coordinator would resume that run
+        raise ValueError(f"{out_dir} holds an earlier bench run: give a new --out directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "run.toml"
     spec.write_text(
