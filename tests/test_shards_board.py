@@ -69,10 +69,14 @@ class Run:
             check_rate=check_rate,
             publish_timeout_s=30.0,
         )
-        self.board.open(3, "a" * 64, BEACON, self.plan, list(self.keys), {"weights": [1.0]}, 0.0)
+        work = [{"peer_id": "w" * 16, "cid": "d" * 64, "size": 10}]
+        inputs = {"start_cid": "c" * 64, "weights": [1.0], "norms": None, "contributions": work}
+        self.board.open(3, "a" * 64, BEACON, self.plan, list(self.keys), inputs, 0.0)
+        self.evidence: list[dict[str, Any]] = []
 
-    def slash(self, round: int, peer: str, reason: str) -> None:
+    def slash(self, round: int, peer: str, reason: str, evidence: dict[str, Any]) -> None:
         self.slashed.append((round, peer, reason))
+        self.evidence.append(evidence)
         self.banned.add(peer)
 
     def signed(self, who: str, action: str, **body: Any) -> dict[str, Any]:
@@ -106,6 +110,11 @@ def test_a_lying_aggregator_is_slashed_and_its_shards_pass_on() -> None:
     assert [x["hash"] for x in cert["shards"]] == list(run.truth.values())
     assert liar not in {x["aggregator"] for x in cert["shards"]}
     assert [(r, p) for r, p, _ in run.slashed] == [(3, liar)]  # once, however many lies
+    # the slash cites the liar's own signed publish, the inputs and the referee's hash
+    (ev,) = run.evidence
+    assert ev["published"]["peer_id"] == liar and ev["published"]["hash"] == "f" * 64
+    assert ev["truth"] == run.truth[ev["shard"]] and ev["published"]["index"] == ev["shard"]
+    assert ev["inputs"] == [["w" * 16, "d" * 64, 1]] and ev["start_hash"] == "a" * 64
     assert outcomes.count("fraud") == 1 and "agree" in outcomes
     with pytest.raises(ShardError, match="excluded"):  # the liar cannot publish again
         run.board.publish(3, run.signed(liar, "publish", index=2, hash="e" * 64, url="x"))

@@ -13,6 +13,7 @@ shard, refusing the liar's copy."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,21 +23,27 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from covey.algorithms import Contribution
 from covey.blobs import BlobServer, BlobStore
 from covey.blobs.client import upload_headers
+from covey.cli import app
 from covey.local.cluster import LocalCluster
 from covey.peer.aggregator import (
     ShardAggregator,
     certified_shard,
     check_certificate,
     fetch_certified_state,
+    shard_purpose,
 )
 from covey.peer.client import CoordinatorClient
 from covey.peer.runsetup import set_up_run
 from covey.protocol.content import content_id
+from covey.trust import audit
 from covey.trust.identity import Identity
+from covey.trust.incentives import Book
+from covey.trust.ledger import LedgerError, append, read_entries
 
 pytestmark = [pytest.mark.network]
 
@@ -304,3 +311,64 @@ def test_the_round_driver_certifies_a_sharded_round_bit_exactly_and_slashes_a_li
     )
     assert not refusals, refusals
     assert state.digest() == cert["new_hash"]
+
+
+def _forged(cluster: LocalCluster, tmp: Path, name: str, slash: dict[str, Any]) -> Path:
+    """A copy of the coordinator's data directory (its blobs linked) whose ledger gains one
+    more "slash", chained and signed with the coordinator's own key: what a coordinator
+    framing an aggregator would write."""
+    out = tmp / name
+    out.mkdir()
+    (out / "blobs").symlink_to(cluster.data_dir / "blobs")
+    src = sqlite3.connect(f"file:{cluster.data_dir / audit.DB_FILE}?mode=ro", uri=True)
+    dst = sqlite3.connect(out / audit.DB_FILE)
+    src.backup(dst)
+    src.close()
+    key = Identity.load_or_create(cluster.data_dir / "coordinator.key")
+    book = Book.replay(read_entries(out / audit.DB_FILE))
+    with dst:
+        append(dst, key, "slash", {**slash, "amount": book.slash_amount(slash["peer_id"])}, 1.0)
+    dst.close()
+    return out
+
+
+def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregator(
+    round0: dict[str, Any], tmp_path: Path
+) -> None:
+    """`covey ledger verify --recompute` recomputes the shard behind the liar's slash from
+    the run's blobs, over HTTP and from the data directory. A coordinator that appends a
+    slash of an honest aggregator is caught: citing its real signed hash (the ledger alone
+    cannot tell; the recomputation gives that very hash), a hash it never signed, or no
+    evidence at all."""
+    cluster, aggs = round0["cluster"], round0["aggs"]
+    for source in (cluster.url, cluster.data_dir):
+        report = audit.verify(source, recompute=True)
+        assert report.shard_slashes == 1 and report.recomputed, source
+    entries = read_entries(cluster.data_dir / audit.DB_FILE)
+    (real,) = [e.payload for e in entries if e.type == "slash"]
+    assert real["peer_id"] == aggs.liar and real["evidence"]["published"]["peer_id"] == aggs.liar
+    # an honest aggregator's certified shard, published and signed by it
+    shard_cert = round0["http"].get("/v1/shards/0").json()["certificate"]
+    keys = {k.peer_id: k for k in aggs.keys}
+    honest = next(s for s in shard_cert["shards"] if s["aggregator"] in keys)
+    body = {"run_id": cluster.run_id, "peer_id": honest["aggregator"], "index": honest["index"],
+            "hash": honest["hash"], "cid": honest["cid"], "url": ""}  # fmt: skip
+    signed = keys[honest["aggregator"]].sign_request(body, 0, purpose=shard_purpose(0, "publish"))
+    frame = {"round": 0, "peer_id": honest["aggregator"], "reason": "wrong aggregate"}
+    evidence = {**real["evidence"], "shard": honest["index"], "published": signed}
+    evidence["truth"] = "0" * 64
+    framed = _forged(cluster, tmp_path, "framed", {**frame, "evidence": evidence})
+    assert audit.verify(framed).shard_slashes == 2  # the ledger alone cannot tell
+    with pytest.raises(LedgerError, match="an honest aggregator was slashed"):
+        audit.verify(framed, recompute=True)
+    made_up = {**evidence, "published": {**signed, "hash": "1" * 64}}
+    with pytest.raises(LedgerError, match="is not signed by"):
+        audit.verify(_forged(cluster, tmp_path, "made-up", {**frame, "evidence": made_up}))
+    with pytest.raises(LedgerError, match="carries no shard evidence"):
+        audit.verify(_forged(cluster, tmp_path, "bare", frame))
+    # the command line says so, and exits 1
+    result = CliRunner().invoke(app, ["ledger", "verify", "--recompute", str(framed)])
+    assert result.exit_code == 1 and "an honest aggregator was slashed" in result.output
+    result = CliRunner().invoke(app, ["ledger", "verify", "--recompute", str(cluster.data_dir)])
+    assert result.exit_code == 0, result.output
+    assert "1 slash(es) of aggregators checked recomputed" in result.output

@@ -151,11 +151,13 @@ class ShardRounds:
         )
         return new_p, new_m, shard_hash(round_, shard, start, new_p, new_m)
 
-    def slash(self, round_: int, peer_id: str, reason: str) -> None:
+    def slash(self, round_: int, peer_id: str, reason: str, evidence: dict[str, Any]) -> None:
+        """A "slash" entry with what it rests on (covey.trust.shard_evidence)."""
         accounts = self.coord.accounts
         with accounts.transaction() as c:
             amount = accounts.book.slash_amount(peer_id)
-            payload = {"round": round_, "peer_id": peer_id, "amount": amount, "reason": reason}
+            payload = {"round": round_, "peer_id": peer_id, "amount": amount, "reason": reason,
+                       "evidence": evidence}  # fmt: skip
             accounts.append(c, "slash", payload, time.time())
         log.warning("[round %d] aggregator %s slashed: %s", round_, peer_id[:12], reason)
 
@@ -291,8 +293,8 @@ class ShardRounds:
                 self.board.agree(r, s)
                 continue
             if pub is not None:
-                self.slash(r, pub["aggregator"], f"shard {s} of round {r}: published "
-                           f"{pub['hash'][:16]}, is {h[:16]}")  # fmt: skip
+                why = f"shard {s} of round {r}: published {pub['hash'][:16]}, is {h[:16]}"
+                self.slash(r, pub["aggregator"], why, self.board.evidence(r, s, h))
             self.board.take_over(r, s, h, self.coord.blobs.put(shard_to_bytes(new_p, new_m)))
         if missing or unchecked:
             log.warning("[round %d] sharding overdue: the coordinator aggregated shards %s "
@@ -310,8 +312,8 @@ class ShardRounds:
             if got is None:
                 new_p, new_m, h = self.compute(r, i)
                 if h != shard["hash"]:
-                    self.slash(r, shard["aggregator"], f"shard {i} of round {r}: "
-                               f"published {shard['hash'][:16]}, is {h[:16]}")  # fmt: skip
+                    why = f"shard {i} of round {r}: published {shard['hash'][:16]}, is {h[:16]}"
+                    self.slash(r, shard["aggregator"], why, self.board.evidence(r, i, h))
                     cid = self.coord.blobs.put(shard_to_bytes(new_p, new_m))
                     self.board.take_over(r, i, h, cid)
                     return None

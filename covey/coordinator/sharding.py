@@ -35,6 +35,7 @@ from covey.algorithms.shards import (
 )
 from covey.peer.aggregator import certificate_message, shard_purpose
 from covey.trust.identity import Identity, request_message, verify
+from covey.trust.shard_evidence import evidence
 
 if TYPE_CHECKING:
     from .service import Coordinator
@@ -120,8 +121,8 @@ class ShardBoard:
 
     `public_key(peer_id)` gives a peer's key (None: unknown); `is_banned(peer_id)` its
     standing; `referee(round, shard)` recomputes a shard's hash from the committed inputs
-    (raising when it cannot: then nobody is slashed); `slash(round, peer_id, reason)`
-    writes the penalty.
+    (raising when it cannot: then nobody is slashed); `slash(round, peer_id, reason,
+    evidence)` writes the penalty with what it rests on (`evidence`).
     """
 
     def __init__(
@@ -132,7 +133,7 @@ class ShardBoard:
         public_key: Callable[[str], str | None],
         is_banned: Callable[[str], bool],
         referee: Callable[[int, int], str],
-        slash: Callable[[int, str, str], None],
+        slash: Callable[[int, str, str, dict[str, Any]], None],
         check_rate: float,
         publish_timeout_s: float,
     ) -> None:
@@ -176,6 +177,27 @@ class ShardBoard:
         with self._lock:
             return self._get(round).inputs
 
+    def evidence(self, round: int, shard: int, truth: str) -> dict[str, Any]:
+        """What a slash for shard `shard`'s published hash rests on, for the ledger
+        (covey.trust.shard_evidence): the aggregator's signed publish, the round's inputs
+        and the referee's hash. KeyError when the shard holds no signed publish."""
+        with self._lock:
+            return self._evidence(self._get(round), shard, truth)
+
+    @staticmethod
+    def _evidence(rnd: ShardRound, shard: int, truth: str) -> dict[str, Any]:
+        ins = rnd.inputs
+        rows = zip(ins["contributions"], ins["weights"], strict=True)
+        return evidence(
+            rnd.round,
+            shard,
+            rnd.published[shard]["signed"],
+            rnd.start_hash,
+            ins["start_cid"],
+            [(c["peer_id"], c["cid"], int(w)) for c, w in rows],
+            truth,
+        )
+
     def discard(self, round: int) -> None:
         with self._lock:
             self._rounds.pop(round, None)
@@ -218,6 +240,7 @@ class ShardBoard:
                 "aggregator": peer,
                 "cid": str(body.get("cid", "")),
                 "providers": [str(body.get("url", ""))],
+                "signed": dict(body),  # the evidence should the hash prove wrong
             }
             return {"ok": True, "shard": shard}
 
@@ -251,7 +274,8 @@ class ShardBoard:
             reason = (
                 f"shard {shard} of round {round}: published {pub['hash'][:16]}, is {truth[:16]}"
             )
-            self._slash(round, liar, f"wrong aggregate: {reason}")
+            proof = self._evidence(rnd, shard, truth)
+            self._slash(round, liar, f"wrong aggregate: {reason}", proof)
             rnd.frauds.append({"shard": shard, "aggregator": liar, "checker": peer})
             rnd.checked.discard(shard)  # the next aggregator is the one who proved it
             for s, other in list(rnd.published.items()):  # nothing unchecked of a liar stays

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from covey.protocol.content import content_id
 from covey.trust.identity import canonical_json
 from covey.trust.incentives import Book
 from covey.trust.ledger import Entry, LedgerError, parse_line, read_entries, to_line, verify_chain
+from covey.trust.shard_evidence import check_slashes
+from covey.trust.shard_evidence import recompute as recompute_shards
 
 DB_FILE = "coordinator.db"
 BALANCES_FILE = "ledger-balances.json"
@@ -34,12 +38,16 @@ class SourceError(OSError):
 @dataclass(frozen=True)
 class VerifyReport:
     """A verified ledger. `compared_at` is the number of entries the coordinator's reported
-    balances covered (they matched the replay of that prefix), None if it reported none."""
+    balances covered (they matched the replay of that prefix), None if it reported none.
+    `shard_slashes`: slashes of aggregators whose evidence held (covey.trust.
+    shard_evidence); `recomputed`: whether their shards were recomputed too."""
 
     entries: int
     coordinator_key: str
     summary: dict[str, Any]
     compared_at: int | None
+    shard_slashes: int = 0
+    recomputed: bool = False
 
     @property
     def accounts(self) -> int:
@@ -73,10 +81,20 @@ def load(source: str | Path) -> tuple[list[Entry], dict[str, Any] | None, str | 
     raise SourceError(f"{path} is neither a SQLite database nor a .jsonl ledger export")
 
 
-def verify(source: str | Path) -> VerifyReport:
-    """Load, check the chain and signatures, replay every entry, and compare the reported
-    balances (if any) with the replay of the entries they cover. LedgerError on the first
-    failure: a bad entry by its index, differing balances by the first differing account."""
+def verify(
+    source: str | Path, recompute: bool = False, progress: Callable[[str], None] | None = None
+) -> VerifyReport:
+    """Load, check the chain and signatures, replay every entry, check every slash of an
+    aggregator against its evidence, and compare the reported balances (if any) with the
+    replay of the entries they cover. `recompute`: also recompute each such slash's shard
+    from the run's blobs (a data directory's, or a URL's over HTTP; SourceError for an
+    export, which holds none). LedgerError on the first failure: a bad entry by its index,
+    differing balances by the first differing account."""
+    if recompute and not _has_blobs(source):
+        raise SourceError(
+            f"{source}: --recompute needs the run's blobs: a coordinator's data directory "
+            "or URL, not a database file or an export"
+        )
     entries, reported, published_key = load(source)
     key = verify_chain(entries, published_key)
     covered = None
@@ -97,7 +115,52 @@ def verify(source: str | Path) -> VerifyReport:
             snapshot = book.summary()
     if reported is not None and snapshot is not None:
         _compare(reported, snapshot)
-    return VerifyReport(len(entries), key, book.summary(), covered)
+    verdicts = check_slashes(entries)
+    if recompute and verdicts:
+        spec = next(e.payload["spec"] for e in entries if e.type == "run created")
+        recompute_shards(verdicts, spec, _blob_fetcher(source), progress)
+    return VerifyReport(len(entries), key, book.summary(), covered, len(verdicts), recompute)
+
+
+def _has_blobs(source: str | Path) -> bool:
+    text = str(source)
+    return text.startswith(("http://", "https://")) or Path(source).is_dir()
+
+
+def _blob_fetcher(source: str | Path) -> Callable[[str], bytes]:
+    """A blob's bytes by content id from the source's blob plane, checked against the id.
+    SourceError when it cannot be read or is not what its id names."""
+    text = str(source)
+
+    def checked(cid: str, data: bytes) -> bytes:
+        if content_id(data) != cid:
+            raise SourceError(f"blob {cid[:16]} from {text} is not what its id names")
+        return data
+
+    if text.startswith(("http://", "https://")):
+        import httpx
+
+        def over_http(cid: str) -> bytes:
+            try:
+                with httpx.Client(timeout=HTTP_TIMEOUT_S, trust_env=False) as client:
+                    response = client.get(f"{text.rstrip('/')}/v1/blobs/{cid}")
+                    response.raise_for_status()
+            except httpx.HTTPError as e:
+                raise SourceError(f"cannot fetch blob {cid[:16]} from {text}: {e}") from None
+            return checked(cid, response.content)
+
+        return over_http
+    root = Path(source) / "blobs"
+
+    def from_disk(cid: str) -> bytes:
+        if len(cid) != 64 or not all(ch in "0123456789abcdef" for ch in cid):
+            raise SourceError(f"{cid[:80]!r} is not a content id")
+        path = root / cid[:2] / cid
+        if not path.is_file():
+            raise SourceError(f"blob {cid[:16]} is not in {root} (collected already?)")
+        return checked(cid, path.read_bytes())
+
+    return from_disk
 
 
 def read_jsonl(path: Path) -> list[Entry]:

@@ -39,7 +39,9 @@ The payload of each entry type is the contract between the coordinator and covey
 - "dispute": {round, peer_id, validator_id, segment, outcome: "fraud"|"validator wrong"|
   "honest drift"|"inconclusive", detail}: "honest drift" (the worker right, the validator
   within covey.trust.referee.DRIFT_FACTOR of it) and "inconclusive" cost nobody anything
-- "slash": {round, peer_id, amount, reason}
+- "slash": {round, peer_id, amount, reason}; a slash of a validator (an aggregator of a
+  sharded round) also carries `evidence` (covey.trust.shard_evidence: its signed publish,
+  the round's inputs, the referee's hash), checked by `covey ledger verify`
 - "reward": {round, peer_id, amount, kind: "work"|"catch"|"check", tokens (0 unless work)};
   a "check" pays check_reward to a validator for a completed assigned check, once per
   reported verification

@@ -31,13 +31,25 @@ def register(app: typer.Typer) -> None:
     app.add_typer(ledger_app, name="ledger")
 
 
-def verify(source: Source) -> None:
+def verify(
+    source: Source,
+    recompute: Annotated[
+        bool,
+        typer.Option(
+            "--recompute",
+            help="also recompute the shard behind every slash of an aggregator from the run's "
+            "blobs (a data directory or URL): it stands only if the aggregator's hash is wrong",
+        ),
+    ] = False,
+) -> None:
     """Check the chain and signatures, replay every balance, compare with the coordinator's.
 
-    Exit 0 if the hash chain, every signature and every rule hold and the balances the
-    coordinator reports (if any) equal the replay; 1 naming the first failure; 2 if the
-    source cannot be read."""
-    report = _verified(source)
+    Exit 0 if the hash chain, every signature and every rule hold, every slash of an
+    aggregator carries evidence that holds (its own signed hash, the round's certified
+    inputs; with --recompute, a recomputed shard that differs from it), and the balances
+    the coordinator reports (if any) equal the replay; 1 naming the first failure; 2 if
+    the source cannot be read."""
+    report = _verified(source, recompute)
     key = report.coordinator_key
     compared = (
         "no balances reported to compare"
@@ -54,6 +66,12 @@ def verify(source: Source) -> None:
         f"coordinator key {key[:16]}...; balances recomputed for {report.accounts} accounts "
         f"{compared}"
     )
+    if report.shard_slashes:
+        how = "recomputed: each shard" if report.recomputed else "on the ledger: each"
+        typer.echo(
+            f"{report.shard_slashes} slash(es) of aggregators checked {how} differs from the "
+            "hash its aggregator signed"
+        )
     if (halted := report.summary.get("halted")) is not None:  # the owner's signed HALT
         typer.echo(
             f"run HALTED by its owner at round {halted['round']} (entry {halted['index']}): "
@@ -103,14 +121,14 @@ def export(
     typer.echo(f"wrote {len(entries)} entries to {out}")
 
 
-def _verified(source: str) -> VerifyReport:
+def _verified(source: str, recompute: bool = False) -> VerifyReport:
     """The verified report, or exit 1 (invalid ledger) / 2 (unreadable source)."""
     from covey.trust.audit import SourceError
     from covey.trust.audit import verify as verify_source
     from covey.trust.ledger import LedgerError
 
     try:
-        return verify_source(source)
+        return verify_source(source, recompute, progress=typer.echo)
     except SourceError as e:
         raise _fail(str(e)) from None
     except LedgerError as e:
