@@ -13,9 +13,10 @@ aggregator's own signature over its hash, so the coordinator cannot put a hash i
 the inputs are the round's certified contributions (each a "contribution accepted" entry,
 the set the round certificate names) and the start state is the previous certificate's; the
 published hash is not the referee's. `recompute` (`covey ledger verify --recompute`) then
-rebuilds the run's model from its spec, fetches the start state and the contributions, and
-recomputes the shard as the referee did (covey.algorithms.shards): the slash stands only if
-the aggregator's hash is not what the inputs give. Any failure is a LedgerError naming the
+rebuilds the run's model from its spec, fetches the start state (round 0's must be the
+spec's seeded weights, unless the spec warm-starts) and the contributions, and recomputes
+the shard as the referee did (covey.algorithms.shards): the slash stands only if the
+aggregator's hash is not what the inputs give. Any failure is a LedgerError naming the
 slash entry.
 """
 
@@ -194,6 +195,10 @@ def recompute(
         start = state_from_bytes(fetch(v.start_cid), template)
         if start.digest() != v.start_hash:
             raise LedgerError(v.index, f"start state {v.start_cid[:16]} is not {v.start_hash[:16]}")
+        if v.round == 0 and not cfg.model.init and start.digest() != template.digest():
+            raise LedgerError(  # no certificate before it: the spec's seeded weights are
+                v.index, f"round 0's start state {v.start_hash[:16]} is not the run's seeded one"
+            )
         params, momentum = flat_state(start, names)
         a, b = plan.span(v.shard)
         blobs = [fetch(cid) for _, cid, _ in v.inputs]
