@@ -468,9 +468,20 @@ def test_averaging_agreed_state_is_the_majority_and_a_divergent_server_resyncs()
     avg = Averaging(n_stages=2, target_samples=1, round_timeout_s=1.0)
     for p, cid in (("a", "x"), ("b", "x"), ("c", "y")):
         avg.state(p, 1, 0, cid)
-    assert avg.stages[1].agreed == "x"
-    assert avg.directive("c", 1, 0, "y")["resync"] == "x"
-    assert "resync" not in avg.directive("a", 1, 0, "x")
+    # before the first round nobody votes: every server builds the seeded weights
+    assert avg.stages[1].agreed is None and "resync" not in avg.directive("c", 1, 0, "y")
+    live = {p: (1, 0, 1) for p in "abc"}
+    avg.tick(live, set(), 0.0)
+    r = avg.stages[1].round
+    assert r is not None
+    for p in "abc":
+        avg.report(p, 1, r.id, f"sum-{p}", 1, "u", 1.0)
+    avg.tick(live, set(), 0.5)  # every member reported: committed
+    for p, cid in (("a", "x"), ("b", "x"), ("c", "y"), ("newcomer", "y")):
+        avg.state(p, 1, 1, cid)
+    assert avg.stages[1].agreed == "x"  # two of the three voters; the newcomer is none
+    assert avg.directive("c", 1, 1, "y")["resync"] == "x"
+    assert "resync" not in avg.directive("a", 1, 1, "x")
     with pytest.raises(ValueError, match=r"stage 2; stages are 0..1"):
         avg.directive("a", 2, 0, "x")
 

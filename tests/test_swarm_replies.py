@@ -274,7 +274,7 @@ def test_a_server_that_stops_reporting_stops_voting() -> None:
             av.state(p, 0, step, f"s{step}")
         t += 11.0  # past the wait for a last round's member that has not applied it (c)
         av.tick(live, set(), t)
-        assert book.agreed == f"s{step}" and book.quorum == (3 if step else 0)
+        assert book.agreed == (f"s{step}" if step else None) and book.quorum == (3 if step else 0)
         r = book.round
         assert r is not None and r.step == step
         for p in voting:
@@ -286,3 +286,44 @@ def test_a_server_that_stops_reporting_stops_voting() -> None:
     assert book.agreed is None  # one of two
     av.state("b", 0, book.step, "last")
     assert book.agreed == "last"
+
+
+def test_servers_with_no_work_in_a_round_do_not_carry_the_vote() -> None:
+    """Found by a review: the vote counted every server's state, voters or not. Two
+    colluders and three fresh sybil keys outvoted three honest servers, who were then told
+    to resync to the colluders' state. Only the voters' states count now."""
+    servers = ["h1", "h2", "h3", "m1", "m2"]
+    av = Averaging(1, target_samples=10, round_timeout_s=10.0)
+    for p in servers:
+        av.state(p, 0, 0, "s0")
+    live = {p: (0, 0, 10) for p in servers}
+    av.tick(live, set(), 1000.0)
+    r = av.stages[0].round
+    assert r is not None
+    for p in servers:
+        assert av.report(p, 0, r.id, f"sum-{p}", 10, "u", 1.0) == "ok"
+    av.tick(live, set(), 1001.0)
+    book = av.stages[0]
+    assert book.step == 1
+    sybils = ["y1", "y2", "y3"]  # joined stage 0 just now: no round behind them
+    live = {p: (0, 1, 0) for p in servers + sybils}
+    for p in ("h1", "h2", "h3"):
+        av.state(p, 0, 1, "honest-1")
+    for p in ("m1", "m2", *sybils):
+        av.state(p, 0, 1, "X1")
+    av.tick(live, set(), 1002.0)
+    assert book.quorum == 5  # the voters: the round's five reporters
+    assert book.agreed != "X1", "2 colluders + 3 non-voting sybils set the stage's state"
+    assert "resync" not in av.directive("h1", 0, 1, "honest-1")
+
+
+def test_no_sybil_majority_before_the_first_round() -> None:
+    """Step 0 (no round yet): any majority of heartbeats set the agreed state, and every
+    honest server holding the seeded weights was told to resync to it. Nobody votes now
+    before the first round."""
+    av = Averaging(1, target_samples=10, round_timeout_s=10.0)
+    for p in ("h1", "h2"):
+        av.state(p, 0, 0, "seeded")
+    for p in ("y1", "y2", "y3"):
+        av.state(p, 0, 0, "X0")
+    assert av.directive("h1", 0, 0, "seeded").get("resync") != "X0"

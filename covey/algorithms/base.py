@@ -281,6 +281,14 @@ class Strategy(ABC):
         out.update(self._local_extras())
         return {k: v.clone() for k, v in out.items()} if copy else out
 
+    def local_state_layout(self) -> dict[str, torch.Tensor]:
+        """`local_state()`'s names, shapes and dtypes as tensors on the meta device: a
+        template to check a local state against that holds no bytes (the zeros standing in
+        for a fresh optimizer's moments are never made: 1 GB at 124M)."""
+        meta = {f"param/{n}": p for n, p in self.model.named_parameters()}
+        meta.update(self._local_extras(fresh_device="meta"))
+        return {k: torch.empty_like(v, device="meta") for k, v in meta.items()}
+
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore a `local_state()` exactly: the next inner steps are then bit-identical to
         those of the strategy it was taken from. Call `load_state(start_state)` first: the
@@ -288,7 +296,7 @@ class Strategy(ABC):
 
         ValueError naming the first missing, unexpected, mis-shaped, mis-typed or
         non-finite entry; nothing changes then."""
-        expected = self.local_state(copy=False)
+        expected = self.local_state_layout()
         missing = sorted(set(expected) - set(state))
         if missing:
             raise ValueError(f"local state lacks {missing[0]!r} ({len(missing)} entries missing)")
@@ -311,8 +319,10 @@ class Strategy(ABC):
                 p.copy_(state[f"param/{n}"])
         self._load_local_extras({k: v for k, v in state.items() if not k.startswith("param/")})
 
-    def _local_extras(self) -> dict[str, torch.Tensor]:
-        """The strategy's own local tensors (live), named "optim/..."; none by default."""
+    def _local_extras(self, fresh_device: str | None = None) -> dict[str, torch.Tensor]:
+        """The strategy's own local tensors (live), named "optim/..."; none by default.
+        `fresh_device`: where to make the zeros of state not created yet ("meta": shapes
+        only); by default the parameters' device."""
         return {}
 
     def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:

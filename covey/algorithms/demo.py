@@ -58,7 +58,7 @@ class DeMo(Strategy):
         """The momentum buffer carries over from round to round."""
         return True
 
-    def _local_extras(self) -> dict[str, torch.Tensor]:
+    def _local_extras(self, fresh_device: str | None = None) -> dict[str, torch.Tensor]:
         return {"optim/momentum": self.momentum, "optim/sent": self.sent}
 
     def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:

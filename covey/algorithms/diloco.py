@@ -107,24 +107,28 @@ class DiLoCo(Strategy):
         """A fresh inner optimizer: no moments, step count 0."""
         self.inner_opt = make_inner_optimizer(self.model, self.cfg.optim)
 
-    def _fresh_inner_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _fresh_inner_state(
+        self, p: torch.Tensor, device: str | None = None
+    ) -> dict[str, torch.Tensor]:
         """What torch.optim puts in a parameter's state on its first step, before updating
         it: zero moments and a float step count (none for SGD without momentum). A fresh
-        optimizer and one holding exactly these tensors take bit-identical steps."""
+        optimizer and one holding exactly these tensors take bit-identical steps.
+        `device="meta"`: their shapes only."""
         if self.cfg.optim.name == "sgd":
             return {}
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        like = {"memory_format": torch.preserve_format, "device": device}
         return {
-            "step": torch.tensor(0.0, dtype=scalar),
-            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "step": torch.tensor(0.0, dtype=scalar, device=device),
+            "exp_avg": torch.zeros_like(p, **like),
+            "exp_avg_sq": torch.zeros_like(p, **like),
         }
 
-    def _local_extras(self) -> dict[str, torch.Tensor]:
+    def _local_extras(self, fresh_device: str | None = None) -> dict[str, torch.Tensor]:
         """Each inner optimizer tensor as "optim/<name>/<key>"; zeros before the first step."""
         out: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
-            fresh = self._fresh_inner_state(p)
+            fresh = self._fresh_inner_state(p, fresh_device)
             have = self.inner_opt.state.get(p) or fresh  # .get: the state is a defaultdict
             if set(have) != set(fresh):
                 raise RuntimeError(
@@ -140,7 +144,7 @@ class DiLoCo(Strategy):
     def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
         self.reset_inner_optimizer()
         for name, p in self.model.named_parameters():
-            fresh = self._fresh_inner_state(p)
+            fresh = self._fresh_inner_state(p, "meta")  # its keys
             if fresh:
                 self.inner_opt.state[p] = {
                     k: _to_state_device(extras[f"optim/{name}/{k}"], p) for k in fresh

@@ -57,7 +57,7 @@ def blob_sizes(strategy: Strategy, template: TrainState) -> dict[int, str]:
         numel = sum(template.params[n].numel() for n in strategy.fragment_names(fragment))
         what = "contribution" if fragment is None else f"contribution (fragment {fragment})"
         sizes.setdefault(strategy.codec.nbytes(numel), what)
-    local = local_state_nbytes(strategy.local_state(copy=False))  # sized, not serialized
+    local = local_state_nbytes(strategy.local_state_layout())  # sized, not serialized
     sizes.setdefault(local, "local state")
     return sizes
 

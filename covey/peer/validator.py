@@ -168,15 +168,30 @@ class Validator:
         try:
             start = self._start_state(task, sources)
             payload = self.blobs.fetch(task.cid, sources, size=task.size)
-            previous_end, claimed_end = self._local_states(task, start, sources)  # H3
+            local = self._local_states(task, start, sources)  # H3
         except (BlobError, CheckpointError, RuntimeError) as e:
             log.warning(
                 "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
             )
             return
+        # every commitment's state is kept for a dispute's evidence, on disk (1.5 GB each
+        # at 124M), and the previous end state is handed over, freed once loaded
+        with tempfile.TemporaryDirectory(prefix="covey-validator-states-") as spill:
+            self._check(task, start, payload, local, Path(spill), sources)
+
+    def _check(
+        self,
+        task: schemas.VerifyTask,
+        start: TrainState,
+        payload: bytes,
+        local: dict[str, Any],
+        spill: Path,
+        sources: list[str],
+    ) -> None:
         k = self.cfg.trust.commit_every
         t0 = time.perf_counter()
         points = len(verify.commitment_steps(task.inner_steps, k))
+        claimed_end = local.pop("claimed_end")
         mine = verify.reexecute(
             self.strategy,
             start,
@@ -184,8 +199,10 @@ class Validator:
             task.inner_steps,
             k,
             range(points),
-            previous_end=previous_end,
+            previous_end=local.pop("previous_end"),
             previous_accepted=task.previous_accepted,
+            spill_dir=spill,
+            consume_previous_end=True,
         )
         numel = sum(start.params[n].numel() for n in self.strategy.fragment_names(task.fragment))
         verdict = verify.compare(
@@ -248,15 +265,15 @@ class Validator:
 
     def _local_states(
         self, task: schemas.VerifyTask, start: TrainState, sources: list[str]
-    ) -> tuple[dict[str, Any] | None, verify.Commitment | None]:
+    ) -> dict[str, Any]:
         """H3: the worker's committed local states, fetched by content id (the fetch checks
-        the hash): the end state of its previous round, which this round starts from (None:
-        a fresh start), and the commitment to its end state of this round (None: the
-        strategy carries none). A start that is not a local state of this run re-executes
-        from a fresh start (commitment 0 then disagrees: the worker could not have trained
-        from it); an unusable end state becomes an impossible commitment (a malformed
-        claim). BlobError when a blob is unavailable."""
-        template = self.strategy.local_state(copy=False)
+        the hash): "previous_end", the end state of its previous round, which this round
+        starts from (None: a fresh start), and "claimed_end", the commitment to its end
+        state of this round (None: the strategy carries none). A start that is not a local
+        state of this run re-executes from a fresh start (commitment 0 then disagrees: the
+        worker could not have trained from it); an unusable end state becomes an impossible
+        commitment (a malformed claim). BlobError when a blob is unavailable."""
+        template = self.strategy.local_state_layout()  # shapes only: no zeros made
         previous_end = None
         if task.local_state_cid is not None:
             data = self._fetch_local(task.local_state_cid, sources, task.local_state_size)
@@ -276,7 +293,7 @@ class Validator:
             except ValueError as e:
                 log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
                 claimed_end = verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()})
-        return previous_end, claimed_end
+        return {"previous_end": previous_end, "claimed_end": claimed_end}
 
     def _fetch_local(self, cid: str, sources: list[str], size: int | None) -> bytes:
         """A local state's bytes (weights + moments: 2 GB at 124M), streamed to a scratch

@@ -8,11 +8,12 @@ blob and reports (cid, samples). The round commits when every member reported, o
 deadline with those that did if any sample is in; a member that missed it is not waited
 for. After a commit every server of the stage at that step fetches every reported blob
 (hash-checked), applies sum / samples with its optimizer (a server that missed the round
-keeps its own sum for the next) and reports its new state id. The servers that reported
-to one of the stage's last STANDING_ROUNDS rounds vote: an id named by more than half of
-them is the stage's agreed state, and a server holding another resyncs from it. An update
-is accepted when its round commits: a round without any sample in by the deadline aborts,
-and its members keep their gradients for the next.
+keeps its own sum for the next) and reports its new state id. The live servers that
+reported samples to one of the stage's last STANDING_ROUNDS rounds vote (no one else's
+state counts): an id named by more than half of them is the stage's agreed state, and a
+server holding another resyncs from it. Before the first round nobody votes: every server
+builds the seeded weights. An update is accepted when its round commits: a round without
+any sample in by the deadline aborts, and its members keep their gradients for the next.
 """
 
 from __future__ import annotations
@@ -85,9 +86,13 @@ class StageBook:
     aborted: int = 0
     samples: int = 0  # accepted samples
     norms: list[float] = field(default_factory=list)  # per-sample norms of the last round
-    quorum: int = 0  # live servers that reported to the last committed round
+    voters: set[str] = field(default_factory=set)  # who votes on the state (`_voters`)
     missed: dict[str, int] = field(default_factory=dict)  # peer -> rounds missed in a row
     benched: dict[str, float] = field(default_factory=dict)  # peer -> kept out until
+
+    @property
+    def quorum(self) -> int:
+        return len(self.voters)
 
 
 class Averaging:
@@ -104,7 +109,7 @@ class Averaging:
         complete. `busy`: servers that must not join a round (moving, resyncing)."""
         for book in self.stages:
             if book.last is not None:
-                book.quorum = len(self._voters(book, live))
+                book.voters = self._voters(book, live)
                 self._agree(book)
             r = book.round
             if r is not None:
@@ -136,15 +141,16 @@ class Averaging:
 
     @staticmethod
     def _voters(book: StageBook, live: dict[str, tuple[int, int, int]] | None = None) -> set[str]:
-        """Who votes on the stage's state: the live servers on this stage that reported to
-        one of its last STANDING_ROUNDS committed rounds. Not the last round's alone: two
-        colluders with one honest server could carry a round that the other honest servers
-        were too slow to join, then the vote after it. The dead are no voters, nor those
-        moved to another stage, nor newcomers with no round behind them."""
+        """Who votes on the stage's state: the live servers on this stage that reported
+        samples (work trainers vouched for) to one of its last STANDING_ROUNDS committed
+        rounds. Not the last round's alone: two colluders with one honest server could
+        carry a round that the other honest servers were too slow to join, then the vote
+        after it. The dead are no voters, nor those moved to another stage, nor newcomers
+        and sybils with no work in a round behind them."""
         recent = [r for s, r in book.history.items() if s >= book.step - STANDING_ROUNDS]
         if book.last is not None:
             recent.append(book.last)
-        voters = {p for r in recent for p in r.reports}
+        voters = {p for r in recent for p, x in r.reports.items() if x["samples"] > 0}
         if live is None:
             return voters
         return {p for p in voters if p in live and live[p][0] == book.stage}
@@ -198,7 +204,7 @@ class Averaging:
         book.step += 1
         book.agreed, book.states = None, {}
         book.norms = [norms[p] for p in sorted(r.reports) if norms[p] > 0]
-        book.quorum = len(self._voters(book))  # the next tick leaves out the dead and moved
+        book.voters = self._voters(book)  # the next tick leaves out the dead and moved
 
     def _bench(self, book: StageBook, r: AvgRound, now: float) -> None:
         """A member that misses two rounds in a row (a heartbeat that claims samples and
@@ -224,15 +230,17 @@ class Averaging:
 
     @staticmethod
     def _agree(book: StageBook) -> None:
-        """The agreed state: one that more than half of the votes name, counting as voters
-        at least the stage's `_voters` (its live servers with a recent round behind them).
-        A tie agrees on nothing: a lone liar neither wins a coin toss nor gets its state
-        pushed on others as a resync."""
-        if not book.states:
+        """The agreed state: one named by more than half of the stage's `_voters` (its live
+        servers with recent work in a round); other servers' states are not counted. A tie
+        agrees on nothing: a lone liar neither wins a coin toss nor gets its state pushed
+        on others as a resync. Before the first committed round there are no voters and no
+        agreed state: every server builds the seeded weights, and none is told to resync."""
+        votes = Counter(cid for p, cid in book.states.items() if p in book.voters)
+        if not votes:
+            book.agreed = None
             return
-        votes = Counter(book.states.values())
         cid, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
-        book.agreed = cid if 2 * n > max(len(book.states), book.quorum) else None
+        book.agreed = cid if 2 * n > len(book.voters) else None
 
     def directive(self, peer: str, stage: int, step: int, cid: str | None) -> dict[str, Any]:
         """What a server of `stage` at `step` holding state `cid` does next: join the open
@@ -271,7 +279,8 @@ class Averaging:
     def to_dict(self) -> dict[str, Any]:
         """Everything a restarted coordinator needs to resume every stage's rounds: step,
         agreed state, votes, the open round with its reports, the committed history."""
-        return {"next_id": self._next_id, "stages": [asdict(b) for b in self.stages]}
+        stages = [{**asdict(b), "voters": sorted(b.voters)} for b in self.stages]
+        return {"next_id": self._next_id, "stages": stages}
 
     def load(self, data: dict[str, Any]) -> None:
         """Restore `to_dict`'s output. ValueError when it is for another number of stages."""
@@ -286,8 +295,10 @@ class Averaging:
 
         self._next_id = int(data["next_id"])
         for k, b in enumerate(books):
+            b = {key: v for key, v in b.items() if key != "quorum"}  # saved before voters
             self.stages[k] = StageBook(
                 **{**b, "round": rnd(b["round"]), "last": rnd(b["last"]),
+                   "voters": set(b.get("voters", ())),
                    "history": {int(s): AvgRound(**r) for s, r in b["history"].items()}}
             )  # fmt: skip
 

@@ -33,10 +33,12 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
@@ -144,15 +146,50 @@ class Committer:
 @dataclass
 class Reexecution:
     """What a validator computed: the payload, the commitments, and the local states kept
-    at the commitment indices asked for (to hand a referee the start of a segment)."""
+    at the commitment indices asked for (to hand a referee the start of a segment; in
+    memory, or `SpilledStates` on disk)."""
 
     payload: bytes
     commitments: list[Commitment]
-    states: dict[int, dict[str, torch.Tensor]]
+    states: Mapping[int, dict[str, torch.Tensor]]
     steps: int
     commit_every: int
     end: Commitment | None = None  # H3: the local state after make_contribution (step = steps)
-    end_state: dict[str, torch.Tensor] | None = None
+
+
+class SpilledStates(Mapping[int, dict[str, torch.Tensor]]):
+    """Local states kept on disk, one raw file each under `root`: the tensors of `like`'s
+    names, shapes and dtypes, in sorted name order, written and read one tensor at a time.
+    A validator keeps every commitment's state for a dispute that rarely comes; at 124M
+    each is weights + AdamW moments, 1.5 GB (issue 13 §3), so none stays in memory."""
+
+    def __init__(self, root: Path, like: Mapping[str, torch.Tensor]) -> None:
+        self.root = root
+        self.layout = [(k, tuple(like[k].shape), like[k].dtype) for k in sorted(like)]
+        self.kept: set[int] = set()
+
+    def put(self, i: int, state: Mapping[str, torch.Tensor]) -> None:
+        with open(self.root / f"state-{i}.bin", "wb") as f:
+            for name, _, _ in self.layout:
+                f.write(state[name].detach().contiguous().cpu().numpy().tobytes())
+        self.kept.add(i)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if i not in self.kept:
+            raise KeyError(i)
+        out = {}
+        with open(self.root / f"state-{i}.bin", "rb") as f:
+            for name, shape, dtype in self.layout:
+                t = torch.empty(shape, dtype=dtype)
+                f.readinto(t.numpy().reshape(-1).view(np.uint8))
+                out[name] = t
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self.kept))
+
+    def __len__(self) -> int:
+        return len(self.kept)
 
 
 def require_reexecutable(strategy: Strategy) -> None:
@@ -172,14 +209,20 @@ def reexecute(
     keep_states: Iterable[int] = (),
     previous_end: dict[str, torch.Tensor] | None = None,
     previous_accepted: bool = True,
+    spill_dir: Path | None = None,
+    consume_previous_end: bool = False,
 ) -> Reexecution:
     """Train a round from `start_state` exactly as a worker does (begin_round from
     `previous_end`/`previous_accepted`, the worker's committed end state of its previous
     round (None: a fresh start), `steps` inner steps on batch_fn(0..steps-1),
     make_contribution) and commit every k steps; `end` commits to the state after it.
 
-    `strategy` is the validator's own instance; its local state is overwritten. ValueError
-    for a strategy that is not re-executable, a keep_states index the round lacks, or an
+    `strategy` is the validator's own instance; its local state is overwritten. The
+    states of `keep_states` are kept in memory, or with `spill_dir` on disk there
+    (`SpilledStates`, valid while the directory is). `consume_previous_end`: empty the
+    `previous_end` dict once it is loaded, so its tensors (weights + moments) are freed
+    for the steps; the caller must not read it again. ValueError for a
+    strategy that is not re-executable, a keep_states index the round lacks, or an
     unusable previous_end."""
     require_reexecutable(strategy)
     points = commitment_steps(steps, commit_every)
@@ -187,18 +230,30 @@ def reexecute(
     if bad := sorted(i for i in keep if not 0 <= i < len(points)):
         raise ValueError(f"keep_states {bad}: the round has commitments 0..{len(points) - 1}")
     strategy.begin_round(start_state, previous_end, previous_accepted)
+    if consume_previous_end and previous_end is not None:
+        previous_end.clear()  # copied into the strategy (the caller's frame keeps the dict)
     committer = Committer(strategy, start_state, commit_every)
-    states = {0: strategy.local_state()} if 0 in keep else {}
+    states: dict[int, dict[str, torch.Tensor]] | SpilledStates = {}
+    if spill_dir is not None:
+        states = SpilledStates(spill_dir, strategy.local_state_layout())
+
+    def kept(i: int) -> None:
+        if isinstance(states, SpilledStates):
+            states.put(i, strategy.local_state(copy=False))
+        else:
+            states[i] = strategy.local_state()
+
+    if 0 in keep:
+        kept(0)
     for step in range(steps):
         strategy.inner_step(batch_fn(step))
         done = step + 1
         committer.after_step(done)
         if done % commit_every == 0 and done < steps and done // commit_every in keep:
-            states[done // commit_every] = strategy.local_state()
+            kept(done // commit_every)
     payload = strategy.make_contribution().payload
-    end_state = strategy.local_state()
-    end = commitment_of(end_state, start_state.params, steps)
-    return Reexecution(payload, committer.commitments, states, steps, commit_every, end, end_state)
+    end = commitment_of(strategy.local_state(copy=False), start_state.params, steps)
+    return Reexecution(payload, committer.commitments, states, steps, commit_every, end)
 
 
 @dataclass(frozen=True)
