@@ -22,6 +22,7 @@ from covey.coordinator.sharding import (
 from covey.peer.aggregator import (
     certified_shard,
     check_certificate,
+    computed_from,
     shard_purpose,
 )
 from covey.trust.identity import Identity
@@ -80,6 +81,8 @@ class Run:
         self.banned.add(peer)
 
     def signed(self, who: str, action: str, **body: Any) -> dict[str, Any]:
+        if action == "publish" and "board" not in body:  # what it computed from
+            body["board"] = computed_from(self.board.view(3), body["index"])
         body = {"run_id": "run1", "peer_id": who, **body}
         return self.keys[who].sign_request(body, 3, purpose=shard_purpose(3, action))
 
@@ -114,7 +117,9 @@ def test_a_lying_aggregator_is_slashed_and_its_shards_pass_on() -> None:
     (ev,) = run.evidence
     assert ev["published"]["peer_id"] == liar and ev["published"]["hash"] == "f" * 64
     assert ev["truth"] == run.truth[ev["shard"]] and ev["published"]["index"] == ev["shard"]
-    assert ev["inputs"] == [["w" * 16, "d" * 64, 1]] and ev["start_hash"] == "a" * 64
+    assert ev["board"]["inputs"] == [["w" * 16, "d" * 64, 1.0]]
+    assert ev["board"]["start_hash"] == "a" * 64 and ev["start_cid"] == "c" * 64
+    assert ev["published"]["board"] == computed_from(run.board.view(3), ev["shard"])
     assert outcomes.count("fraud") == 1 and "agree" in outcomes
     with pytest.raises(ShardError, match="excluded"):  # the liar cannot publish again
         run.board.publish(3, run.signed(liar, "publish", index=2, hash="e" * 64, url="x"))
@@ -134,6 +139,8 @@ def test_refusals_change_nothing() -> None:
         run.board.publish(3, {**body, "hash": "2" * 64})
     with pytest.raises(ShardError, match="bad signature"):  # signed for another endpoint
         run.board.publish(3, run.signed(who, "check", index=0, hash="1" * 64, url="x"))
+    with pytest.raises(ShardError, match="not this round's board of shard 0"):
+        run.board.publish(3, run.signed(who, "publish", index=0, hash="1" * 64, board="9" * 64))
     assert run.shard(0)["published"] is None
     # a checker that is wrong convicts nobody
     run.board.publish(3, run.signed(who, "publish", index=0, hash=run.truth[0], url="x"))

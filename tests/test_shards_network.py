@@ -17,6 +17,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from covey.trust import audit
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book
 from covey.trust.ledger import LedgerError, append, read_entries
+from covey.trust.shard_evidence import board_digest
 
 pytestmark = [pytest.mark.network]
 
@@ -338,8 +340,9 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
     """`covey ledger verify --recompute` recomputes the shard behind the liar's slash from
     the run's blobs, over HTTP and from the data directory. A coordinator that appends a
     slash of an honest aggregator is caught: citing its real signed hash (the ledger alone
-    cannot tell; the recomputation gives that very hash), a hash it never signed, or no
-    evidence at all."""
+    cannot tell; the recomputation gives that very hash), a hash it never signed, no
+    evidence at all, or the honest hash of a board it misled the aggregator with (other
+    weights: found by a review), whether the evidence gives that board or the real one."""
     cluster, aggs = round0["cluster"], round0["aggs"]
     for source in (cluster.url, cluster.data_dir):
         report = audit.verify(source, recompute=True)
@@ -347,28 +350,82 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
     entries = read_entries(cluster.data_dir / audit.DB_FILE)
     (real,) = [e.payload for e in entries if e.type == "slash"]
     assert real["peer_id"] == aggs.liar and real["evidence"]["published"]["peer_id"] == aggs.liar
-    # an honest aggregator's certified shard, published and signed by it
+    # an honest aggregator's certified shard, published and signed by it with its board
     shard_cert = round0["http"].get("/v1/shards/0").json()["certificate"]
     keys = {k.peer_id: k for k in aggs.keys}
     honest = next(s for s in shard_cert["shards"] if s["aggregator"] in keys)
-    body = {"run_id": cluster.run_id, "peer_id": honest["aggregator"], "index": honest["index"],
-            "hash": honest["hash"], "cid": honest["cid"], "url": ""}  # fmt: skip
-    signed = keys[honest["aggregator"]].sign_request(body, 0, purpose=shard_purpose(0, "publish"))
+    i, bounds = honest["index"], shard_cert["bounds"]
+    board = {**real["evidence"]["board"], "span": [bounds[i], bounds[i + 1]]}
+
+    def publish(board: dict[str, Any], hash: str) -> dict[str, Any]:
+        body = {"run_id": cluster.run_id, "peer_id": honest["aggregator"], "index": i,
+                "hash": hash, "cid": honest["cid"], "url": ""}  # fmt: skip
+        body["board"] = board_digest(**board)
+        key = keys[honest["aggregator"]]
+        return key.sign_request(body, 0, purpose=shard_purpose(0, "publish"))
+
     frame = {"round": 0, "peer_id": honest["aggregator"], "reason": "wrong aggregate"}
-    evidence = {**real["evidence"], "shard": honest["index"], "published": signed}
-    evidence["truth"] = "0" * 64
+    evidence = {**real["evidence"], "shard": i, "board": board, "truth": "0" * 64}
+    evidence["published"] = publish(board, honest["hash"])
     framed = _forged(cluster, tmp_path, "framed", {**frame, "evidence": evidence})
     assert audit.verify(framed).shard_slashes == 2  # the ledger alone cannot tell
     with pytest.raises(LedgerError, match="an honest aggregator was slashed"):
         audit.verify(framed, recompute=True)
-    made_up = {**evidence, "published": {**signed, "hash": "1" * 64}}
+    made_up = {**evidence, "published": {**evidence["published"], "hash": "1" * 64}}
     with pytest.raises(LedgerError, match="is not signed by"):
         audit.verify(_forged(cluster, tmp_path, "made-up", {**frame, "evidence": made_up}))
     with pytest.raises(LedgerError, match="carries no shard evidence"):
         audit.verify(_forged(cluster, tmp_path, "bare", frame))
+    # misled: the board it was served weighs the inputs the other way round
+    inputs = board["inputs"]
+    weights = [w for _, _, w in inputs][::-1]
+    reversed_weights = [[p, c, w] for (p, c, _), w in zip(inputs, weights, strict=True)]
+    misled = {**board, "inputs": reversed_weights}
+    assert misled != board
+    signed = publish(misled, "2" * 64)  # its honest hash of that board, whatever it is
+    cases = (("misled", misled, "no accepted contribution"),
+             ("certified", board, "does not name the board"))  # fmt: skip
+    for name, cited, why in cases:
+        forged = {**evidence, "published": signed, "board": cited}
+        with pytest.raises(LedgerError, match=why):
+            audit.verify(_forged(cluster, tmp_path, name, {**frame, "evidence": forged}))
     # the command line says so, and exits 1
     result = CliRunner().invoke(app, ["ledger", "verify", "--recompute", str(framed)])
     assert result.exit_code == 1 and "an honest aggregator was slashed" in result.output
     result = CliRunner().invoke(app, ["ledger", "verify", "--recompute", str(cluster.data_dir)])
     assert result.exit_code == 0, result.output
     assert "1 slash(es) of aggregators checked recomputed" in result.output
+
+
+def test_a_blob_source_cannot_feed_the_auditor_without_bound() -> None:
+    """Found by a review: `--recompute URL` read each blob whole, unbounded, before its
+    hash was checked; the source is the party under audit. Now the run's blob client
+    fetches it: a body past what the blob can be (`max_bytes`) fails at once."""
+    sent = [0]
+    chunk, cap = 1 << 20, 8 << 20
+
+    class Endless(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.end_headers()
+            try:
+                for _ in range(160):
+                    self.wfile.write(b"\0" * chunk)
+                    sent[0] += chunk
+            except OSError:
+                pass
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fetch = audit._blob_fetcher(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(audit.SourceError, match="cannot fetch blob"):
+            fetch("ab" * 32, cap)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert sent[0] <= cap + 8 * chunk, f"the auditor was sent {sent[0] >> 20} MiB of one blob"

@@ -35,7 +35,7 @@ from covey.algorithms.shards import (
 )
 from covey.peer.aggregator import certificate_message, shard_purpose
 from covey.trust.identity import Identity, request_message, verify
-from covey.trust.shard_evidence import evidence
+from covey.trust.shard_evidence import board_digest, board_fields, evidence
 
 if TYPE_CHECKING:
     from .service import Coordinator
@@ -185,18 +185,18 @@ class ShardBoard:
             return self._evidence(self._get(round), shard, truth)
 
     @staticmethod
-    def _evidence(rnd: ShardRound, shard: int, truth: str) -> dict[str, Any]:
+    def _board(rnd: ShardRound, shard: int) -> dict[str, Any]:
+        """What an aggregator of `shard` computes from (covey.trust.shard_evidence)."""
         ins = rnd.inputs
         rows = zip(ins["contributions"], ins["weights"], strict=True)
-        return evidence(
-            rnd.round,
-            shard,
-            rnd.published[shard]["signed"],
-            rnd.start_hash,
-            ins["start_cid"],
-            [(c["peer_id"], c["cid"], int(w)) for c, w in rows],
-            truth,
-        )
+        return board_fields(
+            rnd.round, rnd.start_hash, rnd.plan.span(shard), rnd.plan.numel,
+            [(c["peer_id"], c["cid"], w) for c, w in rows], ins["norms"],
+        )  # fmt: skip
+
+    def _evidence(self, rnd: ShardRound, shard: int, truth: str) -> dict[str, Any]:
+        signed, board = rnd.published[shard]["signed"], self._board(rnd, shard)
+        return evidence(rnd.round, shard, signed, board, rnd.inputs["start_cid"], truth)
 
     def discard(self, round: int) -> None:
         with self._lock:
@@ -235,6 +235,11 @@ class ShardBoard:
                 raise ShardError(409, f"shard {shard} of round {round} is not {peer[:12]}'s")
             if shard in rnd.published:
                 raise ShardError(409, f"shard {shard} of round {round} is published already")
+            if body.get("board") != board_digest(**self._board(rnd, shard)):
+                raise ShardError(
+                    422, f"the publish names board {str(body.get('board'))[:16]!r}, not this "
+                    f"round's board of shard {shard} (board_digest of round, start, span, inputs)",
+                )  # fmt: skip
             rnd.published[shard] = {
                 "hash": value,
                 "aggregator": peer,

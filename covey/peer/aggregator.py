@@ -42,6 +42,7 @@ from covey.config import DiLoCoConfig
 from covey.protocol.checkpoint import state_from_bytes
 from covey.protocol.content import content_id
 from covey.trust.identity import Identity, canonical_json, request_purpose, verify
+from covey.trust.shard_evidence import board_digest
 
 log = logging.getLogger("covey.aggregator")
 
@@ -49,6 +50,16 @@ log = logging.getLogger("covey.aggregator")
 READY_EVERY_S = 10.0
 #: concurrent range reads of one shard's slices of the contributions
 READERS = 8
+
+
+def computed_from(board: dict[str, Any], index: int) -> str:
+    """The board digest of shard `index` of a `GET /v1/shards` board: what `compute` reads."""
+    shard, inputs = board["shards"][index], board["inputs"]
+    rows = zip(inputs["contributions"], inputs["weights"], strict=True)
+    return board_digest(
+        board["round"], board["start_hash"], (shard["start"], shard["end"]), board["numel"],
+        [(c["peer_id"], c["cid"], w) for c, w in rows], inputs["norms"],
+    )  # fmt: skip
 
 
 def shard_purpose(round: int, action: str) -> str:
@@ -204,7 +215,10 @@ class ShardAggregator:
                 continue
             p, m, h = self.compute(board, i, start_state)
             cid = self.store.put(shard_to_bytes(p, m))  # checker: a second source if agreed
-            body = {"index": i, "hash": h, "cid": cid, "url": self.blob_url}
+            # signed with the hash: what it was computed from, so the hash can be judged
+            # only against that (covey.trust.shard_evidence)
+            body = {"index": i, "hash": h, "cid": cid, "url": self.blob_url,
+                    "board": computed_from(board, i)}  # fmt: skip
             answer = self._post(round, action, body)
             done.append(f"{action} shard {i}: {answer.get('outcome', answer.get('error'))}")
             board = self.board(round)

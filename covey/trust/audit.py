@@ -48,6 +48,7 @@ class VerifyReport:
     compared_at: int | None
     shard_slashes: int = 0
     recomputed: bool = False
+    pending_slashes: int = 0  # of aggregators in a round not certified yet
 
     @property
     def accounts(self) -> int:
@@ -115,11 +116,13 @@ def verify(
             snapshot = book.summary()
     if reported is not None and snapshot is not None:
         _compare(reported, snapshot)
-    verdicts = check_slashes(entries)
+    verdicts, pending = check_slashes(entries)
     if recompute and verdicts:
         spec = next(e.payload["spec"] for e in entries if e.type == "run created")
         recompute_shards(verdicts, spec, _blob_fetcher(source), progress)
-    return VerifyReport(len(entries), key, book.summary(), covered, len(verdicts), recompute)
+    return VerifyReport(
+        len(entries), key, book.summary(), covered, len(verdicts), recompute, len(pending)
+    )
 
 
 def _has_blobs(source: str | Path) -> bool:
@@ -127,38 +130,38 @@ def _has_blobs(source: str | Path) -> bool:
     return text.startswith(("http://", "https://")) or Path(source).is_dir()
 
 
-def _blob_fetcher(source: str | Path) -> Callable[[str], bytes]:
-    """A blob's bytes by content id from the source's blob plane, checked against the id.
-    SourceError when it cannot be read or is not what its id names."""
+def _blob_fetcher(source: str | Path) -> Callable[[str, int], bytes]:
+    """`fetch(cid, max_bytes)`: a blob's bytes by content id from the source's blob plane,
+    checked against the id, at most `max_bytes` (what the blob can be: a contribution, a
+    state). Over HTTP, covey's blob client: bounded waits and a minimum rate, so a source
+    can neither hold the audit nor fill its memory. SourceError when it cannot be read or
+    is not what its id names."""
     text = str(source)
-
-    def checked(cid: str, data: bytes) -> bytes:
-        if content_id(data) != cid:
-            raise SourceError(f"blob {cid[:16]} from {text} is not what its id names")
-        return data
-
     if text.startswith(("http://", "https://")):
-        import httpx
+        from covey.blobs import BlobClient, BlobError
 
-        def over_http(cid: str) -> bytes:
+        def over_http(cid: str, max_bytes: int) -> bytes:
+            client = BlobClient(timeout_s=HTTP_TIMEOUT_S, max_bytes=max_bytes)
             try:
-                with httpx.Client(timeout=HTTP_TIMEOUT_S, trust_env=False) as client:
-                    response = client.get(f"{text.rstrip('/')}/v1/blobs/{cid}")
-                    response.raise_for_status()
-            except httpx.HTTPError as e:
+                return client.fetch(cid, [text.rstrip("/")])
+            except (BlobError, ValueError) as e:
                 raise SourceError(f"cannot fetch blob {cid[:16]} from {text}: {e}") from None
-            return checked(cid, response.content)
 
         return over_http
     root = Path(source) / "blobs"
 
-    def from_disk(cid: str) -> bytes:
+    def from_disk(cid: str, max_bytes: int) -> bytes:
         if len(cid) != 64 or not all(ch in "0123456789abcdef" for ch in cid):
             raise SourceError(f"{cid[:80]!r} is not a content id")
         path = root / cid[:2] / cid
         if not path.is_file():
             raise SourceError(f"blob {cid[:16]} is not in {root} (collected already?)")
-        return checked(cid, path.read_bytes())
+        if path.stat().st_size > max_bytes:
+            raise SourceError(f"blob {cid[:16]} is larger than it can be ({max_bytes} bytes)")
+        data = path.read_bytes()
+        if content_id(data) != cid:
+            raise SourceError(f"blob {cid[:16]} in {root} is not what its id names")
+        return data
 
     return from_disk
 

@@ -72,6 +72,11 @@ def verify(
             f"{report.shard_slashes} slash(es) of aggregators checked {how} differs from the "
             "hash its aggregator signed"
         )
+    if report.pending_slashes:
+        typer.echo(
+            f"{report.pending_slashes} slash(es) of aggregators in a round not certified yet: "
+            "their evidence is checked once it is"
+        )
     if (halted := report.summary.get("halted")) is not None:  # the owner's signed HALT
         typer.echo(
             f"run HALTED by its owner at round {halted['round']} (entry {halted['index']}): "

@@ -1,55 +1,80 @@
 """What a slashed aggregator's verdict rests on, checked from outside the coordinator
 (issue 13 §1: a wrong shard is a provable fraud).
 
-A "slash" ledger entry against an aggregator (a validator drawn for sharded aggregation,
-covey.coordinator.sharding) carries `evidence`:
+An aggregator's signed publish of a shard's hash names, as `board`, the digest of what it
+computed from (`board_digest`: the round, its start state's hash, the shard's span, the
+inputs with their weights and norms). A "slash" ledger entry against an aggregator (a
+validator drawn for sharded aggregation, covey.coordinator.sharding) carries `evidence`:
 
     {"kind": "shard", "round", "shard", "published": the aggregator's signed publish body,
-     "start_hash", "start_cid", "inputs": [[peer_id, cid, tokens], ...] by peer id,
-     "truth": the hash the referee recomputed}
+     "board": the fields its digest covers, "start_cid", "truth": the referee's hash}
 
 `check_slashes` (every `covey ledger verify`) needs only the ledger: the publish carries the
-aggregator's own signature over its hash, so the coordinator cannot put a hash in its mouth;
-the inputs are the round's certified contributions (each a "contribution accepted" entry,
-the set the round certificate names) and the start state is the previous certificate's; the
-published hash is not the referee's. `recompute` (`covey ledger verify --recompute`) then
-rebuilds the run's model from its spec, fetches the start state (round 0's must be the
-spec's seeded weights, unless the spec warm-starts) and the contributions, and recomputes
-the shard as the referee did (covey.algorithms.shards): the slash stands only if the
-aggregator's hash is not what the inputs give. Any failure is a LedgerError naming the
-slash entry.
+aggregator's own signature over its hash and the board's digest, so the coordinator can
+put neither in its mouth; the board must be the round's certified inputs (each a
+"contribution accepted" entry, by peer id, weighted by its tokens: the set the round
+certificate names) from the state the previous certificate names, or the coordinator
+misled the aggregator and the slash is void; and the published hash is not the referee's.
+`recompute` (`covey ledger verify --recompute`) then rebuilds the run's model from its
+spec, checks the board's span, size and norms against it and the blobs, fetches the start
+state (round 0's must be the spec's seeded weights, unless the spec warm-starts) and the
+contributions, and recomputes the shard from exactly the signed board, as the referee did
+(covey.algorithms.shards): the slash stands only if the aggregator's hash is not what its
+board gives. Any failure is a LedgerError naming the slash entry.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from covey.trust.identity import request_message, request_purpose, verify
+from covey.trust.identity import canonical_json, request_message, request_purpose, verify
 from covey.trust.ledger import Entry, LedgerError
+
+
+def board_digest(
+    round: int,
+    start_hash: str,
+    span: tuple[int, int],
+    numel: int,
+    inputs: Sequence[tuple[str, str, float]],
+    norms: Sequence[float] | None,
+) -> str:
+    """The digest of what an aggregator computes shard `span` of round `round` from:
+    `inputs` (peer id, contribution cid, weight) in the board's order, their norms."""
+    body = {"round": round, "start_hash": start_hash, "span": [int(span[0]), int(span[1])],
+            "numel": int(numel), "inputs": [[p, c, float(w)] for p, c, w in inputs],
+            "norms": None if norms is None else [float(x) for x in norms]}  # fmt: skip
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def board_fields(
+    round: int,
+    start_hash: str,
+    span: tuple[int, int],
+    numel: int,
+    inputs: Sequence[tuple[str, str, float]],
+    norms: Sequence[float] | None,
+) -> dict[str, Any]:
+    """`board_digest`'s arguments as evidence carries them."""
+    return {"round": round, "start_hash": start_hash, "span": [int(span[0]), int(span[1])],
+            "numel": int(numel), "inputs": [[p, c, float(w)] for p, c, w in inputs],
+            "norms": None if norms is None else [float(x) for x in norms]}  # fmt: skip
 
 
 def evidence(
     round: int,
     shard: int,
     published: dict[str, Any],
-    start_hash: str,
+    board: dict[str, Any],
     start_cid: str,
-    inputs: Sequence[tuple[str, str, int]],
     truth: str,
 ) -> dict[str, Any]:
     """A slash entry's `evidence` for shard `shard` of round `round` (see the module)."""
-    return {
-        "kind": "shard",
-        "round": round,
-        "shard": shard,
-        "published": published,
-        "start_hash": start_hash,
-        "start_cid": start_cid,
-        "inputs": [[p, c, int(t)] for p, c, t in sorted(inputs)],
-        "truth": truth,
-    }
+    return {"kind": "shard", "round": round, "shard": shard, "published": published,
+            "board": board, "start_cid": start_cid, "truth": truth}  # fmt: skip
 
 
 def publish_purpose(round: int) -> str:
@@ -67,17 +92,18 @@ class ShardVerdict:
     aggregator: str
     published: str  # the hash it signed
     truth: str  # the referee's
-    start_hash: str
+    board: dict[str, Any]  # what it signed it computed from (board_fields)
     start_cid: str
-    inputs: tuple[tuple[str, str, int], ...]
 
 
-def check_slashes(entries: Sequence[Entry]) -> list[ShardVerdict]:
-    """Every slash of a validator, checked against the ledger (see the module): its
-    verdicts, or LedgerError naming the first slash whose evidence does not hold."""
+def check_slashes(entries: Sequence[Entry]) -> tuple[list[ShardVerdict], list[int]]:
+    """Every slash of a validator, checked against the ledger (see the module): (its
+    verdicts, the indexes of slashes still pending: their round is not certified yet and
+    the ledger certifies no later round), or LedgerError naming the first slash whose
+    evidence does not hold."""
     run_id, keys, roles = "", {}, {}
     accepted: dict[tuple[int, str], set[tuple[str, int]]] = {}
-    certified: dict[int, tuple[str, set[str]]] = {}
+    certified: dict[int, list[tuple[str, set[str]]]] = {}
     for e in entries:
         p = e.payload
         if e.type == "run created":
@@ -87,12 +113,16 @@ def check_slashes(entries: Sequence[Entry]) -> list[ShardVerdict]:
         elif e.type == "contribution accepted":
             accepted.setdefault((p["round"], p["peer_id"]), set()).add((p["cid"], p["tokens"]))
         elif e.type == "round certificate":
-            certified[p["round"]] = (p["new_hash"], set(p["accepted"]))
-    verdicts = []
+            certified.setdefault(p["round"], []).append((p["new_hash"], set(p["accepted"])))
+    verdicts, pending = [], []
     for e in entries:
         if e.type == "slash" and roles.get(e.payload["peer_id"]) == "validator":
-            verdicts.append(_check(e, run_id, keys, accepted, certified))
-    return verdicts
+            v = _check(e, run_id, keys, accepted, certified)
+            if v is None:
+                pending.append(e.index)
+            else:
+                verdicts.append(v)
+    return verdicts, pending
 
 
 def _check(
@@ -100,8 +130,8 @@ def _check(
     run_id: str,
     keys: dict[str, str],
     accepted: dict[tuple[int, str], set[tuple[str, int]]],
-    certified: dict[int, tuple[str, set[str]]],
-) -> ShardVerdict:
+    certified: dict[int, list[tuple[str, set[str]]]],
+) -> ShardVerdict | None:
     p, i = e.payload, e.index
     who, round_ = p["peer_id"], p["round"]
     ev = p.get("evidence")
@@ -113,44 +143,60 @@ def _check(
         raise fail("carries no shard evidence: nothing shows what it published wrong")
     try:
         shard, pub, truth = int(ev["shard"]), dict(ev["published"]), str(ev["truth"])
-        start_hash, start_cid = str(ev["start_hash"]), str(ev["start_cid"])
-        inputs = tuple((str(a), str(b), int(c)) for a, b, c in ev["inputs"])
-    except (KeyError, TypeError, ValueError) as err:
+        b, start_cid = dict(ev["board"]), str(ev["start_cid"])
+        board = board_fields(
+            int(b["round"]), str(b["start_hash"]), (int(b["span"][0]), int(b["span"][1])),
+            int(b["numel"]), [(str(x), str(y), float(w)) for x, y, w in b["inputs"]],
+            None if b["norms"] is None else [float(x) for x in b["norms"]],
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError, IndexError) as err:
         raise fail(f"malformed evidence ({err!r})") from None
-    if ev.get("round") != round_:
-        raise fail(f"its evidence is for round {ev.get('round')!r}")
+    if ev.get("round") != round_ or board["round"] != round_:
+        raise fail(f"its evidence is for round {ev.get('round')!r} / {board['round']!r}")
     if pub.get("peer_id") != who or pub.get("index") != shard or pub.get("run_id") != run_id:
         raise fail(f"the publish it cites is not its own of shard {shard} in this run")
     signature = pub.get("signature")
     message = request_message(pub, round_, publish_purpose(round_))
     if not isinstance(signature, str) or not verify(keys.get(who, ""), message, signature):
         raise fail(f"the publish of shard {shard} it cites is not signed by {who}")
+    if pub.get("board") != board_digest(**board):
+        raise fail("the publish it cites does not name the board its evidence gives")
     published = pub.get("hash")
     if not isinstance(published, str) or published == truth:
         raise fail(f"its own evidence gives shard {shard} the hash it published")
-    peers = [x[0] for x in inputs]
+    # the board must be the round's: else the coordinator misled the aggregator
+    if len(certified.get(round_, [])) > 1 or len(certified.get(round_ - 1, [])) > 1:
+        raise fail(f"the ledger certifies round {round_} or {round_ - 1} more than once")
+    peers = [x[0] for x in board["inputs"]]
     if peers != sorted(set(peers)):
-        raise fail("its inputs are not one contribution per peer, by peer id")
-    for peer, cid, tokens in inputs:
-        if (cid, tokens) not in accepted.get((round_, peer), set()):
-            raise fail(f"input {cid[:16]} of {peer} is no accepted contribution of the round")
-    if round_ in certified and certified[round_][1] != set(peers):
-        raise fail("its inputs are not the contributions the round certificate names")
-    if round_ - 1 in certified and certified[round_ - 1][0] != start_hash:
-        raise fail(f"its start state {start_hash[:16]} is not round {round_ - 1}'s")
-    return ShardVerdict(i, round_, shard, who, published, truth, start_hash, start_cid, inputs)
+        raise fail("its board's inputs are not one contribution per peer, by peer id")
+    for peer, cid, weight in board["inputs"]:
+        if not any(c == cid and float(t) == weight for c, t in accepted.get((round_, peer), ())):
+            raise fail(f"board input {cid[:16]} of {peer} is no accepted contribution")
+    if round_ not in certified:
+        if any(r > round_ for r in certified):
+            raise fail(f"round {round_} was never certified, though later rounds were")
+        return None  # pending: the round's certificate is still to come
+    if certified[round_][0][1] != set(peers):
+        raise fail("its board's inputs are not the contributions the round certificate names")
+    if round_ > 0 and certified.get(round_ - 1, [("", set())])[0][0] != board["start_hash"]:
+        raise fail(f"its board starts from {board['start_hash'][:16]}, not round {round_ - 1}'s")
+    return ShardVerdict(i, round_, shard, who, published, truth, board, start_cid)
 
 
 def recompute(
     verdicts: Sequence[ShardVerdict],
     spec: dict[str, Any],
-    fetch: Callable[[str], bytes],
+    fetch: Callable[[str, int], bytes],
     progress: Callable[[str], None] | None = None,
 ) -> None:
-    """Recompute each verdict's shard from its inputs (`fetch(cid)`: a blob's bytes,
-    checked against its content id by the caller) with the run's model, codec, robust
-    aggregation and outer step, as the referee does. LedgerError naming the slash whose
-    shard is not what the referee said, or whose aggregator published the truth."""
+    """Recompute each verdict's shard from exactly the board its aggregator signed
+    (`fetch(cid, max_bytes)`: a blob's bytes, at most max_bytes, checked against its
+    content id by the caller) with the
+    run's model, codec, robust aggregation and outer step, as the referee does, after
+    checking the board against the spec (span, size) and the blobs (norms, start state).
+    LedgerError naming the slash whose board is not the round's, whose shard is not what
+    the referee said, or whose aggregator published the truth."""
     if not verdicts:
         return
     import torch
@@ -168,7 +214,7 @@ def recompute(
     from covey.config import DiLoCoConfig, RunConfig
     from covey.data.tokenizer import load_tokenizer
     from covey.models.source import build_run_model
-    from covey.protocol.checkpoint import state_from_bytes
+    from covey.protocol.checkpoint import CheckpointError, state_from_bytes
 
     cfg = RunConfig.model_validate(spec)
     algo, trust = cfg.algorithm, cfg.trust
@@ -189,28 +235,46 @@ def recompute(
     template = TrainState({n: p.detach().clone() for n, p in model.named_parameters()})
     numel = sum(template.params[n].numel() for n in names)
     plan = plan_shards(numel, trust.shards, codec_align(codec) or 1)
+    clipped = isinstance(rule, NormClip) and rule.factor > 0
+    # the largest a contribution and a state (params + outer momentum, a header) can be
+    payload_cap = codec.nbytes(numel)
+    state_cap = 2 * sum(t.numel() * t.element_size() for t in template.params.values()) + (1 << 20)
     for v in verdicts:
         if progress is not None:
             progress(f"recomputing shard {v.shard} of round {v.round} (slash #{v.index})")
-        start = state_from_bytes(fetch(v.start_cid), template)
-        if start.digest() != v.start_hash:
-            raise LedgerError(v.index, f"start state {v.start_cid[:16]} is not {v.start_hash[:16]}")
-        if v.round == 0 and not cfg.model.init and start.digest() != template.digest():
-            raise LedgerError(  # no certificate before it: the spec's seeded weights are
-                v.index, f"round 0's start state {v.start_hash[:16]} is not the run's seeded one"
+
+        def void(why: str, v: ShardVerdict = v) -> LedgerError:
+            return LedgerError(
+                v.index, f"slash of aggregator {v.aggregator} (round {v.round}): {why}"
             )
-        params, momentum = flat_state(start, names)
+
+        board = v.board
         a, b = plan.span(v.shard)
-        blobs = [fetch(cid) for _, cid, _ in v.inputs]
-        slices = [read_slice(codec, numel, a, b, lambda x, y, d=d: d[x:y]) for d in blobs]
-        norms = None
-        if isinstance(rule, NormClip) and rule.factor > 0:
-            norms = [l2_norm(codec.decode(d, numel)) for d in blobs]
+        if board["numel"] != numel or tuple(board["span"]) != (a, b):
+            raise void(f"its board's span {board['span']} of {board['numel']} is not the "
+                       f"run's shard {v.shard}, [{a}, {b}) of {numel}")  # fmt: skip
+        try:
+            start = state_from_bytes(fetch(v.start_cid, state_cap), template)
+        except CheckpointError as err:
+            raise void(f"start state {v.start_cid[:16]}: {err}") from None
+        if start.digest() != board["start_hash"]:
+            raise void(f"start state {v.start_cid[:16]} is not {board['start_hash'][:16]}")
+        if v.round == 0 and not cfg.model.init and start.digest() != template.digest():
+            raise void(f"round 0's start state {board['start_hash'][:16]} is not the seeded one")
+        params, momentum = flat_state(start, names)
+        blobs = [fetch(cid, payload_cap) for _, cid, _ in board["inputs"]]
+        try:
+            norms = [l2_norm(codec.decode(d, numel)) for d in blobs] if clipped else None
+            slices = [read_slice(codec, numel, a, b, lambda x, y, d=d: d[x:y]) for d in blobs]
+        except ValueError as err:  # CodecError is one: a contribution the codec refuses
+            raise void(f"a contribution does not decode: {err}") from None
+        if norms != board["norms"]:
+            raise void("its board's norms are not the contributions' (the aggregator was misled)")
         with torch.no_grad():
             new_p, new_m = new_shard(
                 rule,
                 slices,
-                [float(t) for _, _, t in v.inputs],
+                [w for _, _, w in board["inputs"]],
                 norms,
                 params[a:b],
                 None if momentum is None else momentum[a:b],
@@ -220,15 +284,8 @@ def recompute(
             )
         got = shard_hash(v.round, v.shard, a, new_p, new_m)
         if got == v.published:
-            raise LedgerError(
-                v.index,
-                f"slash of aggregator {v.aggregator}: shard {v.shard} of round {v.round} "
-                f"recomputes to {got[:16]}, the hash it published: an honest aggregator "
-                "was slashed",
-            )
+            raise void(f"shard {v.shard} recomputes to {got[:16]}, the hash it published: an "
+                       "honest aggregator was slashed")  # fmt: skip
         if got != v.truth:
-            raise LedgerError(
-                v.index,
-                f"slash of aggregator {v.aggregator}: shard {v.shard} of round {v.round} "
-                f"recomputes to {got[:16]}, not the referee's {v.truth[:16]}",
-            )
+            raise void(f"shard {v.shard} recomputes to {got[:16]}, not the referee's "
+                       f"{v.truth[:16]}")  # fmt: skip
