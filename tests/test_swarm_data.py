@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from covey.data.corpus import load_corpus
 from covey.swarm.config import SwarmConfig
 from covey.swarm.trainer import SwarmTrainer, training_tokens
+from tests.tiny_hf import tiny_llama
 
 pytestmark = pytest.mark.network
 
@@ -100,3 +102,37 @@ def test_the_spec_names_its_datas_fingerprint_and_a_trainer_checks_its_copy(
     data.write_text(data.read_text() + ".")
     with pytest.raises(ValueError, match=f"the run names {cfg.data_fingerprint}"):
         training_tokens(cfg)
+
+
+def test_a_received_hf_model_or_tokenizer_without_its_digest_is_refused(tmp_path: Path) -> None:
+    """Found by a review: a spec received with an hf: tokenizer or model and an empty
+    digest matched anything, so a coordinator could name a private directory; a trainer
+    then tokenized with its tokenizer.json (the vocabulary read out through the token
+    ids), a server loaded its weights and published them as its stage state."""
+    private = tiny_llama(tmp_path / "private-model")
+    (private / "tokenizer.json").write_text('{"not": "known to the coordinator"}')
+    with pytest.raises(ValueError, match="without its tokenizer_digest"):
+        SwarmConfig.received({"tokenizer": f"hf:{private}"})
+    with pytest.raises(ValueError, match="without its model_digest"):
+        SwarmConfig.received({"model": f"hf:{private}", "tokenizer": "bytes"})
+
+
+def test_the_model_digest_covers_the_weights(tmp_path: Path) -> None:
+    """Same architecture, other weights: another digest, and a server refuses to build a
+    stage from them (they would be published as its stage state)."""
+    from safetensors.torch import save_file
+
+    from covey.swarm.hfmodel import build_hf_stage
+
+    run = tiny_llama(tmp_path / "run")
+    cfg = SwarmConfig(model=f"hf:{run}", tokenizer="bytes")
+    seeded = cfg.model_digest  # no weights: the config alone, as before weights counted
+    mine = tiny_llama(tmp_path / "mine")
+    emb = {"model.embed_tokens.weight": torch.zeros(320, 64)}
+    save_file(emb, str(run / "model.safetensors"))
+    save_file({k: v + 1 for k, v in emb.items()}, str(mine / "model.safetensors"))
+    cfg = SwarmConfig(model=f"hf:{run}", tokenizer="bytes")
+    assert cfg.model_digest != seeded
+    assert SwarmConfig(model=f"hf:{mine}", tokenizer="bytes").model_digest != cfg.model_digest
+    with pytest.raises(ValueError, match="the run names"):
+        build_hf_stage(cfg.model_copy(update={"model": f"hf:{mine}"}), 0)

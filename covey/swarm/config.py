@@ -32,8 +32,9 @@ class SwarmConfig(Frozen):
     model_digest: str = Field(
         "",
         pattern="^([0-9a-f]{64})?$",
-        description="sha256 of the hf: model's config.json (canonical JSON); filled in from "
-        "the directory when empty, so the run id names the architecture",
+        description="sha256 of the hf: model's config.json (canonical JSON) and weight files; "
+        "filled in from the directory where the spec is made, so the run id names the model "
+        "and a peer loads only the run's files",
     )
     n_layer: int = Field(4, ge=1, description="GPT blocks, cut into `stages` stages")
     n_embd: int = Field(32, ge=8, description="GPT hidden size")
@@ -113,7 +114,18 @@ class SwarmConfig(Frozen):
         """A spec as a peer receives it from the coordinator: validated, nothing filled in.
         A field left empty stays empty: a peer never fills in a digest or fingerprint from
         its own files (a coordinator could send one empty to have it match anything)."""
-        return cls.model_validate(spec, context={"received": True})
+        cfg = cls.model_validate(spec, context={"received": True})
+        if cfg.model.startswith("hf:") and not cfg.model_digest:
+            raise ValueError(
+                f"the spec names model {cfg.model} without its model_digest: a peer loads "
+                "only the files the run names by digest"
+            )
+        if cfg.tokenizer.startswith("hf:") and not cfg.tokenizer_digest:
+            raise ValueError(
+                f"the spec names tokenizer {cfg.tokenizer} without its tokenizer_digest: a "
+                "trainer tokenizes only with the file the run names by digest"
+            )
+        return cfg
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,7 @@ Errors name the values.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -38,10 +39,31 @@ _BUILD = threading.RLock()
 
 
 def model_digest(directory: str | Path) -> str:
-    """sha256 of `directory`'s config.json as canonical JSON (ModelSourceError if bad)."""
+    """sha256 of `directory`'s config.json as canonical JSON and of each *.safetensors
+    file's bytes (ModelSourceError if the config is bad). The weights are in it: a server
+    loads them only when they are the run's, so a coordinator cannot have a server load a
+    private model of the same architecture and publish it as its stage state."""
     raw = read_hf_config(directory)
     canonical = json.dumps(raw, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    files = _weights(Path(directory).expanduser())
+    if not files:  # random init from the seed: the config alone (as before weights counted)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+    h = hashlib.sha256(canonical.encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"|{f.name}|{_file_sha256(str(f), st.st_size, st.st_mtime_ns)}".encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """A weight file's sha256, once per (path, size, mtime): a server builds a stage at
+    every move and resync, and big models' weights take seconds to hash."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def hf_stage_plan(config: Any, stages: int) -> list[list[int]]:
@@ -194,7 +216,8 @@ def _build_hf_stage(cfg: Any, k: int, directory: str, device: torch.device | str
 
     if cfg.model_digest and (got := model_digest(directory)) != cfg.model_digest:
         raise ValueError(
-            f"{directory}/config.json has digest {got[:12]}, the run names {cfg.model_digest[:12]}"
+            f"{directory} (config.json and weights) has digest {got[:12]}, the run names "
+            f"{cfg.model_digest[:12]}"
         )
     bytes_ = not cfg.tokenizer.startswith("hf:")
     check_fits(hf_config(directory), cfg.seq_len, byte_tokens=bytes_)

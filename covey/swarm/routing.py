@@ -179,8 +179,9 @@ class StateWatch:
         whether or not it answers again on an unagreed state, and whichever stage it
         serves now (the rebalancer moves servers)."""
         self.agreed = agreed
-        for stage in agreed:
-            self._newest(stage, now)
+        for stage, ids in agreed.items():
+            if ids:  # none before a stage's first round
+                self._newest(stage, now)
         known = {s for ids in agreed.values() for s in ids}
         for mine in self.clocks.values():
             for s in [s for s in mine if s in known]:
