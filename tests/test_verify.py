@@ -38,6 +38,7 @@ from covey.trust.verify import (
     commitment_steps,
     compare,
     local_state_from_bytes,
+    local_state_from_file,
     local_state_to_bytes,
     reexecute,
     segment_bounds,
@@ -170,6 +171,13 @@ def test_a_validators_kept_states_spill_to_disk_and_read_back_bit_identically(
     for i in points:
         assert local_state_to_bytes(spilled.states[i]) == local_state_to_bytes(kept.states[i])
     assert len(list(tmp_path.iterdir())) == len(points)
+    # a fetched local state is parsed from its file, never bytes and tensors at once
+    (tmp_path / "prev.safetensors").write_bytes(local_state_to_bytes(prev))
+    parsed = local_state_from_file(tmp_path / "prev.safetensors", make(cfg).local_state_layout())
+    assert local_state_to_bytes(parsed) == local_state_to_bytes(prev)
+    (tmp_path / "bad").write_bytes(b"\x08" + b"\0" * 7 + b"not json")
+    with pytest.raises(ValueError, match="not a safetensors local state"):
+        local_state_from_file(tmp_path / "bad", make(cfg).local_state_layout())
     fresh = make(cfg)  # no optimizer state yet: the layout is shapes, not zeros
     layout = fresh.local_state_layout()
     assert {k: (v.shape, v.dtype) for k, v in layout.items()} == {

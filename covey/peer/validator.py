@@ -12,12 +12,14 @@ catches; a false accusation is recorded against them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,34 +276,36 @@ class Validator:
         worker could not have trained from it); an unusable end state becomes an impossible
         commitment (a malformed claim). BlobError when a blob is unavailable."""
         template = self.strategy.local_state_layout()  # shapes only: no zeros made
-        previous_end = None
-        if task.local_state_cid is not None:
-            data = self._fetch_local(task.local_state_cid, sources, task.local_state_size)
-            try:
-                previous_end = verify.local_state_from_bytes(data, template)
-                del data  # parsed: never two local states' bytes at once
-            except ValueError as e:
-                log.warning("[%s] task %d: start state unusable: %s", self.name, task.task_id, e)
+        # the end state first, reduced to its commitment: never two local states at once
         claimed_end = None
         if task.end_state_cid is not None:
-            data = self._fetch_local(task.end_state_cid, sources, task.end_state_size)
-            try:
-                end = verify.local_state_from_bytes(data, template)
-                del data
-                claimed_end = verify.commitment_of(end, start.params, task.inner_steps)
-                del end  # only its commitment is needed
-            except ValueError as e:
-                log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
-                claimed_end = verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()})
+            with self._fetched(task.end_state_cid, sources, task.end_state_size) as path:
+                try:
+                    end = verify.local_state_from_file(path, template)
+                    claimed_end = verify.commitment_of(end, start.params, task.inner_steps)
+                    del end  # only its commitment is needed
+                except ValueError as e:
+                    log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
+                    claimed_end = verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()})
+        previous_end = None
+        if task.local_state_cid is not None:
+            with self._fetched(task.local_state_cid, sources, task.local_state_size) as path:
+                try:
+                    previous_end = verify.local_state_from_file(path, template)
+                except ValueError as e:
+                    log.warning(
+                        "[%s] task %d: start state unusable: %s", self.name, task.task_id, e
+                    )
         return {"previous_end": previous_end, "claimed_end": claimed_end}
 
-    def _fetch_local(self, cid: str, sources: list[str], size: int | None) -> bytes:
-        """A local state's bytes (weights + moments: 2 GB at 124M), streamed to a scratch
-        file and read once: an in-memory fetch holds its chunks and their joined copy
-        (issue 13.3). BlobError as `fetch_into` raises it."""
+    @contextlib.contextmanager
+    def _fetched(self, cid: str, sources: list[str], size: int | None) -> Iterator[Path]:
+        """A local state (weights + moments: 1.5 GB at 124M) streamed to a scratch file,
+        parsed from there tensor by tensor, and removed: an in-memory fetch holds its
+        chunks, their joined copy and the tensors (issue 13 §3). BlobError as `fetch_into`
+        raises it."""
         with tempfile.TemporaryDirectory(prefix="covey-validator-") as scratch:
-            path = self.blobs.fetch_into(BlobStore(Path(scratch)), cid, sources, size=size)
-            return path.read_bytes()
+            yield self.blobs.fetch_into(BlobStore(Path(scratch)), cid, sources, size=size)
 
     def _start_state(self, task: schemas.VerifyTask, sources: list[str]) -> TrainState:
         if self._state is not None and self._state[0] == task.start_cid:

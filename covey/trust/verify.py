@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 
 from covey.algorithms.base import Strategy, TrainState
@@ -457,15 +458,42 @@ def local_state_from_bytes(
     data: bytes, template: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Parse a local state and check it against `template` (e.g. the validator's own
-    `strategy.local_state(copy=False)`): the same names, shapes and dtypes, finite values.
+    `strategy.local_state_layout()`): the same names, shapes and dtypes, finite values.
     Never unpickles. ValueError naming the first problem."""
     try:
         tensors = st_load(data)
         (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + n])
-        meta = json.loads((header.get("__metadata__") or {}).get("covey", "{}"))
+        meta = _local_state_meta(data[8 : 8 + n])
     except (SafetensorError, ValueError, struct.error, TypeError) as e:
         raise ValueError(f"not a safetensors local state: {e}") from None
+    return _checked_local_state(tensors, meta, template)
+
+
+def local_state_from_file(
+    path: Path, template: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`local_state_from_bytes` of a file, read tensor by tensor: the file's bytes are
+    never held next to the tensors (a local state is 1.5 GB at 124M)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 << 20:
+                raise ValueError(f"header of {n} bytes")
+            meta = _local_state_meta(f.read(n))
+        tensors = st_load_file(str(path))
+    except (SafetensorError, ValueError, struct.error, TypeError, OSError) as e:
+        raise ValueError(f"not a safetensors local state: {e}") from None
+    return _checked_local_state(tensors, meta, template)
+
+
+def _local_state_meta(header: bytes) -> Any:
+    parsed = json.loads(header)
+    return json.loads((parsed.get("__metadata__") or {}).get("covey", "{}"))
+
+
+def _checked_local_state(
+    tensors: dict[str, torch.Tensor], meta: Any, template: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     if not isinstance(meta, dict) or meta.get("format") != LOCAL_STATE_FORMAT:
         raise ValueError(f"metadata format is not {LOCAL_STATE_FORMAT!r}")
     if missing := sorted(set(template) - set(tensors)):
