@@ -128,7 +128,7 @@ def test_a_lone_liar_cannot_win_the_agreed_state_by_a_tie() -> None:
     assert avg.stages[0].agreed is None
     assert "resync" not in avg.directive("honest", 0, 1, "a" * 64)
     # a third voter that applied the round settles it; the liar is the one told to resync
-    avg.stages[0].last.reports["third"] = {"cid": "x", "samples": 0, "url": ""}  # type: ignore[union-attr]
+    avg.stages[0].last.reports["third"] = {"cid": "x", "samples": 4, "url": ""}  # type: ignore[union-attr]
     avg.state("third", 0, 1, "a" * 64)
     avg.tick({**after, "third": (0, 1, 0)}, set(), 3.0)
     assert avg.stages[0].agreed == "a" * 64

@@ -45,11 +45,14 @@ class Desk:
 
         self.cfg = SwarmConfig(**{**SETTINGS, **settings})
         self.coord = SwarmCoordinator(self.cfg, tmp / "run")
+        self.coord._seed_states()  # what start() runs in a thread
         self.client, run = TestClient(create_app(self.coord)), self.coord.run_id
         self.stage = build_stage(self.cfg, 0)
         data = state_bytes(self.stage)
         store = BlobStore(tmp / "states")
         self.state = store.put(data)
+        # before the first round the agreed state is the seed's, computed by the coordinator
+        assert self.coord.averaging.stages[0].agreed == self.state
         self.blobs = BlobServer(store)
         self.blobs.start()
         self.ids = {n: Identity.generate() for n in "abct"}

@@ -320,10 +320,16 @@ def test_servers_with_no_work_in_a_round_do_not_carry_the_vote() -> None:
 def test_no_sybil_majority_before_the_first_round() -> None:
     """Step 0 (no round yet): any majority of heartbeats set the agreed state, and every
     honest server holding the seeded weights was told to resync to it. Nobody votes now
-    before the first round."""
+    before the first round: the agreed state is the seed's, which the coordinator builds
+    from the spec (nothing is agreed until it has)."""
     av = Averaging(1, target_samples=10, round_timeout_s=10.0)
     for p in ("h1", "h2"):
         av.state(p, 0, 0, "seeded")
     for p in ("y1", "y2", "y3"):
         av.state(p, 0, 0, "X0")
+    assert av.stages[0].agreed is None
     assert av.directive("h1", 0, 0, "seeded").get("resync") != "X0"
+    av.seed(0, "seeded")
+    assert av.stages[0].agreed == "seeded"
+    assert "resync" not in av.directive("h1", 0, 0, "seeded")
+    assert av.directive("y1", 0, 0, "X0")["resync"] == "seeded"

@@ -11,9 +11,10 @@ for. After a commit every server of the stage at that step fetches every reporte
 keeps its own sum for the next) and reports its new state id. The live servers that
 reported samples to one of the stage's last STANDING_ROUNDS rounds vote (no one else's
 state counts): an id named by more than half of them is the stage's agreed state, and a
-server holding another resyncs from it. Before the first round nobody votes: every server
-builds the seeded weights. An update is accepted when its round commits: a round without
-any sample in by the deadline aborts, and its members keep their gradients for the next.
+server holding another resyncs from it. Before the first round nobody votes: the agreed
+state is the one the coordinator builds from the run's seed (`seed`). An update is
+accepted when its round commits: a round without any sample in by the deadline aborts, and
+its members keep their gradients for the next.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class StageBook:
     samples: int = 0  # accepted samples
     norms: list[float] = field(default_factory=list)  # per-sample norms of the last round
     voters: set[str] = field(default_factory=set)  # who votes on the state (`_voters`)
+    seeded: str | None = None  # the state id at the run's seed, once the coordinator built it
     missed: dict[str, int] = field(default_factory=dict)  # peer -> rounds missed in a row
     benched: dict[str, float] = field(default_factory=dict)  # peer -> kept out until
 
@@ -233,14 +235,24 @@ class Averaging:
         """The agreed state: one named by more than half of the stage's `_voters` (its live
         servers with recent work in a round); other servers' states are not counted. A tie
         agrees on nothing: a lone liar neither wins a coin toss nor gets its state pushed
-        on others as a resync. Before the first committed round there are no voters and no
-        agreed state: every server builds the seeded weights, and none is told to resync."""
+        on others as a resync. Before the first committed round there is no vote: the agreed
+        state is the seeded one the coordinator computed (`seed`), None until it has."""
+        if book.last is None:  # before the first round: the seed's state, not a vote
+            book.agreed = book.seeded
+            return
         votes = Counter(cid for p, cid in book.states.items() if p in book.voters)
         if not votes:
             book.agreed = None
             return
         cid, n = max(votes.items(), key=lambda kv: (kv[1], kv[0]))
         book.agreed = cid if 2 * n > len(book.voters) else None
+
+    def seed(self, stage: int, cid: str) -> None:
+        """`stage`'s state id at the run's seed, computed by the coordinator from the spec:
+        the agreed state until the stage's first round commits."""
+        book = self._book(stage)
+        book.seeded = cid
+        self._agree(book)
 
     def directive(self, peer: str, stage: int, step: int, cid: str | None) -> dict[str, Any]:
         """What a server of `stage` at `step` holding state `cid` does next: join the open

@@ -27,6 +27,7 @@ from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
 from covey.coordinator.membership import Membership
 from covey.coordinator.views import Rejected
+from covey.protocol.content import content_id
 from covey.swarm import evidence
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
@@ -104,6 +105,7 @@ class SwarmCoordinator(PayDesk):
         # checks on a state not agreed yet (a round was applied moments ago): until when
         self._parked: list[tuple[float, str, evidence.Check]] = []
         self._stage_shapes: dict[int, list[tuple[int, ...]] | None] = {}
+        self._seeded: dict[int, str] = {}  # stage -> its state id at the run's seed
         self._shapes_lock = threading.Lock()
         self._verdicts: dict[str, dict[str, Any]] = {}  # settled disputes, by request
         with self.db.transaction() as c:  # ids of paid checks: each request is paid once
@@ -186,6 +188,22 @@ class SwarmCoordinator(PayDesk):
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="swarm-driver", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._seed_states, name="swarm-seeded", daemon=True).start()
+
+    def _seed_states(self) -> None:
+        """Each stage's seeded state id, built here from the spec: a stage's state before
+        its first round is agreed from the run's seed, not by a vote (sybil keys could
+        carry one). Until it is known (or where the stage cannot be built here), nothing
+        is agreed before the first round."""
+        for k in range(self.cfg.stages):
+            if self._stop.is_set():
+                return
+            self._shapes(k)
+            with self._shapes_lock:
+                cid = self._seeded.get(k)
+            if cid is not None:
+                with self.lock:
+                    self.averaging.seed(k, cid)
 
     def stop(self) -> None:
         self._stop.set()
@@ -434,11 +452,12 @@ class SwarmCoordinator(PayDesk):
         then checked for form, dtype and finiteness only."""
         with self._shapes_lock:  # one build at a time (HF stages read files)
             if stage not in self._stage_shapes:
-                from covey.swarm.wire import build_stage
+                from covey.swarm.wire import build_stage, state_bytes
 
                 try:
                     built = build_stage(self.cfg, stage)
                     self._stage_shapes[stage] = [tuple(p.shape) for p in built.params]
+                    self._seeded[stage] = content_id(state_bytes(built))
                 except Exception as e:  # the check degrades (logged); the round goes on
                     log.warning("stage %d cannot be built here (%s): sums unchecked in shape",
                                 stage, e)  # fmt: skip
