@@ -57,8 +57,9 @@ def computed_from(board: dict[str, Any], index: int) -> str:
     shard, inputs = board["shards"][index], board["inputs"]
     rows = zip(inputs["contributions"], inputs["weights"], strict=True)
     return board_digest(
-        board["round"], board["start_hash"], (shard["start"], shard["end"]), board["numel"],
-        [(c["peer_id"], c["cid"], w) for c, w in rows], inputs["norms"],
+        round=board["round"], start_hash=board["start_hash"], span=(shard["start"], shard["end"]),
+        numel=board["numel"], inputs=[(c["peer_id"], c["cid"], w) for c, w in rows],
+        norms=inputs["norms"],
     )  # fmt: skip
 
 

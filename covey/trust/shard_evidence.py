@@ -34,22 +34,6 @@ from covey.trust.identity import canonical_json, request_message, request_purpos
 from covey.trust.ledger import Entry, LedgerError
 
 
-def board_digest(
-    round: int,
-    start_hash: str,
-    span: tuple[int, int],
-    numel: int,
-    inputs: Sequence[tuple[str, str, float]],
-    norms: Sequence[float] | None,
-) -> str:
-    """The digest of what an aggregator computes shard `span` of round `round` from:
-    `inputs` (peer id, contribution cid, weight) in the board's order, their norms."""
-    body = {"round": round, "start_hash": start_hash, "span": [int(span[0]), int(span[1])],
-            "numel": int(numel), "inputs": [[p, c, float(w)] for p, c, w in inputs],
-            "norms": None if norms is None else [float(x) for x in norms]}  # fmt: skip
-    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
-
-
 def board_fields(
     round: int,
     start_hash: str,
@@ -58,10 +42,16 @@ def board_fields(
     inputs: Sequence[tuple[str, str, float]],
     norms: Sequence[float] | None,
 ) -> dict[str, Any]:
-    """`board_digest`'s arguments as evidence carries them."""
+    """What an aggregator computes shard `span` of round `round` from, as evidence carries
+    it: `inputs` (peer id, contribution cid, weight) in the board's order, their norms."""
     return {"round": round, "start_hash": start_hash, "span": [int(span[0]), int(span[1])],
             "numel": int(numel), "inputs": [[p, c, float(w)] for p, c, w in inputs],
             "norms": None if norms is None else [float(x) for x in norms]}  # fmt: skip
+
+
+def board_digest(**fields: Any) -> str:
+    """The digest an aggregator signs with its hash: of `board_fields(**fields)`."""
+    return hashlib.sha256(canonical_json(board_fields(**fields)).encode()).hexdigest()
 
 
 def evidence(
