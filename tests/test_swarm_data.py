@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from covey.cli import app
 from covey.data.corpus import load_corpus
 from covey.swarm.config import SwarmConfig
 from covey.swarm.trainer import SwarmTrainer, training_tokens
@@ -78,6 +80,11 @@ def test_a_coordinator_cannot_have_a_trainer_send_a_file_it_names(evil: FakeCoor
     with pytest.raises(ValueError, match="sends only the data the run's spec was made with"):
         SwarmTrainer(evil.url, name="victim")
     assert evil.requests == ["GET /v1/swarm/spec"]  # nothing sent, nothing joined
+    # the command line says why in one line
+    result = CliRunner().invoke(
+        app, ["swarm", "trainer", "--coordinator", evil.url, "--seconds", "1"]
+    )
+    assert result.exit_code == 2 and "error: the run's data_paths" in result.output
 
 
 def test_the_spec_names_its_datas_fingerprint_and_a_trainer_checks_its_copy(

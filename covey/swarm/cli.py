@@ -141,7 +141,10 @@ def register(app: typer.Typer) -> None:
             stake=stake, port=port, stage=stage, device=where, model=model,
         )  # fmt: skip
         _stop_on_signals(s.stop)
-        serve(s)
+        try:
+            serve(s)
+        except ValueError as e:  # the run's spec refused (covey.swarm.config.received)
+            _fail(str(e))
 
     @swarm.command("trainer")
     def trainer(
@@ -169,7 +172,10 @@ def register(app: typer.Typer) -> None:
         from covey.swarm.trainer import SwarmTrainer, summary
 
         torch.set_num_threads(1)
-        t = SwarmTrainer(coordinator, name=name, inflight=inflight, fixed=fixed, progress=print)
+        try:
+            t = SwarmTrainer(coordinator, name=name, inflight=inflight, fixed=fixed, progress=print)
+        except ValueError as e:  # the spec refused, or this machine's data is not the run's
+            _fail(str(e))
         _stop_on_signals(t.stop)
         t.train(samples=samples, seconds=seconds)
         out = summary(t)
