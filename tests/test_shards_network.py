@@ -27,6 +27,7 @@ import torch
 from typer.testing import CliRunner
 
 from covey.algorithms import Contribution
+from covey.algorithms.shards import read_slice
 from covey.blobs import BlobServer, BlobStore
 from covey.blobs.client import upload_headers
 from covey.cli import app
@@ -45,7 +46,7 @@ from covey.trust import audit
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book
 from covey.trust.ledger import LedgerError, append, read_entries
-from covey.trust.shard_evidence import board_digest
+from covey.trust.shard_evidence import board_digest, reads_digest, recording
 
 pytestmark = [pytest.mark.network]
 
@@ -357,9 +358,30 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
     i, bounds = honest["index"], shard_cert["bounds"]
     board = {**real["evidence"]["board"], "span": [bounds[i], bounds[i + 1]]}
 
-    def publish(board: dict[str, Any], hash: str) -> dict[str, Any]:
+    def reads(board: dict[str, Any], tamper: bool = False) -> str:
+        """The digest of the byte ranges an aggregator of `board` reads (one byte of the
+        first contribution altered in transit with `tamper`)."""
+        logs = []
+        for k, (_, cid, _) in enumerate(board["inputs"]):
+            data, calls = round0["payloads"][cid], [0 if tamper and k == 0 else -1]
+
+            def base(x: int, y: int, d: bytes = data, n: list = calls) -> bytes:
+                out = bytearray(d[x:y])
+                if n[0] >= 0:
+                    n[0] += 1
+                    if n[0] == 2:  # the second range it reads (past the header), one bit
+                        out[-1] ^= 0x01
+                return bytes(out)
+
+            read, log = recording(base)
+            read_slice(round0["setup"].strategy.codec, board["numel"], *board["span"], read)
+            logs.append(log)
+        return reads_digest(logs)
+
+    def publish(board: dict[str, Any], hash: str, tamper: bool = False) -> dict[str, Any]:
         body = {"run_id": cluster.run_id, "peer_id": honest["aggregator"], "index": i,
                 "hash": hash, "cid": honest["cid"], "url": ""}  # fmt: skip
+        body["reads"] = reads(board, tamper)
         body["board"] = board_digest(**board)
         key = keys[honest["aggregator"]]
         return key.sign_request(body, 0, purpose=shard_purpose(0, "publish"))
@@ -389,6 +411,14 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
         forged = {**evidence, "published": signed, "board": cited}
         with pytest.raises(LedgerError, match=why):
             audit.verify(_forged(cluster, tmp_path, name, {**frame, "evidence": forged}))
+    # misled in transit (a review): the coordinator served the aggregator one altered byte
+    # of a contribution's range; it signed the real board, the hash of what it read, and
+    # the digest of those bytes, which are not the contributions'
+    altered = {**evidence, "published": publish(board, "3" * 64, tamper=True)}
+    forged = _forged(cluster, tmp_path, "altered", {**frame, "evidence": altered})
+    assert audit.verify(forged).shard_slashes == 2
+    with pytest.raises(LedgerError, match="not the contributions'"):
+        audit.verify(forged, recompute=True)
     # the command line says so, and exits 1
     result = CliRunner().invoke(app, ["ledger", "verify", "--recompute", str(framed)])
     assert result.exit_code == 1 and "an honest aggregator was slashed" in result.output

@@ -42,7 +42,7 @@ from covey.config import DiLoCoConfig
 from covey.protocol.checkpoint import state_from_bytes
 from covey.protocol.content import content_id
 from covey.trust.identity import Identity, canonical_json, request_purpose, verify
-from covey.trust.shard_evidence import board_digest
+from covey.trust.shard_evidence import board_digest, reads_digest, recording
 
 log = logging.getLogger("covey.aggregator")
 
@@ -118,6 +118,7 @@ class ShardAggregator:
         self.store, self.blob_url, self.deadline_s, self.lie = store, blob_url, deadline_s, lie
         self.http = httpx.Client(timeout=30.0, trust_env=False)
         self.bytes_read = 0  # contribution bytes fetched: the shard's ranges only
+        self.last_reads = ""  # the digest of the ranges `compute` read last (signed)
         self.shards_computed = 0
         self._start: tuple[str, TrainState] | None = None  # (cid, state): one per round
         self._ready_at = 0.0
@@ -166,13 +167,10 @@ class ShardAggregator:
         self.shards_computed += 1
         start, end, numel = shard["start"], shard["end"], board["numel"]
         codec = self.strategy.codec
+        readers = [recording(self._read(c["cid"])) for c in inputs["contributions"]]
         with ThreadPoolExecutor(READERS) as pool:  # range reads are round trips: overlap them
-            slices = list(
-                pool.map(
-                    lambda c: read_slice(codec, numel, start, end, self._read(c["cid"])),
-                    inputs["contributions"],
-                )
-            )
+            slices = list(pool.map(lambda r: read_slice(codec, numel, start, end, r[0]), readers))
+        self.last_reads = reads_digest([log for _, log in readers])  # signed with the hash
         new_p, new_m = new_shard(
             self.strategy.aggregator,
             slices,
@@ -219,7 +217,7 @@ class ShardAggregator:
             # signed with the hash: what it was computed from, so the hash can be judged
             # only against that (covey.trust.shard_evidence)
             body = {"index": i, "hash": h, "cid": cid, "url": self.blob_url,
-                    "board": computed_from(board, i)}  # fmt: skip
+                    "board": computed_from(board, i), "reads": self.last_reads}  # fmt: skip
             answer = self._post(round, action, body)
             done.append(f"{action} shard {i}: {answer.get('outcome', answer.get('error'))}")
             board = self.board(round)

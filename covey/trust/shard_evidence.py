@@ -54,6 +54,26 @@ def board_digest(**fields: Any) -> str:
     return hashlib.sha256(canonical_json(board_fields(**fields)).encode()).hexdigest()
 
 
+def recording(read: Callable[[int, int], bytes]) -> tuple[Callable[[int, int], bytes], list]:
+    """`read` (bytes [a, b) of one contribution), and the log it fills: [a, b, sha256] of
+    each range read, in order. An aggregator reads ranges it cannot check against the
+    blob's content id; it signs their digest (`reads_digest`), so bytes a coordinator
+    altered in transit void any slash over the shard instead of framing it."""
+    log: list[list[Any]] = []
+
+    def logged(a: int, b: int) -> bytes:
+        data = read(a, b)
+        log.append([int(a), int(b), hashlib.sha256(data).hexdigest()])
+        return data
+
+    return logged, log
+
+
+def reads_digest(logs: Sequence[Sequence[Any]]) -> str:
+    """The digest of every input's read log (`recording`), in the board's input order."""
+    return hashlib.sha256(canonical_json([list(x) for x in logs]).encode()).hexdigest()
+
+
 def evidence(
     round: int,
     shard: int,
@@ -84,6 +104,7 @@ class ShardVerdict:
     truth: str  # the referee's
     board: dict[str, Any]  # what it signed it computed from (board_fields)
     start_cid: str
+    reads: str  # the digest of the byte ranges it signed it read (reads_digest)
 
 
 def check_slashes(entries: Sequence[Entry]) -> tuple[list[ShardVerdict], list[int]]:
@@ -151,6 +172,8 @@ def _check(
         raise fail(f"the publish of shard {shard} it cites is not signed by {who}")
     if pub.get("board") != board_digest(**board):
         raise fail("the publish it cites does not name the board its evidence gives")
+    if not isinstance(pub.get("reads"), str):
+        raise fail("the publish it cites names no digest of the bytes it read")
     published = pub.get("hash")
     if not isinstance(published, str) or published == truth:
         raise fail(f"its own evidence gives shard {shard} the hash it published")
@@ -171,7 +194,7 @@ def _check(
         raise fail("its board's inputs are not the contributions the round certificate names")
     if round_ > 0 and certified.get(round_ - 1, [("", set())])[0][0] != board["start_hash"]:
         raise fail(f"its board starts from {board['start_hash'][:16]}, not round {round_ - 1}'s")
-    return ShardVerdict(i, round_, shard, who, published, truth, board, start_cid)
+    return ShardVerdict(i, round_, shard, who, published, truth, board, start_cid, pub["reads"])
 
 
 def recompute(
@@ -253,11 +276,18 @@ def recompute(
             raise void(f"round 0's start state {board['start_hash'][:16]} is not the seeded one")
         params, momentum = flat_state(start, names)
         blobs = [fetch(cid, payload_cap) for _, cid, _ in board["inputs"]]
+        slices, logs = [], []
         try:
             norms = [l2_norm(codec.decode(d, numel)) for d in blobs] if clipped else None
-            slices = [read_slice(codec, numel, a, b, lambda x, y, d=d: d[x:y]) for d in blobs]
+            for d in blobs:
+                read, log = recording(lambda x, y, d=d: d[x:y])
+                slices.append(read_slice(codec, numel, a, b, read))
+                logs.append(log)
         except ValueError as err:  # CodecError is one: a contribution the codec refuses
             raise void(f"a contribution does not decode: {err}") from None
+        if reads_digest(logs) != v.reads:
+            raise void("the bytes it signed it read are not the contributions' (the "
+                       "coordinator served it other bytes)")  # fmt: skip
         if norms != board["norms"]:
             raise void("its board's norms are not the contributions' (the aggregator was misled)")
         with torch.no_grad():
