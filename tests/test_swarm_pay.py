@@ -8,12 +8,14 @@ requests), real stages, real signatures; the referee fetches states over 127.0.0
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save
 
 from covey.blobs import BlobServer, BlobStore
 from covey.swarm import compute
@@ -53,6 +55,7 @@ class Desk:
         self.state = store.put(data)
         # before the first round the agreed state is the seed's, computed by the coordinator
         assert self.coord.averaging.stages[0].agreed == self.state
+        assert self.coord.blobs.has(self.state)  # a server moved to an unserved stage fetches it
         self.blobs = BlobServer(store)
         self.blobs.start()
         self.ids = {n: Identity.generate() for n in "abct"}
@@ -234,3 +237,65 @@ def test_checks_on_made_up_states_cannot_fill_the_coordinators_memory(desk: Desk
         assert desk.report([fake] * 256).json()["checks"] == ["parked"] * 256
     assert "too many" in desk.report([fake]).json()["checks"][0]
     assert len(desk.coord._parked) == MAX_PARKED
+
+
+def _sybil_sum(shapes: list, samples: int, scale: float = 1.0) -> bytes:
+    g = torch.Generator().manual_seed(1)
+    t = {f"g.{i}": scale * torch.randn(s, generator=g) for i, s in enumerate(shapes)}
+    t["samples"] = torch.tensor([samples], dtype=torch.int64)
+    return save(t)
+
+
+def test_sybil_servers_without_vouched_work_get_no_vote(tmp_path: Path) -> None:
+    """Found by a second review: a server that no trainer sent work joined an averaging
+    round (synced servers are members whatever their pending count), reported a zero sum
+    claiming samples, and so became a voter; two such sybils outvoted the honest server,
+    which was told to resync to their state. Only samples trainers vouched for vote now."""
+    torch.set_num_threads(1)
+    desk = Desk(tmp_path, spot_check_rate=0.0, target_samples=8)
+    try:
+        coord, run = desk.coord, desk.coord.run_id
+        desk.ids["d"] = Identity.generate()  # a second sybil key on stage 0
+        body = {"run_id": run, "peer_id": desk.pid("d"), "public_key": desk.ids["d"].public_key,
+                "name": "d", "role": "server", "stake": 10.0, "url": "u",
+                "blob_url": desk.blobs.url, "stage": 0}  # fmt: skip
+        assert desk.post("d", "/v1/swarm/join", body).status_code == 200
+
+        def beat(n: str, step: int, state: str, pending: int = 0) -> dict:
+            b = {"run_id": run, "peer_id": desk.pid(n), "stage": 0, "step": step,
+                 "state": state, "pending": pending, "throughput": 1.0, "queue": 0}  # fmt: skip
+            r = desk.post(n, "/v1/swarm/heartbeat", b)
+            assert r.status_code == 200
+            return r.json()
+
+        desk.vouch("a", microbatches=2)  # only a served trainers: 8 samples = the target
+        for n in "abd":
+            beat(n, 0, desk.state, pending=8)  # b, d claim pending work nobody vouched for
+        coord.tick(coord._last_payout + 0.1)
+        rnd = coord.averaging.stages[0].round
+        assert rnd is not None
+        shapes = coord._shapes(0)
+        for n, data, k in [
+            ("a", _sybil_sum(shapes, 8), 8),
+            ("b", _sybil_sum(shapes, 4, 0.0), 4),
+            ("d", _sybil_sum(shapes, 4, 0.0), 4),
+        ]:
+            desk.post(n, "/v1/swarm/round", {
+                "run_id": run, "peer_id": desk.pid(n), "stage": 0, "round": rnd.id,
+                "cid": hashlib.sha256(data).hexdigest(), "samples": k,
+                "data": base64.b64encode(data).decode()})  # fmt: skip
+        coord.tick(coord._last_payout + 0.2)
+        book = coord.averaging.stages[0]
+        assert book.step == 1
+        honest, bogus = "a" * 64, "f" * 64
+        beat("a", 1, honest)
+        beat("b", 1, bogus)
+        beat("d", 1, bogus)
+        coord.tick(coord._last_payout + 0.3)
+        # the sybils never served a sample a trainer vouched for: they must not vote ...
+        assert desk.pid("b") not in book.voters and desk.pid("d") not in book.voters
+        # ... and so cannot make the honest server resync to their weights
+        assert book.agreed != bogus
+        assert "resync" not in beat("a", 1, honest)
+    finally:
+        desk.close()

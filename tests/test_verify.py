@@ -171,6 +171,19 @@ def test_a_validators_kept_states_spill_to_disk_and_read_back_bit_identically(
     for i in points:
         assert local_state_to_bytes(spilled.states[i]) == local_state_to_bytes(kept.states[i])
     assert len(list(tmp_path.iterdir())) == len(points)
+    # any dtype and shape reads back (numpy has no bfloat16), and a short file is an error
+    odd = {
+        "bf16": torch.randn(3, 4).bfloat16(),
+        "scalar": torch.tensor(2.5),
+        "ids": torch.arange(5),
+    }
+    other = SpilledStates(tmp_path / "odd", odd)
+    (tmp_path / "odd").mkdir()
+    other.put(0, odd)
+    assert all(torch.equal(other[0][k], v) and other[0][k].dtype == v.dtype for k, v in odd.items())
+    (tmp_path / "odd" / "state-0.bin").write_bytes(b"short")
+    with pytest.raises(ValueError, match="truncated"):
+        other[0]
     # a fetched local state is parsed from its file, never bytes and tensors at once
     (tmp_path / "prev.safetensors").write_bytes(local_state_to_bytes(prev))
     parsed = local_state_from_file(tmp_path / "prev.safetensors", make(cfg).local_state_layout())

@@ -144,15 +144,15 @@ class Averaging:
     @staticmethod
     def _voters(book: StageBook, live: dict[str, tuple[int, int, int]] | None = None) -> set[str]:
         """Who votes on the stage's state: the live servers on this stage that reported
-        samples (work trainers vouched for) to one of its last STANDING_ROUNDS committed
-        rounds. Not the last round's alone: two colluders with one honest server could
+        samples trainers vouched for (not only claimed) to one of its last STANDING_ROUNDS
+        committed rounds. Not the last round's alone: two colluders with one honest server could
         carry a round that the other honest servers were too slow to join, then the vote
         after it. The dead are no voters, nor those moved to another stage, nor newcomers
         and sybils with no work in a round behind them."""
         recent = [r for s, r in book.history.items() if s >= book.step - STANDING_ROUNDS]
         if book.last is not None:
             recent.append(book.last)
-        voters = {p for r in recent for p, x in r.reports.items() if x["samples"] > 0}
+        voters = {p for r in recent for p, x in r.reports.items() if x.get("vouched", x["samples"])}
         if live is None:
             return voters
         return {p for p in voters if p in live and live[p][0] == book.stage}
@@ -166,8 +166,10 @@ class Averaging:
         samples: int,
         url: str,
         norm: float = 0.0,
+        vouched: int | None = None,
     ) -> str:
-        """A member's gradient blob (`norm`: its L2 norm per sample, covey.swarm.sums).
+        """A member's gradient blob (`norm`: its L2 norm per sample, covey.swarm.sums;
+        `vouched`: how many of its `samples` trainers vouched it served, default all).
         Returns "ok", or why it is refused."""
         book = self._book(stage)
         r = book.round
@@ -177,7 +179,9 @@ class Averaging:
             return f"peer {peer[:8]} is not a member of round {round_id}"
         if samples < 0:
             return f"samples ({samples}) must be >= 0"
-        r.reports[peer] = {"cid": cid, "samples": samples, "url": url, "norm": norm}
+        vouched = samples if vouched is None else max(0, min(samples, vouched))
+        r.reports[peer] = {"cid": cid, "samples": samples, "url": url, "norm": norm,
+                           "vouched": vouched}  # fmt: skip
         return "ok"
 
     def _close(self, book: StageBook, now: float) -> None:

@@ -27,7 +27,6 @@ from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
 from covey.coordinator.membership import Membership
 from covey.coordinator.views import Rejected
-from covey.protocol.content import content_id
 from covey.swarm import evidence
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
@@ -422,8 +421,9 @@ class SwarmCoordinator(PayDesk):
         self._store(cid, data)
         with self.lock:
             url = ""  # the coordinator holds it
+            vouched = self.observed.pending(peer, samples)  # claimed samples vote no more
             why = self.averaging.report(
-                peer, stage, int(body["round"]), cid, samples, url, norm=norm
+                peer, stage, int(body["round"]), cid, samples, url, norm=norm, vouched=vouched
             )
             if why == "ok":
                 self.observed.reported_sum(peer, samples)
@@ -457,7 +457,8 @@ class SwarmCoordinator(PayDesk):
                 try:
                     built = build_stage(self.cfg, stage)
                     self._stage_shapes[stage] = [tuple(p.shape) for p in built.params]
-                    self._seeded[stage] = content_id(state_bytes(built))
+                    # kept here: a server moved to a stage nobody served yet fetches it
+                    self._seeded[stage] = self.blobs.put(state_bytes(built))
                 except Exception as e:  # the check degrades (logged); the round goes on
                     log.warning("stage %d cannot be built here (%s): sums unchecked in shape",
                                 stage, e)  # fmt: skip

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
@@ -171,8 +170,9 @@ class SpilledStates(Mapping[int, dict[str, torch.Tensor]]):
 
     def put(self, i: int, state: Mapping[str, torch.Tensor]) -> None:
         with open(self.root / f"state-{i}.bin", "wb") as f:
-            for name, _, _ in self.layout:
-                f.write(state[name].detach().contiguous().cpu().numpy().tobytes())
+            for name, _, _ in self.layout:  # as bytes: numpy has no bfloat16
+                t = state[name].detach().contiguous().cpu().reshape(-1)
+                f.write(t.view(torch.uint8).numpy().tobytes())
         self.kept.add(i)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
@@ -182,7 +182,9 @@ class SpilledStates(Mapping[int, dict[str, torch.Tensor]]):
         with open(self.root / f"state-{i}.bin", "rb") as f:
             for name, shape, dtype in self.layout:
                 t = torch.empty(shape, dtype=dtype)
-                f.readinto(t.numpy().reshape(-1).view(np.uint8))
+                view = t.reshape(-1).view(torch.uint8).numpy()
+                if f.readinto(view) != view.nbytes:
+                    raise ValueError(f"spilled state {i} is truncated at {name}")
                 out[name] = t
         return out
 
