@@ -459,3 +459,35 @@ def test_a_blob_source_cannot_feed_the_auditor_without_bound() -> None:
         server.shutdown()
         server.server_close()
     assert sent[0] <= cap + 8 * chunk, f"the auditor was sent {sent[0] >> 20} MiB of one blob"
+
+
+def test_ledger_verify_refuses_a_spec_other_than_the_one_served(
+    round0: dict[str, Any], tmp_path: Path
+) -> None:
+    """Found by a second review: --recompute took the spec from "run created" unchecked,
+    so a coordinator could serve peers one spec and write another (another outer lr)
+    under which an honest aggregator's shard recomputes differently. "run created" names
+    the data fingerprint now, and its spec must hash with it to the run id peers checked."""
+    cluster = round0["cluster"]
+    entries = read_entries(cluster.data_dir / audit.DB_FILE)
+    created = entries[0].payload
+    assert audit.verify(cluster.data_dir).entries == len(entries)
+    spec = {**created["spec"]}
+    spec["algorithm"] = {**spec["algorithm"], "outer_lr": spec["algorithm"]["outer_lr"] / 2}
+    out = tmp_path / "swapped"
+    out.mkdir()
+    (out / "blobs").symlink_to(cluster.data_dir / "blobs")
+    src = sqlite3.connect(f"file:{cluster.data_dir / audit.DB_FILE}?mode=ro", uri=True)
+    dst = sqlite3.connect(out / audit.DB_FILE)
+    src.backup(dst)
+    src.close()
+    key = Identity.load_or_create(cluster.data_dir / "coordinator.key")
+    with dst:  # the whole chain written again, signed with the coordinator's key
+        dst.execute("DELETE FROM ledger")
+        for e in entries:
+            payload = {**e.payload, "spec": spec} if e.index == 0 else e.payload
+            append(dst, key, e.type, payload, e.at)
+    dst.close()
+    (out / audit.BALANCES_FILE).unlink(missing_ok=True)
+    with pytest.raises(LedgerError, match="not run id"):
+        audit.verify(out)

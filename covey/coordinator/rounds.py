@@ -168,6 +168,9 @@ class Rounds(Intake, Halting, Views):
                         "spec": self.cfg.model_dump(mode="json"),
                         "coordinator_key": self.identity.public_key,
                         "policy": Policy.from_config(self.cfg.trust).to_dict(),
+                        # spec + data fingerprint hash to run_id: an auditor checks the
+                        # spec here is the one peers were served (covey.trust.audit)
+                        "corpus_fingerprint": self.corpus.fingerprint,
                     },
                     now,
                 )

@@ -116,13 +116,41 @@ def verify(
             snapshot = book.summary()
     if reported is not None and snapshot is not None:
         _compare(reported, snapshot)
+    created = entries[0].payload  # verify_chain: entry 0 is "run created"
+    spec_checked = _check_spec(created)
     verdicts, pending = check_slashes(entries)
     if recompute and verdicts:
-        spec = next(e.payload["spec"] for e in entries if e.type == "run created")
-        recompute_shards(verdicts, spec, _blob_fetcher(source), progress)
+        if not spec_checked:
+            raise LedgerError(
+                0,
+                "run created names no corpus_fingerprint: its spec cannot be checked against "
+                "the run id, so no shard can be recomputed under it",
+            )
+        recompute_shards(verdicts, created["spec"], _blob_fetcher(source), progress)
     return VerifyReport(
         len(entries), key, book.summary(), covered, len(verdicts), recompute, len(pending)
     )
+
+
+def _check_spec(created: dict[str, Any]) -> bool:
+    """Whether "run created" names its data fingerprint; LedgerError when it does and its
+    spec and fingerprint do not hash to its run id (the spec peers checked the run id
+    against): a coordinator could otherwise write another spec than the one it served."""
+    fingerprint = created.get("corpus_fingerprint")
+    if fingerprint is None:
+        return False  # an older run
+    from pydantic import ValidationError
+
+    from covey.config import RunConfig, run_id_of
+
+    try:
+        got = run_id_of(RunConfig.model_validate(created["spec"]), str(fingerprint))
+    except (ValidationError, ValueError) as e:
+        raise LedgerError(0, f"run created: spec or corpus_fingerprint is malformed: {e}") from None
+    if got != created["run_id"]:
+        why = f"spec and corpus_fingerprint hash to {got}, not run id {created['run_id']}"
+        raise LedgerError(0, f"run created: {why}")
+    return True
 
 
 def _has_blobs(source: str | Path) -> bool:
