@@ -143,9 +143,12 @@ def test_joiner_downloads_canonical_state_and_is_accepted(tmp_path: Path) -> Non
     assert joined and joined[0]["round"] >= 3  # it entered mid-run, from the canonical state
     log = (tmp_path / "logs" / "late.log").read_text()
     assert "loaded canonical state of round" in log
-    # the joiner's state came in parallel ranges from the peers that hold it and the relay
+    # the joiner's state came in ranges from the peers that hold it and the relay; how the
+    # ranges split between them depends on which peers were live and quick at that moment
+    # (on a loaded machine the relay may serve them all: CI saw it), so only a source is
+    # asserted here; the split itself is tests/test_blobs.py's
     fetched = next(line for line in log.splitlines() if "fetched state" in line)
-    assert fetched.count(" B)") >= 2, fetched
+    assert fetched.count(" B)") >= 1, fetched
     records = applied(tmp_path, "late")
     assert records and all(r["matched"] for r in records)
     by_round = {c["round"]: c["new_hash"] for c in certs}
