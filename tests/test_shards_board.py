@@ -128,6 +128,22 @@ def test_a_lying_aggregator_is_slashed_and_its_shards_pass_on() -> None:
         check_certificate({**cert, "round": 4}, run.coordinator.public_key)
 
 
+def test_a_publish_must_name_the_bytes_it_read() -> None:
+    """Found by a third review: a liar could name bytes it never read and so void its own
+    slash under `covey ledger verify --recompute`. With the coordinator's digest of the
+    contributions' ranges (ShardRounds.reads), a publish naming other bytes is refused."""
+    run = Run()
+    run.board._reads = lambda r, s: f"{s}" * 64  # the coordinator's digests, per shard
+    who = run.shard(0)["aggregator"]
+    with pytest.raises(ShardError, match="not the digest of the contributions' bytes"):
+        run.board.publish(3, run.signed(who, "publish", index=0, hash="1" * 64, reads="f" * 64))
+    with pytest.raises(ShardError, match="not the digest"):  # or none at all
+        run.board.publish(3, run.signed(who, "publish", index=0, hash="1" * 64))
+    assert run.shard(0)["published"] is None
+    run.board.publish(3, run.signed(who, "publish", index=0, hash="1" * 64, reads="0" * 64))
+    assert run.shard(0)["published"]["hash"] == "1" * 64
+
+
 def test_refusals_change_nothing() -> None:
     run = Run()
     who = run.shard(0)["aggregator"]

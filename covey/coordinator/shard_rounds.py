@@ -54,6 +54,7 @@ from covey.peer.aggregator import certified_shard
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_file
 from covey.trust.identity import canonical_json, request_message, request_purpose, verify
+from covey.trust.shard_evidence import reads_digest, recording
 
 from .openapi import errors
 from .sharding import ShardBoard, ShardError
@@ -116,6 +117,7 @@ class ShardRounds:
             public_key=lambda p: a.public_key if (a := book.accounts.get(p)) else None,
             is_banned=lambda p: (a := book.accounts.get(p)) is None or a.banned,
             referee=lambda r, s: self.compute(r, s)[2],
+            reads=self.reads,
             slash=self.slash,
             check_rate=self.trust.shard_check_rate,
             publish_timeout_s=self.trust.shard_publish_timeout_s,
@@ -150,6 +152,18 @@ class ShardRounds:
             nesterov=self.algo.nesterov,  # type: ignore[union-attr]
         )
         return new_p, new_m, shard_hash(round_, shard, start, new_p, new_m)
+
+    def reads(self, round_: int, shard: int) -> str:
+        """The digest of the byte ranges an aggregator of `shard` reads of each of the
+        round's contributions (covey.trust.shard_evidence.reads_digest), from the blobs
+        here: a publish must name it. Reads only the shard's ranges."""
+        inputs, (start, end) = self.board.inputs(round_), self.plan.span(shard)
+        logs = []
+        for c in inputs["contributions"]:
+            read, log = recording(_reader(self.coord.blobs.view(c["cid"])))
+            read_slice(self.strategy.codec, self.numel, start, end, read)
+            logs.append(log)
+        return reads_digest(logs)
 
     def slash(self, round_: int, peer_id: str, reason: str, evidence: dict[str, Any]) -> None:
         """A "slash" entry with what it rests on (covey.trust.shard_evidence)."""

@@ -122,7 +122,9 @@ class ShardBoard:
     `public_key(peer_id)` gives a peer's key (None: unknown); `is_banned(peer_id)` its
     standing; `referee(round, shard)` recomputes a shard's hash from the committed inputs
     (raising when it cannot: then nobody is slashed); `slash(round, peer_id, reason,
-    evidence)` writes the penalty with what it rests on (`evidence`).
+    evidence)` writes the penalty with what it rests on (`evidence`); `reads(round, shard)`,
+    if given, is the digest of the byte ranges of the round's contributions an aggregator
+    of the shard reads (covey.trust.shard_evidence.reads_digest): a publish must name it.
     """
 
     def __init__(
@@ -136,10 +138,12 @@ class ShardBoard:
         slash: Callable[[int, str, str, dict[str, Any]], None],
         check_rate: float,
         publish_timeout_s: float,
+        reads: Callable[[int, int], str] | None = None,
     ) -> None:
         self.run_id, self.identity = run_id, identity
         self._public_key, self._is_banned = public_key, is_banned
         self._referee, self._slash, self.check_rate = referee, slash, check_rate
+        self._reads = reads
         self.publish_timeout_s = publish_timeout_s
         self._rounds: dict[int, ShardRound] = {}
         self._lock = threading.RLock()
@@ -235,6 +239,12 @@ class ShardBoard:
                 raise ShardError(409, f"shard {shard} of round {round} is not {peer[:12]}'s")
             if shard in rnd.published:
                 raise ShardError(409, f"shard {shard} of round {round} is published already")
+            if self._reads is not None and body.get("reads") != self._reads(round, shard):
+                # else a liar could name bytes it never read and void its own slash
+                raise ShardError(
+                    422, f"the publish names reads {str(body.get('reads'))[:16]!r}: not the "
+                    f"digest of the contributions' bytes of shard {shard}",
+                )  # fmt: skip
             if body.get("board") != board_digest(**self._board(rnd, shard)):
                 raise ShardError(
                     422, f"the publish names board {str(body.get('board'))[:16]!r}, not this "

@@ -74,8 +74,8 @@ def verify(
         )
     if report.pending_slashes:
         typer.echo(
-            f"{report.pending_slashes} slash(es) of aggregators in a round not certified yet: "
-            "their evidence is checked once it is"
+            f"{report.pending_slashes} of them in a round not certified yet: their inputs are "
+            "checked against its certificate once it is"
         )
     if (halted := report.summary.get("halted")) is not None:  # the owner's signed HALT
         typer.echo(

@@ -26,6 +26,7 @@ board gives. Any failure is a LedgerError naming the slash entry.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,9 +110,10 @@ class ShardVerdict:
 
 def check_slashes(entries: Sequence[Entry]) -> tuple[list[ShardVerdict], list[int]]:
     """Every slash of a validator, checked against the ledger (see the module): (its
-    verdicts, the indexes of slashes still pending: their round is not certified yet and
-    the ledger certifies no later round), or LedgerError naming the first slash whose
-    evidence does not hold."""
+    verdicts, the indexes of those pending: their round is not certified yet and the
+    ledger certifies no later round, so their inputs are not yet checked against its
+    certificate; `recompute` still recomputes them), or LedgerError naming the first slash
+    whose evidence does not hold."""
     run_id, keys, roles = "", {}, {}
     accepted: dict[tuple[int, str], set[tuple[str, int]]] = {}
     certified: dict[int, list[tuple[str, set[str]]]] = {}
@@ -128,11 +130,10 @@ def check_slashes(entries: Sequence[Entry]) -> tuple[list[ShardVerdict], list[in
     verdicts, pending = [], []
     for e in entries:
         if e.type == "slash" and roles.get(e.payload["peer_id"]) == "validator":
-            v = _check(e, run_id, keys, accepted, certified)
-            if v is None:
+            v, later = _check(e, run_id, keys, accepted, certified)
+            verdicts.append(v)
+            if later:
                 pending.append(e.index)
-            else:
-                verdicts.append(v)
     return verdicts, pending
 
 
@@ -142,7 +143,8 @@ def _check(
     keys: dict[str, str],
     accepted: dict[tuple[int, str], set[tuple[str, int]]],
     certified: dict[int, list[tuple[str, set[str]]]],
-) -> ShardVerdict | None:
+) -> tuple[ShardVerdict, bool]:
+    """The slash's verdict, and whether its round's certificate is still to come."""
     p, i = e.payload, e.index
     who, round_ = p["peer_id"], p["round"]
     ev = p.get("evidence")
@@ -160,8 +162,11 @@ def _check(
             int(b["numel"]), [(str(x), str(y), float(w)) for x, y, w in b["inputs"]],
             None if b["norms"] is None else [float(x) for x in b["norms"]],
         )  # fmt: skip
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        raise fail(f"malformed evidence ({err!r})") from None
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as err:
+        raise fail(f"malformed evidence ({str(err)[:200]})") from None
+    numbers = [w for _, _, w in board["inputs"]] + list(board["norms"] or [])
+    if not all(math.isfinite(x) for x in numbers):
+        raise fail("its board holds a weight or norm that is not a finite number")
     if ev.get("round") != round_ or board["round"] != round_:
         raise fail(f"its evidence is for round {ev.get('round')!r} / {board['round']!r}")
     if pub.get("peer_id") != who or pub.get("index") != shard or pub.get("run_id") != run_id:
@@ -186,15 +191,16 @@ def _check(
     for peer, cid, weight in board["inputs"]:
         if not any(c == cid and float(t) == weight for c, t in accepted.get((round_, peer), ())):
             raise fail(f"board input {cid[:16]} of {peer} is no accepted contribution")
+    verdict = ShardVerdict(i, round_, shard, who, published, truth, board, start_cid, pub["reads"])
     if round_ not in certified:
         if any(r > round_ for r in certified):
             raise fail(f"round {round_} was never certified, though later rounds were")
-        return None  # pending: the round's certificate is still to come
+        return verdict, True  # pending: the round's certificate is still to come
     if certified[round_][0][1] != set(peers):
         raise fail("its board's inputs are not the contributions the round certificate names")
     if round_ > 0 and certified.get(round_ - 1, [("", set())])[0][0] != board["start_hash"]:
         raise fail(f"its board starts from {board['start_hash'][:16]}, not round {round_ - 1}'s")
-    return ShardVerdict(i, round_, shard, who, published, truth, board, start_cid, pub["reads"])
+    return verdict, False
 
 
 def recompute(
@@ -262,7 +268,10 @@ def recompute(
             )
 
         board = v.board
-        a, b = plan.span(v.shard)
+        try:
+            a, b = plan.span(v.shard)
+        except ValueError as err:
+            raise void(f"shard {v.shard}: {err}") from None
         if board["numel"] != numel or tuple(board["span"]) != (a, b):
             raise void(f"its board's span {board['span']} of {board['numel']} is not the "
                        f"run's shard {v.shard}, [{a}, {b}) of {numel}")  # fmt: skip
