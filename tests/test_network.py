@@ -72,7 +72,15 @@ def test_three_workers_train_and_agree_on_every_round(tmp_path: Path) -> None:
         cluster.start_worker("w0")
         cluster.start_worker("w1")
         cluster.start_worker("w2", "--no-serve-blobs")  # unreachable: uploads, relayed
-        status = cluster.wait_for(committed(5), 180, "5 committed rounds")
+        # a worker slow to start (three import torch at once on two cores) joins a round
+        # or two late: wait until each has applied three, not only for five rounds
+        status = cluster.wait_for(
+            lambda s: (
+                committed(5)(s) and all(len(applied(tmp_path, w)) >= 3 for w in ("w0", "w1", "w2"))
+            ),
+            180,
+            "5 committed rounds, 3 applied by every worker",
+        )
         certs = certificates(cluster, status["committed_rounds"])
     assert_chain(certs)
     assert all(len(c["accepted"]) >= 1 for c in certs)
