@@ -18,7 +18,6 @@ from covey.algorithms.shards import (
     flat_state,
     new_shard,
     plan_shards,
-    read_slice,
     shard_hash,
 )
 from covey.config import RunConfig
@@ -34,9 +33,8 @@ from covey.trust.shard_evidence import (
     check_slashes,
     evidence,
     publish_purpose,
-    reads_digest,
+    read_inputs,
     recompute,
-    recording,
 )
 
 SPEC = """
@@ -111,11 +109,8 @@ def _honest(w: dict[str, Any], round: int, shard: int) -> tuple[str, str, dict]:
     a, b = w["plan"].span(shard)
     norms = [l2_norm(w["codec"].decode(w["blobs"][c], w["numel"])) for _, c, _ in w["inputs"]]
     board = board_fields(round, w["template"].digest(), (a, b), w["numel"], w["inputs"], norms)
-    slices, logs = [], []
-    for _, cid, _ in w["inputs"]:
-        read, log = recording(lambda x, y, d=w["blobs"][cid]: d[x:y])
-        slices.append(read_slice(w["codec"], w["numel"], a, b, read))
-        logs.append(log)
+    readers = [lambda x, y, d=w["blobs"][cid]: d[x:y] for _, cid, _ in w["inputs"]]
+    slices, reads = read_inputs(w["codec"], w["numel"], (a, b), readers)
     params, _ = flat_state(w["template"], w["names"])
     algo = w["cfg"].algorithm
     p, m = new_shard(
@@ -129,7 +124,7 @@ def _honest(w: dict[str, Any], round: int, shard: int) -> tuple[str, str, dict]:
         momentum_coef=algo.outer_momentum,
         nesterov=algo.nesterov,
     )
-    return shard_hash(round, shard, a, p, m), reads_digest(logs), board
+    return shard_hash(round, shard, a, p, m), reads, board
 
 
 def _signed(

@@ -27,7 +27,6 @@ import torch
 from typer.testing import CliRunner
 
 from covey.algorithms import Contribution
-from covey.algorithms.shards import read_slice
 from covey.blobs import BlobServer, BlobStore
 from covey.blobs.client import upload_headers
 from covey.cli import app
@@ -46,7 +45,7 @@ from covey.trust import audit
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book
 from covey.trust.ledger import LedgerError, append, read_entries
-from covey.trust.shard_evidence import board_digest, reads_digest, recording
+from covey.trust.shard_evidence import board_digest, read_inputs
 
 pytestmark = [pytest.mark.network]
 
@@ -316,10 +315,8 @@ def test_the_round_driver_certifies_a_sharded_round_bit_exactly_and_slashes_a_li
     assert state.digest() == cert["new_hash"]
 
 
-def _forged(cluster: LocalCluster, tmp: Path, name: str, slash: dict[str, Any]) -> Path:
-    """A copy of the coordinator's data directory (its blobs linked) whose ledger gains one
-    more "slash", chained and signed with the coordinator's own key: what a coordinator
-    framing an aggregator would write."""
+def _copy(cluster: LocalCluster, tmp: Path, name: str) -> tuple[Path, sqlite3.Connection]:
+    """A copy of the coordinator's data directory (its blobs linked), its database open."""
     out = tmp / name
     out.mkdir()
     (out / "blobs").symlink_to(cluster.data_dir / "blobs")
@@ -327,6 +324,13 @@ def _forged(cluster: LocalCluster, tmp: Path, name: str, slash: dict[str, Any]) 
     dst = sqlite3.connect(out / audit.DB_FILE)
     src.backup(dst)
     src.close()
+    return out, dst
+
+
+def _forged(cluster: LocalCluster, tmp: Path, name: str, slash: dict[str, Any]) -> Path:
+    """A copy whose ledger gains one more "slash", chained and signed with the
+    coordinator's own key: what a coordinator framing an aggregator would write."""
+    out, dst = _copy(cluster, tmp, name)
     key = Identity.load_or_create(cluster.data_dir / "coordinator.key")
     book = Book.replay(read_entries(out / audit.DB_FILE))
     with dst:
@@ -361,7 +365,7 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
     def reads(board: dict[str, Any], tamper: bool = False) -> str:
         """The digest of the byte ranges an aggregator of `board` reads (one byte of the
         first contribution altered in transit with `tamper`)."""
-        logs = []
+        readers = []
         for k, (_, cid, _) in enumerate(board["inputs"]):
             data, calls = round0["payloads"][cid], [0 if tamper and k == 0 else -1]
 
@@ -373,10 +377,9 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
                         out[-1] ^= 0x01
                 return bytes(out)
 
-            read, log = recording(base)
-            read_slice(round0["setup"].strategy.codec, board["numel"], *board["span"], read)
-            logs.append(log)
-        return reads_digest(logs)
+            readers.append(base)
+        codec = round0["setup"].strategy.codec
+        return read_inputs(codec, board["numel"], tuple(board["span"]), readers)[1]
 
     def publish(board: dict[str, Any], hash: str, tamper: bool = False) -> dict[str, Any]:
         body = {"run_id": cluster.run_id, "peer_id": honest["aggregator"], "index": i,
@@ -474,13 +477,7 @@ def test_ledger_verify_refuses_a_spec_other_than_the_one_served(
     assert audit.verify(cluster.data_dir).entries == len(entries)
     spec = {**created["spec"]}
     spec["algorithm"] = {**spec["algorithm"], "outer_lr": spec["algorithm"]["outer_lr"] / 2}
-    out = tmp_path / "swapped"
-    out.mkdir()
-    (out / "blobs").symlink_to(cluster.data_dir / "blobs")
-    src = sqlite3.connect(f"file:{cluster.data_dir / audit.DB_FILE}?mode=ro", uri=True)
-    dst = sqlite3.connect(out / audit.DB_FILE)
-    src.backup(dst)
-    src.close()
+    out, dst = _copy(cluster, tmp_path, "swapped")
     key = Identity.load_or_create(cluster.data_dir / "coordinator.key")
     with dst:  # the whole chain written again, signed with the coordinator's key
         dst.execute("DELETE FROM ledger")

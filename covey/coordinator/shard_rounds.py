@@ -54,7 +54,7 @@ from covey.peer.aggregator import certified_shard
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_file
 from covey.trust.identity import canonical_json, request_message, request_purpose, verify
-from covey.trust.shard_evidence import reads_digest, recording
+from covey.trust.shard_evidence import read_inputs
 
 from .openapi import errors
 from .sharding import ShardBoard, ShardError
@@ -157,13 +157,11 @@ class ShardRounds:
         """The digest of the byte ranges an aggregator of `shard` reads of each of the
         round's contributions (covey.trust.shard_evidence.reads_digest), from the blobs
         here: a publish must name it. Reads only the shard's ranges."""
-        inputs, (start, end) = self.board.inputs(round_), self.plan.span(shard)
-        logs = []
-        for c in inputs["contributions"]:
-            read, log = recording(_reader(self.coord.blobs.view(c["cid"])))
-            read_slice(self.strategy.codec, self.numel, start, end, read)
-            logs.append(log)
-        return reads_digest(logs)
+        readers = [
+            _reader(self.coord.blobs.view(c["cid"]))
+            for c in self.board.inputs(round_)["contributions"]
+        ]
+        return read_inputs(self.strategy.codec, self.numel, self.plan.span(shard), readers)[1]
 
     def slash(self, round_: int, peer_id: str, reason: str, evidence: dict[str, Any]) -> None:
         """A "slash" entry with what it rests on (covey.trust.shard_evidence)."""

@@ -75,6 +75,22 @@ def reads_digest(logs: Sequence[Sequence[Any]]) -> str:
     return hashlib.sha256(canonical_json([list(x) for x in logs]).encode()).hexdigest()
 
 
+def read_inputs(
+    codec: Any, numel: int, span: tuple[int, int], readers: Sequence[Callable[[int, int], bytes]]
+) -> tuple[list[Any], str]:
+    """Each input's slice of `span` (covey.algorithms.shards.read_slice), read with its
+    reader, and the digest of the byte ranges read (`reads_digest`): what an aggregator
+    signs it read, and what the coordinator and an auditor expect it to have read."""
+    from covey.algorithms.shards import read_slice
+
+    slices, logs = [], []
+    for read in readers:
+        logged, log = recording(read)
+        slices.append(read_slice(codec, numel, span[0], span[1], logged))
+        logs.append(log)
+    return slices, reads_digest(logs)
+
+
 def evidence(
     round: int,
     shard: int,
@@ -227,7 +243,6 @@ def recompute(
         flat_state,
         new_shard,
         plan_shards,
-        read_slice,
         shard_hash,
     )
     from covey.config import DiLoCoConfig, RunConfig
@@ -285,16 +300,13 @@ def recompute(
             raise void(f"round 0's start state {board['start_hash'][:16]} is not the seeded one")
         params, momentum = flat_state(start, names)
         blobs = [fetch(cid, payload_cap) for _, cid, _ in board["inputs"]]
-        slices, logs = [], []
         try:
             norms = [l2_norm(codec.decode(d, numel)) for d in blobs] if clipped else None
-            for d in blobs:
-                read, log = recording(lambda x, y, d=d: d[x:y])
-                slices.append(read_slice(codec, numel, a, b, read))
-                logs.append(log)
+            readers = [lambda x, y, d=d: d[x:y] for d in blobs]
+            slices, reads = read_inputs(codec, numel, (a, b), readers)
         except ValueError as err:  # CodecError is one: a contribution the codec refuses
             raise void(f"a contribution does not decode: {err}") from None
-        if reads_digest(logs) != v.reads:
+        if reads != v.reads:
             raise void("the bytes it signed it read are not the contributions' (the "
                        "coordinator served it other bytes)")  # fmt: skip
         if norms != board["norms"]:
