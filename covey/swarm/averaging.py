@@ -10,11 +10,11 @@ for. After a commit every server of the stage at that step fetches every reporte
 (hash-checked), applies sum / samples with its optimizer (a server that missed the round
 keeps its own sum for the next) and reports its new state id. The live servers that
 reported samples trainers vouched for to one of the stage's last STANDING_ROUNDS rounds
-vote (no one else's state counts): an id named by more than half of them is the stage's agreed state, and a
-server holding another resyncs from it. Before the first round nobody votes: the agreed
-state is the one the coordinator builds from the run's seed (`seed`). An update is
-accepted when its round commits: a round without any sample in by the deadline aborts, and
-its members keep their gradients for the next.
+vote (no one else's state counts): an id named by more than half of them is the stage's
+agreed state, and a server holding another resyncs from it. Before the first round nobody
+votes: the agreed state is the one the coordinator builds from the run's seed (`seed`). An
+update is accepted when its round commits: a round without any sample in by the deadline
+aborts, and its members keep their gradients for the next.
 """
 
 from __future__ import annotations
