@@ -318,6 +318,25 @@ def test_a_passed_canary_voids_a_validators_checks() -> None:
     assert Account("f", "liar", "validator", "", checks=4, false_accusations=1).reputation == 4 / 6
 
 
+def test_a_withheld_contribution_costs_reputation_and_nothing_else(tmp_path: Path) -> None:
+    """A "contribution rejected" that says withheld (drawn for verification, its local
+    states never delivered) lowers the worker's reputation like a fraud, and a second one
+    excludes it, but no stake is taken; a plain rejection, or a withheld field that is not
+    exactly true, counts for nothing."""
+    run = Run(tmp_path)
+    w = run.join("w")
+    for i, withheld in enumerate((True, None, "yes")):
+        extra = {} if withheld is None else {"withheld": withheld}
+        run.add("contribution rejected", round=i, peer_id=w, reason="not delivered", **extra)
+    account = run.book.accounts[w]
+    assert account.rejected == 3 and account.withheld == 1
+    assert account.reputation == 1 / 3 and not account.banned
+    run.add("contribution rejected", round=3, peer_id=w, reason="not delivered", withheld=True)
+    assert account.withheld == 2 and account.reputation == 1 / 4
+    assert account.banned and account.stake == 10.0 and account.slashed == 0.0
+    assert Book.replay(run.entries()).summary()["accounts"][w]["counts"]["withheld"] == 2
+
+
 def test_replay_recomputes_what_the_coordinator_kept(tmp_path: Path) -> None:
     run, ids = full_run(tmp_path)
     summary = run.book.summary()

@@ -222,14 +222,14 @@ min_peers = 4
 min_stake = 10.0
 commit_every = 3
 """
-CHEATS = ("forged-state", "unchained")
+CHEATS = ("forged-state", "unchained", "withhold")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """DiLoCo's defaults (inner_state "keep") with error feedback: honest w0 and w1, a
     worker that trains from a forged local state while naming its committed one, one that
-    names its forged state, and a validator."""
+    names its forged state, one that never serves its end state, and a validator."""
     from covey.local.cluster import LocalCluster
 
     tmp = tmp_path_factory.mktemp("reexecutable")
@@ -340,3 +340,76 @@ def test_a_local_state_not_chained_is_refused_or_caught(cluster) -> None:
     links = chained(cluster)
     assert all((c["round"], forged) in links for c in caught())  # only chained rounds lie
     wait(cluster, convicted, "the forged state's dispute to end in fraud")
+
+
+@pytest.mark.network
+def test_only_drawn_contributions_move_their_local_states(cluster) -> None:
+    """The coordinator fetches a contribution's local states (3x the model each) only when
+    it is drawn for verification: an undrawn honest contribution's end state never reaches
+    the coordinator, a drawn one's does. A worker that never serves its end state is
+    refused as withheld whenever drawn (new, it always is), so none of its contributions is
+    accepted, and its second withholding excludes it without touching its stake."""
+    import sqlite3
+
+    import httpx
+
+    from covey.trust.incentives import Book
+
+    honest = {cluster.ids["w0"], cluster.ids["w1"]}
+    withholder = cluster.ids["withhold"]
+
+    def on_coordinator(cid: str) -> bool:
+        return httpx.head(f"{cluster.url}/v1/blobs/{cid}", timeout=10).status_code == 200
+
+    def recent(sampled: bool) -> list[str]:
+        """End states of honest accepted contributions of the last two rounds, drawn or
+        not (pruning keeps three rounds' end states: one fetched would still be there)."""
+        accepted = {
+            (e.payload["round"], e.payload["peer_id"]): e.payload["sampled"]
+            for e in ledger(cluster)
+            if e.type == "contribution accepted" and e.payload["peer_id"] in honest
+        }
+        if not accepted:
+            return []
+        last = max(r for r, _ in accepted)
+        db = cluster.data_dir / "coordinator.db"
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            ends = {(r, p): cid for r, p, cid in conn.execute(
+                "SELECT round, peer_id, end_cid FROM local_states"
+            )}  # fmt: skip
+        return [
+            ends[key]
+            for key, drawn in accepted.items()
+            if drawn == sampled and key[0] >= last - 1 and key in ends
+        ]
+
+    def withheld() -> list[dict]:
+        return [
+            e.payload
+            for e in ledger(cluster)
+            if e.type == "contribution rejected"
+            and e.payload["peer_id"] == withholder
+            and e.payload.get("withheld") is True
+        ]
+
+    wait(
+        cluster,
+        lambda: any(not on_coordinator(cid) for cid in recent(sampled=False)),
+        "an undrawn honest contribution whose end state stayed with its worker",
+    )
+    wait(
+        cluster,
+        lambda: any(on_coordinator(cid) for cid in recent(sampled=True)),
+        "a drawn honest contribution whose end state the coordinator holds",
+    )
+    wait(cluster, lambda: len(withheld()) >= 2, "two withheld refusals")
+    assert all("not delivered" in w["reason"] for w in withheld()), withheld()
+    entries = ledger(cluster)
+    account = Book.replay(entries).accounts[withholder]
+    assert account.withheld == 2 and account.banned and account.slashed == 0.0, account
+    accepted = [
+        e
+        for e in entries
+        if e.type == "contribution accepted" and e.payload["peer_id"] == withholder
+    ]
+    assert not accepted, accepted

@@ -63,11 +63,15 @@ from statistics import fmean
 from typing import IO, Any
 
 from covey.bench.netns import Testbed, TestbedUnavailable, check_support
-from covey.config import RunConfig, to_toml
+from covey.config import RunConfig, TrustConfig, to_toml
 
 PORT = 8470  # every testbed's namespaces are fresh: a fixed port cannot collide
 POLL_S = 2.0  # status poll while a run trains: only to notice the end and print progress
 PROGRESS_S = 30.0  # a progress line at most this often
+# A new peer's first contributions are all drawn for verification, so their local states
+# cross the coordinator's link (covey.coordinator.intake); after them only a sample_rate
+# share does: "steady" figures count the rounds from this one on.
+STEADY_FROM = TrustConfig().new_peer_contributions
 STARTUP_TIMEOUT_S = 180.0  # coordinator serving + every worker joined, round 0 open
 REQUEST_TIMEOUT_S = 10.0  # one /v1/status request
 STOP_TIMEOUT_S = 20.0  # SIGTERM to exit, then SIGKILL
@@ -275,17 +279,17 @@ def summarize_run(
     }
 
 
-def worker_utilization(store_dirs: Sequence[Path]) -> dict[str, Any]:
+def worker_utilization(store_dirs: Sequence[Path], since_round: int = 0) -> dict[str, Any]:
     """Each worker's own utilization from its ``rounds.jsonl`` (covey.peer.worker): compute
-    seconds of its rounds after the first over the wall seconds from the end of the first
-    one's training to the end of the last. -> {"mean", "each", "waited_s"} (None where a
-    worker finished fewer than two rounds)."""
+    seconds of its rounds after the first (of those numbered ``since_round`` or later) over
+    the wall seconds from the end of the first one's training to the end of the last.
+    -> {"mean", "each", "waited_s"} (None where a worker finished fewer than two rounds)."""
     each: list[float | None] = []
     waited: list[float] = []
     for d in store_dirs:
         path = d / "rounds.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        rows.sort(key=lambda r: r["ended_at"])
+        rows = sorted((r for r in rows if r["round"] >= since_round), key=lambda r: r["ended_at"])
         if len(rows) < 2 or rows[-1]["ended_at"] <= rows[0]["ended_at"]:
             each.append(None)
             continue
@@ -324,7 +328,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     target = records[0]["target_loss"] if records else None
     lines = [
         f"| link | method | rounds | final val loss | time to {num(target, '.3f', 'target')} "
-        "| utilization | worker util. | bytes / round | tokens / s | mean cycle | compute |",
+        f"| utilization | worker util. (from round {STEADY_FROM}) | bytes / round | tokens / s "
+        "| mean cycle "
+        "| compute |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
@@ -335,6 +341,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             f"| {num(r['time_to_target_s'], '.1f', 'not reached')}"
             f"{'' if r['time_to_target_s'] is None else ' s'} "
             f"| {num(r['utilization'], '.1%')} | {num(r.get('worker_utilization'), '.1%')} "
+            f"({num(r.get('worker_utilization_steady'), '.1%')}) "
             f"| {r['bytes_per_round']:,.0f} "
             f"| {num(r['tokens_per_s'], ',.0f')} | {num(b.get('cycle'), '.2f')} s "
             f"| {num(b.get('compute'), '.2f')} s |"
@@ -519,6 +526,9 @@ def run_one(
     record["worker_utilization"] = own["mean"]
     record["worker_utilization_each"] = own["each"]
     record["worker_waited_s_mean"] = own["waited_s"]
+    steady = worker_utilization([run_dir / "peers" / n for n in names[1:]], STEADY_FROM)
+    record["worker_utilization_steady"] = steady["mean"]
+    record["worker_waited_s_steady"] = steady["waited_s"]
     record["load_1m_mean"] = fmean(loads) if loads else None
     record["load_1m_max"] = max(loads, default=None)
     return record

@@ -34,7 +34,7 @@ log = logging.getLogger("covey.db")
 
 # Version 1 is covey 0.1.0's layout, written before databases carried a version
 # (user_version 0 with these tables in it).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -75,7 +75,7 @@ CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason);
 CREATE INDEX IF NOT EXISTS events_kind ON events (kind);
 CREATE TABLE IF NOT EXISTS local_states (
     round INTEGER, attempt INTEGER, peer_id TEXT, start_cid TEXT, end_cid TEXT,
-    end_size INTEGER, PRIMARY KEY (round, attempt, peer_id));
+    end_size INTEGER, rate REAL, PRIMARY KEY (round, attempt, peer_id));
 """
 
 
@@ -99,8 +99,18 @@ def _v2_to_v3(conn: sqlite3.Connection) -> None:
     )
 
 
+def _v3_to_v4(conn: sqlite3.Connection) -> None:
+    # a stateful contribution's sampling rate, drawn at intake: its evidence (the local
+    # states) is fetched then only if drawn, and the commit samples with the same rate
+    conn.execute("ALTER TABLE local_states ADD COLUMN rate REAL")
+
+
 # MIGRATIONS[n] brings a version-n database to version n + 1 (inside one transaction).
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    1: _v1_to_v2,
+    2: _v2_to_v3,
+    3: _v3_to_v4,
+}
 # A database without user_version is version 1 if it has these (added late in 0.1.0).
 V1_MARKERS = {"peers": "role", "contributions": "commitments", "verifications": "report"}
 

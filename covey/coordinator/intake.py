@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from covey.algorithms import Contribution, RoundError
 from covey.protocol import schemas
-from covey.trust.identity import body_content_id
+from covey.trust.certify import sample
+from covey.trust.identity import Identity, body_content_id
 
 from .views import Rejected, Views
 
@@ -40,6 +41,9 @@ class Intake(Views):
     _check_run: Any
     _check_not_banned: Any
     template: Any
+    identity: Identity
+    run_id: str
+    verifying: bool
 
     @functools.cached_property
     def _submitting(self) -> tuple[threading.Lock, set[tuple[str, int]]]:
@@ -76,21 +80,19 @@ class Intake(Views):
         round_ = req.round
         try:
             self._check_not_banned(req.peer_id)
-            self._check_contribution(round_, req)
+            rate = self._check_contribution(round_, req)
         except Rejected as e:
             now = time.time()
+            entry = {"round": req.round, "peer_id": req.peer_id, "reason": e.message}
+            if isinstance(e, Withheld):
+                entry["withheld"] = True  # counts against its reputation (Account.withheld)
             with self.accounts.transaction() as c:
                 c.execute(
                     "INSERT INTO rejections (round, attempt, peer_id, reason, at) "
                     "VALUES (?, ?, ?, ?, ?)",
                     (req.round, req.attempt, req.peer_id, e.message, now),
                 )
-                self.accounts.append(
-                    c,
-                    "contribution rejected",
-                    {"round": req.round, "peer_id": req.peer_id, "reason": e.message},
-                    now,
-                )
+                self.accounts.append(c, "contribution rejected", entry, now)
             log.warning("[%s - round %d] contribution rejected: %s", req.peer_id, req.round, e)
             raise
         now = time.time()
@@ -123,7 +125,7 @@ class Intake(Views):
             )
             if req.end_state_cid is not None:  # H3: the local-state chain
                 c.execute(
-                    "INSERT INTO local_states VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO local_states VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
                         req.round,
                         req.attempt,
@@ -131,6 +133,7 @@ class Intake(Views):
                         req.local_state_cid,
                         req.end_state_cid,
                         req.end_state_size,
+                        rate,
                     ),
                 )
             if req.compute_s > 0:  # the next round plans with the speed seen in this one
@@ -143,7 +146,9 @@ class Intake(Views):
         log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
         return {"ok": True, "cid": req.cid}
 
-    def _check_contribution(self, round_: int, req: schemas.ContributionRequest) -> None:
+    def _check_contribution(self, round_: int, req: schemas.ContributionRequest) -> float | None:
+        """Every check (see the module docstring); the sampling rate its evidence was
+        drawn with (`_check_local_state`), None for a strategy without local state."""
         rnd = self.open_round()
         if rnd is None or rnd.round != req.round or rnd.attempt != req.attempt:
             now_open = f"{rnd.round}.{rnd.attempt}" if rnd else "none"
@@ -190,19 +195,25 @@ class Intake(Views):
             )
         except RoundError as e:
             raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None
-        self._check_local_state(req)
+        return self._check_local_state(req)
 
-    def _check_local_state(self, req: schemas.ContributionRequest) -> None:
+    def _check_local_state(self, req: schemas.ContributionRequest) -> float | None:
         """H3, the local-state chain (covey.algorithms.base): a strategy that carries local
         state names the state its round started from, which must be exactly the end state
         its contribution to the previous round named (in that round's certified attempt;
-        none: a fresh start), and its end state, whose blob must be here (uploaded, or
-        fetched from the peer like the payload) with a local state's exact size. Only the
-        hashes are checked here; a validator checks the content by re-execution."""
+        none: a fresh start), and its end state, of a local state's exact size. Only the
+        hashes are checked here; a validator checks the content by re-execution.
+
+        The evidence, the two states' bytes (3x the model each), is secured here, before
+        the contribution can be aggregated, only when the contribution is drawn for
+        verification: the draw is the one the commit makes (`record_round`), at the rate
+        returned here, which the commit reuses. An undrawn contribution's states stay on
+        the worker's blob server and never cross the coordinator's link. A drawn one whose
+        states its peer does not deliver is refused as `Withheld`."""
         if not self.strategy.carries_local_state:
             if req.local_state_cid or req.end_state_cid or req.end_state_size:
                 raise Rejected(422, "this run's strategy carries no local state to name")
-            return
+            return None
         if req.end_state_cid is None or req.end_state_size is None:
             raise Rejected(422, "a contribution must name its end local state (end_state_cid)")
         if not self.uploads.is_local_state_size(req.end_state_size):
@@ -223,7 +234,25 @@ class Intake(Views):
                 f"starts from local state {(req.local_state_cid or 'fresh')[:12]}, but its "
                 f"contribution to round {req.round - 1} ended at {(want or 'none: fresh')[:12]}",
             )
-        self.uploads.fetch_from_peer(req.peer_id, req.end_state_cid, req.end_state_size)
+        rate = self.accounts.book.sampling_rate(req.peer_id) if self.verifying else 0.0
+        drawn, _ = sample(self.identity, self.run_id, req.round, req.peer_id, req.cid, rate)
+        if self.blobs.has(req.end_state_cid):  # uploaded: its size is checked all the same
+            self.uploads.fetch_from_peer(req.peer_id, req.end_state_cid, req.end_state_size)
+        if drawn:
+            for cid in (req.local_state_cid, req.end_state_cid):
+                if cid is not None:
+                    self._secure(req.peer_id, cid, req.end_state_size)
+        return rate
+
+    def _secure(self, peer_id: str, cid: str, size: int) -> None:
+        try:
+            self.uploads.fetch_from_peer(peer_id, cid, size)
+        except Rejected as e:
+            if e.status != 409:  # a stored blob of another size: not a withholding
+                raise
+            raise Withheld(
+                409, f"drawn for verification, but its local state is not delivered: {e}"
+            ) from None
 
     def _contribution_bytes(self, req: schemas.ContributionRequest) -> memoryview:
         if not self.uploads.is_payload_size(req.size):
@@ -240,3 +269,9 @@ class Intake(Views):
             raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")
         self.uploads.fetch_from_peer(req.peer_id, req.cid, req.size)
         return self.blobs.view(req.cid)
+
+
+class Withheld(Rejected):
+    """A contribution drawn for verification whose peer did not deliver the local states
+    its check needs (its evidence): refused, and it counts against the peer's reputation.
+    Its stake is not touched: that the peer did not serve is the coordinator's word."""

@@ -117,8 +117,17 @@ class Verification(Assignments, Canaries, Disputes):
         """Inside the commit's transaction: ledger entries for the accepted contributions
         (with the sampling draw), the certificate, and the payments now due."""
         book = self.accounts.book
+        drawn_at_intake = {  # H3: a stateful contribution's evidence was drawn at this rate
+            (s["attempt"], s["peer_id"]): s["rate"]
+            for s in c.execute(
+                "SELECT attempt, peer_id, rate FROM local_states WHERE round = ?", (round_,)
+            )
+            if s["rate"] is not None
+        }
         for r in rows:
-            rate = book.sampling_rate(r["peer_id"]) if self.verifying else 0.0
+            rate = drawn_at_intake.get((r["attempt"], r["peer_id"]))
+            if rate is None:
+                rate = book.sampling_rate(r["peer_id"]) if self.verifying else 0.0
             sampled, draw = sample(
                 self.accounts.identity, self.run_id, round_, r["peer_id"], r["cid"], rate
             )

@@ -19,6 +19,9 @@ it by re-execution and slash it (../shared/DESIGN.md, "Trust"):
                  committed one (H3: caught by re-execution, commitment 0)
     unchained    from its second round on, trains from that forged state and names it
                  (H3: refused at intake, the state is not its previous round's end state)
+    withhold     trains honestly and names its end local state, but never serves it
+                 (H3: refused as withheld whenever drawn for verification, which costs it
+                 reputation, so it is drawn ever after)
 
 Cheaters that pick their moment (`Schedule`, what a careful attacker does once it knows
 that new peers are always checked and old ones only sampled):
@@ -55,6 +58,7 @@ BEHAVIORS = (
     "nan",
     "forged-state",
     "unchained",
+    "withhold",
 )
 # behaviors that start a round from a local state not chained to their previous round (H3)
 STATE_CHEATS = ("forged-state", "unchained")

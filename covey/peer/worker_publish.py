@@ -16,6 +16,7 @@ from covey.peer import adversary
 from covey.peer.client import PeerRejected
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
+from covey.protocol.content import content_id
 from covey.trust.identity import request_purpose
 
 log = logging.getLogger("covey.worker")
@@ -75,9 +76,12 @@ class Publishing:
             )
         local: dict[str, Any] = {}
         if self._local is not None and self._local.end_cid is not None:  # H3: its end state
-            end_cid = self.store.put(self._local.end_bytes)
-            self._published.append(end_cid)
-            if self.server is None:
+            if adversary.behavior_at(self.opts.behavior, info.round, self.peer_id) == "withhold":
+                end_cid = content_id(self._local.end_bytes)  # named, never served
+            else:
+                end_cid = self.store.put(self._local.end_bytes)
+                self._published.append(end_cid)
+            if self.server is None and end_cid in self._published:
                 self.blobs.upload(
                     self.opts.coordinator,
                     self._local.end_bytes,
@@ -109,9 +113,11 @@ class Publishing:
         signed = self.identity.sign_request(body, info.round, purpose=request_purpose(path))
         self._last_request = (path, signed)
         try:
-            # the coordinator may pull the payload from us before it answers: allow for
-            # that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual wait
-            pull_s = self.cfg.limits.request_timeout_s + len(payload) / _PULL_BYTES_S
+            # the coordinator may pull the payload from us before it answers, and the start
+            # and end local states if it drew this contribution for verification: allow
+            # for that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual
+            pulled = len(payload) + (2 * len(self._local.end_bytes) if local else 0)
+            pull_s = self.cfg.limits.request_timeout_s + pulled / _PULL_BYTES_S
             self.client.post(path, signed, round=None, timeout_s=pull_s)
         except PeerRejected as e:
             log.warning("[%s - round %d] contribution refused: %s", self.name, info.round, e)

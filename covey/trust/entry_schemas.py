@@ -8,7 +8,9 @@ The payload of each entry type is the contract between the coordinator and covey
 - "stake": {peer_id, amount} (at least min_stake for a worker, min_validator_stake for a
   validator);  "leave": {peer_id, reason}
 - "contribution accepted": {round, peer_id, cid, tokens, inner_steps, sampled, rate, draw,
-  request_id, nonce, signature};  "contribution rejected": {round, peer_id, reason}
+  request_id, nonce, signature};  "contribution rejected": {round, peer_id, reason,
+  withheld: true (only when a contribution drawn for verification was refused because its
+  peer did not deliver the local states its check needs: it costs reputation)}
 - "verification": {round, peer_id, validator_id, outcome: "agree"|"disagree"|"expired",
   distance: float|null, exact: bool}; "expired" names the validator that held the check
   and did not report in time (a missed check: it counts against it), or "" (older runs)

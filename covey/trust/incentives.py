@@ -26,6 +26,11 @@ from covey.trust.identity import IdentityError, peer_id_of
 from covey.trust.ledger import Entry, LedgerError
 from covey.trust.policy import Account, Policy
 
+# A worker that withholds the local states of this many contributions drawn for
+# verification is excluded (its stake untouched): each withholding escapes a check, and
+# one may be a crash in mid-submission, two are a pattern.
+WITHHELD_BAN = 2
+
 __all__ = ["SCHEMAS", "Account", "Book", "Policy"]
 
 
@@ -155,6 +160,7 @@ class Book(Draws):
                     "missed_checks": a.missed_checks,
                     "canaries_passed": a.canaries_passed,
                     "no_shows": a.no_shows,
+                    "withheld": a.withheld,
                 },
             }
         ordered = [self.accounts[p] for p in sorted(self.accounts)]
@@ -240,7 +246,11 @@ class Book(Draws):
         acc.contributions += 1
 
     def _contribution_rejected(self, i: int, p: dict[str, Any]) -> None:
-        self._peer(i, p).rejected += 1
+        acc = self._peer(i, p)
+        acc.rejected += 1
+        if p.get("withheld") is True:  # drawn for verification; its evidence never came
+            acc.withheld += 1
+            acc.banned = acc.banned or acc.withheld >= WITHHELD_BAN
         for v in self._agreed_by.pop((p["round"], p["peer_id"]), set()):  # they passed it
             self._missed_due[(p["round"], v)] = self._missed_due.get((p["round"], v), 0) + 1
 

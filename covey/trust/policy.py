@@ -84,6 +84,7 @@ class Account:
     missed_checks: int = 0
     canaries_passed: int = 0
     no_shows: int = 0  # repeated ones (the second in a row and later): they cost reputation
+    withheld: int = 0  # contributions drawn for verification whose evidence never came
 
     @property
     def validator_faults(self) -> int:
@@ -96,15 +97,17 @@ class Account:
 
     @property
     def reputation(self) -> float:
-        """A worker: (agreed + 1) / (agreed + frauds + no_shows + 2), counting repeated
-        no-shows only (a first one is a crash anyone may have). A validator: (good + 1) /
+        """A worker: (agreed + 1) / (agreed + frauds + no_shows + withheld + 2), counting
+        repeated no-shows only (a first one is a crash anyone may have), and withheld the
+        contributions drawn for verification whose local states it did not deliver
+        (covey.coordinator.intake.Withheld). A validator: (good + 1) /
         (good + faults + 2), where good is its checks less its false accusations, and none
         once it passed a canary: that proves it agrees without re-executing, so none of its
         agreements is evidence of work. 0.5 for a peer with no record."""
         if self.role == "validator":
             good = 0 if self.canaries_passed else max(self.checks - self.false_accusations, 0)
             return (good + 1) / (good + self.validator_faults + 2)
-        return (self.agreed + 1) / (self.agreed + self.frauds + self.no_shows + 2)
+        return (self.agreed + 1) / (self.agreed + self.frauds + self.no_shows + self.withheld + 2)
 
 
 _DEFAULTS = Policy(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0)
