@@ -23,6 +23,7 @@ from covey.blobs.store import (
     BLOB_PATH_PREFIX,
     BlobError,
     BlobStore,
+    LocalBlobError,
     RangeNotSatisfiable,
     parse_range,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "BlobError",
     "BlobServer",
     "BlobStore",
+    "LocalBlobError",
     "RangeNotSatisfiable",
     "parse_range",
 ]

@@ -24,6 +24,7 @@ from covey.blobs.store import (
     UPLOAD_PEER_HEADER,
     UPLOAD_SIGNATURE_HEADER,
     BlobError,
+    LocalBlobError,
     cid_or_error,
     upload_message,
 )
@@ -273,6 +274,8 @@ class BlobClient(StreamingFetch):
                 last = f
                 if not f.retry:
                     break
+        if self._closed.is_set():
+            raise LocalBlobError("the fetching client was closed")
         raise last or _Aborted()
 
     def _get(
@@ -313,8 +316,12 @@ class BlobClient(StreamingFetch):
                     sink(piece)
                     if time.monotonic() - t0 > self.timeout_s + n / _MIN_RATE_BYTES_S:
                         raise _Failure(f"slower than {_MIN_RATE_BYTES_S} B/s", retry=False)
+        except httpx.PoolTimeout as e:  # every connection of ours busy: not the peer's fault
+            raise LocalBlobError(f"no free connection to fetch {cid} with: {e}") from e
         except httpx.TransportError as e:
             raise _Failure(f"{type(e).__name__}: {e}", retry=True) from e
+        except LocalBlobError:
+            raise
         except BlobError as e:
             raise _Failure(str(e), retry=False) from e
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:

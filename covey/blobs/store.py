@@ -31,6 +31,12 @@ class BlobError(Exception):
     """A blob could not be stored or fetched; the message names the cid and why."""
 
 
+class LocalBlobError(BlobError):
+    """This side failed, not the bytes or whoever served them: the store's disk (I/O
+    errors, no space) or the fetching client's own connection pool. A fetch passes it
+    through unchanged, so a caller never blames a peer for it (covey.coordinator.intake)."""
+
+
 def upload_message(run_id: str, peer_id: str, cid: str, size: int, nonce: str) -> bytes:
     """The bytes an upload's signature covers: its purpose, the run, the uploader, the blob
     and its exact size, and a nonce (covey.trust.identity.make_nonce). Its own prefix keeps
@@ -164,7 +170,7 @@ class BlobStore:
         try:
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=_TMP_PREFIX, suffix=".part")
         except OSError as e:
-            raise BlobError(f"cannot create a file in {self.root}: {e}") from e
+            raise LocalBlobError(f"cannot create a file in {self.root}: {e}") from e
         os.close(fd)
         return Path(tmp)
 
@@ -188,7 +194,7 @@ class BlobStore:
             os.replace(path, final)
         except OSError as e:
             path.unlink(missing_ok=True)
-            raise BlobError(f"cannot store {path.name}: {e}") from e
+            raise LocalBlobError(f"cannot store {path.name}: {e}") from e
         _fsync_dir(final.parent)
         return cid, size
 
@@ -220,7 +226,7 @@ class BlobStore:
             final.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=_TMP_PREFIX, suffix=".part")
         except OSError as e:
-            raise BlobError(f"cannot store blob {cid}: {e}") from e
+            raise LocalBlobError(f"cannot store blob {cid}: {e}") from e
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -230,7 +236,7 @@ class BlobStore:
         except BaseException as e:
             Path(tmp).unlink(missing_ok=True)  # then re-raised: nothing is swallowed
             if isinstance(e, OSError):
-                raise BlobError(f"cannot store blob {cid}: {e}") from e
+                raise LocalBlobError(f"cannot store blob {cid}: {e}") from e
             raise
         _fsync_dir(final.parent)
 
@@ -247,7 +253,7 @@ class _PartWriter:
             self._final.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._final.parent, prefix=_TMP_PREFIX, suffix=".part")
         except OSError as e:
-            raise BlobError(f"cannot store blob {cid}: {e}") from e
+            raise LocalBlobError(f"cannot store blob {cid}: {e}") from e
         self._fd: int | None = fd
         self._tmp = Path(tmp)
 
@@ -275,7 +281,7 @@ class _PartWriter:
             os.replace(self._tmp, self._final)
         except OSError as e:
             self.abort()
-            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+            raise LocalBlobError(f"cannot store blob {self.cid}: {e}") from e
         except BlobError:
             self.abort()
             raise
@@ -317,7 +323,7 @@ class BlobWriter(_PartWriter):
                 view = view[os.write(self._fd, view) :]
         except OSError as e:
             self.abort()
-            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+            raise LocalBlobError(f"cannot store blob {self.cid}: {e}") from e
 
     def _digest(self) -> str:
         return self._hash.hexdigest()  # hashed as it arrived: no second read
@@ -350,7 +356,7 @@ class RangeWriter(_PartWriter):
                 n = os.pwrite(fd, view, offset)
                 view, offset = view[n:], offset + n
         except OSError as e:
-            raise BlobError(f"cannot store blob {self.cid}: {e}") from e
+            raise LocalBlobError(f"cannot store blob {self.cid}: {e}") from e
         with self._lock:
             self.received += len(piece)
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from covey.blobs.store import BlobError, BlobStore, BlobWriter, cid_or_error
+from covey.blobs.store import BlobError, BlobStore, BlobWriter, LocalBlobError, cid_or_error
 
 logger = logging.getLogger("covey.blobs.client")
 
@@ -121,6 +121,8 @@ class StreamingFetch:
             if not box:
                 raise _Failure("no body", retry=False)
             box[0].commit()
+        except LocalBlobError:
+            raise
         except BlobError as e:
             raise _Failure(str(e), retry=False) from None
         finally:
@@ -164,6 +166,8 @@ class StreamingFetch:
                 # count by ranges, not by writes
                 writer.received = size
                 writer.commit()
+        except LocalBlobError:
+            raise
         except BlobError as e:
             failures["chunks"] = str(e)  # e.g. the assembled ranges do not hash to the cid
         finally:

@@ -75,7 +75,7 @@ CREATE INDEX IF NOT EXISTS rejections_reason ON rejections (reason);
 CREATE INDEX IF NOT EXISTS events_kind ON events (kind);
 CREATE TABLE IF NOT EXISTS local_states (
     round INTEGER, attempt INTEGER, peer_id TEXT, start_cid TEXT, end_cid TEXT,
-    end_size INTEGER, rate REAL, PRIMARY KEY (round, attempt, peer_id));
+    end_size INTEGER, rate REAL, evidence TEXT, PRIMARY KEY (round, attempt, peer_id));
 """
 
 
@@ -100,9 +100,11 @@ def _v2_to_v3(conn: sqlite3.Connection) -> None:
 
 
 def _v3_to_v4(conn: sqlite3.Connection) -> None:
-    # a stateful contribution's sampling rate, drawn at intake: its evidence (the local
-    # states) is fetched then only if drawn, and the commit samples with the same rate
+    # a stateful contribution's draw for verification, made at intake: the rate (the
+    # commit samples with it) and its evidence (the local states, fetched only if drawn:
+    # NULL not drawn, then pending, secured, withheld or lost; covey.coordinator.intake)
     conn.execute("ALTER TABLE local_states ADD COLUMN rate REAL")
+    conn.execute("ALTER TABLE local_states ADD COLUMN evidence TEXT")
 
 
 # MIGRATIONS[n] brings a version-n database to version n + 1 (inside one transaction).

@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from covey.algorithms import Contribution, RoundError
 from covey.protocol import schemas
@@ -80,20 +80,10 @@ class Intake(Views):
         round_ = req.round
         try:
             self._check_not_banned(req.peer_id)
-            rate = self._check_contribution(round_, req)
+            draw = self._check_contribution(round_, req)
         except Rejected as e:
-            now = time.time()
-            entry = {"round": req.round, "peer_id": req.peer_id, "reason": e.message}
-            if isinstance(e, Withheld):
-                entry["withheld"] = True  # counts against its reputation (Account.withheld)
             with self.accounts.transaction() as c:
-                c.execute(
-                    "INSERT INTO rejections (round, attempt, peer_id, reason, at) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (req.round, req.attempt, req.peer_id, e.message, now),
-                )
-                self.accounts.append(c, "contribution rejected", entry, now)
-            log.warning("[%s - round %d] contribution rejected: %s", req.peer_id, req.round, e)
+                self._book_refusal(c, req.round, req.attempt, req.peer_id, e.message)
             raise
         now = time.time()
         with self.db.transaction() as c:
@@ -123,9 +113,9 @@ class Intake(Views):
                     json.dumps([m.model_dump() for m in req.commitments]),
                 ),
             )
-            if req.end_state_cid is not None:  # H3: the local-state chain
+            if req.end_state_cid is not None and draw is not None:  # H3: the local-state chain
                 c.execute(
-                    "INSERT INTO local_states VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO local_states VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         req.round,
                         req.attempt,
@@ -133,7 +123,8 @@ class Intake(Views):
                         req.local_state_cid,
                         req.end_state_cid,
                         req.end_state_size,
-                        rate,
+                        draw.rate,
+                        "pending" if draw.drawn else None,
                     ),
                 )
             if req.compute_s > 0:  # the next round plans with the speed seen in this one
@@ -142,13 +133,40 @@ class Intake(Views):
                     (req.compute_s / req.inner_steps, req.peer_id),
                 )
         self.uploads.named(req.peer_id, (req.cid, req.end_state_cid))
-        self._wake.set()
+        try:
+            if draw is not None and draw.drawn:
+                self._secure(req)  # recorded first: it can neither resubmit nor walk away
+        finally:
+            self._wake.set()
         log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
         return {"ok": True, "cid": req.cid}
 
-    def _check_contribution(self, round_: int, req: schemas.ContributionRequest) -> float | None:
-        """Every check (see the module docstring); the sampling rate its evidence was
-        drawn with (`_check_local_state`), None for a strategy without local state."""
+    def _book_refusal(
+        self,
+        c: Any,
+        round_: int,
+        attempt: int,
+        peer_id: str,
+        reason: str,
+        withheld: bool = False,
+    ) -> None:
+        """Inside an accounts transaction: a refused contribution's rejections row (the
+        certificate lists it) and "contribution rejected" ledger entry; `withheld` marks
+        one drawn for verification whose local states its peer did not deliver."""
+        now = time.time()
+        c.execute(
+            "INSERT INTO rejections (round, attempt, peer_id, reason, at) VALUES (?, ?, ?, ?, ?)",
+            (round_, attempt, peer_id, reason, now),
+        )
+        entry: dict[str, Any] = {"round": round_, "peer_id": peer_id, "reason": reason}
+        if withheld:
+            entry["withheld"] = True  # counts against its reputation (Account.withheld)
+        self.accounts.append(c, "contribution rejected", entry, now)
+        log.warning("[%s - round %d] contribution rejected: %s", peer_id, round_, reason)
+
+    def _check_contribution(self, round_: int, req: schemas.ContributionRequest) -> Draw | None:
+        """Every check (see the module docstring); the contribution's draw for
+        verification (`_check_local_state`), None for a strategy without local state."""
         rnd = self.open_round()
         if rnd is None or rnd.round != req.round or rnd.attempt != req.attempt:
             now_open = f"{rnd.round}.{rnd.attempt}" if rnd else "none"
@@ -197,19 +215,20 @@ class Intake(Views):
             raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None
         return self._check_local_state(req)
 
-    def _check_local_state(self, req: schemas.ContributionRequest) -> float | None:
+    def _check_local_state(self, req: schemas.ContributionRequest) -> Draw | None:
         """H3, the local-state chain (covey.algorithms.base): a strategy that carries local
         state names the state its round started from, which must be exactly the end state
         its contribution to the previous round named (in that round's certified attempt;
         none: a fresh start), and its end state, of a local state's exact size. Only the
         hashes are checked here; a validator checks the content by re-execution.
 
-        The evidence, the two states' bytes (3x the model each), is secured here, before
-        the contribution can be aggregated, only when the contribution is drawn for
-        verification: the draw is the one the commit makes (`record_round`), at the rate
-        returned here, which the commit reuses. An undrawn contribution's states stay on
-        the worker's blob server and never cross the coordinator's link. A drawn one whose
-        states its peer does not deliver is refused as `Withheld`."""
+        The evidence, the two states' bytes (3x the model each), crosses the coordinator's
+        link only when the contribution is drawn for verification: the draw made here is
+        the one the commit makes (`record_round`), at the rate returned here, which the
+        commit reuses. An undrawn contribution's states stay on the worker's blob server.
+        A drawn one's are fetched by `_secure` once the contribution is recorded, before
+        it can be aggregated; a peer whose contribution to this round was drawn and then
+        withheld gets no second draw in it (another attempt, another payload)."""
         if not self.strategy.carries_local_state:
             if req.local_state_cid or req.end_state_cid or req.end_state_size:
                 raise Rejected(422, "this run's strategy carries no local state to name")
@@ -222,9 +241,10 @@ class Intake(Views):
                 f"end state {req.end_state_cid[:12]} of {req.end_state_size} bytes is not "
                 f"a local state of this run",
             )
-        prev = self.db.one(
+        prev = self.db.one(  # a contribution refused for its evidence continues no chain
             "SELECT l.end_cid FROM rounds r JOIN local_states l ON l.round = r.round AND "
-            "l.attempt = r.attempt AND l.peer_id = ? WHERE r.round = ? AND r.status = 'committed'",
+            "l.attempt = r.attempt AND l.peer_id = ? WHERE r.round = ? AND r.status = 'committed' "
+            "AND (l.evidence IS NULL OR l.evidence = 'secured')",
             (req.peer_id, req.round - 1),
         )
         want = prev["end_cid"] if prev is not None else None
@@ -234,25 +254,106 @@ class Intake(Views):
                 f"starts from local state {(req.local_state_cid or 'fresh')[:12]}, but its "
                 f"contribution to round {req.round - 1} ended at {(want or 'none: fresh')[:12]}",
             )
-        rate = self.accounts.book.sampling_rate(req.peer_id) if self.verifying else 0.0
-        drawn, _ = sample(self.identity, self.run_id, req.round, req.peer_id, req.cid, rate)
+        if self.db.one(  # "lost" (this side failed) may try again in the next attempt
+            "SELECT 1 FROM local_states WHERE round = ? AND peer_id = ? "
+            "AND evidence IN ('pending', 'withheld')",
+            (req.round, req.peer_id),
+        ):
+            raise Rejected(
+                409,
+                f"its contribution to round {req.round} was drawn for verification and its "
+                f"local states not secured: no second submission in this round",
+            )
         if self.blobs.has(req.end_state_cid):  # uploaded: its size is checked all the same
             self.uploads.fetch_from_peer(req.peer_id, req.end_state_cid, req.end_state_size)
-        if drawn:
+        rate = self.accounts.book.sampling_rate(req.peer_id) if self.verifying else 0.0
+        drawn, _ = sample(self.identity, self.run_id, req.round, req.peer_id, req.cid, rate)
+        return Draw(rate, drawn)
+
+    def _secure(self, req: schemas.ContributionRequest) -> None:
+        """Fetch a recorded, drawn contribution's start and end states from its peer and
+        say so in local_states.evidence: "secured"; "withheld" (its peer did not deliver
+        them: refused, and it counts against the peer, `Withheld`); "lost" (this side
+        failed, its disk or its connections: refused, no fault of the peer's, 503). If the
+        round closed first, `_close` has already refused it as withheld (its peer had until
+        `evidence_grace_s`)."""
+        outcome, why = "secured", ""
+        try:
             for cid in (req.local_state_cid, req.end_state_cid):
                 if cid is not None:
-                    self._secure(req.peer_id, cid, req.end_state_size)
-        return rate
-
-    def _secure(self, peer_id: str, cid: str, size: int) -> None:
-        try:
-            self.uploads.fetch_from_peer(peer_id, cid, size)
+                    self.uploads.fetch_from_peer(req.peer_id, cid, req.end_state_size or 0)
         except Rejected as e:
-            if e.status != 409:  # a stored blob of another size: not a withholding
-                raise
-            raise Withheld(
-                409, f"drawn for verification, but its local state is not delivered: {e}"
-            ) from None
+            outcome, why = ("lost" if e.status == 503 else "withheld"), e.message
+        key = (req.round, req.attempt, req.peer_id)
+        with self.accounts.transaction() as c:
+            row = c.execute(
+                "SELECT evidence FROM local_states WHERE round = ? AND attempt = ? AND peer_id = ?",
+                key,
+            ).fetchone()
+            if row is None or row["evidence"] != "pending":
+                raise Withheld(
+                    409,
+                    f"round {req.round} closed before this contribution's local states "
+                    f"arrived (drawn for verification)",
+                )
+            c.execute(
+                "UPDATE local_states SET evidence = ? "
+                "WHERE round = ? AND attempt = ? AND peer_id = ?",
+                (outcome, *key),
+            )
+            if outcome == "withheld":
+                why = f"drawn for verification, but its local states were not delivered: {why}"
+            elif outcome == "lost":
+                why = (
+                    "drawn for verification; this coordinator failed to store its local "
+                    f"states (no fault of the peer's): {why}"
+                )
+            if outcome != "secured":
+                self._book_refusal(c, *key, why, withheld=outcome == "withheld")
+        if outcome == "withheld":
+            raise Withheld(409, why)
+        if outcome == "lost":
+            raise Rejected(503, why)
+
+    def _evidence_pending(self, round_: int, attempt: int, now: float) -> bool:
+        """Whether a drawn contribution of this round attempt is still fetching its local
+        states within its grace (`evidence_grace_s`): the round waits for it to close."""
+        rows = self.db.query(
+            "SELECT c.submitted_at, l.end_size FROM local_states l JOIN contributions c "
+            "ON c.round = l.round AND c.attempt = l.attempt AND c.peer_id = l.peer_id "
+            "WHERE l.round = ? AND l.attempt = ? AND l.evidence = 'pending'",
+            (round_, attempt),
+        )
+        timeout = self.cfg.limits.request_timeout_s
+        return any(now < r["submitted_at"] + evidence_grace_s(timeout, r["end_size"]) for r in rows)
+
+    def _refuse_missing_evidence(self, c: Any, round_: int, attempt: int) -> set[str]:
+        """Inside the close's accounts transaction: refuse, as withheld, every drawn
+        contribution whose local states are still not here (past their grace), and return
+        the peers whose contributions the round must leave out for their evidence."""
+        late = c.execute(
+            "SELECT peer_id FROM local_states WHERE round = ? AND attempt = ? "
+            "AND evidence = 'pending'",
+            (round_, attempt),
+        ).fetchall()
+        for r in late:
+            c.execute(
+                "UPDATE local_states SET evidence = 'withheld' "
+                "WHERE round = ? AND attempt = ? AND peer_id = ?",
+                (round_, attempt, r["peer_id"]),
+            )
+            why = (
+                "drawn for verification, but its local states had not arrived when the round closed"
+            )
+            self._book_refusal(c, round_, attempt, r["peer_id"], why, withheld=True)
+        return {
+            r["peer_id"]
+            for r in c.execute(
+                "SELECT peer_id FROM local_states WHERE round = ? AND attempt = ? "
+                "AND evidence IN ('withheld', 'lost')",
+                (round_, attempt),
+            )
+        }
 
     def _contribution_bytes(self, req: schemas.ContributionRequest) -> memoryview:
         if not self.uploads.is_payload_size(req.size):
@@ -269,6 +370,23 @@ class Intake(Views):
             raise Rejected(422, f"blob {req.cid[:12]} has {size} bytes; request says {req.size}")
         self.uploads.fetch_from_peer(req.peer_id, req.cid, req.size)
         return self.blobs.view(req.cid)
+
+
+class Draw(NamedTuple):
+    """A stateful contribution's draw for verification, made at intake: the peer's
+    sampling rate then, and whether the coordinator's draw fell below it."""
+
+    rate: float
+    drawn: bool
+
+
+EVIDENCE_BYTES_S = 1 << 20  # slowest rate a drawn contribution's local states may arrive at
+
+
+def evidence_grace_s(request_timeout_s: float, state_size: int) -> float:
+    """How long after its submission a drawn contribution may take to deliver its two
+    local states (start and end) before the round closes without it."""
+    return request_timeout_s + 2 * state_size / EVIDENCE_BYTES_S
 
 
 class Withheld(Rejected):

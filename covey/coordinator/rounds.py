@@ -256,6 +256,8 @@ class Rounds(Intake, Halting, Views):
             )
         ]
         reason = close_reason(now, current.deadline, waiting_on, submitted)
+        if reason is not None and self._evidence_pending(current.round, current.attempt, now):
+            return  # a drawn contribution's local states are on their way (bounded grace)
         if reason is not None:
             self.membership.record_no_shows(current.round, waiting_on, submitted, now)
             self._close(current, reason)
@@ -309,14 +311,16 @@ class Rounds(Intake, Halting, Views):
     ) -> None:
         """Commit `rnd` (or abort it); `assembled`: its rows and the new state that sharded
         aggregation computed (covey.coordinator.shard_rounds), instead of apply_round."""
-        with self.db.transaction() as c:
+        with self.accounts.transaction() as c:
             c.execute("UPDATE rounds SET status = 'closing' WHERE round = ?", (rnd.round,))
             rows = c.execute(
                 "SELECT * FROM contributions WHERE round = ? AND attempt = ? ORDER BY peer_id",
                 (rnd.round, rnd.attempt),
             ).fetchall()
+            unsecured = self._refuse_missing_evidence(c, rnd.round, rnd.attempt)
         banned = {p for p, a in self.accounts.book.accounts.items() if a.banned}
-        rows = [r for r in rows if r["peer_id"] not in banned]  # excluded since it submitted
+        # excluded since it submitted, or drawn for verification without its evidence
+        rows = [r for r in rows if r["peer_id"] not in banned | unsecured]
         if assembled is not None:
             rows = assembled[0]
         elif rows and self.sharding is not None and self.sharding.begin(rnd, rows, reason):

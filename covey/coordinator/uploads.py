@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from covey.blobs import BlobError
+from covey.blobs import BlobError, LocalBlobError
 from covey.blobs.store import (
     UPLOAD_NONCE_HEADER,
     UPLOAD_PEER_HEADER,
@@ -173,7 +173,8 @@ class Blobs:
         """Make sure blob `cid` of `size` bytes is in the store: there already (of that
         size), or fetched from the blob URL `peer_id` registered at join (streamed to disk,
         hashed on arrival, no redirects). Rejected: 422 a stored blob of another size, 409
-        the peer serves no blobs (it must upload) or its server did not deliver."""
+        the peer serves no blobs (it must upload) or its server did not deliver, 503 this
+        side failed (LocalBlobError: our disk or connection pool), no fault of the peer's."""
         if self.store.has(cid):
             if self.store.size(cid) != size:
                 raise Rejected(422, f"blob {cid[:12]} has {self.store.size(cid)} bytes, not {size}")
@@ -185,6 +186,8 @@ class Blobs:
             raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
         try:  # streamed to disk and hashed on arrival (capped by limits.max_blob_bytes)
             self.fetcher.fetch_into(self.store, cid, [peer["blob_url"]], size=size)
+        except LocalBlobError as e:
+            raise Rejected(503, f"could not fetch blob {cid[:12]}: {e}") from None
         except BlobError as e:
             raise Rejected(409, f"could not fetch blob {cid[:12]} from the peer: {e}") from None
 

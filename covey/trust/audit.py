@@ -213,7 +213,9 @@ def write_jsonl(entries: list[Entry], path: Path) -> None:
 
 def _compare(reported: dict[str, Any], replayed: dict[str, Any]) -> None:
     """LedgerError naming the first account (by peer id) whose reported standing differs
-    from the replayed one, else the first differing top-level field."""
+    from the replayed one, else the first differing top-level field. A count that a
+    report written by an older covey lacks (e.g. `withheld`) reads as 0."""
+    reported = _with_later_counts(reported, replayed)
     if reported == replayed:
         return
     head = (
@@ -243,6 +245,21 @@ def _compare(reported: dict[str, Any], replayed: dict[str, Any]) -> None:
         f"{head}: {field} is {_at(reported, field)!r} reported, {_at(replayed, field)!r} "
         "recomputed",
     )
+
+
+def _with_later_counts(reported: dict[str, Any], replayed: dict[str, Any]) -> dict[str, Any]:
+    """`reported` with each account's missing counts (those this covey adds) set to 0."""
+    theirs, mine = reported.get("accounts"), replayed["accounts"]
+    if not isinstance(theirs, dict):
+        return reported
+    accounts = {}
+    for peer_id, a in theirs.items():
+        b = mine.get(peer_id)
+        if isinstance(a, dict) and isinstance(a.get("counts"), dict) and isinstance(b, dict):
+            later = {k: 0 for k in b.get("counts", {}) if k not in a["counts"]}
+            a = {**a, "counts": {**a["counts"], **later}}
+        accounts[peer_id] = a
+    return {**reported, "accounts": accounts}
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
