@@ -153,8 +153,12 @@ def run_spec(
     batch_size: int = 8,
     max_rounds: int | None = None,
     eval_batches: int = 4,
+    verify_rate: float | None = None,
 ) -> dict[str, Any]:
-    """The run spec of one bench run, as the TOML tables `covey coordinator` reads."""
+    """The run spec of one bench run, as the TOML tables `covey coordinator` reads.
+    `verify_rate`: the share of contributions drawn for verification, new peers' too
+    (default: the run's defaults); each drawn one moves its two local states (3x the
+    model each) through the coordinator's link (covey.coordinator.intake)."""
     rounds: dict[str, Any] = {
         # Round 0 opens only once every worker has joined: clock zero is the same moment
         # for every method.
@@ -180,6 +184,8 @@ def run_spec(
         "algorithm": dict(method.algorithm),
         "rounds": rounds,
     }
+    if verify_rate is not None:
+        spec["trust"] = {"sample_rate": verify_rate, "new_peer_rate": verify_rate}
     RunConfig.model_validate(spec)  # a bad spec fails here, not in a child process
     return spec
 
@@ -480,6 +486,7 @@ def run_one(
     run_dir: Path,
     max_rounds: int | None = None,
     batch_size: int = 8,
+    verify_rate: float | None = None,
 ) -> dict[str, Any]:
     """One fresh testbed, one fresh run of `method`, trained for budget_s after round 0
     opens (or until max_rounds). RuntimeError, with the logs' tails, if a process exits
@@ -490,7 +497,12 @@ def run_one(
     run_dir.mkdir(parents=True)
     spec_path = run_dir / "run.toml"
     spec = run_spec(
-        method, model=model, workers=workers, batch_size=batch_size, max_rounds=max_rounds
+        method,
+        model=model,
+        workers=workers,
+        batch_size=batch_size,
+        max_rounds=max_rounds,
+        verify_rate=verify_rate,
     )
     spec_path.write_text(to_toml(spec))
     names = ["coord"] + [f"w{i}" for i in range(workers)]
@@ -592,6 +604,7 @@ def run_network_bench(
     inner_steps: int = 50,
     max_rounds: int | None = None,
     batch_size: int = 8,
+    verify_rate: float | None = None,
 ) -> list[dict[str, Any]]:
     """Every method at every bandwidth, each a fresh testbed and run; returns the records
     (also written to ``out_dir/records.json`` after every run, so a failure later keeps
@@ -625,7 +638,9 @@ def run_network_bench(
                 run_dir=out_dir / f"{mbit:g}mbit-{method.name}",
                 max_rounds=max_rounds,
                 batch_size=batch_size,
+                verify_rate=verify_rate,
             )
+            record["verify_rate"] = verify_rate
             records.append(record)
             target = target_loss if target_loss is not None else default_target(records)
             apply_target(records, target)
