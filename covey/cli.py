@@ -14,6 +14,7 @@ import typer
 from pydantic import ValidationError
 
 from covey import __version__
+from covey.bench.agreement_cli import register as register_bench_agreement
 from covey.bench.gpu_cli import register as register_bench_gpu
 from covey.bench.shards_cli import register as register_bench_shards
 from covey.bench.swarm import register as register_bench_swarm
@@ -39,6 +40,7 @@ register_bench_gpu(bench_app)  # covey bench gpu (covey/bench/gpu_cli.py)
 register_swarm(app)  # swarm coordinator, server, trainer, demo
 register_bench_swarm(bench_app)  # covey bench swarm
 register_bench_shards(bench_app)  # covey bench shards (gather vs sharded rounds)
+register_bench_agreement(bench_app)  # covey bench agreement (simulator vs network)
 register_bench_rl(bench_app)  # covey bench rl (covey/rl/learn_cli.py)
 register_rl(app)  # rl trainer, worker, validator, demo
 
@@ -262,7 +264,7 @@ def bench_comms(
         bool,
         typer.Option(
             help="after a shared DDP warm-up, every method for the same tokens, 2 seeds, "
-            "warmup + cosine variants (the DiLoCo paper's regime; ~30 min on 2 cores)"
+            "warmup + cosine variants (the DiLoCo paper's regime; ~50 min on 2 cores)"
         ),
     ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="write records here")] = None,
@@ -329,9 +331,18 @@ def bench_network(
     out: Annotated[Path, typer.Option(help="directory for each run's spec, logs and data")] = Path(
         "runs/bench-network"
     ),
+    verify_rate: Annotated[
+        float | None,
+        typer.Option(
+            help="share of contributions drawn for verification, new peers' too (each moves "
+            "its local states through the coordinator); default the run's (1.0 new, 0.25)"
+        ),
+    ] = None,
 ) -> None:
     """DDP vs DiLoCo vs DiLoCo + int4 + error feedback: real processes over rate-limited
     network namespaces (needs root and iproute2). Results go in BENCHMARKS.md."""
+    if verify_rate is not None and not 0 <= verify_rate <= 1:
+        raise _fail(f"--verify-rate must be in [0, 1], got {verify_rate}")
     if workers < 1:
         raise _fail(f"--workers must be >= 1, got {workers}")
     if minutes <= 0:
@@ -356,6 +367,7 @@ def bench_network(
             out_dir=out,
             methods=tuple(only or METHOD_KEYS),
             inner_steps=inner_steps,
+            verify_rate=verify_rate,
         )
     except (TestbedUnavailable, RuntimeError) as e:
         raise _fail(f"{e}\n(records of the runs before it: {out / 'records.json'})") from None

@@ -188,7 +188,14 @@ def bench_config(
     return cfg.model_copy(update={"eval_every": max(1, cfg.rounds // size.evals)})
 
 
-def _run(
+def pretrain_config(size: BenchSize) -> SimConfig:
+    """The shared DDP warm-up of a preset with pretrain_steps > 0 (--long): every method
+    continues from its final weights, with data.round_offset = its rounds."""
+    warm = replace(size, steps=size.pretrain_steps, eval_batches=16, evals=10)
+    return bench_config(BenchMethod("pretrain", {"method": "ddp"}), warm)
+
+
+def run_sim(
     cfg: SimConfig, corpus: Corpus, out: Path, label: str, resume: bool, progress: bool
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One simulation into `out` -> (records, summary); with `resume`, a finished run of the
@@ -240,10 +247,9 @@ def run_comms_bench(
     print(f"corpus: {corpus.describe()} (fingerprint {corpus.fingerprint})")
     init, offset = None, 0
     if size.pretrain_steps:
-        warm = replace(size, steps=size.pretrain_steps, eval_batches=16, evals=10)
-        cfg = bench_config(BenchMethod("pretrain", {"method": "ddp"}), warm)
+        cfg = pretrain_config(size)
         print(f"== pretrain: DDP for {cfg.rounds} steps per worker (shared warm start)")
-        _run(cfg, corpus, out_dir / "pretrain", "pretrain", resume, progress)
+        run_sim(cfg, corpus, out_dir / "pretrain", "pretrain", resume, progress)
         init, offset = str(out_dir / "pretrain"), cfg.rounds
     runs: dict[str, MethodRun] = {}
     for method in comms_methods(size):
@@ -251,7 +257,8 @@ def run_comms_bench(
             continue
         cfg = bench_config(method, size, init=init, round_offset=offset)
         print(f"== {method.name}: {cfg.rounds} rounds of {cfg.steps // cfg.rounds} inner steps")
-        records, summary = _run(cfg, corpus, out_dir / method.name, method.name, resume, progress)
+        out = out_dir / method.name
+        records, summary = run_sim(cfg, corpus, out, method.name, resume, progress)
         runs[method.name] = MethodRun(method.name, method.baseline, method.seed, records, summary)
     rows = summarize(runs, size.tail)
     print(format_table(rows))
