@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +138,22 @@ def unflatten(vec: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Ten
     if offset != vec.numel():
         raise RoundError(f"vector has {vec.numel()} elements, parameters need {offset}")
     return out
+
+
+def is_broadcast(t: torch.Tensor) -> bool:
+    """Whether `t` is an expanded view (a stride-0 dimension of size > 1): such a tensor
+    cannot be written in place, so it never changes and need not be copied."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether `b` is a tensor with exactly `a`'s dtype, shape, device and bytes (so a hash
+    of either is the same; -0.0 and 0.0 differ here, and a NaN equals its own bits)."""
+    if b is None or a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if not (a.is_contiguous() and b.is_contiguous()) or a.dtype == torch.bool:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def clip_grad_(grads: Sequence[torch.Tensor], max_norm: float) -> None:
@@ -269,17 +285,59 @@ class Strategy(ABC):
 
     # -- worker-local state (verification) -------------------------------------------------
 
-    def local_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+    def local_state(
+        self, copy: bool = True, start: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Everything the next inner steps depend on, besides the round's canonical start
         (which `load_state` sets): "param/<name>" for each parameter plus the strategy's own
         tensors (see `_local_extras`). Names and shapes are fixed for a given model and
         config, whatever has happened so far, so any two local states can be compared.
 
         copy=False returns the live tensors (or zeros standing in for state not created
-        yet): read them at once; writing to them writes the strategy's state."""
+        yet): read them at once; writing to them writes the strategy's state. A copy holds
+        only what training could change (issue 13.3): the zeros standing in for state not
+        created yet are broadcast views of one zero, never written, so they are not
+        copied; and with `start` (the round's start parameters, which nothing changes in
+        place), a parameter with exactly the bits of its start entry is that tensor, not
+        a copy (at a round's first commitment the whole model is)."""
         out = {f"param/{n}": p.detach() for n, p in self.model.named_parameters()}
         out.update(self._local_extras())
-        return {k: v.clone() for k, v in out.items()} if copy else out
+        if not copy:
+            return out
+        unchanged = {
+            f"param/{n}": start[n]
+            for n, p in self.model.named_parameters()
+            if start is not None and same_bits(p.detach(), start.get(n))
+        }
+        return {
+            k: unchanged[k] if k in unchanged else v if is_broadcast(v) else v.clone()
+            for k, v in out.items()
+        }
+
+    def end_local_state(self) -> dict[str, torch.Tensor]:
+        """`local_state()` at the end of a round whose next step follows a `begin_round`
+        (which resets what the strategy holds of its own): the strategy may hand over its
+        own tensors instead of copying them and let go of them (`free_round_memory`).
+        Default: a copy, then `free_round_memory(optimizer=True)`."""
+        state = self.local_state()
+        self.free_round_memory(optimizer=True)
+        return state
+
+    def free_round_memory(self, optimizer: bool = False) -> None:
+        """Let go of what only this round's inner steps use (issue 13.3): the gradients
+        (the next inner step makes its own: numerics do not change), and with `optimizer`
+        the strategy's own training state (a DiLoCo worker's AdamW moments: two model
+        sizes). `optimizer` only when the next inner step follows a `begin_round` or
+        `load_state`, which reset that state anyway, and after the round's end local state
+        was taken where it is needed (`end_local_state`)."""
+        for p in self.model.parameters():
+            p.grad = None
+        if optimizer:
+            self._free_local_extras()
+
+    def _free_local_extras(self) -> None:
+        """Drop the strategy's own training state (see `free_round_memory`); none by default."""
+        return None
 
     def local_state_layout(self) -> dict[str, torch.Tensor]:
         """`local_state()`'s names, shapes and dtypes as tensors on the meta device: a
@@ -376,6 +434,16 @@ class Strategy(ABC):
     def apply_round(
         self, start_state: TrainState, contributions: Sequence[Contribution]
     ) -> TrainState: ...
+
+    def apply_round_consuming(
+        self, start_state: TrainState, contributions: Sequence[Contribution]
+    ) -> TrainState:
+        """`apply_round`, the same new state bit for bit, taking start_state's tensors out
+        of it as they are replaced, so that the old and the new state are not both in
+        memory (issue 13.3): for a caller that drops the start state anyway (a worker whose
+        result replaces it). start_state may be left empty, also when this raises after
+        aggregating. Default: `apply_round`, start_state untouched."""
+        return self.apply_round(start_state, contributions)
 
     def aggregate(
         self,

@@ -107,21 +107,40 @@ class DiLoCo(Strategy):
         """A fresh inner optimizer: no moments, step count 0."""
         self.inner_opt = make_inner_optimizer(self.model, self.cfg.optim)
 
+    def _free_local_extras(self) -> None:
+        self.reset_inner_optimizer()
+
+    def end_local_state(self) -> dict[str, torch.Tensor]:
+        """`local_state()`, the inner optimizer's moments handed over rather than copied
+        (the optimizer is reset: `Strategy.end_local_state`); parameters and residuals
+        are copied (the model and the residuals move on when the round is adopted)."""
+        state = self.local_state(copy=False)
+        moments = {
+            t.data_ptr()
+            for per_param in self.inner_opt.state.values()
+            for t in per_param.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        }
+        out = {
+            k: v if v.dim() > 0 and v.data_ptr() in moments else v.clone() for k, v in state.items()
+        }
+        self.free_round_memory(optimizer=True)
+        return out
+
     def _fresh_inner_state(
         self, p: torch.Tensor, device: str | None = None
     ) -> dict[str, torch.Tensor]:
         """What torch.optim puts in a parameter's state on its first step, before updating
         it: zero moments and a float step count (none for SGD without momentum). A fresh
-        optimizer and one holding exactly these tensors take bit-identical steps.
-        `device="meta"`: their shapes only."""
+        optimizer and one holding copies of these tensors take bit-identical steps (the
+        moments are broadcast views: `_zeros`). `device="meta"`: their shapes only."""
         if self.cfg.optim.name == "sgd":
             return {}
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        like = {"memory_format": torch.preserve_format, "device": device}
         return {
             "step": torch.tensor(0.0, dtype=scalar, device=device),
-            "exp_avg": torch.zeros_like(p, **like),
-            "exp_avg_sq": torch.zeros_like(p, **like),
+            "exp_avg": _zeros(p, device),
+            "exp_avg_sq": _zeros(p, device),
         }
 
     def _local_extras(self, fresh_device: str | None = None) -> dict[str, torch.Tensor]:
@@ -196,6 +215,23 @@ class DiLoCo(Strategy):
     ) -> TrainState:
         return outer_step(start_state, self.aggregate(start_state, contributions), self.cfg)
 
+    def apply_round_consuming(
+        self, start_state: TrainState, contributions: Sequence[Contribution]
+    ) -> TrainState:
+        if type(self).apply_round is not DiLoCo.apply_round:  # a subclass's own update
+            return super().apply_round_consuming(start_state, contributions)
+        grads = self.aggregate(start_state, contributions)
+        return outer_step(start_state, grads, self.cfg, consume=True)
+
+
+def _zeros(p: torch.Tensor, device: str | None) -> torch.Tensor:
+    """Zeros shaped like `p`: on the meta device a layout; else a broadcast view of one
+    zero, which holds no memory (a fresh AdamW's two moments would be two model sizes,
+    issue 13.3) and is copied into a real tensor wherever it is installed."""
+    if device == "meta":
+        return torch.empty_like(p, device="meta")
+    return torch.zeros((), dtype=p.dtype, device=device or p.device).expand(p.shape)
+
 
 def _to_state_device(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A copy of an optimizer tensor where torch.optim keeps it: moments on the
@@ -204,22 +240,40 @@ def _to_state_device(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def outer_step(
-    start_state: TrainState, outer_grads: dict[str, torch.Tensor], cfg: DiLoCoConfig
+    start_state: TrainState,
+    outer_grads: dict[str, torch.Tensor],
+    cfg: DiLoCoConfig,
+    consume: bool = False,
 ) -> TrainState:
-    """Nesterov SGD on the named parameters in outer_grads; the others are carried over."""
-    params = dict(start_state.params)
-    outer = dict(start_state.outer)
+    """Nesterov SGD on the named parameters in outer_grads; the others are carried over.
+    `consume`: take each tensor out of start_state's dicts as its replacement is made, so
+    that a tensor no one else holds is freed at once (one tensor's old and new values in
+    memory, not two states: issue 13.3); the same new state, bit for bit, and start_state
+    is left empty. RoundError for a non-finite outer gradient, before anything is taken."""
     for name, g in outer_grads.items():
         if not torch.isfinite(g).all():
             raise RoundError(f"aggregated outer gradient for {name} is not finite")
+    old_params, old_outer = start_state.params, start_state.outer
+    take = (lambda d, k: d.pop(k, None)) if consume else (lambda d, k: d.get(k))
+    param_order, outer_order = list(old_params), list(old_outer)
+    params: dict[str, torch.Tensor] = {}
+    outer: dict[str, torch.Tensor] = {}
+    for name, g in outer_grads.items():
+        key = f"momentum/{name}"
+        p, old_buf = take(old_params, name), take(old_outer, key)
         params[name], buf = nesterov_sgd(
-            start_state.params[name],
-            g,
-            start_state.outer.get(f"momentum/{name}"),
-            lr=cfg.outer_lr,
-            momentum=cfg.outer_momentum,
-            nesterov=cfg.nesterov,
+            p, g, old_buf, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov
         )
-        if buf is not None:
-            outer[f"momentum/{name}"] = buf
+        if buf is not None or old_buf is not None:
+            outer[key] = buf if buf is not None else old_buf  # type: ignore[assignment]
+        del p, old_buf, buf
+    for name in param_order:  # the others, carried over, in the start state's order
+        if name not in params:
+            params[name] = take(old_params, name)  # type: ignore[assignment]
+    params = {n: params[n] for n in param_order}
+    for key in outer_order:
+        if key not in outer:
+            outer[key] = take(old_outer, key)  # type: ignore[assignment]
+    # the start's keys in its order, then new momentum buffers as they were made
+    outer = {k: outer[k] for k in [*outer_order, *(k for k in outer if k not in outer_order)]}
     return TrainState(params, outer, start_state.round + 1)

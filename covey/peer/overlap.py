@@ -122,16 +122,17 @@ class SideCommitter:
         self.commit_every = commit_every
         self.buckets = buckets
         self.steps_done = 0
-        self.start_params: dict[str, torch.Tensor] | None = None
+        # known before step 0 is taken: the state's parameters are W_r's, not copies
+        self.start_params = None if start_state is None else start_state.params
         self._held: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._sketches: list[Future[Commitment]] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="commitments")
         self._take(0)
-        if start_state is not None:
-            self.start(start_state)
 
     def _take(self, step: int) -> None:
-        state = self.strategy.local_state()  # a copy: training goes on at once
+        # a copy, training goes on at once: of what training changes (at step 0 of a
+        # round started from W_r nothing is copied: the parameters are W_r's own tensors)
+        state = self.strategy.local_state(start=self.start_params)
         if self.start_params is None:
             self._held.append((step, state))
             return

@@ -36,6 +36,7 @@ covey.peer.worker_publish publishes contributions.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import signal
 import threading
@@ -62,6 +63,7 @@ from covey.peer.worker_publish import Publishing
 from covey.peer.worker_state import ROUND_WAIT_S, StateKeeping
 from covey.peer.worker_types import Finished, LocalStates, Stopped
 from covey.protocol import schemas
+from covey.protocol.checkpoint import write_safetensors
 from covey.protocol.content import content_id
 from covey.trust import verify
 from covey.trust.halt import EXIT_HALTED
@@ -70,6 +72,11 @@ from covey.trust.identity import Identity
 log = logging.getLogger("covey.worker")
 PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
 TRANSFER_JOIN_S = 10.0  # a leaving worker waits this long for its background transfer
+
+
+def verify_local_metadata() -> dict[str, str]:
+    """The safetensors metadata `verify.local_state_to_bytes` writes (its format tag)."""
+    return {"covey": json.dumps({"format": verify.LOCAL_STATE_FORMAT}, sort_keys=True)}
 
 
 @dataclass
@@ -372,8 +379,10 @@ class Worker(StateKeeping, Publishing, Overlapping):
         ended = time.monotonic()
         self._note_round(info.round, compute_s, ended - started, ahead[0])
         self._train_ended = ended
-        args = (info, contribution, loss, compute_s, ended - started, commitments)
-        del contribution  # the transfer holds it until published
+        # the contribution in a list `_finish` empties: no frame keeps a model-sized
+        # payload alive once it is published (while the round is applied, issue 13.3)
+        args = (info, [contribution], loss, compute_s, ended - started, commitments)
+        del contribution
         if self._overlaps():
             self._transfer = Transfer(f"round-{info.round}", lambda: self._finish(*args, True))
             self._transfer.start()
@@ -383,7 +392,7 @@ class Worker(StateKeeping, Publishing, Overlapping):
     def _finish(
         self,
         info: schemas.RoundInfo,
-        c: Contribution,
+        held: list[Contribution],
         loss: float,
         compute_s: float,
         wall_s: float,
@@ -392,7 +401,8 @@ class Worker(StateKeeping, Publishing, Overlapping):
     ) -> Finished:
         """Publish, await the certificate, compute the certified weights (and with `ahead`,
         learn the next round). Touches no live training state: it may run on a transfer
-        thread while the strategy trains."""
+        thread while the strategy trains. `held`: the contribution, taken out of it."""
+        c = held.pop()
         local = self._local
         self._seal(local)
         submitted = self._publish(info, c, loss, compute_s, wall_s, commitments)
@@ -400,7 +410,8 @@ class Worker(StateKeeping, Publishing, Overlapping):
         cert = self._await_certificate(info)
         if cert is None:
             return Finished(info, local, submitted)  # the chain stays: a retry starts there
-        state, digest, resynced = self._round_result(cert)
+        # training ahead reads the start state meanwhile: only a plain round consumes it
+        state, digest, resynced = self._round_result(cert, consume=not ahead)
         if submitted and any(a.peer_id == self.peer_id for a in cert.accepted):
             self._keep_receipt(cert.round)
         nxt = self._next_round_info(cert.round) if ahead else None
@@ -455,15 +466,28 @@ class Worker(StateKeeping, Publishing, Overlapping):
         """H3: the local state after this round's work, as the blob the contribution names."""
         if self._local is None:
             return
-        self._local.end = self.strategy.local_state()  # its bytes: `_seal`, off the training thread
+        if self._overlaps() or self.leader is not None:  # training goes on from it
+            self._local.end = self.strategy.local_state()
+        else:  # the next round begins with begin_round: the optimizer's moments handed over
+            self._local.end = self.strategy.end_local_state()
+        # its bytes: `_seal`, off the training thread
 
-    @staticmethod
-    def _seal(local: LocalStates | None) -> None:
-        """The end state's blob bytes and content id (H3), once, before it is published."""
+    def _seal(self, local: LocalStates | None) -> None:
+        """The end state's blob and content id (H3), once, before it is published: the
+        bytes of `verify.local_state_to_bytes(local.end)`, streamed into a scratch file of
+        the store and hashed on the way, never held in memory next to the tensors (a local
+        state is 1.5 GB at 124M, issue 13.3)."""
         if local is None or local.end_cid is not None or not local.end:
             return
-        local.end_bytes = verify.local_state_to_bytes(local.end)
-        local.end_cid = content_id(local.end_bytes)
+        assert self.store is not None
+        path = self.store.scratch()
+        try:
+            with open(path, "wb") as f:
+                cid, size = write_safetensors(local.end, verify_local_metadata(), f)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        local.end_path, local.end_size, local.end_cid = path, size, cid
 
     def _pause(self, seconds: float) -> None:
         if self.stop.wait(seconds):
@@ -517,6 +541,10 @@ class Worker(StateKeeping, Publishing, Overlapping):
         else:
             if self.leader is not None:
                 self.leader.end()  # the contribution counts the whole group's tokens
+            elif not self.strategy.carries_local_state:  # nothing of it outlives the round
+                self.strategy.free_round_memory(optimizer=True)
+            else:
+                self.strategy.free_round_memory()  # the gradients
             c = self.strategy.make_contribution()
             payload, per_step = c.payload, c.tokens // done
         if claimed != done:

@@ -16,7 +16,6 @@ from covey.peer import adversary
 from covey.peer.client import PeerRejected
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
-from covey.protocol.content import content_id
 from covey.trust.identity import request_purpose
 
 log = logging.getLogger("covey.worker")
@@ -76,22 +75,25 @@ class Publishing:
             )
         local: dict[str, Any] = {}
         if self._local is not None and self._local.end_cid is not None:  # H3: its end state
+            end_cid, end_path = self._local.end_cid, self._local.end_path
             if adversary.behavior_at(self.opts.behavior, info.round, self.peer_id) == "withhold":
-                end_cid = content_id(self._local.end_bytes)  # named, never served
+                if end_path is not None:  # named, never served
+                    end_path.unlink(missing_ok=True)
             else:
-                end_cid = self.store.put(self._local.end_bytes)
+                if end_path is not None and end_path.exists():  # sealed: moved into the store
+                    self.store.adopt(end_path, end_cid)
                 self._published.append(end_cid)
             if self.server is None and end_cid in self._published:
                 self.blobs.upload(
                     self.opts.coordinator,
-                    self._local.end_bytes,
+                    self.store.get(end_cid),
                     end_cid,
                     signer=(self.identity, self.run_id),
                 )
             local = {
                 "local_state_cid": self._local.start_cid,
                 "end_state_cid": end_cid,
-                "end_state_size": len(self._local.end_bytes),
+                "end_state_size": self._local.end_size,
             }
         body = {
             "run_id": self.run_id,
@@ -116,7 +118,7 @@ class Publishing:
             # the coordinator may pull the payload from us before it answers, and the start
             # and end local states if it drew this contribution for verification: allow
             # for that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual
-            pulled = len(payload) + (2 * len(self._local.end_bytes) if local else 0)
+            pulled = len(payload) + (2 * self._local.end_size if local else 0)
             pull_s = self.cfg.limits.request_timeout_s + pulled / _PULL_BYTES_S
             self.client.post(path, signed, round=None, timeout_s=pull_s)
         except PeerRejected as e:

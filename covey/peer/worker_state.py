@@ -19,6 +19,7 @@ from covey.peer.worker_types import Stopped
 from covey.protocol import schemas
 from covey.protocol.checkpoint import (
     CheckpointError,
+    FileTensors,
     max_state_bytes,
     state_from_file,
     state_to_file,
@@ -103,6 +104,7 @@ class StateKeeping:
         except (BlobError, CheckpointError) as e:
             raise RuntimeError(f"could not get canonical state {cid[:12]}: {e}") from None
         self._keep_state(cid)
+        self._outer_on_disk(state, cid)
         return state
 
     def _await_certificate(self, info: schemas.RoundInfo) -> schemas.Certificate | None:
@@ -141,11 +143,14 @@ class StateKeeping:
             self._pause(0.05)
         raise CoordinatorLost(f"no certificate for round {info.round} after {limit:.0f} s")
 
-    def _round_result(self, cert: schemas.Certificate) -> tuple[TrainState, str, bool]:
+    def _round_result(
+        self, cert: schemas.Certificate, consume: bool = False
+    ) -> tuple[TrainState, str, bool]:
         """The certified weights: the accepted set applied to our start state, checked
         against the certificate's hash; on a mismatch (or a start that differs) the
         canonical state downloaded instead. -> (state, its hash, downloaded). Reads only
-        self.state, never the live model: safe on a transfer thread."""
+        self.state, never the live model: safe on a transfer thread. `consume`: the start
+        state is emptied as the new one is made (when nothing else reads it meanwhile)."""
         assert self.state is not None and self.store is not None
         if self.state_hash != cert.start_hash:  # we missed something: take the result
             return self._canonical(cert, "local start state differs from the certificate's")
@@ -164,7 +169,11 @@ class StateKeeping:
             # mapped from disk, not read into memory: N contributions are not N in RAM
             payload = self.store.view(a.cid)
             contributions.append(Contribution(payload, a.tokens, a.inner_steps, a.fragment))
-        new_state = self.strategy.apply_round(self.state, contributions)
+        if consume:  # the result replaces the start state: not both in memory (issue 13.3)
+            self.state_hash = None  # the start state is emptied: a retry downloads it
+            new_state = self.strategy.apply_round_consuming(self.state, contributions)
+        else:
+            new_state = self.strategy.apply_round(self.state, contributions)
         for cid in fetched:
             if cid not in self._published:
                 self.store.delete(cid)
@@ -257,6 +266,16 @@ class StateKeeping:
             return
         self.store.adopt(tmp, written)
         self._keep_state(cid)
+        self._outer_on_disk(state, cid)
+
+    def _outer_on_disk(self, state: TrainState, cid: str) -> None:
+        """While state `cid` is served from our store, its outer tensors (the outer
+        momentum: a model size) are read from that file when the next round's update needs
+        them, not held in memory while the worker trains (issue 13.3). The same bytes:
+        the file's content id is the state's."""
+        if self.server is None or not state.outer:
+            return
+        state.outer = FileTensors(self.store.path(cid), "outer/")  # type: ignore[assignment]
 
     def _keep_state(self, cid: str) -> None:
         """The canonical state `cid` is in our store: serve it (dropping the one served

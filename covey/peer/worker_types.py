@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -21,7 +22,8 @@ class LocalStates:
 
     start_cid: str | None
     end: dict[str, torch.Tensor] = field(default_factory=dict)
-    end_bytes: bytes = b""
+    end_path: Path | None = None  # its blob, written in the worker's store until published
+    end_size: int = 0
     end_cid: str | None = None
     round: int = -1
     accepted: bool = False

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,8 +85,18 @@ def write_state(state: TrainState, f: BinaryIO) -> tuple[str, int]:
     """Write exactly `state_to_bytes(state)` to `f`, one tensor (in pieces) at a time, and
     return (content id, size). Memory beyond the state: one tensor's contiguous CPU copy
     when it is not already one. ValueError for a dtype safetensors has no name for here."""
-    named = _named(state)
-    text, order = _layout(named, _meta(state))
+    return write_safetensors(_named(state), _meta(state), f)
+
+
+def write_safetensors(
+    named: Mapping[str, torch.Tensor], metadata: dict[str, str], f: BinaryIO
+) -> tuple[str, int]:
+    """Write exactly `safetensors.torch.save(named, metadata=metadata)` to `f`, one tensor
+    (in pieces) at a time, hashing it on the way -> (content id, size). Memory beyond
+    the tensors: one tensor's contiguous CPU copy when it is not already one (a local
+    state's 1.5 GB at 124M is never held as bytes, issue 13.3). ValueError for a dtype
+    safetensors has no name for here."""
+    text, order = _layout(named, metadata)
     h = hashlib.sha256()
     size = 0
 
@@ -97,7 +108,7 @@ def write_state(state: TrainState, f: BinaryIO) -> tuple[str, int]:
 
     out(struct.pack("<Q", len(text)) + text)
     for k in order:
-        t = named[k].contiguous().cpu().reshape(-1)
+        t = named[k].detach().contiguous().cpu().reshape(-1)
         raw = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         for start in range(0, len(raw), _WRITE_BYTES):
             out(raw[start : start + _WRITE_BYTES])
@@ -214,3 +225,78 @@ def _header_metadata(raw: bytes) -> dict[str, object]:
     if not isinstance(meta, dict):
         raise ValueError("covey metadata is not a table")
     return meta
+
+
+_BY_NAME = {name: dtype for dtype, (_, name) in _DTYPES.items()}
+
+
+class FileTensors(MutableMapping[str, torch.Tensor]):
+    """The tensors of a safetensors file under `prefix` (the prefix cut off their names),
+    read from disk each time one is asked for: a fresh tensor filled by `pread`, so the
+    file's pages never count as this process's memory (an mmap's would). A peer keeps a
+    state's outer momentum like this between rounds (a model size less while it trains,
+    issue 13.3). Setting or deleting an entry changes this mapping only, never the file.
+    The file's descriptor is held: it stays readable once deleted from its directory.
+
+    CheckpointError for a file that is not safetensors or holds a dtype covey does not
+    write; OSError when it cannot be opened or read."""
+
+    def __init__(self, path: Path, prefix: str = "") -> None:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path.name}: shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 << 20:
+                raise CheckpointError(f"{path.name}: header of {n} bytes")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise CheckpointError(f"{path.name}: header is not JSON: {e}") from None
+        self._entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+        for key, spec in header.items():
+            if key == "__metadata__" or not key.startswith(prefix):
+                continue
+            if spec["dtype"] not in _BY_NAME:
+                raise CheckpointError(f"{key}: dtype {spec['dtype']} is not one covey writes")
+            begin, end = spec["data_offsets"]
+            self._entries[key[len(prefix) :]] = (
+                _BY_NAME[spec["dtype"]], list(spec["shape"]), 8 + n + begin, end - begin
+            )  # fmt: skip
+        self._set: dict[str, torch.Tensor] = {}
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._set:
+            return self._set[key]
+        dtype, shape, at, nbytes = self._entries[key]  # KeyError: not in the file
+        t = torch.empty(shape, dtype=dtype)
+        raw = t.reshape(-1).view(torch.uint8).numpy()  # as bytes: numpy has no bfloat16
+        got = os.preadv(self._fd, [raw], at) if nbytes else 0
+        if got != nbytes:
+            raise OSError(f"state file: read {got} of {nbytes} bytes of {key}")
+        return t
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self._entries.pop(key, None)
+        self._set[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key in self._set:
+            del self._set[key]
+        else:
+            del self._entries[key]
+
+    def __contains__(self, key: object) -> bool:  # without reading the tensor
+        return key in self._entries or key in self._set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._entries, *self._set])
+
+    def __len__(self) -> int:
+        return len(self._entries) + len(self._set)
+
+    def __del__(self) -> None:
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
