@@ -316,8 +316,6 @@ class BlobClient(StreamingFetch):
                     sink(piece)
                     if time.monotonic() - t0 > self.timeout_s + n / _MIN_RATE_BYTES_S:
                         raise _Failure(f"slower than {_MIN_RATE_BYTES_S} B/s", retry=False)
-        except httpx.PoolTimeout as e:  # every connection of ours busy: not the peer's fault
-            raise LocalBlobError(f"no free connection to fetch {cid} with: {e}") from e
         except httpx.TransportError as e:
             raise _Failure(f"{type(e).__name__}: {e}", retry=True) from e
         except LocalBlobError:

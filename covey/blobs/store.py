@@ -33,8 +33,9 @@ class BlobError(Exception):
 
 class LocalBlobError(BlobError):
     """This side failed, not the bytes or whoever served them: the store's disk (I/O
-    errors, no space) or the fetching client's own connection pool. A fetch passes it
-    through unchanged, so a caller never blames a peer for it (covey.coordinator.intake)."""
+    errors, no space) or a fetching client closed under it. A fetch passes it through
+    unchanged, so a caller never blames a peer for it (covey.coordinator.intake). A full
+    connection pool is not one: other peers can fill it."""
 
 
 def upload_message(run_id: str, peer_id: str, cid: str, size: int, nonce: str) -> bytes:

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from covey.algorithms import Contribution, RoundError
+from covey.blobs import BlobClient
 from covey.protocol import schemas
 from covey.trust.certify import sample
 from covey.trust.identity import Identity, body_content_id
@@ -278,12 +279,22 @@ class Intake(Views):
         round closed first, `_close` has already refused it as withheld (its peer had until
         `evidence_grace_s`)."""
         outcome, why = "secured", ""
+        limits = self.cfg.limits
+        # a client of its own: other peers' transfers cannot hold its connections
+        fetcher = BlobClient(
+            timeout_s=limits.request_timeout_s,
+            retries=limits.retries,
+            max_bytes=limits.max_blob_bytes,
+        )
         try:
             for cid in (req.local_state_cid, req.end_state_cid):
                 if cid is not None:
-                    self.uploads.fetch_from_peer(req.peer_id, cid, req.end_state_size or 0)
+                    size = req.end_state_size or 0
+                    self.uploads.fetch_from_peer(req.peer_id, cid, size, fetcher=fetcher)
         except Rejected as e:
             outcome, why = ("lost" if e.status == 503 else "withheld"), e.message
+        finally:
+            fetcher.close()
         key = (req.round, req.attempt, req.peer_id)
         with self.accounts.transaction() as c:
             row = c.execute(
@@ -317,15 +328,39 @@ class Intake(Views):
 
     def _evidence_pending(self, round_: int, attempt: int, now: float) -> bool:
         """Whether a drawn contribution of this round attempt is still fetching its local
-        states within its grace (`evidence_grace_s`): the round waits for it to close."""
+        states within its grace (`evidence_grace_s`, times the round's drawn ones: their
+        fetches share this coordinator's link): the round waits for it to close."""
         rows = self.db.query(
-            "SELECT c.submitted_at, l.end_size FROM local_states l JOIN contributions c "
-            "ON c.round = l.round AND c.attempt = l.attempt AND c.peer_id = l.peer_id "
-            "WHERE l.round = ? AND l.attempt = ? AND l.evidence = 'pending'",
+            "SELECT c.submitted_at, l.end_size, l.evidence FROM local_states l "
+            "JOIN contributions c ON c.round = l.round AND c.attempt = l.attempt "
+            "AND c.peer_id = l.peer_id WHERE l.round = ? AND l.attempt = ? "
+            "AND l.evidence IS NOT NULL",
             (round_, attempt),
         )
-        timeout = self.cfg.limits.request_timeout_s
-        return any(now < r["submitted_at"] + evidence_grace_s(timeout, r["end_size"]) for r in rows)
+        timeout, drawn = self.cfg.limits.request_timeout_s, len(rows)
+        return any(
+            now < r["submitted_at"] + evidence_grace_s(timeout, r["end_size"], drawn)
+            for r in rows
+            if r["evidence"] == "pending"
+        )
+
+    def _release_pending_evidence(self, c: Any) -> None:
+        """At a restart, inside its accounts transaction: a drawn contribution whose states
+        were being fetched when this coordinator stopped is refused as "lost", no fault of
+        its peer's (nothing fetches them again; its peer may submit in the next attempt)."""
+        for r in c.execute(
+            "SELECT round, attempt, peer_id FROM local_states WHERE evidence = 'pending'"
+        ).fetchall():
+            c.execute(
+                "UPDATE local_states SET evidence = 'lost' "
+                "WHERE round = ? AND attempt = ? AND peer_id = ?",
+                (r["round"], r["attempt"], r["peer_id"]),
+            )
+            why = (
+                "drawn for verification; the coordinator stopped while fetching its local "
+                "states (no fault of the peer's)"
+            )
+            self._book_refusal(c, r["round"], r["attempt"], r["peer_id"], why)
 
     def _refuse_missing_evidence(self, c: Any, round_: int, attempt: int) -> set[str]:
         """Inside the close's accounts transaction: refuse, as withheld, every drawn
@@ -383,10 +418,11 @@ class Draw(NamedTuple):
 EVIDENCE_BYTES_S = 1 << 20  # slowest rate a drawn contribution's local states may arrive at
 
 
-def evidence_grace_s(request_timeout_s: float, state_size: int) -> float:
+def evidence_grace_s(request_timeout_s: float, state_size: int, drawn: int = 1) -> float:
     """How long after its submission a drawn contribution may take to deliver its two
-    local states (start and end) before the round closes without it."""
-    return request_timeout_s + 2 * state_size / EVIDENCE_BYTES_S
+    local states (start and end) before the round closes without it, when `drawn`
+    contributions of its round fetch theirs over the same link."""
+    return request_timeout_s + 2 * state_size * max(drawn, 1) / EVIDENCE_BYTES_S
 
 
 class Withheld(Rejected):

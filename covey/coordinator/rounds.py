@@ -179,7 +179,7 @@ class Rounds(Intake, Halting, Views):
         cid = last["new_cid"] if last else self.db.get_meta("initial_cid")
         assert cid is not None
         state = state_from_file(self.blobs.path(cid), self.template)
-        with self.db.transaction() as c:
+        with self.accounts.transaction() as c:
             # a close interrupted by a crash never committed: the round is open again, and
             # every peer gets a fresh deadline to reconnect and finish it
             c.execute(
@@ -188,6 +188,7 @@ class Rounds(Intake, Halting, Views):
                 (now + self.cfg.rounds.deadline_min_s + self.cfg.rounds.dead_after_s,),
             )
             c.execute("UPDATE peers SET last_seen = ? WHERE state = 'live'", (now,))
+            self._release_pending_evidence(c)
             self.db.event(c, now, "coordinator restarted", "", {"round": state.round})
         log.info("resumed run %s at round %d (state %s)", self.run_id, state.round, cid[:12])
         return state, cid

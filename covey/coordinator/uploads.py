@@ -169,12 +169,15 @@ class Blobs:
         """The contribution sizes this run takes, for error messages."""
         return ", ".join(f"{n} bytes" for n in sorted(self.sizes) if self.is_payload_size(n))
 
-    def fetch_from_peer(self, peer_id: str, cid: str, size: int) -> None:
+    def fetch_from_peer(
+        self, peer_id: str, cid: str, size: int, fetcher: BlobClient | None = None
+    ) -> None:
         """Make sure blob `cid` of `size` bytes is in the store: there already (of that
         size), or fetched from the blob URL `peer_id` registered at join (streamed to disk,
         hashed on arrival, no redirects). Rejected: 422 a stored blob of another size, 409
         the peer serves no blobs (it must upload) or its server did not deliver, 503 this
-        side failed (LocalBlobError: our disk or connection pool), no fault of the peer's."""
+        side failed (LocalBlobError: our disk, a closed client), no fault of the peer's.
+        `fetcher`: a client of the caller's own (default the shared one)."""
         if self.store.has(cid):
             if self.store.size(cid) != size:
                 raise Rejected(422, f"blob {cid[:12]} has {self.store.size(cid)} bytes, not {size}")
@@ -185,7 +188,7 @@ class Blobs:
         if not (peer and peer["accepts_connections"] and peer["blob_url"]):
             raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
         try:  # streamed to disk and hashed on arrival (capped by limits.max_blob_bytes)
-            self.fetcher.fetch_into(self.store, cid, [peer["blob_url"]], size=size)
+            (fetcher or self.fetcher).fetch_into(self.store, cid, [peer["blob_url"]], size=size)
         except LocalBlobError as e:
             raise Rejected(503, f"could not fetch blob {cid[:12]}: {e}") from None
         except BlobError as e:
