@@ -271,31 +271,42 @@ class Intake(Views):
         drawn, _ = sample(self.identity, self.run_id, req.round, req.peer_id, req.cid, rate)
         return Draw(rate, drawn)
 
+    @functools.cached_property
+    def _evidence_fetches(self) -> tuple[threading.Lock, dict[tuple[int, int, str], BlobClient]]:
+        return threading.Lock(), {}
+
     def _secure(self, req: schemas.ContributionRequest) -> None:
         """Fetch a recorded, drawn contribution's start and end states from its peer and
         say so in local_states.evidence: "secured"; "withheld" (its peer did not deliver
         them: refused, and it counts against the peer, `Withheld`); "lost" (this side
-        failed, its disk or its connections: refused, no fault of the peer's, 503). If the
-        round closed first, `_close` has already refused it as withheld (its peer had until
-        `evidence_grace_s`)."""
+        failed: refused, no fault of the peer's, 503). If the round closed first,
+        `_refuse_missing_evidence` has refused it already and cut this fetch short."""
         outcome, why = "secured", ""
-        limits = self.cfg.limits
-        # a client of its own: other peers' transfers cannot hold its connections
-        fetcher = BlobClient(
-            timeout_s=limits.request_timeout_s,
-            retries=limits.retries,
-            max_bytes=limits.max_blob_bytes,
-        )
+        limits, key = self.cfg.limits, (req.round, req.attempt, req.peer_id)
+        lock, fetches = self._evidence_fetches
+        fetcher: BlobClient | None = None
         try:
+            # a client of its own: other peers' transfers cannot hold its connections
+            fetcher = BlobClient(
+                timeout_s=limits.request_timeout_s,
+                retries=limits.retries,
+                max_bytes=limits.max_blob_bytes,
+            )
+            with lock:
+                fetches[key] = fetcher
             for cid in (req.local_state_cid, req.end_state_cid):
                 if cid is not None:
                     size = req.end_state_size or 0
                     self.uploads.fetch_from_peer(req.peer_id, cid, size, fetcher=fetcher)
         except Rejected as e:
             outcome, why = ("lost" if e.status == 503 else "withheld"), e.message
+        except OSError as e:  # e.g. no file descriptor left for a client: ours
+            outcome, why = "lost", f"{type(e).__name__}: {e}"
         finally:
-            fetcher.close()
-        key = (req.round, req.attempt, req.peer_id)
+            with lock:
+                fetches.pop(key, None)
+            if fetcher is not None:
+                fetcher.close()
         with self.accounts.transaction() as c:
             row = c.execute(
                 "SELECT evidence FROM local_states WHERE round = ? AND attempt = ? AND peer_id = ?",
@@ -326,23 +337,41 @@ class Intake(Views):
         if outcome == "lost":
             raise Rejected(503, why)
 
-    def _evidence_pending(self, round_: int, attempt: int, now: float) -> bool:
-        """Whether a drawn contribution of this round attempt is still fetching its local
-        states within its grace (`evidence_grace_s`, times the round's drawn ones: their
-        fetches share this coordinator's link): the round waits for it to close."""
-        rows = self.db.query(
-            "SELECT c.submitted_at, l.end_size, l.evidence FROM local_states l "
+    def close_evidence_fetches(self) -> None:
+        """Cut every drawn contribution's fetch short (the coordinator stops): each ends
+        as "lost"; one whose row cannot be written any more is released at the restart."""
+        lock, fetches = self._evidence_fetches
+        with lock:
+            for fetcher in fetches.values():
+                fetcher.close()
+
+    def _late_evidence(
+        self, query: Any, round_: int, attempt: int, deadline: float, now: float
+    ) -> tuple[bool, dict[str, bool]]:
+        """The drawn contributions of this round attempt still fetching their states:
+        (whether the round waits for them, {peer: past its own grace}). Each has its grace
+        (`evidence_grace_s`, times the fetches under way: they share this coordinator's
+        link), and the round waits no longer than half the workers' patience past its
+        deadline (limits.coordinator_lost_s), so a staller cannot make them give up."""
+        rows = query(
+            "SELECT c.peer_id, c.submitted_at, l.end_size FROM local_states l "
             "JOIN contributions c ON c.round = l.round AND c.attempt = l.attempt "
             "AND c.peer_id = l.peer_id WHERE l.round = ? AND l.attempt = ? "
-            "AND l.evidence IS NOT NULL",
+            "AND l.evidence = 'pending'",
             (round_, attempt),
         )
-        timeout, drawn = self.cfg.limits.request_timeout_s, len(rows)
-        return any(
-            now < r["submitted_at"] + evidence_grace_s(timeout, r["end_size"], drawn)
+        timeout, under_way = self.cfg.limits.request_timeout_s, len(rows)
+        overdue = {
+            r["peer_id"]: now
+            >= r["submitted_at"] + evidence_grace_s(timeout, r["end_size"], under_way)
             for r in rows
-            if r["evidence"] == "pending"
-        )
+        }
+        cap = deadline + self.cfg.limits.coordinator_lost_s / 2
+        return now < cap and not all(overdue.values()), overdue
+
+    def _evidence_pending(self, round_: int, attempt: int, deadline: float, now: float) -> bool:
+        """Whether the round waits to close for a drawn contribution's states (`_late_evidence`)."""
+        return self._late_evidence(self.db.query, round_, attempt, deadline, now)[0]
 
     def _release_pending_evidence(self, c: Any) -> None:
         """At a restart, inside its accounts transaction: a drawn contribution whose states
@@ -362,25 +391,38 @@ class Intake(Views):
             )
             self._book_refusal(c, r["round"], r["attempt"], r["peer_id"], why)
 
-    def _refuse_missing_evidence(self, c: Any, round_: int, attempt: int) -> set[str]:
-        """Inside the close's accounts transaction: refuse, as withheld, every drawn
-        contribution whose local states are still not here (past their grace), and return
-        the peers whose contributions the round must leave out for their evidence."""
-        late = c.execute(
-            "SELECT peer_id FROM local_states WHERE round = ? AND attempt = ? "
-            "AND evidence = 'pending'",
-            (round_, attempt),
-        ).fetchall()
-        for r in late:
+    def _refuse_missing_evidence(
+        self, c: Any, round_: int, attempt: int, deadline: float, now: float
+    ) -> set[str]:
+        """Inside the close's accounts transaction: refuse every drawn contribution whose
+        states are still not here, and cut its fetch short. Past its own grace it is
+        withheld (its peer's fault); still within it (the round could not wait longer)
+        it is lost (nobody's). Returns the peers the round leaves out for their evidence."""
+
+        def query(sql: str, params: tuple[Any, ...]) -> list[Any]:
+            return c.execute(sql, params).fetchall()
+
+        _, overdue = self._late_evidence(query, round_, attempt, deadline, now)
+        lock, fetches = self._evidence_fetches
+        for peer_id, past_grace in overdue.items():
+            outcome = "withheld" if past_grace else "lost"
             c.execute(
-                "UPDATE local_states SET evidence = 'withheld' "
+                "UPDATE local_states SET evidence = ? "
                 "WHERE round = ? AND attempt = ? AND peer_id = ?",
-                (round_, attempt, r["peer_id"]),
+                (outcome, round_, attempt, peer_id),
             )
             why = (
-                "drawn for verification, but its local states had not arrived when the round closed"
+                "drawn for verification, but its local states had not arrived within their "
+                "grace when the round closed"
+                if past_grace
+                else "drawn for verification; the round could not wait longer for its local "
+                "states (no fault of the peer's)"
             )
-            self._book_refusal(c, round_, attempt, r["peer_id"], why, withheld=True)
+            self._book_refusal(c, round_, attempt, peer_id, why, withheld=past_grace)
+            with lock:
+                fetcher = fetches.get((round_, attempt, peer_id))
+            if fetcher is not None:
+                fetcher.close()  # its request thread is freed; it finds the row refused
         return {
             r["peer_id"]
             for r in c.execute(

@@ -257,11 +257,13 @@ class Rounds(Intake, Halting, Views):
             )
         ]
         reason = close_reason(now, current.deadline, waiting_on, submitted)
-        if reason is not None and self._evidence_pending(current.round, current.attempt, now):
-            return  # a drawn contribution's local states are on their way (bounded grace)
+        if reason is not None and self._evidence_pending(
+            current.round, current.attempt, current.deadline, now
+        ):
+            return  # a drawn contribution's local states are on their way (bounded)
         if reason is not None:
             self.membership.record_no_shows(current.round, waiting_on, submitted, now)
-            self._close(current, reason)
+            self._close(current, reason, now=now)
 
     def _open(self, now: float) -> None:
         r = self.state.round
@@ -308,17 +310,24 @@ class Rounds(Intake, Halting, Views):
         )
 
     def _close(
-        self, rnd: OpenRound, reason: str, assembled: tuple[list[Any], TrainState] | None = None
+        self,
+        rnd: OpenRound,
+        reason: str,
+        assembled: tuple[list[Any], TrainState] | None = None,
+        now: float | None = None,
     ) -> None:
-        """Commit `rnd` (or abort it); `assembled`: its rows and the new state that sharded
-        aggregation computed (covey.coordinator.shard_rounds), instead of apply_round."""
+        """Commit `rnd` (or abort it); `now`: the driver's clock; `assembled`: its rows and
+        the new state that sharded aggregation computed (covey.coordinator.shard_rounds),
+        instead of apply_round."""
         with self.accounts.transaction() as c:
             c.execute("UPDATE rounds SET status = 'closing' WHERE round = ?", (rnd.round,))
             rows = c.execute(
                 "SELECT * FROM contributions WHERE round = ? AND attempt = ? ORDER BY peer_id",
                 (rnd.round, rnd.attempt),
             ).fetchall()
-            unsecured = self._refuse_missing_evidence(c, rnd.round, rnd.attempt)
+            unsecured = self._refuse_missing_evidence(
+                c, rnd.round, rnd.attempt, rnd.deadline, time.time() if now is None else now
+            )
         banned = {p for p, a in self.accounts.book.accounts.items() if a.banned}
         # excluded since it submitted, or drawn for verification without its evidence
         rows = [r for r in rows if r["peer_id"] not in banned | unsecured]

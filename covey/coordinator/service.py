@@ -150,6 +150,7 @@ class Coordinator:
         self.verification.stop_referee()
         self.rounds.stop(timeout_s)
         self.fetcher.close()
+        self.rounds.close_evidence_fetches()
         self.membership.liveness.flush()  # H9: heartbeats in memory reach SQLite first
         self.db.close()
 
