@@ -65,7 +65,7 @@ def main() -> None:
     if task == "setup":
         setup("[test]")
     elif task == "demo":
-        setup("")
+        setup("[plots]")  # the demo's loss.png needs matplotlib
         sys.exit(run(BIN / "covey", "demo", *rest, check=False))
     elif task == "test":
         setup("[test]")
