@@ -62,12 +62,16 @@ RATE = 0.5
 
 class BlobServer:
     """A worker's blob server: serves `blobs`, records every cid asked for (`requested`:
-    how a worker learns it was drawn), runs `hook(cid)` before answering (a stall)."""
+    how a worker learns it was drawn), runs `hook(cid)` before answering (a stall); sends
+    the `trickle` cids at ~80 KiB/s (holding the connection) and ends the connection after
+    the `close` cids."""
 
     def __init__(self) -> None:
         self.blobs: dict[str, bytes] = {}
         self.requested: list[str] = []
         self.hook: Callable[[str], None] | None = None
+        self.trickle: set[str] = set()
+        self.close: set[str] = set()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -96,8 +100,17 @@ class BlobServer:
                 else:
                     self.send_response(200)
                 self.send_header("Content-Length", str(end - start + 1))
+                if cid in server.close:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
                 self.end_headers()
-                self.wfile.write(data[start : end + 1])
+                body = data[start : end + 1]
+                piece = 32 << 10 if cid in server.trickle else len(body) or 1
+                for i in range(0, len(body), piece):
+                    self.wfile.write(body[i : i + piece])
+                    if cid in server.trickle:
+                        self.wfile.flush()
+                        time.sleep(0.4)  # the trickle itself: what this server is for
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -156,7 +169,8 @@ class Peer:
                 return k
             k += 1
 
-    def submit(self, k: int) -> dict[str, Any] | Rejected:
+    def submit(self, k: int, start_cid: str | None = None) -> dict[str, Any] | Rejected:
+        """Submit payload k to the open round, naming `start_cid` as its start state."""
         rnd = self.coord.open_round()
         assert rnd is not None
         payload, end = self.payload(k), self.end_state()
@@ -169,6 +183,8 @@ class Peer:
             "inner_steps": rnd.assignments[self.id]["inner_steps"],
             "end_state_cid": content_id(end), "end_state_size": len(end),
         }  # fmt: skip
+        if start_cid is not None:
+            body["local_state_cid"] = start_cid
         path = f"/v1/rounds/{rnd.round}/contributions"
         raw = signed(self.key, body, path, rnd.round)
         token = _RECEIVED_AT.set(request_purpose(path))

@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import tests.test_evidence as te
 from covey.config import load_run_config
-from covey.coordinator.auth import _RECEIVED_AT
 from covey.coordinator.intake import evidence_grace_s
 from covey.coordinator.service import Coordinator
 from covey.coordinator.views import Rejected
-from covey.protocol import schemas
 from covey.protocol.content import content_id
 from covey.trust import audit
-from covey.trust.identity import request_purpose
-from tests.test_evidence import SPEC, Peer, account, overdue, signed
+from tests.test_evidence import SPEC, Peer, account, overdue
 
 
 class ChainPeer(Peer):
+    """A Peer that continues its local-state chain: it names its last end state."""
+
     start: str | None = None
     round_no: int = 0
 
@@ -34,34 +31,16 @@ class ChainPeer(Peer):
         seed = (self.id + f"/{self.round_no}").encode()
         return (seed * (n // len(seed) + 1))[:n]
 
-    def submit(self, k: int, chain: bool = True) -> dict[str, Any] | Rejected:
+    def submit(
+        self, k: int, start_cid: str | None = None, chain: bool = True
+    ) -> dict[str, Any] | Rejected:
+        """Submit payload k, naming its previous accepted end state (unless not `chain`)."""
         rnd = self.coord.open_round()
         assert rnd is not None
         self.round_no = rnd.round
-        payload, end = self.payload(k), self.end_state()
-        self.server.blobs[content_id(payload)] = payload
-        self.server.blobs[content_id(end)] = end
-        body = {
-            "run_id": self.coord.run_id, "round": rnd.round, "attempt": rnd.attempt,
-            "peer_id": self.id, "cid": content_id(payload), "start_hash": self.coord.state_hash,
-            "size": len(payload), "tokens": 1,
-            "inner_steps": rnd.assignments[self.id]["inner_steps"],
-            "end_state_cid": content_id(end), "end_state_size": len(end),
-        }  # fmt: skip
-        if chain and self.start is not None:
-            body["local_state_cid"] = self.start
-        path = f"/v1/rounds/{rnd.round}/contributions"
-        raw = signed(self.key, body, path, rnd.round)
-        token = _RECEIVED_AT.set(request_purpose(path))
-        try:
-            out = self.coord.submit(rnd.round, schemas.ContributionRequest.model_validate(raw), raw)
-            self.start = content_id(end)
-            return out
-        except Rejected as e:
-            self.start = None
-            return e
-        finally:
-            _RECEIVED_AT.reset(token)
+        out = super().submit(k, self.start if chain else start_cid)
+        self.start = content_id(self.end_state()) if isinstance(out, dict) else None
+        return out
 
 
 def build(tmp_path: Path) -> Coordinator:
@@ -133,75 +112,13 @@ def test_two_restarts_do_not_exclude_an_honest_peer(tmp_path: Path) -> None:
 POOL = 16  # BlobClient: max(16, 4 * parallel)
 
 
-class Server:
-    """A blob server: `trickle` cids go out at ~80 KiB/s (headers at once), `close` cids
-    end their connection; `on_get(cid)` runs before answering."""
-
-    def __init__(self) -> None:
-        self.blobs: dict[str, bytes] = {}
-        self.requested: list[str] = []
-        self.trickle: set[str] = set()
-        self.close: set[str] = set()
-        self.on_get: Any = None
-        me = self
-
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                cid = self.path.rsplit("/", 1)[-1]
-                me.requested.append(cid)
-                if me.on_get is not None:
-                    me.on_get(cid)
-                data = me.blobs.get(cid)
-                if data is None:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                if cid in me.close:
-                    self.send_header("Connection", "close")
-                    self.close_connection = True
-                self.end_headers()
-                if cid in me.trickle:
-                    for i in range(0, len(data), 32 << 10):
-                        self.wfile.write(data[i : i + (32 << 10)])
-                        self.wfile.flush()
-                        time.sleep(0.4)
-                else:
-                    self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-
-def _peer(coord: Coordinator, name: str) -> Peer:
-    p = Peer.__new__(Peer)
-    srv = Server()
-    # Peer.__init__ makes its own BlobServer; register ours instead
-    orig = te.BlobServer
-    te.BlobServer = lambda: srv  # type: ignore[assignment]
-    try:
-        Peer.__init__(p, coord, name)
-    finally:
-        te.BlobServer = orig
-    return p
-
-
 def test_peers_filling_the_fetch_pool_cannot_void_a_drawn_check(tmp_path: Path) -> None:
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC.format(min_peers=1, new=0) + "[limits]\nrequest_timeout_s = 2.0\n")
     coord = Coordinator(load_run_config(spec), tmp_path / "data")
     try:
-        cheat = _peer(coord, "cheat")
-        sybils = [_peer(coord, f"sybil{i}") for i in range(POOL)]
+        cheat = Peer(coord, "cheat")
+        sybils = [Peer(coord, f"sybil{i}") for i in range(POOL)]
         coord.tick(time.time())
         rnd = coord.open_round()
         assert rnd is not None and cheat.id in rnd.members
@@ -211,7 +128,7 @@ def test_peers_filling_the_fetch_pool_cannot_void_a_drawn_check(tmp_path: Path) 
             k = s.k_drawn(want=False)
             pl = s.payload(k)
             s.server.trickle.add(content_id(pl))
-            s.server.on_get = lambda cid: asked.release()
+            s.server.hook = lambda cid: asked.release()
             s._k = k  # type: ignore[attr-defined]
         k = cheat.k_drawn(want=True)
         payload = cheat.payload(k)
@@ -229,7 +146,7 @@ def test_peers_filling_the_fetch_pool_cannot_void_a_drawn_check(tmp_path: Path) 
                 assert asked.acquire(timeout=20)
             time.sleep(0.5)  # the last sybil queues for the connection the cheat frees
 
-        cheat.server.on_get = fill_pool
+        cheat.server.hook = fill_pool
         out = cheat.submit(k)
         for t in threads:
             t.join(60)
