@@ -22,7 +22,7 @@ import torch
 import covey.blobs.store as store_mod
 from covey.config import load_run_config
 from covey.coordinator.auth import _RECEIVED_AT
-from covey.coordinator.intake import evidence_grace_s
+from covey.coordinator.intake import Withheld, evidence_grace_s
 from covey.coordinator.service import Coordinator
 from covey.coordinator.views import Rejected
 from covey.protocol import schemas
@@ -169,8 +169,11 @@ class Peer:
                 return k
             k += 1
 
-    def submit(self, k: int, start_cid: str | None = None) -> dict[str, Any] | Rejected:
-        """Submit payload k to the open round, naming `start_cid` as its start state."""
+    def submit(
+        self, k: int, start_cid: str | None = None, **lies: Any
+    ) -> dict[str, Any] | Rejected:
+        """Submit payload k to the open round, naming `start_cid` as its start state; `lies`
+        replace fields of the body before it is signed (a dishonest peer's own request)."""
         rnd = self.coord.open_round()
         assert rnd is not None
         payload, end = self.payload(k), self.end_state()
@@ -185,6 +188,7 @@ class Peer:
         }  # fmt: skip
         if start_cid is not None:
             body["local_state_cid"] = start_cid
+        body.update(lies)
         path = f"/v1/rounds/{rnd.round}/contributions"
         raw = signed(self.key, body, path, rnd.round)
         token = _RECEIVED_AT.set(request_purpose(path))
@@ -249,6 +253,32 @@ def test_only_a_drawn_contribution_moves_its_states_and_it_cannot_draw_again(mak
     assert len(cheat.server.requested) == asked  # refused before anything was fetched
     withheld = [e for e in entries_of(coord, cheat.id) if e.payload.get("withheld") is True]
     assert len(withheld) == 1 and account(coord, cheat.id).withheld == 1
+
+
+def test_what_a_dishonest_peer_names_for_its_local_states(make) -> None:
+    """A size that is not the run's local-state size, another peer's end state as its
+    start, and bytes that do not hash to the end state it named (served under that id):
+    the first two are refused before anything is fetched or drawn, the third is withheld."""
+    coord = make(min_peers=1)
+    honest, liar = Peer(coord, "honest"), Peer(coord, "liar")
+    coord.tick(time.time())
+    assert isinstance(honest.submit(honest.k_drawn(want=False)), dict)
+    end = liar.end_state()
+    size = liar.submit(liar.k_drawn(want=True), end_state_size=len(end) + 1)
+    assert isinstance(size, Rejected) and size.status == 422, size
+    assert "not a local state" in size.message and not liar.server.requested[1:]
+    other = content_id(honest.end_state())
+    start = liar.submit(liar.k_drawn(want=True, start=50), start_cid=other)
+    assert isinstance(start, Rejected) and "starts from local state" in start.message, start
+    assert content_id(end) not in liar.server.requested
+    k = liar.k_drawn(want=True, start=100)
+    forged = b"x" * len(end)  # the right size, the wrong bytes, under the named id
+    liar.server.hook = lambda cid: liar.server.blobs.update({cid: forged} if cid == end_cid else {})
+    end_cid = content_id(end)
+    wrong = liar.submit(k)
+    assert isinstance(wrong, Withheld) and "not delivered" in wrong.message, wrong
+    assert account(coord, liar.id).withheld == 1
+    assert not coord.blobs.has(end_cid)
 
 
 def test_a_stall_past_the_grace_is_withheld_and_the_round_goes_on(make) -> None:

@@ -339,13 +339,17 @@ def run_network(spec: dict[str, Any], workers: int, run_dir: Path, timeout_s: fl
 
 def _committed_rounds(db_path: Path) -> list[tuple[int, int, int, int, int]]:
     """(round, attempt, contributions, min inner steps, max inner steps) of each committed
-    round, from the coordinator's database (read-only, after it exited)."""
+    round, from the coordinator's database (read-only, after it exited). A contribution
+    recorded and then refused (a drawn one whose local states did not arrive) does not
+    count."""
     conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     try:
         return conn.execute(
             "SELECT r.round, r.attempt, COUNT(c.peer_id), MIN(c.inner_steps), "
             "MAX(c.inner_steps) FROM rounds r JOIN contributions c "
             "ON c.round = r.round AND c.attempt = r.attempt WHERE r.status = 'committed' "
+            "AND NOT EXISTS (SELECT 1 FROM rejections x WHERE x.round = c.round "
+            "AND x.attempt = c.attempt AND x.peer_id = c.peer_id) "
             "GROUP BY r.round ORDER BY r.round"
         ).fetchall()
     finally:
