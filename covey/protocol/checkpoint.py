@@ -151,18 +151,27 @@ def state_to_file(state: TrainState, path: Path) -> tuple[str, int]:
         return write_state(state, f)
 
 
+def read_header(f: BinaryIO) -> bytes:
+    """The JSON header of the safetensors file open in `f` (at its start), bounded at
+    100 MiB. ValueError when the file is too short or the length is out of bounds."""
+    head = f.read(8)
+    if len(head) != 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > 100 << 20:
+        raise ValueError(f"header of {n} bytes")
+    text = f.read(n)
+    if len(text) != n:
+        raise ValueError(f"header of {n} bytes, {len(text)} in the file")
+    return text
+
+
 def state_from_file(path: Path, template: TrainState) -> TrainState:
     """`state_from_bytes` for a file, read from disk tensor by tensor (the file is never
     held whole in memory). CheckpointError on any mismatch, as there."""
     try:
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise ValueError("shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 << 20:
-                raise ValueError(f"header of {n} bytes")
-            meta = _header_metadata(f.read(n))
+            meta = _header_metadata(read_header(f))
         tensors = st_load_file(str(path))
     except (SafetensorError, ValueError, OSError) as e:
         raise CheckpointError(f"not a safetensors state: {e}") from None
@@ -243,16 +252,12 @@ class FileTensors(MutableMapping[str, torch.Tensor]):
 
     def __init__(self, path: Path, prefix: str = "") -> None:
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise CheckpointError(f"{path.name}: shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 << 20:
-                raise CheckpointError(f"{path.name}: header of {n} bytes")
             try:
-                header = json.loads(f.read(n))
+                text = read_header(f)
+                header = json.loads(text)
             except ValueError as e:
-                raise CheckpointError(f"{path.name}: header is not JSON: {e}") from None
+                raise CheckpointError(f"{path.name}: {e}") from None
+        n = len(text)
         self._entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
         for key, spec in header.items():
             if key == "__metadata__" or not key.startswith(prefix):

@@ -476,12 +476,11 @@ def local_state_from_file(
 ) -> dict[str, torch.Tensor]:
     """`local_state_from_bytes` of a file, read tensor by tensor: the file's bytes are
     never held next to the tensors (a local state is 1.5 GB at 124M)."""
+    from covey.protocol.checkpoint import read_header
+
     try:
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100 << 20:
-                raise ValueError(f"header of {n} bytes")
-            meta = _local_state_meta(f.read(n))
+            meta = _local_state_meta(read_header(f))
         tensors = st_load_file(str(path))
     except (SafetensorError, ValueError, struct.error, TypeError, OSError) as e:
         raise ValueError(f"not a safetensors local state: {e}") from None
