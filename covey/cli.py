@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import typing
@@ -288,6 +289,15 @@ def bench_comms(
         bool, typer.Option("--resume", help="keep finished methods in --out, continue cut ones")
     ] = False,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            help="methods run at once, one process and one thread each (default: this "
+            "machine's cores); the numbers are the same bytes as one at a time",
+        ),
+    ] = None,
 ) -> None:
     """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo vs DiLoCo+DCT, same tokens, 8 workers."""
     from covey.bench.comms import comms_methods, preset, run_comms_bench
@@ -301,7 +311,12 @@ def bench_comms(
     names = [m.name for m in comms_methods(size)]
     if only and (unknown := sorted(set(only) - set(names))):
         raise _fail(f"unknown method(s) {unknown}; choose from {names}")
-    records = run_comms_bench(size=size, out_dir=out, only=only, resume=resume, progress=progress)
+    if jobs is None:  # the cores this process may use
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if jobs < 1:
+        raise _fail(f"--jobs must be >= 1, got {jobs}")
+    records = run_comms_bench(size=size, out_dir=out, only=only, resume=resume,
+                              progress=progress, jobs=jobs)  # fmt: skip
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(records, indent=2) + "\n")

@@ -40,6 +40,8 @@ def test_the_cli_refuses_bad_flags_in_one_line() -> None:
     assert result.exit_code == 2 and "--workers must be >= 1, got 0" in result.output
     result = CliRunner().invoke(app, ["bench", "comms", "--long", "--only", "diloco-h30"])
     assert result.exit_code == 2 and "unknown method(s) ['diloco-h30']" in result.output
+    result = CliRunner().invoke(app, ["bench", "comms", "--quick", "--jobs", "0"])
+    assert result.exit_code == 2 and "--jobs must be >= 1, got 0" in result.output
 
 
 def test_long_has_every_method_a_cosine_variant_and_a_second_seed() -> None:
@@ -98,3 +100,28 @@ def test_long_warm_starts_every_method_and_resume_keeps_finished_ones(
     run_comms_bench(size=other, out_dir=out, only=["diloco-h4"], resume=True, progress=False,
                     corpus=stdlib_corpus)  # fmt: skip
     assert capsys.readouterr().out.count("kept: finished earlier") == 1  # the warm-up only
+
+
+def test_methods_side_by_side_give_the_same_numbers_as_one_at_a_time(
+    stdlib_corpus: Corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    picks = ["ddp", "diloco-h2", "demo-1d"]
+    alone = run_comms_bench(size=TINY, out_dir=tmp_path / "one", only=picks, progress=False,
+                            corpus=stdlib_corpus)  # fmt: skip
+    capsys.readouterr()
+    side = run_comms_bench(size=TINY, out_dir=tmp_path / "two", only=picks, progress=False,
+                           corpus=stdlib_corpus, jobs=2)  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "3 methods, 2 at a time: demo-1d, ddp, diloco-h2" in printed  # the longest first
+    assert [r["method"] for r in side] == [r["method"] for r in alone] == ["ddp", "diloco-h2",
+                                                                          "demo-1d"]  # fmt: skip
+    for a, b in zip(alone, side, strict=True):
+        for key in ("val_loss", "val_loss_tail", "bytes_sent_per_worker", "rounds", "tokens"):
+            assert a[key] == b[key], (a["method"], key)
+    for name in picks:
+        one = (tmp_path / "one" / name / "metrics.jsonl").read_text().splitlines()
+        two = (tmp_path / "two" / name / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["val_loss"] for x in one] == [json.loads(x)["val_loss"] for x in two]
+    with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):
+        run_comms_bench(size=TINY, out_dir=tmp_path / "x", progress=False, jobs=0,
+                        corpus=stdlib_corpus)  # fmt: skip

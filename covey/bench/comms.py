@@ -16,12 +16,19 @@ Presets:
 
 With --resume a method whose summary in the output folder is of the same config is kept,
 and a method cut off mid-run goes on from its last snapshot (covey.sim.resume).
+
+With jobs > 1 the methods after the warm-up run side by side, one process each (every
+method is one torch thread, so a 2-core machine runs two), the longest first; each run is
+the same computation as alone, so its numbers are the same bytes.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -231,6 +238,50 @@ def run_sim(
     return result.records, result.summary
 
 
+# Relative cost of a method per inner step on CPU (session 7's --long run: DeMo's per-step
+# DCT made demo-1d 3.1x and demo-2d 2.4x a DiLoCo run's wall time): the longest go first
+# so the last to start is a short one.
+_COST = {"demo": 3.0}
+
+
+def _run_side_by_side(
+    todo: list[BenchMethod],
+    configs: dict[str, SimConfig],
+    corpus: Corpus,
+    out_dir: Path,
+    resume: bool,
+    jobs: int,
+) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Every method in its own process, `jobs` at a time, longest first -> name ->
+    (records, summary). A method that fails stops the bench with its error once the
+    running ones finish (the finished ones are on disk for --resume)."""
+    order = sorted(todo, key=lambda m: -_COST.get(m.algorithm["method"], 1.0))
+    started = time.perf_counter()
+    done: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
+    # spawn, not fork: a forked child would inherit the parent's torch thread pool state
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        running = {}
+        for m in order:
+            cfg = configs[m.name]
+            args = (cfg, corpus, out_dir / m.name, m.name, resume, False)
+            running[pool.submit(run_sim, *args)] = m.name
+        print(f"== {len(order)} methods, {jobs} at a time: {', '.join(m.name for m in order)}")
+        for future in as_completed(running):
+            name = running[future]
+            try:
+                done[name] = future.result()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # the queued ones never start
+                raise
+            summary = done[name][1]
+            print(
+                f"== {name} done ({len(done)}/{len(order)}, {time.perf_counter() - started:.0f}"
+                f" s in): final val loss {summary['final_val_loss']:.4f},"
+                f" {summary.get('real_time_s', 0.0):.0f} s of its own"
+            )
+    return done
+
+
 def run_comms_bench(
     *,
     size: BenchSize,
@@ -239,10 +290,13 @@ def run_comms_bench(
     resume: bool = False,
     progress: bool = True,
     corpus: Corpus | None = None,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
     """Run the preset's methods (those in `only`, if given) into `out_dir`; print the table
     and write records.json and comms.png. Returns the rows (covey.bench.comms_report).
-    `corpus`: default the stdlib corpus."""
+    `corpus`: default the stdlib corpus. `jobs`: methods run at once after the warm-up."""
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     corpus = corpus or load_corpus()
     print(f"corpus: {corpus.describe()} (fingerprint {corpus.fingerprint})")
     init, offset = None, 0
@@ -251,15 +305,21 @@ def run_comms_bench(
         print(f"== pretrain: DDP for {cfg.rounds} steps per worker (shared warm start)")
         run_sim(cfg, corpus, out_dir / "pretrain", "pretrain", resume, progress)
         init, offset = str(out_dir / "pretrain"), cfg.rounds
-    runs: dict[str, MethodRun] = {}
-    for method in comms_methods(size):
-        if only and method.name not in only:
-            continue
-        cfg = bench_config(method, size, init=init, round_offset=offset)
-        print(f"== {method.name}: {cfg.rounds} rounds of {cfg.steps // cfg.rounds} inner steps")
-        out = out_dir / method.name
-        records, summary = run_sim(cfg, corpus, out, method.name, resume, progress)
-        runs[method.name] = MethodRun(method.name, method.baseline, method.seed, records, summary)
+    todo = [m for m in comms_methods(size) if not only or m.name in only]
+    configs = {m.name: bench_config(m, size, init=init, round_offset=offset) for m in todo}
+    done: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
+    if jobs > 1 and len(todo) > 1:
+        done = _run_side_by_side(todo, configs, corpus, out_dir, resume, jobs)
+    else:
+        for method in todo:
+            cfg = configs[method.name]
+            print(f"== {method.name}: {cfg.rounds} rounds of {cfg.steps // cfg.rounds} inner steps")
+            done[method.name] = run_sim(
+                cfg, corpus, out_dir / method.name, method.name, resume, progress
+            )
+    runs = {  # the preset's order, whatever order they finished in
+        m.name: MethodRun(m.name, m.baseline, m.seed, *done[m.name]) for m in todo
+    }
     rows = summarize(runs, size.tail)
     print(format_table(rows))
     if size.tail > 1:
