@@ -4,15 +4,21 @@ tensors back, and a template that costs no memory.
 torch allocates outside Python's heap, so tracemalloc does not see model tensors; these
 read /proc/self/status instead (Linux; elsewhere the figures are 0). `reset_peak` makes
 VmHWM restart from the current RSS, so a phase's own peak can be measured.
+`weightless_copy` and `borrowed_weights` let a model run on a state's tensors without a
+model-sized copy of its own (the coordinator's evaluation model).
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from covey.algorithms import TrainState
 
@@ -72,3 +78,33 @@ def shapes_only(state: TrainState) -> TrainState:
     instead of a model-sized copy of the round-0 weights."""
     meta = lambda d: {k: torch.empty_like(v, device="meta") for k, v in d.items()}  # noqa: E731
     return TrainState(meta(state.params), meta(state.outer), state.round)
+
+
+def weightless_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters hold no bytes (empty tensors of their dtype;
+    tied parameters stay one parameter); buffers are copied. Run it only inside
+    `borrowed_weights`: the coordinator's evaluation model is this, not a second model
+    size next to the strategy's (issue 13.3)."""
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), p.requires_grad)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo)
+
+
+@contextmanager
+def borrowed_weights(model: nn.Module, params: Mapping[str, torch.Tensor]) -> Iterator[nn.Module]:
+    """Inside, each of `model`'s parameters is `params[name]`'s own tensor, not a copy of
+    it (a state's tensors are never changed in place: use the model for forward passes
+    under torch.no_grad only); on leaving, empty tensors again, so the model keeps no
+    reference to them. KeyError for a parameter `params` lacks, nothing lent then;
+    RuntimeError (torch's) for a tensor of another device or dtype."""
+    named = list(model.named_parameters())
+    lent = [params[name] for name, _ in named]  # every name first: all or nothing
+    try:
+        for (_, p), t in zip(named, lent, strict=True):
+            p.data = t
+        yield model
+    finally:
+        for _, p in named:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)

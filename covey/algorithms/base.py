@@ -427,6 +427,8 @@ class Strategy(ABC):
             vector = self.codec.decode(c.payload, numel)
         except CodecError as e:
             raise RoundError(f"payload rejected: {e}") from None
+        finally:  # a mapped payload's pages are not held once decoded (issue 13.3)
+            drop_mapped_pages(c.payload)
         if not bool(torch.isfinite(vector).all()):
             raise RoundError("payload decodes to NaN or Inf values")
 

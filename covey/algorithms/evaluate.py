@@ -17,6 +17,14 @@ def evaluate(
     """Mean held-out loss of the canonical parameters, computed on the model's device."""
     for name, p in model.named_parameters():
         p.copy_(state.params[name])
+    return held_out_loss(model, batches, loss_fn)
+
+
+@torch.no_grad()
+def held_out_loss(
+    model: nn.Module, batches: list[torch.Tensor], loss_fn: LossFn = lm_loss
+) -> float:
+    """Mean loss of `model` as it is (eval mode) on `batches`, on the model's device."""
     model.eval()
     device = next(model.parameters()).device
     return sum(float(loss_fn(model, b.to(device))) for b in batches) / len(batches)

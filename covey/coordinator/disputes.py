@@ -128,11 +128,15 @@ class Disputes:
         of the strategy's local state's names, shapes and dtypes."""
         with self._layout_lock:
             if self._layout is None:
-                live = self.strategy.local_state(copy=False)
-                zeros = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in live.items()}
-                c = commitment_of(zeros, self.template.params, 0)
+                layout = self.strategy.local_state_layout()
+                # broadcast views of one zero: no model-sized tensors made (issue 13.3)
+                zeros = {
+                    n: torch.zeros((), dtype=t.dtype).expand(t.shape) for n, t in layout.items()
+                }
+                start = {n: zeros[f"param/{n}"] for n in self.template.params}
+                c = commitment_of(zeros, start, 0)
                 lengths = {g: len(v) for g, v in c.sketch.items()}
-                self._layout = (len(verify.local_state_to_bytes(zeros)), lengths)
+                self._layout = (verify.local_state_nbytes(layout), lengths)
             return self._layout
 
     # -- the referee --------------------------------------------------------------------------

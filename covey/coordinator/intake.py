@@ -14,7 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from covey.algorithms import Contribution, RoundError
+from covey.algorithms import Contribution, RoundError, TrainState
 from covey.blobs import BlobClient
 from covey.protocol import schemas
 from covey.trust.certify import sample
@@ -208,9 +208,12 @@ class Intake(Views):
                 422, f"claims {req.tokens} tokens; {req.inner_steps} steps make {max_tokens}"
             )
         payload = self._contribution_bytes(req)
+        # checked against the round's shapes, never the state's tensors: a close may be
+        # consuming those (covey.coordinator.rounds._next_state)
+        start = TrainState(self.template.params, {}, self.state.round)
         try:
             self.strategy.validate(
-                self.state, Contribution(payload, req.tokens, req.inner_steps, req.fragment)
+                start, Contribution(payload, req.tokens, req.inner_steps, req.fragment)
             )
         except RoundError as e:
             raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None

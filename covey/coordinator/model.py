@@ -1,11 +1,16 @@
-"""The run's model as the coordinator's components need it: the strategy and its initial
-state, the loss, the sequence length, an evaluation copy, and the model files on the blob
-plane. Built once by the facade (covey.coordinator.service) and handed to verification and
-to the rounds mode."""
+"""The run's model as the coordinator's components need it: the strategy, the state's
+names, shapes and dtypes, the loss, the sequence length, an evaluation copy, and the model
+files on the blob plane. Built once by the facade (covey.coordinator.service) and handed to
+verification and to the rounds mode.
+
+Of the model's weights the coordinator holds one copy, the strategy's (issue 13.3): the
+template is shapes only, and the evaluation copy borrows the canonical state's tensors
+while it evaluates (covey.memory.borrowed_weights). The strategy's model keeps the seeded
+round-0 weights: nothing on the coordinator trains it (the referee trains a copy), and a
+new run's round-0 state is taken from it (`Strategy.init_state`)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +21,7 @@ from covey.algorithms import Strategy, TrainState, build_aggregator, build_strat
 from covey.blobs import BlobStore
 from covey.config import RunConfig
 from covey.data.corpus import Corpus
-from covey.memory import bound_heap
+from covey.memory import bound_heap, shapes_only, weightless_copy
 from covey.models.bundle import publish_model_files
 from covey.models.source import build_run_model
 from covey.models.warmstart import apply_init
@@ -25,11 +30,11 @@ from covey.models.warmstart import apply_init
 @dataclass(frozen=True)
 class RunModel:
     strategy: Strategy
-    template: TrainState
+    template: TrainState  # shapes only (meta tensors): a state is checked against it
     loss_fn: Callable[..., Any]
     seq_len: int
     parameters: int
-    eval_model: torch.nn.Module
+    eval_model: torch.nn.Module  # parameters without bytes: run it in borrowed_weights
     model_files_cid: str | None
 
 
@@ -47,13 +52,12 @@ def build_model(cfg: RunConfig, corpus: Corpus, blobs: BlobStore) -> RunModel:
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
     parameters = sum(p.numel() for p in model.parameters())
     strategy = build_strategy(cfg.algorithm, model, loss_fn, aggregator)
-    eval_model = copy.deepcopy(model)
     return RunModel(
         strategy=strategy,
-        template=strategy.init_state(),
+        template=shapes_only(strategy.init_state()),  # the copy made here is dropped at once
         loss_fn=loss_fn,
         seq_len=seq_len,
         parameters=parameters,
-        eval_model=eval_model,
+        eval_model=weightless_copy(model),
         model_files_cid=model_files_cid,
     )

@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from covey.algorithms import Contribution, RoundError, Strategy, TrainState
-from covey.algorithms.evaluate import evaluate
+from covey.algorithms.evaluate import held_out_loss
 from covey.blobs import BlobClient, BlobStore
 from covey.config import RunConfig, steps_per_round
 from covey.data.batches import validation_batches
 from covey.data.corpus import Corpus
-from covey.protocol.checkpoint import state_from_file, state_to_file
+from covey.memory import borrowed_weights
+from covey.protocol.checkpoint import FileTensors, state_from_file, state_to_file
 from covey.protocol.rounds import PeerView, close_reason, is_alive, is_eligible, plan_round
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
@@ -148,7 +149,8 @@ class Rounds(Intake, Halting, Views):
             "SELECT new_cid FROM rounds WHERE status = 'committed' ORDER BY round DESC LIMIT 1"
         )
         if last is None and self.db.get_meta("run_id") is None:
-            cid, _ = self._store_state(self.template)
+            initial = self.strategy.init_state()  # the seeded (or warm-started) weights
+            cid, _ = self._store_state(initial)
             with self.accounts.transaction() as c:
                 for key, value in (
                     ("run_id", self.run_id),
@@ -175,10 +177,10 @@ class Rounds(Intake, Halting, Views):
                     now,
                 )
             log.info("run %s created in %s", self.run_id, self.data_dir)
-            return self.template, cid
+            return initial, cid
         cid = last["new_cid"] if last else self.db.get_meta("initial_cid")
         assert cid is not None
-        state = state_from_file(self.blobs.path(cid), self.template)
+        state = self._read_state(cid)
         with self.accounts.transaction() as c:
             # a close interrupted by a crash never committed: the round is open again, and
             # every peer gets a fresh deadline to reconnect and finish it
@@ -344,16 +346,11 @@ class Rounds(Intake, Halting, Views):
             self._abort(rnd, f"no contributions ({reason})")
             return
         try:
-            if assembled is not None:
-                new_state = assembled[1]
-            else:
-                new_state = self.strategy.apply_round(self.state, contributions)
+            new_state, new_cid, new_size, new_hash = self._next_state(contributions, assembled)
         except (RoundError, ValueError) as e:  # validated at submit: a bug; never commit it
             log.error("[round %d] apply_round failed: %s", rnd.round, e)
             self._abort(rnd, f"apply_round failed: {e}")
             return
-        new_cid, new_size = self._store_state(new_state)
-        new_hash = new_state.digest()
         now = time.time()
         certificate = make_certificate(
             self.db,
@@ -409,6 +406,7 @@ class Rounds(Intake, Halting, Views):
                     now,
                 )
         self.state, self.state_cid, self.state_hash = new_state, new_cid, new_hash
+        self._outer_on_disk(new_state, new_cid)
         self.commits.notify()  # H9: wakes the certificate long-polls now
         log.info(
             "[round %d] committed: %d accepted, %d rejected, %s; weights %s",
@@ -421,23 +419,67 @@ class Rounds(Intake, Halting, Views):
         if checkpoint:
             self._write_checkpoint(new_state.round, new_cid)
         if new_state.round % self.cfg.rounds.eval_every == 0 or self.finished():
-            self._evals.put(new_state)
+            # its own dict of the weights: the next close empties the state's (consuming)
+            self._evals.put(TrainState(dict(new_state.params), {}, new_state.round))
         self._prune(new_state.round)
+
+    def _next_state(
+        self, contributions: list[Contribution], assembled: tuple[list[Any], TrainState] | None
+    ) -> tuple[TrainState, str, int, str]:
+        """The round's new state (`assembled`'s, or the update of the current one by
+        `contributions`), stored and hashed: (state, cid, size, weights hash). RoundError
+        or ValueError from the update, OSError from the store; nothing is committed then.
+
+        The update consumes the current state's tensors (`Strategy.apply_round_consuming`:
+        each old tensor is let go as its replacement is made, so the old and the new state
+        are not both in memory, issue 13.3). Meanwhile, and if anything fails, the current
+        state is its blob: the same bytes, read from disk when asked for."""
+        if assembled is not None:
+            new_state = assembled[1]
+        else:
+            start, path = self.state, self.blobs.path(self.state_cid)
+            self.state = TrainState(
+                FileTensors(path, "params/"),  # type: ignore[arg-type]
+                FileTensors(path, "outer/"),  # type: ignore[arg-type]
+                start.round,
+            )
+            new_state = self.strategy.apply_round_consuming(start, contributions)
+            del start
+        new_cid, new_size = self._store_state(new_state)
+        return new_state, new_cid, new_size, new_state.digest()
+
+    def _read_state(self, cid: str) -> TrainState:
+        """Canonical state `cid` from the blob store (CheckpointError for bytes that are not
+        one), its outer tensors left on disk (`_outer_on_disk`)."""
+        state = state_from_file(self.blobs.path(cid), self.template)
+        self._outer_on_disk(state, cid)
+        return state
+
+    def _outer_on_disk(self, state: TrainState, cid: str) -> None:
+        """While `state` is current its outer tensors (the outer momentum: a model size)
+        are read from its blob when the next update needs them, not held in memory
+        (issue 13.3; as a worker does, covey.peer.worker_state). The same bytes: the
+        blob's content id is the state's. The blob is kept while it is the current state
+        (`_prune`), and the open file stays readable if it is deleted."""
+        if state.outer:
+            state.outer = FileTensors(self.blobs.path(cid), "outer/")  # type: ignore[assignment]
 
     def _evaluate(self) -> None:
         """Held-out loss of each queued canonical state, stored with the round that made it;
         every `rounds.samples_every` rounds (and the first time) also the status page's
         samples of that state (covey.coordinator.samples), kept in memory."""
         while (state := self._evals.get()) is not None:
+            made_by = state.round - 1
             try:
-                loss = evaluate(self._eval_model, state, self._val, self.loss_fn)
-                self._refresh_samples(state.round)  # the weights evaluate() just loaded
+                # the evaluation model runs on the state's own tensors: no copy (issue 13.3)
+                with borrowed_weights(self._eval_model, state.params) as model:
+                    loss = held_out_loss(model, self._val, self.loss_fn)
+                    self._refresh_samples(state.round)  # on the same weights
                 with self.db.transaction() as c:
-                    c.execute(
-                        "UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, state.round - 1)
-                    )
+                    c.execute("UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, made_by))
             except Exception:
-                log.exception("evaluation of round %d failed", state.round - 1)
+                log.exception("evaluation of round %d failed", made_by)
+            del state  # not held while waiting: the next close frees these weights
 
     def _refresh_samples(self, round: int) -> None:
         every = self.cfg.rounds.samples_every
