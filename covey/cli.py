@@ -265,7 +265,8 @@ def bench_comms(
         bool,
         typer.Option(
             help="after a shared DDP warm-up, every method for the same tokens, 2 seeds, "
-            "warmup + cosine variants (the DiLoCo paper's regime; ~50 min on 2 cores)"
+            "warmup + cosine variants (the DiLoCo paper's regime; ~29 min on 2 cores, "
+            "two at a time)"
         ),
     ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="write records here")] = None,
