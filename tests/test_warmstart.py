@@ -107,17 +107,25 @@ def test_a_networked_run_starts_from_the_checkpoint(
     """The coordinator's round-0 state is the checkpoint's parameters (workers receive it
     over the network, so only the coordinator reads the file); a run spec with a round
     offset moves every assignment's batches past the warm-up's."""
-    from covey.blobs import BlobStore
     from covey.config import RunConfig
-    from covey.coordinator.model import build_model
+    from covey.coordinator.service import Coordinator
     from covey.data.batches import assignment_batches
+    from covey.protocol.checkpoint import state_from_file
 
     spec = {"model": {"init": str(warmup_dir)}, "data": {"seq_len": 32, "batch_size": 2}}
     cfg = RunConfig.model_validate(spec)
-    run = build_model(cfg, stdlib_corpus, BlobStore(tmp_path / "blobs"))
     saved = load_file(str(checkpoint_file(str(warmup_dir))))
-    for name, t in run.template.params.items():
-        assert torch.equal(t, saved[f"params/{name}"])
+    for restart in (False, True):  # the state a new run stores, then the one it resumes
+        coord = Coordinator(cfg, tmp_path / "run")
+        try:  # the template is shapes only: the round-0 state is the stored one
+            served = state_from_file(coord.blobs.path(coord.state_cid), coord.rounds.template)
+            assert coord.state.round == served.round == 0
+            assert coord.state_hash == served.digest() == coord.state.digest()
+            for name, t in served.params.items():
+                assert torch.equal(t, saved[f"params/{name}"]), name
+                assert torch.equal(coord.state.params[name], t), (name, restart)
+        finally:
+            coord.stop()
     later = RunConfig.model_validate({**spec, "data": {**spec["data"], "round_offset": 4}})
     first = assignment_batches(cfg, stdlib_corpus, 32, 4, "peer")(0)
     assert torch.equal(assignment_batches(later, stdlib_corpus, 32, 0, "peer")(0), first)
