@@ -323,20 +323,30 @@ class Strategy(ABC):
         self.free_round_memory(optimizer=True)
         return state
 
-    def free_round_memory(self, optimizer: bool = False) -> None:
+    def free_round_memory(self, optimizer: bool = False, start: bool = False) -> None:
         """Let go of what only this round's inner steps use (issue 13.3): the gradients
         (the next inner step makes its own: numerics do not change), and with `optimizer`
         the strategy's own training state (a DiLoCo worker's AdamW moments: two model
         sizes). `optimizer` only when the next inner step follows a `begin_round` or
         `load_state`, which reset that state anyway, and after the round's end local state
-        was taken where it is needed (`end_local_state`)."""
+        was taken where it is needed (`end_local_state`). `start`: also the reference to
+        the round's start weights the strategy keeps (DiLoCo's pseudo-gradient's), which
+        keeps them alive once its caller has let them go; only after
+        `make_contribution`, and before the next `begin_round` or `load_state`."""
         for p in self.model.parameters():
             p.grad = None
         if optimizer:
             self._free_local_extras()
+        if start:
+            self._free_round_start()
 
     def _free_local_extras(self) -> None:
         """Drop the strategy's own training state (see `free_round_memory`); none by default."""
+        return None
+
+    def _free_round_start(self) -> None:
+        """Drop the round's start weights the strategy keeps (see `free_round_memory`);
+        none by default."""
         return None
 
     def local_state_layout(self) -> dict[str, torch.Tensor]:

@@ -110,6 +110,9 @@ class DiLoCo(Strategy):
     def _free_local_extras(self) -> None:
         self.reset_inner_optimizer()
 
+    def _free_round_start(self) -> None:
+        self._start = self._start_params = None
+
     def end_local_state(self) -> dict[str, torch.Tensor]:
         """`local_state()`, the inner optimizer's moments handed over rather than copied
         (the optimizer is reset: `Strategy.end_local_state`); parameters and residuals

@@ -137,13 +137,20 @@ def set_up_run(
 
 
 def fetch_state(
-    blobs: BlobClient, cid: str, providers: list[str], size: int, template: TrainState
+    blobs: BlobClient,
+    cid: str,
+    providers: list[str],
+    size: int,
+    template: TrainState,
+    outer_on_disk: bool = False,
 ) -> TrainState:
     """A canonical state fetched by content id into a scratch directory (streamed to disk,
     hashed on arrival, bounded by what the run's model implies, never by the blob cap),
-    parsed and checked against `template`, and the file removed. BlobError if no provider
-    delivers it; CheckpointError if the bytes are no state of this run."""
+    parsed and checked against `template`, and the file removed. `outer_on_disk`: the
+    outer tensors stay in the removed file, read from its open descriptor when asked
+    for (`state_from_file`). BlobError if no provider delivers it; CheckpointError if the
+    bytes are no state of this run."""
     with tempfile.TemporaryDirectory(prefix="covey-state-") as scratch:
         store = BlobStore(Path(scratch))
         path = blobs.fetch_into(store, cid, providers, size, max_bytes=max_state_bytes(template))
-        return state_from_file(path, template)
+        return state_from_file(path, template, outer_on_disk)

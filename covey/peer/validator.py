@@ -167,25 +167,30 @@ class Validator:
         """Re-execute one task and report the outcome (uploading the evidence of a
         disagreement first)."""
         sources = [self.opts.coordinator]
-        try:
-            start = self._start_state(task, sources)
-            payload = self.blobs.fetch(task.cid, sources, size=task.size)
-            local = self._local_states(task, start, sources)  # H3
-        except (BlobError, CheckpointError, RuntimeError) as e:
-            log.warning(
-                "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
-            )
-            return
-        # every commitment's state is kept for a dispute's evidence, on disk (1.5 GB each
-        # at 124M), and the previous end state is handed over, freed once loaded
-        with tempfile.TemporaryDirectory(prefix="covey-validator-states-") as spill:
-            self._check(task, start, payload, local, Path(spill), sources)
+        # the payload waits on disk until the comparison: the re-execution does not hold
+        # it (a model size for an fp32 payload, issue 13.3)
+        with tempfile.TemporaryDirectory(prefix="covey-validator-") as scratch:
+            try:
+                start = self._start_state(task, sources)
+                payload = self.blobs.fetch_into(
+                    BlobStore(Path(scratch)), task.cid, sources, size=task.size
+                )
+                local = self._local_states(task, start, sources)  # H3
+            except (BlobError, CheckpointError, RuntimeError) as e:
+                log.warning(
+                    "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
+                )
+                return
+            # every commitment's state is kept for a dispute's evidence, on disk (1.5 GB
+            # each at 124M), and the previous end state is handed over, freed once loaded
+            with tempfile.TemporaryDirectory(prefix="covey-validator-states-") as spill:
+                self._check(task, start, payload, local, Path(spill), sources)
 
     def _check(
         self,
         task: schemas.VerifyTask,
         start: TrainState,
-        payload: bytes,
+        payload_file: Path,
         local: dict[str, Any],
         spill: Path,
         sources: list[str],
@@ -206,6 +211,10 @@ class Validator:
             spill_dir=spill,
             consume_previous_end=True,
         )
+        # the gradients, the inner moments (3 model sizes) and the strategy's hold on the
+        # start weights are not needed to compare; the next begin_round resets them anyway
+        self.strategy.free_round_memory(optimizer=True, start=True)
+        payload = payload_file.read_bytes()
         numel = sum(start.params[n].numel() for n in self.strategy.fragment_names(task.fragment))
         verdict = verify.compare(
             _claimed(task.commitments),
@@ -310,7 +319,11 @@ class Validator:
     def _start_state(self, task: schemas.VerifyTask, sources: list[str]) -> TrainState:
         if self._state is not None and self._state[0] == task.start_cid:
             return self._state[1]
-        state = fetch_state(self.blobs, task.start_cid, sources, task.start_size, self.template)
+        self._state = None  # the previous start is not held next to the new one
+        # its weights only: the outer momentum stays in the file, read for the hash below
+        state = fetch_state(
+            self.blobs, task.start_cid, sources, task.start_size, self.template, outer_on_disk=True
+        )
         if state.digest() != task.start_hash:
             raise RuntimeError(f"start state {task.start_cid[:12]} does not hash to the task's")
         self._state = (task.start_cid, state)

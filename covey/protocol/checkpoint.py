@@ -166,16 +166,39 @@ def read_header(f: BinaryIO) -> bytes:
     return text
 
 
-def state_from_file(path: Path, template: TrainState) -> TrainState:
+def state_from_file(path: Path, template: TrainState, outer_on_disk: bool = False) -> TrainState:
     """`state_from_bytes` for a file, read from disk tensor by tensor (the file is never
-    held whole in memory). CheckpointError on any mismatch, as there."""
+    held whole in memory). CheckpointError on any mismatch, as there.
+
+    safetensors' tensors map the file: the pages read stay this process's memory for as
+    long as any of them lives, a dropped tensor's included. `outer_on_disk`: the weights
+    are read into tensors of their own instead (pread, as `FileTensors` reads), and the
+    outer tensors are checked one at a time and left in the file, the state's `outer`
+    a `FileTensors` over it: one model size in memory, not the whole file (issue 13.3),
+    for a peer that needs the weights only (a validator). The same content; the file's
+    descriptor is held, so it may be deleted."""
     try:
         with open(path, "rb") as f:
             meta = _header_metadata(read_header(f))
-        tensors = st_load_file(str(path))
+        tensors = st_load_file(str(path))  # checks the layout (no page is read yet)
+        if outer_on_disk:
+            n_tensors = len(tensors)
+            del tensors  # and its mapping: the same bytes are read with pread below
+            params, outer = FileTensors(path, "params/"), FileTensors(path, "outer/")
     except (SafetensorError, ValueError, OSError) as e:
         raise CheckpointError(f"not a safetensors state: {e}") from None
-    return _checked(tensors, meta, template)
+    if not outer_on_disk:
+        return _checked(tensors, meta, template)
+    if len(params) + len(outer) != n_tensors:
+        raise CheckpointError("tensors outside the params/ and outer/ sections")
+    try:
+        state = _checked({f"params/{n}": params[n] for n in params}, meta, template)
+        for name in outer:  # as `_checked` checks them, one in memory at a time
+            _checked_outer(name, outer[name], template)
+    except OSError as e:
+        raise CheckpointError(f"not a safetensors state: {e}") from None
+    state.outer = outer  # type: ignore[assignment]
+    return state
 
 
 def state_from_bytes(data: bytes, template: TrainState) -> TrainState:
@@ -219,6 +242,14 @@ def _checked(
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{name} has NaN or Inf values")
     return TrainState(params, outer, round_)
+
+
+def _checked_outer(name: str, t: torch.Tensor, template: TrainState) -> None:
+    """`_checked`'s checks of one outer tensor: its shape, finite values."""
+    if name in template.params and t.shape != template.params[name].shape:
+        raise CheckpointError(f"outer/{name}: shape {tuple(t.shape)} does not match")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{name} has NaN or Inf values")
 
 
 def _metadata(data: bytes) -> dict[str, object]:

@@ -47,6 +47,7 @@ from safetensors.torch import save as st_save
 from covey.algorithms.base import Strategy, TrainState
 from covey.algorithms.codecs import Codec, CodecError
 from covey.config import TrustConfig
+from covey.memory import all_finite
 from covey.trust.sketch import (
     BUCKETS,
     HEX64,
@@ -154,7 +155,9 @@ class Reexecution:
     states: Mapping[int, dict[str, torch.Tensor]]
     steps: int
     commit_every: int
-    end: Commitment | None = None  # H3: the local state after make_contribution (step = steps)
+    # H3: the local state after make_contribution (step = steps); None when the strategy
+    # carries no local state (no end state is committed)
+    end: Commitment | None = None
 
 
 class SpilledStates(Mapping[int, dict[str, torch.Tensor]]):
@@ -218,7 +221,8 @@ def reexecute(
     """Train a round from `start_state` exactly as a worker does (begin_round from
     `previous_end`/`previous_accepted`, the worker's committed end state of its previous
     round (None: a fresh start), `steps` inner steps on batch_fn(0..steps-1),
-    make_contribution) and commit every k steps; `end` commits to the state after it.
+    make_contribution) and commit every k steps; `end` commits to the state after it
+    (None for a strategy that carries no local state: its rounds commit no end state).
 
     `strategy` is the validator's own instance; its local state is overwritten. The
     states of `keep_states` are kept in memory, or with `spill_dir` on disk there
@@ -254,8 +258,15 @@ def reexecute(
         committer.after_step(done)
         if done % commit_every == 0 and done < steps and done // commit_every in keep:
             kept(done // commit_every)
+    # what encoding does not read is let go first, as a worker does (issue 13.3): the
+    # gradients, and the inner optimizer of a strategy that carries nothing into its next
+    # round, whose end state nobody commits (covey.coordinator.intake refuses one)
+    carries = strategy.carries_local_state
+    strategy.free_round_memory(optimizer=not carries)
     payload = strategy.make_contribution().payload
-    end = commitment_of(strategy.local_state(copy=False), start_state.params, steps)
+    end = None
+    if carries:
+        end = commitment_of(strategy.local_state(copy=False), start_state.params, steps)
     return Reexecution(payload, committer.commitments, states, steps, commit_every, end)
 
 
@@ -327,7 +338,7 @@ def _structure_fault(
         vector = codec.decode(payload, numel)
     except CodecError as e:
         return f"payload rejected: {e}"
-    if not bool(torch.isfinite(vector).all()):
+    if not all_finite(vector):
         return "payload decodes to NaN or Inf values"
     return None
 
@@ -395,8 +406,10 @@ def compare(
         )
     ):
         return Verdict(True, True, 0.0, None, "bit-identical", (0.0,) * (n + 1))
+    # each side widened to float64 as `distance` widens it, its float32 decoding let go at
+    # once: both decodings were held next to both widenings (issue 13.3); the same values
     payload_distance = distance(
-        codec.decode(claimed_payload, numel), codec.decode(mine.payload, numel)
+        codec.decode(claimed_payload, numel).double(), codec.decode(mine.payload, numel).double()
     )
     if claimed_end is not None and mine.end is not None:
         payload_distance = max(payload_distance, commitment_distance(claimed_end, mine.end))
