@@ -66,6 +66,7 @@ class Validator:
         self.validator_id = self.identity.peer_id
         self.name = opts.name or f"validator-{self.validator_id[:8]}"
         self.stop = threading.Event()
+        self._reexecuting: int | None = None  # the task id while re-executing it
         self.client = CoordinatorClient(
             opts.coordinator, lost_s=opts.connect_timeout_s, stop=self.stop, identity=self.identity
         )
@@ -124,6 +125,9 @@ class Validator:
                     continue
                 self.check(schemas.VerifyTask.model_validate(reply["task"]))
             return 0
+        except Stopping as e:
+            log.info("[%s] %s", self.name, e)
+            return 0
         except (CoordinatorLost, PeerRejected, RuntimeError) as e:
             if isinstance(e, PeerRejected) and e.status == 410:
                 log.warning(
@@ -162,6 +166,12 @@ class Validator:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("[%s] %s: stopping", self.name, signal.Signals(signum).name)
         self.stop.set()
+        if self._reexecuting is not None:  # minutes of CPU at 124M: not finished first
+            task, self._reexecuting = self._reexecuting, None
+            raise Stopping(
+                f"stopped in the re-execution of task {task}: the coordinator gives it to "
+                f"another validator once its deadline passes"
+            )
 
     def check(self, task: schemas.VerifyTask) -> None:
         """Re-execute one task and report the outcome (uploading the evidence of a
@@ -199,18 +209,24 @@ class Validator:
         t0 = time.perf_counter()
         points = len(verify.commitment_steps(task.inner_steps, k))
         claimed_end = local.pop("claimed_end")
-        mine = verify.reexecute(
-            self.strategy,
-            start,
-            self._batch_fn(task),
-            task.inner_steps,
-            k,
-            range(points),
-            previous_end=local.pop("previous_end"),
-            previous_accepted=task.previous_accepted,
-            spill_dir=spill,
-            consume_previous_end=True,
-        )
+        self._reexecuting = task.task_id  # a stop signal cuts it short (`_on_signal`)
+        try:
+            if self.stop.is_set():
+                raise Stopping(f"stopped before the re-execution of task {task.task_id}")
+            mine = verify.reexecute(
+                self.strategy,
+                start,
+                self._batch_fn(task),
+                task.inner_steps,
+                k,
+                range(points),
+                previous_end=local.pop("previous_end"),
+                previous_accepted=task.previous_accepted,
+                spill_dir=spill,
+                consume_previous_end=True,
+            )
+        finally:
+            self._reexecuting = None
         # the gradients, the inner moments (3 model sizes) and the strategy's hold on the
         # start weights are not needed to compare; the next begin_round resets them anyway
         self.strategy.free_round_memory(optimizer=True, start=True)
@@ -331,6 +347,12 @@ class Validator:
 
     def _batch_fn(self, task: schemas.VerifyTask) -> Any:
         return assignment_batches(self.cfg, self.corpus, self.seq_len, task.round, task.data_key)
+
+
+class Stopping(BaseException):
+    """A stop signal in the middle of a re-execution: the validator leaves the task (it
+    reports nothing for it) and exits cleanly. A BaseException, so that no `except
+    Exception` on the way out of the re-execution takes it for a failed check."""
 
 
 def _claimed(raw: list[dict[str, Any]]) -> list[verify.Commitment]:
