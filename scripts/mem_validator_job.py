@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_bytes=cfg.limits.chunk_bytes, max_bytes=cfg.limits.max_blob_bytes,
         )  # fmt: skip
         v.client, v._state, v.done, v.compute_s = Reports(), None, 0, 0.0
+        v.stop, v._reexecuting = threading.Event(), None
         v._batch_fn = lambda task: _batches(task.round)  # type: ignore[method-assign]
         gc.collect()
         phases = Phases(rss_mib()["VmRSS"], mib)
