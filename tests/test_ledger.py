@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from covey.config import TrustConfig
 from covey.trust import audit
-from covey.trust.certify import canary_message
+from covey.trust.certify import canary_message, draw_value, sample
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book, Policy
 from covey.trust.ledger import (
@@ -56,7 +56,7 @@ class Run:
     """A coordinator's side of a ledger: a SQLite file in `dir`, entries appended the way the
     coordinator does (append + Book.apply in one transaction, rolled back on error)."""
 
-    def __init__(self, dir: Path, policy: Policy = POLICY) -> None:
+    def __init__(self, dir: Path, policy: Policy = POLICY, **created: Any) -> None:
         self.dir = dir
         self.coord = Identity.generate()
         self.conn = sqlite3.connect(dir / audit.DB_FILE, isolation_level=None)
@@ -73,6 +73,7 @@ class Run:
             spec={"model": {"size": "nano"}, "lr": 1e-05},
             coordinator_key=self.coord.public_key,
             policy=policy.to_dict(),
+            **created,
         )
 
     def add(self, type: str, apply: bool = True, **payload: Any) -> Entry:
@@ -804,3 +805,60 @@ def test_cli_show_and_export(tmp_path: Path, cli: Callable[..., Any]) -> None:
     )
     assert cli("verify", out).exit_code == 0
     assert cli("export", tmp_path, "--out", tmp_path / "x.txt").exit_code == 2
+
+
+def test_a_training_runs_sampling_draws_are_checked(tmp_path: Path) -> None:
+    """A training coordinator's ledger (its "run created" names the corpus fingerprint):
+    each accepted contribution's draw must be the coordinator's signature of its cid,
+    `sampled` must follow from the draw and the rate, and the rate must be one the policy
+    gives the peer; a ledger that leaves a contribution unchecked otherwise fails."""
+    run = Run(tmp_path, corpus_fingerprint="f" * 16)
+    w, other = run.join("w"), Identity.generate()
+
+    def accept(round: int, peer: str, cid: str, rate: float, **override: Any) -> Entry:
+        sampled, draw = sample(run.coord, "r" * 16, round, peer, cid, rate)
+        payload = {"round": round, "peer_id": peer, "cid": cid, "tokens": 64,
+                   "inner_steps": 50, "sampled": sampled, "rate": rate, "draw": draw,
+                   "request_id": "q" * 64, "nonce": "1700000000000-00112233aabbccdd",
+                   "signature": "5" * 128, **override}  # fmt: skip
+        return run.add("contribution accepted", **payload)
+
+    def cid_drawn(round: int, peer: str, below: bool) -> str:
+        """A cid whose draw at rate 0.25 falls below it (or not)."""
+        for n in itertools.count():
+            cid = f"{n:064x}"
+            if (draw_value(sample(run.coord, "r" * 16, round, peer, cid, 0.25)[1]) < 0.25) == below:
+                return cid
+        raise AssertionError  # unreachable
+
+    with pytest.raises(LedgerError, match=r"rate 0.25; the policy's are \[1.0\]"):
+        accept(0, w, "a" * 64, 0.25)  # a new peer is drawn at the new-peer rate
+    for r in (0, 1):  # new: every contribution drawn
+        assert accept(r, w, f"{r:064x}", 1.0).payload["sampled"]
+    bad = {
+        "says sampled=False": {"sampled": False},  # the draw says checked: it is not
+        "not the coordinator's signature": {"draw": other.sign(b"covey-sample/v1")},
+    }
+    for match, override in bad.items():
+        with pytest.raises(LedgerError, match=match):
+            accept(2, w, cid_drawn(2, w, True), 0.25, **override)
+    moved = sample(run.coord, "r" * 16, 2, w, "e" * 64, 0.25)[1]  # another cid's draw
+    with pytest.raises(LedgerError, match="not the coordinator's signature"):
+        accept(2, w, "d" * 64, 0.25, draw=moved)
+    with pytest.raises(LedgerError, match=r"rate 0.5; the policy's are \[0.25, 1.0\]"):
+        accept(2, w, "d" * 64, 0.5)
+    with pytest.raises(LedgerError, match=r"rate 0\.0; the run's others were drawn at the policy"):
+        accept(2, w, "d" * 64, 0.0)  # a friend left unchecked while the others are drawn
+    assert not accept(2, w, cid_drawn(2, w, False), 0.25).payload["sampled"]
+    assert accept(3, w, cid_drawn(3, w, True), 0.25).payload["sampled"]
+    assert accept(4, w, cid_drawn(4, w, False), 1.0).payload["sampled"]  # low reputation
+    assert Book.replay(run.entries()).summary() == run.book.summary()
+    # a run nobody re-executes: every contribution at rate 0, none sampled
+    (tmp_path / "quiet").mkdir()
+    quiet = Run(tmp_path / "quiet", corpus_fingerprint="f" * 16)
+    q = quiet.join("q")
+    sampled, draw = sample(quiet.coord, "r" * 16, 0, q, "a" * 64, 0.0)
+    quiet.add("contribution accepted", round=0, peer_id=q, cid="a" * 64, tokens=64,
+              inner_steps=50, sampled=sampled, rate=0.0, draw=draw, request_id="q" * 64,
+              nonce="1700000000000-00112233aabbccdd", signature="5" * 128)  # fmt: skip
+    assert not sampled and quiet.book.accounts[q].contributions == 1

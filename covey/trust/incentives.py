@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from covey.trust import halt
+from covey.trust.certify import check_draw, draw_value
 from covey.trust.draws import Draws
 from covey.trust.entry_schemas import SCHEMAS, check_payload
 from covey.trust.identity import IdentityError, peer_id_of
@@ -68,6 +69,11 @@ class Book(Draws):
         self._done: dict[tuple[int, str], int] = {}  # completed checks
         self._load: dict[tuple[int, str], int] = {}  # (round, validator) -> assigned
         self._canaries: set[tuple[int, str]] = set()  # (round, validator) resolved
+        # a training coordinator's run (its "run created" names the corpus fingerprint)
+        # signs each contribution's sampling draw; None: no contribution seen yet, True:
+        # one was accepted at rate 0 (a run whose contributions nobody re-executes)
+        self._signed_draws = False
+        self._unchecked_run: bool | None = None
 
     @classmethod
     def replay(cls, entries: Iterable[Entry]) -> Book:
@@ -195,6 +201,7 @@ class Book(Draws):
             raise LedgerError(i, f"run created: {e}") from None
         self.run_id, self.coordinator_key = p["run_id"], p["coordinator_key"]
         self.owner_key = halt.owner_of(p["spec"], p["coordinator_key"])
+        self._signed_draws = "corpus_fingerprint" in p  # RL and SWARM draw otherwise
 
     def _join(self, i: int, p: dict[str, Any]) -> None:
         peer_id, key = p["peer_id"], p["public_key"]
@@ -237,6 +244,8 @@ class Book(Draws):
                 f"contribution accepted: peer {acc.peer_id} has stake {acc.stake}, below "
                 f"min_stake {self._policy().min_stake}",
             )
+        if self._signed_draws:
+            self._check_sampling(i, p, acc)
         if p["sampled"]:  # new or low-reputation peers need k checks, the others one
             policy = self._policy()
             new = acc.contributions < policy.new_peer_contributions
@@ -244,6 +253,33 @@ class Book(Draws):
             self._required[key] = policy.validators_per_check if new or low else 1
         self._accepted[key] = p["tokens"]
         acc.contributions += 1
+
+    def _check_sampling(self, i: int, p: dict[str, Any], acc: Account) -> None:
+        """A training run's sampling draw: the coordinator's signature over (run, round,
+        peer, cid), `sampled` exactly when it falls below `rate`, and a rate the policy
+        gives this peer: the new-peer rate while it is new, else the new-peer or the base
+        rate (which of the two turns on its reputation when the contribution was taken in,
+        before this entry: not pinned here), or 0 throughout a run nobody re-executes."""
+        where = f"contribution accepted: peer {p['peer_id']}'s round-{p['round']} draw"
+        key, run_id = self.coordinator_key or "", self.run_id or ""
+        if not check_draw(key, run_id, p["round"], p["peer_id"], p["cid"], p["draw"]):
+            raise LedgerError(i, f"{where} is not the coordinator's signature of its cid")
+        policy, rate = self._policy(), p["rate"]
+        new = acc.contributions < policy.new_peer_contributions
+        rates = {policy.new_peer_rate} if new else {policy.new_peer_rate, policy.sample_rate}
+        unchecked = rate == 0 and rate not in rates
+        if rate not in rates and not unchecked:
+            raise LedgerError(i, f"{where} is at rate {rate}; the policy's are {sorted(rates)}")
+        if self._unchecked_run is not None and self._unchecked_run != unchecked:
+            others = "all at rate 0" if self._unchecked_run else "drawn at the policy's rates"
+            raise LedgerError(i, f"{where} is at rate {rate}; the run's others were {others}")
+        self._unchecked_run = unchecked
+        if p["sampled"] != (draw_value(p["draw"]) < rate):
+            raise LedgerError(
+                i,
+                f"{where} says sampled={p['sampled']}, but {draw_value(p['draw']):.3g} "
+                f"against rate {rate} says otherwise",
+            )
 
     def _contribution_rejected(self, i: int, p: dict[str, Any]) -> None:
         acc = self._peer(i, p)
