@@ -265,7 +265,7 @@ def bench_comms(
         bool,
         typer.Option(
             help="after a shared DDP warm-up, every method for the same tokens, 2 seeds, "
-            "warmup + cosine variants (the DiLoCo paper's regime; ~29 min on 2 cores, "
+            "warmup + cosine variants (the DiLoCo paper's regime; ~23 min on 2 cores, "
             "two at a time)"
         ),
     ] = False,
