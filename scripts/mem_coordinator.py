@@ -51,7 +51,7 @@ WIDTH, VOCAB, POSITIONS = 512, 512, 128
 SCRIPTS_OWN = "(this script makes and stores 2 payloads)"  # not the coordinator's memory
 
 
-def _hf_dir(mparams: float, folder: Path) -> Path:
+def gpt2_dir(mparams: float, folder: Path) -> Path:
     """A GPT-2 shaped config.json of about `mparams` million parameters (width 512)."""
     per_layer = 12 * WIDTH * WIDTH + 13 * WIDTH
     layers = max(1, round((mparams * 1e6 - (VOCAB + POSITIONS) * WIDTH) / per_layer))
@@ -73,7 +73,7 @@ def _warm_imports(folder: Path) -> None:
     then count in the baseline, not in the coordinator's start-up."""
     from covey.models.hf import build_hf_model
 
-    config = json.loads((_hf_dir(1, folder) / "config.json").read_text())
+    config = json.loads((gpt2_dir(1, folder) / "config.json").read_text())
     config.update(n_layer=1, n_embd=64, n_head=2)
     (folder / "config.json").write_text(json.dumps(config))
     build_hf_model(str(folder), 0, pretrained=False)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        model = args.model or f"hf:{_hf_dir(args.mparams, tmp / 'model')}"
+        model = args.model or f"hf:{gpt2_dir(args.mparams, tmp / 'model')}"
         spec = demo_spec("diloco", model=model, workers=2, rounds=args.rounds + 1,
                          inner_steps=2, batch_size=2, seq_len=64,
                          data=(str(_corpus(tmp / "corpus.txt")),))  # fmt: skip

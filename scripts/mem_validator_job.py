@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from mem_coordinator import VOCAB, gpt2_dir  # this folder: python puts it on sys.path
 
 from covey.algorithms import build_aggregator, build_strategy
 from covey.algorithms.diloco import outer_step
@@ -50,31 +51,12 @@ from covey.protocol import schemas
 from covey.protocol.checkpoint import state_to_file
 from covey.trust import verify
 
-WIDTH, VOCAB, POSITIONS = 512, 512, 128
 SERVE = (
     "import sys; from pathlib import Path; from covey.blobs import BlobStore; "
     "from covey.blobs.server import BlobServer; "
     "s = BlobServer(BlobStore(Path(sys.argv[1]))); print(s.start(), flush=True); "
     "sys.stdin.read()"
 )
-
-
-def _hf_dir(mparams: float, folder: Path) -> Path:
-    """A GPT-2 shaped config.json of about `mparams` million parameters (width 512), as
-    scripts/mem_coordinator.py makes."""
-    per_layer = 12 * WIDTH * WIDTH + 13 * WIDTH
-    layers = max(1, round((mparams * 1e6 - (VOCAB + POSITIONS) * WIDTH) / per_layer))
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB,
-        "n_positions": POSITIONS, "n_ctx": POSITIONS, "n_embd": WIDTH, "n_layer": layers,
-        "n_head": 8, "activation_function": "gelu_new", "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0, "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02, "tie_word_embeddings": True,
-        "bos_token_id": VOCAB - 1, "eos_token_id": VOCAB - 1,
-    }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def _batches(round_: int) -> Callable[[int], torch.Tensor]:
@@ -140,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the demo's validator: --threads 1
     work = Path(tempfile.mkdtemp(prefix="covey-mem-validator-"))
     spec = demo_spec(
-        "diloco", model=f"hf:{_hf_dir(args.mparams, work / 'model')}", workers=2,
+        "diloco", model=f"hf:{gpt2_dir(args.mparams, work / 'model')}", workers=2,
         inner_steps=2, batch_size=2, seq_len=64,
     )  # fmt: skip
     spec["algorithm"]["inner_state"] = args.inner_state

@@ -12,6 +12,7 @@ import mmap
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -111,6 +112,17 @@ def test_a_rounds_update_holds_one_contribution_not_two(tmp_path: Path) -> None:
     assert peak < 3.9, f"apply_round peaked {peak:.2f} model sizes above its start"
 
 
+def _script_json(name: str, *args: str) -> dict[str, Any]:
+    """Run scripts/`name` with `args` and --json in a fresh process -> its last line."""
+    script = Path(__file__).parents[1] / "scripts" / name
+    out = subprocess.run(
+        [sys.executable, str(script), *args, "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @linux
 def test_a_workers_round_holds_model_optimizer_and_one_contribution() -> None:
     """A real worker's DiLoCo round (scripts/mem_worker.py: Worker._begin_round, the side
@@ -120,13 +132,7 @@ def test_a_workers_round_holds_model_optimizer_and_one_contribution() -> None:
     gradients and AdamW moments through the update, the payload held while applying, the
     new state next to the old); now the moments and gradients (3) and the start weights
     (1) while training, the momentum read from the served state file: measured 5.4."""
-    script = Path(__file__).parents[1] / "scripts" / "mem_worker.py"
-    out = subprocess.run(
-        [sys.executable, str(script), "--mparams", "8", "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _script_json("mem_worker.py", "--mparams", "8")
     assert got["matched"], "the worker's weights differ from the same round's dry run"
     assert got["round_peak"] < 7.0, got["phases"]
     assert got["phases"]["commit step 0"] < 1.5, "step 0's commitment copied the state"
@@ -141,13 +147,7 @@ def test_a_coordinators_round_holds_one_copy_of_the_model_and_the_weights() -> N
     momentum) and peaked at 9.3 (intake; the close 8.7: the old state next to the new);
     now the model, the weights and ~0.5 of torch's and the run's own: measured 2.6
     held, 5.3 at the peak, with the same weights hash as before."""
-    script = Path(__file__).parents[1] / "scripts" / "mem_coordinator.py"
-    out = subprocess.run(
-        [sys.executable, str(script), "--mparams", "12", "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _script_json("mem_coordinator.py", "--mparams", "12")
     assert got["resumed"], "a restarted coordinator holds another state"
     assert got["held"]["held after round 1"] < 3.3, got["held"]
     assert got["round_peak"] < 6.2, got["phases"]
@@ -245,13 +245,7 @@ def test_a_validators_job_holds_one_copy_of_the_start_and_no_payload_while_train
     through the comparison, the old start next to the new one) and 5.0 were held between
     jobs; measured after: 4.3 at the inner steps and the comparison, 0.9 held (the start's
     weights)."""
-    script = Path(__file__).parents[1] / "scripts" / "mem_validator_job.py"
-    out = subprocess.run(
-        [sys.executable, str(script), "--mparams", "8", "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _script_json("mem_validator_job.py", "--mparams", "8")
     assert got["agreed"] and all(v["exact"] for v in got["verdicts"]), got["verdicts"]
     phases = got["phases"]
     assert phases["held after job 2"] < 1.6, phases
