@@ -238,10 +238,10 @@ def run_sim(
     return result.records, result.summary
 
 
-# Relative cost of a method per inner step on CPU (session 7's --long run: DeMo's per-step
-# DCT made demo-1d 3.1x and demo-2d 2.4x a DiLoCo run's wall time): the longest go first
-# so the last to start is a short one.
-_COST = {"demo": 3.0}
+# Relative cost of a method per inner step on CPU (DeMo's per-step DCT: demo-1d and demo-2d
+# took 1.9x a DiLoCo run's wall time in session 8's --long run, 3.1x and 2.4x before the
+# faster decode): the longest go first so the last to start is a short one.
+_COST = {"demo": 2.0}
 
 
 def _run_side_by_side(
