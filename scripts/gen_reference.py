@@ -112,7 +112,11 @@ def _constraints(field: FieldInfo) -> str:
 
 def _doc(model: type[BaseModel]) -> str:
     doc = model.__doc__ or ""
-    if not doc or doc == BaseModel.__doc__ or model.__doc__ is getattr(model.__base__, "__doc__", None):
+    if (
+        not doc
+        or doc == BaseModel.__doc__
+        or model.__doc__ is getattr(model.__base__, "__doc__", None)
+    ):
         return ""
     return " ".join(doc.split())
 
@@ -144,7 +148,9 @@ def _table(model: type[BaseModel], key: str, out: list[str], seen: set[tuple[str
     out.append("| key | type | default | constraints | description |")
     out.append("|---|---|---|---|---|")
     for name, kind, default, limits, text in rows:
-        out.append(f"| `{name}` | {_cell(kind)} | {_cell(default)} | {_cell(limits)} | {_cell(text)} |")
+        out.append(
+            f"| `{name}` | {_cell(kind)} | {_cell(default)} | {_cell(limits)} | {_cell(text)} |"
+        )
     out.append("")
     for sub, sub_key in subs:
         _table(sub, sub_key, out, seen)

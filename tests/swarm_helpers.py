@@ -16,10 +16,17 @@ SETTINGS: dict[str, Any] = {
 }  # fmt: skip
 
 
+def corpus_text() -> str:
+    """The run's training text: the documentation pages (docs/*.md) in name order, some
+    170 KB of real English and code that every checkout has."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    return "".join(p.read_text() for p in sorted(docs.glob("*.md")))
+
+
 def four_servers(work: Path, settings: dict[str, Any]) -> Iterator[Swarm]:
     """A coordinator and four fast stage servers, ready; closed when the caller is done."""
     data = work / "data.txt"
-    data.write_text((Path(__file__).resolve().parents[1] / "README.md").read_text() * 2)
+    data.write_text(corpus_text() * 2)
     s = Swarm(work, {**settings, "data_paths": [str(data)]})
     try:
         s.start_coordinator()
