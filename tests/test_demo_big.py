@@ -1,5 +1,5 @@
 """`covey demo` sized for a big model: the spec its flags make, and the peak RSS it records.
-(The 124M run itself is a benchmark: BENCHMARKS.md, "124M end to end".)"""
+(The 124M run itself is a benchmark: docs/benchmarks/2026-11-23.md, "124M end to end".)"""
 
 from __future__ import annotations
 

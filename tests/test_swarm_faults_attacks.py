@@ -1,6 +1,7 @@
 """Attack review of the swarm coordinator's averaging and dispute request bodies: per field,
 what a dishonest server or trainer would put there, and a test per hole found (each was
-open before; see README, SWARM "Attacks"). In-process coordinator, real signatures."""
+open before; see docs/swarm.md, "Attacks, field by field"). In-process coordinator, real
+signatures."""
 
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def test_a_server_moved_to_another_stage_is_no_voter_of_its_old_one() -> None:
     reported to its last round; one the rebalancer moved to another stage is not one of
     them any more. It was: the two servers left could not agree on their state, so it was
     never agreed, and trainers refused their replies at every switch-over after it (the
-    bench's homogeneous runs at 0.90x; BENCHMARKS.md, SWARM, session 5)."""
+    bench's homogeneous runs at 0.90x; docs/benchmarks/2026-11-26.md, SWARM)."""
     avg = Averaging(2, target_samples=1000, round_timeout_s=10.0)
     book = avg.stages[0]
     book.last = AvgRound(0, 0, 0, ["a", "b", "c"], 0.0, status="committed")

@@ -102,7 +102,7 @@ def cheaters(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[A
     behaviors = CAUGHT_BY_REEXECUTION if request.param == "re-execution" else REFUSED_AT_INTAKE
     # rounds wait for 4 workers: a round that is one cheater's alone (a x100 update as the
     # first certificate) wrecks the model, after which honest and cheating work alike are
-    # numerically unstable and the referee can convict nobody (README, "Robust
+    # numerically unstable and the referee can convict nobody (docs/trust.md, "Robust
     # aggregation": runs that expect cheaters set min_peers >= 3)
     cluster = LocalCluster(spec(tmp_path, "min_peers = 4"), tmp_path)
     try:
