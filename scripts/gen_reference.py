@@ -37,11 +37,29 @@ ENTRY_POINT = "covey.cli:main"  # pyproject.toml's [project.scripts] covey
 # --- configuration ------------------------------------------------------------------------
 
 
+_NOTE = r"(?:\.\./shared/DESIGN\.md|issues? \d+)"
+
+
+def _plain(text: str) -> str:
+    """`text` without the notes the code's help carries about where a thing was asked for
+    (work items, design notes outside the repository): the reference says what things are."""
+    text = re.sub(_NOTE + r"[^;()]*;\s*", "", text)
+    return re.sub(r"\s*\(" + _NOTE + r"[^()]*\)", "", text)
+
+
 def _cell(text: str) -> str:
     """`text` made safe for one cell of a Markdown table (and `<x>` outside code spans
     shown, not taken for HTML)."""
-    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    parts = " ".join(_plain(text).split()).replace("|", "\\|").split("`")
     return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
+
+
+def _resolve(annotation: Any, owner: type[BaseModel]) -> Any:
+    """`annotation` with a forward reference (a model defined further down its module)
+    looked up in the module of the model that holds the field."""
+    if isinstance(annotation, typing.ForwardRef):
+        return vars(sys.modules[owner.__module__])[annotation.__forward_arg__]
+    return annotation
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
@@ -118,7 +136,7 @@ def _doc(model: type[BaseModel]) -> str:
         or model.__doc__ is getattr(model.__base__, "__doc__", None)
     ):
         return ""
-    return " ".join(doc.split())
+    return " ".join(_plain(doc).split())
 
 
 def _table(model: type[BaseModel], key: str, out: list[str], seen: set[tuple[str, str]]) -> None:
@@ -127,12 +145,16 @@ def _table(model: type[BaseModel], key: str, out: list[str], seen: set[tuple[str
         return
     seen.add((key, model.__name__))
     title = f"`[{key}]`" if key else "top level"
+    method = model.model_fields.get("method")
+    if key and method is not None and typing.get_origin(method.annotation) is typing.Literal:
+        title += f' with `method = "{typing.get_args(method.annotation)[0]}"`'  # a union member
     out.append(f"### {title}: {model.__name__}\n")
     if doc := _doc(model):
         out.append(doc + "\n")
     rows, subs = [], []
     for name, field in model.model_fields.items():
-        models = _models_in(field.annotation)
+        annotation = _resolve(field.annotation, model)
+        models = _models_in(annotation)
         sub_key = f"{key}.{name}" if key else name
         if models:
             if len(models) == 1:
@@ -143,7 +165,7 @@ def _table(model: type[BaseModel], key: str, out: list[str], seen: set[tuple[str
                 kind = "table `[" + sub_key + "]`, one of " + ", ".join(m.__name__ for m in models)
             rows.append((name, kind, "", "", field.description or ""))
             continue
-        rows.append((name, _type_name(field.annotation), _default(field), _constraints(field),
+        rows.append((name, _type_name(annotation), _default(field), _constraints(field),
                      field.description or ""))  # fmt: skip
     out.append("| key | type | default | constraints | description |")
     out.append("|---|---|---|---|---|")
@@ -173,8 +195,8 @@ def config_reference() -> str:
          "A networked training run. Its hash, with the data's fingerprint, is the run id."),
         (SimConfig, "Simulation spec: `covey sim spec.toml`",
          "An in-process simulation; flags of `covey sim` override the file."),
-        (SwarmConfig, "SWARM spec: `covey swarm coordinator --spec spec.toml`",
-         "A SWARM pipeline run."),
+        (SwarmConfig, "SWARM spec: `covey swarm coordinator --set KEY=VALUE`",
+         "A SWARM pipeline run; each `--set` sets one field, and its hash is the run id."),
     ]  # fmt: skip
     for model, title, text in specs:
         out.append(f"## {title}\n")
@@ -202,7 +224,7 @@ def typer_app() -> Any:
 
 def _help(text: str | None) -> str:
     """A command's help as Markdown paragraphs (`<x>` outside code spans shown as text)."""
-    lines = (text or "").strip().replace("\b\n", "").split("`")
+    lines = _plain((text or "").strip().replace("\b\n", "")).split("`")
     return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(lines))
 
 
