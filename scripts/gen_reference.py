@@ -209,17 +209,21 @@ def config_reference() -> str:
 
 
 def typer_app() -> Any:
-    """The typer app behind the `covey` entry point: the module that defines `main`
-    holds it (whether covey.cli is one module or a package)."""
+    """The typer app behind the `covey` entry point: the one the module of `main` holds
+    (covey.cli as one module, or the package module that defines `main`), else the first
+    the entry point's own module holds."""
     import typer
 
-    module = importlib.import_module(ENTRY_POINT.split(":")[0])
-    if isinstance(getattr(module, "app", None), typer.Typer):
-        return module.app
-    apps = [v for v in vars(module).values() if isinstance(v, typer.Typer)]
-    if not apps:
-        raise SystemExit(f"no typer app in {module.__name__}")
-    return apps[0]
+    module_name, func_name = ENTRY_POINT.split(":")
+    module = importlib.import_module(module_name)
+    main = getattr(module, func_name)
+    for namespace in (getattr(main, "__globals__", {}), vars(module)):
+        if isinstance(namespace.get("app"), typer.Typer):
+            return namespace["app"]
+        apps = [v for v in namespace.values() if isinstance(v, typer.Typer)]
+        if apps:
+            return apps[0]
+    raise SystemExit(f"no typer app next to {ENTRY_POINT}")
 
 
 def _help(text: str | None) -> str:
