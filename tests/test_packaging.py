@@ -1,5 +1,7 @@
 """Packaging: version, license, extras a worker can leave out, the built wheel's contents,
-the README's links, and the Dockerfile + compose.yaml (built where a docker engine runs)."""
+the sdist and wheel built offline and the wheel installed in a fresh venv running `covey`,
+the README's links, and the Dockerfile + compose.yaml (built where a docker engine runs).
+Python 3.10: tests/test_python310.py."""
 
 from __future__ import annotations
 
