@@ -1,12 +1,18 @@
 """Packaging: version, license, extras a worker can leave out, the built wheel's contents,
-the README's links, and the Dockerfile + compose.yaml (built where a docker engine runs)."""
+the sdist and wheel built offline and the wheel installed in a fresh venv running `covey`,
+the README's links, and the Dockerfile + compose.yaml (built where a docker engine runs).
+Python 3.10: tests/test_python310.py."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tarfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -56,7 +62,9 @@ def test_a_worker_installs_no_plotting_tracking_or_crosscheck_packages() -> None
     assert names(extras["crosscheck"]) == {"torchft"}
     assert names(extras["tensorboard"]) == {"tensorboard"}
     assert names(extras["wandb"]) == {"wandb"}
-    assert {"matplotlib", "torchft", "tensorboard", "pytest", "ruff"} <= names(extras["test"])
+    assert {"matplotlib", "torchft", "tensorboard", "pytest", "ruff", "build"} <= names(
+        extras["test"]
+    )
 
 
 def test_worker_and_coordinator_import_without_matplotlib() -> None:
@@ -166,15 +174,22 @@ def test_compose_starts_a_coordinator_and_two_workers_of_the_dockerfile_image() 
     assert 'ENTRYPOINT ["covey"]' in dockerfile and "USER covey" in dockerfile
 
 
-def _docker_engine() -> bool:
+def _docker_engine() -> str | None:
+    """Why the image cannot be built here, or None where a docker engine answers."""
     if shutil.which("docker") is None:
-        return False
-    probe = subprocess.run(["docker", "info"], capture_output=True, timeout=30)
-    return probe.returncode == 0
+        return "no `docker` command on PATH: the image build needs a docker engine"
+    probe = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"`docker info` finds no running docker engine ({last})"
+    return None
+
+
+NO_DOCKER = _docker_engine()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _docker_engine(), reason="no docker engine here")
+@pytest.mark.skipif(NO_DOCKER is not None, reason=str(NO_DOCKER))
 def test_the_image_builds_and_runs_covey() -> None:
     build = subprocess.run(
         ["docker", "build", "-t", "covey:test", str(ROOT)],
@@ -186,3 +201,80 @@ def test_the_image_builds_and_runs_covey() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0 and run.stdout.strip() == f"covey {covey.__version__}"
+
+
+def _copy_source(dest: Path) -> Path:
+    """What a source release is built from: the package, pyproject, README and LICENSE (a
+    copy: the shared checkout gets no build/ or egg-info folder)."""
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, dest / name)
+    shutil.copytree(ROOT / "covey", dest / "covey", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def _offline_env() -> dict[str, str]:
+    """This environment without PYTHONPATH (the checkout must not be importable) and with
+    pip kept off every index."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return {**env, "PIP_NO_INDEX": "1", "PIP_NO_INPUT": "1"}
+
+
+def _run(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(
+        [str(a) for a in args], cwd=cwd, env=_offline_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert r.returncode == 0, f"{' '.join(map(str, args))}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.mark.slow
+def test_the_built_wheel_installs_in_a_fresh_venv_and_runs_covey(tmp_path: Path) -> None:
+    """`python -m build` makes the sdist and, from the sdist, the wheel (so the sdist holds
+    what a build needs), without isolation: the build requirements come from this venv and
+    nothing is downloaded. The wheel goes into a new venv with no index; that venv borrows
+    only the third-party dependencies (torch, pydantic, ...) from this one through a .pth
+    file, written after the install so pip never sees the editable covey. Its `covey`
+    then runs from a folder outside the checkout."""
+    src = _copy_source(tmp_path / "src")
+    dist = tmp_path / "dist"
+    _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, src, cwd=tmp_path)
+    (sdist,) = dist.glob("covey-*.tar.gz")
+    (wheel,) = dist.glob("covey-*.whl")
+    with tarfile.open(sdist) as tar:
+        members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "PKG-INFO", "covey/cli.py"):
+        assert needed in members, needed
+    static = {p.relative_to(ROOT).as_posix() for p in (ROOT / "covey/dashboard/static").iterdir()}
+    assert static and static <= members, static - members
+
+    venv = tmp_path / "fresh"
+    _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
+    python = venv / "bin" / "python"
+    _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
+         "--no-cache-dir", "-q", wheel, cwd=tmp_path)  # fmt: skip
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    fresh_site = Path(_run(python, "-c", purelib, cwd=tmp_path).stdout.strip())
+    deps_site = Path(sysconfig.get_path("purelib"))
+    assert fresh_site != deps_site
+    (fresh_site / "covey_test_dependencies.pth").write_text(f"{deps_site}\n")
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    probe = (
+        "import sys, importlib.metadata as m, covey.cli, covey.sim.simulator\n"
+        "print(m.distribution('covey').locate_file('covey/cli.py'))\n"
+        "print(*(x.__file__ for n, x in sys.modules.items() if n.split('.')[0] == 'covey'))"
+    )
+    where = _run(python, "-c", probe, cwd=outside).stdout.split()
+    assert len(where) > 20, where
+    for path in where:
+        assert Path(path).resolve().is_relative_to(fresh_site.resolve()), path
+    covey_bin = venv / "bin" / "covey"
+    assert _run(covey_bin, "--version", cwd=outside).stdout.strip() == f"covey {covey.__version__}"
+    sim = _run(covey_bin, "sim", "--method", "diloco", "--workers", "2", "--steps", "1", "-H", "1",
+               "--no-progress", "--out", outside / "run", cwd=outside)  # fmt: skip
+    assert "covey sim: diloco, 2 workers, 1 rounds" in sim.stdout + sim.stderr
+    summary = json.loads((outside / "run" / "summary.json").read_text())
+    assert summary["method"] == "diloco"

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from covey.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
 
+from .apidocs import install as install_docs
 from .auth import ReceivedAt
 from .fastpaths import MAX_ROUND_WAIT_S, ClientGone, FastPaths, hold_round_poll, unless_gone
 from .limits import LongPolls, RateLimit, header_deadline_protocol
@@ -476,6 +477,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     # last added is outermost: it times and counts every request, 413s included
     app.add_middleware(HttpMetrics, metrics=metrics)
     document_api(app, coord.run_id)  # every status code each operation can answer
+    install_docs(app)  # /docs without a CDN
     return app
 
 

@@ -36,6 +36,8 @@ class RunModel:
     parameters: int
     eval_model: torch.nn.Module  # parameters without bytes: run it in borrowed_weights
     model_files_cid: str | None
+    name: str = ""  # for people (covey.models.naming), with `source`: the status page's
+    source: str = ""
 
 
 def build_model(cfg: RunConfig, corpus: Corpus, blobs: BlobStore) -> RunModel:
@@ -43,7 +45,7 @@ def build_model(cfg: RunConfig, corpus: Corpus, blobs: BlobStore) -> RunModel:
     tokenizer files are put on `blobs` so workers need no model files. Raises what
     covey.models.source raises for a spec it cannot build."""
     bound_heap()  # the coordinator's freed states go back to the kernel (covey.memory)
-    model, loss_fn, _, seq_len = build_run_model(
+    model, loss_fn, info, seq_len = build_run_model(
         cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=cfg.data.seq_len
     )
     apply_init(model, cfg.model.init)  # a covey checkpoint warm start: the round-0 state
@@ -60,4 +62,6 @@ def build_model(cfg: RunConfig, corpus: Corpus, blobs: BlobStore) -> RunModel:
         parameters=parameters,
         eval_model=weightless_copy(model),
         model_files_cid=model_files_cid,
+        name=info.name,
+        source=info.source,
     )

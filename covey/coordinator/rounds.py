@@ -95,6 +95,7 @@ class Rounds(Intake, Halting, Views):
         self.loss_fn = model.loss_fn
         self.seq_len = model.seq_len
         self.parameters = model.parameters
+        self.model_name, self.model_source = model.name, model.source
         self.model_files_cid = model.model_files_cid
         self._eval_model = model.eval_model
         self.verifying = verification.verifying

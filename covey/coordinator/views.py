@@ -128,6 +128,8 @@ class Views:
     state_cid: str
     state_hash: str
     parameters: int
+    model_name: str  # covey.models.naming, and the source it was built from
+    model_source: str
     corpus_fingerprint: str
     model_files_cid: str | None
     identity: Identity
@@ -406,6 +408,8 @@ class Views:
             "name": self.cfg.name,
             "method": self.cfg.algorithm.method,
             "model": self.cfg.model.size,
+            "model_name": self.model_name,
+            "model_source": self.model_source,
             "parameters": self.parameters,
             "round": rnd.round if rnd else self.state.round,
             "phase": phase,

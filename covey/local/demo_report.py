@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.local.cluster import LocalCluster
+from covey.models.naming import model_title
 from covey.sim.report import human_bytes, pyplot, write_json, write_jsonl
 
 
@@ -34,6 +35,8 @@ def write_demo_outputs(
         "run_id": status["run_id"],
         "algorithm": status["method"],
         "model": status["model"],
+        "model_name": status["model_name"],  # covey.models.naming
+        "model_source": status["model_source"],
         "parameters": status["parameters"],
         "minutes": round(minutes_trained, 2),  # from the first join to the end
         "interrupted": interrupted,
@@ -113,7 +116,7 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"{s['rounds_committed']} rounds committed in {s['minutes']:.1f} min "
-        f"({s['algorithm']}, {s['model']} GPT, {s['parameters']:,} parameters)"
+        f"({s['algorithm']}, {model_title(s['model_name'], s['model_source'], s['parameters'])})"
         + (", interrupted" if s["interrupted"] else ""),
         f"val loss         {val}",
         f"sent             {human_bytes(s['bytes_total'])} in contributions, "
@@ -175,8 +178,8 @@ def plot_demo(
         ax.grid(True, alpha=0.3)
     ax_loss.legend(fontsize=8)
     fig.suptitle(
-        f"covey demo: {status['method']}, {status['model']} GPT, run {status['run_id']}"
-        + (f", {len(kill_rounds)} kills" if kill_rounds else "")
+        f"covey demo: {status['method']}, {status['model_name']}, "
+        f"run {status['run_id']}" + (f", {len(kill_rounds)} kills" if kill_rounds else "")
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -23,6 +23,7 @@ from torch import nn
 
 from covey.models.gpt import GPT, GPT_SIZES, GPTConfig, gpt_config, lm_loss
 from covey.models.hf import ModelSourceError, build_hf_model, hf_lm_loss, max_positions
+from covey.models.naming import model_name
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -37,6 +38,11 @@ class ModelInfo:
     vocab_size: int | None  # rows of the input embedding; None if unknown (py: factories)
     max_positions: int | None  # longest context; None if the model has no fixed limit
     config: dict[str, Any] = field(default_factory=dict)  # GPTConfig or HF config as a dict
+
+    @property
+    def name(self) -> str:
+        """For people: `covey GPT nano (2 layers x 64)`, `GPT-2 (GPT2LMHeadModel, ...)`."""
+        return model_name(self.source, self.config)
 
 
 def parse_source(source: str) -> tuple[str, str]:

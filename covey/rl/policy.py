@@ -27,6 +27,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from covey.models.gpt import GPT, GPTConfig, gpt_config
+from covey.models.naming import gpt_preset, model_name
 from covey.rl import hf_policy
 from covey.rl.batch import byte_decode, byte_encode
 
@@ -54,6 +55,14 @@ def config_of(model_cfg: dict[str, Any]) -> GPTConfig | dict[str, Any]:
         return GPTConfig(**{k: int(v) for k, v in model_cfg.items()})
     except (TypeError, ValueError) as e:
         raise PolicyError(f"bad model config {model_cfg}: {e}") from None
+
+
+def policy_name(model_cfg: dict[str, Any]) -> str:
+    """The policy's name for people (covey.models.naming): `covey GPT nano (2 layers x 64)`
+    for a preset's shape, `GPT-2 (2 layers x 64)` for an HF descriptor's config."""
+    if hf_policy.is_hf(model_cfg):
+        return model_name("hf:", model_cfg.get("config") or {})
+    return model_name(f"covey:{gpt_preset(model_cfg) or 'custom'}", model_cfg)
 
 
 def build_policy(model_cfg: dict[str, Any]) -> torch.nn.Module:

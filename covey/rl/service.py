@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from covey.coordinator.apidocs import install as install_docs
 from covey.coordinator.app import BodyLimit
 from covey.coordinator.auth import ReceivedAt
 from covey.coordinator.views import Rejected
@@ -146,6 +147,7 @@ def create_app(trainer: Trainer) -> FastAPI:
 
     app.add_middleware(BodyLimit, json_limit=t.spec.max_batch_bytes, blob_limit=0)
     app.add_middleware(ReceivedAt)  # signatures are checked against the endpoint
+    install_docs(app)  # /docs without a CDN
     return app
 
 

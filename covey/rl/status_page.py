@@ -6,6 +6,7 @@ STATUS_HTML = """<!doctype html>
 table{border-collapse:collapse}td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:left}
 svg{border:1px solid #ccc;background:#fafafa}</style></head>
 <body><h1>covey rl <span id="run"></span></h1>
+<p>model <b id="model">?</b> &middot; <span id="parameters">?</span> parameters</p>
 <p>policy version <b id="version">?</b> &middot; batches accepted <b id="acc">0</b>,
 rejected <b id="rej">0</b> &middot; audits <span id="audits"></span> &middot;
 canaries <span id="canaries"></span> &middot; verified on <b id="verify"></b>
@@ -30,6 +31,11 @@ async function tick() {
   try {
     const s = await (await fetch("/v1/rl/status")).json();
     document.getElementById("run").textContent = s.run_id;
+    document.getElementById("model").textContent = s.model_name;
+    const n = s.parameters, counts = document.getElementById("parameters");
+    counts.textContent = n >= 1e9 ? (n / 1e9).toFixed(1) + "B" : n >= 1e6 ?
+      (n / 1e6).toFixed(1) + "M" : n >= 1e3 ? (n / 1e3).toFixed(1) + "k" : String(n);
+    counts.title = n.toLocaleString("en-US") + " parameters";
     document.getElementById("version").textContent = s.version;
     document.getElementById("verify").textContent = s.verify_device;
     document.getElementById("judging").textContent = (s.judging.startsWith("on ") ?

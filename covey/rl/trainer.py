@@ -370,6 +370,8 @@ class Trainer:
         summary = self.accounts.book.summary()
         return {
             "run_id": self.run_id,
+            "model_name": pol.policy_name(self.model_cfg),
+            "parameters": sum(p.numel() for p in self.policy.parameters()),
             "version": self.version,
             "verify_device": self.spec.verify_device,
             "judging": self.judging.refusal or f"on {self.judging.device}",

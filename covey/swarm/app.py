@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from covey.coordinator.apidocs import install as install_docs
 from covey.coordinator.app import BodyLimit
 from covey.coordinator.auth import ReceivedAt
 from covey.coordinator.views import Rejected
@@ -116,6 +117,7 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
     # bodies over the limit get 413 before a handler reads them; slow senders are cut off
     app.add_middleware(BodyLimit, json_limit=limit, blob_limit=limit, body_timeout_s=30.0)
     app.add_middleware(ReceivedAt)
+    install_docs(app)  # /docs without a CDN
     return app
 
 
