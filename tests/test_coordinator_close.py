@@ -9,7 +9,6 @@ driven by hand, contributions submitted as a worker submits them."""
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -107,9 +106,7 @@ def test_a_failed_or_killed_close_leaves_a_usable_state(tmp_path: Path, method: 
     def start() -> Coordinator:
         coord = Coordinator(load_run_config(spec), tmp_path / "data")
         # the evaluator only: the test is the round driver
-        evaluator = threading.Thread(target=coord.rounds._evaluate, daemon=True)
-        coord.rounds._evaluator = evaluator
-        evaluator.start()
+        coord.rounds.evaluator.start()
         return coord
 
     coord = start()
