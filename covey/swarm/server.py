@@ -196,8 +196,12 @@ class StageServer:
             self._wake.set()
 
     def close(self) -> None:
+        """Stop serving. A computation under way finishes first (up to 30 s), and none
+        starts after it: a process ending while torch computes in a handler's thread
+        aborts instead of exiting with its status."""
         self.stop.set()
         self.http.shutdown()
+        self.lock.acquire(timeout=30.0)  # kept: requests still queued never compute
         self.blobs.close()
         self.tmp.cleanup()
 
