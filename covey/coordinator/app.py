@@ -1,5 +1,7 @@
-"""The coordinator's HTTP face: the versioned JSON API (/v1/...), its OpenAPI document
-(/openapi.json, /docs), the blob relay and the status page (/).
+"""The rounds coordinator's HTTP face: the versioned JSON API (/v1/...), its OpenAPI
+document (/openapi.json, /docs), the blob relay and the status page (/). What every mode
+serves alike (error replies, /healthz, /metrics, POST /v1/halt, the ledger, the rate and
+body-size limits, serving) is the host's: covey.coordinator.host_app.
 
 Handlers are thin: they validate with the pydantic schemas of covey.protocol.schemas and
 call covey.coordinator.service. Every refusal is a 4xx with a JSON body {"error": "..."},
