@@ -63,7 +63,7 @@ class Evaluator:
         while (state := self._evals.get()) is not None:
             made_by = state.round - 1
             try:
-                # the evaluation model runs on the state's own tensors: no copy (issue 13.3)
+                # the evaluation model runs on the state's own tensors: no copy
                 with borrowed_weights(self._eval_model, state.params) as model:
                     loss = held_out_loss(model, self._val, self.loss_fn)
                     self._refresh_samples(state.round)  # on the same weights
