@@ -244,6 +244,7 @@ def test_swarm_healthz_and_metrics(swarm: Swarm) -> None:
     assert value(families["covey_swarm_stages"]) == 2
     assert value(families["covey_ledger_height"]) >= 3  # run created, two joins
     assert value(families["covey_peers"]) >= 2
+    assert value(families["covey_live_peers"], role="server") == 2
     again = metrics(url)
     assert value(again["covey_http_requests"], route="/metrics", status="200") >= 1
 

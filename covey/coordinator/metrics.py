@@ -166,8 +166,16 @@ class HostCollector(Collector):
     """What every mode's host has: live and registered peers (Membership's table) and the
     signed ledger's height, read from the mode's database at scrape time."""
 
-    def __init__(self, db: Database, dead_after_s: float) -> None:
-        self.db, self.dead_after_s = db, dead_after_s
+    def __init__(
+        self,
+        db: Database,
+        dead_after_s: float,
+        live: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        """`live()`: live peers by role, for a mode that keeps liveness in memory (SWARM's
+        servers); by default the peers table's live members heard from within
+        `dead_after_s`."""
+        self.db, self.dead_after_s, self.live = db, dead_after_s, live
 
     def collect(self) -> Iterator[Metric]:
         db = self.db
@@ -178,12 +186,15 @@ class HostCollector(Collector):
             labels=["role"],
         )
         by_role = dict.fromkeys(("worker", "validator"), 0)
-        for r in db.query(
-            "SELECT role, COUNT(*) AS n FROM peers WHERE state = 'live' AND last_seen >= ? "
-            "GROUP BY role",
-            (live_after,),
-        ):
-            by_role[r["role"]] = r["n"]
+        if self.live is not None:
+            by_role = self.live()
+        else:
+            for r in db.query(
+                "SELECT role, COUNT(*) AS n FROM peers WHERE state = 'live' AND last_seen >= ? "
+                "GROUP BY role",
+                (live_after,),
+            ):
+                by_role[r["role"]] = r["n"]
         for role, n in sorted(by_role.items()):
             live.add_metric([role], n)
         yield live

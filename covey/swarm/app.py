@@ -59,7 +59,9 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
 
     handle_errors(app, log)
     limits = _limits(coord)
-    metrics = Metrics(HostCollector(coord.db, coord.cfg.dead_after_s), views.SwarmCollector(coord))
+    # live servers are the coordinator's in-memory set (heartbeats do not touch SQLite)
+    live = HostCollector(coord.db, coord.cfg.dead_after_s, lambda: {"server": len(coord.servers)})
+    metrics = Metrics(live, views.SwarmCollector(coord))
     host_routes(app, metrics, coord.halt, coord.accounts)  # /healthz, /metrics, /v1/halt...
 
     @app.get("/v1/run")
