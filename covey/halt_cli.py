@@ -46,11 +46,11 @@ def register(app: typer.Typer) -> None:
 
         The owner's signed HALT is written to the run's ledger and the run stops: no round
         opens again (rounds), no policy step is taken (RL), nothing more is paid (SWARM);
-        workers, validators, servers and trainers exit at their next heartbeat (a
-        rounds worker with status 3, at the latest when its participation lease runs
-        out). The coordinator keeps serving the ledger (`covey ledger verify` accepts a
-        halted run) and the last model. Exit 0 once the HALT is in the ledger, 2 if it
-        was refused."""
+        workers, validators, servers and trainers exit with status 3 at their next
+        heartbeat or request (a rounds worker that cannot hear stops training when its
+        participation lease runs out). The coordinator keeps serving the ledger (`covey
+        ledger verify` accepts a halted run) and the last model. Exit 0 once the HALT is
+        in the ledger, 2 if it was refused."""
         halt_run(coordinator, key, reason, run_id)
 
 

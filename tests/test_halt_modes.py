@@ -173,6 +173,14 @@ def test_rl_healthz_and_metrics(rl_run: tuple[str, Path, str]) -> None:
     assert value(again["covey_http_requests"], route="/metrics", status="200") >= 1
 
 
+def test_a_rounds_worker_is_told_it_found_an_rl_trainer(rl_run: tuple[str, Path, str]) -> None:
+    """GET /v1/run names the mode: `covey worker` refuses an RL trainer at once, naming
+    the command that fits it."""
+    done = covey("worker", "--coordinator", rl_run[0], timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "in rl mode" in done.stderr and "covey rl worker" in done.stderr, done.stderr
+
+
 def test_rl_forged_halts_are_refused(rl_run: tuple[str, Path, str]) -> None:
     url, data, run_id = rl_run
     forgeries_are_refused(url, run_id, Identity.load_or_create(data / "trainer.key"))
