@@ -211,6 +211,8 @@ def test_covey_halt_stops_an_rl_run(rl_run: tuple[str, Path, str], tmp_path: Pat
             "name": "late", "stake": 1.0, "step_time_s": 1.0}  # fmt: skip
     refused = post(url, "/v1/join", late.sign_request(join, purpose=request_purpose("/v1/join")))
     assert refused.status_code == 410 and REASON in refused.text, refused.text
+    status = httpx.get(f"{url}/v1/rl/status", timeout=30).json()
+    assert status["halted"]["reason"] == REASON
     replay_is_refused(url, entry)
     verify_ledger(str(data))  # the data directory's coordinator.db
     verify_ledger(url)  # and over HTTP, with the trainer's reported balances
@@ -290,6 +292,7 @@ def test_covey_halt_stops_a_swarm_run(swarm: Swarm) -> None:
     purpose = request_purpose("/v1/swarm/join")
     refused = post(url, "/v1/swarm/join", late.sign_request(join, purpose=purpose))
     assert refused.status_code == 410 and REASON in refused.text, refused.text
+    assert swarm_status(url)["halted"]["index"] == entry["index"]
     replay_is_refused(url, entry)
     verify_ledger(url)  # over HTTP, with the coordinator's reported balances
     verify_ledger(str(run_dir / "swarm.db"))  # and the database file itself

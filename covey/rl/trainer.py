@@ -392,6 +392,7 @@ class Trainer:
         summary = self.accounts.book.summary()
         return {
             "run_id": self.run_id,
+            "halted": self.halt.halted,  # the owner's HALT ({index, round, reason}) or None
             "version": self.version,
             "verify_device": self.spec.verify_device,
             "judging": self.judging.refusal or f"on {self.judging.device}",

@@ -59,6 +59,7 @@ def status(self: SwarmCoordinator) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
             "name": self.cfg.name,
+            "halted": self.halt.halted,  # the owner's HALT ({index, round, reason}) or None
             "stages": per_stage,
             "averaging": self.averaging.status(),
             "servers": servers,
