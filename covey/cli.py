@@ -21,6 +21,7 @@ from covey.bench.shards_cli import register as register_bench_shards
 from covey.bench.swarm import register as register_bench_swarm
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
+from covey.halt_cli import register as register_halt
 from covey.io.cli import register as register_io
 from covey.rl.cli import register as register_rl
 from covey.rl.learn_cli import register_bench as register_bench_rl
@@ -57,6 +58,7 @@ RUN_ID_OPTION = typer.Option(
     help="the run id the coordinator printed: refuse a coordinator serving any other run "
     "(its key is part of the id); without it, the coordinator's word is taken",
 )
+register_halt(app)  # covey halt, in every coordinator mode
 DEBUG = False  # set by `covey --debug`: errors a person can act on also show their traceback
 
 
@@ -986,64 +988,6 @@ def validator(
 
     set_peer(checker.name)
     raise typer.Exit(checker.run())
-
-
-@app.command()
-def halt(
-    coordinator: Annotated[str, typer.Option(help="the coordinator's URL")],
-    key: Annotated[
-        Path,
-        typer.Option(
-            help="the run owner's key file: the one whose public key is the spec's owner_key, "
-            "or, when the spec names none, the coordinator's (DATA_DIR/coordinator.key)"
-        ),
-    ],
-    reason: Annotated[
-        str, typer.Option(help="why: written to the ledger and shown to every worker")
-    ] = "halted by the run owner",
-    run_id: Annotated[str | None, RUN_ID_OPTION] = None,
-) -> None:
-    """Stop a run for good, as its owner.
-
-    The owner's signed HALT is written to the run's ledger; the open round is aborted and
-    no round opens again; workers exit with status 3 at their next heartbeat (at the
-    latest when their participation lease runs out). The coordinator keeps serving the
-    ledger (`covey ledger verify` accepts a halted run) and the last certified
-    checkpoint. Exit 0 once the HALT is in the ledger, 2 if it was refused."""
-    if not key.is_file():
-        raise _fail(f"no key file at {key}")
-    _check_coordinator(coordinator, 10.0)
-    from covey.config import RunConfig, run_id_of
-    from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
-    from covey.trust.identity import Identity, IdentityError
-
-    try:
-        owner = Identity.load_or_create(key)
-    except IdentityError as e:
-        raise _fail(str(e)) from None
-    client = CoordinatorClient(coordinator, timeout_s=30.0, lost_s=30.0, identity=owner)
-    try:
-        info = client.get("/v1/run")
-        spec_run_id = run_id_of(  # spec and data: the id the owner handed out
-            RunConfig.model_validate(info["spec"]), str(info["corpus_fingerprint"])
-        )
-        if spec_run_id != info["run_id"] or (run_id is not None and spec_run_id != run_id):
-            raise _fail(
-                f"the coordinator serves run {info['run_id']} (its spec hashes to "
-                f"{spec_run_id}), not --run-id {run_id}"
-            )
-        body = {"run_id": spec_run_id, "owner_key": owner.public_key, "reason": reason}
-        halted = client.post("/v1/halt", body)["halted"]
-    except PeerRejected as e:
-        raise _fail(f"the coordinator refused the HALT: {e}") from None
-    except (CoordinatorLost, ValueError) as e:
-        raise _fail(str(e)) from None
-    finally:
-        client.close()
-    typer.echo(
-        f"run {spec_run_id} HALTED at round {halted['round']} (ledger entry {halted['index']}): "
-        f"{halted['reason']}"
-    )
 
 
 def main() -> None:

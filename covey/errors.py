@@ -133,7 +133,11 @@ def check_data_paths(paths: Iterable[str]) -> None:
 
 # --- the coordinator --------------------------------------------------------------------
 
-RUN_KEYS = ("run_id", "spec", "corpus_fingerprint")
+# what GET /v1/run answers in every mode (covey.coordinator.host_app); "mode" is absent
+# from a rounds coordinator of an older covey, and a rounds one also names its data
+RUN_KEYS = ("run_id", "coordinator_key", "spec")
+MODE_KEYS = {"rounds": ("corpus_fingerprint",), "rl": (), "swarm": ()}
+MODE_COMMANDS = {"rounds": "covey worker", "rl": "covey rl worker", "swarm": "covey swarm server"}
 
 
 def check_url(url: str) -> str:
@@ -147,8 +151,11 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def check_coordinator(url: str, wait_s: float, poll_s: float = 0.5) -> dict[str, Any]:
-    """GET <url>/v1/run and return the run description.
+def check_coordinator(
+    url: str, wait_s: float, poll_s: float = 0.5, modes: tuple[str, ...] = ("rounds",)
+) -> dict[str, Any]:
+    """GET <url>/v1/run and return the run description, of a coordinator in one of `modes`
+    (rounds, rl, swarm); one in another mode is refused at once, naming it.
 
     A server that cannot be reached yet (connection refused, timeout, 5xx: a coordinator
     still starting) is retried until `wait_s` has passed, then `UserError`. A server that
@@ -167,7 +174,7 @@ def check_coordinator(url: str, wait_s: float, poll_s: float = 0.5) -> dict[str,
                 why = f"{type(e).__name__}: {e}"
             else:
                 if resp.status_code < 500:
-                    return _as_run(base, resp)
+                    return _as_run(base, resp, modes)
                 why = f"HTTP {resp.status_code}"
             if time.monotonic() + poll_s > deadline:
                 raise UserError(
@@ -177,7 +184,7 @@ def check_coordinator(url: str, wait_s: float, poll_s: float = 0.5) -> dict[str,
             time.sleep(poll_s)  # bounded by the deadline above
 
 
-def _as_run(base: str, resp: Any) -> dict[str, Any]:
+def _as_run(base: str, resp: Any, modes: tuple[str, ...]) -> dict[str, Any]:
     not_covey = f"{base} is not a covey coordinator"
     fix = "check the host and port (the coordinator prints its URL when it starts)"
     if resp.status_code != 200:
@@ -187,6 +194,13 @@ def _as_run(base: str, resp: Any) -> dict[str, Any]:
     except ValueError:
         kind = resp.headers.get("content-type", "?")
         raise UserError(f"{not_covey}: GET /v1/run answered {kind}, not JSON; {fix}") from None
-    if not isinstance(body, dict) or not all(k in body for k in RUN_KEYS):
-        raise UserError(f"{not_covey}: GET /v1/run lacks {', '.join(RUN_KEYS)}; {fix}")
+    mode = body.get("mode", "rounds") if isinstance(body, dict) else None
+    keys = (*RUN_KEYS, *MODE_KEYS.get(str(mode), ()))
+    if not isinstance(body, dict) or mode not in MODE_KEYS or not all(k in body for k in keys):
+        raise UserError(f"{not_covey}: GET /v1/run lacks {', '.join(keys)}; {fix}")
+    if mode not in modes:
+        raise UserError(
+            f"{base} is a covey coordinator in {mode} mode, not {' or '.join(modes)}: "
+            f"for that run use `{MODE_COMMANDS[mode]}`"
+        )
     return body

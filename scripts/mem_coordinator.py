@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+import covey.coordinator.evaluator as evaluator_mod
 import covey.coordinator.rounds as rounds_mod
 from covey.algorithms import TrainState
 from covey.config import RunConfig
@@ -198,11 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         wrap(TrainState, "digest", "hash the new state")
         wrap(rounds_mod, "make_certificate", "certificate")
         wrap(coord.verification, "record_round", "ledger (record_round)")
-        wrap(rounds, "_write_checkpoint", "checkpoint copy")
-        wrap(rounds, "_prune", "prune")
-        loss = "held_out_loss" if hasattr(rounds_mod, "held_out_loss") else "evaluate"
-        wrap(rounds_mod, loss, "evaluate (held-out loss)")
-        wrap(rounds, "_refresh_samples", "samples")
+        wrap(rounds_mod, "write_checkpoint", "checkpoint copy")
+        wrap(rounds_mod, "prune_blobs", "prune")
+        wrap(evaluator_mod, "held_out_loss", "evaluate (held-out loss)")
+        wrap(rounds.evaluator, "_refresh_samples", "samples")
         peers = [Peer(coord, f"p{i}") for i in range(2)]
         gc.collect()
         held = [("held after start-up", (rss_mib()["VmRSS"] - base) / mb[0])]
@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds.tick(time.time())  # closes round r: all submitted
             assert rounds.state.round == r + 1, f"round {r} did not commit"
             mark("(rest of the close)")
-            rounds._evals.put(None)
-            rounds._evaluate()  # the evaluator thread's loop, here
+            rounds.evaluator._evals.put(None)
+            rounds.evaluator._evaluate()  # the evaluator thread's loop, here
             mark("(after the evaluation)")
             gc.collect()
             held.append((f"held after round {r}", (rss_mib()["VmRSS"] - base) / mb[0]))

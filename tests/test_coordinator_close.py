@@ -9,7 +9,6 @@ driven by hand, contributions submitted as a worker submits them."""
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -107,9 +106,7 @@ def test_a_failed_or_killed_close_leaves_a_usable_state(tmp_path: Path, method: 
     def start() -> Coordinator:
         coord = Coordinator(load_run_config(spec), tmp_path / "data")
         # the evaluator only: the test is the round driver
-        evaluator = threading.Thread(target=coord.rounds._evaluate, daemon=True)
-        coord.rounds._evaluator = evaluator
-        evaluator.start()
+        coord.rounds.evaluator.start()
         return coord
 
     coord = start()
@@ -163,7 +160,7 @@ def test_a_failed_or_killed_close_leaves_a_usable_state(tmp_path: Path, method: 
         model = copy.deepcopy(coord.rounds.strategy.model)
         for row in coord.db.query("SELECT round, new_cid, val_loss FROM rounds ORDER BY round"):
             state = state_from_file(coord.blobs.path(row["new_cid"]), coord.rounds.template)
-            loss = evaluate(model, state, coord.rounds._val, coord.rounds.loss_fn)
+            loss = evaluate(model, state, coord.rounds.evaluator._val, coord.rounds.loss_fn)
             assert row["val_loss"] == loss, row["round"]
     finally:
         coord.stop()

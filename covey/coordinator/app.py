@@ -1,5 +1,7 @@
-"""The coordinator's HTTP face: the versioned JSON API (/v1/...), its OpenAPI document
-(/openapi.json, /docs), the blob relay and the status page (/).
+"""The rounds coordinator's HTTP face: the versioned JSON API (/v1/...), its OpenAPI
+document (/openapi.json, /docs), the blob relay and the status page (/). What every mode
+serves alike (error replies, /healthz, /metrics, POST /v1/halt, the ledger, the rate and
+body-size limits, serving) is the host's: covey.coordinator.host_app.
 
 Handlers are thin: they validate with the pydantic schemas of covey.protocol.schemas and
 call covey.coordinator.service. Every refusal is a 4xx with a JSON body {"error": "..."},
@@ -8,11 +10,8 @@ logged with the peer and round it concerns; a refused request changes nothing.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import gc
 import logging
-import signal
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -20,21 +19,17 @@ from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from covey.blobs import BlobError, RangeNotSatisfiable, parse_range
 from covey.protocol import schemas
 
-from .apidocs import install as install_docs
-from .auth import ReceivedAt
 from .fastpaths import MAX_ROUND_WAIT_S, ClientGone, FastPaths, hold_round_poll, unless_gone
-from .limits import LongPolls, RateLimit, header_deadline_protocol
-from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
+from .host_app import handle_errors, host_middleware, host_routes, serve_app
+from .limits import LongPolls
+from .metrics import HostCollector, Metrics, RunCollector
 from .openapi import BLOB_BODY, BLOB_UPLOAD, errors
 from .openapi import document as document_api
 from .service import Coordinator
@@ -42,96 +37,6 @@ from .views import Rejected
 
 log = logging.getLogger("covey.coordinator")
 STATIC = resources.files("covey.dashboard") / "static"
-
-
-class BodyLimit:
-    """Refuse request bodies over the configured size with 413 before a handler reads
-    them (by Content-Length when given, else by counting the streamed bytes), and cut off
-    a slow sender: the whole body must arrive within `body_timeout_s` plus its declared
-    length at `min_bytes_s`, else 408 and the connection is closed."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        json_limit: int,
-        blob_limit: int,
-        body_timeout_s: float = 10.0,
-        min_bytes_s: int = 64 << 10,
-    ) -> None:
-        self.app, self.json_limit, self.blob_limit = app, json_limit, blob_limit
-        self.body_timeout_s, self.min_bytes_s = body_timeout_s, min_bytes_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        blob = scope["path"].startswith("/v1/blobs/")
-        limit = self.blob_limit if blob else self.json_limit
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            await _too_large(scope, send, limit)
-            return
-        loop = asyncio.get_running_loop()
-        declared = int(length) if length is not None else 0
-        deadline = loop.time() + self.body_timeout_s + declared / self.min_bytes_s
-        seen, complete = 0, False
-
-        async def counted() -> Message:
-            nonlocal seen, complete
-            if complete:  # the body is in: later reads wait for a disconnect, unbounded
-                return await receive()
-            try:
-                message = await _within(receive(), deadline)
-            except TimeoutError:
-                raise _TooSlow(seen) from None
-            seen += len(message.get("body", b""))
-            complete = message["type"] != "http.request" or not message.get("more_body")
-            if seen > limit:
-                raise _TooLarge(limit)
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await _too_large(scope, send, limit)
-        except _TooSlow as e:
-            log.warning("cut off %s %s: %s", scope["method"], scope["path"], e)
-            response = JSONResponse({"error": f"request body too slow: {e}"}, 408)
-            # if a response had started, the server closes the connection anyway
-            with contextlib.suppress(RuntimeError):
-                await response(scope, _no_receive, send)
-
-
-async def _within(awaitable: Any, deadline: float) -> Message:
-    """`awaitable`'s result, or TimeoutError at loop time `deadline`. asyncio.timeout_at
-    (3.11) arms a timer; wait_for (3.10) makes a task per call, a measurable share of a
-    small request's cost at a thousand peers."""
-    timeout_at = getattr(asyncio, "timeout_at", None)
-    if timeout_at is None:
-        loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(awaitable, max(0.0, deadline - loop.time()))
-    async with timeout_at(deadline):
-        return await awaitable
-
-
-class _TooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"body over {limit} bytes")
-
-
-class _TooSlow(Exception):
-    def __init__(self, seen: int) -> None:
-        super().__init__(f"only {seen} bytes of the body arrived before its deadline")
-
-
-async def _too_large(scope: Scope, send: Send, limit: int) -> None:
-    log.warning("refused %s %s: body over %d bytes", scope["method"], scope["path"], limit)
-    response = JSONResponse({"error": f"request body over the limit of {limit} bytes"}, 413)
-    await response(scope, _no_receive, send)
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
 
 
 _WRITE_BYTES = 1 << 20
@@ -159,26 +64,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
         version="1",
         description="Rounds, membership and blobs of one covey training run.",
     )
-
-    @app.exception_handler(Rejected)
-    async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
-        # "not yet" (404) is a normal answer to polling; refusals are worth a warning
-        level = logging.DEBUG if exc.status == 404 else logging.WARNING
-        log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
-        retry = {"Retry-After": "1"} if exc.status == 429 else None  # busy, not refused
-        return JSONResponse({"error": exc.message}, exc.status, headers=retry)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(exc.detail)}, exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [
-            f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
-        ]
-        log.warning("%s %s -> 422: %s", request.method, request.url.path, "; ".join(problems))
-        return JSONResponse({"error": "invalid request", "problems": problems}, 422)
+    handle_errors(app, log)
 
     @app.get("/", include_in_schema=False)
     def index() -> Response:
@@ -203,7 +89,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
         finally:
             coord.db.lock.release()
 
-    metrics = Metrics(coord)
+    metrics = Metrics(HostCollector(coord.db, coord.cfg.rounds.dead_after_s), RunCollector(coord))
     limits = coord.cfg.limits
     long_polls = LongPolls(limits.max_long_polls, limits.max_long_polls_per_peer)
     # the round long-poll has a pool of its own: waiting peers that fill it never leave a
@@ -215,21 +101,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
         lambda: long_polls.held() + round_polls.held(),
     )
 
-    @app.get("/healthz", tags=["operations"])
-    def healthz() -> dict[str, Any]:
-        """Liveness: the process answers HTTP. No auth and no database read."""
-        return {"ok": True}
-
-    @app.get(
-        "/metrics",
-        tags=["operations"],
-        response_class=Response,
-        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
-    )
-    def prometheus() -> Response:
-        """Prometheus text format: rounds, live peers, contributions accepted and rejected
-        by reason, bytes, request latencies by route, disputes, ledger height."""
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    host_routes(app, metrics, coord.halt, coord.accounts)
 
     @app.get("/v1/run")
     def run() -> dict[str, Any]:
@@ -258,13 +130,6 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     async def leave(req: schemas.LeaveRequest, request: Request) -> dict[str, Any]:
         """The deathrattle: sent on Ctrl-C or SIGTERM, so no round waits for this peer."""
         return await run_in_threadpool(coord.leave, req, await request.json())
-
-    @app.post("/v1/halt", responses=errors(503))
-    async def halt(req: schemas.HaltRequest, request: Request) -> dict[str, Any]:
-        """The run owner stops the run (`covey halt`): a signed HALT goes into the ledger,
-        the open round is aborted and none opens again; workers learn it from their
-        heartbeats (410) and /v1/round (phase "halted"). GETs keep being answered."""
-        return await run_in_threadpool(coord.halt, req, await request.json())
 
     @app.get("/v1/round", responses=errors(401))
     async def current_round(
@@ -356,19 +221,6 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     async def report(req: schemas.VerifyReport, request: Request) -> dict[str, Any]:
         """A re-execution's outcome; a disagreement opens a dispute the referee settles."""
         return await run_in_threadpool(coord.report, req, await request.json())
-
-    @app.get("/v1/ledger")
-    def ledger_entries(
-        start: int = Query(0, ge=0, le=schemas.MAX_INT), limit: int = Query(1000, ge=1, le=5000)
-    ) -> list[dict[str, Any]]:
-        """Ledger entries from `start`, each with its hash and the coordinator's signature."""
-        return coord.accounts.entries(start, limit)
-
-    @app.get("/v1/ledger/balances")
-    def ledger_balances() -> dict[str, Any]:
-        """Balances, stakes, reputation and ownership as the coordinator's book has them
-        (`covey ledger verify URL` recomputes them from the entries)."""
-        return coord.accounts.book.summary()
 
     @app.get("/v1/ledger/receipt", responses=errors(404))
     def receipt(
@@ -465,19 +317,8 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     # innermost: heartbeats and round polls skip FastAPI's routing, not the layers below
     if fast_paths:
         app.add_middleware(FastPaths, coord=coord, long_polls=round_polls)
-    app.add_middleware(RateLimit, limits=limits)  # inside BodyLimit: reads bounded bodies
-    app.add_middleware(
-        BodyLimit,
-        json_limit=limits.max_json_bytes,
-        blob_limit=limits.max_blob_bytes,
-        body_timeout_s=limits.body_timeout_s,
-        min_bytes_s=limits.min_upload_bytes_s,
-    )
-    app.add_middleware(ReceivedAt)  # signatures are checked against the endpoint
-    # last added is outermost: it times and counts every request, 413s included
-    app.add_middleware(HttpMetrics, metrics=metrics)
+    host_middleware(app, metrics, limits, json_limit=limits.max_json_bytes)
     document_api(app, coord.run_id)  # every status code each operation can answer
-    install_docs(app)  # /docs without a CDN
     return app
 
 
@@ -496,27 +337,9 @@ def quiet_gc() -> None:
 
 def serve(coord: Coordinator, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM (uvicorn's graceful shutdown), then stop the driver."""
-    import uvicorn
 
-    limits = coord.cfg.limits
-    config = uvicorn.Config(
-        create_app(coord),
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=int(max(1, limits.keep_alive_s)),  # idle connections close
-        http=header_deadline_protocol(limits.body_timeout_s),  # and slow headers are cut
-        limit_concurrency=limits.max_connections,  # past it: 503, not an unbounded queue
-    )
-    server = uvicorn.Server(config)
-    # uvicorn re-raises the signal that stopped it once it has shut down; with the default
-    # SIGTERM action that would kill the process before the driver is stopped below
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    coord.start()
-    quiet_gc()
-    try:
-        server.run()
-    finally:
-        coord.stop()
-        signal.signal(signal.SIGTERM, previous)
+    def start() -> None:
+        coord.start()
+        quiet_gc()
+
+    serve_app(create_app(coord), host, port, coord.cfg.limits, start, coord.stop)

@@ -1,33 +1,37 @@
-"""HALT on the coordinator's side (covey.trust.halt): the run owner's signed request to
-stop the run, written to the ledger by the round driver, so that no round can commit
-between the HALT and its effect: the driver writes the entry and aborts the open round in
-one step, and no round opens after it. A halted run keeps serving every GET (status,
-ledger, checkpoints, blobs), so its last certified model stays exportable; joins and
-heartbeats are answered 410 with the owner's reason, which is how workers learn of it.
+"""HALT, a part of the coordinator's host that every mode uses (covey.trust.halt): the run
+owner's signed request to stop the run, written to the mode's ledger as a "halt" entry by
+the mode's own driver thread, so that nothing the mode certifies can slip in between the
+HALT and its effect. The rounds driver writes it and aborts the open round in one step;
+the RL trainer's loop writes it and takes no step after it; the SWARM driver writes it and
+pays nothing after it. A halted run keeps serving every GET (status, ledger, blobs), so its
+last model stays exportable; joins and heartbeats are answered 410 with the owner's
+reason, which is how workers, validators, servers and trainers learn of it.
+
+`Halt` gets what it uses in its constructor: the accounts (ledger and book), the run id,
+the owner's key, membership's `check_run` and `authenticate`, the event that wakes the
+mode's driver, where the run stands (`position`: the round, policy version or epoch the
+entry records) and the mode's own effect of a halt (`effect`, called by the driver on each
+pass while the run is halted). The HTTP route is covey.coordinator.host_app's.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from covey.protocol import schemas
-from covey.trust.halt import owner_of
 from covey.trust.identity import NO_ROUND, peer_id_of
 
 from .views import Rejected
 
 if TYPE_CHECKING:
-    from covey.config import RunConfig
-    from covey.trust.identity import Identity
-
     from .accounts import Accounts
-    from .db import Database
 
 log = logging.getLogger("covey.coordinator")
-HALT_WAIT_S = 20.0  # how long a HALT request waits for the round driver to write it
+HALT_WAIT_S = 20.0  # how long a HALT request waits for the mode's driver to write it
 
 
 @dataclass
@@ -37,33 +41,48 @@ class _PendingHalt:
     error: str | None = None
 
 
-class Halting:
-    # provided by the rounds mode (covey.coordinator.rounds)
-    cfg: RunConfig
-    db: Database
-    accounts: Accounts
-    identity: Identity
-    run_id: str
-    state: Any
-    _wake: threading.Event
-    _check_run: Any
-    authenticate: Any
-    open_round: Any
-    _abort: Any
-    commits: Any  # covey.coordinator.views.CommitSignal
+def _nothing() -> None:
+    return None
 
-    def __init__(self) -> None:
-        self._halt_lock = threading.Lock()
-        self._pending_halt: _PendingHalt | None = None
+
+class Halt:
+    """The owner's HALT of one run: taken by `request` (any thread), written by `enforce`
+    (the mode's driver), refused joins and heartbeats by `check_not_halted`."""
+
+    def __init__(
+        self,
+        accounts: Accounts,
+        *,
+        run_id: str,
+        owner_key: str,
+        check_run: Callable[[str], None],
+        authenticate: Callable[[dict[str, Any], int, str, str], None],
+        wake: threading.Event,
+        position: Callable[[], int],
+        effect: Callable[[], None] = _nothing,
+        written: Callable[[], None] = _nothing,
+    ) -> None:
+        """`authenticate(raw, round, peer_id, public_key)` raises Rejected(401) for a bad
+        signature or a used nonce; `wake` is set to have the driver call `enforce` now;
+        `position()` is the round (policy version, epoch) written in the entry; `effect()`
+        is the mode's own part of a halt, called by `enforce` while the run is halted;
+        `written()` is called once, right after the entry is written."""
+        self.accounts = accounts
+        self.run_id = run_id
+        self.owner_key = owner_key
+        self._check_run = check_run
+        self._authenticate = authenticate
+        self._wake = wake
+        self._position = position
+        self._effect = effect
+        self._written = written
+        self._lock = threading.Lock()
+        self._pending: _PendingHalt | None = None
 
     @property
     def halted(self) -> dict[str, Any] | None:
         """The ledger's HALT ({index, round, reason}), or None while the run goes on."""
         return self.accounts.book.halted
-
-    @property
-    def owner_key(self) -> str:
-        return owner_of(self.cfg.model_dump(), self.identity.public_key)
 
     def check_not_halted(self) -> None:
         """Rejected(410) naming the owner's reason once the run is halted."""
@@ -73,10 +92,10 @@ class Halting:
                 f"run {self.run_id} was halted by its owner at round {h['round']}: {h['reason']}",
             )
 
-    def halt(self, req: schemas.HaltRequest, raw: dict[str, Any]) -> dict[str, Any]:
+    def request(self, req: schemas.HaltRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """Stop the run (idempotent: a halted run answers with its HALT). Rejected: another
         run (409), a key that is not the owner's (403), a bad signature or nonce (401);
-        503 when the round driver did not write it within HALT_WAIT_S (it still will)."""
+        503 when the driver did not write it within HALT_WAIT_S (it still will)."""
         self._check_run(req.run_id)
         owner = self.owner_key
         if req.owner_key != owner:
@@ -85,14 +104,14 @@ class Halting:
                 f"key {req.owner_key[:16]}... is not the owner key of run {self.run_id} "
                 f"({owner[:16]}...): only the run owner may halt it",
             )
-        self.authenticate(raw, NO_ROUND, peer_id_of(owner), owner)
+        self._authenticate(raw, NO_ROUND, peer_id_of(owner), owner)
         if self.halted is not None:
             return {"ok": True, "halted": self.halted}
         pending = _PendingHalt({"owner_key": owner, "reason": req.reason, "request": raw})
-        with self._halt_lock:
-            if self._pending_halt is None:
-                self._pending_halt = pending
-            pending = self._pending_halt
+        with self._lock:
+            if self._pending is None:
+                self._pending = pending
+            pending = self._pending
         self._wake.set()
         if not pending.done.wait(HALT_WAIT_S):
             raise Rejected(503, "the HALT is accepted but not written yet; ask again")
@@ -100,29 +119,29 @@ class Halting:
             raise Rejected(500, f"the HALT could not be written: {pending.error}")
         return {"ok": True, "halted": self.halted}
 
-    def enforce_halt(self, now: float) -> None:
-        """The round driver's part (first in every tick): write a pending HALT, then abort
-        whatever round is open in a halted run (also one left open by a crash)."""
-        with self._halt_lock:
-            pending, self._pending_halt = self._pending_halt, None
+    def enforce(self, now: float) -> None:
+        """The driver's part (first in every pass): write a pending HALT, then apply the
+        mode's effect while the run is halted (also after a restart)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
         if pending is not None:
             try:
-                payload = {"round": self.state.round, **pending.payload}
+                payload = {"round": self._position(), **pending.payload}
                 with self.accounts.transaction() as c:
                     if self.halted is None:
                         self.accounts.append(c, "halt", payload, now)
-                        self.db.event(c, now, "halt", "", {"reason": payload["reason"]})
+                        self.accounts.db.event(c, now, "halt", "", {"reason": payload["reason"]})
                 log.warning(
                     "run %s HALTED by its owner at round %d: %s",
                     self.run_id,
                     payload["round"],
                     payload["reason"],
                 )
-                self.commits.notify()  # round long-polls learn of the HALT at once
+                self._written()
             except Exception as e:
                 pending.error = f"{type(e).__name__}: {e}"
                 raise
             finally:
                 pending.done.set()
-        if self.halted is not None and (current := self.open_round()) is not None:
-            self._abort(current, "the run was halted by its owner")
+        if self.halted is not None:
+            self._effect()

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 _MAX_KEYS = 10_000  # buckets kept; beyond this, full (idle) ones are forgotten
 _NOT_THEIRS = frozenset({401, 403, 404})  # the request was refused as not this peer's
-_JOINS = frozenset({"/v1/join", "/v1/validators/join"})  # a fresh key writes the ledger
+# the rounds mode's paths that register a new key (which writes the ledger)
+JOINS = frozenset({"/v1/join", "/v1/validators/join"})
 
 
 class TokenBuckets:
@@ -118,8 +119,9 @@ class RateLimit:
     is a 429 with Retry-After and the handler never runs. JSON bodies (already bounded by
     BodyLimit) are read here to find the peer id, then handed to the app unchanged."""
 
-    def __init__(self, app: ASGIApp, limits: LimitsConfig) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, limits: LimitsConfig, joins: frozenset[str] = JOINS) -> None:
+        """`joins`: the paths that register a new key in this mode (JOINS for rounds)."""
+        self.app, self.joins_at = app, joins
         self.peers = TokenBuckets(limits.peer_rate, limits.peer_burst)
         self.addresses = TokenBuckets(limits.address_rate, limits.address_burst)
         self.joins = TokenBuckets(limits.join_rate, limits.join_burst)
@@ -134,7 +136,7 @@ class RateLimit:
         if wait:
             await _too_many(scope, send, f"client address {address}", wait)
             return
-        if scope["method"] == "POST" and scope["path"] in _JOINS:
+        if scope["method"] == "POST" and scope["path"] in self.joins_at:
             wait = self.joins.take(address, time.monotonic())
             if wait:
                 await _too_many(scope, send, f"client address {address} (joins)", wait)
@@ -217,7 +219,7 @@ def header_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
     the first request) is closed. uvicorn has no such limit: its keep-alive timeout stops
     at the first byte, so a client sending a header byte now and then (slowloris) would
     hold a connection, and enough of them every connection slot, forever. Bodies have
-    their own deadline (app.BodyLimit)."""
+    their own deadline (host_app.BodyLimit)."""
 
     class HeaderDeadline(_Http):  # type: ignore[valid-type,misc]
         _deadline: asyncio.TimerHandle | None = None

@@ -1,13 +1,16 @@
-"""Prometheus metrics of one coordinator: `/metrics` (text format) and `/healthz`.
+"""Prometheus metrics of one coordinator, in any mode (rounds, RL, SWARM): `/metrics` (text
+format; the route is covey.coordinator.host_app's).
 
-Two sources, one per-app `CollectorRegistry` (never the global one, so a test process can
+Three sources, one per-app `CollectorRegistry` (never the global one, so a test process can
 hold several apps):
 
 - `HttpMetrics`, an ASGI middleware, times every request and counts its bytes in and out,
   labelled by the route *template* (`/v1/rounds/{round}/certificate`), never the raw path:
   a client choosing paths must not be able to grow the label set.
-- `RunCollector` reads the run's state from SQLite at scrape time (rounds, live peers,
-  accepted and rejected contributions by reason, verifications, disputes, ledger height),
+- `HostCollector`, the same in every mode: live and registered peers, ledger height.
+- The mode's own collector of its run: `RunCollector` here for rounds (rounds, accepted
+  and rejected contributions by reason, verifications, disputes), the RL trainer's and the
+  SWARM coordinator's beside their apps. Each reads the run from SQLite at scrape time,
   so the service code needs no counter calls and a restarted coordinator reports the
   same totals it had before. Committed certificates and recorded refusals never change,
   so they are tallied once: a scrape reads only the rounds and refusals it has not seen.
@@ -29,6 +32,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
+    from .db import Database
     from .service import Coordinator
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # text/plain; version=0.0.4; charset=utf-8
@@ -57,7 +61,8 @@ def route_label(scope: Scope) -> str:
 
 
 class RunCollector(Collector):
-    """The run's state as metrics, read from the coordinator's database at scrape time."""
+    """The rounds mode's run as metrics (rounds, contributions, verifications, disputes),
+    read from the coordinator's database at scrape time."""
 
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
@@ -120,31 +125,6 @@ class RunCollector(Collector):
         tokens.add_metric([], totals["t"] if totals else 0)
         yield tokens
 
-        live_after = time.time() - coord.cfg.rounds.dead_after_s
-        live = GaugeMetricFamily(
-            "covey_live_peers",
-            "Peers that are live and heard from within dead_after_s",
-            labels=["role"],
-        )
-        by_role = dict.fromkeys(("worker", "validator"), 0)
-        for r in db.query(
-            "SELECT role, COUNT(*) AS n FROM peers WHERE state = 'live' AND last_seen >= ? "
-            "GROUP BY role",
-            (live_after,),
-        ):
-            by_role[r["role"]] = r["n"]
-        for role, n in sorted(by_role.items()):
-            live.add_metric([role], n)
-        yield live
-        peers = GaugeMetricFamily(
-            "covey_peers", "Registered peers by role and recorded state", labels=["role", "state"]
-        )
-        for r in db.query(
-            "SELECT role, state, COUNT(*) AS n FROM peers GROUP BY role, state ORDER BY role, state"
-        ):
-            peers.add_metric([r["role"], r["state"]], r["n"])
-        yield peers
-
         accepted = CounterMetricFamily(
             "covey_contributions_accepted", "Contributions accepted in committed rounds"
         )
@@ -181,6 +161,52 @@ class RunCollector(Collector):
             settled.add_metric([str(r["outcome"])], r["n"])
         yield settled
 
+
+class HostCollector(Collector):
+    """What every mode's host has: live and registered peers (Membership's table) and the
+    signed ledger's height, read from the mode's database at scrape time."""
+
+    def __init__(
+        self,
+        db: Database,
+        dead_after_s: float,
+        live: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        """`live()`: live peers by role, for a mode that keeps liveness in memory (SWARM's
+        servers); by default the peers table's live members heard from within
+        `dead_after_s`."""
+        self.db, self.dead_after_s, self.live = db, dead_after_s, live
+
+    def collect(self) -> Iterator[Metric]:
+        db = self.db
+        live_after = time.time() - self.dead_after_s
+        live = GaugeMetricFamily(
+            "covey_live_peers",
+            "Peers that are live and heard from within dead_after_s",
+            labels=["role"],
+        )
+        by_role = dict.fromkeys(("worker", "validator"), 0)
+        if self.live is not None:
+            by_role = self.live()
+        else:
+            for r in db.query(
+                "SELECT role, COUNT(*) AS n FROM peers WHERE state = 'live' AND last_seen >= ? "
+                "GROUP BY role",
+                (live_after,),
+            ):
+                by_role[r["role"]] = r["n"]
+        for role, n in sorted(by_role.items()):
+            live.add_metric([role], n)
+        yield live
+        peers = GaugeMetricFamily(
+            "covey_peers", "Registered peers by role and recorded state", labels=["role", "state"]
+        )
+        for r in db.query(
+            "SELECT role, state, COUNT(*) AS n FROM peers GROUP BY role, state ORDER BY role, state"
+        ):
+            peers.add_metric([r["role"], r["state"]], r["n"])
+        yield peers
+
         height = GaugeMetricFamily("covey_ledger_height", "Entries in the signed ledger")
         row = db.one("SELECT COALESCE(MAX(idx) + 1, 0) AS n FROM ledger")
         height.add_metric([], row["n"] if row else 0)
@@ -188,9 +214,10 @@ class RunCollector(Collector):
 
 
 class Metrics:
-    """The registry of one app: HTTP metrics (filled by `HttpMetrics`) and the run's."""
+    """The registry of one app: HTTP metrics (filled by `HttpMetrics`), the host's
+    (`HostCollector`) and the mode's own collector of its run."""
 
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, host: HostCollector, run: Collector) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.latency = Histogram(
             "covey_http_request_duration_seconds",
@@ -217,7 +244,8 @@ class Metrics:
             ["route"],
             registry=self.registry,
         )
-        self.registry.register(RunCollector(coord))
+        self.registry.register(host)
+        self.registry.register(run)
 
     def gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         """A gauge whose value is `read()` at scrape time."""

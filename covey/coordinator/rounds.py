@@ -3,8 +3,10 @@
 One driver thread ticks the round state machine (covey.protocol.rounds decides; this
 module records) and computes each round's canonical state with the same pure
 `apply_round` every peer runs; contributions come in through intake
-(covey.coordinator.intake), the owner's HALT through covey.coordinator.halt, and the read
-side is covey.coordinator.views: those three are this mode's parts. It uses the
+(covey.coordinator.intake), the read side is covey.coordinator.views, and held-out
+evaluation is covey.coordinator.evaluator: those are this mode's parts. The owner's HALT
+is the host's part (covey.coordinator.halt): the driver writes it first in each tick, and
+this mode's effect of it is `abort_if_open`. It uses the
 components it is given (membership, verification, accounts, the blob store), never their
 attributes. Everything durable goes through SQLite (covey.coordinator.db) and the
 content-addressed blob store; a restarted coordinator resumes from them.
@@ -14,8 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -24,12 +24,9 @@ from typing import Any
 import torch
 
 from covey.algorithms import Contribution, RoundError, Strategy, TrainState
-from covey.algorithms.evaluate import held_out_loss
 from covey.blobs import BlobClient, BlobStore
 from covey.config import RunConfig, steps_per_round
-from covey.data.batches import validation_batches
 from covey.data.corpus import Corpus
-from covey.memory import borrowed_weights
 from covey.protocol.checkpoint import FileTensors, state_from_file, state_to_file
 from covey.protocol.rounds import PeerView, close_reason, is_alive, is_eligible, plan_round
 from covey.trust.identity import Identity
@@ -38,21 +35,21 @@ from covey.trust.incentives import Policy
 from .accounts import Accounts
 from .certificates import make_certificate
 from .db import Database
-from .halt import Halting
+from .evaluator import Evaluator
+from .halt import Halt
 from .intake import Intake
 from .liveness import Liveness
 from .membership import Membership
 from .model import RunModel
-from .samples import draw_samples
+from .retention import prune_blobs, write_checkpoint
 from .uploads import Blobs
 from .verification import Verification
 from .views import OpenRound, Views
 
 log = logging.getLogger("covey.coordinator")
-ORPHAN_GRACE_S = 600.0
 
 
-class Rounds(Intake, Halting, Views):
+class Rounds(Intake, Views):
     """Open, close and commit rounds; take contributions; sign certificates; evaluate."""
 
     def __init__(
@@ -73,6 +70,7 @@ class Rounds(Intake, Halting, Views):
         model: RunModel,
         wake: threading.Event,
         stop: threading.Event,
+        halt: Halt,
     ) -> None:
         """Resume the run from `db` and `blobs`, or record its creation (ValueError never:
         the facade checked the run id). `wake` is set to look at the round now; `stop`
@@ -97,27 +95,35 @@ class Rounds(Intake, Halting, Views):
         self.parameters = model.parameters
         self.model_name, self.model_source = model.name, model.source
         self.model_files_cid = model.model_files_cid
-        self._eval_model = model.eval_model
         self.verifying = verification.verifying
         self._wake = wake
         self._stop = stop
         self.steps_per_round = steps_per_round(cfg.algorithm)
-        self._val = validation_batches(
-            corpus, n_batches=cfg.rounds.eval_batches, batch_size=16, seq_len=self.seq_len
-        )
         self._payload_bytes = _payload_estimate(self.strategy, self.template)
         self._nonces_pruned = 0.0
         self._driver: threading.Thread | None = None
-        # evaluation runs beside the rounds, never between a commit and the next open
-        self._evals: queue.Queue[TrainState | None] = queue.Queue()
-        self.samples: dict[str, Any] | None = None  # the status page's, by the evaluator
-        self._evaluator: threading.Thread | None = None
+        self.evaluator = Evaluator(cfg, db, model, corpus)  # beside the rounds
+        self.halt = halt
         self.sharding: Any = None  # ShardRounds when the run shards (coordinator.shard_rounds)
         self.state, self.state_cid = self._load_or_create()
         self.state_hash = self.state.digest()  # hashed once per state, not per request
-        Halting.__init__(self)
 
-    # -- membership's checks, as this mode's parts (intake, halt, views) call them ----------
+    # -- the host's parts, as this mode's parts (intake, views) read them --------------------
+
+    @property
+    def halted(self) -> dict[str, Any] | None:
+        """The ledger's HALT ({index, round, reason}), or None while the run goes on."""
+        return self.halt.halted
+
+    @property
+    def samples(self) -> dict[str, Any] | None:
+        return self.evaluator.samples
+
+    def abort_if_open(self) -> None:
+        """This mode's effect of the owner's HALT (covey.coordinator.halt): whatever round
+        is open is aborted (also one left open by a crash), and none opens again."""
+        if (current := self.open_round()) is not None:
+            self._abort(current, "the run was halted by its owner")
 
     @property
     def liveness(self) -> Liveness:
@@ -200,16 +206,14 @@ class Rounds(Intake, Halting, Views):
         """Start the round driver and the evaluator threads."""
         self._driver = threading.Thread(target=self._drive, name="round-driver", daemon=True)
         self._driver.start()
-        self._evaluator = threading.Thread(target=self._evaluate, name="evaluator", daemon=True)
-        self._evaluator.start()
+        self.evaluator.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the driver and the evaluator, waiting up to `timeout_s` for each."""
         self._stop.set()
-        self._evals.put(None)
-        for thread in (self._driver, self._evaluator):
-            if thread is not None:
-                thread.join(timeout_s)
+        self.evaluator.stop(timeout_s)
+        if self._driver is not None:
+            self._driver.join(timeout_s)
 
     def _drive(self) -> None:
         while not self._stop.is_set():
@@ -228,7 +232,7 @@ class Rounds(Intake, Halting, Views):
     def tick(self, now: float) -> None:
         """One step of the round state machine: expire silent peers, open a round when
         enough peers are live, close the open one when it is complete or overdue."""
-        self.enforce_halt(now)  # a HALT takes effect here, between rounds' steps
+        self.halt.enforce(now)  # a HALT takes effect here, between rounds' steps
         cfg = self.cfg.rounds
         peers = self._peer_views()
         with self.db.transaction() as c:
@@ -418,11 +422,12 @@ class Rounds(Intake, Halting, Views):
             new_hash[:12],
         )
         if checkpoint:
-            self._write_checkpoint(new_state.round, new_cid)
+            write_checkpoint(self.data_dir, self.blobs, new_state.round, new_cid, self.cfg)
         if new_state.round % self.cfg.rounds.eval_every == 0 or self.finished():
             # its own dict of the weights: the next close empties the state's (consuming)
-            self._evals.put(TrainState(dict(new_state.params), {}, new_state.round))
-        self._prune(new_state.round)
+            self.evaluator.submit(TrainState(dict(new_state.params), {}, new_state.round))
+        keep = {self.state_cid, self.model_files_cid} | self.verification.verification_blobs()
+        prune_blobs(self.db, self.blobs, new_state.round, keep)
 
     def _next_state(
         self, contributions: list[Contribution], assembled: tuple[list[Any], TrainState] | None
@@ -461,47 +466,9 @@ class Rounds(Intake, Halting, Views):
         are read from its blob when the next update needs them, not held in memory
         (issue 13.3; as a worker does, covey.peer.worker_state). The same bytes: the
         blob's content id is the state's. The blob is kept while it is the current state
-        (`_prune`), and the open file stays readable if it is deleted."""
+        (covey.coordinator.retention), and the open file stays readable if it is deleted."""
         if state.outer:
             state.outer = FileTensors(self.blobs.path(cid), "outer/")  # type: ignore[assignment]
-
-    def _evaluate(self) -> None:
-        """Held-out loss of each queued canonical state, stored with the round that made it;
-        every `rounds.samples_every` rounds (and the first time) also the status page's
-        samples of that state (covey.coordinator.samples), kept in memory."""
-        while (state := self._evals.get()) is not None:
-            made_by = state.round - 1
-            try:
-                # the evaluation model runs on the state's own tensors: no copy (issue 13.3)
-                with borrowed_weights(self._eval_model, state.params) as model:
-                    loss = held_out_loss(model, self._val, self.loss_fn)
-                    self._refresh_samples(state.round)  # on the same weights
-                with self.db.transaction() as c:
-                    c.execute("UPDATE rounds SET val_loss = ? WHERE round = ?", (loss, made_by))
-            except Exception:
-                log.exception("evaluation of round %d failed", made_by)
-            del state  # not held while waiting: the next close frees these weights
-
-    def _refresh_samples(self, round: int) -> None:
-        every = self.cfg.rounds.samples_every
-        last = self.samples["round"] if self.samples else None
-        if not every or (last is not None and round // every <= last // every):
-            return
-        from covey.data.tokenizer import load_tokenizer
-        from covey.models.source import parse_source
-
-        tokenizer = self.__dict__.get("_sample_tokenizer")
-        if tokenizer is None:
-            tokenizer = self.__dict__["_sample_tokenizer"] = load_tokenizer(self.cfg.data.tokenizer)
-        self.samples = draw_samples(
-            self._eval_model,
-            tokenizer,
-            self.cfg.rounds.sample_prompts,
-            round=round,
-            window=self.seq_len,
-            max_new_tokens=self.cfg.rounds.sample_tokens,
-            hf=parse_source(self.cfg.model.spec)[0] == "hf",
-        )
 
     def _abort(self, rnd: OpenRound, why: str) -> None:
         """Nothing to commit: the round reopens (next attempt) with fresh membership."""
@@ -523,42 +490,6 @@ class Rounds(Intake, Halting, Views):
             tmp.unlink(missing_ok=True)
             raise
         return self.blobs.adopt(tmp, written)
-
-    def _write_checkpoint(self, round_: int, cid: str) -> None:
-        folder = self.data_dir / "checkpoints"
-        path = folder / f"round-{round_:06d}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        shutil.copyfile(self.blobs.path(cid), tmp)  # the state's blob, copied in pieces
-        tmp.replace(path)
-        keep = self.cfg.rounds.keep_checkpoints
-        for old in sorted(folder.glob("round-*.safetensors"))[:-keep]:
-            old.unlink(missing_ok=True)
-
-    def _prune(self, round_: int) -> None:
-        """Drop blobs no peer needs any more. Kept: the current and initial states, kept
-        checkpoints, the last few rounds' states and contributions, and anything younger
-        than ORPHAN_GRACE_S (an upload whose submission may still be on its way). Whatever
-        else was uploaded, garbage included, goes."""
-        recent = round_ - 3
-        keep = {self.state_cid, self.db.get_meta("initial_cid"), self.model_files_cid}
-        keep |= {r["cid"] for r in self.db.query("SELECT cid FROM checkpoints")}
-        keep |= {
-            r["new_cid"]
-            for r in self.db.query("SELECT new_cid FROM rounds WHERE round >= ?", (recent,))
-        }
-        keep |= {
-            r["cid"]
-            for r in self.db.query("SELECT cid FROM contributions WHERE round >= ?", (recent,))
-        }
-        keep |= {  # H3: recent end local states (the next rounds' committed starts)
-            r["end_cid"]
-            for r in self.db.query("SELECT end_cid FROM local_states WHERE round >= ?", (recent,))
-        }
-        keep |= self.verification.verification_blobs()
-        cutoff = time.time() - ORPHAN_GRACE_S
-        for cid in self.blobs.cids():
-            if cid not in keep and self.blobs.path(cid).stat().st_mtime < cutoff:
-                self.blobs.delete(cid)
 
 
 def _payload_estimate(strategy: Strategy, state: TrainState) -> int:

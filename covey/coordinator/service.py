@@ -5,8 +5,9 @@ The components (../shared/DESIGN.md) each own their state and take what they nee
 `__init__`: Membership (peers, liveness, signatures and nonces, no-shows), Blobs (the
 store, the fetcher of peers' own blobs and the upload gate: covey.coordinator.uploads),
 Accounts (ledger and book), Verification (assignments, canaries, disputes and
-the referee). One mode uses them: Rounds (covey.coordinator.rounds: open, close, commit,
-intake, certificates, evaluation, HALT, the read side). This class builds them in order
+the referee), Halt (the owner's HALT: covey.coordinator.halt). One mode uses them: Rounds
+(covey.coordinator.rounds: open, close, commit, intake, certificates, evaluation, the read
+side). This class builds them in order
 and forwards the calls the app, the CLI and the tests make; it holds no logic of its own.
 """
 
@@ -25,10 +26,12 @@ from covey.config import RunConfig, run_id_of
 from covey.data.corpus import load_corpus
 from covey.protocol import schemas
 from covey.protocol.rounds import PeerView
+from covey.trust.halt import owner_of
 from covey.trust.identity import Identity
 
 from .accounts import Accounts
 from .db import Database
+from .halt import Halt
 from .liveness import Liveness
 from .membership import Membership
 from .model import build_model
@@ -83,7 +86,7 @@ class Coordinator:
             self.run_id,
             wake=wake,
             stop=self._stop,
-            check_not_halted=lambda: self.rounds.check_not_halted(),  # built below
+            check_not_halted=lambda: self.halt.check_not_halted(),  # built below
         )
         self.blobs = BlobStore(data_dir / "blobs", cfg.limits.max_blob_bytes)
         self.fetcher = BlobClient(
@@ -116,6 +119,18 @@ class Coordinator:
             self.membership.check_not_banned,
             run_id=self.run_id,
         )
+        # the owner's HALT (a host part): the round driver writes it and aborts the open round
+        self.halt = Halt(
+            self.accounts,
+            run_id=self.run_id,
+            owner_key=owner_of(cfg.model_dump(), self.identity.public_key),
+            check_run=self.membership.check_run,
+            authenticate=self.membership.authenticate,
+            wake=wake,
+            position=lambda: self.rounds.state.round,
+            effect=lambda: self.rounds.abort_if_open(),
+            written=lambda: self.rounds.commits.notify(),  # round long-polls learn at once
+        )
         self.rounds = Rounds(
             cfg,
             data_dir,
@@ -132,6 +147,7 @@ class Coordinator:
             model=model,
             wake=wake,
             stop=self._stop,
+            halt=self.halt,
         )
         if not verifying:
             log.warning(
@@ -176,13 +192,13 @@ class Coordinator:
 
     def validator_join(self, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
         """Rejected(410) once the run is halted: nobody joins it again."""
-        self.rounds.check_not_halted()
+        self.halt.check_not_halted()
         return self.verification.validator_join(req, raw)
 
     def claim(self, req: schemas.ClaimRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """Rejected(410) with the owner's reason once the run is halted: validators learn
         of a HALT here and stop (reports of checks already claimed are still taken)."""
-        self.rounds.check_not_halted()
+        self.halt.check_not_halted()
         return self.verification.claim(req, raw)
 
     def report(self, req: schemas.VerifyReport, raw: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +228,7 @@ class Coordinator:
 
     @property
     def halted(self) -> dict[str, Any] | None:
-        return self.rounds.halted
+        return self.halt.halted
 
     @property
     def samples(self) -> dict[str, Any] | None:
@@ -234,9 +250,6 @@ class Coordinator:
         self, round_: int, req: schemas.ContributionRequest, raw: dict[str, Any]
     ) -> dict[str, Any]:
         return self.rounds.submit(round_, req, raw)
-
-    def halt(self, req: schemas.HaltRequest, raw: dict[str, Any]) -> dict[str, Any]:
-        return self.rounds.halt(req, raw)
 
     def round_info(self, peer_id: str | None) -> schemas.RoundInfo:
         return self.rounds.round_info(peer_id)

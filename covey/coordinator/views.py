@@ -288,6 +288,7 @@ class Views:
     def run_spec(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
+            "mode": "rounds",
             "coordinator_key": self.identity.public_key,
             "verifying": self.verifying,
             "spec": self.cfg.model_dump(mode="json"),

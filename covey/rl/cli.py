@@ -70,6 +70,16 @@ def register(app: typer.Typer) -> None:
     app.add_typer(rl_app, name="rl")
 
 
+def _halted_or_fail(name: str, e: Exception) -> typer.Exit:
+    """Exit EXIT_HALTED (3) for a 410 (the run owner halted the run), else 2 naming `e`."""
+    from covey.trust.halt import EXIT_HALTED
+
+    if getattr(e, "status", None) == 410:
+        typer.echo(f"{name}: the run was halted by its owner: {getattr(e, 'message', e)}")
+        return typer.Exit(EXIT_HALTED)
+    return _fail(str(e))
+
+
 def _fail(message: str) -> typer.Exit:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(2)
@@ -228,8 +238,9 @@ def worker(
     device: PeerDevice = "auto",
 ) -> None:
     """Generate rollout batches for a trainer and get paid per verified token."""
-    from covey.peer.client import CoordinatorLost
+    from covey.peer.client import CoordinatorLost, PeerRejected
     from covey.rl.worker import RolloutWorker
+    from covey.trust.halt import EXIT_HALTED
 
     where = _peer_device(device)
     _logging()
@@ -248,11 +259,15 @@ def worker(
             device=where,
         )
         n = w.run_loop(max_steps)
+    except PeerRejected as e:
+        raise _halted_or_fail(name, e) from None
     except CoordinatorLost as e:
         raise _fail(str(e)) from None
     except ValueError as e:
         raise _fail(str(e)) from None
     typer.echo(f"worker {name}: {n} batches submitted")
+    if w.halted is not None:
+        raise typer.Exit(EXIT_HALTED)
 
 
 @rl_app.command("validator")
@@ -272,9 +287,10 @@ def validator(
     """Check rollout batches the trainer assigns; earn per check and per proven catch.
     Exit 1, before claiming anything, when this validator's device is of another class
     than the run's verify_device (re-checking there could convict honest work)."""
-    from covey.peer.client import CoordinatorLost
+    from covey.peer.client import CoordinatorLost, PeerRejected
     from covey.rl.runspec import VerifyRefused
     from covey.rl.validator import RolloutValidator
+    from covey.trust.halt import EXIT_HALTED
 
     where = _peer_device(device)
     _logging()
@@ -295,9 +311,13 @@ def validator(
     except VerifyRefused as e:
         logging.getLogger("covey.rl.validator").error("[%s] %s", name, e)
         raise typer.Exit(1) from None
+    except PeerRejected as e:
+        raise _halted_or_fail(name, e) from None
     except (CoordinatorLost, ValueError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"validator {name}: {n} checks reported")
+    if v.halted is not None:
+        raise typer.Exit(EXIT_HALTED)
 
 
 @rl_app.command("demo")

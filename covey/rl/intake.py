@@ -146,6 +146,7 @@ class Intake:
     def submit(self, req: SubmitBatch, raw: dict[str, Any]) -> dict[str, Any]:
         t, m, b = self.t, self.t.membership, req.batch
         m.check_run(req.run_id)
+        m.check_not_halted()  # 410 with the owner's reason: the worker stops
         self._role(req.peer_id, "worker")
         m.authenticate(raw, b.step, req.peer_id)
         m.check_not_banned(req.peer_id)
@@ -234,6 +235,7 @@ class Intake:
     def claim(self, req: ClaimCheck, raw: dict[str, Any]) -> dict[str, Any]:
         t, m = self.t, self.t.membership
         m.check_run(req.run_id)
+        m.check_not_halted()  # 410: a halted run takes no check nor verdict
         self._role(req.peer_id, "validator")
         m.authenticate(raw, NO_ROUND, req.peer_id)
         m.check_not_banned(req.peer_id)
@@ -392,6 +394,7 @@ class Intake:
     def report(self, req: ReportCheck, raw: dict[str, Any]) -> dict[str, Any]:
         t, m = self.t, self.t.membership
         m.check_run(req.run_id)
+        m.check_not_halted()  # 410: a halted run takes no check nor verdict
         self._role(req.peer_id, "validator")
         m.authenticate(raw, NO_ROUND, req.peer_id)
         m.check_not_banned(req.peer_id)  # excluded while holding a claim: it just expires

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +60,17 @@ def read_run(client: CoordinatorClient, run_id: str | None = None) -> RunInfo:
 class Membership:
     """Join (worker or validator), heartbeat in a thread, leave on close."""
 
-    def __init__(self, client: CoordinatorClient, identity: Identity, run: RunInfo) -> None:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        identity: Identity,
+        run: RunInfo,
+        on_halted: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_halted(reason)` is called once a heartbeat is answered 410: the run owner
+        halted the run (covey.coordinator.halt)."""
         self.client, self.identity, self.run = client, identity, run
+        self.on_halted = on_halted
         self.stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -114,6 +124,9 @@ class Membership:
                 )
             except PeerRejected as e:
                 log.warning("heartbeat refused: %s", e)
+                if e.status == 410 and self.on_halted is not None:  # halted by its owner
+                    self.on_halted(e.message)
+                    return
             except Exception as e:  # the trainer may be restarting: the next beat retries
                 log.debug("heartbeat failed: %s", e)
 

@@ -1,18 +1,21 @@
 """The trainer's HTTP service: the RL mode of covey's coordinator API.
 
-Membership (join, heartbeat, leave), signatures and nonces, the body-size limit and the
-blob routes are the coordinator's own components and middleware; the RL routes are
-`/v1/rl/*`. Every POST is signed for the path it is sent to (covey.coordinator.auth).
-Bad input is a 4xx naming the field (422 for a body that does not parse, with each
-field's problem) and changes nothing.
+Membership (join, heartbeat, leave), signatures and nonces, the owner's HALT, the
+ledger routes, /healthz and /metrics, rate and body-size limits are the coordinator's
+host parts (covey.coordinator.host_app); the RL routes are `/v1/rl/*`. Every POST is
+signed for the path it is sent to (covey.coordinator.auth). Bad input is a 4xx naming
+the field (422 for a body that does not parse, with each field's problem) and changes
+nothing.
 
     GET  /                      status page (reward, pass@1, batches accepted/rejected)
-    GET  /v1/run                run id and trainer key (for `covey ledger verify URL`)
+    GET  /v1/run                run id, mode, trainer key, spec (`covey halt`, `ledger verify`)
     GET  /v1/rl/spec            the run's rules and model
     GET  /v1/rl/policy          current version, content id, providers
     GET  /v1/rl/status          JSON of the status page;  GET /v1/rl/batches: every batch
     GET  /v1/blobs/{cid}        policy versions and batches by content id
     GET  /v1/ledger[/balances]  the ledger and the book
+    GET  /healthz, /metrics     liveness; Prometheus text (RLCollector and the host's)
+    POST /v1/halt               the run owner's signed HALT (`covey halt`)
     POST /v1/join, /v1/heartbeat, /v1/leave, /v1/rl/validators/join
     POST /v1/rl/batch           a worker's signed rollout batch
     POST /v1/rl/claim, /v1/rl/report   a validator's assigned check and its verdict
@@ -21,18 +24,19 @@ field's problem) and changes nothing.
 from __future__ import annotations
 
 import logging
-import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, Response
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
-from covey.coordinator.apidocs import install as install_docs
-from covey.coordinator.app import BodyLimit
-from covey.coordinator.auth import ReceivedAt
+from covey.config import LimitsConfig
+from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
+from covey.coordinator.metrics import HostCollector, Metrics, reason_label
 from covey.coordinator.views import Rejected
 from covey.protocol import schemas
 from covey.rl.intake import ClaimCheck, ReportCheck, SubmitBatch
@@ -40,6 +44,8 @@ from covey.rl.status_page import STATUS_HTML
 from covey.rl.trainer import Trainer
 
 log = logging.getLogger("covey.rl.service")
+# the paths that register a new key (each writes the ledger): a smaller rate per address
+JOINS = frozenset({"/v1/join", "/v1/rl/validators/join"})
 
 
 def create_app(trainer: Trainer) -> FastAPI:
@@ -50,19 +56,10 @@ def create_app(trainer: Trainer) -> FastAPI:
     )
     t = trainer
 
-    @app.exception_handler(Rejected)
-    async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
-        level = logging.DEBUG if exc.status == 404 else logging.WARNING
-        log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
-        return JSONResponse({"error": exc.message}, exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [
-            f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
-        ]
-        log.warning("%s %s -> 422: %s", request.method, request.url.path, "; ".join(problems[:5]))
-        return JSONResponse({"error": "invalid request", "problems": problems[:50]}, 422)
+    handle_errors(app, log)
+    limits = LimitsConfig(max_json_bytes=max(1024, t.spec.max_batch_bytes))
+    metrics = Metrics(HostCollector(t.db, t.spec.dead_after_s), RLCollector(t))
+    host_routes(app, metrics, t.halt, t.accounts)  # /healthz, /metrics, /v1/halt, /v1/ledger
 
     @app.get("/", include_in_schema=False)
     def index() -> HTMLResponse:
@@ -70,7 +67,16 @@ def create_app(trainer: Trainer) -> FastAPI:
 
     @app.get("/v1/run")
     def run() -> dict[str, Any]:
-        return {"run_id": t.run_id, "coordinator_key": t.identity.public_key, "mode": "rl"}
+        """The run id, the trainer's key and what the id covers: the spec and model, the
+        first policy's content id (`covey halt` and `covey ledger verify URL` read it)."""
+        return {
+            "run_id": t.run_id,
+            "mode": "rl",
+            "coordinator_key": t.identity.public_key,
+            "owner_key": t.halt.owner_key,
+            "spec": {"rl": t.spec.model_dump(mode="json"), "model": t.model_cfg},
+            "policy0": t.cids[0],
+        }
 
     @app.get("/v1/rl/spec")
     def spec() -> dict[str, Any]:
@@ -135,25 +141,14 @@ def create_app(trainer: Trainer) -> FastAPI:
             return Response(headers={"Content-Length": str(t.blobs.size(cid))})
         return FileResponse(t.blobs.path(cid), media_type="application/octet-stream")
 
-    @app.get("/v1/ledger")
-    def ledger_entries(
-        start: int = Query(0, ge=0, le=schemas.MAX_INT), limit: int = Query(1000, ge=1, le=5000)
-    ) -> list[dict[str, Any]]:
-        return t.accounts.entries(start, limit)
-
-    @app.get("/v1/ledger/balances")
-    def ledger_balances() -> dict[str, Any]:
-        return t.accounts.book.summary()
-
-    app.add_middleware(BodyLimit, json_limit=t.spec.max_batch_bytes, blob_limit=0)
-    app.add_middleware(ReceivedAt)  # signatures are checked against the endpoint
-    install_docs(app)  # /docs without a CDN
+    host_middleware(app, metrics, limits, json_limit=limits.max_json_bytes, joins=JOINS)
     return app
 
 
 def _validator_join(t: Trainer, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
     """A validator registers with its stake (at least min_validator_stake) and goes live."""
     t.membership.check_run(req.run_id)
+    t.halt.check_not_halted()  # nobody joins a halted run
     t.membership.register(req.validator_id, req.public_key, req.name, "validator", req.stake, raw)
     with t.db.transaction() as c:
         c.execute(
@@ -170,21 +165,42 @@ def _validator_join(t: Trainer, req: schemas.ValidatorJoin, raw: dict[str, Any])
 
 def serve(trainer: Trainer, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM, then stop the learning loop and close the database."""
-    import uvicorn
+    limits = LimitsConfig(max_json_bytes=max(1024, trainer.spec.max_batch_bytes))
+    serve_app(create_app(trainer), host, port, limits, trainer.start, trainer.stop)
 
-    config = uvicorn.Config(
-        create_app(trainer),
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=5,
-    )
-    server = uvicorn.Server(config)
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    trainer.start()
-    try:
-        server.run()
-    finally:
-        trainer.stop()
-        signal.signal(signal.SIGTERM, previous)
+
+class RLCollector(Collector):
+    """The RL run as metrics, read at scrape time: the policy version, batches by status
+    (accepted ones are consumed by a step or wait for one), rejected batches by problem."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.t = trainer
+
+    def collect(self) -> Iterator[Metric]:
+        db = self.t.db
+        version = GaugeMetricFamily("covey_rl_policy_version", "The latest policy version")
+        version.add_metric([], self.t.version)
+        yield version
+        batches = GaugeMetricFamily(
+            "covey_rl_batches", "Rollout batches by status", labels=["status"]
+        )
+        for r in db.query("SELECT status, COUNT(*) AS n FROM rl_batches GROUP BY status"):
+            batches.add_metric([str(r["status"])], r["n"])
+        yield batches
+        rejected = CounterMetricFamily(
+            "covey_rl_batches_rejected", "Rollout batches rejected, by problem", labels=["problem"]
+        )
+        for r in db.query(
+            "SELECT COALESCE(problem, 'unknown') AS p, COUNT(*) AS n FROM rl_batches "
+            "WHERE status = 'rejected' GROUP BY p"
+        ):
+            rejected.add_metric([reason_label(str(r["p"]))], r["n"])
+        yield rejected
+        samples = CounterMetricFamily(
+            "covey_rl_samples_trained", "Samples of verified batches the trainer stepped on"
+        )
+        row = db.one(
+            "SELECT COALESCE(SUM(samples), 0) AS n FROM rl_batches WHERE status = 'consumed'"
+        )
+        samples.add_metric([], row["n"] if row else 0)
+        yield samples

@@ -3,7 +3,8 @@ plane, and takes a GRPO step whenever enough VERIFIED samples are in.
 
 It is built from covey's coordinator components, not a copy of them: `Membership` (joins
 with stake, heartbeats, leaves, signed requests and nonces), `Accounts` (the ledger and the
-book), `BlobStore` (policy versions and submitted batches by content id). The RL mode's
+book), `Halt` (the owner's HALT, written by the learning loop, which stops after it),
+`BlobStore` (policy versions and submitted batches by content id). The RL mode's
 own parts: `Intake` (covey.rl.intake: submissions, validator assignment and reports,
 verdicts written to the ledger) and the learning loop here.
 
@@ -30,6 +31,7 @@ import torch
 from covey.blobs import BlobStore
 from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
+from covey.coordinator.halt import Halt
 from covey.coordinator.membership import Membership
 from covey.devices import resolve_device, resolve_precision
 from covey.rl import policy as pol
@@ -46,6 +48,7 @@ from covey.rl.runspec import (
     run_id_of,
     verify_compute,
 )
+from covey.trust.halt import owner_of
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.trainer")
@@ -101,14 +104,27 @@ class Trainer:
         self.task = self.spec.task.build()
         self.rollout = rollout_spec(self.spec, self.run_id, self.model_cfg["vocab_size"])
         self.stop_event = threading.Event()
+        self._wake = threading.Event()  # the learning loop looks now (a HALT to write)
         self.membership = Membership(
             self.db,
             membership_config(self.spec),
             self.accounts,
             self.run_id,
-            wake=threading.Event(),
+            wake=self._wake,
             stop=self.stop_event,
-            check_not_halted=lambda: None,
+            check_not_halted=lambda: self.halt.check_not_halted(),
+        )
+        # the owner's HALT (the host's part): the learning loop writes it between steps and
+        # takes no step after it
+        spec_of_run = {"rl": self.spec.model_dump(mode="json"), "model": self.model_cfg}
+        self.halt = Halt(
+            self.accounts,
+            run_id=self.run_id,
+            owner_key=owner_of(spec_of_run, self.identity.public_key),
+            check_run=self.membership.check_run,
+            authenticate=self.membership.authenticate,
+            wake=self._wake,
+            position=lambda: self.version,
         )
         self.lock = threading.RLock()
         rows = self.db.query("SELECT version, cid FROM rl_versions ORDER BY version")
@@ -247,8 +263,14 @@ class Trainer:
     def _loop(self) -> None:
         if not any(h.get("pass_at_1") is not None for h in self.history):
             self._evaluate(record=True)
-        while not self.stop_event.wait(0.1):
+        while not self.stop_event.is_set():
+            self._wake.wait(0.1)
+            self._wake.clear()
             try:
+                self.halt.enforce(time.time())
+                if self.halt.halted is not None:
+                    log.warning("[trainer - v%d] the run is halted: no more steps", self.version)
+                    return
                 self.intake.expire(time.time())
                 self.step_if_ready()
             except Exception:  # the loop must outlive one bad step; the error is logged
@@ -372,6 +394,7 @@ class Trainer:
             "run_id": self.run_id,
             "model_name": pol.policy_name(self.model_cfg),
             "parameters": sum(p.numel() for p in self.policy.parameters()),
+            "halted": self.halt.halted,  # the owner's HALT ({index, round, reason}) or None
             "version": self.version,
             "verify_device": self.spec.verify_device,
             "judging": self.judging.refusal or f"on {self.judging.device}",

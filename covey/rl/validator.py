@@ -60,17 +60,32 @@ class RolloutValidator:
         root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-validator-"))
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)  # bytes are checked by hash
         self.policies = PolicyCache(self.run, BlobStore(root / "blobs"), self.fetcher, self.device)
-        self.membership = Membership(self.client, identity, self.run)
+        self.halted: str | None = None  # the owner's reason, once the run is halted
+        self.membership = Membership(self.client, identity, self.run, self.halt_seen)
         self.reports: list[dict[str, Any]] = []
+
+    def halt_seen(self, reason: str) -> None:
+        """The run owner halted the run (a 410 from a heartbeat or a request): stop."""
+        if self.halted is None:
+            log.warning("[%s] the run was halted by its owner (%s): stopping", self.name, reason)
+        self.halted = self.halted or reason
+        self.stop.set()
 
     def run_loop(self, max_checks: int | None = None, poll_s: float = 0.3) -> int:
         """Check assigned batches until stopped (or `max_checks` reported)."""
         self.membership.join("validator", self.name, self.stake)
         try:
             while not self.stop.is_set() and (max_checks is None or len(self.reports) < max_checks):
-                task = self.client.post(
-                    "/v1/rl/claim", {"run_id": self.run.run_id, "peer_id": self.identity.peer_id}
-                )
+                try:
+                    task = self.client.post(
+                        "/v1/rl/claim",
+                        {"run_id": self.run.run_id, "peer_id": self.identity.peer_id},
+                    )
+                except PeerRejected as e:
+                    if e.status != 410:
+                        raise
+                    self.halt_seen(e.message)
+                    break
                 if task.get("task") is None:
                     self.stop.wait(poll_s)
                     continue
@@ -123,6 +138,8 @@ class RolloutValidator:
             reply = self.client.post("/v1/rl/report", report)
         except PeerRejected as e:
             log.warning("[%s] report on %s refused: %s", self.name, task["batch_cid"][:12], e)
+            if e.status == 410:
+                self.halt_seen(e.message)
             return None
         log.info(
             "[%s - step %d] %s %s: %s",

@@ -86,8 +86,16 @@ class RolloutWorker:
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)
         self.policies = PolicyCache(self.run, self.store, self.fetcher, self.device)
         self.server = BlobServer(self.store) if serve_blobs else None
-        self.membership = Membership(self.client, identity, self.run)
+        self.halted: str | None = None  # the owner's reason, once the run is halted
+        self.membership = Membership(self.client, identity, self.run, self.halt_seen)
         self.submitted: list[dict[str, Any]] = []
+
+    def halt_seen(self, reason: str) -> None:
+        """The run owner halted the run (a 410 from a heartbeat or a request): stop."""
+        if self.halted is None:
+            log.warning("[%s] the run was halted by its owner (%s): stopping", self.name, reason)
+        self.halted = self.halted or reason
+        self.stop.set()
 
     def run_loop(self, max_steps: int | None = None, poll_s: float = 0.3) -> int:
         """Work until stopped (or `max_steps` batches submitted); returns batches sent.
@@ -136,6 +144,8 @@ class RolloutWorker:
             reply = self.client.post("/v1/rl/batch", body, round=v)
         except PeerRejected as e:
             log.warning("[%s - step %d] batch refused: %s", self.name, v, e)
+            if e.status == 410:
+                self.halt_seen(e.message)
             if e.status == 403:  # excluded for fraud (or not a worker): nothing more to do
                 self.stop.set()
             return None

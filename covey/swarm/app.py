@@ -2,23 +2,29 @@
 
 Every POST is authenticated for the endpoint it arrived at (covey.coordinator.auth's
 ReceivedAt middleware, the same as a data-parallel coordinator's); `Rejected` becomes its
-4xx with {"error": message}.
+4xx with {"error": message}. The owner's HALT (POST /v1/halt), /healthz, /metrics, the
+ledger routes and the rate and body-size limits are the coordinator's host parts
+(covey.coordinator.host_app); once the run is halted every /v1/swarm POST is a 410.
 """
 
 from __future__ import annotations
 
-import signal
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
-from covey.coordinator.apidocs import install as install_docs
-from covey.coordinator.app import BodyLimit
-from covey.coordinator.auth import ReceivedAt
+from covey.config import LimitsConfig
+from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
+from covey.coordinator.metrics import HostCollector, Metrics
 from covey.coordinator.views import Rejected
+from covey.swarm import views
 from covey.swarm.service import SwarmCoordinator
+
+log = logging.getLogger("covey.swarm")
+JOINS = frozenset({"/v1/swarm/join"})  # registers a new key (a ledger entry)
 
 PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>covey swarm</title>
 <style>body{font:14px system-ui;margin:2em}table{border-collapse:collapse}
@@ -51,9 +57,23 @@ tick();setInterval(tick,1000);</script></body></html>"""
 def create_app(coord: SwarmCoordinator) -> FastAPI:
     app = FastAPI(title="covey swarm", description="SWARM stage servers, trainers, rebalancing.")
 
-    @app.exception_handler(Rejected)
-    async def rejected(_: Request, e: Rejected) -> JSONResponse:
-        return JSONResponse({"error": e.message}, status_code=e.status)
+    handle_errors(app, log)
+    limits = _limits(coord)
+    # live servers are the coordinator's in-memory set (heartbeats do not touch SQLite)
+    live = HostCollector(coord.db, coord.cfg.dead_after_s, lambda: {"server": len(coord.servers)})
+    metrics = Metrics(live, views.SwarmCollector(coord))
+    host_routes(app, metrics, coord.halt, coord.accounts)  # /healthz, /metrics, /v1/halt...
+
+    @app.get("/v1/run")
+    def run() -> dict[str, Any]:
+        """The run id, mode, coordinator key and spec (`covey halt`, `covey ledger verify`)."""
+        return {
+            "run_id": coord.run_id,
+            "mode": "swarm",
+            "coordinator_key": coord.identity.public_key,
+            "owner_key": coord.halt.owner_key,
+            "spec": coord.cfg.model_dump(mode="json"),
+        }
 
     async def call(fn: Any, request: Request) -> Any:
         try:
@@ -62,6 +82,7 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
             raise Rejected(400, "body is not JSON") from None
         if not isinstance(body, dict):
             raise Rejected(400, "body must be a JSON object")
+        coord.halt.check_not_halted()  # 410 with the owner's reason: the peer stops
         try:
             return await run_in_threadpool(fn, body)
         except (KeyError, TypeError, ValueError) as e:
@@ -99,11 +120,11 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
 
     @app.get("/v1/swarm/servers")
     def servers() -> Any:
-        return coord.servers_view()
+        return views.servers_view(coord)
 
     @app.get("/v1/swarm/status")
     def status() -> Any:
-        return coord.status()
+        return views.status(coord)
 
     @app.get("/v1/swarm/spec")
     def spec() -> Any:
@@ -113,27 +134,17 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
     def page() -> str:
         return PAGE
 
-    limit = coord.cfg.max_body_bytes
     # bodies over the limit get 413 before a handler reads them; slow senders are cut off
-    app.add_middleware(BodyLimit, json_limit=limit, blob_limit=limit, body_timeout_s=30.0)
-    app.add_middleware(ReceivedAt)
-    install_docs(app)  # /docs without a CDN
+    host_middleware(app, metrics, limits, json_limit=limits.max_json_bytes, joins=JOINS)
     return app
+
+
+def _limits(coord: SwarmCoordinator) -> LimitsConfig:
+    """The host's limits with this run's body size (blobs too: states travel as JSON)."""
+    size = max(1024, coord.cfg.max_body_bytes)
+    return LimitsConfig(max_json_bytes=size, max_blob_bytes=size, body_timeout_s=30.0)
 
 
 def serve(coord: SwarmCoordinator, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM, then stop the driver."""
-    import uvicorn
-
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(coord), host=host, port=port, log_level="warning", access_log=False
-        )
-    )
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    coord.start()
-    try:
-        server.run()
-    finally:
-        coord.stop()
-        signal.signal(signal.SIGTERM, previous)
+    serve_app(create_app(coord), host, port, _limits(coord), coord.start, coord.stop)

@@ -145,6 +145,8 @@ def register(app: typer.Typer) -> None:
             serve(s)
         except ValueError as e:  # the run's spec refused (covey.swarm.config.received)
             _fail(str(e))
+        if s.halted is not None:  # the run owner halted the run
+            raise typer.Exit(3)  # covey.trust.halt.EXIT_HALTED
 
     @swarm.command("trainer")
     def trainer(
@@ -169,7 +171,8 @@ def register(app: typer.Typer) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         import torch
 
-        from covey.swarm.trainer import SwarmTrainer, summary
+        from covey.swarm.reports import summary
+        from covey.swarm.trainer import SwarmTrainer
 
         torch.set_num_threads(1)
         try:
@@ -183,6 +186,8 @@ def register(app: typer.Typer) -> None:
         if json_out is not None:
             json_out.write_text(json.dumps(out, indent=1))
         t.close()
+        if t.halted is not None:  # the run owner halted the run
+            raise typer.Exit(3)  # covey.trust.halt.EXIT_HALTED
 
     @swarm.command("demo")
     def demo(

@@ -100,6 +100,7 @@ class StageServer:
         self.state: str | None = None
         self.throughput, self.waiting, self.reported = 0.0, 0, -1
         self.cfg: SwarmConfig | None = None
+        self.halted: str | None = None  # the owner's reason, once the run is halted
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -177,8 +178,9 @@ class StageServer:
                 )
                 last_ok = time.monotonic()
             except PeerRejected as e:
-                if e.status == 403:
-                    log.error("[%s] banned: %s", self.name, e.message)
+                if e.status in (403, 410):  # banned, or the run was halted by its owner
+                    log.error("[%s] %s: %s", self.name, _GONE[e.status], e.message)
+                    self.halted = e.message if e.status == 410 else None
                     self.stop.set()
                     return
                 log.warning("[%s] heartbeat refused (%s); joining again", self.name, e.message)
@@ -194,8 +196,12 @@ class StageServer:
             self._wake.set()
 
     def close(self) -> None:
+        """Stop serving. A computation under way finishes first (up to 30 s), and none
+        starts after it: a process ending while torch computes in a handler's thread
+        aborts instead of exiting with its status."""
         self.stop.set()
         self.http.shutdown()
+        self.lock.acquire(timeout=30.0)  # kept: requests still queued never compute
         self.blobs.close()
         self.tmp.cleanup()
 
@@ -421,6 +427,9 @@ def _handler(server: StageServer) -> type[BaseHTTPRequestHandler]:
                 log.debug("reply to a caller that left")
 
     return Handler
+
+
+_GONE = {403: "banned", 410: "the run was halted by its owner; stopping"}
 
 
 def serve(server: StageServer) -> None:

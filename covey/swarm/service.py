@@ -3,11 +3,13 @@ payouts and disputes, over the coordinator's components.
 
 Transport-free (covey/swarm/app.py turns HTTP into calls here and `Rejected` into 4xx).
 It REUSES, not copies: Membership (signed joins and requests, nonces, bans), Accounts (the
-hash-chained ledger and its Book: stakes, rewards, slashes) and the Database of
-covey.coordinator; stage states travel on the blob plane (covey.blobs) between servers by
-content id. What it adds is SWARM's: which server serves which stage, per-stage averaging
-rounds (covey.swarm.averaging), the rebalancer (covey.swarm.rebalance), pay per verified
-microbatch and the referee for duplicated microbatches (covey.swarm.referee).
+hash-chained ledger and its Book: stakes, rewards, slashes), Halt (the owner's HALT) and
+the Database of covey.coordinator; stage states travel on the blob plane (covey.blobs)
+between servers by content id. What it adds is SWARM's: which server serves which
+stage, per-stage averaging rounds (covey.swarm.averaging), the rebalancer
+(covey.swarm.rebalance), pay per verified microbatch and the referee for duplicated
+microbatches (covey.swarm.referee). Its read side (status, the server list, metrics) is
+covey.swarm.views.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from covey.blobs import BlobError, BlobStore
 from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
+from covey.coordinator.halt import Halt
 from covey.coordinator.membership import Membership
 from covey.coordinator.views import Rejected
 from covey.swarm import evidence
@@ -33,6 +36,7 @@ from covey.swarm.config import SwarmConfig
 from covey.swarm.observed import Observations
 from covey.swarm.paydesk import PayDesk
 from covey.swarm.rebalance import plan_move, speeds_from_measurements
+from covey.trust.halt import owner_of
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
@@ -58,9 +62,6 @@ class ServerInfo:
     public_key: str = ""  # its join's key (registered): trainers verify its replies with it
 
 
-PRIVATE = ("url", "blob_url", "public_key")  # ServerInfo fields the status page leaves out
-
-
 class SwarmCoordinator(PayDesk):
     def __init__(self, cfg: SwarmConfig, data_dir: Path, device: str | None = None) -> None:
         """`device`: where the referee recomputes (covey.swarm.referee.Referee)."""
@@ -77,16 +78,19 @@ class SwarmCoordinator(PayDesk):
         # a round whose member died after reporting is still applied by the others
         self.blobs = BlobStore(data_dir / "blobs")
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the driver looks now (a HALT to write)
         mcfg = cfg.membership_config()
         self.membership = Membership(
-            self.db,
-            mcfg,
-            self.accounts,
-            self.run_id,
-            wake=threading.Event(),
-            stop=self._stop,
-            check_not_halted=lambda: None,
-        )
+            self.db, mcfg, self.accounts, self.run_id, wake=self._wake, stop=self._stop,
+            check_not_halted=lambda: self.halt.check_not_halted(),
+        )  # fmt: skip
+        # the owner's HALT (the host's part): the driver writes it and pays nothing after it
+        self.halt = Halt(
+            self.accounts, run_id=self.run_id, check_run=self.membership.check_run,
+            owner_key=owner_of(cfg.model_dump(mode="json"), self.identity.public_key),
+            authenticate=self.membership.authenticate, wake=self._wake,
+            position=lambda: self.epoch,
+        )  # fmt: skip
         if known is None:
             self._create(mcfg)
         self.lock = threading.RLock()
@@ -212,8 +216,13 @@ class SwarmCoordinator(PayDesk):
         self.db.close()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(0.2, self.cfg.heartbeat_s / 2)):
+        while not self._stop.is_set():
+            self._wake.wait(min(0.2, self.cfg.heartbeat_s / 2))
+            self._wake.clear()
             try:
+                self.halt.enforce(time.time())
+                if self.halt.halted is not None:
+                    return  # halted: no round, rebalance nor payout after the HALT
                 self.tick(time.time())
             except Exception:  # the driver must outlive one bad tick; the error is logged
                 log.exception("swarm tick failed")
@@ -476,55 +485,3 @@ class SwarmCoordinator(PayDesk):
             raise Rejected(409, f"state {cid[:12]} is no stage's agreed state")
         self._store(cid, body.get("data"))
         return {"ok": True}
-
-    def servers_view(self) -> dict[str, Any]:
-        """Live, synced servers per stage (with the key each signs its replies with) and
-        each stage's recent agreed states, for trainers' routing
-        (covey.swarm.routing.StateWatch)."""
-        with self.lock:
-            stages: list[list[dict[str, Any]]] = [[] for _ in range(self.cfg.stages)]
-            for s in self.servers.values():
-                book = self.averaging.stages[s.stage]
-                if not s.moving and s.step >= 0 and s.step >= book.step - 1:
-                    stages[s.stage].append({"peer_id": s.peer_id, "name": s.name, "url": s.url,
-                                            "public_key": s.public_key})  # fmt: skip
-            # recent agreed states, oldest first: replies are signed on the last two (a
-            # round's switch-over) or on a newer one about to be agreed (routing.StateWatch)
-            agreed = [list(states) for states in self.known_states]
-            return {"stages": stages, "agreed": agreed}
-
-    def status(self) -> dict[str, Any]:
-        with self.lock:
-            now = time.time()
-            servers = [
-                {
-                    **{k: v for k, v in asdict(s).items() if k not in PRIVATE},
-                    "measured": self.observed.throughput(s.peer_id, now),  # by trainers
-                }
-                for s in self.servers.values()
-            ]
-            per_stage = [
-                {
-                    "stage": k,
-                    "servers": [s["name"] for s in servers if s["stage"] == k],
-                    "throughput": round(
-                        sum(s["measured"] or 0.0 for s in servers if s["stage"] == k), 3
-                    ),
-                }
-                for k in range(self.cfg.stages)
-            ]
-            book = self.accounts.book
-            return {
-                "run_id": self.run_id,
-                "name": self.cfg.name,
-                "stages": per_stage,
-                "averaging": self.averaging.status(),
-                "servers": servers,
-                "trainers": dict(self.trainers),
-                "reroutes": sum(int(t.get("reroutes", 0)) for t in self.trainers.values()),
-                "rebalances": len(self.rebalances),
-                "moves": self.rebalances[-20:],
-                "disputes": self.disputes[-20:],
-                "banned": sorted(p for p, a in book.accounts.items() if a.banned),
-                "balances": {p: a.balance for p, a in book.accounts.items() if a.balance},
-            }

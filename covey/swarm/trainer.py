@@ -33,6 +33,7 @@ import torch
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
+from covey.swarm.reports import send_report
 from covey.swarm.routing import NoServerError, Router, StateWatch
 from covey.swarm.wire import WireError, encode_tensor, pack, reply_message, sha
 from covey.trust.identity import Identity, IdentityError, peer_id_of, verify
@@ -128,6 +129,7 @@ class SwarmTrainer:
         self.evidence: list[dict[str, Any]] = []  # agreed checks not reported yet
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        self.halted: str | None = None  # the owner's reason, once the run is halted
         self.progress = progress or (lambda line: log.info("%s", line))
         spec = self.client.get("/v1/swarm/spec")
         self.run_id, self.cfg = spec["run_id"], SwarmConfig.received(spec["spec"])
@@ -435,61 +437,8 @@ class SwarmTrainer:
         return sum(tail) / len(tail) if tail else None
 
     def report(self) -> None:
-        """Report progress and served work. When the coordinator is down (restarting) or
-        forgot this trainer, nothing is lost: the work goes in the next report, after a
-        join when it was forgotten."""
-        from covey.swarm.evidence import MAX_CHECKS_PER_REPORT
-
-        with self.lock:
-            served, self.served = self.served, {}
-            checks = self.evidence[:MAX_CHECKS_PER_REPORT]
-            del self.evidence[:MAX_CHECKS_PER_REPORT]
-            st = self.stats
-            body = {
-                "run_id": self.run_id,
-                "peer_id": self.identity.peer_id,
-                "served": served,
-                # what this trainer measured of each server (the coordinator rebalances on
-                # trainers' measurements, never on a server's own claim)
-                "measured": {
-                    p: round(x.throughput, 4)
-                    for p, x in self.router.servers.items()
-                    if x.throughput is not None and x.banned is None
-                },
-                "samples": st.samples,
-                "loss": self.loss(),
-                "reroutes": self.router.reroutes,
-                "banned": self.router.banned(),
-                "next": self._next,
-                "checks": checks,
-            }
-        try:
-            try:
-                reply = self.client.post("/v1/swarm/report", body)
-            except PeerRejected as e:
-                if e.status != 403:
-                    raise
-                self._join()  # a restarted coordinator that lost us: join, then report
-                reply = self.client.post("/v1/swarm/report", body)
-        except (CoordinatorLost, PeerRejected) as e:
-            log.warning("[%s] report deferred: %s", self.name, e)
-            with self.lock:
-                for s, n in served.items():
-                    self.served[s] = self.served.get(s, 0) + n
-                self.evidence[:0] = checks
-            return
-        for outcome in reply.get("checks", []):
-            if outcome.startswith("refused"):
-                st.refused_checks += 1
-                log.warning("[%s] check refused: %s", self.name, outcome)
-            else:  # paid, or parked until its state is agreed
-                st.paid_checks += 1
-        loss = body["loss"]
-        self.progress(
-            f"[{self.name}] {st.samples} samples, loss {loss if loss is None else round(loss, 4)}, "
-            f"{st.samples / max(time.time() - st.started, 1e-9):.1f} samples/s, reroutes "
-            f"{self.router.reroutes}, dropped {st.dropped}, disputes {st.disputes}"
-        )
+        """Report progress and served work (covey.swarm.reports.send_report)."""
+        send_report(self)
 
     def close(self) -> None:
         self.stop.set()
@@ -507,25 +456,6 @@ def _parts(reply: bytes) -> tuple[bytes, bytes]:
 
     out, meta = unpack(reply, 2)
     return out, meta
-
-
-def summary(t: SwarmTrainer) -> dict[str, Any]:
-    st = t.stats
-    return {
-        "samples": st.samples,
-        "first_microbatch": t.first,
-        "microbatches": st.microbatches,
-        "dropped": st.dropped,
-        "loss": t.loss(),
-        "reroutes": t.router.reroutes,
-        "checks": st.checks,
-        "paid_checks": st.paid_checks,
-        "refused_checks": st.refused_checks,
-        "disputes": st.disputes,
-        "bytes_between_stages": st.bytes_between_stages,
-        "banned": t.router.banned(),
-        "seconds": time.time() - st.started,
-    }
 
 
 def model_dims(cfg: SwarmConfig) -> tuple[int, int]:

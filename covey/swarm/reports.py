@@ -1,0 +1,98 @@
+"""What a SWARM trainer tells: its periodic report to the coordinator (progress, the
+work each server did for it, its measurements of servers and its agreed checks) and the
+summary `covey swarm trainer --json` writes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from covey.peer.client import CoordinatorLost, PeerRejected
+
+if TYPE_CHECKING:
+    from covey.swarm.trainer import SwarmTrainer
+
+log = logging.getLogger("covey.swarm.trainer")
+
+
+def send_report(self: SwarmTrainer) -> None:
+    """Report progress and served work. When the coordinator is down (restarting) or
+    forgot this trainer, nothing is lost: the work goes in the next report, after a
+    join when it was forgotten."""
+    from covey.swarm.evidence import MAX_CHECKS_PER_REPORT
+
+    with self.lock:
+        served, self.served = self.served, {}
+        checks = self.evidence[:MAX_CHECKS_PER_REPORT]
+        del self.evidence[:MAX_CHECKS_PER_REPORT]
+        st = self.stats
+        body = {
+            "run_id": self.run_id,
+            "peer_id": self.identity.peer_id,
+            "served": served,
+            # what this trainer measured of each server (the coordinator rebalances on
+            # trainers' measurements, never on a server's own claim)
+            "measured": {
+                p: round(x.throughput, 4)
+                for p, x in self.router.servers.items()
+                if x.throughput is not None and x.banned is None
+            },
+            "samples": st.samples,
+            "loss": self.loss(),
+            "reroutes": self.router.reroutes,
+            "banned": self.router.banned(),
+            "next": self._next,
+            "checks": checks,
+        }
+    try:
+        try:
+            reply = self.client.post("/v1/swarm/report", body)
+        except PeerRejected as e:
+            if e.status != 403:
+                raise
+            self._join()  # a restarted coordinator that lost us: join, then report
+            reply = self.client.post("/v1/swarm/report", body)
+    except (CoordinatorLost, PeerRejected) as e:
+        if isinstance(e, PeerRejected) and e.status == 410:  # halted by the run owner
+            log.error("[%s] the run was halted by its owner; stopping: %s", self.name, e)
+            self.halted = e.message
+            self.stop.set()
+            return
+        log.warning("[%s] report deferred: %s", self.name, e)
+        with self.lock:
+            for s, n in served.items():
+                self.served[s] = self.served.get(s, 0) + n
+            self.evidence[:0] = checks
+        return
+    for outcome in reply.get("checks", []):
+        if outcome.startswith("refused"):
+            st.refused_checks += 1
+            log.warning("[%s] check refused: %s", self.name, outcome)
+        else:  # paid, or parked until its state is agreed
+            st.paid_checks += 1
+    loss = body["loss"]
+    self.progress(
+        f"[{self.name}] {st.samples} samples, loss {loss if loss is None else round(loss, 4)}, "
+        f"{st.samples / max(time.time() - st.started, 1e-9):.1f} samples/s, reroutes "
+        f"{self.router.reroutes}, dropped {st.dropped}, disputes {st.disputes}"
+    )
+
+
+def summary(t: SwarmTrainer) -> dict[str, Any]:
+    st = t.stats
+    return {
+        "samples": st.samples,
+        "first_microbatch": t.first,
+        "microbatches": st.microbatches,
+        "dropped": st.dropped,
+        "loss": t.loss(),
+        "reroutes": t.router.reroutes,
+        "checks": st.checks,
+        "paid_checks": st.paid_checks,
+        "refused_checks": st.refused_checks,
+        "disputes": st.disputes,
+        "bytes_between_stages": st.bytes_between_stages,
+        "banned": t.router.banned(),
+        "seconds": time.time() - st.started,
+    }
