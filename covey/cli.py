@@ -18,7 +18,7 @@ from covey import __version__
 from covey.bench.agreement_cli import register as register_bench_agreement
 from covey.bench.gpu_cli import register as register_bench_gpu
 from covey.bench.shards_cli import register as register_bench_shards
-from covey.bench.swarm import register as register_bench_swarm
+from covey.bench.swarm_cli import register as register_bench_swarm
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.io.cli import register as register_io
@@ -816,7 +816,8 @@ def worker(
         raise typer.Exit(run_follower(device, threads, group))
     _check_coordinator(coordinator, connect_timeout)
     _logging(verbose, name or "worker", log_json)
-    from covey.peer.worker import Worker, WorkerOptions
+    from covey.peer.cheater import build_worker
+    from covey.peer.worker import WorkerOptions
     from covey.trust.identity import IdentityError
 
     opts = WorkerOptions(
@@ -839,7 +840,7 @@ def worker(
         run_id=run_id,
     )
     try:
-        peer = Worker(opts)
+        peer = build_worker(opts)
     except IdentityError as e:
         raise _fail(str(e)) from None
     from covey.logs import set_peer

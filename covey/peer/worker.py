@@ -53,7 +53,7 @@ from covey.algorithms import Contribution, TrainState
 from covey.blobs import BlobServer, BlobStore
 from covey.data.batches import assignment_batches
 from covey.memory import bound_heap, shapes_only
-from covey.peer import adversary, group
+from covey.peer import group
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.lease import Lease, LeaseLapsed
 from covey.peer.overlap import SideCommitter, Transfer
@@ -64,7 +64,6 @@ from covey.peer.worker_state import ROUND_WAIT_S, StateKeeping
 from covey.peer.worker_types import Finished, LocalStates, Stopped
 from covey.protocol import schemas
 from covey.protocol.checkpoint import write_safetensors
-from covey.protocol.content import content_id
 from covey.trust import verify
 from covey.trust.halt import EXIT_HALTED
 from covey.trust.identity import Identity
@@ -85,7 +84,7 @@ class WorkerOptions:
     identity: Path | None = None  # default ~/.covey/identity
     name: str | None = None  # shown on the status page; default: the id's first 8 digits
     stake: float = 0.0
-    behavior: str = "honest"  # see covey.peer.adversary (tests and demos only)
+    behavior: str = "honest"  # a cheat is played by covey.peer.cheater (tests and demos)
     device: str | None = None  # auto|cpu|cuda|cuda:N|mps; None: the run's [peer] device
     group: str = "ddp"  # under torchrun: ddp or fsdp inside the group (covey/peer/group.py)
     threads: int | None = 1
@@ -104,7 +103,7 @@ class WorkerOptions:
 class Worker(StateKeeping, Publishing, Overlapping):
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
-        adversary.check_behavior(opts.behavior)  # ValueError: a plain, late or intermittent one
+        self._check_behavior(opts.behavior)
         self.identity = Identity.load_or_create(opts.identity)
         self.peer_id = self.identity.peer_id
         self.name = opts.name or self.peer_id[:8]
@@ -112,9 +111,6 @@ class Worker(StateKeeping, Publishing, Overlapping):
         self.client = CoordinatorClient(
             opts.coordinator, lost_s=opts.connect_timeout_s, stop=self.stop, identity=self.identity
         )
-        self._last_payload: bytes | None = None  # stale
-        self._last_request: tuple[str, dict[str, Any]] | None = None  # replay
-        self._last_certificate: schemas.Certificate | None = None  # copycat
         self.excluded: str | None = None
         self.halted: str | None = None  # the owner's reason, once the run is halted
         self.lease = Lease()
@@ -132,6 +128,12 @@ class Worker(StateKeeping, Publishing, Overlapping):
         self._waited: str | None = None  # the round tag a "waiting" saw (covey.peer.worker_state)
         self._train_ended: float | None = None  # when the last round's training ended
         self._waited_s = 0.0  # how long this round's training waited for the last transfer
+
+    def _check_behavior(self, spec: str) -> None:
+        """ValueError unless this worker plays `spec`: an honest one only "honest" (the
+        cheats of tests and demos are covey.peer.cheater.CheatingWorker's)."""
+        if spec != "honest":
+            raise ValueError(f"an honest Worker cannot play {spec!r}: see covey.peer.cheater")
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -433,7 +435,6 @@ class Worker(StateKeeping, Publishing, Overlapping):
             else:
                 self.strategy.adopt(f.state)
         self._trained_since_adopt = not adopt
-        self._last_certificate = cert
         if f.local is not None:  # H3: only a recorded contribution continues the chain
             f.local.accepted = any(a.peer_id == self.peer_id for a in cert.accepted)
             self._chain = f.local if f.submitted else None
@@ -454,13 +455,14 @@ class Worker(StateKeeping, Publishing, Overlapping):
             self.strategy.begin_round(self.state)
             self._local = LocalStates(None, round=round_)
             return
-        start, start_cid = chain.end, chain.end_cid
-        if self.opts.behavior in adversary.STATE_CHEATS:  # tests and demos only
-            start = adversary.forge_local_state(chain.end)
-            if self.opts.behavior == "unchained":
-                start_cid = content_id(verify.local_state_to_bytes(start))
+        start, start_cid = self._chained_start(chain)
         self.strategy.begin_round(self.state, start, chain.accepted)
         self._local = LocalStates(start_cid, round=round_)
+
+    def _chained_start(self, chain: LocalStates) -> tuple[dict[str, torch.Tensor], str | None]:
+        """The local state a chained round starts from, and the content id it names: the
+        end state of our previous round's contribution."""
+        return chain.end, chain.end_cid
 
     def _end_round(self) -> None:
         """H3: the local state after this round's work, as the blob the contribution names."""
@@ -505,16 +507,15 @@ class Worker(StateKeeping, Publishing, Overlapping):
         fewer tokens and carries the commitments of the steps it took). `ahead`: (steps,
         compute seconds, loss sum) already trained for this round (overlap)."""
         assert info.assignment is not None and self.state is not None
-        behavior = adversary.behavior_at(self.opts.behavior, info.round, self.peer_id)
         steps = info.assignment.inner_steps
-        key = adversary.data_key(behavior, info.assignment.data_key)
+        key, take = self._work(info)
         if self.leader is not None:
             self.leader.begin()  # every rank of the group starts where this one does
         inner_step = self.leader.inner_step if self.leader else self.strategy.inner_step
         self._trained_since_adopt = True
         log.debug("[%s - round %d] training %d inner steps", self.name, info.round, steps)
         done, compute_s, loss_sum = ahead
-        for step in range(done, adversary.steps_taken(behavior, steps)):
+        for step in range(done, take):
             self._check_standing()
             if done and self.strategy.flexible_steps:
                 per_step = compute_s / done
@@ -534,9 +535,8 @@ class Worker(StateKeeping, Publishing, Overlapping):
             done += 1
             committer.after_step(done)
         commitments = [c.to_dict() for c in committer.commitments]
-        claimed = steps if behavior in ("lazy", "free-rider") else done
-        if done == 0:  # a free-rider: no work, zeros, and commitments made up below
-            payload = self.strategy.codec.encode(self._zeros())
+        if done == 0:  # no step taken: a zero update, and no loss
+            payload = self.strategy.codec.encode(torch.zeros(self._numel()))
             per_step, loss_sum = self.cfg.data.batch_size * self.seq_len, float("nan")
         else:
             if self.leader is not None:
@@ -547,14 +547,26 @@ class Worker(StateKeeping, Publishing, Overlapping):
                 self.strategy.free_round_memory()  # the gradients
             c = self.strategy.make_contribution()
             payload, per_step = c.payload, c.tokens // done
-        if claimed != done:
-            commitments = adversary.pad_commitments(
-                [c.to_dict() for c in committer.recorded],
-                verify.commitment_steps(claimed, self.cfg.trust.commit_every),
-            )
+        claimed, commitments = self._claims(info, done, committer, commitments)
         fragment = self.strategy.round_fragment(info.round)
         contribution = Contribution(payload, per_step * claimed, claimed, fragment)
         return contribution, loss_sum / max(done, 1), compute_s, commitments
+
+    def _work(self, info: schemas.RoundInfo) -> tuple[str, int]:
+        """The data key this round trains on and how many inner steps it takes: the
+        assignment's."""
+        assert info.assignment is not None
+        return info.assignment.data_key, info.assignment.inner_steps
+
+    def _claims(
+        self,
+        info: schemas.RoundInfo,
+        done: int,
+        committer: verify.Committer | SideCommitter,
+        commitments: list[dict[str, Any]],
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """The inner steps the contribution claims and their commitments: those it took."""
+        return done, commitments
 
     def _timed_step(
         self, inner_step: Callable[[torch.Tensor], float], batch: Callable[[], torch.Tensor]
