@@ -17,15 +17,15 @@ from pydantic import ValidationError
 from covey import __version__
 from covey.bench.agreement_cli import register as register_bench_agreement
 from covey.bench.gpu_cli import register as register_bench_gpu
+from covey.bench.rl_cli import register as register_bench_rl
 from covey.bench.shards_cli import register as register_bench_shards
 from covey.bench.swarm_cli import register as register_bench_swarm
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.io.cli import register as register_io
+from covey.io.ledger_cli import register as register_ledger
 from covey.rl.cli import register as register_rl
-from covey.rl.learn_cli import register_bench as register_bench_rl
 from covey.swarm.cli import register as register_swarm
-from covey.trust.ledger_cli import register as register_ledger
 
 app = typer.Typer(
     help="covey: train PyTorch models on decentralized compute with little communication.",
@@ -42,7 +42,7 @@ register_swarm(app)  # swarm coordinator, server, trainer, demo
 register_bench_swarm(bench_app)  # covey bench swarm
 register_bench_shards(bench_app)  # covey bench shards (gather vs sharded rounds)
 register_bench_agreement(bench_app)  # covey bench agreement (simulator vs network)
-register_bench_rl(bench_app)  # covey bench rl (covey/rl/learn_cli.py)
+register_bench_rl(bench_app)  # covey bench rl (covey/bench/rl_cli.py)
 register_rl(app)  # rl trainer, worker, validator, demo
 
 METHODS = "ddp, diloco, streaming, demo"

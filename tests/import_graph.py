@@ -5,6 +5,7 @@ under `if TYPE_CHECKING:` alike. Shared by the structure tests (test_layers.py).
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
 
@@ -80,9 +81,10 @@ def reachable(start: str) -> dict[str, list[str]]:
     return paths
 
 
-def cycles() -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), sorted."""
-    edges = graph()
+def cycles(edges: Mapping[str, Iterable[str]] | None = None) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan) of `edges`
+    (default: the package's graph), each sorted."""
+    edges = graph() if edges is None else edges
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -248,7 +248,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 
 def ledger(cluster) -> list:
-    from covey.trust import audit
+    from covey.io import audit
 
     found, _, _ = audit.load(cluster.url)
     return found

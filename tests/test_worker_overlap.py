@@ -277,8 +277,8 @@ def _replay(cluster, certs: list[dict]) -> None:  # type: ignore[no-untyped-def]
 def test_overlapping_workers_commit_agree_with_the_validator_and_the_simulator(
     tmp_path: Path,
 ) -> None:
+    from covey.io import audit
     from covey.local.cluster import LocalCluster
-    from covey.trust import audit
 
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC)
@@ -322,8 +322,8 @@ def test_a_worker_killed_mid_transfer_comes_back_and_nothing_is_corrupted(
     on, every round either worker applied matches its certificate, the validator agrees."""
     import signal
 
+    from covey.io import audit
     from covey.local.cluster import LocalCluster
-    from covey.trust import audit
 
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC)

@@ -17,7 +17,7 @@ from covey.protocol import schemas
 from covey.trust.halt import owner_of
 from covey.trust.identity import NO_ROUND, peer_id_of
 
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from covey.config import RunConfig

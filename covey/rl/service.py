@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 
 from covey.coordinator.app import BodyLimit
 from covey.coordinator.auth import ReceivedAt
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.protocol import schemas
 from covey.rl.intake import ClaimCheck, ReportCheck, SubmitBatch
 from covey.rl.status_page import STATUS_HTML

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from covey.coordinator.app import BodyLimit
 from covey.coordinator.auth import ReceivedAt
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.swarm.service import SwarmCoordinator
 
 PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>covey swarm</title>
