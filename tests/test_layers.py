@@ -22,7 +22,6 @@ OVER_THE_LIMIT = {
     "covey/coordinator/rounds.py",
     "covey/swarm/service.py",
     "covey/swarm/trainer.py",
-    "covey/algorithms/codecs.py",
     "covey/algorithms/base.py",
     "covey/bench/network.py",
     "covey/bench/coordinator.py",

@@ -12,7 +12,8 @@ import torch
 
 from covey.algorithms import DiLoCo, Strategy, build_strategy
 from covey.algorithms.base import TrainState
-from covey.algorithms.codecs import CodecError, get_codec
+from covey.algorithms.codec_base import CodecError
+from covey.algorithms.codecs import get_codec
 from covey.bench.trust_calibration import CHEATS, cheat_claim
 from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, StreamingDiLoCoConfig
 from covey.data.batches import sample_batch

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from covey.algorithms.aggregation import Aggregator, WeightedMean
-from covey.algorithms.codecs import Codec, CodecError
+from covey.algorithms.codec_base import Codec, CodecError
 from covey.algorithms.lazy_aggregation import aggregate_lazily, drop_mapped_pages
 from covey.devices import autocast, maybe_compile
 

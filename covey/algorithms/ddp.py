@@ -23,7 +23,7 @@ from covey.algorithms.base import (
     TrainState,
     flatten,
 )
-from covey.algorithms.codecs import Codec
+from covey.algorithms.codec_base import Codec
 from covey.algorithms.optim import adamw, scheduled_lr
 from covey.config import DDPConfig
 

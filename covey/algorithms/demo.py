@@ -28,7 +28,7 @@ from covey.algorithms.base import (
     TrainState,
     flatten,
 )
-from covey.algorithms.codecs import Codec
+from covey.algorithms.codec_base import Codec
 from covey.config import DeMoConfig
 
 

@@ -35,7 +35,7 @@ from covey.algorithms.base import (
     clip_grad_,
     flatten,
 )
-from covey.algorithms.codecs import Codec
+from covey.algorithms.codec_base import Codec
 from covey.algorithms.optim import (
     has_schedule,
     make_inner_optimizer,

@@ -29,7 +29,7 @@ from torch import nn
 
 from covey.algorithms.aggregation import Aggregator
 from covey.algorithms.base import Contribution, LossFn, RoundError, TrainState, flatten
-from covey.algorithms.codecs import Codec
+from covey.algorithms.codec_base import Codec
 from covey.algorithms.diloco import DiLoCo, outer_step
 from covey.config import StreamingDiLoCoConfig
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from covey.algorithms.codecs import HEADER_BYTES, Codec
+from covey.algorithms.codec_base import HEADER_BYTES, Codec
 
 BEHAVIORS = (
     "honest",

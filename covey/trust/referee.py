@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from covey.algorithms.base import Strategy, TrainState
-from covey.algorithms.codecs import Codec
+from covey.algorithms.codec_base import Codec
 from covey.trust.sketch import (
     Commitment,
     commitment_distance,

@@ -45,7 +45,7 @@ from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 
 from covey.algorithms.base import Strategy, TrainState
-from covey.algorithms.codecs import Codec, CodecError
+from covey.algorithms.codec_base import Codec, CodecError
 from covey.config import TrustConfig
 from covey.memory import all_finite
 from covey.trust.sketch import (
