@@ -22,11 +22,6 @@ OVER_THE_LIMIT = {
     "covey/coordinator/rounds.py",
     "covey/swarm/service.py",
     "covey/swarm/trainer.py",
-    "covey/algorithms/base.py",
-    "covey/bench/network.py",
-    "covey/bench/coordinator.py",
-    "covey/peer/worker.py",
-    "covey/trust/verify.py",
 }
 # the code of cheating peers (tests and demos), and the modules that start cheaters: the
 # command lines, the demos and the benches that measure what cheats can do

@@ -23,13 +23,8 @@ from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss
 from covey.peer.overlap import SideCommitter, Transfer, TransferTimeout, speculation_fails
 from covey.protocol import schemas
-from covey.trust.verify import (
-    Committer,
-    compare,
-    local_state_from_bytes,
-    local_state_to_bytes,
-    reexecute,
-)
+from covey.trust.committer import Committer
+from covey.trust.verify import compare, local_state_from_bytes, local_state_to_bytes, reexecute
 from tests.conftest import tiny_gpt
 
 K = 2  # commit every 2 steps: commitments at 0 and 2 fall before step tau = 3

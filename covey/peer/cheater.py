@@ -24,6 +24,7 @@ from covey.peer.worker_types import Finished, LocalStates
 from covey.protocol import schemas
 from covey.protocol.content import content_id
 from covey.trust import verify
+from covey.trust.committer import Committer
 
 log = logging.getLogger("covey.worker")
 
@@ -76,7 +77,7 @@ class CheatingWorker(Worker):
         self,
         info: schemas.RoundInfo,
         done: int,
-        committer: verify.Committer | SideCommitter,
+        committer: Committer | SideCommitter,
         commitments: list[dict[str, Any]],
     ) -> tuple[int, list[dict[str, Any]]]:
         assert info.assignment is not None
