@@ -17,16 +17,16 @@ from pydantic import ValidationError
 from covey import __version__
 from covey.bench.agreement_cli import register as register_bench_agreement
 from covey.bench.gpu_cli import register as register_bench_gpu
+from covey.bench.rl_cli import register as register_bench_rl
 from covey.bench.shards_cli import register as register_bench_shards
-from covey.bench.swarm import register as register_bench_swarm
+from covey.bench.swarm_cli import register as register_bench_swarm
 from covey.config import SimConfig, load_sim_config
 from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
 from covey.halt_cli import register as register_halt
 from covey.io.cli import register as register_io
+from covey.io.ledger_cli import register as register_ledger
 from covey.rl.cli import register as register_rl
-from covey.rl.learn_cli import register_bench as register_bench_rl
 from covey.swarm.cli import register as register_swarm
-from covey.trust.ledger_cli import register as register_ledger
 
 app = typer.Typer(
     help="covey: train PyTorch models on decentralized compute with little communication.",
@@ -43,7 +43,7 @@ register_swarm(app)  # swarm coordinator, server, trainer, demo
 register_bench_swarm(bench_app)  # covey bench swarm
 register_bench_shards(bench_app)  # covey bench shards (gather vs sharded rounds)
 register_bench_agreement(bench_app)  # covey bench agreement (simulator vs network)
-register_bench_rl(bench_app)  # covey bench rl (covey/rl/learn_cli.py)
+register_bench_rl(bench_app)  # covey bench rl (covey/bench/rl_cli.py)
 register_rl(app)  # rl trainer, worker, validator, demo
 
 METHODS = "ddp, diloco, streaming, demo"
@@ -818,7 +818,8 @@ def worker(
         raise typer.Exit(run_follower(device, threads, group))
     _check_coordinator(coordinator, connect_timeout)
     _logging(verbose, name or "worker", log_json)
-    from covey.peer.worker import Worker, WorkerOptions
+    from covey.peer.cheater import build_worker
+    from covey.peer.worker import WorkerOptions
     from covey.trust.identity import IdentityError
 
     opts = WorkerOptions(
@@ -841,7 +842,7 @@ def worker(
         run_id=run_id,
     )
     try:
-        peer = Worker(opts)
+        peer = build_worker(opts)
     except IdentityError as e:
         raise _fail(str(e)) from None
     from covey.logs import set_peer

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from covey.rl.cheater import rollout_validator, rollout_worker
 from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity
@@ -109,7 +110,7 @@ def trainer_process(data_dir: Path, spec: str = SPEC, **kwargs: Any) -> Iterator
 @contextlib.contextmanager
 def validator(url: str, behavior: str = "honest") -> Iterator[RolloutValidator]:
     """An in-process validator polling URL for the block."""
-    v = RolloutValidator(url, Identity.generate(), name=f"v-{behavior}", behavior=behavior)
+    v = rollout_validator(url, Identity.generate(), name=f"v-{behavior}", behavior=behavior)
     thread = threading.Thread(target=v.run_loop, kwargs={"poll_s": 0.1}, daemon=True)
     thread.start()
     try:
@@ -120,7 +121,7 @@ def validator(url: str, behavior: str = "honest") -> Iterator[RolloutValidator]:
 
 
 def joined_worker(url: str, behavior: str = "honest") -> RolloutWorker:
-    w = RolloutWorker(url, Identity.generate(), name=f"w-{behavior}", behavior=behavior)
+    w = rollout_worker(url, Identity.generate(), name=f"w-{behavior}", behavior=behavior)
     w.membership.join("worker", w.name, w.stake)
     return w
 

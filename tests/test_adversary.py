@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from covey.peer import adversary
@@ -59,3 +61,40 @@ def test_rounds_to_detection_uses_schedules_and_the_real_draw() -> None:
     # a late cheater skips the new-peer phase: at rate 0.2 it waits about 1 / 0.2 rounds
     sparse = rounds_to_detection(("late:noise:5",), 0.2, cheaters=60, horizon=40)["late:noise:5"]
     assert 2 <= sparse["median_rounds"] <= 8 and sparse["caught"] > 0.9
+
+
+def test_the_cheats_are_played_by_a_subclass_of_the_honest_worker(tmp_path: Path) -> None:
+    from covey.peer.cheater import CheatingWorker, build_worker
+    from covey.peer.worker import Worker, WorkerOptions
+
+    def opts(behavior: str) -> WorkerOptions:
+        return WorkerOptions("http://127.0.0.1:9", identity=tmp_path / "key", behavior=behavior)
+
+    assert type(build_worker(opts("honest"))) is Worker
+    for spec in ("noise", "late:lazy:3", "intermittent:nan:0.5", "withhold"):
+        assert type(build_worker(opts(spec))) is CheatingWorker
+    with pytest.raises(ValueError, match="cannot play 'noise'"):
+        Worker(opts("noise"))  # the honest worker plays nothing else
+    with pytest.raises(ValueError, match="unknown behavior 'sneaky'"):
+        build_worker(opts("sneaky"))
+
+
+def test_the_rl_cheats_are_played_by_subclasses_of_the_honest_peers() -> None:
+    from covey.rl.cheater import (
+        VALIDATOR_BEHAVIORS,
+        CheatingRolloutValidator,
+        CheatingRolloutWorker,
+        worker_behaviors,
+    )
+    from covey.rl.cheats import CHEATS
+    from covey.rl.validator import RolloutValidator
+    from covey.rl.worker import RolloutWorker
+
+    assert issubclass(CheatingRolloutWorker, RolloutWorker)
+    assert issubclass(CheatingRolloutValidator, RolloutValidator)
+    assert set(worker_behaviors()) == {"honest", "replay", *CHEATS}
+    assert VALIDATOR_BEHAVIORS == ("honest", "lazy", "accuse")
+    with pytest.raises(ValueError, match="unknown behavior 'sneaky'"):
+        CheatingRolloutWorker("http://127.0.0.1:9", None, behavior="sneaky")
+    with pytest.raises(ValueError, match="unknown validator behavior 'sneaky'"):
+        CheatingRolloutValidator("http://127.0.0.1:9", None, behavior="sneaky")

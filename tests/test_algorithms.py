@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from covey.algorithms import DeMo, DiLoCo, RoundError, StreamingDiLoCo, build_strategy
-from covey.algorithms.base import Contribution, Strategy, TrainState, flatten
+from covey.algorithms.base import Strategy
 from covey.algorithms.optim import adamw, nesterov_sgd
+from covey.algorithms.state import Contribution, TrainState
 from covey.algorithms.streaming import layer_key, strided_fragments
+from covey.algorithms.tensors import flatten
 from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, StreamingDiLoCoConfig
 from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from covey.io import audit
 from covey.local.cluster import LocalCluster
-from covey.trust import audit
 from covey.trust.identity import NO_ROUND, Identity, request_purpose
 from covey.trust.ledger import Entry
 

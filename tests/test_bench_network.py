@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from covey.bench import netns
-from covey.bench.network import (
+from covey.bench.network import run_network_bench
+from covey.bench.network_plan import (
     apply_target,
     default_target,
     network_methods,
-    run_network_bench,
     run_spec,
     summarize_run,
 )

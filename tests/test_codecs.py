@@ -1,4 +1,5 @@
-"""Tests for covey.algorithms.dct and covey.algorithms.codecs."""
+"""Tests for covey.algorithms.dct and the codecs (covey.algorithms.codec_base, codecs and
+sparse_codecs)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,8 @@ import struct
 import pytest
 import torch
 
-from covey.algorithms.codecs import (
-    CODEC_SPECS,
-    HEADER_BYTES,
-    Codec,
-    CodecError,
-    DctCodec,
-    decode_any,
-    get_codec,
-    peek,
-)
+from covey.algorithms.codec_base import HEADER_BYTES, Codec, CodecError, decode_any, peek
+from covey.algorithms.codecs import CODEC_SPECS, get_codec
 from covey.algorithms.dct import (
     dct2_chunks,
     dct_basis,
@@ -29,6 +22,7 @@ from covey.algorithms.dct import (
     idct_sparse,
     to_chunks,
 )
+from covey.algorithms.sparse_codecs import DctCodec
 
 # Variants beyond the one-per-codec examples: other blocks, value formats, wide DCT chunks,
 # small and odd 2-D DCT sides (uint8 indices up to side 16).
@@ -331,7 +325,7 @@ def test_dct_and_dct2_payloads_do_not_mix() -> None:
 
 
 def test_dct2_codec_limits() -> None:
-    from covey.algorithms.codecs import Dct2Codec
+    from covey.algorithms.sparse_codecs import Dct2Codec
 
     codec = Dct2Codec(256, 65536)  # the largest block: uint16 indices up to 65535
     assert codec.name == "dct2:256:65536" and codec.index_dtype == "<u2"

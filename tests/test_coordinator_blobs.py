@@ -14,8 +14,8 @@ from covey.blobs import BlobClient, BlobStore
 from covey.blobs.client import upload_headers
 from covey.config import load_run_config
 from covey.coordinator.db import Database
+from covey.coordinator.rejected import Rejected
 from covey.coordinator.uploads import Blobs
-from covey.coordinator.views import Rejected
 from covey.protocol.content import content_id
 from covey.trust.identity import Identity
 

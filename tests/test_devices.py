@@ -16,9 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from covey.algorithms import build_strategy
-from covey.algorithms.base import Strategy, TrainState
-from covey.algorithms.codecs import HEADER_BYTES, get_codec
+from covey.algorithms.base import Strategy
+from covey.algorithms.codec_base import HEADER_BYTES
+from covey.algorithms.codecs import get_codec
 from covey.algorithms.dct import dct_basis
+from covey.algorithms.state import TrainState
 from covey.config import (
     DDPConfig,
     DeMoConfig,

@@ -23,10 +23,11 @@ from covey.algorithms.codecs import get_codec
 from covey.blobs.client import BlobClient
 from covey.config import load_run_config
 from covey.coordinator.verification import Verification
+from covey.io import audit
 from covey.local.cluster import LocalCluster
 from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.protocol.content import content_id
-from covey.trust import audit, referee
+from covey.trust import referee
 from covey.trust.identity import NO_ROUND, Identity, request_purpose
 from covey.trust.ledger import Entry
 from covey.trust.verify import local_state_to_bytes

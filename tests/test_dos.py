@@ -23,10 +23,10 @@ from covey.algorithms.codecs import get_codec
 from covey.blobs.client import upload_headers
 from covey.config import RoundsConfig
 from covey.coordinator.limits import LongPolls, TokenBuckets
+from covey.io import audit
 from covey.local.cluster import LocalCluster
 from covey.protocol.content import content_id
 from covey.protocol.rounds import PeerView, no_show_backoff, plan_round
-from covey.trust import audit
 from covey.trust.identity import Identity
 from covey.trust.polls import poll_headers
 

@@ -23,11 +23,11 @@ import covey.blobs.store as store_mod
 from covey.config import load_run_config
 from covey.coordinator.auth import _RECEIVED_AT
 from covey.coordinator.intake import Withheld, evidence_grace_s
+from covey.coordinator.rejected import Rejected
 from covey.coordinator.service import Coordinator
-from covey.coordinator.views import Rejected
+from covey.io import audit
 from covey.protocol import schemas
 from covey.protocol.content import content_id
-from covey.trust import audit
 from covey.trust.certify import sample
 from covey.trust.identity import Identity, request_purpose
 from covey.trust.incentives import Book

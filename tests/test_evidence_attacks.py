@@ -13,10 +13,10 @@ from typing import Any
 
 from covey.config import load_run_config
 from covey.coordinator.intake import evidence_grace_s
+from covey.coordinator.rejected import Rejected
 from covey.coordinator.service import Coordinator
-from covey.coordinator.views import Rejected
+from covey.io import audit
 from covey.protocol.content import content_id
-from covey.trust import audit
 from tests.test_evidence import SPEC, Peer, account, overdue
 
 

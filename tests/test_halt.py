@@ -22,9 +22,10 @@ import httpx
 import pytest
 
 from covey.config import TrustConfig
+from covey.io import audit
 from covey.local.cluster import LocalCluster
 from covey.peer.lease import Lease, LeaseLapsed
-from covey.trust import audit, ledger
+from covey.trust import ledger
 from covey.trust.halt import EXIT_HALTED, HALT_PATH, halt_problem
 from covey.trust.identity import NO_ROUND, Identity, request_purpose
 from covey.trust.incentives import Book, Policy

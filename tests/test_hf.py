@@ -125,10 +125,10 @@ def test_network_run_trains_verifies_and_exports_a_tiny_llama(tmp_path: Path) ->
     import torch
     from transformers import AutoModelForCausalLM
 
+    from covey.io import audit
     from covey.io.export import export_run, load_checkpoint_into, read_run
     from covey.local.cluster import LocalCluster
     from covey.models.source import build_model
-    from covey.trust import audit
     from tests.tiny_hf import tiny_llama
 
     model_dir = tiny_llama(tiny_tokenizer(tmp_path / "DIR", 300), vocab_size=300)

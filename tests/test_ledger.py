@@ -16,7 +16,8 @@ import typer
 from typer.testing import CliRunner
 
 from covey.config import TrustConfig
-from covey.trust import audit
+from covey.io import audit
+from covey.io.ledger_cli import register
 from covey.trust.certify import canary_message, draw_value, sample
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book, Policy
@@ -33,7 +34,6 @@ from covey.trust.ledger import (
     to_line,
     verify_chain,
 )
-from covey.trust.ledger_cli import register
 from covey.trust.policy import Account
 
 POLICY = Policy(

@@ -21,12 +21,12 @@ from torch import nn
 
 from covey.algorithms import Contribution, TrainState, build_strategy
 from covey.algorithms.aggregation import WeightedMean
-from covey.algorithms.base import RoundError
 from covey.algorithms.diloco import outer_step
 from covey.algorithms.lazy_aggregation import _BLOCK_VALUES, aggregate_lazily, drop_mapped_pages
+from covey.algorithms.state import RoundError
 from covey.config import DiLoCoConfig
 from covey.memory import bound_heap, reset_peak, rss_mib, shapes_only
-from covey.peer.worker import verify_local_metadata
+from covey.peer.worker_train import verify_local_metadata
 from covey.protocol.checkpoint import (
     CheckpointError,
     FileTensors,

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from covey.algorithms import DiLoCo, Strategy, build_strategy
-from covey.algorithms.base import TrainState
+from covey.algorithms.state import TrainState
 from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, StreamingDiLoCoConfig
 from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss
+from covey.trust.committer import Committer
 from covey.trust.sketch import commitment_of
 from covey.trust.verify import (
     BatchFn,
-    Committer,
     compare,
     local_state_from_bytes,
     local_state_to_bytes,
@@ -248,7 +248,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 
 def ledger(cluster) -> list:
-    from covey.trust import audit
+    from covey.io import audit
 
     found, _, _ = audit.load(cluster.url)
     return found

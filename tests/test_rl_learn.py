@@ -250,7 +250,8 @@ def test_policy_directory_loads_as_an_hf_model_source(tmp_path: Path) -> None:
 def _apps() -> tuple[object, object]:
     import typer
 
-    from covey.rl.learn_cli import register_bench, register_sft
+    from covey.bench.rl_cli import register as register_bench
+    from covey.rl.learn_cli import register_sft
 
     rl, bench = typer.Typer(), typer.Typer()
     register_sft(rl)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from covey.trust import audit
+from covey.io import audit
 from covey.trust.incentives import Book
 from covey.trust.ledger import LedgerError
 from tests.test_ledger import Run, _unchecked

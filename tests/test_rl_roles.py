@@ -10,10 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from covey.cli import app
+from covey.io import audit
 from covey.rl import policy as pol
 from covey.rl.runspec import RLSpec, TaskSpec, run_id_of
 from covey.rl.trainer import Trainer
-from covey.trust import audit
 
 
 def test_policy_bytes_round_trip_and_refusals(tmp_path: Path) -> None:

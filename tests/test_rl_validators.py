@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from covey.trust.audit import verify as verify_ledger
+from covey.io.audit import verify as verify_ledger
 from tests.rl_helpers import (
     batch_status,
     joined_worker,

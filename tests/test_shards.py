@@ -10,7 +10,8 @@ from torch import nn
 
 from covey.algorithms import Contribution, aggregation
 from covey.algorithms.aggregation import AGGREGATIONS, build_aggregator, l2_norm
-from covey.algorithms.codecs import CodecError, get_codec
+from covey.algorithms.codec_base import CodecError
+from covey.algorithms.codecs import get_codec
 from covey.algorithms.diloco import DiLoCo
 from covey.algorithms.shards import (
     aggregate_shard,

@@ -30,6 +30,7 @@ from covey.algorithms import Contribution
 from covey.blobs import BlobServer, BlobStore
 from covey.blobs.client import upload_headers
 from covey.cli import app
+from covey.io import audit
 from covey.local.cluster import LocalCluster
 from covey.peer.aggregator import (
     ShardAggregator,
@@ -41,7 +42,6 @@ from covey.peer.aggregator import (
 from covey.peer.client import CoordinatorClient
 from covey.peer.runsetup import set_up_run
 from covey.protocol.content import content_id
-from covey.trust import audit
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book
 from covey.trust.ledger import LedgerError, append, read_entries

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
+from covey.io import audit
 from covey.swarm.launch import Swarm, status, wait_for
-from covey.trust import audit
 from tests.swarm_helpers import SETTINGS as BASE
 from tests.swarm_helpers import four_servers
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from covey.io import audit
 from covey.local.cluster import ClusterError, LocalCluster
-from covey.trust import audit
 from covey.trust.identity import canonical_json
 from covey.trust.ledger import Entry, check_entry, parse_line
 

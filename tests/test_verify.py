@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from covey.algorithms import DiLoCo, Strategy, build_strategy
-from covey.algorithms.base import TrainState
-from covey.algorithms.codecs import CodecError, get_codec
+from covey.algorithms.codec_base import CodecError
+from covey.algorithms.codecs import get_codec
+from covey.algorithms.state import TrainState
 from covey.bench.trust_calibration import CHEATS, cheat_claim
 from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, StreamingDiLoCoConfig
 from covey.data.batches import sample_batch
 from covey.models.gpt import GPT, gpt_config, lm_loss
 from covey.peer.adversary import forge_payload
+from covey.trust.committer import Committer
 from covey.trust.referee import judge, referee
 from covey.trust.sketch import (
     BUCKETS,
@@ -31,7 +33,6 @@ from covey.trust.sketch import (
 )
 from covey.trust.verify import (
     BatchFn,
-    Committer,
     Reexecution,
     SpilledStates,
     bisect,

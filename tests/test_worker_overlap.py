@@ -23,13 +23,8 @@ from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss
 from covey.peer.overlap import SideCommitter, Transfer, TransferTimeout, speculation_fails
 from covey.protocol import schemas
-from covey.trust.verify import (
-    Committer,
-    compare,
-    local_state_from_bytes,
-    local_state_to_bytes,
-    reexecute,
-)
+from covey.trust.committer import Committer
+from covey.trust.verify import compare, local_state_from_bytes, local_state_to_bytes, reexecute
 from tests.conftest import tiny_gpt
 
 K = 2  # commit every 2 steps: commitments at 0 and 2 fall before step tau = 3
@@ -277,8 +272,8 @@ def _replay(cluster, certs: list[dict]) -> None:  # type: ignore[no-untyped-def]
 def test_overlapping_workers_commit_agree_with_the_validator_and_the_simulator(
     tmp_path: Path,
 ) -> None:
+    from covey.io import audit
     from covey.local.cluster import LocalCluster
-    from covey.trust import audit
 
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC)
@@ -322,8 +317,8 @@ def test_a_worker_killed_mid_transfer_comes_back_and_nothing_is_corrupted(
     on, every round either worker applied matches its certificate, the validator agrees."""
     import signal
 
+    from covey.io import audit
     from covey.local.cluster import LocalCluster
-    from covey.trust import audit
 
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC)

@@ -12,11 +12,12 @@ from covey.algorithms.aggregation import (
     WeightedMean,
     build_aggregator,
 )
-from covey.algorithms.base import Contribution, LossFn, RoundError, Strategy, TrainState
+from covey.algorithms.base import LossFn, Strategy
 from covey.algorithms.codecs import get_codec
 from covey.algorithms.ddp import DDP
 from covey.algorithms.demo import DeMo
 from covey.algorithms.diloco import DiLoCo
+from covey.algorithms.state import Contribution, RoundError, TrainState
 from covey.algorithms.streaming import StreamingDiLoCo
 from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, StreamingDiLoCoConfig
 

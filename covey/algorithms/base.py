@@ -52,118 +52,25 @@ aggregation bounds those). Nor are deviations below the tolerance (honest roundi
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from covey.algorithms.aggregation import Aggregator, WeightedMean
-from covey.algorithms.codecs import Codec, CodecError
+from covey.algorithms.codec_base import Codec, CodecError
 from covey.algorithms.lazy_aggregation import aggregate_lazily, drop_mapped_pages
+from covey.algorithms.state import Contribution, RoundError, TrainState
+from covey.algorithms.tensors import (
+    is_broadcast,
+    param_dict,
+    same_bits,
+    unflatten,
+)
 from covey.devices import autocast, maybe_compile
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class TrainState:
-    """What every peer agrees on at a round boundary.
-
-    params: the canonical model parameters, by name.
-    outer: global optimizer state (outer momentum, DDP's Adam moments), by name.
-    round: how many rounds have been applied to reach this state.
-    """
-
-    params: dict[str, torch.Tensor]
-    outer: dict[str, torch.Tensor] = field(default_factory=dict)
-    round: int = 0
-
-    def digest(self) -> str:
-        """sha256 over names, dtypes, shapes and bytes: equal digests = identical state."""
-        h = hashlib.sha256(f"round={self.round}".encode())
-        for section, tensors in (("params", self.params), ("outer", self.outer)):
-            for name in sorted(tensors):
-                t = tensors[name].detach().contiguous().cpu()
-                h.update(f"|{section}/{name}/{t.dtype}/{tuple(t.shape)}|".encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy())  # no copy: its buffer
-        return h.hexdigest()
-
-    def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for t in (*self.params.values(), *self.outer.values())
-        )
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """One worker's output for one round.
-
-    payload: the codec's bytes; len(payload) is what crosses the wire.
-    tokens: tokens trained on, the contribution's aggregation weight.
-    inner_steps: inner steps taken.
-    fragment: which parameter fragment the payload covers (Streaming DiLoCo), else None.
-    """
-
-    payload: bytes
-    tokens: int
-    inner_steps: int
-    fragment: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.payload)
-
-
-class RoundError(ValueError):
-    """A round cannot be applied: empty or inconsistent contributions. Nothing changes."""
-
-
-def param_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached clones of the model's parameters (tied weights appear once)."""
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
-
-
-def unflatten(vec: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(vec[offset : offset + t.numel()].view_as(t).to(t.dtype))
-        offset += t.numel()
-    if offset != vec.numel():
-        raise RoundError(f"vector has {vec.numel()} elements, parameters need {offset}")
-    return out
-
-
-def is_broadcast(t: torch.Tensor) -> bool:
-    """Whether `t` is an expanded view (a stride-0 dimension of size > 1): such a tensor
-    cannot be written in place, so it never changes and need not be copied."""
-    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether `b` is a tensor with exactly `a`'s dtype, shape, device and bytes (so a hash
-    of either is the same; -0.0 and 0.0 differ here, and a NaN equals its own bits)."""
-    if b is None or a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-        return False
-    if not (a.is_contiguous() and b.is_contiguous()) or a.dtype == torch.bool:
-        return False
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def clip_grad_(grads: Sequence[torch.Tensor], max_norm: float) -> None:
-    """Scale gradients in place so their global l2 norm is at most max_norm (0 = off)."""
-    if max_norm <= 0:
-        return
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    if norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
 
 
 class Strategy(ABC):

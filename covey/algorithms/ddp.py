@@ -15,16 +15,11 @@ import torch
 from torch import nn
 
 from covey.algorithms.aggregation import Aggregator, l2_norm
-from covey.algorithms.base import (
-    Contribution,
-    LossFn,
-    RoundError,
-    Strategy,
-    TrainState,
-    flatten,
-)
-from covey.algorithms.codecs import Codec
+from covey.algorithms.base import LossFn, Strategy
+from covey.algorithms.codec_base import Codec
 from covey.algorithms.optim import adamw, scheduled_lr
+from covey.algorithms.state import Contribution, RoundError, TrainState
+from covey.algorithms.tensors import flatten
 from covey.config import DDPConfig
 
 

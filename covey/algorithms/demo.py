@@ -21,14 +21,10 @@ import torch
 from torch import nn
 
 from covey.algorithms.aggregation import Aggregator
-from covey.algorithms.base import (
-    Contribution,
-    LossFn,
-    Strategy,
-    TrainState,
-    flatten,
-)
-from covey.algorithms.codecs import Codec
+from covey.algorithms.base import LossFn, Strategy
+from covey.algorithms.codec_base import Codec
+from covey.algorithms.state import Contribution, TrainState
+from covey.algorithms.tensors import flatten
 from covey.config import DeMoConfig
 
 

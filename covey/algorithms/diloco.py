@@ -26,16 +26,8 @@ import torch
 from torch import nn
 
 from covey.algorithms.aggregation import Aggregator
-from covey.algorithms.base import (
-    Contribution,
-    LossFn,
-    RoundError,
-    Strategy,
-    TrainState,
-    clip_grad_,
-    flatten,
-)
-from covey.algorithms.codecs import Codec
+from covey.algorithms.base import LossFn, Strategy
+from covey.algorithms.codec_base import Codec
 from covey.algorithms.optim import (
     has_schedule,
     make_inner_optimizer,
@@ -43,6 +35,8 @@ from covey.algorithms.optim import (
     scheduled_lr,
     set_lr,
 )
+from covey.algorithms.state import Contribution, RoundError, TrainState
+from covey.algorithms.tensors import clip_grad_, flatten
 from covey.config import DiLoCoConfig
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from covey.algorithms.base import LossFn, TrainState
+from covey.algorithms.base import LossFn
+from covey.algorithms.state import TrainState
 from covey.models.gpt import lm_loss
 
 

@@ -32,19 +32,11 @@ import torch
 
 from covey.algorithms import aggregation as _agg
 from covey.algorithms.aggregation import Aggregator, NormClip, check_round, clip_bounds
-from covey.algorithms.base import RoundError, TrainState, flatten, unflatten
-from covey.algorithms.codecs import (
-    _HEADER,
-    HEADER_BYTES,
-    MAGIC,
-    Bf16Codec,
-    Codec,
-    Fp16Codec,
-    Fp32Codec,
-    Int4Codec,
-    Int8Codec,
-)
+from covey.algorithms.codec_base import _HEADER, HEADER_BYTES, MAGIC, Codec
+from covey.algorithms.codecs import Bf16Codec, Fp16Codec, Fp32Codec, Int4Codec, Int8Codec
 from covey.algorithms.optim import nesterov_sgd
+from covey.algorithms.state import RoundError, TrainState
+from covey.algorithms.tensors import flatten, unflatten
 
 
 @dataclass(frozen=True)

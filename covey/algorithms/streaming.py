@@ -28,9 +28,11 @@ import torch
 from torch import nn
 
 from covey.algorithms.aggregation import Aggregator
-from covey.algorithms.base import Contribution, LossFn, RoundError, TrainState, flatten
-from covey.algorithms.codecs import Codec
+from covey.algorithms.base import LossFn
+from covey.algorithms.codec_base import Codec
 from covey.algorithms.diloco import DiLoCo, outer_step
+from covey.algorithms.state import Contribution, RoundError, TrainState
+from covey.algorithms.tensors import flatten
 from covey.config import StreamingDiLoCoConfig
 
 

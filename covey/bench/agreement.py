@@ -376,8 +376,9 @@ def evaluate_states(cfg: SimConfig, corpus: Corpus, files: dict[int, Path]) -> d
     for a file that is not a state of this model, or records another round."""
     import torch
 
-    from covey.algorithms.base import TrainState, param_dict
     from covey.algorithms.evaluate import evaluate
+    from covey.algorithms.state import TrainState
+    from covey.algorithms.tensors import param_dict
     from covey.data.batches import validation_batches
     from covey.models.source import build_run_model
     from covey.protocol.checkpoint import CheckpointError, state_from_file

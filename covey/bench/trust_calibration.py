@@ -50,12 +50,12 @@ from covey.config import DDPConfig, DiLoCoConfig
 from covey.data.batches import sample_batch
 from covey.data.corpus import load_corpus
 from covey.models.gpt import GPT, gpt_config, lm_loss
+from covey.trust.committer import Committer
 from covey.trust.referee import judge, referee
 from covey.trust.sketch import Commitment, commitment_of
 from covey.trust.verify import (
     DEFAULT_TOLERANCE,
     BatchFn,
-    Committer,
     Reexecution,
     Verdict,
     commitment_steps,

@@ -32,8 +32,8 @@ from .limits import LongPolls
 from .metrics import HostCollector, Metrics, RunCollector
 from .openapi import BLOB_BODY, BLOB_UPLOAD, errors
 from .openapi import document as document_api
+from .rejected import Rejected
 from .service import Coordinator
-from .views import Rejected
 
 log = logging.getLogger("covey.coordinator")
 STATIC = resources.files("covey.dashboard") / "static"
@@ -310,7 +310,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
         )
 
     if coord.cfg.trust.sharded_above_peers is not None:  # issue 13 §1
-        from .sharding import mount as mount_sharding
+        from .shard_rounds import mount as mount_sharding
 
         mount_sharding(app, coord)
     coord.uploads  # noqa: B018 -- sizes implied by the model, worked out before serving

@@ -34,7 +34,7 @@ from covey.trust.polls import (
     poll_message,
 )
 
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from .db import Database

@@ -22,7 +22,7 @@ import logging
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
-from covey.algorithms.codecs import CodecError
+from covey.algorithms.codec_base import CodecError
 from covey.blobs import BlobError
 from covey.protocol import schemas
 from covey.trust.certify import canary_draw

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from covey.algorithms import build_strategy
-from covey.algorithms.codecs import CodecError
+from covey.algorithms.codec_base import CodecError
 from covey.blobs import BlobError
 from covey.data.batches import assignment_batches
 from covey.devices import RefereeCompute, referee_compute

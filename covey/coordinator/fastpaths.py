@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from covey.protocol import schemas
 from covey.trust.polls import ROUND_POLL
 
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from covey.protocol import schemas
 from covey.trust.identity import NO_ROUND, peer_id_of
 
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from .accounts import Accounts

@@ -32,7 +32,7 @@ from .auth import ReceivedAt
 from .limits import JOINS, RateLimit, header_deadline_protocol
 from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
 from .openapi import errors
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from covey.config import LimitsConfig
@@ -76,8 +76,9 @@ def host_routes(app: FastAPI, metrics: Metrics, halt: Halt, accounts: Accounts) 
     """GET /healthz, GET /metrics, POST /v1/halt, the ledger (GET /v1/ledger,
     /v1/ledger/balances: what `covey ledger verify URL` reads) and /docs (rendered on the
     server from the app's OpenAPI document, no CDN: covey.coordinator.apidocs) on `app`.
-    Each mode answers GET /v1/run itself with at least RUN_KEYS (covey.errors: run id, mode, coordinator
-    key, spec), which is how `covey halt` and the peers know a covey coordinator."""
+    Each mode answers GET /v1/run itself with at least RUN_KEYS (covey.errors: run id,
+    mode, coordinator key, spec), which is how `covey halt` and the peers know a covey
+    coordinator."""
     install_docs(app)  # built on the first request, so the mode's later routes are listed
 
     @app.get("/healthz", tags=["operations"])

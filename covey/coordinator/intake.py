@@ -20,7 +20,8 @@ from covey.protocol import schemas
 from covey.trust.certify import sample
 from covey.trust.identity import Identity, body_content_id
 
-from .views import Rejected, Views
+from .rejected import Rejected
+from .views import Views
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy

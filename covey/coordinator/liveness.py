@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from covey.trust.identity import nonce_time
 
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from .db import Database

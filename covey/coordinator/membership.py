@@ -22,7 +22,7 @@ from covey.trust.identity import peer_id_of
 
 from .auth import Auth
 from .liveness import FLUSH_S, Liveness
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from covey.config import RunConfig

@@ -178,7 +178,7 @@ class Rounds(Intake, Views):
                         "coordinator_key": self.identity.public_key,
                         "policy": Policy.from_config(self.cfg.trust).to_dict(),
                         # spec + data fingerprint hash to run_id: an auditor checks the
-                        # spec here is the one peers were served (covey.trust.audit)
+                        # spec here is the one peers were served (covey.io.audit)
                         "corpus_fingerprint": self.corpus.fingerprint,
                     },
                     now,

@@ -57,8 +57,9 @@ from covey.trust.identity import canonical_json, request_message, request_purpos
 from covey.trust.shard_evidence import read_inputs
 
 from .openapi import errors
+from .rejected import Rejected
 from .sharding import ShardBoard, ShardError
-from .views import OpenRound, Rejected
+from .views import OpenRound
 
 if TYPE_CHECKING:
     from .service import Coordinator

@@ -26,9 +26,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from fastapi import FastAPI
+from typing import Any
 
 from covey.algorithms.shards import (
     ShardPlan,
@@ -36,9 +34,6 @@ from covey.algorithms.shards import (
 from covey.peer.aggregator import certificate_message, shard_purpose
 from covey.trust.identity import Identity, request_message, verify
 from covey.trust.shard_evidence import board_digest, board_fields, evidence
-
-if TYPE_CHECKING:
-    from .service import Coordinator
 
 log = logging.getLogger("covey.coordinator")
 
@@ -445,10 +440,3 @@ class ShardBoard:
             ],
         }
         return {**body, "signature": self.identity.sign(certificate_message(body))}
-
-
-def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
-    """Sharded rounds on the coordinator's app (covey.coordinator.shard_rounds.mount)."""
-    from .shard_rounds import mount as mount_rounds
-
-    return mount_rounds(app, coord)

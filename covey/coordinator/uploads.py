@@ -31,7 +31,7 @@ from covey.blobs.store import (
 )
 from covey.trust.identity import IdentityError, nonce_time, verify
 
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState

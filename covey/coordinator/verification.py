@@ -36,7 +36,7 @@ from covey.trust.identity import canonical_json
 from .assignment import OPEN, Assignments
 from .canary import Canaries
 from .disputes import Disputes
-from .views import Rejected
+from .rejected import Rejected
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState

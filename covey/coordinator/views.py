@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from covey.protocol import schemas
 from covey.protocol.rounds import PeerView, is_alive
 
+from .rejected import Rejected
+
 if TYPE_CHECKING:
     from covey.algorithms import TrainState
     from covey.blobs import BlobStore
@@ -34,16 +36,6 @@ if TYPE_CHECKING:
 VIEW_MAX_AGE_S = 1.0
 _CACHE_LOCK = threading.Lock()
 _STATUS_LOCK = threading.Lock()  # one status rebuild at a time
-
-
-class Rejected(Exception):
-    """A request that cannot be honoured; `status` is the HTTP status it maps to. Raised
-    before any state changes."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass

@@ -85,7 +85,7 @@ def write_demo_outputs(
 def _trust(coordinator_dir: Path, status: dict[str, Any]) -> dict[str, Any]:
     """The ledger checked from the run directory (`covey ledger verify`), and who was
     caught."""
-    from covey.trust import audit
+    from covey.io import audit
     from covey.trust.ledger import LedgerError
 
     try:

@@ -1,7 +1,9 @@
-"""Misbehaving workers, for tests and demos (`covey worker --behavior ...`).
+"""How a misbehaving worker lies, for tests and demos (`covey worker --behavior ...`): the
+behaviors, their schedules, and the forgeries they send. covey.peer.cheater.CheatingWorker
+plays them; the honest worker imports none of this.
 
 Each behavior is one way a participant can lie; covey must reject it at intake, or detect
-it by re-execution and slash it (../shared/DESIGN.md, "Trust"):
+it by re-execution and slash it:
 
     honest       does the work it claims
     noise        trains, then sends random noise of the same norm
@@ -42,7 +44,7 @@ from typing import Any
 
 import torch
 
-from covey.algorithms.codecs import HEADER_BYTES, Codec
+from covey.algorithms.codec_base import HEADER_BYTES, Codec
 
 BEHAVIORS = (
     "honest",

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import torch
 
-from covey.algorithms.base import Strategy, TrainState
+from covey.algorithms.base import Strategy
 from covey.algorithms.shards import (
     flat_state,
     new_shard,
@@ -37,6 +37,7 @@ from covey.algorithms.shards import (
     shard_to_bytes,
     state_from_flat,
 )
+from covey.algorithms.state import TrainState
 from covey.blobs import BlobStore
 from covey.config import DiLoCoConfig
 from covey.protocol.checkpoint import state_from_bytes

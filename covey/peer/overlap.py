@@ -32,7 +32,8 @@ from typing import Generic, TypeVar
 
 import torch
 
-from covey.algorithms.base import Strategy, TrainState
+from covey.algorithms.base import Strategy
+from covey.algorithms.state import TrainState
 from covey.protocol import schemas
 from covey.trust.sketch import BUCKETS, Commitment, commitment_of
 

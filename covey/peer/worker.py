@@ -1,6 +1,6 @@
 """`covey worker`: a peer that lends its compute to a run.
 
-The loop follows ../shared/DESIGN.md, "The round": ask the coordinator for the open round,
+The loop is a data-parallel round, as a peer sees it: ask the coordinator for the open round,
 make sure the local canonical state is the round's start state (downloading and
 hash-checking it if not: this is how a joiner enters mid-run), train the assigned inner
 steps on the assigned data, publish the contribution, wait for the round's certificate,
@@ -29,31 +29,24 @@ chain by content id at intake and a validator re-executes from the committed sta
 Streaming DiLoCo with tau > 0 overlaps communication with compute (covey.peer.overlap,
 covey.peer.worker_overlap): round r is published and applied on a background transfer
 while round r+1's first tau steps train. The worker is split by concern: this module is
-the loop and the training; covey.peer.worker_state keeps the canonical state,
-covey.peer.worker_publish publishes contributions.
+the loop; covey.peer.worker_train trains a round, covey.peer.worker_state keeps the
+canonical state, covey.peer.worker_publish publishes contributions.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from covey.algorithms import Contribution, TrainState
 from covey.blobs import BlobServer, BlobStore
-from covey.data.batches import assignment_batches
 from covey.memory import bound_heap, shapes_only
-from covey.peer import adversary, group
+from covey.peer import group
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.lease import Lease, LeaseLapsed
 from covey.peer.overlap import SideCommitter, Transfer
@@ -61,22 +54,15 @@ from covey.peer.runsetup import set_up_run
 from covey.peer.worker_overlap import Overlapping
 from covey.peer.worker_publish import Publishing
 from covey.peer.worker_state import ROUND_WAIT_S, StateKeeping
+from covey.peer.worker_train import Training
 from covey.peer.worker_types import Finished, LocalStates, Stopped
 from covey.protocol import schemas
-from covey.protocol.checkpoint import write_safetensors
-from covey.protocol.content import content_id
-from covey.trust import verify
+from covey.trust.committer import Committer
 from covey.trust.halt import EXIT_HALTED
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.worker")
-PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
 TRANSFER_JOIN_S = 10.0  # a leaving worker waits this long for its background transfer
-
-
-def verify_local_metadata() -> dict[str, str]:
-    """The safetensors metadata `verify.local_state_to_bytes` writes (its format tag)."""
-    return {"covey": json.dumps({"format": verify.LOCAL_STATE_FORMAT}, sort_keys=True)}
 
 
 @dataclass
@@ -85,7 +71,7 @@ class WorkerOptions:
     identity: Path | None = None  # default ~/.covey/identity
     name: str | None = None  # shown on the status page; default: the id's first 8 digits
     stake: float = 0.0
-    behavior: str = "honest"  # see covey.peer.adversary (tests and demos only)
+    behavior: str = "honest"  # a cheat is played by covey.peer.cheater (tests and demos)
     device: str | None = None  # auto|cpu|cuda|cuda:N|mps; None: the run's [peer] device
     group: str = "ddp"  # under torchrun: ddp or fsdp inside the group (covey/peer/group.py)
     threads: int | None = 1
@@ -101,10 +87,10 @@ class WorkerOptions:
     run_id: str | None = None  # refuse a coordinator serving another run (key included)
 
 
-class Worker(StateKeeping, Publishing, Overlapping):
+class Worker(StateKeeping, Training, Publishing, Overlapping):
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
-        adversary.check_behavior(opts.behavior)  # ValueError: a plain, late or intermittent one
+        self._check_behavior(opts.behavior)
         self.identity = Identity.load_or_create(opts.identity)
         self.peer_id = self.identity.peer_id
         self.name = opts.name or self.peer_id[:8]
@@ -112,9 +98,6 @@ class Worker(StateKeeping, Publishing, Overlapping):
         self.client = CoordinatorClient(
             opts.coordinator, lost_s=opts.connect_timeout_s, stop=self.stop, identity=self.identity
         )
-        self._last_payload: bytes | None = None  # stale
-        self._last_request: tuple[str, dict[str, Any]] | None = None  # replay
-        self._last_certificate: schemas.Certificate | None = None  # copycat
         self.excluded: str | None = None
         self.halted: str | None = None  # the owner's reason, once the run is halted
         self.lease = Lease()
@@ -132,6 +115,12 @@ class Worker(StateKeeping, Publishing, Overlapping):
         self._waited: str | None = None  # the round tag a "waiting" saw (covey.peer.worker_state)
         self._train_ended: float | None = None  # when the last round's training ended
         self._waited_s = 0.0  # how long this round's training waited for the last transfer
+
+    def _check_behavior(self, spec: str) -> None:
+        """ValueError unless this worker plays `spec`: an honest one only "honest" (the
+        cheats of tests and demos are covey.peer.cheater.CheatingWorker's)."""
+        if spec != "honest":
+            raise ValueError(f"an honest Worker cannot play {spec!r}: see covey.peer.cheater")
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -198,17 +187,6 @@ class Worker(StateKeeping, Publishing, Overlapping):
             self.step_time_s,
             self.blob_url or "uploaded to the coordinator",
         )
-
-    def _measure_step_time(self) -> float:
-        """Median of 3 forward+backward passes on a scratch copy of the model."""
-        model = copy.deepcopy(self.strategy.model)
-        batch = self._batch(0, "speed-test", 0).to(self.strategy.device)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            self.strategy.loss_fn(model, batch).backward()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[1] * self.opts.slowdown
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -277,15 +255,6 @@ class Worker(StateKeeping, Publishing, Overlapping):
                 raise Stopped()
             raise CoordinatorLost(f"participation lease not renewed for {patience:.0f} s")
         log.info("[%s] participation lease renewed: training again", self.name)
-
-    def _emulate_slowdown(self, seconds: float) -> None:
-        """Emulated slower hardware: wait `seconds`, checking twice a second that this peer
-        may still train (a signal or a HALT ends the wait, a lapsed lease raises
-        LeaseLapsed), as a real slow step would be checked before the next one."""
-        end = time.monotonic() + seconds
-        while (left := end - time.monotonic()) > 0:
-            self.stop.wait(min(0.5, left))
-            self._check_standing()
 
     def _check_standing(self) -> None:
         """Stopped on a signal, an exclusion or a HALT; LeaseLapsed when the lease ran out."""
@@ -368,7 +337,7 @@ class Worker(StateKeeping, Publishing, Overlapping):
         info: schemas.RoundInfo,
         deadline: float,
         started: float,
-        committer: verify.Committer | SideCommitter,
+        committer: Committer | SideCommitter,
         ahead: tuple[int, float, float] = (0, 0.0, 0.0),
     ) -> str:
         """Train the rest of the round (`ahead`: steps, compute seconds and loss sum already
@@ -433,7 +402,6 @@ class Worker(StateKeeping, Publishing, Overlapping):
             else:
                 self.strategy.adopt(f.state)
         self._trained_since_adopt = not adopt
-        self._last_certificate = cert
         if f.local is not None:  # H3: only a recorded contribution continues the chain
             f.local.accepted = any(a.peer_id == self.peer_id for a in cert.accepted)
             self._chain = f.local if f.submitted else None
@@ -441,131 +409,6 @@ class Worker(StateKeeping, Publishing, Overlapping):
             self.rounds_done += 1
         return "done"
 
-    def _begin_round(self, round_: int) -> None:
-        """H3: put the strategy at the round's start: chained from the end state of our
-        contribution to the previous round, else fresh (see the module docstring)."""
-        assert self.state is not None
-        chain = self._chain if self._chain is not None and self._chain.round == round_ - 1 else None
-        if not self.strategy.carries_local_state:
-            self.strategy.begin_round(self.state)
-            self._local = None
-            return
-        if chain is None:
-            self.strategy.begin_round(self.state)
-            self._local = LocalStates(None, round=round_)
-            return
-        start, start_cid = chain.end, chain.end_cid
-        if self.opts.behavior in adversary.STATE_CHEATS:  # tests and demos only
-            start = adversary.forge_local_state(chain.end)
-            if self.opts.behavior == "unchained":
-                start_cid = content_id(verify.local_state_to_bytes(start))
-        self.strategy.begin_round(self.state, start, chain.accepted)
-        self._local = LocalStates(start_cid, round=round_)
-
-    def _end_round(self) -> None:
-        """H3: the local state after this round's work, as the blob the contribution names."""
-        if self._local is None:
-            return
-        if self._overlaps() or self.leader is not None:  # training goes on from it
-            self._local.end = self.strategy.local_state()
-        else:  # the next round begins with begin_round: the optimizer's moments handed over
-            self._local.end = self.strategy.end_local_state()
-        # its bytes: `_seal`, off the training thread
-
-    def _seal(self, local: LocalStates | None) -> None:
-        """The end state's blob and content id (H3), once, before it is published: the
-        bytes of `verify.local_state_to_bytes(local.end)`, streamed into a scratch file of
-        the store and hashed on the way, never held in memory next to the tensors (a local
-        state is 1.5 GB at 124M, issue 13.3)."""
-        if local is None or local.end_cid is not None or not local.end:
-            return
-        assert self.store is not None
-        path = self.store.scratch()
-        try:
-            with open(path, "wb") as f:
-                cid, size = write_safetensors(local.end, verify_local_metadata(), f)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        local.end_path, local.end_size, local.end_cid = path, size, cid
-
     def _pause(self, seconds: float) -> None:
         if self.stop.wait(seconds):
             raise Stopped()
-
-    def _train(
-        self,
-        info: schemas.RoundInfo,
-        deadline: float,
-        committer: verify.Committer | SideCommitter,
-        ahead: tuple[int, float, float] = (0, 0.0, 0.0),
-    ) -> tuple[Contribution, float, float, list[dict[str, Any]]]:
-        """The assignment's inner steps, committing to the state every k steps; a flexible
-        method stops early rather than miss the deadline (its contribution then weighs
-        fewer tokens and carries the commitments of the steps it took). `ahead`: (steps,
-        compute seconds, loss sum) already trained for this round (overlap)."""
-        assert info.assignment is not None and self.state is not None
-        behavior = adversary.behavior_at(self.opts.behavior, info.round, self.peer_id)
-        steps = info.assignment.inner_steps
-        key = adversary.data_key(behavior, info.assignment.data_key)
-        if self.leader is not None:
-            self.leader.begin()  # every rank of the group starts where this one does
-        inner_step = self.leader.inner_step if self.leader else self.strategy.inner_step
-        self._trained_since_adopt = True
-        log.debug("[%s - round %d] training %d inner steps", self.name, info.round, steps)
-        done, compute_s, loss_sum = ahead
-        for step in range(done, adversary.steps_taken(behavior, steps)):
-            self._check_standing()
-            if done and self.strategy.flexible_steps:
-                per_step = compute_s / done
-                if time.monotonic() + per_step * 1.5 > deadline - PUBLISH_ALLOWANCE_S:
-                    log.warning(
-                        "[%s] stopping at %d/%d steps to meet the deadline",
-                        self.name,
-                        done,
-                        steps,
-                    )
-                    break
-            loss, seconds = self._timed_step(
-                inner_step, partial(self._batch, info.round, key, step)
-            )
-            loss_sum += loss
-            compute_s += seconds
-            done += 1
-            committer.after_step(done)
-        commitments = [c.to_dict() for c in committer.commitments]
-        claimed = steps if behavior in ("lazy", "free-rider") else done
-        if done == 0:  # a free-rider: no work, zeros, and commitments made up below
-            payload = self.strategy.codec.encode(self._zeros())
-            per_step, loss_sum = self.cfg.data.batch_size * self.seq_len, float("nan")
-        else:
-            if self.leader is not None:
-                self.leader.end()  # the contribution counts the whole group's tokens
-            elif not self.strategy.carries_local_state:  # nothing of it outlives the round
-                self.strategy.free_round_memory(optimizer=True)
-            else:
-                self.strategy.free_round_memory()  # the gradients
-            c = self.strategy.make_contribution()
-            payload, per_step = c.payload, c.tokens // done
-        if claimed != done:
-            commitments = adversary.pad_commitments(
-                [c.to_dict() for c in committer.recorded],
-                verify.commitment_steps(claimed, self.cfg.trust.commit_every),
-            )
-        fragment = self.strategy.round_fragment(info.round)
-        contribution = Contribution(payload, per_step * claimed, claimed, fragment)
-        return contribution, loss_sum / max(done, 1), compute_s, commitments
-
-    def _timed_step(
-        self, inner_step: Callable[[torch.Tensor], float], batch: Callable[[], torch.Tensor]
-    ) -> tuple[float, float]:
-        """One inner step, its batch sampled first -> (loss, compute seconds: both),
-        --slowdown emulated."""
-        t0 = time.perf_counter()
-        loss = inner_step(batch())
-        if self.opts.slowdown > 1:
-            self._emulate_slowdown((time.perf_counter() - t0) * (self.opts.slowdown - 1))
-        return loss, time.perf_counter() - t0
-
-    def _batch(self, round: int, key: str, step: int) -> torch.Tensor:
-        return assignment_batches(self.cfg, self.corpus, self.seq_len, round, key)(step)

@@ -44,14 +44,13 @@ class Overlapping:
 
     def _overlaps(self) -> bool:
         """Whether the next round's first tau steps train while this round's bytes move:
-        Streaming DiLoCo with tau > 0, an honest single-process peer with rounds to go."""
+        Streaming DiLoCo with tau > 0, a single-process peer with rounds to go."""
         last = self.opts.max_rounds and self.rounds_done + 1 >= self.opts.max_rounds
         return bool(
             self.strategy.overlap_steps > 0
             and hasattr(self.strategy, "merge_late")
             and self._local is not None
             and self.leader is None
-            and self.opts.behavior == "honest"
             and not last
         )
 

@@ -1,7 +1,7 @@
 """Publishing a worker's contribution: the payload served from its blob server (or
-uploaded), its end-state blob (H3), and the signed submission; the test-only misbehaviors
-of covey.peer.adversary. Mixed into covey.peer.worker.Worker, whose attributes it uses.
-Safe on the overlap's transfer thread: it touches no live training state.
+uploaded), its end-state blob (H3), and the signed submission. Mixed into
+covey.peer.worker.Worker, whose attributes it uses. Safe on the overlap's transfer thread: it
+touches no live training state.
 """
 
 from __future__ import annotations
@@ -9,10 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 from covey.algorithms import Contribution, TrainState
-from covey.peer import adversary
 from covey.peer.client import PeerRejected
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
@@ -30,9 +27,6 @@ class Publishing:
     state: TrainState | None
     _local: LocalStates | None
     _published: list[str]
-    _last_payload: bytes | None
-    _last_request: tuple[str, dict[str, Any]] | None
-    _last_certificate: schemas.Certificate | None
     name: str
     opts: Any
     store: Any
@@ -53,15 +47,8 @@ class Publishing:
         refused it; PeerRejected when this peer has been excluded from the run."""
         assert self.store is not None and self.state is not None
         path = f"/v1/rounds/{info.round}/contributions"
-        payload = self._misbehave(info, c)
+        payload = self._payload(info, c)
         if payload is None:
-            return False
-        if self.opts.behavior == "replay" and self._last_request is not None:
-            old_path, old_body = self._last_request  # sent again verbatim, signature and all
-            try:
-                self.client.post_once(old_path, old_body, timeout_s=self.heartbeat_s, round=None)
-            except PeerRejected as e:
-                log.warning("[%s - round %d] replay refused: %s", self.name, info.round, e)
             return False
         cid = self.store.put(payload)
         self._published.append(cid)
@@ -76,7 +63,7 @@ class Publishing:
         local: dict[str, Any] = {}
         if self._local is not None and self._local.end_cid is not None:  # H3: its end state
             end_cid, end_path = self._local.end_cid, self._local.end_path
-            if adversary.behavior_at(self.opts.behavior, info.round, self.peer_id) == "withhold":
+            if not self._serves_end_state(info.round):
                 if end_path is not None:  # named, never served
                     end_path.unlink(missing_ok=True)
             else:
@@ -112,8 +99,7 @@ class Publishing:
             "commitments": commitments,
             **local,
         }
-        signed = self.identity.sign_request(body, info.round, purpose=request_purpose(path))
-        self._last_request = (path, signed)
+        signed = self._signed(path, body, info.round)
         try:
             # the coordinator may pull the payload from us before it answers, and the start
             # and end local states if it drew this contribution for verification: allow
@@ -136,36 +122,20 @@ class Publishing:
         )
         return True
 
-    def _misbehave(self, info: schemas.RoundInfo, c: Contribution) -> bytes | None:
-        """The payload this worker's behavior sends (None: nothing to send this round)."""
-        behavior = adversary.behavior_at(self.opts.behavior, info.round, self.peer_id)
-        payload = c.payload
-        if behavior in adversary.PAYLOAD_CHEATS and behavior != "free-rider":
-            numel = self._numel()
-            payload = adversary.forge_payload(
-                behavior, payload, self.strategy.codec, numel, info.round
-            )
-        elif behavior == "stale":
-            payload, self._last_payload = self._last_payload or payload, payload
-        elif behavior == "copycat":
-            theirs = [
-                a
-                for a in (self._last_certificate.accepted if self._last_certificate else [])
-                if a.peer_id != self.peer_id
-            ]
-            if not theirs:
-                log.info("[%s - round %d] nothing to copy yet", self.name, info.round)
-                return None
-            victim = theirs[0]
-            sources = [*victim.providers, self.opts.coordinator]
-            payload = self.blobs.fetch(victim.cid, sources, size=victim.size)
-        return payload
+    def _payload(self, info: schemas.RoundInfo, c: Contribution) -> bytes | None:
+        """The bytes published for contribution `c` (None: nothing to send this round)."""
+        return c.payload
+
+    def _serves_end_state(self, round: int) -> bool:
+        """Whether the end local state the contribution names is served (H3): always."""
+        return True
+
+    def _signed(self, path: str, body: dict[str, Any], round: int) -> dict[str, Any]:
+        """The submission `body`, signed for `round` and the endpoint at `path`."""
+        return self.identity.sign_request(body, round, purpose=request_purpose(path))
 
     def _numel(self) -> int:
         """Elements of this round's contribution (its fragment's parameters)."""
         assert self.state is not None
         names = self.strategy.fragment_names(self.strategy.round_fragment(self.state.round))
         return sum(self.state.params[n].numel() for n in names)
-
-    def _zeros(self) -> torch.Tensor:
-        return torch.zeros(self._numel())

@@ -183,6 +183,12 @@ def batch_digest(batch: RolloutBatch) -> str:
     return hashlib.sha256(b"covey-rl-batch|" + batch.model_dump_json().encode()).hexdigest()
 
 
+def draw_samples(cid: str, draw: str, n: int, k: int) -> list[int]:
+    """The k (of n) sample indices a validator prefills: `verified_subset` with the
+    trainer's draw as the beacon."""
+    return verified_subset(cid, draw, n, k)
+
+
 def verified_subset(digest: str, beacon: str, n_samples: int, k: int) -> list[int]:
     """The `k` sample indices (sorted, distinct, all when k >= n_samples) a validator
     prefills: ranked by sha256(digest, beacon, i). The beacon (e.g. the validator's

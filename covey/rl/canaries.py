@@ -29,14 +29,15 @@ import json
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from covey.rl import proofs
-from covey.rl.batch import RolloutBatch
+from covey.rl.batch import RolloutBatch, draw_samples
 from covey.trust.certify import canary_draw
 
 if TYPE_CHECKING:
-    from covey.rl.trainer import Trainer
+    from covey.rl.trainer_parts import TrainerParts
 
 log = logging.getLogger("covey.rl.intake")
 CANARY_SCHEMA = (
@@ -97,8 +98,10 @@ class Canaries:
     """The RL trainer's canaries: planted at a validator's claim, resolved by its report or
     the deadline. Every method that takes `c` runs inside the caller's transaction."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.t = trainer
+    def __init__(self, trainer: TrainerParts, assign_draw: Callable[[str], str]) -> None:
+        """`assign_draw`: the trainer's assignment draw of a batch by its content id
+        (covey.rl.intake.Intake.assign_draw)."""
+        self.t, self.assign_draw = trainer, assign_draw
 
     def assigned(self, c: sqlite3.Connection, validator: str) -> sqlite3.Row | None:
         return c.execute(
@@ -221,8 +224,6 @@ class Canaries:
 
     def task(self, row: sqlite3.Row) -> dict[str, Any]:
         """What the validator is handed: the same fields as a real check's task."""
-        from covey.rl.intake import draw_samples
-
         return {
             "batch_cid": row["cid"],
             "step": row["step"],
@@ -230,7 +231,7 @@ class Canaries:
             "policy_version": row["step"],
             "policy_cid": self.t.cids[row["step"]],
             "draw": row["task_draw"],
-            "assign_draw": self.t.intake.assign_draw(row["cid"]),
+            "assign_draw": self.assign_draw(row["cid"]),
             "verify_samples": draw_samples(
                 row["cid"], row["task_draw"], row["samples"], self.t.spec.verify_samples
             ),

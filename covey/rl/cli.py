@@ -224,7 +224,7 @@ def worker(
     trainer_url: TrainerUrl,
     behavior: Annotated[
         str,
-        typer.Option(help="honest, or a cheat (tests/demo): replay, and covey.rl.cheats.CHEATS"),
+        typer.Option(help="honest, or a cheat (tests/demo): covey.rl.cheater.worker_behaviors()"),
     ] = "honest",
     identity: IdentityPath = None,
     name: Annotated[str, typer.Option(help="name shown on the status page")] = "worker",
@@ -239,7 +239,7 @@ def worker(
 ) -> None:
     """Generate rollout batches for a trainer and get paid per verified token."""
     from covey.peer.client import CoordinatorLost, PeerRejected
-    from covey.rl.worker import RolloutWorker
+    from covey.rl.cheater import rollout_worker
     from covey.trust.halt import EXIT_HALTED
 
     where = _peer_device(device)
@@ -247,7 +247,7 @@ def worker(
     _threads(threads)
     stop = _stop_on_signals()
     try:
-        w = RolloutWorker(
+        w = rollout_worker(
             trainer_url,
             _identity(identity),
             name=name,
@@ -288,8 +288,8 @@ def validator(
     Exit 1, before claiming anything, when this validator's device is of another class
     than the run's verify_device (re-checking there could convict honest work)."""
     from covey.peer.client import CoordinatorLost, PeerRejected
+    from covey.rl.cheater import rollout_validator
     from covey.rl.runspec import VerifyRefused
-    from covey.rl.validator import RolloutValidator
     from covey.trust.halt import EXIT_HALTED
 
     where = _peer_device(device)
@@ -297,7 +297,7 @@ def validator(
     _threads(threads)
     stop = _stop_on_signals()
     try:
-        v = RolloutValidator(
+        v = rollout_validator(
             trainer_url,
             _identity(identity),
             name=name,

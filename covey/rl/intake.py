@@ -40,16 +40,16 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, model_validator
 
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.protocol.schemas import PeerId, RunId, Signed
-from covey.rl.batch import Problem, RolloutBatch, verified_subset
+from covey.rl.batch import Problem, RolloutBatch, draw_samples
 from covey.rl.canaries import CANARY_SCHEMA, Canaries
 from covey.rl.runspec import NotJudged
 from covey.rl.verdicts import Judge
 from covey.trust.identity import NO_ROUND
 
 if TYPE_CHECKING:
-    from covey.rl.trainer import Trainer
+    from covey.rl.trainer_parts import TrainerParts
 
 log = logging.getLogger("covey.rl.intake")
 RL_SCHEMA = (
@@ -128,17 +128,11 @@ def assign_rank(assign_draw: str, validator_id: str) -> str:
     return _h("covey-rl-assign/v1", assign_draw, validator_id)
 
 
-def draw_samples(cid: str, draw: str, n: int, k: int) -> list[int]:
-    """The k (of n) sample indices a validator prefills (covey.rl.batch.verified_subset
-    with the trainer's draw as the beacon)."""
-    return verified_subset(cid, draw, n, k)
-
-
 class Intake:
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TrainerParts) -> None:
         self.t = trainer
         self.judge = Judge(trainer)
-        self.canaries = Canaries(trainer)
+        self.canaries = Canaries(trainer, self.assign_draw)
         self._assign_draws: dict[str, str] = {}
 
     # -- submissions ----------------------------------------------------------------------

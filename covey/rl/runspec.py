@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from covey.config import LimitsConfig, RoundsConfig, TrustConfig
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.devices import (
     DeviceError,
     RefereeCompute,

@@ -37,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from covey.config import LimitsConfig
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
 from covey.coordinator.metrics import HostCollector, Metrics, reason_label
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.protocol import schemas
 from covey.rl.intake import ClaimCheck, ReportCheck, SubmitBatch
 from covey.rl.status_page import STATUS_HTML

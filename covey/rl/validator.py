@@ -3,9 +3,8 @@
 The check is covey.rl.batch.check_batch under the policy of the batch's step, with the
 run's rules from the trainer's spec (never from the batch) and the prefill checks on the
 sequences the trainer's draw picked. Policies and batches are fetched by content id and
-verified by hash. `behavior` "lazy" accepts without checking and "accuse" rejects
-everything: dishonest validators for tests and the demo (the trainer's audits and re-checks
-penalize both).
+verified by hash. The dishonest validators of tests and the demo are
+covey.rl.cheater.CheatingRolloutValidator, which overrides `verdict`.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from covey.blobs import BlobClient, BlobError, BlobStore
 from covey.peer.client import CoordinatorClient, PeerRejected
 from covey.rl.batch import RolloutBatch, check_batch
@@ -25,7 +26,6 @@ from covey.rl.runspec import peer_device
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.validator")
-BEHAVIORS = ("honest", "lazy", "accuse")
 
 
 class RolloutValidator:
@@ -36,7 +36,6 @@ class RolloutValidator:
         *,
         name: str = "validator",
         stake: float = 10.0,
-        behavior: str = "honest",
         lost_s: float = 60.0,
         run_id: str | None = None,
         stop: threading.Event | None = None,
@@ -46,9 +45,7 @@ class RolloutValidator:
         """`device` (covey.rl.runspec.peer_device: auto is the run's verify class) holds
         the policies it checks under. VerifyRefused, before joining, when it is of another
         class than the run's verify_device (or auto and this machine lacks that class)."""
-        if behavior not in BEHAVIORS:
-            raise ValueError(f"unknown validator behavior {behavior!r}; choose from {BEHAVIORS}")
-        self.identity, self.name, self.stake, self.behavior = identity, name, stake, behavior
+        self.identity, self.name, self.stake = identity, name, stake
         self.stop = stop or threading.Event()
         self.client = CoordinatorClient(
             trainer_url, timeout_s=30.0, lost_s=lost_s, stop=self.stop, identity=identity
@@ -111,29 +108,7 @@ class RolloutValidator:
             "peer_id": self.identity.peer_id,
             "batch_cid": task["batch_cid"],
         }
-        if self.behavior == "lazy":
-            report |= {"ok": True}
-        elif self.behavior == "accuse":
-            report |= {"ok": False, "problem": "sampling", "detail": "accused without a check"}
-        else:
-            verdict = check_batch(
-                batch,
-                spec=self.run.rollout,
-                submitter=task["worker_id"],
-                step=task["step"],
-                policy_version=task["policy_version"],
-                policy_cid=task["policy_cid"],
-                model=model,
-                task=self.run.task,
-                verify_samples=list(task["verify_samples"]),
-                **codec_kwargs(self.run.model_cfg),  # the policy's tokenizer
-            )
-            report |= {
-                "ok": verdict.ok,
-                "detail": "".join(ch if ch.isprintable() else " " for ch in verdict.detail)[:500],
-                "problem": verdict.problem.value if verdict.problem else None,
-                "sample": verdict.sample,
-            }
+        report |= self.verdict(task, batch, model)
         try:
             reply = self.client.post("/v1/rl/report", report)
         except PeerRejected as e:
@@ -151,3 +126,27 @@ class RolloutValidator:
         )
         self.reports.append({**report, **reply})
         return reply
+
+    def verdict(
+        self, task: dict[str, Any], batch: RolloutBatch, model: torch.nn.Module
+    ) -> dict[str, Any]:
+        """The report's verdict on the assigned `batch`: covey.rl.batch.check_batch under
+        `model`, the policy of the batch's step."""
+        verdict = check_batch(
+            batch,
+            spec=self.run.rollout,
+            submitter=task["worker_id"],
+            step=task["step"],
+            policy_version=task["policy_version"],
+            policy_cid=task["policy_cid"],
+            model=model,
+            task=self.run.task,
+            verify_samples=list(task["verify_samples"]),
+            **codec_kwargs(self.run.model_cfg),  # the policy's tokenizer
+        )
+        return {
+            "ok": verdict.ok,
+            "detail": "".join(ch if ch.isprintable() else " " for ch in verdict.detail)[:500],
+            "problem": verdict.problem.value if verdict.problem else None,
+            "sample": verdict.sample,
+        }

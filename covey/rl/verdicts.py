@@ -25,12 +25,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
 from covey.rl.policy import codec_kwargs
 
 if TYPE_CHECKING:
-    from covey.rl.trainer import Trainer
+    from covey.rl.trainer_parts import TrainerParts
 
 log = logging.getLogger("covey.rl.intake")
 
@@ -40,7 +40,7 @@ def _h(*parts: object) -> str:
 
 
 class Judge:
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TrainerParts) -> None:
         self.t = trainer
         self.audits = {"audited": 0, "caught": 0}
         # one check at a time: the prefill captures hidden states with a forward hook on

@@ -2,9 +2,8 @@
 
 For each policy version it sees, the worker answers the prompts the run assigns it at that
 step with G seeded samples each (covey.rl.batch.rollout) and submits one batch signed over
-(run, step, content): one batch per worker per step. `behavior` other than "honest" makes
-it a cheater for tests and the demo (R3's covey.rl.cheats.CHEATS, and "replay": resubmit
-another worker's accepted batch as it is).
+(run, step, content): one batch per worker per step. The cheaters of tests and the demo
+are covey.rl.cheater.CheatingRolloutWorker, which overrides `make_batch`.
 
 Bounded everywhere: the trainer client gives up after `lost_s` unreachable; a policy that
 no provider serves with the right hash is not generated on (the worker waits for the next
@@ -32,24 +31,6 @@ from covey.rl.runspec import peer_device
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.worker")
-HONEST = "honest"
-REPLAY = "replay"
-
-
-def cheat_names() -> list[str]:
-    """Behaviors a worker can take: honest, replay, and R3's CHEATS when installed."""
-    try:
-        from covey.rl.cheats import CHEATS
-    except ImportError:
-        CHEATS = {}
-    return [HONEST, REPLAY, *sorted(k for k in CHEATS if k != REPLAY)]
-
-
-def _cheat(kind: str, setting: dict[str, Any], seed: int) -> RolloutBatch:
-    """R3's cheat `kind` in the place of the honest worker `setting` describes."""
-    from covey.rl.cheats import CHEATS, Setting
-
-    return CHEATS[kind](Setting(**setting), seed)
 
 
 class RolloutWorker:
@@ -60,7 +41,6 @@ class RolloutWorker:
         *,
         name: str = "worker",
         stake: float = 1.0,
-        behavior: str = HONEST,
         lost_s: float = 60.0,
         serve_blobs: bool = False,
         run_id: str | None = None,
@@ -71,9 +51,7 @@ class RolloutWorker:
         """`device` (covey.rl.runspec.peer_device: auto is the run's verify class; DeviceError
         naming a bad or absent one) holds the policy, generates and builds proofs; it is
         reported at join."""
-        if behavior not in cheat_names():
-            raise ValueError(f"unknown behavior {behavior!r}; choose from {cheat_names()}")
-        self.identity, self.name, self.stake, self.behavior = identity, name, stake, behavior
+        self.identity, self.name, self.stake = identity, name, stake
         self.stop = stop or threading.Event()
         self.client = CoordinatorClient(
             trainer_url, timeout_s=30.0, lost_s=lost_s, stop=self.stop, identity=identity
@@ -160,41 +138,17 @@ class RolloutWorker:
         return reply
 
     def make_batch(self, model: torch.nn.Module, v: int, cid: str) -> RolloutBatch | None:
-        me, run = self.identity.peer_id, self.run
-        if self.behavior == HONEST:
-            return rollout(
-                model,
-                run.task,
-                run.rollout,
-                step=v,
-                worker_id=me,
-                policy_version=v,
-                policy_cid=cid,
-                gen_batch=run.rollout.group_size,  # G samples per forward
-                **codec_kwargs(run.model_cfg),  # the policy's tokenizer (bytes for GPT)
-            )
-        if self.behavior == REPLAY:
-            return self._replay(v)
-        setting = {
-            "policy": model,
-            "task": run.task,
-            "spec": run.rollout,
-            "step": v,
-            "worker_id": me,
-            "policy_version": v,
-            "policy_cid": cid,
-        }
-        return _cheat(self.behavior, setting, seed=v)
-
-    def _replay(self, v: int) -> RolloutBatch | None:
-        """Another worker's batch for this step (or the latest one), sent as it is."""
-        rows = [
-            r
-            for r in self.client.get("/v1/rl/batches", quiet=True)
-            if r["worker_id"] != self.identity.peer_id and r["cid"]
-        ]
-        if not rows:
-            return None
-        same = [r for r in rows if r["step"] == v] or rows
-        data = self.fetcher.fetch(same[-1]["cid"], [self.trainer_url])
-        return RolloutBatch.model_validate_json(data)
+        """The batch for step `v` under policy `model` (content id `cid`): the prompts the
+        run assigns this worker, G seeded samples each. None: nothing to submit."""
+        run = self.run
+        return rollout(
+            model,
+            run.task,
+            run.rollout,
+            step=v,
+            worker_id=self.identity.peer_id,
+            policy_version=v,
+            policy_cid=cid,
+            gen_batch=run.rollout.group_size,  # G samples per forward
+            **codec_kwargs(run.model_cfg),  # the policy's tokenizer (bytes for GPT)
+        )

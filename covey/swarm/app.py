@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from covey.config import LimitsConfig
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
 from covey.coordinator.metrics import HostCollector, Metrics
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.swarm import views
 from covey.swarm.service import SwarmCoordinator
 

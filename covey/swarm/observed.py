@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 
 MAX_MEASURED_PER_REPORT = 256  # servers one report may measure
 MAX_THROUGHPUT = 1e6  # samples/s: above any real server; larger values are refused

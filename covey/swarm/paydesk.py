@@ -13,7 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.swarm import evidence, payouts
 from covey.swarm.observed import Observations, parse_measured
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from covey.swarm.averaging import Averaging
     from covey.swarm.config import SwarmConfig
     from covey.swarm.referee import Referee
-    from covey.swarm.service import ServerInfo
+    from covey.swarm.servers import ServerInfo
     from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.swarm")

@@ -20,7 +20,7 @@ from typing import Any
 
 from covey.blobs import BlobClient
 from covey.blobs.store import BlobError
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.devices import referee_compute
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig

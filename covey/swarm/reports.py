@@ -5,18 +5,57 @@ summary `covey swarm trainer --json` writes."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from covey.peer.client import CoordinatorLost, PeerRejected
-
-if TYPE_CHECKING:
-    from covey.swarm.trainer import SwarmTrainer
+from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.swarm.routing import Router
+from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.swarm.trainer")
 
 
-def send_report(self: SwarmTrainer) -> None:
+@dataclass
+class TrainerStats:
+    microbatches: int = 0
+    samples: int = 0
+    dropped: int = 0
+    checks: int = 0
+    disputes: int = 0
+    paid_checks: int = 0  # checks the coordinator accepted as evidence (pay rests on them)
+    refused_checks: int = 0
+    bytes_between_stages: int = 0
+    losses: list[float] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+
+class Reporting(Protocol):
+    """What `send_report` reads and updates of a trainer (covey.swarm.trainer.SwarmTrainer)."""
+
+    name: str
+    run_id: str
+    identity: Identity
+    client: CoordinatorClient
+    router: Router
+    stats: TrainerStats
+    lock: threading.Lock
+    served: dict[str, int]
+    evidence: list[dict[str, Any]]
+    halted: str | None
+    stop: threading.Event
+    progress: Callable[[str], None]
+    _next: int
+    first: int
+
+    def loss(self, last: int = 10) -> float | None: ...
+
+    def _join(self) -> int: ...
+
+
+def send_report(self: Reporting) -> None:
     """Report progress and served work. When the coordinator is down (restarting) or
     forgot this trainer, nothing is lost: the work goes in the next report, after a
     join when it was forgotten."""
@@ -79,7 +118,7 @@ def send_report(self: SwarmTrainer) -> None:
     )
 
 
-def summary(t: SwarmTrainer) -> dict[str, Any]:
+def summary(t: Reporting) -> dict[str, Any]:
     st = t.stats
     return {
         "samples": st.samples,

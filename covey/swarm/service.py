@@ -20,7 +20,6 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,14 @@ from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
 from covey.coordinator.halt import Halt
 from covey.coordinator.membership import Membership
-from covey.coordinator.views import Rejected
+from covey.coordinator.rejected import Rejected
 from covey.swarm import evidence
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
 from covey.swarm.observed import Observations
 from covey.swarm.paydesk import PayDesk
 from covey.swarm.rebalance import plan_move, speeds_from_measurements
+from covey.swarm.servers import ServerInfo
 from covey.trust.halt import owner_of
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
@@ -44,22 +44,6 @@ STATE_KEY = "swarm.state"  # the meta row holding what a restarted coordinator r
 log = logging.getLogger("covey.swarm")
 
 
-@dataclass
-class ServerInfo:
-    peer_id: str
-    name: str
-    stage: int
-    url: str
-    blob_url: str
-    last_seen: float
-    step: int = -1  # -1: no state loaded yet
-    state: str | None = None
-    pending: int = 0
-    throughput: float = 0.0  # samples/s while busy, measured by the server
-    queue: int = 0
-    moving: bool = False  # told to move; busy until it reports the new stage
-    served: int = 0
-    public_key: str = ""  # its join's key (registered): trainers verify its replies with it
 
 
 class SwarmCoordinator(PayDesk):

@@ -24,7 +24,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -33,7 +33,7 @@ import torch
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
-from covey.swarm.reports import send_report
+from covey.swarm.reports import TrainerStats, send_report
 from covey.swarm.routing import NoServerError, Router, StateWatch
 from covey.swarm.wire import WireError, encode_tensor, pack, reply_message, sha
 from covey.trust.identity import Identity, IdentityError, peer_id_of, verify
@@ -52,20 +52,6 @@ class Hop:
     state: str
     reply: bytes
     sig: str
-
-
-@dataclass
-class TrainerStats:
-    microbatches: int = 0
-    samples: int = 0
-    dropped: int = 0
-    checks: int = 0
-    disputes: int = 0
-    paid_checks: int = 0  # checks the coordinator accepted as evidence (pay rests on them)
-    refused_checks: int = 0
-    bytes_between_stages: int = 0
-    losses: list[float] = field(default_factory=list)
-    started: float = field(default_factory=time.time)
 
 
 def training_tokens(cfg: SwarmConfig) -> torch.Tensor:

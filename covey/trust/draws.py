@@ -15,7 +15,7 @@ from covey.trust.certify import check_canary_draw, draw_value
 from covey.trust.ledger import LedgerError
 
 if TYPE_CHECKING:
-    from covey.trust.incentives import Account, Policy
+    from covey.trust.policy import Account, Policy
 
 
 class Draws:

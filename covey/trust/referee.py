@@ -22,8 +22,9 @@ from typing import Literal
 
 import torch
 
-from covey.algorithms.base import Strategy, TrainState
-from covey.algorithms.codecs import Codec
+from covey.algorithms.base import Strategy
+from covey.algorithms.codec_base import Codec
+from covey.algorithms.state import TrainState
 from covey.trust.sketch import (
     Commitment,
     commitment_distance,

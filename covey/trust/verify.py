@@ -44,12 +44,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 
-from covey.algorithms.base import Strategy, TrainState
-from covey.algorithms.codecs import Codec, CodecError
+from covey.algorithms.base import Strategy
+from covey.algorithms.codec_base import Codec, CodecError
+from covey.algorithms.state import TrainState
 from covey.config import TrustConfig
 from covey.memory import all_finite
+from covey.trust.committer import Committer
 from covey.trust.sketch import (
-    BUCKETS,
     HEX64,
     Commitment,
     commitment_distance,
@@ -77,68 +78,6 @@ def segment_bounds(segment: int, steps: int, commit_every: int) -> tuple[int, in
     if not 0 <= segment < n:
         raise ValueError(f"segment {segment} out of range: the round has {n} segments")
     return segment * commit_every, min((segment + 1) * commit_every, steps)
-
-
-# -- the worker's side -----------------------------------------------------------------
-
-
-class Committer:
-    """Records a worker's commitments inside its own training loop.
-
-    Construct it right after the strategy took the round's start state (step 0 is
-    recorded then) and call `after_step(n)` after every inner step, n = steps done so far.
-    `commitments` is always the claim for a round that ends now: the commitments at steps
-    0, k, 2k, ... strictly below the steps done (a commitment at the final step is recorded
-    when the loop lands on a multiple of k, then dropped from the claim if the round ends
-    there; the payload stands for that point). A flexible worker that stops early therefore
-    claims the right list without knowing its step count in advance.
-    """
-
-    def __init__(
-        self,
-        strategy: Strategy,
-        start_state: TrainState,
-        commit_every: int,
-        buckets: int = BUCKETS,
-    ) -> None:
-        if commit_every < 1:
-            raise ValueError(f"commit_every must be >= 1, got {commit_every}")
-        self.strategy = strategy
-        self.start_params = start_state.params
-        self.commit_every = commit_every
-        self.buckets = buckets
-        self.steps_done = 0
-        self._recorded = [self._commit(0)]
-
-    def _commit(self, step: int) -> Commitment:
-        return commitment_of(
-            self.strategy.local_state(copy=False), self.start_params, step, self.buckets
-        )
-
-    def after_step(self, steps_done: int) -> Commitment | None:
-        """Note that `steps_done` inner steps are done; record and return a commitment when
-        it is a multiple of k. ValueError unless steps_done is the previous call's + 1."""
-        if steps_done != self.steps_done + 1:
-            raise ValueError(
-                f"after_step({steps_done}) after {self.steps_done} steps: call it after every "
-                f"inner step"
-            )
-        self.steps_done = steps_done
-        if steps_done % self.commit_every:
-            return None
-        c = self._commit(steps_done)
-        self._recorded.append(c)
-        return c
-
-    @property
-    def commitments(self) -> list[Commitment]:
-        """The claim for a round that ends after `steps_done` steps."""
-        return [c for c in self._recorded if c.step < self.steps_done]
-
-    @property
-    def recorded(self) -> list[Commitment]:
-        """Every commitment recorded so far, including one at the current step."""
-        return list(self._recorded)
 
 
 # -- re-execution and comparison -------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`covey ledger ...`: verify, show and export a run's ledger (covey.trust.audit).
+"""`covey ledger ...`: verify, show and export a run's ledger (covey.io.audit).
 
 Exit codes: 0 when the ledger verifies, 1 when it does not (`ledger INVALID: entry N: ...`),
 2 when the source cannot be read or the arguments are wrong (`error: ...`). Only typer is
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from covey.trust.audit import VerifyReport
+    from covey.io.audit import VerifyReport
 
 SOURCE_HELP = "a coordinator's data directory, its coordinator.db, a .jsonl export, or its URL"
 Source = Annotated[str, typer.Argument(help=SOURCE_HELP, show_default=False)]
@@ -110,7 +110,7 @@ def export(
 
     Exports what is there without verifying it first (check the file with
     `covey ledger verify FILE.jsonl`); exit 1 only if an entry cannot be read at all."""
-    from covey.trust.audit import SourceError, load, write_jsonl
+    from covey.io.audit import SourceError, load, write_jsonl
     from covey.trust.ledger import LedgerError
 
     if out.suffix != ".jsonl":
@@ -128,8 +128,8 @@ def export(
 
 def _verified(source: str, recompute: bool = False) -> VerifyReport:
     """The verified report, or exit 1 (invalid ledger) / 2 (unreadable source)."""
-    from covey.trust.audit import SourceError
-    from covey.trust.audit import verify as verify_source
+    from covey.io.audit import SourceError
+    from covey.io.audit import verify as verify_source
     from covey.trust.ledger import LedgerError
 
     try:

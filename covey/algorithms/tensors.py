@@ -1,0 +1,56 @@
+"""Small tensor helpers the strategies share: parameters by name, flat vectors, bitwise
+equality, global gradient clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from covey.algorithms.state import RoundError
+
+
+def param_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached clones of the model's parameters (tied weights appear once)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def unflatten(vec: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(vec[offset : offset + t.numel()].view_as(t).to(t.dtype))
+        offset += t.numel()
+    if offset != vec.numel():
+        raise RoundError(f"vector has {vec.numel()} elements, parameters need {offset}")
+    return out
+
+
+def is_broadcast(t: torch.Tensor) -> bool:
+    """Whether `t` is an expanded view (a stride-0 dimension of size > 1): such a tensor
+    cannot be written in place, so it never changes and need not be copied."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether `b` is a tensor with exactly `a`'s dtype, shape, device and bytes (so a hash
+    of either is the same; -0.0 and 0.0 differ here, and a NaN equals its own bits)."""
+    if b is None or a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if not (a.is_contiguous() and b.is_contiguous()) or a.dtype == torch.bool:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def clip_grad_(grads: Sequence[torch.Tensor], max_norm: float) -> None:
+    """Scale gradients in place so their global l2 norm is at most max_norm (0 = off)."""
+    if max_norm <= 0:
+        return
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if norm > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
