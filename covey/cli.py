@@ -6,13 +6,11 @@ import json
 import os
 import sys
 import time
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
 
 from covey import __version__
 from covey.bench.agreement_cli import register as register_bench_agreement
@@ -20,20 +18,28 @@ from covey.bench.gpu_cli import register as register_bench_gpu
 from covey.bench.shards_cli import register as register_bench_shards
 from covey.bench.swarm import register as register_bench_swarm
 from covey.config import SimConfig, load_sim_config
-from covey.errors import UserError, check_coordinator, check_data_paths, describe_validation_error
+from covey.errors import UserError, check_coordinator, check_data_paths
 from covey.io.cli import register as register_io
 from covey.rl.cli import register as register_rl
 from covey.rl.learn_cli import register_bench as register_bench_rl
+from covey.spec import SET_HELP
 from covey.swarm.cli import register as register_swarm
 from covey.trust.ledger_cli import register as register_ledger
+
+# -h is --help everywhere (subcommands inherit it); help text prints as written, brackets too
+CONTEXT: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
 
 app = typer.Typer(
     help="covey: train PyTorch models on decentralized compute with little communication.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings=CONTEXT,
+    rich_markup_mode=None,
 )
-bench_app = typer.Typer(help="Benchmarks (results go in BENCHMARKS.md).", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks (results go in BENCHMARKS.md).", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(bench_app, name="bench")
 register_ledger(app)
 register_io(app)  # tokenizer train, export, generate
@@ -51,6 +57,10 @@ LOG_TO = typer.Option(
     "--log", help="also send metrics to tensorboard or wandb (needs covey[tensorboard|wandb])"
 )
 LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, level, peer, ...)")
+SET = typer.Option("--set", help=SET_HELP)
+WANDB_PROJECT = typer.Option(
+    "--wandb-project", help="with --log wandb: the W&B project (default: $WANDB_PROJECT, or covey)"
+)
 
 RUN_ID_OPTION = typer.Option(
     "--run-id",
@@ -105,27 +115,29 @@ def _overrides(**flags: Any) -> dict[str, Any]:
 
 
 def _load(
-    config: Path | None, overrides: dict[str, Any], loader: Callable[..., Any] = load_sim_config
+    config: Path | None,
+    overrides: dict[str, Any],
+    loader: Callable[..., Any] = load_sim_config,
+    sets: list[str] | None = None,
 ) -> Any:
-    """The validated config, or exit 2 with one line naming every problem by its key."""
+    """The validated config (covey.spec.load_spec: TOML, flags, then --set pairs), or exit 2
+    with one line naming every problem by its key."""
+    from covey.spec import load_spec
+
     try:
-        cfg = loader(config, **overrides)
-    except ValidationError as e:
-        root = typing.get_type_hints(loader).get("return")
-        where = f" in {config}" if config else ""
-        if isinstance(root, type):
-            message = describe_validation_error(root, e)
-            raise _fail(f"invalid configuration{where}: {message}") from None
-        lines = [f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors()]
-        raise _fail(f"invalid configuration{where}: " + "; ".join(lines)) from None
-    except (FileNotFoundError, ValueError) as e:
-        raise _fail(str(e)) from None
-    data = getattr(cfg, "data", None)
-    try:
-        check_data_paths(getattr(data, "paths", ()))
+        cfg = load_spec(loader, config, overrides, sets or ())
+        check_data_paths(getattr(getattr(cfg, "data", None), "paths", ()))
     except UserError as e:
         raise _fail(str(e)) from None
     return cfg
+
+
+def _guard(check: Callable[[], None]) -> None:
+    """Run a covey.guards check; its UserError becomes one line and exit 2."""
+    try:
+        check()
+    except UserError as e:
+        raise _fail(str(e)) from None
 
 
 @app.command()
@@ -180,6 +192,11 @@ def sim(
             "without a config or flags, with the run's own",
         ),
     ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="replace the run already in --out")
+    ] = False,
+    set_: Annotated[list[str] | None, SET] = None,
+    wandb_project: Annotated[str | None, WANDB_PROJECT] = None,
 ) -> None:
     """Simulate N workers training with one algorithm; writes metrics, summary and plot.
 
@@ -210,11 +227,19 @@ def sim(
     )
     from covey.sim.resume import read_config
 
-    if resume and config is None and not overrides:
-        overrides = read_config(out) or {}  # the run's own config, as it was checkpointed
-    cfg: SimConfig = _load(config, overrides)
+    if resume and config is None and not overrides and not set_:
+        try:  # the run's own config, as it was checkpointed
+            overrides = read_config(out) or {}
+        except ValueError as e:
+            raise _fail(f"{out}/checkpoint/config.json is damaged ({e}); start again") from None
+    cfg: SimConfig = _load(config, overrides, sets=set_)
     _logging(False, "sim", log_json)
     _check_tracker(log)
+    from covey.guards import lock_dir, prepare_out
+
+    _guard(lambda: lock_dir(out, "covey sim"))  # one run per --out
+    _guard(lambda: prepare_out(out, resume=resume, overwrite=overwrite, command="covey sim"))
+    say = _say(log_json)
     from covey.algorithms.codecs import get_codec
     from covey.sim.report import save_run
     from covey.sim.resume import SnapshotError, load_snapshot, save_snapshot, write_config
@@ -232,30 +257,34 @@ def sim(
         except SnapshotError as e:
             raise _fail(str(e)) from None
     write_config(out, cfg.model_dump(mode="json"))
-    typer.echo(f"covey sim: {cfg.algorithm.method}, {cfg.workers} workers, {cfg.rounds} rounds")
+    say(f"covey sim: {cfg.algorithm.method}, {cfg.workers} workers, {cfg.rounds} rounds")
     if snapshot is not None:
-        typer.echo(f"resuming after round {snapshot.round} (checkpoint in {out}/checkpoint)")
+        say(f"resuming after round {snapshot.round} (checkpoint in {out}/checkpoint)")
+
+    def on_snapshot(snap: Any) -> None:
+        save_snapshot(out / "checkpoint", snap)
+        if log_json and snap.records:  # each round's record as a log line
+            say(json.dumps(snap.records[-1], default=repr))
+
     try:
         result = simulate(
-            cfg,
-            progress=progress,
-            on_snapshot=lambda snap: save_snapshot(out / "checkpoint", snap),
-            resume=snapshot,
+            cfg, progress=progress and not log_json, on_snapshot=on_snapshot, resume=snapshot
         )
     except ValueError as e:  # model, tokenizer and data that do not fit: before training
         raise _fail(str(e)) from None
     plotted = save_run(out, cfg.algorithm.method, result.records, result.summary)
-    _track(log, out, f"sim-{cfg.algorithm.method}", cfg.model_dump(mode="json"), result.records)
+    name = f"sim-{cfg.algorithm.method}"
+    _track(log, out, name, cfg.model_dump(mode="json"), result.records, wandb_project)
     from covey.io.export import save_sim_run
 
     save_sim_run(out, cfg, result.state)  # checkpoint, model and tokenizer for covey export
     s = result.summary
-    typer.echo(
+    say(
         f"final val loss {s['final_val_loss']:.4f}"
         f" | sent/worker {s['bytes_sent_per_worker']:,.0f} B"
         f" | simulated {s['sim_time_s']:.1f} s | utilization {s['utilization']:.1%}"
     )
-    typer.echo(f"wrote {out}/metrics.jsonl, summary.json" + (", plot.png" if plotted else ""))
+    say(f"wrote {out}/metrics.jsonl, summary.json" + (", plot.png" if plotted else ""))
 
 
 @bench_app.command("comms")
@@ -589,6 +618,9 @@ def demo(
     data: Annotated[
         list[str] | None, typer.Option(help="text/JSONL/Parquet/... file or dir; repeat")
     ] = None,
+    text_column: Annotated[
+        str | None, typer.Option(help="data column with the text (default: text)")
+    ] = None,
     seed: Annotated[int, typer.Option(help="seeds the model, the data and the chaos")] = 0,
     rounds: Annotated[
         int | None, typer.Option(min=1, help="stop after this many committed rounds")
@@ -609,6 +641,8 @@ def demo(
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
     log_json: Annotated[bool, LOG_JSON] = False,
     log: Annotated[str | None, LOG_TO] = None,
+    set_: Annotated[list[str] | None, SET] = None,
+    wandb_project: Annotated[str | None, WANDB_PROJECT] = None,
 ) -> None:
     """A real run on this machine: a coordinator and N workers as processes on 127.0.0.1.
 
@@ -626,9 +660,18 @@ def demo(
     if adversaries > workers:
         raise _fail(f"--adversaries ({adversaries}) cannot exceed --workers ({workers})")
     _check_device(device)
+    from covey.guards import lock_dir
+    from covey.spec import parse_sets
+
+    _guard(lambda: check_data_paths(data or ()))
+    try:
+        extra = parse_sets(set_ or ())
+    except UserError as e:
+        raise _fail(str(e)) from None
     out = out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     _logging(False, "demo", log_json)  # --log-json reaches the children through the env
     _check_tracker(log)
+    _guard(lambda: lock_dir(out, "covey demo"))  # one run per --out
     try:
         summary = run_local_demo(
             workers=workers,
@@ -648,14 +691,22 @@ def demo(
             batch_size=batch_size,
             seq_len=seq_len,
             device=device,
+            text_column=text_column,
+            overrides=extra,
         )
+    except UserError as e:
+        raise _fail(str(e)) from None
+    except ValueError as e:  # data, model or tokenizer that do not fit: before any process
+        hint = " (--text-column names the data's text column)" if "column" in str(e) else ""
+        raise _fail(f"{e}{hint}") from None
     except ClusterError as e:
         raise _fail(f"{e}\n(all logs: {out / 'logs'})") from None
     except KeyboardInterrupt:  # before training started: the children are already stopped
         raise typer.Exit(130) from None
     if log and (out / "metrics.jsonl").exists():
         lines = (out / "metrics.jsonl").read_text().splitlines()
-        _track(log, out, out.name, {"algorithm": algorithm, "model": model}, map(json.loads, lines))
+        config = {"algorithm": algorithm, "model": model}
+        _track(log, out, out.name, config, map(json.loads, lines), wandb_project)
     if summary["interrupted"]:
         raise typer.Exit(130)
 
@@ -672,6 +723,15 @@ def bench_compare(
 
     out = out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     run_demo(workers=workers, steps=steps, out_dir=out)
+
+
+def _say(json_lines: bool) -> Callable[[str], None]:
+    """Where a command's progress lines go: stdout, or with --log-json the JSON log."""
+    if not json_lines:
+        return typer.echo
+    import logging
+
+    return logging.getLogger("covey.cli").info
 
 
 def _logging(verbose: bool, peer: str = "-", json_lines: bool = False) -> None:
@@ -700,16 +760,24 @@ def coordinator(
             "the run's [peer] verify_device. On another class it judges nothing (warned)"
         ),
     ] = None,
+    set_: Annotated[list[str] | None, SET] = None,
+    wandb_project: Annotated[str | None, WANDB_PROJECT] = None,
 ) -> None:
     """Serve a training run: membership, rounds, blobs, checkpoints and the status page.
 
     Killed and restarted on the same --data-dir, it resumes from the last committed round."""
     from covey.config import load_run_config
 
-    cfg = _load(config, {}, load_run_config)
+    cfg = _load(config, {}, load_run_config, set_)
     _check_device(device)
     _logging(verbose, "coordinator", log_json)
     _check_tracker(log)
+    from covey.coordinator.integrity import check_data_dir
+    from covey.guards import check_port_free, lock_dir
+
+    _guard(lambda: check_port_free(host, port))  # before the banner, before any file
+    _guard(lambda: lock_dir(data_dir, "covey coordinator"))  # one coordinator per data dir
+    _guard(lambda: check_data_dir(data_dir))  # a damaged database or state: refused
     from covey.coordinator.app import serve
     from covey.coordinator.service import Coordinator
 
@@ -729,7 +797,7 @@ def coordinator(
 
     from covey.tracking import follow_rounds, open_tracker
 
-    tracker = open_tracker(log, data_dir, cfg.name, cfg.model_dump(mode="json"))
+    tracker = open_tracker(log, data_dir, cfg.name, cfg.model_dump(mode="json"), wandb_project)
     assert tracker is not None  # _check_tracker accepted `log`
     stop = threading.Event()
     follower = follow_rounds(tracker, coord.db, stop)
@@ -858,13 +926,20 @@ def _check_tracker(kind: str | None) -> None:
         raise _fail(str(e)) from None
 
 
-def _track(kind: str | None, out: Path, name: str, config: dict[str, Any], records: Any) -> None:
+def _track(
+    kind: str | None,
+    out: Path,
+    name: str,
+    config: dict[str, Any],
+    records: Any,
+    project: str | None = None,
+) -> None:
     """Send a finished run's per-round records to the --log tracker (if any)."""
     if kind is None:
         return
     from covey.tracking import log_records, open_tracker
 
-    tracker = open_tracker(kind, out, name, config)
+    tracker = open_tracker(kind, out, name, config, project)
     if tracker is not None:
         n = log_records(tracker, records)
         tracker.close()
@@ -1047,7 +1122,22 @@ def halt(
 
 
 def main() -> None:
-    app()
+    """The entry point: an error from the input that no command turned into a message
+    still ends in one line and exit code 2 (with --debug, after its traceback)."""
+    try:
+        app()
+    except Exception as e:
+        from covey.errors import user_message
+
+        message = user_message(e)
+        if message is None:
+            raise
+        if DEBUG:
+            import traceback
+
+            traceback.print_exc()
+        typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

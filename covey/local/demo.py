@@ -22,10 +22,11 @@ from typing import Any
 
 import httpx
 
-from covey.config import load_run_config, to_toml
+from covey.config import load_run_config, merge, to_toml
 from covey.local.cluster import KILL_WAIT_S, ClusterError, LocalCluster
 from covey.local.demo_report import write_demo_outputs
 from covey.sim.report import human_bytes
+from covey.spec import load_spec
 
 METHODS = ("ddp", "diloco", "streaming", "demo")
 PER_STEP_METHODS = ("ddp", "demo")  # one inner step per round
@@ -61,6 +62,7 @@ def demo_spec(
     inner_steps: int | None = None,
     batch_size: int = 8,
     seq_len: int | None = None,
+    text_column: str | None = None,
 ) -> dict[str, Any]:
     """The run spec for a demo of `algorithm`, as the dict its TOML holds. Rounds are sized
     to take a few seconds on a laptop CPU; the run is bounded by time, and by `rounds`
@@ -124,6 +126,7 @@ def demo_spec(
             "tokenizer": _absolute(tokenizer),
             "paths": [str(Path(p).expanduser().resolve()) for p in data],
             **({"seq_len": seq_len} if seq_len is not None else {}),
+            **({"text_column": text_column} if text_column is not None else {}),
         },
         "algorithm": algo,
         "rounds": {
@@ -223,6 +226,8 @@ def run_local_demo(
     batch_size: int = 8,
     seq_len: int | None = None,
     device: str | None = None,
+    text_column: str | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train for `minutes` (or until `rounds` rounds are committed, if sooner) with a
     coordinator and `workers` worker processes in `out_dir`, then write metrics.jsonl,
@@ -236,7 +241,9 @@ def run_local_demo(
     coordinator dies, every worker is stopped and ClusterError (with its log) is raised.
 
     `adversaries` of the workers misbehave, each in the next way of ADVERSARIES; the
-    `validators` re-execute sampled contributions (see covey.peer.validator)."""
+    `validators` re-execute sampled contributions (see covey.peer.validator).
+    `overrides` (``--set``, nested) are laid over the demo's spec; a spec that does not
+    validate raises UserError naming the key, before any process starts."""
     if workers < 1:
         raise ValueError(f"workers ({workers}) must be at least 1")
     if not 0 <= adversaries <= workers:
@@ -260,13 +267,15 @@ def run_local_demo(
         inner_steps=inner_steps,
         batch_size=batch_size,
         seq_len=seq_len,
+        text_column=text_column,
     )
     if device is not None:  # issue 12: every peer on this device, validators included
         from covey.devices import device_class, resolve_device
 
         spec["peer"] = {"device": device, "verify_device": device_class(resolve_device(device))}
+    spec = merge(spec, overrides or {})
     spec_path.write_text(to_toml(spec))
-    load_run_config(spec_path)  # fails here, with the field named, not in a child
+    load_spec(load_run_config, spec_path)  # fails here, with the field named, not in a child
 
     cluster = LocalCluster(spec_path, out_dir)
     say = _Printer()

@@ -16,8 +16,9 @@ import typer
 
 rl_app = typer.Typer(
     help="Decentralized RL post-training: a trainer, untrusted rollout "
-    "workers and staked validators (issue 14).",
+    "workers and staked validators.",
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 
 
@@ -75,7 +76,16 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _logging(verbose: bool = True) -> None:
+LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, level, peer, ...)")
+
+
+def _logging(verbose: bool = True, json_lines: bool = False, peer: str = "rl") -> None:
+    if json_lines:  # covey.logs: the format every other covey process writes
+        from covey.logs import setup_logging
+
+        setup_logging(peer, json_lines=True)
+        logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
+        return
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(message)s",
@@ -173,25 +183,34 @@ def trainer(
             "fp32 | bf16; weights and optimizer state stay fp32"
         ),
     ] = "auto",
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="an RLSpec field, KEY=VALUE; repeat")
+    ] = None,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Serve an RL run: publish policy versions, take verified batches, train, pay."""
     from covey.config import load_toml
+    from covey.errors import UserError
+    from covey.guards import lock_dir
     from covey.rl.runspec import RLSpec
     from covey.rl.service import serve
     from covey.rl.trainer import Trainer
+    from covey.spec import load_spec
 
     where = _device(device)
     compute = _precision(precision, where)
-    _logging()
+    _logging(json_lines=log_json, peer="trainer")
     _threads(threads)
     _bindable(host, port)
     try:
+        lock_dir(data_dir, "covey rl trainer")  # one trainer per data dir
         from covey.rl.policy import spec_defaults
 
         defaults = spec_defaults(policy)  # hf: eos_id = its newline token unless the TOML says
-        rl_spec = RLSpec.model_validate({**defaults, **load_toml(spec)}) if spec else None
-        if rl_spec is None and policy is not None:
-            rl_spec = RLSpec(**defaults)
+        rl_spec = None
+        if spec is not None or policy is not None or set_:
+            given = {**defaults, **(load_toml(spec) if spec else {})}
+            rl_spec = load_spec(RLSpec, spec, given, set_ or ())
         t = Trainer(
             data_dir,
             spec=rl_spec,
@@ -200,7 +219,7 @@ def trainer(
             device=where,
             precision=compute,
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, UserError) as e:
         raise _fail(str(e)) from None
     typer.echo(
         f"trainer of run {t.run_id} at http://{host}:{port} (policy v{t.version}, "
@@ -226,13 +245,14 @@ def worker(
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
     device: PeerDevice = "auto",
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Generate rollout batches for a trainer and get paid per verified token."""
     from covey.peer.client import CoordinatorLost
     from covey.rl.worker import RolloutWorker
 
     where = _peer_device(device)
-    _logging()
+    _logging(json_lines=log_json, peer=name)
     _threads(threads)
     stop = _stop_on_signals()
     try:
@@ -268,6 +288,7 @@ def validator(
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
     device: PeerDevice = "auto",
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Check rollout batches the trainer assigns; earn per check and per proven catch.
     Exit 1, before claiming anything, when this validator's device is of another class
@@ -277,7 +298,7 @@ def validator(
     from covey.rl.validator import RolloutValidator
 
     where = _peer_device(device)
-    _logging()
+    _logging(json_lines=log_json, peer=name)
     _threads(threads)
     stop = _stop_on_signals()
     try:

@@ -56,6 +56,7 @@ def register(app: typer.Typer) -> None:
     swarm = typer.Typer(
         help="SWARM pipeline training: a model cut into stages, several servers per stage.",
         no_args_is_help=True,
+        rich_markup_mode=None,
     )
     app.add_typer(swarm, name="swarm")
 
@@ -208,20 +209,12 @@ def register(app: typer.Typer) -> None:
 
 
 def _config(pairs: list[str]) -> Any:
-    from pydantic import ValidationError
-
+    """The SwarmConfig of --set pairs (covey.spec.load_spec: dotted keys, JSON values)."""
+    from covey.errors import UserError
+    from covey.spec import load_spec
     from covey.swarm.config import SwarmConfig
 
-    values: dict[str, Any] = {}
-    for pair in pairs:
-        key, eq, raw = pair.partition("=")
-        if not eq:
-            _fail(f"--set {pair!r}: expected KEY=VALUE")
-        try:
-            values[key] = json.loads(raw)
-        except ValueError:
-            values[key] = raw
     try:
-        return SwarmConfig.model_validate(values)
-    except ValidationError as e:
-        _fail(f"bad swarm config: {e}")
+        return load_spec(SwarmConfig, sets=pairs)
+    except UserError as e:
+        _fail(str(e))

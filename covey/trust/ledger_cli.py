@@ -23,7 +23,9 @@ Source = Annotated[str, typer.Argument(help=SOURCE_HELP, show_default=False)]
 def register(app: typer.Typer) -> None:
     """Add the `ledger` command group to `app`."""
     ledger_app = typer.Typer(
-        help="Audit a run's ledger: chain, signatures, balances.", no_args_is_help=True
+        help="Audit a run's ledger: chain, signatures, balances.",
+        no_args_is_help=True,
+        rich_markup_mode=None,
     )
     ledger_app.command("verify")(verify)
     ledger_app.command("show")(show)
