@@ -175,7 +175,7 @@ def check_coordinator(
     base = check_url(url)
     start = time.monotonic()
     deadline = start + wait_s
-    next_say = start + say_after_s
+    next_say, said = start + say_after_s, False
     why = ""
     with httpx.Client(timeout=min(5.0, max(wait_s, 1.0))) as http:
         while True:
@@ -190,12 +190,13 @@ def check_coordinator(
             now = time.monotonic()
             if say is not None and now >= next_say and now + poll_s <= deadline:
                 waited = now - start
-                if next_say == start + say_after_s:
+                if not said:
+                    said = True
                     say(f"cannot reach the coordinator at {base} ({why}); retrying for up to "
                         f"{wait_s:.0f} s (--connect-timeout)")  # fmt: skip
                 else:
                     say(f"still cannot reach {base} after {waited:.0f} s of {wait_s:.0f} ({why})")
-                next_say = now + say_every_s
+                next_say = start + say_every_s * (waited // say_every_s + 1)  # at 10, 20 s...
             if now + poll_s > deadline:
                 raise UserError(
                     f"coordinator {base} unreachable for {wait_s:.0f} s ({why}); check that "

@@ -111,6 +111,9 @@ def test_export_refuses_a_flipped_byte_in_a_tensor(sim_run: Path, tmp_path: Path
     run = copy_run(sim_run, tmp_path)
     flip_byte(checkpoint(run), -100)  # inside the last tensor's data: safetensors reads it
     one_line(covey("export", str(run), "--out", str(tmp_path / "hf")), "damaged", "hash")
+    # a warm start from it: the same check
+    r = covey("sim", *SIM, "--init", str(run), "--out", str(tmp_path / "warm"))
+    one_line(r, "model.init", "damaged")
 
 
 def test_a_checkpoint_without_a_hash_still_loads(sim_run: Path, tmp_path: Path) -> None:
@@ -215,12 +218,12 @@ def test_worker_says_it_cannot_reach_the_coordinator(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     start = time.monotonic()
-    r = covey("worker", "--coordinator", url, "--connect-timeout", "11", timeout=60)
+    r = covey("worker", "--coordinator", url, "--connect-timeout", "12", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.strip().splitlines()
     assert "cannot reach" in lines[0] and url in lines[0] and "refused" in lines[0]
-    assert any("after 1" in line for line in lines[1:-1]), r.stderr  # "after 10 s of 11"
-    assert lines[-1].startswith("error: ") and "unreachable for 11 s" in lines[-1]
+    assert any("after 1" in line for line in lines[1:-1]), r.stderr  # "after 10 s of 12"
+    assert lines[-1].startswith("error: ") and "unreachable for 12 s" in lines[-1]
     assert time.monotonic() - start < 45
 
 
@@ -255,3 +258,30 @@ def test_set_reaches_every_spec_through_one_loader(tmp_path: Path) -> None:
     one_line(r, "heartbeat_s")
     one_line(covey("demo", "--set", "rounds.max_roundz=3", "--out", out), "max_rounds")
     one_line(covey("swarm", "coordinator", "--set", "stagez=2"), "stagez")
+
+
+def test_coordinator_refuses_a_state_blob_that_does_not_hash_to_its_id(tmp_path: Path) -> None:
+    """The state a restarted coordinator resumes from is checked against its content id."""
+    import hashlib
+    import sqlite3
+
+    from covey.coordinator.integrity import check_data_dir
+    from covey.errors import UserError
+
+    state = b"the bytes of a canonical state"
+    cid = hashlib.sha256(state).hexdigest()
+    blob = tmp_path / "blobs" / cid[:2] / cid
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(state)
+    db = sqlite3.connect(tmp_path / "coordinator.db")
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+    db.execute("INSERT INTO meta VALUES ('initial_cid', ?)", (cid,))
+    db.commit()
+    db.close()
+    check_data_dir(tmp_path)  # intact: passes
+    flip_byte(blob, 3)
+    with pytest.raises(UserError, match="damaged"):
+        check_data_dir(tmp_path)
+    blob.unlink()
+    with pytest.raises(UserError, match="missing"):
+        check_data_dir(tmp_path)

@@ -86,7 +86,9 @@ def read_run(directory: str | Path) -> RunArtifacts:
             try:
                 row = db.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()
                 # a coordinator's checkpoint is its state blob: the content id is its sha256
-                hashes = dict(db.execute("SELECT round, cid FROM checkpoints").fetchall())
+                tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
+                if "checkpoints" in tables:
+                    hashes = dict(db.execute("SELECT round, cid FROM checkpoints").fetchall())
             finally:
                 db.close()
         except sqlite3.DatabaseError as e:

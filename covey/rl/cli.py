@@ -151,14 +151,13 @@ def _threads(n: int) -> None:
 def _bindable(host: str, port: int) -> None:
     """Fail now (exit 2) on a port in use or an address not ours, before a run is created
     and uvicorn exits with its own message."""
-    import socket
+    from covey.errors import UserError
+    from covey.guards import check_port_free
 
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as e:
-        raise _fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        check_port_free(host, port)
+    except UserError as e:
+        raise _fail(str(e)) from None
 
 
 @rl_app.command("trainer")

@@ -42,6 +42,20 @@ def _device(spec: str) -> str:
         raise  # unreachable: _fail exits
 
 
+LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, level, peer, ...)")
+
+
+def _logging(level: int, json_lines: bool) -> None:
+    """Text lines, or with --log-json covey.logs' JSON lines (the other commands' format)."""
+    if json_lines:
+        from covey.logs import setup_logging
+
+        setup_logging("swarm", json_lines=True)
+        logging.getLogger().setLevel(level)
+        return
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+
+
 def _quiet_http() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -81,6 +95,7 @@ def register(app: typer.Typer) -> None:
                 "default the run's verify_device. On another class it judges nothing (warned)"
             ),
         ] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Serve a SWARM run: stage assignment, averaging rounds, rebalancing, ledger."""
         if model is not None and not model.startswith("hf:"):
@@ -88,8 +103,16 @@ def register(app: typer.Typer) -> None:
         cfg = _config([*(set_ or []), *([f"model={model}"] if model else [])])
         if device is not None:
             _device(device)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        _logging(logging.INFO, log_json)
         _quiet_http()
+        from covey.errors import UserError
+        from covey.guards import check_port_free, lock_dir
+
+        try:
+            check_port_free(host, port)  # before the banner and before the run dir is made
+            lock_dir(data_dir, "covey swarm coordinator")  # one coordinator per data dir
+        except UserError as e:
+            _fail(str(e))
         from covey.swarm.app import serve
         from covey.swarm.service import SwarmCoordinator
 
@@ -119,6 +142,7 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option(help="this machine's copy of the run's hf:DIR model")
         ] = None,
         device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Serve one pipeline stage (assigned by the coordinator): forward and backward."""
         from covey.swarm.server import BEHAVIORS
@@ -130,7 +154,7 @@ def register(app: typer.Typer) -> None:
         if model is not None and not model.startswith("hf:"):
             _fail(f"--model {model!r}: expected hf:DIR")
         where = _device(device)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        _logging(logging.INFO, log_json)
         _quiet_http()
         import torch
 
@@ -161,13 +185,14 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option(help="GPipe-style baseline: one fixed server per stage")
         ] = False,
         json_out: Annotated[Path | None, typer.Option("--json", help="write a summary")] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Train: route microbatches through one server per stage, forward then backward."""
         if samples is None and seconds is None:
             _fail("give --samples or --seconds")
         if inflight is not None and inflight < 1:
             _fail(f"--inflight ({inflight}) must be at least 1")
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        _logging(logging.WARNING, log_json)
         import torch
 
         from covey.swarm.trainer import SwarmTrainer, summary
