@@ -109,7 +109,7 @@ def test_the_wheel_holds_the_package_and_license_only(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     (wheel,) = (tmp_path / "dist").glob("covey-*.whl")
     files = zipfile.ZipFile(wheel).namelist()
-    assert "covey/cli.py" in files and "covey/dashboard/static/index.html" in files
+    assert "covey/cli/__init__.py" in files and "covey/dashboard/static/index.html" in files
     assert not any(f.startswith("tests/") or f.endswith("/browser.py") for f in files)
     assert any(f.endswith(".dist-info/licenses/LICENSE") or f.endswith("/LICENSE") for f in files)
     metadata = next(f for f in files if f.endswith(".dist-info/METADATA"))
