@@ -82,8 +82,6 @@ def test_demo_on_parquet_with_another_text_column(tmp_path: Path) -> None:
     args = ("--data", str(path), "--workers", "1", "--validators", "0", "--no-progress")
     line = one_line(covey("demo", *args, "--out", str(tmp_path / "o")), "body", "--text-column")
     assert "b.parquet" in line
-    # sim says the same, and both take --text-column
-    one_line(covey("sim", *SIM, "--data", str(path), "--out", str(tmp_path / "s")), "body")
     assert "--text-column" in covey("demo", "-h").stdout
 
 
@@ -188,6 +186,7 @@ def test_coordinator_on_a_damaged_database(tmp_path: Path) -> None:
     r = covey("coordinator", str(spec(tmp_path)), "--data-dir", str(data), "--port", "0")
     one_line(r, "coordinator.db", "SQLite")
     one_line(covey("export", str(data), "--out", str(tmp_path / "hf")), "coordinator.db")
+    one_line(covey("ledger", "verify", str(data)), str(data), "database")
 
 
 def test_coordinator_on_a_busy_port_creates_nothing(tmp_path: Path) -> None:

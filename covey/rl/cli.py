@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Annotated
@@ -220,6 +221,8 @@ def trainer(
         )
     except (ValueError, FileNotFoundError, UserError) as e:
         raise _fail(str(e)) from None
+    except sqlite3.DatabaseError as e:  # a damaged database in --data-dir
+        raise _fail(f"{data_dir}: its database cannot be read ({e}); is it damaged?") from None
     typer.echo(
         f"trainer of run {t.run_id} at http://{host}:{port} (policy v{t.version}, "
         f"learning on {where} in {compute})"
