@@ -284,3 +284,21 @@ def test_coordinator_refuses_a_state_blob_that_does_not_hash_to_its_id(tmp_path:
     blob.unlink()
     with pytest.raises(UserError, match="missing"):
         check_data_dir(tmp_path)
+
+
+LONG_RUNNING = (
+    ("sim",), ("demo",), ("coordinator",), ("worker",), ("validator",),
+    ("rl", "trainer"), ("rl", "worker"), ("rl", "validator"), ("rl", "demo"),
+    ("swarm", "coordinator"), ("swarm", "server"), ("swarm", "trainer"), ("swarm", "demo"),
+)  # fmt: skip
+
+
+def test_every_long_running_command_takes_log_json() -> None:
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+
+    runner = CliRunner()
+    for command in LONG_RUNNING:
+        r = runner.invoke(app, [*command, "-h"])
+        assert r.exit_code == 0 and "--log-json" in r.output, command

@@ -7,6 +7,7 @@ Only typer is imported at module level: torch loads when a command runs, so `cov
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sqlite3
 import threading
@@ -81,7 +82,11 @@ LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, le
 
 
 def _logging(verbose: bool = True, json_lines: bool = False, peer: str = "rl") -> None:
-    if json_lines:  # covey.logs: the format every other covey process writes
+    """Text lines, or with --log-json (or COVEY_LOG_JSON, set by a demo for its children)
+    covey.logs' JSON lines, the format every other covey process writes."""
+    from covey.logs import JSON_ENV
+
+    if json_lines or os.environ.get(JSON_ENV, "") not in ("", "0"):
         from covey.logs import setup_logging
 
         setup_logging(peer, json_lines=True)
@@ -343,11 +348,14 @@ def demo(
     sft_steps: Annotated[int, typer.Option(help="SFT steps when no --policy", min=1)] = 450,
     seed: Annotated[int, typer.Option(help="seeds SFT")] = 0,
     device: Device = "cpu",
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Run a trainer, 3 rollout workers, a validator and --adversaries cheaters on 127.0.0.1;
     write OUT/summary.json (pass@1 start/end, batches accepted/rejected, cheats caught)."""
     import time
 
+    if log_json:  # this process, and the children through COVEY_LOG_JSON
+        _logging(json_lines=True, peer="demo")
     from covey.rl.demo import run_demo
 
     where = _device(device)

@@ -46,8 +46,13 @@ LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, le
 
 
 def _logging(level: int, json_lines: bool) -> None:
-    """Text lines, or with --log-json covey.logs' JSON lines (the other commands' format)."""
-    if json_lines:
+    """Text lines, or with --log-json (or COVEY_LOG_JSON, set by a demo for its children)
+    covey.logs' JSON lines, the format every other covey process writes."""
+    import os
+
+    from covey.logs import JSON_ENV
+
+    if json_lines or os.environ.get(JSON_ENV, "") not in ("", "0"):
         from covey.logs import setup_logging
 
         setup_logging("swarm", json_lines=True)
@@ -219,8 +224,11 @@ def register(app: typer.Typer) -> None:
         servers: Annotated[int, typer.Option(help="stage servers of mixed speeds")] = 5,
         port: Annotated[int, typer.Option(help="the coordinator's port")] = 8100,
         device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Coordinator, stage servers of mixed speeds and a trainer on 127.0.0.1."""
+        if log_json:  # this process, and the children through COVEY_LOG_JSON
+            _logging(logging.INFO, True)
         if minutes <= 0 or servers < 2 or (kill_every is not None and kill_every <= 0):
             _fail(f"need --minutes > 0 ({minutes}), --servers >= 2 ({servers}), --kill-every > 0")
         where = _device(device)
