@@ -88,6 +88,8 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool, command: str) -> No
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other: pick one")
     present = [name for name in SIM_RUN_ENTRIES if (out / name).exists()]
+    if present == ["checkpoint"] and not (out / "checkpoint" / "sim.json").exists():
+        present = []  # only the config of a run that stopped before its first round
     if not present or resume:
         return
     if not overwrite:

@@ -164,6 +164,14 @@ def test_sim_refuses_an_out_holding_another_run_then_overwrites(
     assert any("final val loss" in e["message"] for e in records)
 
 
+def test_a_sim_stopped_before_its_first_round_leaves_no_run_to_refuse(tmp_path: Path) -> None:
+    """Data too small is fixed and the same --out used again: no "holds another run"."""
+    out, tiny = tmp_path / "run", tmp_path / "tiny.txt"
+    tiny.write_text("x")
+    for _ in range(2):
+        one_line(covey("sim", *SIM, "--data", str(tiny), "--out", str(out)), "fewer than")
+
+
 def test_sim_refuses_an_out_in_use(tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
