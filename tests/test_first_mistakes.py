@@ -219,6 +219,32 @@ def test_second_coordinator_on_a_data_dir_in_use(tmp_path: Path) -> None:
     assert r.stdout == ""
 
 
+def test_the_lock_of_a_killed_coordinator_dies_with_it(tmp_path: Path) -> None:
+    """A SIGKILLed holder leaves its lock file behind but no lock: the next one starts."""
+    import signal
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "coordinator.db").write_bytes(b"not a database " * 100)  # refused past the lock
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from covey.guards import lock_dir; lock_dir(Path(sys.argv[1]), 'holder'); "
+         "print('locked', flush=True); time.sleep(120)", str(data)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        args = ("coordinator", str(spec(tmp_path)), "--data-dir", str(data), "--port", "0")
+        one_line(covey(*args), "in use")
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        assert (data / LOCK_NAME).exists()
+        one_line(covey(*args), "coordinator.db", "SQLite")  # got past the lock
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
 def test_worker_says_it_cannot_reach_the_coordinator(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))

@@ -119,7 +119,7 @@ def demo(
             out_dir=out,
             model=model,
             seed=seed,
-            progress=progress,
+            progress=progress and not log_json,
             tokenizer=tokenizer,
             data=tuple(data or ()),
             rounds=rounds,
@@ -129,6 +129,7 @@ def demo(
             device=device,
             text_column=text_column,
             overrides=extra,
+            json_lines=log_json,
         )
     except UserError as e:
         raise fail(str(e)) from None

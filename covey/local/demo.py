@@ -9,6 +9,7 @@ Ctrl-C, SIGTERM or an error (`run_local_demo`'s finally).
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import subprocess
@@ -121,6 +122,7 @@ def run_local_demo(
     device: str | None = None,
     text_column: str | None = None,
     overrides: dict[str, Any] | None = None,
+    json_lines: bool = False,
 ) -> dict[str, Any]:
     """Train for `minutes` (or until `rounds` rounds are committed, if sooner) with a
     coordinator and `workers` worker processes in `out_dir`, then write metrics.jsonl,
@@ -136,7 +138,8 @@ def run_local_demo(
     `adversaries` of the workers misbehave, each in the next way of ADVERSARIES; the
     `validators` re-execute sampled contributions (see covey.peer.validator).
     `overrides` (``--set``, nested) are laid over the demo's spec; a spec that does not
-    validate raises UserError naming the key, before any process starts."""
+    validate raises UserError naming the key, before any process starts. With `json_lines`
+    the demo's own lines are log records (covey.logs: JSON with --log-json), not prints."""
     if workers < 1:
         raise ValueError(f"workers ({workers}) must be at least 1")
     if not 0 <= adversaries <= workers:
@@ -171,7 +174,7 @@ def run_local_demo(
     load_spec(load_run_config, spec_path)  # fails here, with the field named, not in a child
 
     cluster = LocalCluster(spec_path, out_dir)
-    say = _Printer()
+    say = _Printer(json_lines)
     seen: dict[str, Any] = {}  # "status": the last one read; survives an interrupted watch
     interrupted = False
     chaos_state = Chaos(random.Random(seed), (lo, hi), next_index=workers) if chaos else None
@@ -222,13 +225,17 @@ def run_local_demo(
 
 
 class _Printer:
-    """print(), or tqdm.write() while a bar is on screen so lines do not tear it."""
+    """print(), or tqdm.write() while a bar is on screen so lines do not tear it; with
+    `json_lines`, a log line instead (covey.logs writes it as JSON)."""
 
-    def __init__(self) -> None:
+    def __init__(self, json_lines: bool = False) -> None:
         self.bar: Any = None
+        self.json_lines = json_lines
 
     def __call__(self, line: str) -> None:
-        if self.bar is not None:
+        if self.json_lines:
+            logging.getLogger("covey.demo").info(line)
+        elif self.bar is not None:
             self.bar.write(line)
         else:
             print(line, flush=True)
