@@ -129,11 +129,18 @@ def track(
         typer.echo(f"logged {n} rounds to {kind} ({out})")
 
 
-def check_coordinator_url(url: str, wait_s: float) -> None:
+def check_coordinator_url(url: str, wait_s: float, json_lines: bool = False) -> None:
     """Refuse a URL without a scheme, or a server that is not a covey coordinator, at once
-    (waiting up to `wait_s` only for one that is not reachable yet)."""
+    (waiting up to `wait_s` only for one that is not reachable yet, saying so on stderr:
+    as log records with --log-json)."""
+    if json_lines:
+        import logging
+
+        say = logging.getLogger("covey.cli").warning
+    else:
+        say = lambda line: typer.echo(line, err=True)  # noqa: E731
     try:
-        check_coordinator(url, wait_s)
+        check_coordinator(url, wait_s, say=say)
     except UserError as e:
         raise fail(str(e)) from None
 

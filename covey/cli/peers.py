@@ -167,8 +167,8 @@ def worker(
         from covey.peer.group import run_follower
 
         raise typer.Exit(run_follower(device, threads, group))
-    check_coordinator_url(coordinator, connect_timeout)
     setup_logs(verbose, name or "worker", log_json)
+    check_coordinator_url(coordinator, connect_timeout, log_json)
     from covey.peer.worker import Worker, WorkerOptions
     from covey.trust.identity import IdentityError
 
@@ -260,8 +260,8 @@ def validator(
         raise fail("--aggregate needs --stake > 0: aggregators are drawn from staked keys")
     check_name(name)
     check_device(device)
-    check_coordinator_url(coordinator, connect_timeout)
     setup_logs(verbose, name or "validator", log_json)
+    check_coordinator_url(coordinator, connect_timeout, log_json)
     from covey.peer.validator import Validator, ValidatorOptions
     from covey.trust.identity import IdentityError
 
