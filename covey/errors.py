@@ -9,7 +9,10 @@ and imports neither torch nor the network stack at module level, so ``--help`` s
   valid one (difflib);
 - `check_data_paths`: every ``--data`` / ``data.paths`` entry exists;
 - `check_coordinator`: a coordinator URL has a scheme and answers like a covey coordinator;
-  a server that answers something else is refused at once, not retried until a timeout.
+  a server that answers something else is refused at once, not retried until a timeout,
+  and one that cannot be reached is reported while it is waited for;
+- `user_message`: the one line for an input error no command caught (a missing file, a
+  damaged checkpoint or database), which `covey.cli.main` prints instead of a traceback.
 """
 
 from __future__ import annotations
