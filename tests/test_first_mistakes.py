@@ -336,3 +336,23 @@ def test_every_long_running_command_takes_log_json() -> None:
     for command in LONG_RUNNING:
         r = runner.invoke(app, [*command, "-h"])
         assert r.exit_code == 0 and "--log-json" in r.output, command
+
+
+def test_set_values_reach_the_spec_over_flags_and_toml(tmp_path: Path) -> None:
+    from covey.config import load_run_config, load_sim_config
+    from covey.errors import UserError
+    from covey.spec import load_spec, parse_sets
+    from covey.swarm.config import SwarmConfig
+
+    assert parse_sets(["a.b=1", "a.c=x", "d=[1, 2]", 'e="5"']) == {
+        "a": {"b": 1, "c": "x"}, "d": [1, 2], "e": "5"
+    }  # fmt: skip
+    toml = tmp_path / "run.toml"
+    toml.write_text("workers = 3\n[algorithm]\ninner_steps = 4\n")
+    cfg = load_spec(load_sim_config, toml, {"workers": 2}, ["algorithm.inner_steps=5"])
+    assert (cfg.workers, cfg.algorithm.inner_steps) == (2, 5)  # flags over TOML, --set last
+    run = load_spec(load_run_config, None, {}, ["name=set-run", "rounds.max_rounds=7"])
+    assert (run.name, run.rounds.max_rounds) == ("set-run", 7)
+    assert load_spec(SwarmConfig, sets=["n_layer=6", "name=s"]).n_layer == 6
+    with pytest.raises(UserError, match="is set to a value and used as a table"):
+        parse_sets(["a=1", "a.b=2"])
