@@ -51,19 +51,19 @@ def load_spec(
     overrides: dict[str, Any] | None = None,
     sets: Iterable[str] = (),
 ) -> Any:
-    """The validated spec: `loader(path, **overrides)` (a covey.config loader) or a pydantic
-    model given the overrides as its fields, with the ``--set`` pairs laid over the flag
-    overrides. `UserError` naming every problem by its dotted key."""
+    """The validated spec, with the ``--set`` pairs laid over the flag `overrides`:
+    `loader(path, **values)` for a covey.config loader (which reads the TOML at `path`), or
+    `loader.model_validate(values)` for a pydantic model (`path`, whose TOML the caller
+    read into `overrides`, then only names the file in messages). `UserError` naming every
+    problem by its dotted key."""
     values = merge(overrides or {}, parse_sets(sets))
-    if isinstance(loader, type) and issubclass(loader, BaseModel):
-        root: Any = loader
-        call: Callable[[], Any] = lambda: loader.model_validate(values)  # noqa: E731
-    else:
-        root = typing.get_type_hints(loader).get("return")
-        call = lambda: loader(path, **values)  # noqa: E731
+    is_model = isinstance(loader, type) and issubclass(loader, BaseModel)
+    root = loader if is_model else typing.get_type_hints(loader).get("return")
     where = f" in {path}" if path else ""
     try:
-        return call()
+        if is_model:
+            return loader.model_validate(values)
+        return loader(path, **values)
     except ValidationError as e:
         if isinstance(root, type) and issubclass(root, BaseModel):
             message = describe_validation_error(root, e)
