@@ -114,6 +114,31 @@ def test_export_refuses_a_flipped_byte_in_a_tensor(sim_run: Path, tmp_path: Path
     one_line(r, "model.init", "damaged")
 
 
+def test_export_checks_a_coordinator_checkpoint_against_its_content_id(
+    sim_run: Path, tmp_path: Path
+) -> None:
+    """A coordinator's checkpoint is its state blob: coordinator.db records its sha256."""
+    import hashlib
+    import sqlite3
+
+    data = tmp_path / "data"
+    (data / "checkpoints").mkdir(parents=True)
+    path = data / "checkpoints" / "round-000002.safetensors"
+    shutil.copyfile(checkpoint(sim_run), path)
+    config = json.loads((sim_run / "summary.json").read_text())["config"]
+    db = sqlite3.connect(data / "coordinator.db")
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+    db.execute("INSERT INTO meta VALUES ('spec', ?)", (json.dumps(config),))
+    db.execute("CREATE TABLE checkpoints (round INTEGER PRIMARY KEY, cid TEXT, size INTEGER, "
+               "weights_hash TEXT, created_at REAL)")  # fmt: skip
+    cid = hashlib.sha256(path.read_bytes()).hexdigest()
+    db.execute("INSERT INTO checkpoints VALUES (2, ?, 0, '', 0)", (cid,))
+    db.commit()
+    db.close()
+    flip_byte(path, -100)
+    one_line(covey("export", str(data), "--out", str(tmp_path / "hf")), str(path), "damaged")
+
+
 def test_a_checkpoint_without_a_hash_still_loads(sim_run: Path, tmp_path: Path) -> None:
     """Backwards compatible: run directories written before hashes were kept open."""
     from covey.io.export import load_checkpoint_into, read_run
