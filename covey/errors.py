@@ -9,7 +9,10 @@ and imports neither torch nor the network stack at module level, so ``--help`` s
   valid one (difflib);
 - `check_data_paths`: every ``--data`` / ``data.paths`` entry exists;
 - `check_coordinator`: a coordinator URL has a scheme and answers like a covey coordinator;
-  a server that answers something else is refused at once, not retried until a timeout.
+  a server that answers something else is refused at once, not retried until a timeout,
+  and one that cannot be reached is reported while it is waited for;
+- `user_message`: the one line for an input error no command caught (a missing file, a
+  damaged checkpoint or database), which `covey.cli.main` prints instead of a traceback.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import difflib
 import re
 import time
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -151,22 +154,39 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
 def check_coordinator(
-    url: str, wait_s: float, poll_s: float = 0.5, modes: tuple[str, ...] = ("rounds",)
+    url: str,
+    wait_s: float,
+    poll_s: float = 0.5,
+    say: Callable[[str], None] | None = _stderr,
+    say_every_s: float = 10.0,
+    say_after_s: float = 2.0,
+    modes: tuple[str, ...] = ("rounds",),
 ) -> dict[str, Any]:
     """GET <url>/v1/run and return the run description, of a coordinator in one of `modes`
     (rounds, rl, swarm); one in another mode is refused at once, naming it.
 
     A server that cannot be reached yet (connection refused, timeout, 5xx: a coordinator
-    still starting) is retried until `wait_s` has passed, then `UserError`. A server that
-    answers but not as a covey coordinator (404, another status, non-JSON, JSON without a
-    run id) is refused at once: waiting would not change its answer."""
+    still starting) is retried until `wait_s` has passed, then `UserError`. Meanwhile `say`
+    is told, once it has failed for `say_after_s` (a coordinator just starting gets that
+    grace), the URL and the error, and every `say_every_s` after that how long it has
+    waited: a peer pointed at the wrong port does not sit silent. A server that answers
+    but not as a covey coordinator (404, another status, non-JSON, JSON without a run id)
+    is refused at once: waiting would not change its answer."""
     import httpx
 
     base = check_url(url)
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    deadline = start + wait_s
+    next_say, said = start + say_after_s, False
     why = ""
-    with httpx.Client(timeout=min(10.0, max(wait_s, 1.0))) as http:
+    with httpx.Client(timeout=min(5.0, max(wait_s, 1.0))) as http:
         while True:
             try:
                 resp = http.get(f"{base}/v1/run")
@@ -176,7 +196,17 @@ def check_coordinator(
                 if resp.status_code < 500:
                     return _as_run(base, resp, modes)
                 why = f"HTTP {resp.status_code}"
-            if time.monotonic() + poll_s > deadline:
+            now = time.monotonic()
+            if say is not None and now >= next_say and now + poll_s <= deadline:
+                waited = now - start
+                if not said:
+                    said = True
+                    say(f"cannot reach the coordinator at {base} ({why}); retrying for up to "
+                        f"{wait_s:.0f} s (--connect-timeout)")  # fmt: skip
+                else:
+                    say(f"still cannot reach {base} after {waited:.0f} s of {wait_s:.0f} ({why})")
+                next_say = start + say_every_s * (waited // say_every_s + 1)  # at 10, 20 s...
+            if now + poll_s > deadline:
                 raise UserError(
                     f"coordinator {base} unreachable for {wait_s:.0f} s ({why}); check that "
                     "`covey coordinator` runs there, or raise --connect-timeout"
@@ -204,3 +234,25 @@ def _as_run(base: str, resp: Any, modes: tuple[str, ...]) -> dict[str, Any]:
             f"for that run use `{MODE_COMMANDS[mode]}`"
         )
     return body
+
+
+# --- the last line of defence -------------------------------------------------------------
+
+
+def user_message(exc: BaseException) -> str | None:
+    """One line for an error that comes from the input (a missing or unreadable file, a
+    damaged checkpoint or database) and reaches the command line unhandled; None for any
+    other exception (a bug: its traceback is shown)."""
+    import sqlite3
+
+    if isinstance(exc, UserError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.filename is not None and exc.errno is not None:
+        return f"{exc.filename}: {exc.strerror}; check the path"
+    if isinstance(exc, sqlite3.DatabaseError):
+        return f"a database could not be read ({exc}); the file is damaged or not covey's"
+    if type(exc).__name__ == "SafetensorError":  # safetensors: without importing it here
+        return f"a checkpoint could not be read ({exc}); the file is damaged or truncated"
+    if type(exc).__name__ in ("CheckpointError", "SnapshotError"):
+        return str(exc)
+    return None

@@ -9,7 +9,7 @@ covey/__init__.py); those that share a layer do not depend on each other by desi
 from __future__ import annotations
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__main__", "cli", "halt_cli"),  # typer commands: parse first, import torch late
+    ("__main__", "cli"),  # typer commands: parse first, import torch late
     ("dashboard",),  # static page over the services' JSON
     ("bench",),  # measurements that drive everything below
     ("local",),  # a demo and a cluster of real processes on one machine
@@ -23,5 +23,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("memory",),  # process memory: bounded heap, shapes-only copies
     ("algorithms",),  # pure tensor math: strategies, codecs, aggregation
     ("models", "data"),  # model sources; data sources, tokenizers, shards
+    ("spec", "guards"),  # reading a run spec with --set; run-directory locks, hashed files
     ("config", "devices", "errors", "logs", "tracking", "layers", "__init__"),
 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,14 +52,25 @@ class TensorBoardTracker:
         self._writer.close()
 
 
-class WandbTracker:
-    """A W&B run (project "covey"); honours WANDB_MODE=offline and the other W&B settings."""
+def wandb_project(flag: str | None = None) -> str:
+    """The W&B project: --wandb-project, else $WANDB_PROJECT, else "covey" (where a run's
+    metrics are shown: a presentation setting, it changes no run)."""
+    return flag or os.environ.get("WANDB_PROJECT") or "covey"
 
-    def __init__(self, out_dir: Path, name: str, config: dict[str, Any]) -> None:
+
+class WandbTracker:
+    """A W&B run in `project` (`wandb_project`); honours WANDB_MODE=offline and the other
+    W&B settings."""
+
+    def __init__(
+        self, out_dir: Path, name: str, config: dict[str, Any], project: str | None = None
+    ) -> None:
         import wandb
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project="covey", name=name, config=config, dir=str(out_dir))
+        self._run = wandb.init(
+            project=wandb_project(project), name=name, config=config, dir=str(out_dir)
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
@@ -81,14 +93,19 @@ def check_kind(kind: str | None) -> None:
 
 
 def open_tracker(
-    kind: str | None, out_dir: Path, name: str, config: dict[str, Any] | None = None
+    kind: str | None,
+    out_dir: Path,
+    name: str,
+    config: dict[str, Any] | None = None,
+    project: str | None = None,
 ) -> Tracker | None:
-    """The tracker `kind` asks for (None: none), writing under `out_dir`."""
+    """The tracker `kind` asks for (None: none), writing under `out_dir`; `project`: the
+    W&B project (`wandb_project`)."""
     check_kind(kind)
     if kind == "tensorboard":
         return TensorBoardTracker(out_dir / "tensorboard")
     if kind == "wandb":
-        return WandbTracker(out_dir, name, config or {})
+        return WandbTracker(out_dir, name, config or {}, project)
     return None
 
 

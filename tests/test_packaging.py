@@ -117,7 +117,7 @@ def test_the_wheel_holds_the_package_and_license_only(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     (wheel,) = (tmp_path / "dist").glob("covey-*.whl")
     files = zipfile.ZipFile(wheel).namelist()
-    assert "covey/cli.py" in files and "covey/dashboard/static/index.html" in files
+    assert "covey/cli/__init__.py" in files and "covey/dashboard/static/index.html" in files
     assert not any(f.startswith("tests/") or f.endswith("/browser.py") for f in files)
     assert any(f.endswith(".dist-info/licenses/LICENSE") or f.endswith("/LICENSE") for f in files)
     metadata = next(f for f in files if f.endswith(".dist-info/METADATA"))
@@ -244,7 +244,7 @@ def test_the_built_wheel_installs_in_a_fresh_venv_and_runs_covey(tmp_path: Path)
     (wheel,) = dist.glob("covey-*.whl")
     with tarfile.open(sdist) as tar:
         members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
-    for needed in ("pyproject.toml", "README.md", "LICENSE", "PKG-INFO", "covey/cli.py"):
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "PKG-INFO", "covey/cli/__init__.py"):
         assert needed in members, needed
     static = {p.relative_to(ROOT).as_posix() for p in (ROOT / "covey/dashboard/static").iterdir()}
     assert static and static <= members, static - members
@@ -264,7 +264,7 @@ def test_the_built_wheel_installs_in_a_fresh_venv_and_runs_covey(tmp_path: Path)
     outside.mkdir()
     probe = (
         "import sys, importlib.metadata as m, covey.cli, covey.sim.simulator\n"
-        "print(m.distribution('covey').locate_file('covey/cli.py'))\n"
+        "print(m.distribution('covey').locate_file('covey/cli/__init__.py'))\n"
         "print(*(x.__file__ for n, x in sys.modules.items() if n.split('.')[0] == 'covey'))"
     )
     where = _run(python, "-c", probe, cwd=outside).stdout.split()

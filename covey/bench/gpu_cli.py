@@ -1,4 +1,4 @@
-"""`covey bench gpu` (covey/bench/gpu.py): registered on the bench sub-app by covey/cli.py.
+"""`covey bench gpu` (covey/bench/gpu.py): registered on the bench sub-app by covey/cli/__init__.py.
 Arguments are parsed before torch is imported, so --help is instant."""
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ def _texts(paths: list[str], text_column: str) -> Iterator[str]:
 
 def register(app: typer.Typer) -> None:
     """Add the commands to the main `covey` app."""
-    tokenizer_app = typer.Typer(help="Tokenizers for your data.", no_args_is_help=True)
+    tokenizer_app = typer.Typer(
+        help="Tokenizers for your data.", no_args_is_help=True, rich_markup_mode=None
+    )
     app.add_typer(tokenizer_app, name="tokenizer")
 
     @tokenizer_app.command("train")

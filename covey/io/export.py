@@ -5,7 +5,10 @@ checkpoints/round-NNNNNN.safetensors, and copies of the model's config.json and 
 tokenizer under model/ and tokenizer/) or a coordinator's --data-dir (coordinator.db holds
 the run spec; checkpoints/ the certified states). `export_run` writes config.json,
 model.safetensors, the tokenizer files and generation_config.json, which
-`transformers.AutoModelForCausalLM.from_pretrained` loads without remote code. covey's own
+`transformers.AutoModelForCausalLM.from_pretrained` loads without remote code.
+A checkpoint is checked against the hash recorded when it was written (a sim run's
+``<file>.sha256``, a coordinator's content id in coordinator.db) before it is read; one
+written before hashes were kept loads unchecked. covey's own
 GPT leaves as a GPT2LMHeadModel (exact GELU), with logits equal to covey's.
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,8 @@ from torch import nn
 
 from covey.config import ModelConfig
 from covey.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from covey.errors import UserError
+from covey.guards import check_sha256, expected_sha256, sha256_file, write_sidecar
 from covey.models.gpt import GPT
 from covey.models.source import build_model, parse_source
 
@@ -39,6 +44,7 @@ class RunArtifacts:
     tokenizer: str
     seed: int
     checkpoints: dict[int, Path]  # round -> file
+    hashes: dict[int, str] = field(default_factory=dict)  # round -> sha256 when recorded
 
     def checkpoint(self, round: int | None = None) -> tuple[int, Path]:
         """The latest checkpoint, or round `round`'s; ValueError naming what exists."""
@@ -52,20 +58,41 @@ class RunArtifacts:
             )
         return r, self.checkpoints[r]
 
+    def checked_checkpoint(self, round: int | None = None) -> tuple[int, Path]:
+        """`checkpoint`, after its bytes are checked against the hash recorded for them;
+        ValueError naming the file when they differ (a damaged file)."""
+        r, path = self.checkpoint(round)
+        try:
+            check_sha256(path, self.hashes.get(r) or expected_sha256(path))
+        except UserError as e:
+            raise ValueError(str(e)) from None
+        return r, path
+
 
 def read_run(directory: str | Path) -> RunArtifacts:
     """The spec and checkpoints of a sim run dir or a coordinator data dir. The model and
     tokenizer copies a sim run keeps (model/, tokenizer/) win over the spec's paths, so a run
     dir moved to another machine still exports. ValueError when it is neither."""
     d = Path(directory)
+    hashes: dict[int, str] = {}
     if (d / "summary.json").is_file():
-        spec = json.loads((d / "summary.json").read_text()).get("config", {})
-    elif (d / "coordinator.db").is_file():
-        db = sqlite3.connect(f"file:{d / 'coordinator.db'}?mode=ro", uri=True)
         try:
-            row = db.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()
-        finally:
-            db.close()
+            spec = json.loads((d / "summary.json").read_text()).get("config", {})
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{d}/summary.json is damaged ({e})") from None
+    elif (d / "coordinator.db").is_file():
+        try:
+            db = sqlite3.connect(f"file:{d / 'coordinator.db'}?mode=ro", uri=True)
+            try:
+                row = db.execute("SELECT value FROM meta WHERE key = 'spec'").fetchone()
+                # a coordinator's checkpoint is its state blob: the content id is its sha256
+                tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
+                if "checkpoints" in tables:
+                    hashes = dict(db.execute("SELECT round, cid FROM checkpoints").fetchall())
+            finally:
+                db.close()
+        except sqlite3.DatabaseError as e:
+            raise ValueError(f"{d}/coordinator.db cannot be read ({e}): is it damaged?") from None
         if row is None:
             raise ValueError(f"{d}/coordinator.db holds no run spec yet")
         spec = json.loads(row[0])
@@ -80,7 +107,7 @@ def read_run(directory: str | Path) -> RunArtifacts:
     checkpoints = {
         int(p.stem.split("-")[1]): p for p in (d / "checkpoints").glob("round-*.safetensors")
     }
-    return RunArtifacts(d, model, tokenizer, int(spec.get("seed", 0)), checkpoints)
+    return RunArtifacts(d, model, tokenizer, int(spec.get("seed", 0)), checkpoints, hashes)
 
 
 def save_run_artifacts(
@@ -92,6 +119,7 @@ def save_run_artifacts(
     (directory / "checkpoints").mkdir(parents=True, exist_ok=True)
     path = directory / "checkpoints" / f"round-{round:06d}.safetensors"
     path.write_bytes(state_bytes)
+    write_sidecar(path, sha256_file(path))  # checked when the checkpoint is loaded
     kind, rest = parse_source(model_cfg.spec)
     if kind == "hf":
         (directory / "model").mkdir(exist_ok=True)
@@ -105,8 +133,13 @@ def save_run_artifacts(
 
 def load_checkpoint_into(model: nn.Module, path: Path) -> None:
     """Copy a covey state file's parameters into `model`; ValueError on any name or shape
-    mismatch (the run dir does not belong to this model)."""
-    tensors = load_file(str(path))
+    mismatch (the run dir does not belong to this model) or a file that is not one."""
+    from safetensors import SafetensorError
+
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as e:
+        raise ValueError(f"{path} is damaged or truncated ({e}); use another round") from None
     params = {
         k[len(STATE_FORMAT_PREFIX) :]: v
         for k, v in tensors.items()
@@ -181,7 +214,7 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
     Returns what was exported. ValueError for a py: model (no standard form) or a
     checkpoint that does not match the run's model."""
     run = read_run(run_dir)
-    r, path = run.checkpoint(round)
+    r, path = run.checked_checkpoint(round)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per shard: noise for a CLI

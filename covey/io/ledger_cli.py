@@ -8,6 +8,7 @@ imported here; the audit code loads when a command runs.
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -23,7 +24,9 @@ Source = Annotated[str, typer.Argument(help=SOURCE_HELP, show_default=False)]
 def register(app: typer.Typer) -> None:
     """Add the `ledger` command group to `app`."""
     ledger_app = typer.Typer(
-        help="Audit a run's ledger: chain, signatures, balances.", no_args_is_help=True
+        help="Audit a run's ledger: chain, signatures, balances.",
+        no_args_is_help=True,
+        rich_markup_mode=None,
     )
     ledger_app.command("verify")(verify)
     ledger_app.command("show")(show)
@@ -119,6 +122,8 @@ def export(
         entries, _, _ = load(source)
     except SourceError as e:
         raise _fail(str(e)) from None
+    except sqlite3.DatabaseError as e:  # a damaged coordinator.db in a data directory
+        raise _fail(f"{source}: its database cannot be read ({e}); is it damaged?") from None
     except LedgerError as e:
         typer.secho(f"ledger INVALID: {e}", fg=typer.colors.RED)
         raise typer.Exit(1) from None
@@ -136,6 +141,8 @@ def _verified(source: str, recompute: bool = False) -> VerifyReport:
         return verify_source(source, recompute, progress=typer.echo)
     except SourceError as e:
         raise _fail(str(e)) from None
+    except sqlite3.DatabaseError as e:  # a damaged coordinator.db in a data directory
+        raise _fail(f"{source}: its database cannot be read ({e}); is it damaged?") from None
     except LedgerError as e:
         typer.secho(f"ledger INVALID: {e}", fg=typer.colors.RED)
         raise typer.Exit(1) from None

@@ -71,7 +71,14 @@ def load_init_params(init: str, model: nn.Module) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from covey.errors import UserError
+    from covey.guards import check_sha256, expected_sha256
+
     path = checkpoint_file(init)
+    try:  # a checkpoint `covey sim` wrote carries its hash (<file>.sha256); older ones do not
+        check_sha256(path, expected_sha256(path))
+    except UserError as e:
+        raise WarmStartError(f"model.init: {e}") from None
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:

@@ -7,7 +7,9 @@ Only typer is imported at module level: torch loads when a command runs, so `cov
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Annotated
@@ -16,8 +18,9 @@ import typer
 
 rl_app = typer.Typer(
     help="Decentralized RL post-training: a trainer, untrusted rollout "
-    "workers and staked validators (issue 14).",
+    "workers and staked validators.",
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 
 
@@ -85,7 +88,20 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _logging(verbose: bool = True) -> None:
+LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, level, peer, ...)")
+
+
+def _logging(verbose: bool = True, json_lines: bool = False, peer: str = "rl") -> None:
+    """Text lines, or with --log-json (or COVEY_LOG_JSON, set by a demo for its children)
+    covey.logs' JSON lines, the format every other covey process writes."""
+    from covey.logs import JSON_ENV
+
+    if json_lines or os.environ.get(JSON_ENV, "") not in ("", "0"):
+        from covey.logs import setup_logging
+
+        setup_logging(peer, json_lines=True)
+        logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
+        return
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(message)s",
@@ -151,14 +167,13 @@ def _threads(n: int) -> None:
 def _bindable(host: str, port: int) -> None:
     """Fail now (exit 2) on a port in use or an address not ours, before a run is created
     and uvicorn exits with its own message."""
-    import socket
+    from covey.errors import UserError
+    from covey.guards import check_port_free
 
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as e:
-        raise _fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        check_port_free(host, port)
+    except UserError as e:
+        raise _fail(str(e)) from None
 
 
 @rl_app.command("trainer")
@@ -183,25 +198,34 @@ def trainer(
             "fp32 | bf16; weights and optimizer state stay fp32"
         ),
     ] = "auto",
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="an RLSpec field, KEY=VALUE; repeat")
+    ] = None,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Serve an RL run: publish policy versions, take verified batches, train, pay."""
     from covey.config import load_toml
+    from covey.errors import UserError
+    from covey.guards import lock_dir
     from covey.rl.runspec import RLSpec
     from covey.rl.service import serve
     from covey.rl.trainer import Trainer
+    from covey.spec import load_spec
 
     where = _device(device)
     compute = _precision(precision, where)
-    _logging()
+    _logging(json_lines=log_json, peer="trainer")
     _threads(threads)
     _bindable(host, port)
     try:
+        lock_dir(data_dir, "covey rl trainer")  # one trainer per data dir
         from covey.rl.policy import spec_defaults
 
         defaults = spec_defaults(policy)  # hf: eos_id = its newline token unless the TOML says
-        rl_spec = RLSpec.model_validate({**defaults, **load_toml(spec)}) if spec else None
-        if rl_spec is None and policy is not None:
-            rl_spec = RLSpec(**defaults)
+        rl_spec = None
+        if spec is not None or policy is not None or set_:
+            given = {**defaults, **(load_toml(spec) if spec else {})}
+            rl_spec = load_spec(RLSpec, spec, given, set_ or ())
         t = Trainer(
             data_dir,
             spec=rl_spec,
@@ -210,8 +234,10 @@ def trainer(
             device=where,
             precision=compute,
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, UserError) as e:
         raise _fail(str(e)) from None
+    except sqlite3.DatabaseError as e:  # a damaged database in --data-dir
+        raise _fail(f"{data_dir}: its database cannot be read ({e}); is it damaged?") from None
     typer.echo(
         f"trainer of run {t.run_id} at http://{host}:{port} (policy v{t.version}, "
         f"learning on {where} in {compute})"
@@ -236,6 +262,7 @@ def worker(
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
     device: PeerDevice = "auto",
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Generate rollout batches for a trainer and get paid per verified token."""
     from covey.peer.client import CoordinatorLost, PeerRejected
@@ -243,7 +270,7 @@ def worker(
     from covey.trust.halt import EXIT_HALTED
 
     where = _peer_device(device)
-    _logging()
+    _logging(json_lines=log_json, peer=name)
     _threads(threads)
     stop = _stop_on_signals()
     try:
@@ -283,6 +310,7 @@ def validator(
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
     device: PeerDevice = "auto",
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Check rollout batches the trainer assigns; earn per check and per proven catch.
     Exit 1, before claiming anything, when this validator's device is of another class
@@ -293,7 +321,7 @@ def validator(
     from covey.trust.halt import EXIT_HALTED
 
     where = _peer_device(device)
-    _logging()
+    _logging(json_lines=log_json, peer=name)
     _threads(threads)
     stop = _stop_on_signals()
     try:
@@ -340,11 +368,14 @@ def demo(
     sft_steps: Annotated[int, typer.Option(help="SFT steps when no --policy", min=1)] = 450,
     seed: Annotated[int, typer.Option(help="seeds SFT")] = 0,
     device: Device = "cpu",
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Run a trainer, 3 rollout workers, a validator and --adversaries cheaters on 127.0.0.1;
     write OUT/summary.json (pass@1 start/end, batches accepted/rejected, cheats caught)."""
     import time
 
+    if log_json:  # this process, and the children through COVEY_LOG_JSON
+        _logging(json_lines=True, peer="demo")
     from covey.rl.demo import run_demo
 
     where = _device(device)

@@ -9,7 +9,9 @@ have (bit for bit when compute is modelled, `compute.step_time_s`; measured time
 On disk, ``<run dir>/checkpoint/``: ``tensors.safetensors`` (no pickle) and ``sim.json``,
 written after the tensors, each through a temporary file and an atomic rename: a run killed
 mid-write leaves the previous snapshot, or (json and tensors of different rounds) one that
-`load_snapshot` refuses with `SnapshotError`.
+`load_snapshot` refuses with `SnapshotError`. sim.json records the tensors file's sha256
+(checked on load: a flipped byte is refused); a snapshot written before it did loads
+unchecked.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from covey.errors import UserError
+from covey.guards import check_sha256, sha256_file
 
 if TYPE_CHECKING:  # torch loads only when a snapshot is taken or read (cli: --help stays fast)
     import torch
@@ -151,13 +156,14 @@ def save_snapshot(directory: Path, snap: SimSnapshot) -> None:
         directory / "tensors.safetensors",
         lambda p: save_file(tensors, str(p), metadata={"round": meta_round}),
     )
+    meta["tensors_sha256"] = sha256_file(directory / "tensors.safetensors")
     _write_atomic(directory / "sim.json", lambda p: p.write_text(json.dumps(meta) + "\n"))
 
 
 def load_snapshot(directory: Path, config_hash: str | None = None) -> SimSnapshot:
     """The snapshot in `directory`; `SnapshotError` (saying what to do) when there is none,
     it is of another config than `config_hash`, or its two files disagree."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     from covey.algorithms import TrainState
@@ -168,8 +174,12 @@ def load_snapshot(directory: Path, config_hash: str | None = None) -> SimSnapsho
             f"no checkpoint in {directory} to resume from; run `covey sim` without --resume "
             "(it writes one after each round)"
         )
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
+    fix = "delete the folder and start the run again (or pass --overwrite)"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as e:
+        raise SnapshotError(f"{meta_path} is damaged ({e}); {fix}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise SnapshotError(f"{meta_path} has format {meta.get('format')}, not {FORMAT}")
     if config_hash is not None and meta["config_hash"] != config_hash:
         raise SnapshotError(
@@ -177,14 +187,20 @@ def load_snapshot(directory: Path, config_hash: str | None = None) -> SimSnapsho
             f"{config_hash}: resume with the same config and flags (or with none: the "
             "checkpoint's own config is used)"
         )
-    with safe_open(str(tensor_path), "pt") as f:
-        tensor_round = (f.metadata() or {}).get("round")
-    if tensor_round != str(meta["round"]):
-        raise SnapshotError(
-            f"{directory}: tensors of round {tensor_round}, metadata of round {meta['round']} "
-            "(killed while writing); delete the folder and start the run again"
-        )
-    tensors = load_file(str(tensor_path))
+    try:
+        check_sha256(tensor_path, meta.get("tensors_sha256"))
+        with safe_open(str(tensor_path), "pt") as f:
+            tensor_round = (f.metadata() or {}).get("round")
+        if tensor_round != str(meta.get("round")):
+            raise SnapshotError(
+                f"{directory}: tensors of round {tensor_round}, metadata of round "
+                f"{meta.get('round')} (killed while writing); {fix}"
+            )
+        tensors = load_file(str(tensor_path))
+    except UserError as e:
+        raise SnapshotError(f"{e}; {fix}") from None
+    except SafetensorError as e:
+        raise SnapshotError(f"{tensor_path} is damaged or truncated ({e}); {fix}") from None
 
     def section(prefix: str) -> dict[str, torch.Tensor]:
         return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -209,7 +225,12 @@ def load_snapshot(directory: Path, config_hash: str | None = None) -> SimSnapsho
 def read_config(directory: Path) -> dict[str, Any] | None:
     """The config a run directory's summary or checkpoint records (None: neither)."""
     path = directory / "checkpoint" / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise SnapshotError(f"{path} is damaged ({e}); start the run again") from None
 
 
 def write_config(directory: Path, config: dict[str, Any]) -> None:

@@ -42,6 +42,25 @@ def _device(spec: str) -> str:
         raise  # unreachable: _fail exits
 
 
+LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, level, peer, ...)")
+
+
+def _logging(level: int, json_lines: bool) -> None:
+    """Text lines, or with --log-json (or COVEY_LOG_JSON, set by a demo for its children)
+    covey.logs' JSON lines, the format every other covey process writes."""
+    import os
+
+    from covey.logs import JSON_ENV
+
+    if json_lines or os.environ.get(JSON_ENV, "") not in ("", "0"):
+        from covey.logs import setup_logging
+
+        setup_logging("swarm", json_lines=True)
+        logging.getLogger().setLevel(level)
+        return
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+
+
 def _quiet_http() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -56,6 +75,7 @@ def register(app: typer.Typer) -> None:
     swarm = typer.Typer(
         help="SWARM pipeline training: a model cut into stages, several servers per stage.",
         no_args_is_help=True,
+        rich_markup_mode=None,
     )
     app.add_typer(swarm, name="swarm")
 
@@ -80,6 +100,7 @@ def register(app: typer.Typer) -> None:
                 "default the run's verify_device. On another class it judges nothing (warned)"
             ),
         ] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Serve a SWARM run: stage assignment, averaging rounds, rebalancing, ledger."""
         if model is not None and not model.startswith("hf:"):
@@ -87,8 +108,16 @@ def register(app: typer.Typer) -> None:
         cfg = _config([*(set_ or []), *([f"model={model}"] if model else [])])
         if device is not None:
             _device(device)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        _logging(logging.INFO, log_json)
         _quiet_http()
+        from covey.errors import UserError
+        from covey.guards import check_port_free, lock_dir
+
+        try:
+            check_port_free(host, port)  # before the banner and before the run dir is made
+            lock_dir(data_dir, "covey swarm coordinator")  # one coordinator per data dir
+        except UserError as e:
+            _fail(str(e))
         from covey.swarm.app import serve
         from covey.swarm.service import SwarmCoordinator
 
@@ -118,6 +147,7 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option(help="this machine's copy of the run's hf:DIR model")
         ] = None,
         device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Serve one pipeline stage (assigned by the coordinator): forward and backward."""
         from covey.swarm.server import BEHAVIORS
@@ -129,7 +159,7 @@ def register(app: typer.Typer) -> None:
         if model is not None and not model.startswith("hf:"):
             _fail(f"--model {model!r}: expected hf:DIR")
         where = _device(device)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        _logging(logging.INFO, log_json)
         _quiet_http()
         import torch
 
@@ -162,13 +192,14 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option(help="GPipe-style baseline: one fixed server per stage")
         ] = False,
         json_out: Annotated[Path | None, typer.Option("--json", help="write a summary")] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Train: route microbatches through one server per stage, forward then backward."""
         if samples is None and seconds is None:
             _fail("give --samples or --seconds")
         if inflight is not None and inflight < 1:
             _fail(f"--inflight ({inflight}) must be at least 1")
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        _logging(logging.WARNING, log_json)
         import torch
 
         from covey.swarm.reports import summary
@@ -198,8 +229,11 @@ def register(app: typer.Typer) -> None:
         servers: Annotated[int, typer.Option(help="stage servers of mixed speeds")] = 5,
         port: Annotated[int, typer.Option(help="the coordinator's port")] = 8100,
         device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Coordinator, stage servers of mixed speeds and a trainer on 127.0.0.1."""
+        if log_json:  # this process, and the children through COVEY_LOG_JSON
+            _logging(logging.INFO, True)
         if minutes <= 0 or servers < 2 or (kill_every is not None and kill_every <= 0):
             _fail(f"need --minutes > 0 ({minutes}), --servers >= 2 ({servers}), --kill-every > 0")
         where = _device(device)
@@ -213,20 +247,12 @@ def register(app: typer.Typer) -> None:
 
 
 def _config(pairs: list[str]) -> Any:
-    from pydantic import ValidationError
-
+    """The SwarmConfig of --set pairs (covey.spec.load_spec: dotted keys, JSON values)."""
+    from covey.errors import UserError
+    from covey.spec import load_spec
     from covey.swarm.config import SwarmConfig
 
-    values: dict[str, Any] = {}
-    for pair in pairs:
-        key, eq, raw = pair.partition("=")
-        if not eq:
-            _fail(f"--set {pair!r}: expected KEY=VALUE")
-        try:
-            values[key] = json.loads(raw)
-        except ValueError:
-            values[key] = raw
     try:
-        return SwarmConfig.model_validate(values)
-    except ValidationError as e:
-        _fail(f"bad swarm config: {e}")
+        return load_spec(SwarmConfig, sets=pairs)
+    except UserError as e:
+        _fail(str(e))

@@ -44,8 +44,6 @@ STATE_KEY = "swarm.state"  # the meta row holding what a restarted coordinator r
 log = logging.getLogger("covey.swarm")
 
 
-
-
 class SwarmCoordinator(PayDesk):
     def __init__(self, cfg: SwarmConfig, data_dir: Path, device: str | None = None) -> None:
         """`device`: where the referee recomputes (covey.swarm.referee.Referee)."""

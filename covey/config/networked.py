@@ -1,0 +1,252 @@
+"""The tables of a networked run's spec: how the coordinator paces rounds (`RoundsConfig`),
+what it accepts from peers (`LimitsConfig`) and the incentive rules (`TrustConfig`)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    model_serializer,
+    model_validator,
+)
+
+if sys.version_info >= (3, 11):
+    pass
+else:  # pragma: no cover
+    pass
+
+
+from covey.config.parts import Frozen, drop_defaults
+
+# --- networked runs ---------------------------------------------------------------------
+
+
+class RoundsConfig(Frozen):
+    """How the coordinator paces rounds (../shared/DESIGN.md, "The round"). Every wait in a
+    round is bounded by a field here."""
+
+    heartbeat_s: float = Field(2.0, gt=0, description="peers heartbeat this often")
+    dead_after_s: float = Field(6.0, gt=0, description="a peer silent this long is dead")
+    target_compute_s: float = Field(
+        10.0, gt=0, description="compute one round aims for; caps a slow peer's inner steps"
+    )
+    deadline_slack: float = Field(
+        2.0, ge=1, description="deadline = slack x the slowest expected compute + transfers"
+    )
+    deadline_min_s: float = Field(5.0, gt=0, description="a round's deadline is at least this")
+    deadline_max_s: float = Field(300.0, gt=0, description="... and at most this")
+    min_peers: int = Field(1, ge=1, description="a round opens once this many peers are live")
+    max_rounds: int | None = Field(
+        None, ge=1, description="stop after this many committed rounds; none = until stopped"
+    )
+    checkpoint_every: int = Field(5, ge=1, description="K: keep a checkpoint every K rounds")
+    keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept on disk")
+    eval_every: int = Field(1, ge=1, description="evaluate the canonical state every N rounds")
+    eval_batches: int = Field(4, ge=1, description="held-out batches per evaluation")
+    samples_every: int = Field(
+        5, ge=0, description="refresh the status page's samples every N rounds; 0 = none"
+    )
+    sample_prompts: tuple[str, ...] = Field(
+        ("def ", "import ", "The "),
+        max_length=8,
+        description="prompts the status page shows the model's continuations of",
+    )
+    sample_tokens: int = Field(40, ge=1, le=256, description="tokens generated per prompt")
+    bandwidth_mbps: float = Field(
+        100.0, gt=0, description="assumed link speed for peers that report none"
+    )
+    lease_s: float = Field(
+        20.0,
+        gt=0,
+        description="a worker's participation lease: every accepted heartbeat renews it, and "
+        "a worker whose lease ran out stops training until one is accepted again",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RoundsConfig:
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        if self.lease_s <= self.heartbeat_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        if self.deadline_max_s < self.deadline_min_s:
+            raise ValueError(
+                f"deadline_max_s ({self.deadline_max_s}) is below deadline_min_s "
+                f"({self.deadline_min_s})"
+            )
+        return self
+
+
+class LimitsConfig(Frozen):
+    """Request-size limits and the peers' patience: bad or huge input is refused early."""
+
+    max_json_bytes: int = Field(256 << 10, ge=1024, description="largest JSON request body")
+    max_blob_bytes: int = Field(1 << 30, ge=1024, description="largest blob a peer may upload")
+    request_timeout_s: float = Field(30.0, gt=0, description="per HTTP request")
+    retries: int = Field(4, ge=1, description="attempts per request before giving up on it")
+    chunk_bytes: int = Field(
+        4 << 20, ge=4096, description="blobs larger than this are fetched in parallel ranges"
+    )
+    coordinator_lost_s: float = Field(
+        120.0, gt=0, description="a worker exits after this long without reaching the coordinator"
+    )
+    # -- the coordinator's defences against cheap requests (covey/coordinator/limits.py) --
+    body_timeout_s: float = Field(
+        10.0, gt=0, description="a request body must arrive within this (plus size/min rate)"
+    )
+    min_upload_bytes_s: int = Field(
+        64 << 10, ge=1024, description="slowest accepted body rate, bytes/s; slower is cut off"
+    )
+    keep_alive_s: float = Field(
+        5.0, gt=0, description="an idle keep-alive connection is closed after this long"
+    )
+    max_connections: int = Field(
+        1024, ge=16, description="concurrent connections; more are answered 503"
+    )
+    peer_rate: float = Field(20.0, gt=0, description="sustained requests/s per peer id")
+    peer_burst: int = Field(40, ge=1, description="requests a peer id may send at once")
+    address_rate: float = Field(
+        200.0, gt=0, description="sustained requests/s per client address (all its peers)"
+    )
+    address_burst: int = Field(400, ge=1, description="requests an address may send at once")
+    join_rate: float = Field(
+        1.0, gt=0, description="sustained joins/s per client address (each writes the ledger)"
+    )
+    join_burst: int = Field(20, ge=1, description="joins an address may send at once")
+    max_long_polls: int = Field(
+        256, ge=1, description="long-polls held at once, of each kind (certificate, round)"
+    )
+    max_long_polls_per_peer: int = Field(
+        2, ge=1, description="long-polls held at once for one peer id (or one address: x16)"
+    )
+    max_pending_uploads: int = Field(
+        4, ge=1, description="blobs a peer uploaded that no submission or report names yet"
+    )
+    no_show_backoff_s: float = Field(
+        30.0, ge=0, description="a repeated no-show sits out rounds this long, doubling"
+    )
+    no_show_backoff_max_s: float = Field(
+        3600.0, ge=0, description="the longest a no-show is left out of rounds"
+    )
+
+
+class TrustConfig(Frozen):
+    """Verification, robust aggregation and incentives (../shared/DESIGN.md, "Trust",
+    "Incentives"). Amounts are in the run's credits; everything is derived from the ledger."""
+
+    min_stake: float = Field(0.0, ge=0, description="credits a peer must stake to join")
+    sample_rate: float = Field(
+        0.25, ge=0, le=1, description="share of accepted contributions validators re-execute"
+    )
+    new_peer_rate: float = Field(
+        1.0, ge=0, le=1, description="sampling rate for new and low-reputation peers"
+    )
+    new_peer_contributions: int = Field(
+        3, ge=0, description="a peer is new until this many of its contributions were accepted"
+    )
+    low_reputation: float = Field(
+        0.5, ge=0, le=1, description="below this reputation a peer is sampled as a new one"
+    )
+    commit_every: int = Field(
+        10, ge=1, description="k: a contribution commits to its state every k inner steps"
+    )
+    tolerance: float = Field(
+        0.02,
+        gt=0,
+        description="relative distance within which a re-execution agrees (calibrated: "
+        "see BENCHMARKS.md, covey bench trust)",
+    )
+    aggregation: Literal["mean", "trimmed_mean", "median"] = Field(
+        "trimmed_mean", description="how contributions combine after clipping"
+    )
+    trim_fraction: float = Field(
+        0.25, ge=0, lt=0.5, description="trimmed mean: share dropped at each end per coordinate"
+    )
+    clip_factor: float = Field(
+        2.0, ge=0, description="clip each contribution's norm to this x the round's median; 0 = off"
+    )
+    reward_per_token: float = Field(0.001, ge=0, description="credits per verified token")
+    slash_fraction: float = Field(
+        0.5, ge=0, le=1, description="share of stake lost on proven fraud (and excluded)"
+    )
+    catch_reward: float = Field(10.0, ge=0, description="credits to a validator per proven catch")
+    challenge_rounds: int = Field(
+        2, ge=0, description="a contribution is paid this many rounds after it, unless disputed"
+    )
+    verify_timeout_s: float = Field(
+        120.0, gt=0, description="a claimed verification not reported in time goes back"
+    )
+    nonce_window_s: float = Field(
+        300.0, gt=0, description="signed requests older (or newer) than this are refused"
+    )
+    min_validator_stake: float = Field(
+        0.0, ge=0, description="credits a validator must stake to join (and so to check)"
+    )
+    validator_slash_fraction: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="share of its stake a validator loses for a false accusation (the "
+        "referee found it wrong) or for agreeing with a canary",
+    )
+    check_reward: float = Field(
+        0.1,
+        ge=0,
+        description="credits to a validator per completed assigned check (a report that "
+        "was accepted); never for holding a check it did not report",
+    )
+    dispute_attempts: int = Field(
+        3,
+        ge=1,
+        description="times the referee tries a dispute whose judging raised, before it is "
+        "closed 'inconclusive' (nobody slashed)",
+    )
+    validators_per_check: int = Field(
+        2,
+        ge=1,
+        description="k: validators that each check a sampled contribution of a new or "
+        "low-reputation peer (others: one); fewer when fewer validators are eligible",
+    )
+    validator_round_cap: int = Field(
+        8,
+        ge=1,
+        description="most checks one validator is assigned per round (a single key cannot "
+        "hold every check)",
+    )
+    canary_rate: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="chance per round per validator that the coordinator plants a canary "
+        "among its checks (an accepted contribution's payload sign-flipped): agreeing with "
+        "one costs validator_slash_fraction of stake and the check's pay",
+    )
+    # sharded aggregation (issue 13 §1, covey/coordinator/sharding.py)
+    sharded_above_peers: int | None = Field(
+        16,
+        ge=0,
+        description="a DiLoCo round with at least this many accepted contributions is "
+        "aggregated shard by shard by staked validators that run --aggregate (none ready: "
+        "the coordinator aggregates as below it); 0 or None = never. 16: the measured byte "
+        "crossover per worker (micro model, int4; covey bench shards)",
+    )
+    shards: int = Field(16, ge=1, description="parameter shards of sharded aggregation")
+    shard_check_rate: float = Field(
+        0.25, ge=0, le=1, description="share of shards re-aggregated by a second aggregator"
+    )
+    shard_publish_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="an aggregator silent this long loses its shard to the next; twice "
+        "this after the round closed, the coordinator finishes what is left itself",
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        names = ("sharded_above_peers", "shards", "shard_check_rate", "shard_publish_timeout_s")
+        return drop_defaults(self, handler(self), names)
