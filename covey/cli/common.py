@@ -20,7 +20,7 @@ LOG_TO = typer.Option(
     "--log", help="also send metrics to tensorboard or wandb (needs covey[tensorboard|wandb])"
 )
 LOG_JSON = typer.Option("--log-json", help="log one JSON object a line (time, level, peer, ...)")
-SET = typer.Option("--set", help=SET_HELP)
+SET = typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")
 WANDB_PROJECT = typer.Option(
     "--wandb-project", help="with --log wandb: the W&B project (default: $WANDB_PROJECT, or covey)"
 )

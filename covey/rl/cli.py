@@ -199,7 +199,8 @@ def trainer(
         ),
     ] = "auto",
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="an RLSpec field, KEY=VALUE; repeat")
+        list[str] | None,
+        typer.Option("--set", help="an RLSpec field, KEY=VALUE; repeat", metavar="KEY=VALUE"),
     ] = None,
     log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:

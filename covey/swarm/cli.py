@@ -88,7 +88,11 @@ def register(app: typer.Typer) -> None:
         port: Annotated[int, typer.Option(help="port to listen on")] = 8100,
         set_: Annotated[
             list[str] | None,
-            typer.Option("--set", help="a SwarmConfig field, KEY=VALUE (JSON value); repeat"),
+            typer.Option(
+                "--set",
+                help="a SwarmConfig field, KEY=VALUE (JSON value); repeat",
+                metavar="KEY=VALUE",
+            ),
         ] = None,
         model: Annotated[
             str | None, typer.Option(help="hf:DIR: a local Hugging Face decoder (Llama, GPT-2)")
