@@ -107,7 +107,7 @@ def supports_bf16(device: torch.device | str) -> bool:
 
 
 def default_precision(device: torch.device | str) -> Precision:
-    """bf16 on CUDA that supports it, fp32 elsewhere (the issue's default)."""
+    """bf16 on CUDA that supports it, fp32 elsewhere (what precision "auto" means)."""
     return "bf16" if supports_bf16(device) else "fp32"
 
 

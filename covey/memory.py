@@ -1,4 +1,4 @@
-"""A peer's memory (issue 13 section 3): as the kernel counts it, a heap that gives freed
+"""A peer's memory (docs/memory.md): as the kernel counts it, a heap that gives freed
 tensors back, and a template that costs no memory.
 
 torch allocates outside Python's heap, so tracemalloc does not see model tensors; these
@@ -93,7 +93,7 @@ def weightless_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` whose parameters hold no bytes (empty tensors of their dtype;
     tied parameters stay one parameter); buffers are copied. Run it only inside
     `borrowed_weights`: the coordinator's evaluation model is this, not a second model
-    size next to the strategy's (issue 13.3)."""
+    size next to the strategy's."""
     memo: dict[int, object] = {
         id(p): nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), p.requires_grad)
         for p in model.parameters()

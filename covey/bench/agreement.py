@@ -1,4 +1,4 @@
-"""`covey bench agreement`: the simulator and the network agree (issue 13 §5, last bullet).
+"""`covey bench agreement`: the simulator and the network agree.
 
 One method of `covey bench comms --long` (default the headline DiLoCo, H = 100, int4 with
 error feedback) is trained twice from the same DDP warm start, for the same tokens:

@@ -55,7 +55,7 @@ def register(bench_app: Any) -> None:
         """The simulator and the network agree: the --long preset's method (default DiLoCo
         H=100 int4 + error feedback) in the simulator and over real processes on 127.0.0.1
         from the same warm start, both evaluated on the simulator's validation batches;
-        the goal is a tail-mean val loss within 1% (issue 13 section 5)."""
+        the goal is a tail-mean val loss within 1%."""
         from covey.bench.agreement import agreement_size, pick_method, run_agreement_bench
         from covey.local.cluster import ClusterError
 

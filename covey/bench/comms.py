@@ -8,7 +8,7 @@ Presets:
 - --quick: 480 steps from scratch (CPU, ~6-10 min): every DiLoCo variant ends 17-22% behind
   DDP, too short for DiLoCo's claim.
 - --long: the regime the DiLoCo paper reports (arXiv 2311.08105 warm-starts from a
-  pretrained model; issue 13 §5): a shared DDP warm-up, then every method for the same
+  pretrained model): a shared DDP warm-up, then every method for the same
   tokens from it (data.round_offset past the warm-up's batches), judged on the mean of the
   last evaluations over a 4x larger validation set; a warmup + cosine variant; DDP and the
   headline DiLoCo again on a second data seed.
@@ -57,7 +57,7 @@ class BenchSize:
     workers: int = 8
     outer_lr: float = 0.7
     # The papers' 0.9 pays off over many rounds; a quick run has 4-16 rounds, where 0.5 was
-    # best of {0, 0.5, 0.9} (BENCHMARKS.md). After a warm start 0.9 wins (issue 13 §5).
+    # best of {0, 0.5, 0.9} (BENCHMARKS.md). After a warm start 0.9 wins.
     outer_momentum: float = 0.5
     pretrain_steps: int = 0  # > 0: a shared DDP warm-up, every method continues from it
     eval_batches: int = 16  # held-out batches of 16 sequences
@@ -154,7 +154,7 @@ def comms_methods(size: BenchSize) -> list[BenchMethod]:
             BenchMethod(f"diloco-h{hl}", diloco(hl)),
             BenchMethod(f"diloco-h{hs}-int8", diloco(hs, codec="int8")),
             BenchMethod(f"streaming-h{hl}-int4", streaming),
-            BenchMethod("demo-1d", {"method": "demo"}),  # the issue's 64-wide 1-D chunks
+            BenchMethod("demo-1d", {"method": "demo"}),  # 64-wide 1-D chunks
             BenchMethod("demo-2d", {"method": "demo", "dims": 2}),  # DeMo's own 64x64 blocks
             # covey's combination: DiLoCo pseudo-gradients, DCT top-k with error feedback.
             BenchMethod(f"diloco-h{hs}-dct-ef", dct_ef(hs)),
@@ -239,8 +239,9 @@ def run_sim(
 
 
 # Relative cost of a method per inner step on CPU (DeMo's per-step DCT: demo-1d and demo-2d
-# took 1.9x a DiLoCo run's wall time in session 8's --long run, 3.1x and 2.4x before the
-# faster decode): the longest go first so the last to start is a short one.
+# took 1.9x a DiLoCo run's wall time in the --long run of
+# docs/bench-comms-long/session8.json, 3.1x and 2.4x before the faster decode): the longest
+# go first so the last to start is a short one.
 _COST = {"demo": 2.0}
 
 

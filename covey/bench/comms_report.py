@@ -2,7 +2,7 @@
 
 A row compares a method with its baseline (the DDP run of the same seed and lr schedule) on
 the mean validation loss of its last `tail` evaluations: DDP at a constant lr wobbles about
-±0.7% between evaluations (issue 13 §5), so one point decides nothing at the --long preset.
+±0.7% between evaluations, so one point decides nothing at the --long preset.
 The row schema is the same for every preset; --quick judges on its last evaluation alone.
 """
 

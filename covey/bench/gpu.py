@@ -1,4 +1,4 @@
-"""`covey bench gpu`: what covey costs a peer on its own device (issue 12).
+"""`covey bench gpu`: what covey costs a peer on its own device (docs/gpus.md).
 
 For a covey GPT preset (default covey:gpt2, 124M) and a Hugging Face Llama of the same
 width, depth and vocabulary (built from a config, nothing downloaded), on one device:

@@ -5,13 +5,13 @@ then GRPO (`covey.rl.learn.Learner`) trains it on rollouts made exactly as a wor
 them: seeded Gumbel sampling (`covey.rl.sampling.generate`), prompts assigned by
 `tasks.assigned_prompts`, rewards by the task, in the `RolloutBatch` format, all in one
 process. Held-out pass@1 (greedy, prompts never trained on) is measured every few steps;
-the goal (issue 14) is +25 points over the SFT start within 20 CPU minutes. Proofs are not
+the goal is +25 points over the SFT start within 20 CPU minutes. Proofs are not
 built here (proof cost belongs to the verification section), so `Sample.proof` is empty.
 
 `lag` > 0 makes every batch come from the policy `lag` versions old, as an asynchronous
 trainer sees them (async_level); the importance ratio corrects for it.
 
-Verification: R3's `covey.bench.rl_verify.run`, when that module exists.
+Verification: `covey.bench.rl_verify.run`, when that module exists.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def run_bench(
     policy_dir: Path | str | None = None,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """The learning section (and R3's verification section, when `verify` and
+    """The learning section (and the verification section, when `verify` and
     covey.bench.rl_verify exists). Writes `json_path` and the curve as a PNG next to it
     (same name, .png). Restores torch's thread count."""
     cfg = cfg or (QUICK if quick else LearningConfig())

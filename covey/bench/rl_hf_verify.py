@@ -1,4 +1,4 @@
-"""Verification of Hugging Face policies (issue 14): honest mismatch and cheats, per model type.
+"""Verification of Hugging Face policies: honest mismatch and cheats, per model type.
 
 `python -m covey.bench.rl_hf_verify [--quick] [--json PATH]`
 

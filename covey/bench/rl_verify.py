@@ -1,4 +1,4 @@
-"""RL verification bench (issue 14): false rejections, cheats caught, what checking costs.
+"""RL verification bench: false rejections, cheats caught, what checking costs.
 
 `python -m covey.bench.rl_verify [--quick]` (and `covey bench rl`, which calls `run`):
 
@@ -12,7 +12,7 @@
   checks on `verify_k` samples drawn by `verified_subset` from the batch digest and a beacon.
   Rows count tries and catches, the problems named, and the cheat's closest measurement.
 * sweep: weights perturbed by 1e-5 ... 1e-3 relative: where "other weights" stop being
-  told apart (informative; not a cheat of the issue's list).
+  told apart (informative; not one of `CHEATS`).
 * cost: validator time per batch (all checks, `verify_k` prefills) as a share of the
   worker's generation time, per verified vs generated token; proof bytes per 32 tokens;
   rollouts/s per worker for each generation batch size.
@@ -375,7 +375,8 @@ def run(
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The numbers issue 14 asks for, from `run`'s rows."""
+    """The headline numbers (false rejections, cheats caught, checking cost) from `run`'s
+    rows."""
     honest = [r for r in rows if r["section"] == "honest"]
     cheats = [r for r in rows if r["section"] == "cheat"]
     cost = [r for r in rows if r["section"] == "cost"]

@@ -1,4 +1,4 @@
-"""Gather vs sharded aggregation per round, on 127.0.0.1 (issue 13 §1's crossover).
+"""Gather vs sharded aggregation per round, on 127.0.0.1: where the two cross over.
 
 For each peer count N and each path, a real coordinator process runs one DiLoCo round of
 N signed peers (this process) that upload int4 contributions of the model's size; on the

@@ -23,7 +23,7 @@ def register(bench_app: Any) -> None:
     ) -> None:
         """Gather vs sharded aggregation, one DiLoCo round per peer count and path, on
         127.0.0.1: seconds to the certificate and to a worker holding the new state, bytes a
-        worker downloads, bytes the aggregators read (issue 13 section 1's crossover)."""
+        worker downloads, bytes the aggregators read: where the two paths cross over."""
         try:
             counts = [int(x) for x in peers.split(",") if x.strip()]
         except ValueError:

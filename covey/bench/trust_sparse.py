@@ -1,6 +1,6 @@
 """`covey bench trust --only sparse`: cheaters that pick their moment, at sparse sampling.
 
-Issue 10, point 4. Late cheaters (honest until round R, past the new-peer phase in which
+Late cheaters (honest until round R, past the new-peer phase in which
 every contribution is checked) and intermittent ones (cheating in a fraction of rounds),
 at a sampling rate of 0.2 or less: rounds to detection per adversary kind, honest peers
 slashed over >= 200 honest verifications on 1 and 2 torch threads, verification compute as
@@ -317,8 +317,8 @@ def sparse_report(
     batch_size: int = 4,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Issue 10, point 4, at one sparse sampling rate: rounds to detection per scheduled
-    cheater, honest disagreements over 2 x `honest_rounds` verifications on 1 and 2
+    """Cheaters that pick their moment, at one sparse sampling rate: rounds to detection per
+    scheduled cheater, honest disagreements over 2 x `honest_rounds` verifications on 1 and 2
     threads, verification compute as a share of training, loss impact with 1 of 4 peers
     cheating. The defaults are a short version (nano GPT, few inner steps) that runs in
     minutes on a shared 2-core machine. Prints each row as it is measured (through

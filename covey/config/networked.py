@@ -24,7 +24,7 @@ from covey.config.parts import Frozen, drop_defaults
 
 
 class RoundsConfig(Frozen):
-    """How the coordinator paces rounds (../shared/DESIGN.md, "The round"). Every wait in a
+    """How the coordinator paces rounds (docs/network.md, "A round"). Every wait in a
     round is bounded by a field here."""
 
     heartbeat_s: float = Field(2.0, gt=0, description="peers heartbeat this often")
@@ -136,8 +136,9 @@ class LimitsConfig(Frozen):
 
 
 class TrustConfig(Frozen):
-    """Verification, robust aggregation and incentives (../shared/DESIGN.md, "Trust",
-    "Incentives"). Amounts are in the run's credits; everything is derived from the ledger."""
+    """Verification, robust aggregation and incentives (docs/trust.md;
+    covey/trust/incentives.py). Amounts are in the run's credits; everything is derived from
+    the ledger."""
 
     min_stake: float = Field(0.0, ge=0, description="credits a peer must stake to join")
     sample_rate: float = Field(
@@ -226,7 +227,7 @@ class TrustConfig(Frozen):
         "among its checks (an accepted contribution's payload sign-flipped): agreeing with "
         "one costs validator_slash_fraction of stake and the check's pay",
     )
-    # sharded aggregation (issue 13 §1, covey/coordinator/sharding.py)
+    # sharded aggregation (covey/coordinator/sharding.py; docs/sharded-aggregation.md)
     sharded_above_peers: int | None = Field(
         16,
         ge=0,

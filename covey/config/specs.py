@@ -42,8 +42,8 @@ from covey.config.parts import (
 
 
 def _without_default_peer(model: SimConfig | RunConfig, dumped: dict[str, Any]) -> dict[str, Any]:
-    """A spec's dump without a default [peer] table: specs written before issue 12 keep
-    their hash, so their run ids and sim checkpoints."""
+    """A spec's dump without a default [peer] table: specs written before the [peer] table
+    existed keep their hash, so their run ids and sim checkpoints."""
     if dumped.get("peer") is not None and model.peer == type(model).model_fields["peer"].default:
         del dumped["peer"]
     return dumped

@@ -165,7 +165,7 @@ def run_local_demo(
         seq_len=seq_len,
         text_column=text_column,
     )
-    if device is not None:  # issue 12: every peer on this device, validators included
+    if device is not None:  # every peer on this device, validators included
         from covey.devices import device_class, resolve_device
 
         spec["peer"] = {"device": device, "verify_device": device_class(resolve_device(device))}

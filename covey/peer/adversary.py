@@ -18,11 +18,11 @@ it by re-execution and slash it:
     nan          sends an update full of NaN
     forged-state from its second round on, trains from a local state of its own making
                  (its committed end state, moments and residuals x1.5) but names the
-                 committed one (H3: caught by re-execution, commitment 0)
+                 committed one (caught by re-execution, commitment 0)
     unchained    from its second round on, trains from that forged state and names it
-                 (H3: refused at intake, the state is not its previous round's end state)
+                 (refused at intake, the state is not its previous round's end state)
     withhold     trains honestly and names its end local state, but never serves it
-                 (H3: refused as withheld whenever drawn for verification, which costs it
+                 (refused as withheld whenever drawn for verification, which costs it
                  reputation, so it is drawn ever after)
 
 Cheaters that pick their moment (`Schedule`, what a careful attacker does once it knows
@@ -62,7 +62,7 @@ BEHAVIORS = (
     "unchained",
     "withhold",
 )
-# behaviors that start a round from a local state not chained to their previous round (H3)
+# behaviors that start a round from a local state not chained to their previous round
 STATE_CHEATS = ("forged-state", "unchained")
 # behaviors that alter what honest training produced, after the fact
 PAYLOAD_CHEATS = ("noise", "sign-flip", "scaled", "free-rider", "nan")

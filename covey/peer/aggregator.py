@@ -1,4 +1,4 @@
-"""The aggregator role of sharded aggregation (issue 13 §1), and a peer's shard fetch.
+"""The aggregator role of sharded aggregation, and a peer's shard fetch.
 
 An aggregator is a staked validator key: validators are already staked, drawn from the
 beacon, paid and slashed for checks, and do not train, so aggregating between rounds

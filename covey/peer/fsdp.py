@@ -1,4 +1,4 @@
-"""FSDP2 inside a torchrun group peer (issue 12): inner steps on a fully sharded replica.
+"""FSDP2 inside a torchrun group peer: inner steps on a fully sharded replica.
 
 `covey/peer/group.py` runs a group with DDP by default: every rank holds the whole model,
 its gradients and its inner optimizer. With `mode="fsdp"` each rank instead trains a

@@ -1,4 +1,4 @@
-"""A peer made of many devices: a `torchrun` group that is one peer (issue 12).
+"""A peer made of many devices: a `torchrun` group that is one peer.
 
 As in INTELLECT-1, parallelism inside a peer is the peer's business and covey sits between
 peers: the group trains with DistributedDataParallel (NCCL on GPUs, gloo on CPUs), or with

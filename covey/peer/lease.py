@@ -1,4 +1,4 @@
-"""A worker's participation lease (../shared/DESIGN.md, "Trust", Halt).
+"""A worker's participation lease (docs/operations.md, "Stopping a run").
 
 The coordinator grants a lease of `lease_s` seconds with the join and with every accepted
 heartbeat. A worker trains only while it holds one: when its heartbeats stop being

@@ -110,7 +110,7 @@ def set_up_run(
     )
     trust = cfg.trust
     aggregator = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
-    # issue 12: the canonical template stays on the host (state hashes, checkpoints); the
+    # the canonical template stays on the host (state hashes, checkpoints); the
     # strategy trains on `device`, default the run's [peer] device, in the run's precision.
     # "auto" means the run's verify_device class: an honest peer must train on the class
     # its contributions are re-executed on, or rounding alone could start a dispute

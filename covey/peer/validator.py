@@ -79,7 +79,7 @@ class Validator:
         run = set_up_run(
             self.client, self.opts.threads, self.opts.run_id, self.opts.device, validating=True
         )
-        # issue 12: re-execution on another device class or precision than the run's would
+        # re-execution on another device class or precision than the run's would
         # differ by more than rounding; refuse the checks (no verdict), never convict for it
         refusal = verification_mismatch(
             run.cfg.peer.verify_device, run.precision, run.strategy.device, run.precision
@@ -178,14 +178,14 @@ class Validator:
         disagreement first)."""
         sources = [self.opts.coordinator]
         # the payload waits on disk until the comparison: the re-execution does not hold
-        # it (a model size for an fp32 payload, issue 13.3)
+        # it (a model size for an fp32 payload)
         with tempfile.TemporaryDirectory(prefix="covey-validator-") as scratch:
             try:
                 start = self._start_state(task, sources)
                 payload = self.blobs.fetch_into(
                     BlobStore(Path(scratch)), task.cid, sources, size=task.size
                 )
-                local = self._local_states(task, start, sources)  # H3
+                local = self._local_states(task, start, sources)
             except (BlobError, CheckpointError, RuntimeError) as e:
                 log.warning(
                     "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
@@ -250,7 +250,8 @@ class Validator:
             "task_id": task.task_id,
             "outcome": "agree" if verdict.agree else "disagree",
             "exact": verdict.exact,
-            # a malformed claim is infinitely far: JSON has no inf (H3: commitment 0 faults)
+            # a malformed claim is infinitely far: JSON has no inf (the local-state chain:
+            # commitment 0 faults)
             "distance": verdict.distance if math.isfinite(verdict.distance) else None,
             "detail": verdict.detail[:500],
             "compute_s": compute_s,
@@ -293,13 +294,14 @@ class Validator:
     def _local_states(
         self, task: schemas.VerifyTask, start: TrainState, sources: list[str]
     ) -> dict[str, Any]:
-        """H3: the worker's committed local states, fetched by content id (the fetch checks
-        the hash): "previous_end", the end state of its previous round, which this round
-        starts from (None: a fresh start), and "claimed_end", the commitment to its end
-        state of this round (None: the strategy carries none). A start that is not a local
-        state of this run re-executes from a fresh start (commitment 0 then disagrees: the
-        worker could not have trained from it); an unusable end state becomes an impossible
-        commitment (a malformed claim). BlobError when a blob is unavailable."""
+        """The local-state chain: the worker's committed local states, fetched by content id
+        (the fetch checks the hash): "previous_end", the end state of its previous round,
+        which this round starts from (None: a fresh start), and "claimed_end", the
+        commitment to its end state of this round (None: the strategy carries none). A
+        start that is not a local state of this run re-executes from a fresh start
+        (commitment 0 then disagrees: the worker could not have trained from it); an
+        unusable end state becomes an impossible commitment (a malformed claim). BlobError
+        when a blob is unavailable."""
         template = self.strategy.local_state_layout()  # shapes only: no zeros made
         # the end state first, reduced to its commitment: never two local states at once
         claimed_end = None
@@ -327,7 +329,7 @@ class Validator:
     def _fetched(self, cid: str, sources: list[str], size: int | None) -> Iterator[Path]:
         """A local state (weights + moments: 1.5 GB at 124M) streamed to a scratch file,
         parsed from there tensor by tensor, and removed: an in-memory fetch holds its
-        chunks, their joined copy and the tensors (issue 13 §3). BlobError as `fetch_into`
+        chunks, their joined copy and the tensors. BlobError as `fetch_into`
         raises it."""
         with tempfile.TemporaryDirectory(prefix="covey-validator-") as scratch:
             yield self.blobs.fetch_into(BlobStore(Path(scratch)), cid, sources, size=size)

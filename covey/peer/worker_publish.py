@@ -1,5 +1,5 @@
 """Publishing a worker's contribution: the payload served from its blob server (or
-uploaded), its end-state blob (H3), and the signed submission. Mixed into
+uploaded), its end-state blob (the local-state chain), and the signed submission. Mixed into
 covey.peer.worker.Worker, whose attributes it uses. Safe on the overlap's transfer thread: it
 touches no live training state.
 """
@@ -61,7 +61,7 @@ class Publishing:
                 self.opts.coordinator, payload, cid, signer=(self.identity, self.run_id)
             )
         local: dict[str, Any] = {}
-        if self._local is not None and self._local.end_cid is not None:  # H3: its end state
+        if self._local is not None and self._local.end_cid is not None:  # its end state
             end_cid, end_path = self._local.end_cid, self._local.end_path
             if not self._serves_end_state(info.round):
                 if end_path is not None:  # named, never served
@@ -127,7 +127,7 @@ class Publishing:
         return c.payload
 
     def _serves_end_state(self, round: int) -> bool:
-        """Whether the end local state the contribution names is served (H3): always."""
+        """Whether the end local state the contribution names is served: always."""
         return True
 
     def _signed(self, path: str, body: dict[str, Any], round: int) -> dict[str, Any]:

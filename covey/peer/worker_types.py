@@ -17,8 +17,8 @@ class Stopped(Exception):
 
 @dataclass
 class LocalStates:
-    """H3: a round's committed local states: the start's content id (None: fresh) and the
-    end state (the next round's start, if this contribution is recorded)."""
+    """The local-state chain: a round's committed local states: the start's content id
+    (None: fresh) and the end state (the next round's start, if this contribution is recorded)."""
 
     start_cid: str | None
     end: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -35,7 +35,7 @@ class Finished:
     weights (on the transfer thread when overlapping, covey.peer.overlap)."""
 
     info: schemas.RoundInfo  # the round it finished
-    local: LocalStates | None  # that round's local states (H3)
+    local: LocalStates | None  # that round's local states
     submitted: bool
     certificate: schemas.Certificate | None = None  # None: the round was aborted
     state: TrainState | None = None  # the certified weights, computed or downloaded

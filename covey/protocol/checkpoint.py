@@ -94,7 +94,7 @@ def write_safetensors(
     """Write exactly `safetensors.torch.save(named, metadata=metadata)` to `f`, one tensor
     (in pieces) at a time, hashing it on the way -> (content id, size). Memory beyond
     the tensors: one tensor's contiguous CPU copy when it is not already one (a local
-    state's 1.5 GB at 124M is never held as bytes, issue 13.3). ValueError for a dtype
+    state's 1.5 GB at 124M is never held as bytes). ValueError for a dtype
     safetensors has no name for here."""
     text, order = _layout(named, metadata)
     h = hashlib.sha256()
@@ -174,7 +174,7 @@ def state_from_file(path: Path, template: TrainState, outer_on_disk: bool = Fals
     long as any of them lives, a dropped tensor's included. `outer_on_disk`: the weights
     are read into tensors of their own instead (pread, as `FileTensors` reads), and the
     outer tensors are checked one at a time and left in the file, the state's `outer`
-    a `FileTensors` over it: one model size in memory, not the whole file (issue 13.3),
+    a `FileTensors` over it: one model size in memory, not the whole file,
     for a peer that needs the weights only (a validator). The same content; the file's
     descriptor is held, so it may be deleted."""
     try:
@@ -274,8 +274,8 @@ class FileTensors(MutableMapping[str, torch.Tensor]):
     """The tensors of a safetensors file under `prefix` (the prefix cut off their names),
     read from disk each time one is asked for: a fresh tensor filled by `pread`, so the
     file's pages never count as this process's memory (an mmap's would). A peer keeps a
-    state's outer momentum like this between rounds (a model size less while it trains,
-    issue 13.3). Setting or deleting an entry changes this mapping only, never the file.
+    state's outer momentum like this between rounds (a model size less while it trains;
+    docs/memory.md). Setting or deleting an entry changes this mapping only, never the file.
     The file's descriptor is held: it stays readable once deleted from its directory.
 
     CheckpointError for a file that is not safetensors or holds a dtype covey does not

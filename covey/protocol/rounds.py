@@ -2,7 +2,7 @@
 
 Nothing here reads a clock or a socket: the coordinator passes `now` in, so liveness,
 budgets, deadlines and closing are tested exhaustively without processes (after torchft's
-`quorum_compute`). See ../shared/DESIGN.md, "The round".
+`quorum_compute`). See docs/network.md, "A round".
 """
 
 from __future__ import annotations

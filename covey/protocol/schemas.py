@@ -161,7 +161,7 @@ class ContributionRequest(Signed):
     compute_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     wall_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="round open to submit")
     commitments: list[CommitmentIn] = Field([], max_length=10_000)
-    # H3, the local-state chain (covey.algorithms.base): for strategies that carry local
+    # the local-state chain (covey.algorithms.base): for strategies that carry local
     # state from round to round; all None for those that start every round fresh
     local_state_cid: ContentId | None = Field(
         None,
@@ -255,7 +255,7 @@ class VerifyTask(BaseModel):
     start_size: int
     commitments: list[dict]
     providers: list[str]
-    # H3: the worker's committed local states (None: the round started fresh)
+    # the local-state chain: the worker's committed local states (None: the round started fresh)
     local_state_cid: str | None = None
     local_state_size: int | None = None
     previous_accepted: bool = True  # did the previous round's certificate accept it

@@ -1,4 +1,4 @@
-"""Decentralized RL post-training (issue 14): the pure core.
+"""Decentralized RL post-training (docs/rl.md): the pure core.
 
 Seeded sampling (`sampling`), TOPLOC-style proofs of inference (`proofs`), the GRPO-family
 loss (`loss`), tasks with verifiable rewards (`tasks`) and the rollout batch with its

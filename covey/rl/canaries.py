@@ -1,5 +1,5 @@
 """Canaries in the RL mode: known-bad batches the trainer plants among a validator's checks,
-so that a validator cannot be paid for checks it did not do (../shared/DESIGN.md, "Trust";
+so that a validator cannot be paid for checks it did not do (docs/trust.md;
 the rounds mode's covey.coordinator.canary does the same for contributions).
 
 For each policy version (step) s and validator V, the trainer signs (run, s, V)

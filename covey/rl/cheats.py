@@ -1,4 +1,4 @@
-"""Dishonest rollout workers, one function per cheat of issue 14's "What must hold".
+"""Dishonest rollout workers, one function per cheat the RL checks must catch.
 
 `CHEATS[kind](setting, seed)` returns the `RolloutBatch` a cheating worker would submit in
 the place of the honest worker described by `setting` (a `Setting`: policy, task, run spec,

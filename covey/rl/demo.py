@@ -1,7 +1,7 @@
 """`covey rl demo`: a whole RL run on one machine, every role its own process on 127.0.0.1.
 
 SFT first (unless --policy is given), then a trainer, 3 honest rollout workers, a
-validator and `adversaries` cheating workers (R3's CHEATS, one kind each, in order) run
+validator and `adversaries` cheating workers (covey.rl.cheats.CHEATS, one kind each, in order) run
 for `minutes`. Progress is printed from the trainer's status page, which stays browsable
 at its URL while the demo runs. At the end every process is stopped, pass@1 on held-out
 prompts is measured for the first and the last policy, and OUT/summary.json is written
@@ -46,7 +46,7 @@ def _toml(values: dict[str, Any]) -> str:
 
 
 def demo_spec(samples_per_step: int = 96) -> RLSpec:
-    """The demo's rules: R2's learning settings (covey.bench.rl), 3 workers' batches a step."""
+    """The demo's rules: the learning settings of covey.bench.rl, 3 workers' batches a step."""
     return RLSpec(
         name="rl-demo",
         prompts_per_step=4,

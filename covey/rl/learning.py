@@ -1,4 +1,4 @@
-"""The trainer's learning parts, from R2's covey.rl.learn: a `Learner` configured from the
+"""The trainer's learning parts, built on covey.rl.learn: a `Learner` configured from the
 run's spec, and pass@1 on held-out prompts for the status page. Both take the run's model
 config, whose tokenizer (covey.rl.policy.text_codec) encodes prompts: bytes for covey's
 GPT, tokenizer.json for an HF policy."""

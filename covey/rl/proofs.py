@@ -27,7 +27,7 @@ values) as overlap 0.86 < 0.9. A weight cheat moves nearly every value by >= 1 u
 >= 1.09), so even 3 values sum above the slack; other tokens, prompts or hidden states
 agree on almost no index (a pseudo-random 16-bit value lands within 5% of the true one
 with p ~ 0.002), so two forgiven misses still leave them far below 0.9. Full chunks are
-judged exactly as before. Measured: `covey.bench.rl_verify`, notes/s3/bench/R5.md.
+judged exactly as before. Measured: `covey.bench.rl_verify` (docs/rl.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ a `py:` reward), how rollouts are drawn (prompts per step, G, temperature, token
 eos), how the trainer learns (async_level, samples per step) and verifies (prefill checks
 per batch, audit rate, deadlines), and the incentive rules its ledger is created with.
 
-Verification across devices (issue 12): GPUs do not round like CPUs, and RL's checks
+Verification across devices (docs/gpus.md): GPUs do not round like CPUs, and RL's checks
 (prefill logprobs against a worker's proofs, the tolerances of covey.rl.proofs) were
 calibrated on CPU in fp32. `verify_device` names the device class every check of the run
 runs on (validators, the trainer's re-checks and audits), `verify_precision` its

@@ -52,7 +52,7 @@ class RolloutValidator:
         )
         self.trainer_url = trainer_url.rstrip("/")
         self.run: RunInfo = read_run(self.client, run_id)
-        # issue 12: on another device class than the run's, VerifyRefused before any claim
+        # on another device class than the run's, VerifyRefused before any claim
         self.device = peer_device(self.run.spec, device, "validator")
         root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-validator-"))
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)  # bytes are checked by hash

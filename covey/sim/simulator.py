@@ -80,7 +80,7 @@ def simulate(
     base, loss_fn, _, seq_len = build_run_model(
         cfg.model, cfg.seed, tokenizer_vocab=corpus.vocab_size, seq_len=d.seq_len
     )
-    # every simulated peer, and the canonical state, on the [peer] device (issue 12)
+    # every simulated peer, and the canonical state, on the [peer] device
     device = resolve_device(cfg.peer.device)
     precision = resolve_precision(cfg.peer.precision, device)
     base = base.to(device)

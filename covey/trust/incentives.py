@@ -1,7 +1,7 @@
 """Stakes, rewards, slashes, reputation and ownership, all replayed from the ledger.
 
 Pure: no I/O. `Book.apply` takes ledger entries in order and enforces the run's rules
-(../shared/DESIGN.md, "Incentives"): contributors stake to join and earn
+(docs/trust.md): contributors stake to join and earn
 `policy.reward_per_token` per token of accepted work; proven fraud costs
 `policy.slash_fraction` of stake and bans; a validator earns `policy.catch_reward` per fraud
 it proves. Ownership of the model is each peer's share of the tokens paid for (Pluralis'

@@ -159,7 +159,8 @@ def referee(
     require_reexecutable(strategy)
     first, end = segment_bounds(segment, steps, commit_every)
     codec = codec or strategy.codec
-    # H3: the round starts from the worker's committed previous end state (None: fresh)
+    # the local-state chain: the round starts from the worker's committed previous end state
+    # (None: fresh)
     strategy.begin_round(start_state, previous_end, previous_accepted)
     start_distance = 0.0
     detail = ""

@@ -1,5 +1,5 @@
 """What a slashed aggregator's verdict rests on, checked from outside the coordinator
-(issue 13 §1: a wrong shard is a provable fraud).
+(a wrong shard is a provable fraud; docs/sharded-aggregation.md).
 
 An aggregator's signed publish of a shard's hash names, as `board`, the digest of what it
 computed from (`board_digest`: the round, its start state's hash, the shard's span, the

@@ -49,8 +49,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-#: vectors longer than this are sketched a block of coordinates at a time (issue 13.3:
-#: a 124M model's index and sign tables alone would be 2 GB, cached, plus 5 GB to build)
+#: vectors longer than this are sketched a block of coordinates at a time (a
+#: 124M model's index and sign tables alone would be 2 GB, cached, plus 5 GB to build)
 _BLOCK = 1 << 20
 
 

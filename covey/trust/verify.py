@@ -14,7 +14,7 @@ itself, which is the round's real output, so no commitment is made at the final 
 round shorter than k (and DDP's single step) is one segment, from W_r to the payload.
 
 Commitment 0 is the round's start state: `Strategy.begin_round` from W_r and the worker's
-committed end state of its previous round (H3: the local-state chain; a fresh optimizer when
+committed end state of its previous round (the local-state chain; a fresh optimizer when
 there is none), so its hash is known exactly to anyone who holds those. Later commitments
 are compared by count sketch (covey/trust/sketch.py) within a tolerance, since an honest
 re-execution on another machine differs in the last bits;
@@ -94,8 +94,8 @@ class Reexecution:
     states: Mapping[int, dict[str, torch.Tensor]]
     steps: int
     commit_every: int
-    # H3: the local state after make_contribution (step = steps); None when the strategy
-    # carries no local state (no end state is committed)
+    # the local-state chain: the local state after make_contribution (step = steps); None
+    # when the strategy carries no local state (no end state is committed)
     end: Commitment | None = None
 
 
@@ -103,7 +103,7 @@ class SpilledStates(Mapping[int, dict[str, torch.Tensor]]):
     """Local states kept on disk, one raw file each under `root`: the tensors of `like`'s
     names, shapes and dtypes, in sorted name order, written and read one tensor at a time.
     A validator keeps every commitment's state for a dispute that rarely comes; at 124M
-    each is weights + AdamW moments, 1.5 GB (issue 13 §3), so none stays in memory."""
+    each is weights + AdamW moments, 1.5 GB, so none stays in memory."""
 
     def __init__(self, root: Path, like: Mapping[str, torch.Tensor]) -> None:
         self.root = root
@@ -197,7 +197,7 @@ def reexecute(
         committer.after_step(done)
         if done % commit_every == 0 and done < steps and done // commit_every in keep:
             kept(done // commit_every)
-    # what encoding does not read is let go first, as a worker does (issue 13.3): the
+    # what encoding does not read is let go first, as a worker does: the
     # gradients, and the inner optimizer of a strategy that carries nothing into its next
     # round, whose end state nobody commits (covey.coordinator.intake refuses one)
     carries = strategy.carries_local_state
@@ -316,9 +316,9 @@ def compare(
 ) -> Verdict:
     """Compare a worker's claim (commitments and payload) with a re-execution.
 
-    H3: `claimed_end`, the commitment to the end local state the worker published (the next
-    round's start is derived from it), is compared with `mine.end` as part of the payload
-    point: a forged end state is a disagreement in the last segment.
+    The local-state chain: `claimed_end`, the commitment to the end local state the worker
+    published (the next round's start is derived from it), is compared with `mine.end` as
+    part of the payload point: a forged end state is a disagreement in the last segment.
 
     Exact when every hash and the payload bytes are identical. Otherwise the claim agrees
     when every commitment's sketch distance and the decoded payload's distance are within
@@ -346,7 +346,7 @@ def compare(
     ):
         return Verdict(True, True, 0.0, None, "bit-identical", (0.0,) * (n + 1))
     # each side widened to float64 as `distance` widens it, its float32 decoding let go at
-    # once: both decodings were held next to both widenings (issue 13.3); the same values
+    # once, rather than holding both decodings next to both widenings; the same values
     payload_distance = distance(
         codec.decode(claimed_payload, numel).double(), codec.decode(mine.payload, numel).double()
     )
