@@ -1,4 +1,4 @@
-"""Peak memory of the coordinator's rounds, phase by phase (issue 13 section 3).
+"""Peak memory of the coordinator's rounds, phase by phase (docs/memory.md).
 
 Runs a real `covey.coordinator.service.Coordinator` in this process, without HTTP: the
 demo's 124M spec (`covey.local.demo.demo_spec`: DiLoCo, fp32 payloads, inner state reset,

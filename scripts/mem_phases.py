@@ -1,4 +1,4 @@
-"""Peak memory of a DiLoCo peer's round, phase by phase (issue 13 section 3).
+"""Peak memory of a DiLoCo peer's round, phase by phase (docs/memory.md).
 
 Runs one worker round in this process on a plain MLP of about --mparams million float32
 parameters (no network): load the canonical state, train, encode the contribution,

@@ -1,4 +1,4 @@
-"""Peak memory of a validator's re-execution of one DiLoCo round (issue 13 section 3).
+"""Peak memory of a validator's re-execution of one DiLoCo round (docs/memory.md).
 
 Builds a model (default: configs/gpt2-124m, 124M parameters), trains one round to make a
 worker's previous end state (weights + AdamW moments), then re-executes the next round as

@@ -1,4 +1,4 @@
-"""Peak memory of a real validator's job, phase by phase (issue 13 section 3).
+"""Peak memory of a real validator's job, phase by phase (docs/memory.md).
 
 Runs `covey.peer.validator.Validator.check` in this process on the demo's DiLoCo spec
 (`demo_spec`: H = 2, fp32 payloads, inner state reset, outer momentum 0.5) with a GPT-2
@@ -9,7 +9,7 @@ round's honest re-execution (a dry run before the measurement), and the report i
 instead of posted. Two jobs run back to back, rounds 1 and 2 (each start carries the outer
 momentum; the second fetches a new start while whatever the first left is held).
 `--inner-state keep` also fetches the worker's previous end state and its claimed end
-state (H3). `--inexact` perturbs the claimed payload within the tolerance, so the
+state (the local-state chain). `--inexact` perturbs the claimed payload within the tolerance, so the
 comparison decodes both payloads (an honest worker on other hardware).
 
 Each phase's peak is the kernel's VmHWM from the end of the previous phase to its own

@@ -1,4 +1,4 @@
-"""Peak memory of a real worker's DiLoCo round, phase by phase (issue 13 section 3).
+"""Peak memory of a real worker's DiLoCo round, phase by phase (docs/memory.md).
 
 Runs `covey.peer.worker.Worker`'s own round code in this process, without a network:
 `_begin_round`, the side committer, `_train_and_finish` (its `_train`, `_end_round`,

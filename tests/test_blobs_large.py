@@ -1,4 +1,4 @@
-"""Big blobs and states (issue 13, section 3): they stream to disk in chunks, are hashed on
+"""Big blobs and states: they stream to disk in chunks, are hashed on
 arrival, and never sit whole in a process's memory; a corrupt chunk is caught.
 
 Real sockets on 127.0.0.1; the memory bound is measured as the peak RSS of a fresh

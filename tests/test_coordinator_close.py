@@ -1,5 +1,5 @@
 """A round's close (covey.coordinator.rounds._next_state) consumes the current state's
-tensors (issue 13.3), the state's blob standing in for it meanwhile: whatever fails, a
+tensors (one model size in memory), the state's blob standing in for it meanwhile: whatever fails, a
 store write or the outer step half way, or the process itself, the coordinator goes on
 from a usable current state, and every committed state is the one a peer computes with
 `apply_round` from the round's start blob; the evaluator, on the weights it borrowed,

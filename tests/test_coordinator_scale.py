@@ -1,4 +1,4 @@
-"""The coordinator is O(1) per request (issue 13.2): heartbeats live in memory and reach
+"""The coordinator is O(1) per request: heartbeats live in memory and reach
 SQLite in batches, a crash loses at most the flush interval of liveness, the certificate
 long-poll wakes at the commit, and `covey bench coordinator` runs end to end."""
 

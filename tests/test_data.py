@@ -112,7 +112,7 @@ def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
         load_corpus([str(tmp_path / "nope")])
 
 
-# --- portable stdlib corpus (issue 16) and user data formats (issue 11) -----------------
+# --- portable stdlib corpus and user data formats ------------------------------------
 
 
 CLUTTER = (

@@ -1,4 +1,4 @@
-"""Devices (issue 12): choosing one, mixed precision, and training paths that stay on it.
+"""Devices (covey/devices.py): choosing one, mixed precision, and training paths that stay on it.
 
 This machine has no GPU: device-agnostic paths are checked on the CPU and on the `meta`
 device (no data, shapes only), where any tensor the hot path creates on the host shows up;
@@ -151,7 +151,7 @@ def test_peer_table_is_parsed_and_a_default_one_leaves_hashes_alone() -> None:
     run = RunConfig.model_validate({"peer": {"verify_device": "cuda", "precision": "bf16"}})
     assert run.peer.verify_device == "cuda" and run.peer.precision == "bf16"
     assert "peer" in run.model_dump() and run.run_id != RunConfig().run_id
-    assert "peer" not in RunConfig().model_dump()  # specs from before issue 12 hash the same
+    assert "peer" not in RunConfig().model_dump()  # specs from before [peer] hash the same
     assert "peer" not in SimConfig().model_dump()
     assert SimConfig(peer=PeerConfig(device="cpu")).peer.device == "cpu"
     with pytest.raises(ValueError, match="device"):

@@ -1,4 +1,4 @@
-"""The referee recomputes on the run's verify device class, or judges nothing (issue 12).
+"""The referee recomputes on the run's verify device class, or judges nothing.
 
 This machine has no GPU, so a run whose `[peer] verify_device` is "cuda" is one its
 coordinator cannot referee: it must say so at start and leave every dispute open (nobody

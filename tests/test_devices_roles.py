@@ -1,4 +1,4 @@
-"""Devices for the RL and SWARM roles (issue 12): their hot paths stay on the device.
+"""Devices for the RL and SWARM roles: their hot paths stay on the device.
 
 As in tests/test_devices.py, the device is `meta` (shapes, no data): any tensor the hot
 path makes on the host is recorded. Here the watch also records every copy from the device

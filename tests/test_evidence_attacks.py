@@ -1,4 +1,4 @@
-"""Attacks on evidence on draw, after its second review (covey.coordinator.intake): a
+"""Attacks on evidence on draw (covey.coordinator.intake): a
 coordinator that stops while it fetches a drawn contribution's local states must not book
 the honest peer as withholding (twice would exclude it), and peers that fill the
 coordinator's shared fetch pool must not turn a drawn check into a failure of the

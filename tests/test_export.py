@@ -81,7 +81,8 @@ def test_covey_gpt_exports_as_gpt2_with_equal_logits(tmp_path: Path) -> None:
 
 
 def test_sim_export_generate_a_tiny_llama_from_the_cli(tmp_path: Path) -> None:
-    """Issue 11 section 5's commands on a tiny Llama and a trained tokenizer."""
+    """`covey sim --model hf:DIR`, `covey export` and `covey generate` on a tiny Llama and a
+    trained tokenizer."""
     model_dir = tiny_llama(tiny_tokenizer(tmp_path / "DIR", 300), vocab_size=300)
     runner = CliRunner()
     spec = tmp_path / "run.toml"  # short sequences: the tiny data has few tokens

@@ -1,4 +1,4 @@
-"""Long-poll slots (issue 13 §2; a review of the round long-poll acting as an attacker),
+"""Long-poll slots (the round long-poll as an attacker sees it),
 in-process ASGI calls on one event loop against a coordinator with max_long_polls = 2.
 
 1. Round long-polls have a pool of their own: waiting peers that fill it never leave a

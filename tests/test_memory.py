@@ -1,4 +1,4 @@
-"""A peer's memory (issue 13, section 3): a round's update holds model + one decoded
+"""A peer's memory (covey/memory.py, docs/memory.md): a round's update holds model + one decoded
 contribution + the new state, not N contributions, a model-sized product or dead heap.
 
 RSS is the kernel's count (/proc/self/status): torch allocates outside what tracemalloc

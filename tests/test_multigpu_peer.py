@@ -1,4 +1,4 @@
-"""A torchrun group is one peer (issue 12): DDP inside, only rank 0 contributes.
+"""A torchrun group is one peer (covey/peer/group.py): DDP inside, only rank 0 contributes.
 
 Two gloo ranks on 127.0.0.1 (torch.multiprocessing, as torchrun would start them) train a
 round in lockstep; the leader's one contribution must equal, to float rounding, what one

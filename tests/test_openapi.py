@@ -1,4 +1,4 @@
-"""The API says what it does (issue 10 point 9): schemathesis, run against the OpenAPI
+"""The API says what it does: schemathesis, run against the OpenAPI
 document that a real coordinator process serves, finds no undocumented status code,
 content type, header or body shape, no 5xx, and no request the schema forbids that the
 server accepts. Plus direct probes of what the fuzzer once found: integers too large for

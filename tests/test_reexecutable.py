@@ -1,4 +1,4 @@
-"""Every default configuration is re-executable (issue 10, point 3): DiLoCo with inner_state
+"""Every default configuration is re-executable: DiLoCo with inner_state
 "keep", DiLoCo with error feedback, Streaming DiLoCo and DeMo. A worker's round starts from
 W_r and its committed end state of the previous round (`Strategy.begin_round`); a validator
 re-executing from those committed inputs gets the worker's payload bit for bit (one

@@ -352,7 +352,7 @@ def test_garbage_proofs_are_a_verdict_not_a_crash(
 
 
 def _old_rank(cid: str, v: str) -> str:
-    """The assignment rank before session 3: sha256(cid, validator), which the worker can
+    """The assignment rank as it once was: sha256(cid, validator), which the worker can
     compute, so grind."""
     return hashlib.sha256("|".join(("covey-rl-assign", cid, v)).encode()).hexdigest()
 

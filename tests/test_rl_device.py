@@ -1,4 +1,4 @@
-"""The RL run's verify device class (issue 12): the spec names the class every check runs on
+"""The RL run's verify device class: the spec names the class every check runs on
 (`verify_device`, default cpu), a validator of another class refuses before claiming, the
 trainer judges nothing where it lacks the class, a worker's `--device auto` is the run's
 class, and the default run's id is what it was before the field existed.

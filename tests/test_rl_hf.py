@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs as RL policies (issue 14): a tiny GPT-2 and a tiny Llama built
+"""Hugging Face causal LMs as RL policies: a tiny GPT-2 and a tiny Llama built
 here (random weights, a BPE tokenizer trained here, nothing downloaded) go through the
 whole protocol: policy bytes, seeded sampling, proofs on the LM head's input, the
 validator's check_batch, and the learner's GRPO step."""

@@ -1,4 +1,4 @@
-"""RL roles over real HTTP (issue 14): a trainer process on 127.0.0.1, rollout workers and
+"""RL roles over real HTTP: a trainer process on 127.0.0.1, rollout workers and
 validators talking to it (in this process, or as processes where a kill is the point).
 
 One trainer per module; each test leaves it usable for the next. Policies are covey:nano

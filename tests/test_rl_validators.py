@@ -1,4 +1,4 @@
-"""RL validators get what rounds-mode validators have (issue 14): canaries the trainer plants
+"""RL validators get what rounds-mode validators have: canaries the trainer plants
 (a known-bad copy of a real batch that a validator must reject), a cap on the batches one
 validator checks per policy version, and the audit's "missed fraud" penalty; `covey ledger
 verify` replays all of it. One trainer process for the module, canary_rate 1 (every

@@ -1,4 +1,4 @@
-"""The round long-poll (issue 13 §2): `GET /v1/round?after=TAG&wait=S` is held until the
+"""The round long-poll: `GET /v1/round?after=TAG&wait=S` is held until the
 round view's tag changes and answered at once when it does, so waiting peers do not poll.
 Against a real coordinator process over 127.0.0.1; the test joins peers itself (signing
 with their own keys), so it decides when a round can open (min_peers = 2)."""

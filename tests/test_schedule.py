@@ -1,4 +1,4 @@
-"""Learning-rate schedules (issue 13 §5): warmup + cosine and constant, a pure function of
+"""Learning-rate schedules: warmup + cosine and constant, a pure function of
 (round x steps per round + step), for DiLoCo's inner optimizer, Streaming DiLoCo and DDP.
 A validator re-executing round r of a scheduled run gets the worker's bytes exactly."""
 

@@ -1,6 +1,6 @@
 """Slash evidence of sharded aggregation, judged in-process on a ledger built here
 (covey.trust.shard_evidence; the real coordinator's side is tests/test_shards_network.py).
-From a third review: a slash whose round is not certified yet is still recomputed (a
+A slash whose round is not certified yet is still recomputed (a
 frame cannot hide as pending); malformed evidence is a LedgerError, not a traceback."""
 
 from __future__ import annotations

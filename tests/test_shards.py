@@ -1,4 +1,4 @@
-"""Sharded aggregation gives the unsharded path's bits on every shard (issue 13 §1)."""
+"""Sharded aggregation gives the unsharded path's bits on every shard."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sharded aggregation's draws and board, in one process (issue 13 §1): who aggregates
+"""Sharded aggregation's draws and board, in one process: who aggregates
 which shard, who checks it, fallback, fraud, certification; a peer refuses a shard whose
 hash is not certified."""
 
@@ -129,7 +129,7 @@ def test_a_lying_aggregator_is_slashed_and_its_shards_pass_on() -> None:
 
 
 def test_a_publish_must_name_the_bytes_it_read() -> None:
-    """Found by a third review: a liar could name bytes it never read and so void its own
+    """A hole once open: a liar could name bytes it never read and so void its own
     slash under `covey ledger verify --recompute`. With the coordinator's digest of the
     contributions' ranges (ShardRounds.reads), a publish naming other bytes is refused."""
     run = Run()

@@ -1,5 +1,5 @@
 """Sharded aggregation as the round driver's path, through the HTTP API of a real
-coordinator process (issue 13 §1).
+coordinator process.
 
 Three staked validator keys join; two workers (this process, signed requests) submit int4
 contributions to round 0. The round is above `sharded_above_peers`, so the driver does not
@@ -347,7 +347,7 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
     slash of an honest aggregator is caught: citing its real signed hash (the ledger alone
     cannot tell; the recomputation gives that very hash), a hash it never signed, no
     evidence at all, or the honest hash of a board it misled the aggregator with (other
-    weights: found by a review), whether the evidence gives that board or the real one."""
+    weights), whether the evidence gives that board or the real one."""
     cluster, aggs = round0["cluster"], round0["aggs"]
     for source in (cluster.url, cluster.data_dir):
         report = audit.verify(source, recompute=True)
@@ -414,7 +414,7 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
         forged = {**evidence, "published": signed, "board": cited}
         with pytest.raises(LedgerError, match=why):
             audit.verify(_forged(cluster, tmp_path, name, {**frame, "evidence": forged}))
-    # misled in transit (a review): the coordinator served the aggregator one altered byte
+    # misled in transit: the coordinator served the aggregator one altered byte
     # of a contribution's range; it signed the real board, the hash of what it read, and
     # the digest of those bytes, which are not the contributions'
     altered = {**evidence, "published": publish(board, "3" * 64, tamper=True)}
@@ -431,7 +431,7 @@ def test_ledger_verify_recomputes_the_liars_shard_and_refuses_a_framed_aggregato
 
 
 def test_a_blob_source_cannot_feed_the_auditor_without_bound() -> None:
-    """Found by a review: `--recompute URL` read each blob whole, unbounded, before its
+    """A hole once open: `--recompute URL` read each blob whole, unbounded, before its
     hash was checked; the source is the party under audit. Now the run's blob client
     fetches it: a body past what the blob can be (`max_bytes`) fails at once."""
     sent = [0]
@@ -467,7 +467,7 @@ def test_a_blob_source_cannot_feed_the_auditor_without_bound() -> None:
 def test_ledger_verify_refuses_a_spec_other_than_the_one_served(
     round0: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Found by a second review: --recompute took the spec from "run created" unchecked,
+    """A hole once open: --recompute took the spec from "run created" unchecked,
     so a coordinator could serve peers one spec and write another (another outer lr)
     under which an honest aggregator's shard recomputes differently. "run created" names
     the data fingerprint now, and its spec must hash with it to the run id peers checked."""

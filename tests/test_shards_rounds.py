@@ -1,4 +1,4 @@
-"""Sharded rounds end to end with real processes (issue 13 §1): `covey worker`s train,
+"""Sharded rounds end to end with real processes: `covey worker`s train,
 `covey validator --aggregate` aggregates the drawn shards, the coordinator certifies shard
 hashes and commits; the workers assemble each new state shard by shard. A coordinator
 SIGKILLed while a sharded round waits on its aggregators finishes that round after its

@@ -1,4 +1,4 @@
-"""Count sketches of big vectors, a block at a time (issue 13.3): the same bits as one
+"""Count sketches of big vectors, a block at a time: the same bits as one
 table over the whole vector, without a model-sized index/sign table or concatenation."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Routing and rebalancing with servers of different speeds (issue 15's churn goal): the
+"""Routing and rebalancing with servers of different speeds (churn): the
 router measures service time, not queueing, and the rebalancer converts per-request rates
 to stage throughput with stage 0's two requests per microbatch."""
 

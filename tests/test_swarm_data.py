@@ -112,7 +112,7 @@ def test_the_spec_names_its_datas_fingerprint_and_a_trainer_checks_its_copy(
 
 
 def test_a_received_hf_model_or_tokenizer_without_its_digest_is_refused(tmp_path: Path) -> None:
-    """Found by a review: a spec received with an hf: tokenizer or model and an empty
+    """A hole once open: a spec received with an hf: tokenizer or model and an empty
     digest matched anything, so a coordinator could name a private directory; a trainer
     then tokenized with its tokenizer.json (the vocabulary read out through the token
     ids), a server loaded its weights and published them as its stage state."""

@@ -1,5 +1,5 @@
-"""Faults of the swarm coordinator and of trainers (issue 15: "killing any server, a trainer,
-or the coordinator mid-step loses no accepted update and hangs nothing").
+"""Faults of the swarm coordinator and of trainers: killing any server, a trainer,
+or the coordinator mid-step loses no accepted update and hangs nothing.
 
 The first test is fast and in-process: a coordinator is dropped without a goodbye (as a
 SIGKILL leaves it) and a second one opened on its directory resumes the open averaging

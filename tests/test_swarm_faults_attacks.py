@@ -1,4 +1,4 @@
-"""Attack review of the swarm coordinator's averaging and dispute request bodies: per field,
+"""Attacks on the swarm coordinator's averaging and dispute request bodies: per field,
 what a dishonest server or trainer would put there, and a test per hole found (each was
 open before; see docs/swarm.md, "Attacks, field by field"). In-process coordinator, real
 signatures."""

@@ -1,4 +1,4 @@
-"""Hugging Face decoders in SWARM (issue 15): a stage server loads only its stage's tensors
+"""Hugging Face decoders in SWARM: a stage server loads only its stage's tensors
 from safetensors by name, and a tiny Llama served by two stage servers over HTTP computes
 what the whole model computes in one process."""
 

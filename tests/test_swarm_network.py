@@ -1,4 +1,4 @@
-"""SWARM over real HTTP (issue 15): a swarm coordinator and stage servers as processes on
+"""SWARM over real HTTP: a swarm coordinator and stage servers as processes on
 127.0.0.1, a trainer in this process. One swarm per module (2 stages x 2 servers); the tests
 run in order and each leaves it usable for the next: a microbatch equals in-process, a
 SIGKILLed server is routed around, an adversarial server is caught and slashed."""

@@ -247,7 +247,7 @@ def _sybil_sum(shapes: list, samples: int, scale: float = 1.0) -> bytes:
 
 
 def test_sybil_servers_without_vouched_work_get_no_vote(tmp_path: Path) -> None:
-    """Found by a second review: a server that no trainer sent work joined an averaging
+    """A hole once open: a server that no trainer sent work joined an averaging
     round (synced servers are members whatever their pending count), reported a zero sum
     claiming samples, and so became a voter; two such sybils outvoted the honest server,
     which was told to resync to their state. Only samples trainers vouched for vote now."""

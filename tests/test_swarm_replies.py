@@ -1,6 +1,5 @@
-"""What a trainer passes on from a server's signed reply is checked first (issue 15; a
-review of ab62c29 acting as a malicious server). Before, the trainer passed on any reply
-that decoded, so:
+"""What a trainer passes on from a server's signed reply is checked first (holes a
+malicious server could use). Before, the trainer passed on any reply that decoded, so:
 
 1. framing: a stage-0 server answering forward with hidden states one unit too wide got
    the HONEST stage-1 servers banned: they refused the input (400) and the trainer banned
@@ -10,7 +9,7 @@ that decoded, so:
    microbatch only.
 
 Also here: StateWatch closes an honest server's clock once its state is agreed, on any
-stage and however long ago (the review's second finding), and an hf: run without a
+stage and however long ago, and an hf: run without a
 tokenizer keeps the run id it had before tokenizers were named. Real HTTP on 127.0.0.1
 with the real server request handler."""
 
@@ -216,7 +215,7 @@ def test_a_server_moved_to_another_stage_is_no_voter_of_its_old_one() -> None:
 
 
 def test_two_colluders_cannot_carry_a_stage_whose_honest_servers_are_slow() -> None:
-    """Found by a review: three honest servers and two colluders all report to step 0's
+    """A hole once open: three honest servers and two colluders all report to step 0's
     round. Two honest ones are slower than round_timeout_s, so step 1's round has h1 and
     the colluders only. The vote at step 2 counted that round's three reporters, and the
     colluders' state was agreed (every honest server then resynced to it). Now the voters
@@ -289,7 +288,7 @@ def test_a_server_that_stops_reporting_stops_voting() -> None:
 
 
 def test_servers_with_no_work_in_a_round_do_not_carry_the_vote() -> None:
-    """Found by a review: the vote counted every server's state, voters or not. Two
+    """A hole once open: the vote counted every server's state, voters or not. Two
     colluders and three fresh sybil keys outvoted three honest servers, who were then told
     to resync to the colluders' state. Only the voters' states count now."""
     servers = ["h1", "h2", "h3", "m1", "m2"]

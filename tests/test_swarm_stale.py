@@ -1,4 +1,4 @@
-"""Stale weights in SWARM (issue 15): a server that skips averaging rounds or serves old
+"""Stale weights in SWARM: a server that skips averaging rounds or serves old
 weights. Replies are signed on a state id; a trainer stops using a server whose replies name
 a state the stage has not agreed on (covey.swarm.routing.StateWatch), and a server that
 names the agreed state while computing on old weights is caught by the duplicated-hop

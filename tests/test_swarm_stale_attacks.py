@@ -1,8 +1,7 @@
-"""Attacks on SWARM's stale-weights defences (issue 15; review of 61b5830, 5d6b229, 81acde0).
+"""Attacks on SWARM's stale-weights defences.
 
-Each test is a hole found by a review acting as a malicious server or a careless deployment,
-kept as a regression test now that it is closed. All in-process or 127.0.0.1, well under a
-second each.
+Each test is a hole that a malicious server or a careless deployment could use, kept as a
+regression test now that it is closed. All in-process or 127.0.0.1, well under a second each.
 
 1. A server that signs the stage's PREVIOUS agreed state was used forever and never
    compared (checked_hop skipped the comparison when two replies named different states).

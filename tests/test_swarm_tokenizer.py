@@ -1,4 +1,4 @@
-"""SWARM trainers tokenize with an hf: model's own tokenizer.json (issue 15): the run names
+"""SWARM trainers tokenize with an hf: model's own tokenizer.json: the run names
 the file's digest, every trainer checks its copy against it, and a tokenizer larger than the
 model's embedding is refused with the numbers. Servers see only token ids, so the tokenizer
 is the trainers' concern alone; a process run of an hf: model over HTTP is in

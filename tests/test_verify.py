@@ -85,8 +85,8 @@ def work(s: Strategy, start: TrainState, batch_fn: BatchFn, steps: int, k: int):
 
 
 def test_reexecutable_only_when_a_round_is_a_function_of_its_start() -> None:
-    # H3: every built-in config is re-executable; those that carry local state from round
-    # to round commit it (tests/test_reexecutable.py)
+    # every built-in config is re-executable; those that carry local state from round to
+    # round commit it (the local-state chain; tests/test_reexecutable.py)
     streaming = StreamingDiLoCoConfig(inner_steps=4, fragments=2, inner_state="reset")
     carries = {
         DDPConfig(): False,
@@ -146,7 +146,7 @@ def test_local_state_round_trip_continues_bit_identically(cfg, tokens) -> None:
 def test_a_validators_kept_states_spill_to_disk_and_read_back_bit_identically(
     tokens, tmp_path
 ) -> None:
-    """Issue 13 §3: a validator keeps every commitment's local state for a dispute's
+    """A validator keeps every commitment's local state for a dispute's
     evidence (weights + AdamW moments: 1.5 GB each at 124M). On disk they read back with
     the same bytes; the re-execution is the same; the previous end state handed over is
     emptied once loaded; a layout of the local state makes no zeros."""

@@ -1,4 +1,4 @@
-"""Warm start (issue 13 §5): `model.init` names a covey checkpoint (a state file or a run
+"""Warm start: `model.init` names a covey checkpoint (a state file or a run
 directory); the simulator and the coordinator start from its parameters, and
 `data.round_offset` keeps the continuation off the warm-up's batches."""
 

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo's overlap on real workers (issue 13 §4; covey/peer/overlap.py).
+"""Streaming DiLoCo's overlap on real workers (covey/peer/overlap.py).
 
 A worker trains round r+1's first tau steps while round r's contribution is published and
 its result fetched, and merges that result before step tau, exactly where the simulator
