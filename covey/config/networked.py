@@ -24,8 +24,7 @@ from covey.config.parts import Frozen, drop_defaults
 
 
 class RoundsConfig(Frozen):
-    """How the coordinator paces rounds (docs/network.md, "A round"). Every wait in a
-    round is bounded by a field here."""
+    """How the coordinator paces rounds. Every wait in a round is bounded by a field here."""
 
     heartbeat_s: float = Field(2.0, gt=0, description="peers heartbeat this often")
     dead_after_s: float = Field(6.0, gt=0, description="a peer silent this long is dead")
@@ -136,9 +135,8 @@ class LimitsConfig(Frozen):
 
 
 class TrustConfig(Frozen):
-    """Verification, robust aggregation and incentives (docs/trust.md;
-    covey/trust/incentives.py). Amounts are in the run's credits; everything is derived from
-    the ledger."""
+    """Verification, robust aggregation and incentives. Amounts are in the run's credits;
+    everything is derived from the ledger."""
 
     min_stake: float = Field(0.0, ge=0, description="credits a peer must stake to join")
     sample_rate: float = Field(

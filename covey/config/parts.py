@@ -271,7 +271,7 @@ class ChurnConfig(Frozen):
 
 
 class PeerConfig(Frozen):
-    """Where and how peers compute (covey/devices.py; docs/gpus.md). `device` and `compile`
+    """Where and how peers compute (covey/devices.py). `device` and `compile`
     are each peer's own choice (a worker's --device overrides `device`); `precision` and
     `verify_device` are the run's: every inner step runs in `precision`, and
     contributions are re-executed on the `verify_device` class, so a validator on another
