@@ -6,8 +6,9 @@ owned by it.
   `apply_round`, as every peer does; it serves no routes of its own.
 - `ShardedAggregation` (covey.coordinator.shard_rounds): a DiLoCo round with at least
   `trust.sharded_above_peers` accepted contributions, and staked aggregators ready, is
-  aggregated shard by shard by them (docs/sharded-aggregation.md); it serves the shard
-  board's `/v1/shards` routes.
+  aggregated shard by shard by them (docs/sharded-aggregation.md); a smaller round, or one
+  with no aggregator ready, is gathered as above. It serves the shard board's
+  `/v1/shards` routes (covey.coordinator.shard_routes).
 
 The round driver calls the component in two places: `begin` when a round closes (True:
 the component took the round and commits it later), and `advance` on every tick while it
