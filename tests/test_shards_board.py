@@ -131,7 +131,7 @@ def test_a_lying_aggregator_is_slashed_and_its_shards_pass_on() -> None:
 def test_a_publish_must_name_the_bytes_it_read() -> None:
     """A hole once open: a liar could name bytes it never read and so void its own
     slash under `covey ledger verify --recompute`. With the coordinator's digest of the
-    contributions' ranges (ShardRounds.reads), a publish naming other bytes is refused."""
+    contributions' ranges (ShardedAggregation.reads), a publish naming other bytes is refused."""
     run = Run()
     run.board._reads = lambda r, s: f"{s}" * 64  # the coordinator's digests, per shard
     who = run.shard(0)["aggregator"]

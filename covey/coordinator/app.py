@@ -309,10 +309,8 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
             media_type="application/octet-stream",
         )
 
-    if coord.cfg.trust.sharded_above_peers is not None:  # issue 13 §1
-        from .shard_rounds import mount as mount_sharding
-
-        mount_sharding(app, coord)
+    # the rounds mode's aggregation serves its own routes (sharded: the shard board's)
+    app.include_router(coord.rounds.aggregation.router)
     coord.uploads  # noqa: B018 -- sizes implied by the model, worked out before serving
     # innermost: heartbeats and round polls skip FastAPI's routing, not the layers below
     if fast_paths:

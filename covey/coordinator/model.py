@@ -40,6 +40,14 @@ class RunModel:
     source: str = ""
 
 
+def payload_estimate(strategy: Strategy, state: TrainState) -> int:
+    """Bytes of one contribution, for deadline planning: encode a zero update once."""
+    numel = sum(
+        state.params[n].numel() for n in strategy.fragment_names(strategy.round_fragment(0))
+    )
+    return len(strategy.codec.encode(torch.zeros(numel)))
+
+
 def build_model(cfg: RunConfig, corpus: Corpus, blobs: BlobStore) -> RunModel:
     """The run's model from its spec (seeded: every peer builds the same); hf config and
     tokenizer files are put on `blobs` so workers need no model files. Raises what

@@ -3,10 +3,11 @@
 One driver thread ticks the round state machine (covey.protocol.rounds decides; this
 module records) and computes each round's canonical state with the same pure
 `apply_round` every peer runs; contributions come in through intake
-(covey.coordinator.intake), the read side is covey.coordinator.views, and held-out
-evaluation is covey.coordinator.evaluator: those are this mode's parts. The owner's HALT
-is the host's part (covey.coordinator.halt): the driver writes it first in each tick, and
-this mode's effect of it is `abort_if_open`. It uses the
+(covey.coordinator.intake), the read side is covey.coordinator.views, held-out
+evaluation is covey.coordinator.evaluator, and the aggregation the spec asks for, gather
+or sharded (covey.coordinator.aggregation), takes each closed round: those are this
+mode's parts. The owner's HALT is the host's part (covey.coordinator.halt): the driver
+writes it first in each tick, and this mode's effect of it is `abort_if_open`. It uses the
 components it is given (membership, verification, accounts, the blob store), never their
 attributes. Everything durable goes through SQLite (covey.coordinator.db) and the
 content-addressed blob store; a restarted coordinator resumes from them.
@@ -21,9 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from covey.algorithms import Contribution, RoundError, Strategy, TrainState
+from covey.algorithms import Contribution, RoundError, TrainState
 from covey.blobs import BlobClient, BlobStore
 from covey.config import RunConfig, steps_per_round
 from covey.data.corpus import Corpus
@@ -33,6 +32,7 @@ from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
 from .accounts import Accounts
+from .aggregation import Aggregation, choose_aggregation
 from .certificates import make_certificate
 from .db import Database
 from .evaluator import Evaluator
@@ -40,7 +40,7 @@ from .halt import Halt
 from .intake import Intake
 from .liveness import Liveness
 from .membership import Membership
-from .model import RunModel
+from .model import RunModel, payload_estimate
 from .retention import prune_blobs, write_checkpoint
 from .uploads import Blobs
 from .verification import Verification
@@ -99,12 +99,15 @@ class Rounds(Intake, Views):
         self._wake = wake
         self._stop = stop
         self.steps_per_round = steps_per_round(cfg.algorithm)
-        self._payload_bytes = _payload_estimate(self.strategy, self.template)
+        self._payload_bytes = payload_estimate(self.strategy, self.template)
         self._nonces_pruned = 0.0
         self._driver: threading.Thread | None = None
         self.evaluator = Evaluator(cfg, db, model, corpus)  # beside the rounds
         self.halt = halt
-        self.sharding: Any = None  # ShardRounds when the run shards (coordinator.shard_rounds)
+        self.aggregation: Aggregation = choose_aggregation(  # gather, or sharded: the spec's
+            cfg, run_id=run_id, identity=identity, db=db, accounts=accounts, blobs=blobs,
+            model=model, rounds=self, commit=self._close,
+        )  # fmt: skip
         self.state, self.state_cid = self._load_or_create()
         self.state_hash = self.state.digest()  # hashed once per state, not per request
 
@@ -214,6 +217,7 @@ class Rounds(Intake, Views):
         self.evaluator.stop(timeout_s)
         if self._driver is not None:
             self._driver.join(timeout_s)
+        self.aggregation.close()
 
     def _drive(self) -> None:
         while not self._stop.is_set():
@@ -244,8 +248,8 @@ class Rounds(Intake, Views):
         if now - self._nonces_pruned > 60:
             self.membership.prune_nonces(now)
             self._nonces_pruned = now
-        if self.sharding is not None and self.sharding.pending is not None:
-            self.sharding.advance(now)  # a closed round waits on its aggregators
+        if self.aggregation.waiting:
+            self.aggregation.advance(now)  # a closed round waits on its aggregators
             return
         views = self._peer_views()
         alive = {p.peer_id for p in views if is_alive(now, p, cfg)}
@@ -325,7 +329,7 @@ class Rounds(Intake, Views):
     ) -> None:
         """Commit `rnd` (or abort it); `now`: the driver's clock; `assembled`: its rows and
         the new state that sharded aggregation computed (covey.coordinator.shard_rounds),
-        instead of apply_round."""
+        instead of apply_round (how the aggregation component commits a round it took)."""
         with self.accounts.transaction() as c:
             c.execute("UPDATE rounds SET status = 'closing' WHERE round = ?", (rnd.round,))
             rows = c.execute(
@@ -340,8 +344,8 @@ class Rounds(Intake, Views):
         rows = [r for r in rows if r["peer_id"] not in banned | unsecured]
         if assembled is not None:
             rows = assembled[0]
-        elif rows and self.sharding is not None and self.sharding.begin(rnd, rows, reason):
-            return  # above the crossover: aggregators compute it, tick() commits it
+        elif rows and self.aggregation.begin(rnd, rows, reason):
+            return  # sharded above the crossover: aggregators compute it, tick() commits it
         contributions = [
             # mapped from disk (BlobStore.view): N contributions are not N copies in memory
             Contribution(self.blobs.view(r["cid"]), r["tokens"], r["inner_steps"], r["fragment"])
@@ -490,11 +494,3 @@ class Rounds(Intake, Views):
             tmp.unlink(missing_ok=True)
             raise
         return self.blobs.adopt(tmp, written)
-
-
-def _payload_estimate(strategy: Strategy, state: TrainState) -> int:
-    """Bytes of one contribution, for deadline planning: encode a zero update once."""
-    numel = sum(
-        state.params[n].numel() for n in strategy.fragment_names(strategy.round_fragment(0))
-    )
-    return len(strategy.codec.encode(torch.zeros(numel)))

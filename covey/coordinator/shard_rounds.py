@@ -1,8 +1,9 @@
-"""Sharded rounds: the round driver's path above the crossover (issue 13 §1).
+"""Sharded aggregation: the round driver's path above the crossover, one of the rounds
+mode's aggregations (covey.coordinator.aggregation picks it from the run spec).
 
 When a round closes with at least `trust.sharded_above_peers` accepted contributions and
 staked aggregators (validators) have joined, the driver (covey.coordinator.rounds) does
-not aggregate: `ShardRounds.begin` opens the round's shard board (covey.coordinator.
+not aggregate: `ShardedAggregation.begin` opens the round's shard board (covey.coordinator.
 sharding) from a beacon over the closed input set, and every tick `advance` moves it on:
 
 - a shard whose aggregator is silent past `shard_publish_timeout_s` passes to the next in
@@ -18,7 +19,7 @@ sharding) from a beacon over the closed input set, and every tick `advance` move
 Crash safety: nothing of a sharded round is durable before its commit; a coordinator
 killed while one is open reopens the round on restart (its contributions are stored), it
 closes again on the same inputs, the beacon draws the same aggregators, and they publish
-again. `mount` adds the `/v1/shards` routes.
+again. Its `router` holds the `/v1/shards` routes, which the HTTP app includes.
 """
 
 from __future__ import annotations
@@ -29,13 +30,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import torch
-from fastapi import FastAPI, Request
-from fastapi import Path as PathParam
-from starlette.concurrency import run_in_threadpool
 
 from covey.algorithms import TrainState
 from covey.algorithms.aggregation import NormClip, l2_norm
@@ -49,20 +47,25 @@ from covey.algorithms.shards import (
     shard_to_bytes,
     state_from_flat,
 )
-from covey.config import DiLoCoConfig, StreamingDiLoCoConfig
+from covey.blobs import BlobStore
+from covey.config import RunConfig
 from covey.peer.aggregator import certified_shard
-from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_file
-from covey.trust.identity import canonical_json, request_message, request_purpose, verify
+from covey.trust.identity import (
+    Identity,
+    canonical_json,
+    request_message,
+    request_purpose,
+    verify,
+)
 from covey.trust.shard_evidence import read_inputs
 
-from .openapi import errors
-from .rejected import Rejected
+from .accounts import Accounts
+from .db import Database
+from .model import RunModel
+from .shard_routes import shard_router
 from .sharding import ShardBoard, ShardError
 from .views import OpenRound
-
-if TYPE_CHECKING:
-    from .service import Coordinator
 
 log = logging.getLogger("covey.coordinator")
 
@@ -72,6 +75,24 @@ READY_PURPOSE = request_purpose("/v1/shards/ready")
 #: a sharded round still open this many publish timeouts after it closed is finished by
 #: the coordinator (workers wait limits.coordinator_lost_s past the deadline for it)
 OVERDUE = 2.0
+
+
+class RoundsState(Protocol):
+    """What sharded aggregation reads of the rounds mode when a round closes: its current
+    (start) state, that state's content id and its weights hash."""
+
+    state: TrainState
+    state_cid: str
+    state_hash: str
+
+
+class Commit(Protocol):
+    """Commits a closed round with its accepted rows and the state its shards assembled
+    into (the rounds mode's close, covey.coordinator.rounds.Rounds._close)."""
+
+    def __call__(
+        self, rnd: OpenRound, reason: str, assembled: tuple[list[Any], TrainState]
+    ) -> None: ...
 
 
 @dataclass
@@ -92,18 +113,34 @@ def input_beacon(run_id: str, rnd: OpenRound, start_hash: str, rows: list[Any]) 
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
-class ShardRounds:
+class ShardedAggregation:
     """The coordinator's side of sharded rounds (see the module docstring)."""
 
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord, self.rounds = coord, coord.rounds
-        self.strategy, self.algo, self.trust = (
-            coord.rounds.strategy,
-            coord.cfg.algorithm,
-            coord.cfg.trust,
-        )
+    name = "sharded"
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        run_id: str,
+        identity: Identity,
+        db: Database,
+        accounts: Accounts,
+        blobs: BlobStore,
+        model: RunModel,
+        rounds: RoundsState,
+        commit: Commit,
+    ) -> None:
+        """Sharded aggregation of a DiLoCo run (`cfg.algorithm` has the outer step's
+        parameters). `rounds` gives the start state of a closing round; `commit` commits a
+        round once its shards are assembled."""
+        self.run_id, self.identity, self.db = run_id, identity, db
+        self.accounts, self.blobs = accounts, blobs
+        self.rounds, self.commit = rounds, commit
+        self.strategy, self.template = model.strategy, model.template
+        self.algo, self.trust = cfg.algorithm, cfg.trust
         self.names = list(self.strategy.names)
-        self.numel = sum(self.rounds.template.params[n].numel() for n in self.names)
+        self.numel = sum(self.template.params[n].numel() for n in self.names)
         self.plan = plan_shards(
             self.numel, self.trust.shards, codec_align(self.strategy.codec) or 1
         )
@@ -111,10 +148,10 @@ class ShardRounds:
         self.pending: Pending | None = None
         self.http = httpx.Client(timeout=30.0, trust_env=False)
         self._start: tuple[str, torch.Tensor, torch.Tensor | None] | None = None
-        book = coord.accounts.book
+        book = accounts.book
         self.board = ShardBoard(
-            coord.run_id,
-            coord.identity,
+            run_id,
+            identity,
             public_key=lambda p: a.public_key if (a := book.accounts.get(p)) else None,
             is_banned=lambda p: (a := book.accounts.get(p)) is None or a.banned,
             referee=lambda r, s: self.compute(r, s)[2],
@@ -123,6 +160,20 @@ class ShardRounds:
             check_rate=self.trust.shard_check_rate,
             publish_timeout_s=self.trust.shard_publish_timeout_s,
         )
+        self.router = shard_router(
+            self.board,
+            waiting_round=lambda: None if (p := self.pending) is None else p.rnd.round,
+            stored=self.stored,
+            ready=self.ready,
+        )
+
+    @property
+    def waiting(self) -> bool:
+        """A closed round waits on its aggregators (the driver only calls `advance`)."""
+        return self.pending is not None
+
+    def close(self) -> None:
+        self.http.close()
 
     # -- the committed inputs, recomputed here (referee, fallback) -------------------------
 
@@ -132,13 +183,13 @@ class ShardRounds:
         inputs = self.board.inputs(round_)
         cid = inputs["start_cid"]
         if self._start is None or self._start[0] != cid:
-            state = state_from_file(self.coord.blobs.path(cid), self.rounds.template)
+            state = state_from_file(self.blobs.path(cid), self.template)
             self._start = (cid, *flat_state(state, self.names))
         _, params, momentum = self._start
         start, end = self.plan.span(shard)
         codec = self.strategy.codec
         slices = [
-            read_slice(codec, self.numel, start, end, _reader(self.coord.blobs.view(c["cid"])))
+            read_slice(codec, self.numel, start, end, _reader(self.blobs.view(c["cid"])))
             for c in inputs["contributions"]
         ]
         new_p, new_m = new_shard(
@@ -159,14 +210,13 @@ class ShardRounds:
         round's contributions (covey.trust.shard_evidence.reads_digest), from the blobs
         here: a publish must name it. Reads only the shard's ranges."""
         readers = [
-            _reader(self.coord.blobs.view(c["cid"]))
-            for c in self.board.inputs(round_)["contributions"]
+            _reader(self.blobs.view(c["cid"])) for c in self.board.inputs(round_)["contributions"]
         ]
         return read_inputs(self.strategy.codec, self.numel, self.plan.span(shard), readers)[1]
 
     def slash(self, round_: int, peer_id: str, reason: str, evidence: dict[str, Any]) -> None:
         """A "slash" entry with what it rests on (covey.trust.shard_evidence)."""
-        accounts = self.coord.accounts
+        accounts = self.accounts
         with accounts.transaction() as c:
             amount = accounts.book.slash_amount(peer_id)
             payload = {"round": round_, "peer_id": peer_id, "amount": amount, "reason": reason,
@@ -181,14 +231,12 @@ class ShardRounds:
         least = self.trust.min_validator_stake
         ready = {
             r["key"].removeprefix("aggregator/")
-            for r in self.coord.db.query(
-                "SELECT key, value FROM meta WHERE key LIKE 'aggregator/%'"
-            )
+            for r in self.db.query("SELECT key, value FROM meta WHERE key LIKE 'aggregator/%'")
             if now - float(r["value"]) < READY_S
         }
         return [
             a.peer_id
-            for a in self.coord.accounts.book.accounts.values()
+            for a in self.accounts.book.accounts.values()
             if a.role == "validator"
             and not a.banned
             and a.stake > 0
@@ -200,11 +248,11 @@ class ShardRounds:
         """A validator's signed "I aggregate" (fresh nonce), kept in the database so a
         restarted coordinator still draws it. ShardError for anything else."""
         peer = body.get("peer_id")
-        if body.get("run_id") != self.coord.run_id or not isinstance(peer, str):
+        if body.get("run_id") != self.run_id or not isinstance(peer, str):
             raise ShardError(
                 422, f"need this run's run_id and a peer_id, got {body.get('run_id')!r}"
             )
-        account = self.coord.accounts.book.accounts.get(peer)
+        account = self.accounts.book.accounts.get(peer)
         nonce, signature = str(body.get("nonce", "")), body.get("signature")
         message = request_message(body, -1, READY_PURPOSE)
         if account is None or not isinstance(signature, str):
@@ -217,7 +265,7 @@ class ShardRounds:
             raise ShardError(
                 403, f"peer {peer[:12]} is excluded (not a validator in good standing)"
             )
-        with self.coord.db.transaction() as c:
+        with self.db.transaction() as c:
             c.execute(
                 "INSERT OR REPLACE INTO meta VALUES (?, ?)", (f"aggregator/{peer}", repr(now))
             )
@@ -237,7 +285,7 @@ class ShardRounds:
             log.warning("[round %d] %d contributions but no staked aggregators: the "
                         "coordinator aggregates", rnd.round, len(rows))  # fmt: skip
             return False
-        rule, blobs = self.strategy.aggregator, self.coord.blobs
+        rule, blobs = self.strategy.aggregator, self.blobs
         norms = None
         if isinstance(rule, NormClip) and rule.factor > 0:
             # TODO(issue 13): contributors should commit block sums in their signed
@@ -253,7 +301,7 @@ class ShardRounds:
             "weights": [float(r["tokens"]) for r in rows],
             "norms": norms,
         }
-        beacon = input_beacon(self.coord.run_id, rnd, self.rounds.state_hash, rows)
+        beacon = input_beacon(self.run_id, rnd, self.rounds.state_hash, rows)
         now = time.time()
         self.board.drop_before(rnd.round - 3)
         self.board.discard(rnd.round)  # an earlier attempt's board
@@ -275,7 +323,7 @@ class ShardRounds:
             self._overdue(r)  # workers wait for the certificate: finish it here
         for s in self.board.orphans(r):
             new_p, new_m, h = self.compute(r, s)
-            self.board.take_over(r, s, h, self.coord.blobs.put(shard_to_bytes(new_p, new_m)))
+            self.board.take_over(r, s, h, self.blobs.put(shard_to_bytes(new_p, new_m)))
             log.warning("[round %d] no aggregator delivered shard %d: the coordinator "
                         "aggregated it", r, s)  # fmt: skip
         cert = self.board.certificate(r)
@@ -285,13 +333,13 @@ class ShardRounds:
         if state is None:
             return  # a shard was taken over at assembly: its certificate changed
         final = self.board.finish(r, state.digest())
-        with self.coord.db.transaction() as c:  # peers fetch shard by shard with it
+        with self.db.transaction() as c:  # peers fetch shard by shard with it
             c.execute(
                 "INSERT OR REPLACE INTO meta VALUES (?, ?)", (f"shards/{r}", json.dumps(final))
             )
         self.pending = None
         log.info("[round %d] shards certified after %.1f s", r, now - p.began)
-        self.rounds._close(p.rnd, p.reason, assembled=(p.rows, state))
+        self.commit(p.rnd, p.reason, (p.rows, state))
 
     def _overdue(self, r: int) -> None:
         """Past the round's sharding deadline: aggregate every unpublished shard here, and
@@ -308,7 +356,7 @@ class ShardRounds:
             if pub is not None:
                 why = f"shard {s} of round {r}: published {pub['hash'][:16]}, is {h[:16]}"
                 self.slash(r, pub["aggregator"], why, self.board.evidence(r, s, h))
-            self.board.take_over(r, s, h, self.coord.blobs.put(shard_to_bytes(new_p, new_m)))
+            self.board.take_over(r, s, h, self.blobs.put(shard_to_bytes(new_p, new_m)))
         if missing or unchecked:
             log.warning("[round %d] sharding overdue: the coordinator aggregated shards %s "
                         "and checked %s itself", r, missing, unchecked)  # fmt: skip
@@ -327,7 +375,7 @@ class ShardRounds:
                 if h != shard["hash"]:
                     why = f"shard {i} of round {r}: published {shard['hash'][:16]}, is {h[:16]}"
                     self.slash(r, shard["aggregator"], why, self.board.evidence(r, i, h))
-                    cid = self.coord.blobs.put(shard_to_bytes(new_p, new_m))
+                    cid = self.blobs.put(shard_to_bytes(new_p, new_m))
                     self.board.take_over(r, i, h, cid)
                     return None
                 got = (new_p, new_m)
@@ -338,8 +386,8 @@ class ShardRounds:
 
     def _fetch(self, cert: dict[str, Any], i: int) -> tuple[torch.Tensor, Any] | None:
         shard = cert["shards"][i]
-        if self.coord.blobs.has(shard["cid"]):
-            data = self.coord.blobs.get(shard["cid"])
+        if self.blobs.has(shard["cid"]):
+            data = self.blobs.get(shard["cid"])
             try:
                 return certified_shard(cert, i, data, self.with_momentum)
             except ValueError:
@@ -355,100 +403,15 @@ class ShardRounds:
             except (ValueError, httpx.HTTPError) as e:
                 log.warning("[round %d] shard %d from %s: %s", cert["round"], i, url, e)
                 continue
-            self.coord.blobs.put(resp.content)
+            self.blobs.put(resp.content)
             return got
         return None
 
     def stored(self, round_: int) -> dict[str, Any] | None:
         """The final shard certificate of a committed sharded round."""
-        raw = self.coord.db.get_meta(f"shards/{round_}")
+        raw = self.db.get_meta(f"shards/{round_}")
         return json.loads(raw) if raw else None
 
 
 def _reader(view: memoryview) -> Callable[[int, int], bytes]:
     return lambda a, b: bytes(view[a:b])
-
-
-def mount(app: FastAPI, coord: Coordinator) -> ShardBoard | None:
-    """Make sharded rounds the driver's path above the crossover and add `/v1/shards`.
-    DiLoCo (outer Nesterov SGD) only: another method is logged and left without (None)."""
-    algo = coord.cfg.algorithm
-    if not isinstance(algo, DiLoCoConfig) or isinstance(algo, StreamingDiLoCoConfig):
-        log.info("sharded aggregation supports DiLoCo only, not %r: left off", algo.method)
-        return None
-    sharded = ShardRounds(coord)
-    coord.rounds.sharding = sharded
-    board = sharded.board
-
-    async def body_of(request: Request) -> dict[str, Any]:
-        """The JSON object a peer sent; 400 naming the problem when it is not one."""
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise Rejected(400, f"the body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise Rejected(400, f"the body must be a JSON object, not {type(body).__name__}")
-        return body
-
-    def answer(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        try:
-            return fn()
-        except ShardError as e:
-            raise Rejected(e.status, e.message) from None
-
-    def read(round_: int) -> dict[str, Any]:
-        if board.has(round_):
-            board.expire(round_, time.time())
-            return board.view(round_)
-        stored = sharded.stored(round_)
-        if stored is None:
-            raise ShardError(404, f"round {round_} has no shard board (not sharded, or not yet)")
-        return {"round": round_, "start_hash": stored["start_hash"], "shards": [],
-                "certificate": stored}  # fmt: skip
-
-    def live() -> int:
-        p = sharded.pending
-        if p is None or not board.has(p.rnd.round):
-            raise ShardError(404, "no sharded round is waiting on its aggregators")
-        return p.rnd.round
-
-    @app.get("/v1/shards", tags=["shards"], responses=errors(404))
-    async def shard_pending() -> dict[str, Any]:
-        """The board of the sharded round now waiting on its aggregators (404: none)."""
-        return await run_in_threadpool(answer, lambda: read(live()))
-
-    @app.post("/v1/shards/ready", tags=["shards"], responses=errors(400, 401, 403, 422))
-    async def shard_ready(request: Request) -> dict[str, Any]:
-        """A staked validator's signed statement that it aggregates: it is in the draw
-        of rounds closing within the next minute (aggregators repeat it while they run)."""
-        body = await body_of(request)
-        return await run_in_threadpool(answer, lambda: sharded.ready(body, time.time()))
-
-    @app.get("/v1/shards/{round}", tags=["shards"], responses=errors(404))
-    async def shard_view(round: int = PathParam(ge=0, le=schemas.MAX_INT)) -> dict[str, Any]:
-        """A sharded round's board: the plan, each shard's aggregator (a beacon draw) and
-        checker, the published hashes, the inputs, and the signed shard certificate once
-        every shard is published and every drawn check agreed (with `new_hash` once the
-        round is committed)."""
-        return await run_in_threadpool(answer, lambda: read(round))
-
-    refusals = errors(400, 401, 403, 404, 409, 422)
-
-    @app.post("/v1/shards/{round}/publish", tags=["shards"], responses=refusals)
-    async def shard_publish(
-        request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
-    ) -> dict[str, Any]:
-        """An aggregator's signed hash of its new shard, and the URL serving it."""
-        body = await body_of(request)
-        return await run_in_threadpool(answer, lambda: board.publish(round, body))
-
-    @app.post("/v1/shards/{round}/check", tags=["shards"], responses=refusals)
-    async def shard_check(
-        request: Request, round: int = PathParam(ge=0, le=schemas.MAX_INT)
-    ) -> dict[str, Any]:
-        """A drawn checker's hash of a published shard: a disagreement goes to the
-        referee, and a proven wrong shard slashes its aggregator."""
-        body = await body_of(request)
-        return await run_in_threadpool(answer, lambda: board.check(round, body, time.time()))
-
-    return board
