@@ -49,7 +49,8 @@ VALUE_OPS = frozenset(
         aten.allclose.default,
     }
 )
-COPY_OPS = frozenset({aten._to_copy.default, aten.copy_.default})
+#: indexing ops that are VALUE_OPS when an index is a boolean mask (t[t > 0]: a nonzero)
+MASK_INDEX_OPS = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default})
 
 
 class HostSyncError(RuntimeError):
@@ -82,6 +83,9 @@ def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
 def _is_sync(func: Any, args: Any, kwargs: Any) -> bool:
     if func in VALUE_OPS:
         return any(_is_device(t) for t in _tensors(args, kwargs))
+    if func in MASK_INDEX_OPS:
+        masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype == torch.bool]
+        return any(_is_device(t) for t in masks)
     if func is aten._to_copy.default:
         src, dst = args[0], kwargs.get("device") or args[0].device
         to_host = _is_device(src) and torch.device(dst).type == "cpu"
