@@ -192,5 +192,5 @@ def test_the_cpu_run_trains() -> None:
     model = nano()
     before = copy.deepcopy(model)
     run_inner_steps("diloco", model, batch, 1, _nothing, torch.device("cpu"))
-    moved = any(not torch.equal(a, b) for a, b in zip(model.parameters(), before.parameters()))
-    assert moved
+    pairs = zip(model.parameters(), before.parameters(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in pairs)

@@ -34,7 +34,8 @@ def register(bench_app: Any) -> None:
         for r in rows:
             typer.echo(
                 f"{r['method']:>10}: {r['host_ms_per_step_per_m']:8.3f} host ms/step/1M params "
-                f"({r['parameters_m']}M), {r['syncs_per_step']:.2f} syncs/step"
+                f"(fastest {r['fastest_ms_per_step_per_m']:.3f}; {r['parameters_m']}M), "
+                f"{r['syncs_per_step']:.2f} syncs/step"
             )
         if json_path:
             json_path.write_text(json.dumps(rows, indent=1) + "\n")
