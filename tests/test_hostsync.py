@@ -138,14 +138,18 @@ def _old_clip_grad_(grads: list[torch.Tensor], max_norm: float) -> None:
             g.mul_(max_norm / (norm + 1e-6))
 
 
-@pytest.mark.parametrize("target", [0.3, 1.0, 10.0, "edge-below", "edge-above", "nan", "inf"])
+@pytest.mark.parametrize(
+    "target", [0.3, 1.0, 10.0, "at-norm", "just-below", "next-below", "nan", "inf"]
+)
 def test_clip_is_the_same_bits_as_the_branch(target: object) -> None:
+    """At max_norm = norm - 3e-7 torch's clip_grad_norm_(foreach=True) gives other bits."""
     g = torch.Generator().manual_seed(3)
     grads = [torch.randn(7, 5, generator=g), torch.randn(11, generator=g)]
     norm = float(
         torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
     )
-    max_norm = {"edge-below": norm + 5e-7, "edge-above": math.nextafter(norm, 0.0)}.get(target, 1.0)  # type: ignore[call-overload]
+    edges = {"at-norm": norm, "just-below": norm - 3e-7, "next-below": math.nextafter(norm, 0)}
+    max_norm = edges.get(str(target), 1.0)
     if isinstance(target, float):
         grads = [x * (target / norm) for x in grads]
     if target == "nan":
@@ -194,3 +198,26 @@ def test_the_cpu_run_trains() -> None:
     run_inner_steps("diloco", model, batch, 1, _nothing, torch.device("cpu"))
     pairs = zip(model.parameters(), before.parameters(), strict=True)
     assert any(not torch.equal(a, b) for a, b in pairs)
+
+
+def test_the_step_time_probe_warms_up_before_it_times() -> None:
+    """The probe at join: 2 untimed passes, then the median of 3 timed ones."""
+    from types import SimpleNamespace
+
+    from covey.peer.worker_train import STEP_PROBE_WARMUP, Training
+
+    s = build_strategy(method_config("diloco"), nano(), lm_loss)
+    calls = []
+
+    def counted(model: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        calls.append(b.shape)
+        return lm_loss(model, b)
+
+    s.loss_fn = counted
+    probe = Training.__new__(Training)
+    probe.strategy, probe.opts = s, SimpleNamespace(slowdown=2.0)
+    probe._batch = lambda *_: batch(0)  # type: ignore[method-assign]
+    seconds = probe._measure_step_time()
+    assert len(calls) == STEP_PROBE_WARMUP + 3 == 5
+    assert seconds > 0
+    assert all(p.grad is None for p in s.model.parameters())  # a scratch copy trained
