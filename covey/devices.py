@@ -151,6 +151,17 @@ def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractC
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait until the device has run everything queued on it (CUDA: the current stream;
+    MPS likewise); nothing on the CPU, whose ops run as they are called. For a clock
+    reading that should count the device's work, not only its launches."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
 def maybe_compile(fn: Callable[..., Any], enabled: bool) -> Callable[..., Any]:
     """torch.compile(fn) when enabled, else fn itself. Compilation happens on the first
     call; a compiled step is numerically close to, not bit-identical with, the eager one, so

@@ -145,7 +145,7 @@ def run_covey(base: GPT, tokens: torch.Tensor, outer_lr: float) -> Run:
         contributions = []
         for i, w in enumerate(workers):
             for step in range(H):
-                losses[i].append(w.inner_step(batch(tokens, i, rnd, step)))
+                losses[i].append(float(w.inner_step(batch(tokens, i, rnd, step))))
             contributions.append(w.make_contribution())
         state = workers[0].apply_round(state, contributions)
         for w in workers:

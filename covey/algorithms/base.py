@@ -174,9 +174,11 @@ class Strategy(ABC):
         self.load_local_state(previous_end)
         self.adopt(start_state, accepted)
 
-    def forward_backward(self, batch: torch.Tensor) -> float:
-        """Loss and gradients on one batch; counts the batch's tokens."""
-        self.model.train()
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        """Loss (detached, where the model computes: never read on the host here) and
+        gradients on one batch; counts the batch's tokens."""
+        if not self.model.training:  # covey switches the whole model (evaluate.py)
+            self.model.train()
         for p in self.model.parameters():
             p.grad = None
         batch = batch.to(self.device, non_blocking=True)
@@ -185,10 +187,13 @@ class Strategy(ABC):
         loss.backward()
         self.tokens += batch[:, 1:].numel()
         self.steps += 1
-        return float(loss.detach())
+        return loss.detach()
 
     @abstractmethod
-    def inner_step(self, batch: torch.Tensor) -> float: ...
+    def inner_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """One step of local training; the batch's loss as a 0-dim tensor on the model's
+        device. An inner step makes no device-to-host synchronization (tests/test_hostsync.py):
+        read the loss on the host outside it, once for many steps (`tensors.host_sum`)."""
 
     # -- worker-local state (verification) -------------------------------------------------
 

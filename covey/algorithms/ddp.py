@@ -71,7 +71,7 @@ class DDP(Strategy):
     def _load_local_extras(self, extras: dict[str, torch.Tensor]) -> None:
         self._grad = None
 
-    def inner_step(self, batch: torch.Tensor) -> float:
+    def inner_step(self, batch: torch.Tensor) -> torch.Tensor:
         if self._grad is not None:
             raise RuntimeError("DDP takes one inner step per round; call make_contribution")
         loss = self.forward_backward(batch)

@@ -71,7 +71,7 @@ class DeMo(Strategy):
             self.momentum.sub_(self.sent)
         self.sent = torch.zeros_like(self.sent)
 
-    def inner_step(self, batch: torch.Tensor) -> float:
+    def inner_step(self, batch: torch.Tensor) -> torch.Tensor:
         loss = self.forward_backward(batch)
         grad = flatten([p.grad for p in self.model.parameters()])
         self.momentum.mul_(self.cfg.beta).add_(grad)

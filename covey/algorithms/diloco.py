@@ -169,7 +169,7 @@ class DiLoCo(Strategy):
             self._residual = extras["optim/ef/residual"].to(self.device, copy=True)
             self._pending = extras["optim/ef/pending"].to(self.device, copy=True)
 
-    def inner_step(self, batch: torch.Tensor) -> float:
+    def inner_step(self, batch: torch.Tensor) -> torch.Tensor:
         if has_schedule(self.cfg.optim):  # a pure function of (round, step): re-executable
             step = self._schedule_round * self.steps_per_round + self.steps
             set_lr(self.inner_opt, scheduled_lr(self.cfg.optim, step))

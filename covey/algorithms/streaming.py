@@ -37,8 +37,9 @@ from covey.config import StreamingDiLoCoConfig
 
 
 def _on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The tensors on `device` (the same objects where they already are)."""
-    return {n: t.to(device) for n, t in tensors.items()}
+    """The tensors on `device` (the same objects where they already are). Host to device
+    without a synchronization: the merge runs inside an inner step (`merge_late`)."""
+    return {n: t.to(device, non_blocking=True) for n, t in tensors.items()}
 
 
 def layer_key(name: str) -> str:
@@ -113,10 +114,10 @@ class StreamingDiLoCo(DiLoCo):
         fragment = self.fragments[self.fragment_of(state.round - 1)]
         alpha = self.cfg.mixing
         params = dict(self.model.named_parameters())
+        self._global = _on(state.params, self.device)
         with torch.no_grad():
             for name in fragment:
-                params[name].mul_(alpha).add_(state.params[name].to(self.device), alpha=1 - alpha)
-        self._global = _on(state.params, self.device)
+                params[name].mul_(alpha).add_(self._global[name], alpha=1 - alpha)
         self._round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
@@ -158,7 +159,7 @@ class StreamingDiLoCo(DiLoCo):
         if self.steps == self.overlap_steps or (at_end and self.steps <= self.overlap_steps):
             self.adopt(*late)  # _late stays: a re-run of these steps merges again
 
-    def inner_step(self, batch: torch.Tensor) -> float:
+    def inner_step(self, batch: torch.Tensor) -> torch.Tensor:
         self._merge_if_due()
         return super().inner_step(batch)
 

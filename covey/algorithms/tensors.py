@@ -47,10 +47,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor | None) -> bool:
 
 
 def clip_grad_(grads: Sequence[torch.Tensor], max_norm: float) -> None:
-    """Scale gradients in place so their global l2 norm is at most max_norm (0 = off)."""
+    """Scale gradients in place so their global l2 norm is at most max_norm (0 = off).
+
+    Without a host synchronization: the norm is never read on the host. The factor is
+    max_norm / (norm + 1e-6) where norm > max_norm and exactly 1 elsewhere (x * 1.0 is x,
+    bit for bit, NaN included), so the gradients are the bytes the branch on the host
+    gave. The per-tensor norms are `vector_norm`'s: `torch._foreach_norm` reduces in
+    another order on CUDA, which would change the bits."""
     if max_norm <= 0:
         return
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    if norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
+    scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
+    torch._foreach_mul_(list(grads), scale)
+
+
+def host_sum(losses: Sequence[torch.Tensor | float], start: float = 0.0) -> float:
+    """start + the losses, added on the host in order (float64, as Python adds floats):
+    the sum `float(loss)` after every step gave, with one device-to-host copy for all."""
+    tensors = [x.detach().reshape(()) for x in losses if isinstance(x, torch.Tensor)]
+    values = iter(torch.stack(tensors).double().cpu().tolist() if tensors else [])
+    total = start
+    for x in losses:
+        total += next(values) if isinstance(x, torch.Tensor) else x
+    return total

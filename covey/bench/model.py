@@ -163,7 +163,7 @@ def run_model_bench(
         def bare_step(b: torch.Tensor) -> float:
             return _bare_step(bare, opt, b, o.grad_clip)
 
-        check = [(bare_step(b), strategy.inner_step(b)) for b in batches[:warmup]]
+        check = [(bare_step(b), float(strategy.inner_step(b))) for b in batches[:warmup]]
         worst = max((abs(a - c) for a, c in check), default=0.0)
         if worst > 1e-4:
             raise RuntimeError(f"the loops' losses differ by {worst:.2e}: {check}")

@@ -14,6 +14,7 @@ import typer
 
 from covey.bench.agreement_cli import register as register_bench_agreement
 from covey.bench.gpu_cli import register as register_bench_gpu
+from covey.bench.hostsync_cli import register as register_bench_hostsync
 from covey.bench.rl_cli import register as register_bench_rl
 from covey.bench.shards_cli import register as register_bench_shards
 from covey.bench.swarm_cli import register as register_bench_swarm
@@ -32,6 +33,7 @@ register_bench_swarm(bench_app)  # covey bench swarm
 register_bench_shards(bench_app)  # covey bench shards (gather vs sharded rounds)
 register_bench_agreement(bench_app)  # covey bench agreement (simulator vs network)
 register_bench_rl(bench_app)  # covey bench rl (covey/bench/rl_cli.py)
+register_bench_hostsync(bench_app)  # covey bench hostsync (syncs per inner step)
 register_rl(app)  # rl trainer, worker, validator, demo
 
 # the commands register as their modules load, in the order `covey --help` lists them

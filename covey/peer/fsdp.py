@@ -94,7 +94,7 @@ class ShardedReplica:
                         },
                     }
 
-    def step(self, rows: torch.Tensor) -> float:
+    def step(self, rows: torch.Tensor) -> torch.Tensor:
         """One inner step on this rank's rows, as DiLoCo.inner_step takes it on a whole
         batch: lr schedule, forward (autocast), backward (FSDP averages the gradients),
         global-norm clip, optimizer step. Counts tokens/steps in the strategy."""
@@ -113,7 +113,7 @@ class ShardedReplica:
         self.opt.step()
         s.tokens += batch[:, 1:].numel()
         s.steps += 1
-        return float(loss.detach())
+        return loss.detach()  # read on the host after the round's steps, as inner_step's
 
     def gather(self, leader: bool) -> None:
         """Whole parameters and moments from the shards; the leader writes them into its

@@ -219,7 +219,7 @@ class Leader:
             if self.replica is not None:
                 self.replica.load()
 
-    def inner_step(self, batch: torch.Tensor) -> float:
+    def inner_step(self, batch: torch.Tensor) -> torch.Tensor:
         with self._collectives("STEP"):
             self._command(STEP, *batch.shape)
             full = batch.to(self._wire, torch.int64).contiguous()

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from covey.algorithms import TrainState
+from covey.algorithms.tensors import host_sum
 from covey.peer.client import CoordinatorLost
 from covey.peer.lease import LeaseLapsed
 from covey.peer.overlap import SideCommitter, Transfer, TransferTimeout, speculation_fails
@@ -70,19 +71,21 @@ class Overlapping:
         tau = self.strategy.overlap_steps
         committer = SideCommitter(self.strategy, None, self.cfg.trust.commit_every)
         self._trained_since_adopt = True
-        compute_s = loss_sum = 0.0
+        compute_s = 0.0
+        losses: list[Any] = []  # tensors on the device: read once, after the steps
         try:
             for step in range(tau):
                 self._check_standing()
                 loss, seconds = self._timed_step(
                     self.strategy.inner_step, partial(self._batch, nxt, key, step)
                 )
-                loss_sum += loss
+                losses.append(loss)
                 compute_s += seconds
                 committer.after_step(step + 1)
         except LeaseLapsed:  # round r still finishes (or fails) first; a signal leaves it
             self._settle(self._await_transfer(transfer), adopt=False)
             raise
+        loss_sum = host_sum(losses)
         waited = time.monotonic()
         f = self._await_transfer(transfer)
         self._waited_s = time.monotonic() - waited

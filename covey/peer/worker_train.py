@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from covey.algorithms import Contribution, TrainState
+from covey.algorithms.tensors import host_sum
 from covey.data.batches import assignment_batches
+from covey.devices import synchronize
 from covey.peer.overlap import SideCommitter
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
@@ -27,6 +29,7 @@ from covey.trust.committer import Committer
 
 log = logging.getLogger("covey.worker")
 PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
+STEP_PROBE_WARMUP = 2  # untimed passes before the step-time probe at join
 
 
 def verify_local_metadata() -> dict[str, str]:
@@ -56,14 +59,20 @@ class Training:
     _numel: Callable[[], int]
 
     def _measure_step_time(self) -> float:
-        """Median of 3 forward+backward passes on a scratch copy of the model."""
+        """Median of 3 forward+backward passes on a scratch copy of the model, after 2
+        untimed ones (allocator, kernel selection, lazy init); the device is synchronized
+        before each clock reading, so a pass's time is its compute, not its launches."""
         model = copy.deepcopy(self.strategy.model)
-        batch = self._batch(0, "speed-test", 0).to(self.strategy.device)
+        device = self.strategy.device
+        batch = self._batch(0, "speed-test", 0).to(device)
         times = []
-        for _ in range(3):
+        for i in range(STEP_PROBE_WARMUP + 3):
+            synchronize(device)
             t0 = time.perf_counter()
             self.strategy.loss_fn(model, batch).backward()
-            times.append(time.perf_counter() - t0)
+            synchronize(device)
+            if i >= STEP_PROBE_WARMUP:
+                times.append(time.perf_counter() - t0)
         return sorted(times)[1] * self.opts.slowdown
 
     def _emulate_slowdown(self, seconds: float) -> None:
@@ -144,6 +153,7 @@ class Training:
         self._trained_since_adopt = True
         log.debug("[%s - round %d] training %d inner steps", self.name, info.round, steps)
         done, compute_s, loss_sum = ahead
+        losses: list[torch.Tensor] = []  # on the device: read once, after the steps
         for step in range(done, take):
             self._check_standing()
             if done and self.strategy.flexible_steps:
@@ -159,10 +169,11 @@ class Training:
             loss, seconds = self._timed_step(
                 inner_step, partial(self._batch, info.round, key, step)
             )
-            loss_sum += loss
+            losses.append(loss)
             compute_s += seconds
             done += 1
             committer.after_step(done)
+        loss_sum = host_sum(losses, loss_sum)
         commitments = [c.to_dict() for c in committer.commitments]
         if done == 0:  # no step taken: a zero update, and no loss
             payload = self.strategy.codec.encode(torch.zeros(self._numel()))
@@ -198,10 +209,13 @@ class Training:
         return done, commitments
 
     def _timed_step(
-        self, inner_step: Callable[[torch.Tensor], float], batch: Callable[[], torch.Tensor]
-    ) -> tuple[float, float]:
-        """One inner step, its batch sampled first -> (loss, compute seconds: both),
-        --slowdown emulated."""
+        self,
+        inner_step: Callable[[torch.Tensor], torch.Tensor],
+        batch: Callable[[], torch.Tensor],
+    ) -> tuple[torch.Tensor, float]:
+        """One inner step, its batch sampled first -> (loss on the device, seconds: both),
+        --slowdown emulated. Nothing waits for the device: on an accelerator the seconds
+        are the host's, which runs ahead of the device by at most its launch queue."""
         t0 = time.perf_counter()
         loss = inner_step(batch())
         if self.opts.slowdown > 1:

@@ -22,10 +22,11 @@ import torch
 
 from covey.algorithms import Strategy, TrainState, build_aggregator, build_strategy
 from covey.algorithms.evaluate import evaluate
+from covey.algorithms.tensors import host_sum
 from covey.config import SimConfig
 from covey.data.batches import sample_batch, validation_batches
 from covey.data.corpus import Corpus, load_corpus
-from covey.devices import resolve_device, resolve_precision
+from covey.devices import resolve_device, resolve_precision, synchronize
 from covey.models.source import build_run_model
 from covey.models.warmstart import apply_init
 from covey.sim.network import Link, make_links, round_timing
@@ -255,19 +256,22 @@ def _train_round(
     steps = s.steps_per_round
     if s.flexible_steps:
         steps = max(1, round(steps / w.slowdown))  # a slow worker does less, weighted by tokens
-    seconds = loss_sum = 0.0
+    seconds = 0.0
+    losses = []  # on the device: read once, after the round's steps
     for step in range(steps):
         if step == s.overlap_steps and w.pending is not None:
             s.adopt(w.pending)
             w.pending = None
         batch = sim_batch(cfg, corpus, seq_len, r, w.index, step)
         t0 = time.perf_counter()
-        loss_sum += s.inner_step(batch)
+        losses.append(s.inner_step(batch))
+        if not cfg.compute.step_time_s:  # a measured time counts the device's work
+            synchronize(s.device)
         seconds += _step_time(cfg, time.perf_counter() - t0, w.slowdown)
     if w.pending is not None:  # the round was shorter than the overlap
         s.adopt(w.pending)
         w.pending = None
-    return steps, seconds, loss_sum
+    return steps, seconds, host_sum(losses)
 
 
 def sim_batch(

@@ -1,0 +1,41 @@
+"""`covey bench hostsync`: the command; the measurement is covey.bench.hostsync (imported
+when the command runs, so `covey --help` does not import torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+
+def register(bench_app: Any) -> None:
+    """Add `covey bench hostsync` to the bench sub-app."""
+
+    @bench_app.command("hostsync")
+    def bench_hostsync(
+        model: Annotated[str, typer.Option(help="covey GPT size: nano micro mini small")] = "micro",
+        steps: Annotated[int, typer.Option(min=1, help="inner steps timed per method")] = 12,
+        json_path: Annotated[
+            Path | None, typer.Option("--json", help="write the rows here")
+        ] = None,
+    ) -> None:
+        """Per method (DDP, DiLoCo, Streaming DiLoCo, DeMo): host milliseconds per inner
+        step per 1M parameters on this machine's CPU, and the device-to-host
+        synchronizations one inner step makes (counted on the meta device)."""
+        from covey.bench.hostsync import run_hostsync_bench  # torch: only when it runs
+        from covey.models.gpt import GPT_SIZES
+
+        if model not in GPT_SIZES:
+            typer.echo(f"error: --model {model!r}: choose from {sorted(GPT_SIZES)}", err=True)
+            raise typer.Exit(2)
+        rows = run_hostsync_bench(model, steps)
+        for r in rows:
+            typer.echo(
+                f"{r['method']:>10}: {r['host_ms_per_step_per_m']:8.3f} host ms/step/1M params "
+                f"(fastest {r['fastest_ms_per_step_per_m']:.3f}; {r['parameters_m']}M), "
+                f"{r['syncs_per_step']:.2f} syncs/step"
+            )
+        if json_path:
+            json_path.write_text(json.dumps(rows, indent=1) + "\n")
