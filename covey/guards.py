@@ -29,7 +29,10 @@ from typing import IO
 from covey.errors import UserError
 
 LOCK_NAME = ".covey.lock"
-_held: list[IO[str]] = []  # open lock files: closing one (or exiting) releases its lock
+# open lock files by directory: closing one (or exiting) releases its lock; a directory this
+# process already holds is not locked again (a second command run in one process, as tests
+# and library users do, must not find its own lock)
+_held: dict[Path, IO[str]] = {}
 
 # what `covey sim --out` leaves in its run directory (covey.sim.report, covey.io.export)
 SIM_RUN_ENTRIES = (
@@ -49,6 +52,9 @@ def lock_dir(directory: Path, what: str) -> None:
     import fcntl
 
     directory.mkdir(parents=True, exist_ok=True)
+    key = directory.resolve()
+    if key in _held:
+        return
     f = (directory / LOCK_NAME).open("a+")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -64,7 +70,7 @@ def lock_dir(directory: Path, what: str) -> None:
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
-    _held.append(f)
+    _held[key] = f
 
 
 def check_port_free(host: str, port: int, flag: str = "--port") -> None:
