@@ -645,8 +645,10 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
               "reroutes": 1, "banned": {}, "served": {ids[0].peer_id: 2}}  # fmt: skip
     # what a dishonest reporter would send: a server paying itself, counts that lie, and
     # ids that are not servers of this run; each refused or unpaid, nothing else changes
-    own = {**report, "peer_id": ids[0].peer_id, "served": {ids[0].peer_id: 10**6}}
-    assert _post(client, ids[0], "/v1/swarm/report", own).status_code == 403
+    own = {**report, "peer_id": ids[0].peer_id, "served": {ids[0].peer_id: 10_000}}
+    assert _post(client, ids[0], "/v1/swarm/report", own).status_code == 403  # no trainer
+    own = {**own, "served": {ids[0].peer_id: 10**6}}  # past what one report may claim
+    assert _post(client, ids[0], "/v1/swarm/report", own).status_code == 422
     for lie in (-5, 10**9, 2.5, True, "7"):
         bad = {**report, "served": {ids[0].peer_id: lie}}
         assert _post(client, ids[3], "/v1/swarm/report", bad).status_code == 422, lie
