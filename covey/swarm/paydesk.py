@@ -51,7 +51,7 @@ class PayDesk:
     disputes: list[dict[str, Any]]
     known_states: list[list[str]]
     _parked: list[tuple[float, str, evidence.Check]]
-    _saved: str
+    _saved: dict[str, str]
     _verdicts: dict[str, dict[str, Any]]
 
     def _save(self, conn: Any = None) -> None:
@@ -154,10 +154,10 @@ class PayDesk:
                     c.execute("INSERT INTO swarm_checks VALUES (?, ?)", (check.id, now))
                     self._save(c)
             except sqlite3.IntegrityError:  # the same evidence settled meanwhile
-                self.unpaid, self._saved = before, ""
+                self.unpaid, self._saved = before, {}
                 return "refused: this request was paid already"
             except BaseException:
-                self.unpaid, self._saved = before, ""
+                self.unpaid, self._saved = before, {}
                 raise
         return "paid"
 
@@ -175,7 +175,7 @@ class PayDesk:
                     self.unpaid = {}
                     self._save(c)
             except BaseException:  # rolled back: still due, and the snapshot not written
-                self.unpaid, self._saved = due, ""
+                self.unpaid, self._saved = due, {}
                 raise
             self.epoch = epoch
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import logging
 import threading
 import time
@@ -30,7 +29,7 @@ from covey.coordinator.halt import Halt
 from covey.coordinator.membership import Membership
 from covey.coordinator.rejected import Rejected
 from covey.protocol.swarm import SwarmHeartbeat, SwarmJoin, SwarmRoundReport, SwarmStateUpload
-from covey.swarm import evidence
+from covey.swarm import books, evidence
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
 from covey.swarm.observed import Observations
@@ -41,7 +40,6 @@ from covey.trust.halt import owner_of
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
-STATE_KEY = "swarm.state"  # the meta row holding what a restarted coordinator resumes
 log = logging.getLogger("covey.swarm")
 
 
@@ -94,15 +92,16 @@ class SwarmCoordinator(PayDesk):
         self._seeded: dict[int, str] = {}  # stage -> its state id at the run's seed
         self._shapes_lock = threading.Lock()
         self._verdicts: dict[str, dict[str, Any]] = {}  # settled disputes, by request
-        with self.db.transaction() as c:  # ids of paid checks: each request is paid once
-            c.execute("CREATE TABLE IF NOT EXISTS swarm_checks (id TEXT PRIMARY KEY, at REAL)")
+        # the books' tables (covey.swarm.books), the ids of paid checks among them: each
+        # request is paid once; books a data directory kept as one JSON row move in now
+        books.prepare(self.db)
         # a restart resumes: rounds, trainers and unpaid work from SQLite; the epoch from
         # the ledger (each (epoch, peer) is paid once); servers re-learned from heartbeats
         self.epoch = self._last_epoch()
-        self._saved = ""
+        self._saved: dict[str, str] = {}  # the books' sections as stored (books.sections)
         self._grace_until = 0.0
-        if (saved := self.db.get_meta(STATE_KEY)) is not None:
-            self._restore(json.loads(saved))
+        if (saved := books.read(self.db, cfg.stages)) is not None:
+            self._restore(saved)
         self._thread: threading.Thread | None = None
         from covey.swarm.referee import Referee  # torch: imported once the app is built
 
@@ -117,27 +116,23 @@ class SwarmCoordinator(PayDesk):
         )
         return int(row["e"]) if row is not None and row["e"] is not None else 0
 
-    def _snapshot(self) -> str:
-        return json.dumps(
-            {"averaging": self.averaging.to_dict(), "trainers": self.trainers,
-             "unpaid": self.unpaid, "known_states": self.known_states,
-             "vouched": self.observed.vouched},
-            sort_keys=True,
-        )  # fmt: skip
+    def _snapshot(self) -> dict[str, Any]:
+        return {"averaging": self.averaging.to_dict(), "trainers": self.trainers,
+                "unpaid": self.unpaid, "known_states": self.known_states,
+                "vouched": self.observed.vouched}  # fmt: skip
 
     def _save(self, conn: Any = None) -> None:
-        """Write the snapshot when it changed (under self.lock). `conn`: inside an open
-        transaction (a payout's: the ledger entries and the emptied queue commit together)."""
+        """Write the books' sections that changed (under self.lock; covey.swarm.books).
+        `conn`: inside an open transaction (a payout's: the ledger entries and the emptied
+        queue commit together)."""
         snap = self._snapshot()
-        if snap == self._saved:
+        if books.sections(snap) == self._saved:
             return
-        sql = "INSERT OR REPLACE INTO meta VALUES (?, ?)"
         if conn is not None:
-            conn.execute(sql, (STATE_KEY, snap))
+            self._saved = books.write(conn, snap, self._saved)
         else:
             with self.db.transaction() as c:
-                c.execute(sql, (STATE_KEY, snap))
-        self._saved = snap
+                self._saved = books.write(c, snap, self._saved)
 
     def _restore(self, saved: dict[str, Any]) -> None:
         self.averaging.load(saved["averaging"])
@@ -145,7 +140,7 @@ class SwarmCoordinator(PayDesk):
         self.unpaid = {p: int(n) for p, n in saved["unpaid"].items()}
         self.known_states = saved.get("known_states", self.known_states)
         self.observed.vouched = {p: int(n) for p, n in saved.get("vouched", {}).items()}
-        self._saved = self._snapshot()
+        self._saved = books.sections(self._snapshot())
         # servers rejoin on their next heartbeat (404 -> join with their stage): until they
         # had the time to, no member of an open round counts as gone
         self._grace_until = time.time() + self.cfg.dead_after_s
