@@ -583,8 +583,8 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
 
     def join(i: int, role: str = "server", **extra):  # type: ignore[no-untyped-def]
         body = {"run_id": run, "peer_id": ids[i].peer_id, "public_key": ids[i].public_key,
-                "name": f"p{i}", "role": role, "stake": 0.0, "url": "http://127.0.0.1:9", "blob_url": "http://127.0.0.1:9",
-                **extra}  # fmt: skip
+                "name": f"p{i}", "role": role, "stake": 0.0, "url": "http://127.0.0.1:9",
+                "blob_url": "http://127.0.0.1:9", **extra}  # fmt: skip
         return _post(client, ids[i], "/v1/swarm/join", body)
 
     # fewest servers first: 0 -> stage 0, 1 -> stage 1, 2 -> stage 0 (tie: least throughput)
@@ -671,8 +671,8 @@ def test_swarm_coordinator_fills_an_empty_stage_before_measuring(tmp_path) -> No
     ids = [Identity.generate() for _ in range(2)]
     for i, ident in enumerate(ids):
         body = {"run_id": coord.run_id, "peer_id": ident.peer_id, "name": f"p{i}",
-                "public_key": ident.public_key, "role": "server", "url": "http://127.0.0.1:9", "blob_url": "http://127.0.0.1:9",
-                "stage": 0}  # fmt: skip
+                "public_key": ident.public_key, "role": "server", "url": "http://127.0.0.1:9",
+                "blob_url": "http://127.0.0.1:9", "stage": 0}  # fmt: skip
         assert _post(client, ident, "/v1/swarm/join", body).json()["stage"] == 0
     bad = {**body, "stage": 7}
     assert _post(client, ids[1], "/v1/swarm/join", bad).status_code == 400

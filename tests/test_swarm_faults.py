@@ -69,8 +69,8 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
 
     def join(c: Any, i: int, role: str = "server") -> dict:
         body = {"run_id": run, "peer_id": ids[i].peer_id, "public_key": ids[i].public_key,
-                "name": f"p{i}", "role": role, "stake": 0.0, "url": "http://127.0.0.1:9", "blob_url": "http://127.0.0.1:9",
-                "stage": 0}  # fmt: skip
+                "name": f"p{i}", "role": role, "stake": 0.0, "url": "http://127.0.0.1:9",
+                "blob_url": "http://127.0.0.1:9", "stage": 0}  # fmt: skip
         r = _post(c, ids[i], "/v1/swarm/join", body)
         assert r.status_code == 200, r.text
         return r.json()

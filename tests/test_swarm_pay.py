@@ -62,7 +62,8 @@ class Desk:
         for n, ident in self.ids.items():
             body = {"run_id": run, "peer_id": ident.peer_id, "public_key": ident.public_key,
                     "name": n, "role": "trainer" if n == "t" else "server", "stake": 10.0,
-                    "url": "http://127.0.0.1:9", "blob_url": self.blobs.url, "stage": int(n == "c")}  # fmt: skip
+                    "url": "http://127.0.0.1:9", "blob_url": self.blobs.url,
+                    "stage": int(n == "c")}  # fmt: skip
             assert self.post(n, "/v1/swarm/join", body).status_code == 200
         for n in "ab":
             body = {"run_id": run, "peer_id": self.ids[n].peer_id, "stage": 0, "step": 0,

@@ -146,7 +146,9 @@ def lies(path: str, good: dict[str, Any], other: str) -> dict[str, dict[str, Any
         reply = {**good["replies"][0], "extra": 1}
         out["a reply with an unknown field"] = {**good, "replies": [reply, good["replies"][1]]}
         out["a reply with a long sig"] = {
-            **good, "replies": [{**good["replies"][0], "sig": "ab" * 65}, good["replies"][1]]}
+            **good,
+            "replies": [{**good["replies"][0], "sig": "ab" * 65}, good["replies"][1]],
+        }
     return out
 
 
@@ -255,4 +257,3 @@ def test_a_reply_meta_from_a_server_is_checked_by_its_schema() -> None:
                 ["sketch"], {"sketch": ["x"]}):  # fmt: skip
         with pytest.raises(WireError):
             parse_reply(meta(bad))
-
