@@ -166,6 +166,14 @@ def _steps(url: str) -> list[int] | None:
     return None if s is None else [b["step"] for b in s["averaging"]]
 
 
+def _reported(where: str | dict, name: str) -> dict | None:
+    """The books' entry of trainer `name` once it reported work (`where`: a coordinator's
+    URL or its status' trainers)."""
+    trainers = where if isinstance(where, dict) else (status(where) or {}).get("trainers", {})
+    found = [x for x in trainers.values() if x["name"] == name and x.get("next", 0) > 0]
+    return found[0] if found else None
+
+
 def _advanced(url: str, before: list[int]) -> bool:
     """Every stage committed a round since `before` (its steps)."""
     steps = _steps(url)
@@ -195,13 +203,23 @@ def test_sigkill_of_the_coordinator_mid_step_loses_no_accepted_update(swarm: Swa
     try:
         run.start()
         wait_for(lambda: (st := _steps(swarm.url)) and min(st) >= 1, 120, "a round per stage")
+        wait_for(lambda: _reported(swarm.url, "steady"), 60, "the trainer's first report")
         before = _steps(swarm.url)
-        assert before is not None
+        books = status(swarm.url)
+        assert before is not None and books is not None
         swarm.kill_coordinator()  # mid-step: the trainer has microbatches in flight
         samples = t.stats.samples
         swarm.start_coordinator()
         after = _steps(swarm.url)
         assert after is not None and after >= before  # committed rounds survived
+        kept = status(swarm.url)
+        assert kept is not None
+        # the books the restarted coordinator read back: every trainer, each stage's
+        # agreed states up to the kill, no progress lost
+        old, new = _reported(books["trainers"], "steady"), _reported(kept["trainers"], "steady")
+        assert new is not None and old is not None and new["next"] >= old["next"] > 0
+        for a, b in zip(books["averaging"], kept["averaging"], strict=True):
+            assert b["rounds"] >= a["rounds"] and b["samples"] >= a["samples"]
         wait_for(lambda: t.stats.samples > samples + 16, 120, "training to go on")
         swarm.ready(["a0", "a1", "b0", "b1"], timeout=120)  # rejoined from heartbeats
         wait_for(lambda: _advanced(swarm.url, before), 120, "rounds to commit after the restart")
