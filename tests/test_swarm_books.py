@@ -135,6 +135,18 @@ def test_a_data_dir_with_the_books_in_one_json_row_opens_with_them_in_tables(
         _close(third)
 
 
+def test_an_older_row_without_known_states_or_vouched_samples_opens(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _close(_coordinator(run))
+    older = {k: v for k, v in LEGACY.items() if k not in ("known_states", "vouched")}
+    _as_legacy(run / "swarm.db", older)
+    again = _coordinator(run)
+    try:
+        assert _books(again) == {**LEGACY, "known_states": [[], []], "vouched": {}}
+    finally:
+        _close(again)
+
+
 def test_books_of_a_newer_covey_or_a_row_that_does_not_read_are_refused_as_they_are(
     tmp_path: Path,
 ) -> None:

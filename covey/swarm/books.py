@@ -91,7 +91,8 @@ def prepare(db: Database) -> None:
         if legacy is not None:
             _backup(db)
             try:
-                snap = json.loads(legacy[0])
+                # rows of covey before the known states and vouched samples were kept
+                snap = {"known_states": [], "vouched": {}, **json.loads(legacy[0])}
                 write(c, snap, {})
             except (ValueError, KeyError, TypeError) as e:
                 raise SchemaError(
@@ -143,7 +144,7 @@ def _averaging(conn: sqlite3.Connection, data: dict[str, Any]) -> None:
              None if b["round"] is None else int(b["round"]["id"]),
              None if b["last"] is None else int(b["last"]["id"]),
              float(b["committed_at"]), int(b["rounds"]), int(b["aborted"]),
-             int(b["samples"]), json.dumps(b["norms"])),
+             int(b["samples"]), json.dumps(b.get("norms", []))),
         )  # fmt: skip
         voters = set(b.get("voters", ()))
         missed, benched = b.get("missed", {}), b.get("benched", {})
