@@ -257,3 +257,19 @@ def test_a_reply_meta_from_a_server_is_checked_by_its_schema() -> None:
                 ["sketch"], {"sketch": ["x"]}):  # fmt: skip
         with pytest.raises(WireError):
             parse_reply(meta(bad))
+
+
+@pytest.mark.parametrize("role", ["server", "trainer"])
+def test_a_name_no_join_would_take_is_refused_at_the_command_line(role: str) -> None:
+    """Refused before anything starts, in one line, not as a 422 at the first join."""
+    import subprocess
+    import sys
+
+    extra = ["--samples", "1"] if role == "trainer" else []
+    out = subprocess.run(
+        [sys.executable, "-m", "covey", "swarm", role, "--coordinator", "http://127.0.0.1:9",
+         "--name", "my server", *extra],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "--name may use letters, digits and _.-" in out.stderr
