@@ -196,7 +196,11 @@ def test_a_dishonest_peers_bodies_are_refused_and_change_nothing(desk: Desk, pat
     other = desk.pid("b") if who != "b" else desk.pid("a")
     before = books(desk)
     refused: dict[str, int] = {}
-    for why, body in lies(path, good, other).items():
+    cases = lies(path, good, other)
+    if path == "/v1/swarm/join":  # b's id and key, signed by c's key
+        cases["another peer's id and key"] = {
+            **good, "peer_id": other, "public_key": desk.ids["b"].public_key}  # fmt: skip
+    for why, body in cases.items():
         r = _post(desk, who, path, body)
         refused[why] = r.status_code
         assert 400 <= r.status_code < 500, (why, r.status_code, r.text[:300])
@@ -208,6 +212,8 @@ def test_a_dishonest_peers_bodies_are_refused_and_change_nothing(desk: Desk, pat
     # signature (a join: the id is not its key's hash); another run's id, a 409
     assert refused.pop("another peer's id") == (400 if path == "/v1/swarm/join" else 401)
     assert refused.pop("run id of another run") == 409
+    if path == "/v1/swarm/join":
+        assert refused.pop("another peer's id and key") == 401
     assert set(refused.values()) == {422}, refused
     # the truth is taken: the refusals were for the lies, not for the endpoint
     r = _post(desk, who, path, good)
