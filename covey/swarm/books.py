@@ -115,10 +115,16 @@ def _backup(db: Database) -> None:
         src.close()
 
 
-def write(conn: sqlite3.Connection, snap: dict[str, Any], saved: dict[str, str]) -> dict[str, str]:
+def write(
+    conn: sqlite3.Connection,
+    snap: dict[str, Any],
+    saved: dict[str, str],
+    now: dict[str, str] | None = None,
+) -> dict[str, str]:
     """Store the sections of `snap` whose JSON differs from `saved` (inside the caller's
-    transaction); returns the sections as now stored."""
-    now = sections(snap)
+    transaction; `now`: `sections(snap)` when the caller has it); returns the sections as
+    now stored."""
+    now = sections(snap) if now is None else now
     for key in SECTIONS:
         if now[key] == saved.get(key):
             continue

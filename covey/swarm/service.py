@@ -126,13 +126,14 @@ class SwarmCoordinator(PayDesk):
         `conn`: inside an open transaction (a payout's: the ledger entries and the emptied
         queue commit together)."""
         snap = self._snapshot()
-        if books.sections(snap) == self._saved:
+        now = books.sections(snap)
+        if now == self._saved:
             return
         if conn is not None:
-            self._saved = books.write(conn, snap, self._saved)
+            self._saved = books.write(conn, snap, self._saved, now)
         else:
             with self.db.transaction() as c:
-                self._saved = books.write(c, snap, self._saved)
+                self._saved = books.write(c, snap, self._saved, now)
 
     def _restore(self, saved: dict[str, Any]) -> None:
         self.averaging.load(saved["averaging"])
