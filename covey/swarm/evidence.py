@@ -35,10 +35,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from covey.protocol.swarm import MAX_CHECKS_PER_REPORT, SwarmCheck
+from covey.protocol.swarm import SwarmCheck
 from covey.trust.identity import Identity, verify
-
-__all__ = ["MAX_CHECKS_PER_REPORT", "Check", "EvidenceError", "parse"]
 
 
 class EvidenceError(ValueError):

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from covey.coordinator.rejected import Rejected
-from covey.protocol.swarm import SwarmDispute, SwarmReport
+from covey.protocol.swarm import MAX_CHECKS_PER_REPORT, SwarmDispute, SwarmReport
 from covey.swarm import evidence, payouts
 from covey.swarm.observed import Observations
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("covey.swarm")
 KNOWN_STATES = 16  # agreed states per stage whose replies are still paid
-MAX_PARKED = 4 * evidence.MAX_CHECKS_PER_REPORT  # checks waiting for their state, all trainers
+MAX_PARKED = 4 * MAX_CHECKS_PER_REPORT  # checks waiting for their state, all trainers
 MAX_VERDICTS = 1024  # settled disputes remembered, to answer a replay without recomputing
 
 
