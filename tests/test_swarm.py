@@ -583,22 +583,23 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
 
     def join(i: int, role: str = "server", **extra):  # type: ignore[no-untyped-def]
         body = {"run_id": run, "peer_id": ids[i].peer_id, "public_key": ids[i].public_key,
-                "name": f"p{i}", "role": role, "stake": 0.0, "url": "u", "blob_url": "b",
-                **extra}  # fmt: skip
+                "name": f"p{i}", "role": role, "stake": 0.0, "url": "http://127.0.0.1:9",
+                "blob_url": "http://127.0.0.1:9", **extra}  # fmt: skip
         return _post(client, ids[i], "/v1/swarm/join", body)
 
     # fewest servers first: 0 -> stage 0, 1 -> stage 1, 2 -> stage 0 (tie: least throughput)
     assert [join(i).json()["stage"] for i in range(3)] == [0, 1, 0]
-    assert join(3, "oracle").status_code == 400
+    assert join(3, "oracle").status_code == 422  # no such role (covey.protocol.swarm)
     body = {"run_id": run, "peer_id": ids[3].peer_id, "public_key": ids[3].public_key,
-            "name": "x", "role": "server"}  # fmt: skip
+            "name": "x", "role": "server", "url": "http://127.0.0.1:9",
+            "blob_url": "http://127.0.0.1:9"}  # fmt: skip
     forged = ids[3].sign_request(body, -1, purpose="POST /v1/swarm/heartbeat")
     assert client.post("/v1/swarm/join", json=forged).status_code == 401  # signed for another path
 
     def beat(i: int, stage: int, claim: float = 1000.0) -> dict:
         """A heartbeat; every server claims to be fast: claims steer nothing."""
         body = {"run_id": run, "peer_id": ids[i].peer_id, "stage": stage, "step": 0,
-                "state": "s0" if stage == 0 else "s1", "pending": 0, "throughput": claim,
+                "state": "0" * 64 if stage == 0 else "1" * 64, "pending": 0, "throughput": claim,
                 "queue": 0}  # fmt: skip
         r = _post(client, ids[i], "/v1/swarm/heartbeat", body)
         assert r.status_code == 200, r.text
@@ -644,8 +645,10 @@ def test_swarm_coordinator_assigns_rebalances_pays_and_refuses_bad_requests(tmp_
               "reroutes": 1, "banned": {}, "served": {ids[0].peer_id: 2}}  # fmt: skip
     # what a dishonest reporter would send: a server paying itself, counts that lie, and
     # ids that are not servers of this run; each refused or unpaid, nothing else changes
-    own = {**report, "peer_id": ids[0].peer_id, "served": {ids[0].peer_id: 10**6}}
-    assert _post(client, ids[0], "/v1/swarm/report", own).status_code == 403
+    own = {**report, "peer_id": ids[0].peer_id, "served": {ids[0].peer_id: 10_000}}
+    assert _post(client, ids[0], "/v1/swarm/report", own).status_code == 403  # no trainer
+    own = {**own, "served": {ids[0].peer_id: 10**6}}  # past what one report may claim
+    assert _post(client, ids[0], "/v1/swarm/report", own).status_code == 422
     for lie in (-5, 10**9, 2.5, True, "7"):
         bad = {**report, "served": {ids[0].peer_id: lie}}
         assert _post(client, ids[3], "/v1/swarm/report", bad).status_code == 422, lie
@@ -668,8 +671,8 @@ def test_swarm_coordinator_fills_an_empty_stage_before_measuring(tmp_path) -> No
     ids = [Identity.generate() for _ in range(2)]
     for i, ident in enumerate(ids):
         body = {"run_id": coord.run_id, "peer_id": ident.peer_id, "name": f"p{i}",
-                "public_key": ident.public_key, "role": "server", "url": "u", "blob_url": "b",
-                "stage": 0}  # fmt: skip
+                "public_key": ident.public_key, "role": "server", "url": "http://127.0.0.1:9",
+                "blob_url": "http://127.0.0.1:9", "stage": 0}  # fmt: skip
         assert _post(client, ident, "/v1/swarm/join", body).json()["stage"] == 0
     bad = {**body, "stage": 7}
     assert _post(client, ids[1], "/v1/swarm/join", bad).status_code == 400

@@ -48,6 +48,9 @@ def _post(client: Any, identity: Any, path: str, body: dict) -> Any:
     return client.post(path, json=identity.sign_request(body, -1, purpose=f"POST {path}"))
 
 
+S0 = "0" * 64  # a stage state id the servers claim
+
+
 def _gradient_sum(shapes: list[tuple[int, ...]], samples: int, seed: int) -> bytes:
     """A server's gradient sum as covey.swarm.sums checks it."""
     from safetensors.torch import save
@@ -66,8 +69,8 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
 
     def join(c: Any, i: int, role: str = "server") -> dict:
         body = {"run_id": run, "peer_id": ids[i].peer_id, "public_key": ids[i].public_key,
-                "name": f"p{i}", "role": role, "stake": 0.0, "url": "u", "blob_url": "b",
-                "stage": 0}  # fmt: skip
+                "name": f"p{i}", "role": role, "stake": 0.0, "url": "http://127.0.0.1:9",
+                "blob_url": "http://127.0.0.1:9", "stage": 0}  # fmt: skip
         r = _post(c, ids[i], "/v1/swarm/join", body)
         assert r.status_code == 200, r.text
         return r.json()
@@ -92,7 +95,7 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
              "reroutes": 0, "banned": {},
              "served": {ids[0].peer_id: 1, ids[1].peer_id: 1}}  # fmt: skip
     assert _post(client, ids[2], "/v1/swarm/report", vouch).status_code == 200
-    beat(client, 0, 0, "s0", 4), beat(client, 1, 0, "s0", 4)
+    beat(client, 0, 0, S0, 4), beat(client, 1, 0, S0, 4)
     coord.tick(coord._last_payout + 0.1)
     rnd = coord.averaging.stages[0].round
     assert rnd is not None and rnd.members == sorted([ids[0].peer_id, ids[1].peer_id])
@@ -116,10 +119,10 @@ def test_a_restarted_coordinator_resumes_rounds_trainers_and_unpaid_work(tmp_pat
     assert again.averaging.stages[0].round is not None
     for i in (0, 1):  # servers are re-learned from their heartbeats: 404, join, beat
         assert _post(c2, ids[i], "/v1/swarm/heartbeat", {"run_id": run,
-                     "peer_id": ids[i].peer_id, "stage": 0, "step": 0, "state": "s0",
+                     "peer_id": ids[i].peer_id, "stage": 0, "step": 0, "state": S0,
                      "pending": 0, "throughput": 1.0, "queue": 0}).status_code == 404  # fmt: skip
         join(c2, i)
-        assert beat(c2, i, 0, "s0", 0)["round"]["id"] == rnd.id
+        assert beat(c2, i, 0, S0, 0)["round"]["id"] == rnd.id
     assert report(c2, 1, rnd.id, seed=1).status_code == 200
     again.tick(again._grace_until + 0.1)
     assert book.step == 1 and again.averaging.stages[0].rounds == 1
@@ -163,6 +166,14 @@ def _steps(url: str) -> list[int] | None:
     return None if s is None else [b["step"] for b in s["averaging"]]
 
 
+def _reported(where: str | dict, name: str) -> dict | None:
+    """The books' entry of trainer `name` once it reported work (`where`: a coordinator's
+    URL or its status' trainers)."""
+    trainers = where if isinstance(where, dict) else (status(where) or {}).get("trainers", {})
+    found = [x for x in trainers.values() if x["name"] == name and x.get("next", 0) > 0]
+    return found[0] if found else None
+
+
 def _advanced(url: str, before: list[int]) -> bool:
     """Every stage committed a round since `before` (its steps)."""
     steps = _steps(url)
@@ -192,13 +203,23 @@ def test_sigkill_of_the_coordinator_mid_step_loses_no_accepted_update(swarm: Swa
     try:
         run.start()
         wait_for(lambda: (st := _steps(swarm.url)) and min(st) >= 1, 120, "a round per stage")
+        wait_for(lambda: _reported(swarm.url, "steady"), 60, "the trainer's first report")
         before = _steps(swarm.url)
-        assert before is not None
+        books = status(swarm.url)
+        assert before is not None and books is not None
         swarm.kill_coordinator()  # mid-step: the trainer has microbatches in flight
         samples = t.stats.samples
         swarm.start_coordinator()
         after = _steps(swarm.url)
         assert after is not None and after >= before  # committed rounds survived
+        kept = status(swarm.url)
+        assert kept is not None
+        # the books the restarted coordinator read back: every trainer, each stage's
+        # agreed states up to the kill, no progress lost
+        old, new = _reported(books["trainers"], "steady"), _reported(kept["trainers"], "steady")
+        assert new is not None and old is not None and new["next"] >= old["next"] > 0
+        for a, b in zip(books["averaging"], kept["averaging"], strict=True):
+            assert b["rounds"] >= a["rounds"] and b["samples"] >= a["samples"]
         wait_for(lambda: t.stats.samples > samples + 16, 120, "training to go on")
         swarm.ready(["a0", "a1", "b0", "b1"], timeout=120)  # rejoined from heartbeats
         wait_for(lambda: _advanced(swarm.url, before), 120, "rounds to commit after the restart")

@@ -157,7 +157,7 @@ def test_dispute_bodies_a_server_or_a_replay_would_send(desk: Desk) -> None:
         return desk.post(who, "/v1/swarm/dispute", {**body, "peer_id": desk.pid(who), **over})
 
     assert dispute("a").status_code == 403  # a server framing its rival: not a trainer
-    assert dispute("t", replies=[a, b, b]).status_code == 400  # referee work per dispute
+    assert dispute("t", replies=[a, b, b]).status_code == 422  # referee work per dispute
     assert dispute("t", replies=[a, a]).status_code == 400  # one server, "two" replies
     calls = []
     settle = desk.coord.referee.settle

@@ -62,7 +62,8 @@ class Desk:
         for n, ident in self.ids.items():
             body = {"run_id": run, "peer_id": ident.peer_id, "public_key": ident.public_key,
                     "name": n, "role": "trainer" if n == "t" else "server", "stake": 10.0,
-                    "url": "u", "blob_url": self.blobs.url, "stage": int(n == "c")}  # fmt: skip
+                    "url": "http://127.0.0.1:9", "blob_url": self.blobs.url,
+                    "stage": int(n == "c")}  # fmt: skip
             assert self.post(n, "/v1/swarm/join", body).status_code == 200
         for n in "ab":
             body = {"run_id": run, "peer_id": self.ids[n].peer_id, "stage": 0, "step": 0,
@@ -257,7 +258,7 @@ def test_sybil_servers_without_vouched_work_get_no_vote(tmp_path: Path) -> None:
         coord, run = desk.coord, desk.coord.run_id
         desk.ids["d"] = Identity.generate()  # a second sybil key on stage 0
         body = {"run_id": run, "peer_id": desk.pid("d"), "public_key": desk.ids["d"].public_key,
-                "name": "d", "role": "server", "stake": 10.0, "url": "u",
+                "name": "d", "role": "server", "stake": 10.0, "url": "http://127.0.0.1:9",
                 "blob_url": desk.blobs.url, "stage": 0}  # fmt: skip
         assert desk.post("d", "/v1/swarm/join", body).status_code == 200
 

@@ -1,6 +1,7 @@
 """HTTP for the swarm coordinator: signed JSON POSTs, status JSON and a static status page.
 
-Every POST is authenticated for the endpoint it arrived at (covey.coordinator.auth's
+Every POST body is a model of covey.protocol.swarm (a malformed one is a 422 listing its
+problems) and is authenticated for the endpoint it arrived at (covey.coordinator.auth's
 ReceivedAt middleware, the same as a data-parallel coordinator's); `Rejected` becomes its
 4xx with {"error": message}. The owner's HALT (POST /v1/halt), /healthz, /metrics, the
 ledger routes and the rate and body-size limits are the coordinator's host parts
@@ -20,6 +21,14 @@ from covey.config import LimitsConfig
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
 from covey.coordinator.metrics import HostCollector, Metrics
 from covey.coordinator.rejected import Rejected
+from covey.protocol.swarm import (
+    SwarmDispute,
+    SwarmHeartbeat,
+    SwarmJoin,
+    SwarmReport,
+    SwarmRoundReport,
+    SwarmStateUpload,
+)
 from covey.swarm import views
 from covey.swarm.service import SwarmCoordinator
 
@@ -75,42 +84,43 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
             "spec": coord.cfg.model_dump(mode="json"),
         }
 
-    async def call(fn: Any, request: Request) -> Any:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise Rejected(400, "body is not JSON") from None
-        if not isinstance(body, dict):
-            raise Rejected(400, "body must be a JSON object")
+    # Signed requests: the signature covers the body exactly as sent, so each handler
+    # passes the raw JSON along with the model FastAPI validated it into (a body the model
+    # refuses is a 422 naming its problems, from handle_errors, and changes nothing).
+    async def call(fn: Any, req: Any, request: Request) -> Any:
+        raw = await request.json()
         coord.halt.check_not_halted()  # 410 with the owner's reason: the peer stops
-        try:
-            return await run_in_threadpool(fn, body)
-        except (KeyError, TypeError, ValueError) as e:
-            raise Rejected(400, f"malformed request: {type(e).__name__}: {e}") from None
+        return await run_in_threadpool(fn, req, raw)
 
     @app.post("/v1/swarm/join")
-    async def join(request: Request) -> Any:
-        return await call(coord.join, request)
+    async def join(req: SwarmJoin, request: Request) -> Any:
+        """A stage server or a trainer joins; a server gets its stage."""
+        return await call(coord.join, req, request)
 
     @app.post("/v1/swarm/heartbeat")
-    async def heartbeat(request: Request) -> Any:
-        return await call(coord.heartbeat, request)
+    async def heartbeat(req: SwarmHeartbeat, request: Request) -> Any:
+        """A server's state and load in; what it does next out (404: join again)."""
+        return await call(coord.heartbeat, req, request)
 
     @app.post("/v1/swarm/round")
-    async def round_report(request: Request) -> Any:
-        return await call(coord.round_report, request)
+    async def round_report(req: SwarmRoundReport, request: Request) -> Any:
+        """A member's gradient sum for its stage's open averaging round."""
+        return await call(coord.round_report, req, request)
 
     @app.post("/v1/swarm/report")
-    async def report(request: Request) -> Any:
-        return await call(coord.trainer_report, request)
+    async def report(req: SwarmReport, request: Request) -> Any:
+        """A trainer's progress, measurements of servers and evidence of agreed checks."""
+        return await call(coord.trainer_report, req, request)
 
     @app.post("/v1/swarm/dispute")
-    async def dispute(request: Request) -> Any:
-        return await call(coord.dispute, request)
+    async def dispute(req: SwarmDispute, request: Request) -> Any:
+        """Two servers disagreed on one request: the referee recomputes it."""
+        return await call(coord.dispute, req, request)
 
     @app.post("/v1/swarm/state")
-    async def state(request: Request) -> Any:
-        return await call(coord.state_upload, request)
+    async def state(req: SwarmStateUpload, request: Request) -> Any:
+        """A copy of a stage's agreed state, kept so the stage survives losing its servers."""
+        return await call(coord.state_upload, req, request)
 
     @app.get("/v1/blobs/{cid}")
     def blob(cid: str) -> Any:

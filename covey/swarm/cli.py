@@ -20,6 +20,14 @@ COORD = typer.Option(
 )
 
 
+def _check_name(name: str) -> None:
+    """The join's name as covey.protocol.schemas.Name takes it (else the join is a 422)."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        _fail(f"--name may use letters, digits and _.- (1-64 of them), got {name!r}")
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
@@ -156,6 +164,7 @@ def register(app: typer.Typer) -> None:
         """Serve one pipeline stage (assigned by the coordinator): forward and backward."""
         from covey.swarm.server import BEHAVIORS
 
+        _check_name(name)
         if behavior not in BEHAVIORS:
             _fail(f"--behavior {behavior!r} must be one of {', '.join(BEHAVIORS)}")
         if slowdown < 1 or emulate_s < 0:
@@ -199,6 +208,7 @@ def register(app: typer.Typer) -> None:
         log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Train: route microbatches through one server per stage, forward then backward."""
+        _check_name(name)
         if samples is None and seconds is None:
             _fail("give --samples or --seconds")
         if inflight is not None and inflight < 1:

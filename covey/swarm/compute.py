@@ -3,7 +3,8 @@ server answers and what a referee recomputes are the same code.
 
 forward: body = pack(input) -> pack(output, meta)
 backward: body = pack(input, grad_output | targets) -> pack(grad_input | b"", meta), where
-meta is JSON {"loss": last stage's loss or null, "sketch": per-parameter grad norms}.
+meta is JSON {"loss": last stage's loss or null, "sketch": per-parameter grad norms}
+(covey.protocol.swarm.ReplyMeta).
 With codec "subspace" the hidden states and gradients between stages travel as
 coefficients of the run's fixed subspace (covey.swarm.subspace), forward with the ids.
 Inputs are checked before use (shape, dtype, token range): bytes from a trainer are not
@@ -17,7 +18,9 @@ import math
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
+from covey.protocol.swarm import ReplyMeta
 from covey.swarm import subspace
 from covey.swarm.codecs import CodecError
 from covey.swarm.config import SwarmConfig
@@ -141,12 +144,14 @@ def parse_reply(reply: bytes) -> tuple[torch.Tensor | None, dict[str, Any]]:
         meta = json.loads(meta_bytes)
     except ValueError:
         raise WireError("reply meta is not JSON") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("sketch"), list):
-        raise WireError("reply meta must hold a sketch list")
-    loss = meta.get("loss")
-    if loss is not None and (not isinstance(loss, (int, float)) or not math.isfinite(loss)):
-        raise WireError(f"reply loss {loss!r} is not a finite number")
-    return (decode_any(out) if out else None), meta
+    try:  # a finite loss or none, a bounded sketch list, nothing else
+        checked = ReplyMeta.model_validate(meta).model_dump()
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in p['loc']) or 'meta'}: {p['msg']}" for p in e.errors()[:3]
+        )
+        raise WireError(f"reply meta: {problems}") from None
+    return (decode_any(out) if out else None), checked
 
 
 def check_reply(cfg: SwarmConfig, k: int, kind: str, reply: bytes, dims: tuple[int, int]) -> None:

@@ -33,9 +33,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from covey.trust.identity import Identity, verify
+from pydantic import ValidationError
 
-MAX_CHECKS_PER_REPORT = 256
+from covey.protocol.swarm import SwarmCheck
+from covey.trust.identity import Identity, verify
 
 
 class EvidenceError(ValueError):
@@ -72,27 +73,26 @@ def _sha(data: bytes) -> str:
 
 
 def parse(item: Any, n_stages: int) -> Check:
-    """A Check from one item of a report's `checks`; EvidenceError naming what is wrong."""
+    """A Check from one item of a report's `checks` (covey.protocol.swarm.SwarmCheck, and
+    a stage of this run); EvidenceError naming what is wrong."""
     try:
-        if not isinstance(item, dict):
-            raise EvidenceError("a check must be an object")
-        stage, kind = item["stage"], item["kind"]
-        if type(stage) is not int or not 0 <= stage < n_stages:
-            raise EvidenceError(f"stage {stage!r}: stages are 0..{n_stages - 1}")
-        if kind not in ("forward", "backward"):
-            raise EvidenceError(f"kind {kind!r} must be forward or backward")
-        request = base64.b64decode(item["request"], validate=True)
-        replies = item["replies"]
-        if not isinstance(replies, list) or len(replies) != 2:
-            raise EvidenceError("a check has exactly two replies")
-        servers = tuple(str(r["server"]) for r in replies)
-        states = {str(r["state"]) for r in replies}
-        bodies = tuple(base64.b64decode(r["reply"], validate=True) for r in replies)
-        sigs = tuple(str(r["sig"]) for r in replies)
-    except (KeyError, TypeError, binascii.Error, ValueError) as e:
-        if isinstance(e, EvidenceError):
-            raise
-        raise EvidenceError(f"malformed check: {type(e).__name__}: {e}") from None
+        check = SwarmCheck.model_validate(item)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in p['loc']) or 'check'}: {p['msg']}" for p in e.errors()
+        )
+        raise EvidenceError(f"malformed check: {problems[:300]}") from None
+    stage, kind = check.stage, check.kind
+    if not 0 <= stage < n_stages:
+        raise EvidenceError(f"stage {stage!r}: stages are 0..{n_stages - 1}")
+    try:
+        request = base64.b64decode(check.request, validate=True)
+        bodies = tuple(base64.b64decode(r.reply, validate=True) for r in check.replies)
+    except (binascii.Error, ValueError) as e:
+        raise EvidenceError(f"malformed check: not base64: {e}") from None
+    servers = tuple(r.server for r in check.replies)
+    states = {r.state for r in check.replies}
+    sigs = tuple(r.sig for r in check.replies)
     if servers[0] == servers[1]:
         raise EvidenceError(f"both replies are from server {servers[0][:12]}")
     if len(states) != 1:

@@ -12,31 +12,8 @@ servers are placed (throughput, never pay or weights), which README.md states.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
-
-from covey.coordinator.rejected import Rejected
-
-MAX_MEASURED_PER_REPORT = 256  # servers one report may measure
-MAX_THROUGHPUT = 1e6  # samples/s: above any real server; larger values are refused
-
-
-def parse_measured(measured: Any) -> dict[str, float]:
-    """A report's {server id: samples/s}; Rejected(422) naming the entry when malformed."""
-    if not isinstance(measured, dict) or len(measured) > MAX_MEASURED_PER_REPORT:
-        raise Rejected(
-            422, f"measured must be an object of at most {MAX_MEASURED_PER_REPORT} servers"
-        )
-    out = {}
-    for server, v in measured.items():
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not ok or not math.isfinite(v) or not 0 <= v <= MAX_THROUGHPUT:
-            bound = f"[0, {MAX_THROUGHPUT:g}]"
-            raise Rejected(422, f"measured[{str(server)[:16]}]: {v!r} is not a number in {bound}")
-        out[str(server)] = float(v)
-    return out
 
 
 @dataclass

@@ -14,8 +14,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from covey.coordinator.rejected import Rejected
+from covey.protocol.swarm import MAX_CHECKS_PER_REPORT, SwarmDispute, SwarmReport
 from covey.swarm import evidence, payouts
-from covey.swarm.observed import Observations, parse_measured
+from covey.swarm.observed import Observations
 
 if TYPE_CHECKING:
     from covey.coordinator.accounts import Accounts
@@ -28,9 +29,8 @@ if TYPE_CHECKING:
     from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.swarm")
-MAX_SERVED_PER_REPORT = 10_000  # microbatches one report may claim for one server
 KNOWN_STATES = 16  # agreed states per stage whose replies are still paid
-MAX_PARKED = 4 * evidence.MAX_CHECKS_PER_REPORT  # checks waiting for their state, all trainers
+MAX_PARKED = 4 * MAX_CHECKS_PER_REPORT  # checks waiting for their state, all trainers
 MAX_VERDICTS = 1024  # settled disputes remembered, to answer a replay without recomputing
 
 
@@ -51,7 +51,7 @@ class PayDesk:
     disputes: list[dict[str, Any]]
     known_states: list[list[str]]
     _parked: list[tuple[float, str, evidence.Check]]
-    _saved: str
+    _saved: dict[str, str]
     _verdicts: dict[str, dict[str, Any]]
 
     def _save(self, conn: Any = None) -> None:
@@ -63,40 +63,27 @@ class PayDesk:
         if agreed is not None and agreed not in known:
             known[:] = [*known, agreed][-KNOWN_STATES:]
 
-    def trainer_report(self, body: dict[str, Any]) -> dict[str, Any]:
+    def trainer_report(self, req: SwarmReport, raw: dict[str, Any]) -> dict[str, Any]:
         """The trainer's loss, reroutes, bans, microbatches each server completed (shown,
         never paid: a trainer's word; they cap the server's pending samples), its router's
         measured throughput of each server (covey.swarm.observed), and evidence of agreed
         checks: pay rests on those alone (covey.swarm.evidence). Answers each check's
         outcome, in order: "paid", "parked" (its state is not agreed yet: settled within two
         round timeouts) or "refused: why"."""
-        peer = str(body.get("peer_id"))
-        self.membership.check_run(body.get("run_id", ""))
-        self.membership.authenticate(body, -1, peer)
-        served, items = body.get("served", {}), body.get("checks", [])
-        if not isinstance(served, dict):
-            raise Rejected(422, "served must be an object {server id: microbatches}")
-        measured = parse_measured(body.get("measured", {}))
-        if not isinstance(items, list) or len(items) > evidence.MAX_CHECKS_PER_REPORT:
-            raise Rejected(
-                422, f"checks must be a list of at most {evidence.MAX_CHECKS_PER_REPORT}"
-            )
+        peer = req.peer_id  # the schema bounded every field (covey.protocol.swarm)
+        self.membership.check_run(req.run_id)
+        self.membership.authenticate(raw, -1, peer)
+        served, measured, items = req.served, req.measured, req.checks
         with self.lock:
             if peer not in self.trainers:  # a server cannot report (and pay) its own work
                 raise Rejected(403, f"peer {peer[:16]} has not joined as a trainer")
-            for server, n in served.items():  # all checked before anything changes
-                if type(n) is not int or not 0 <= n <= MAX_SERVED_PER_REPORT:
-                    raise Rejected(
-                        422, f"served[{server[:16]}]: {n!r} is not an int in "
-                        f"[0, {MAX_SERVED_PER_REPORT}]"
-                    )  # fmt: skip
             t = self.trainers[peer]
             t.update(
-                samples=int(body["samples"]),
-                loss=body.get("loss"),
-                reroutes=int(body["reroutes"]),
-                banned=dict(body.get("banned", {})),
-                next=max(int(t.get("next", 0)), int(body.get("next", 0))),
+                samples=req.samples,
+                loss=req.loss,
+                reroutes=req.reroutes,
+                banned=dict(req.banned),
+                next=max(int(t.get("next", 0)), req.next),
             )
             for server, n in served.items():
                 if server in self.servers:
@@ -167,10 +154,10 @@ class PayDesk:
                     c.execute("INSERT INTO swarm_checks VALUES (?, ?)", (check.id, now))
                     self._save(c)
             except sqlite3.IntegrityError:  # the same evidence settled meanwhile
-                self.unpaid, self._saved = before, ""
+                self.unpaid, self._saved = before, {}
                 return "refused: this request was paid already"
             except BaseException:
-                self.unpaid, self._saved = before, ""
+                self.unpaid, self._saved = before, {}
                 raise
         return "paid"
 
@@ -188,38 +175,37 @@ class PayDesk:
                     self.unpaid = {}
                     self._save(c)
             except BaseException:  # rolled back: still due, and the snapshot not written
-                self.unpaid, self._saved = due, ""
+                self.unpaid, self._saved = due, {}
                 raise
             self.epoch = epoch
 
-    def dispute(self, body: dict[str, Any]) -> dict[str, Any]:
+    def dispute(self, req: SwarmDispute, raw: dict[str, Any]) -> dict[str, Any]:
         """Two servers of a stage disagreed on a duplicated microbatch: the referee
         recomputes from the signed stage input and state; each server whose reply is off
         is slashed and banned (ledger "dispute" + "slash"). Only a joined trainer files
         one, with exactly two replies (the referee's work is bounded per dispute)."""
-        peer = str(body.get("peer_id"))
-        self.membership.check_run(body.get("run_id", ""))
-        self.membership.authenticate(body, -1, peer)
-        replies = body.get("replies")
-        if not isinstance(replies, list) or len(replies) != 2:
-            raise Rejected(400, "a dispute has exactly two replies")
+        peer = req.peer_id  # exactly two replies: the schema (covey.protocol.swarm)
+        self.membership.check_run(req.run_id)
+        self.membership.authenticate(raw, -1, peer)
+        if not 0 <= req.stage < self.cfg.stages:
+            raise Rejected(400, f"stage {req.stage}: stages are 0..{self.cfg.stages - 1}")
+        body = req.evidence()
         with self.lock:
             if peer not in self.trainers:
                 raise Rejected(403, f"peer {peer[:16]} has not joined as a trainer")
             providers = [s.blob_url for s in self.servers.values()]
         keys = {}
-        for r in replies:
-            server = r.get("server") if isinstance(r, dict) else None
-            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (server,))
+        for r in req.replies:
+            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (r.server,))
             if row is None:
-                raise Rejected(404, f"unknown server {str(server)[:12]}")
-            keys[str(server)] = row["public_key"]
+                raise Rejected(404, f"unknown server {r.server[:12]}")
+            keys[r.server] = row["public_key"]
         if len(keys) != 2:
             raise Rejected(400, "a dispute's two replies come from two different servers")
         # the same dispute again (replayed, or filed by another trainer) is answered from
         # its verdict: the referee's recomputation is not a service to call in a loop
         ident = hashlib.sha256(
-            json.dumps([body.get(k) for k in ("stage", "kind", "request", "replies")],
+            json.dumps([body[k] for k in ("stage", "kind", "request", "replies")],
                        sort_keys=True).encode()
         ).hexdigest()  # fmt: skip
         with self.lock:
@@ -227,7 +213,7 @@ class PayDesk:
         if known is not None:
             return known
         verdict = self.referee.settle(body, keys, providers)
-        self._convict(int(body["stage"]), str(body["kind"]), verdict, peer)
+        self._convict(req.stage, req.kind, verdict, peer)
         with self.lock:
             self._verdicts[ident] = verdict
             while len(self._verdicts) > MAX_VERDICTS:

@@ -5,6 +5,7 @@ summary `covey swarm trainer --json` writes."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -59,13 +60,14 @@ def send_report(self: Reporting) -> None:
     """Report progress and served work. When the coordinator is down (restarting) or
     forgot this trainer, nothing is lost: the work goes in the next report, after a
     join when it was forgotten."""
-    from covey.swarm.evidence import MAX_CHECKS_PER_REPORT
+    from covey.protocol.swarm import MAX_CHECKS_PER_REPORT
 
     with self.lock:
         served, self.served = self.served, {}
         checks = self.evidence[:MAX_CHECKS_PER_REPORT]
         del self.evidence[:MAX_CHECKS_PER_REPORT]
         st = self.stats
+        loss = self.loss()
         body = {
             "run_id": self.run_id,
             "peer_id": self.identity.peer_id,
@@ -78,9 +80,10 @@ def send_report(self: Reporting) -> None:
                 if x.throughput is not None and x.banned is None
             },
             "samples": st.samples,
-            "loss": self.loss(),
+            "loss": loss if loss is not None and math.isfinite(loss) else None,
             "reroutes": self.router.reroutes,
-            "banned": self.router.banned(),
+            # reasons within the schema's bound (covey.protocol.swarm.SwarmReport)
+            "banned": {s: why[:200] for s, why in self.router.banned().items()},
             "next": self._next,
             "checks": checks,
         }

@@ -32,6 +32,7 @@ from safetensors.torch import save as st_save
 from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore
 from covey.devices import device_name, resolve_device
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.protocol.swarm import MAX_THROUGHPUT
 from covey.swarm import compute, subspace
 from covey.swarm.config import SwarmConfig
 from covey.swarm.stage import Stage
@@ -125,7 +126,7 @@ class StageServer:
             "run_id": self.run_id, "peer_id": self.identity.peer_id, "role": "server",
             "public_key": self.identity.public_key, "name": self.name, "stake": self.stake,
             "url": f"http://127.0.0.1:{self.http.server_address[1]}",
-            "blob_url": self.blobs.url, "device": device_name(self.device),
+            "blob_url": self.blobs.url, "device": device_name(self.device)[:80],
             # a server the coordinator forgot (late heartbeats) asks for its stage back
             "stage": self.wanted if self.wanted is not None else (self.k if self.k >= 0 else None),
         }  # fmt: skip
@@ -170,7 +171,8 @@ class StageServer:
             body = {
                 "run_id": self.run_id, "peer_id": self.identity.peer_id, "stage": k,
                 "step": step, "state": state, "pending": 0 if stage is None else stage.samples,
-                "throughput": self.throughput, "queue": self.waiting,
+                # a claim within the schema's bound (covey.protocol.swarm.SwarmHeartbeat)
+                "throughput": min(self.throughput, MAX_THROUGHPUT), "queue": self.waiting,
             }  # fmt: skip
             try:
                 d: dict[str, Any] | None = self.client.post_once(

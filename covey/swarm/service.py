@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import logging
 import threading
 import time
@@ -29,7 +28,8 @@ from covey.coordinator.db import Database
 from covey.coordinator.halt import Halt
 from covey.coordinator.membership import Membership
 from covey.coordinator.rejected import Rejected
-from covey.swarm import evidence
+from covey.protocol.swarm import SwarmHeartbeat, SwarmJoin, SwarmRoundReport, SwarmStateUpload
+from covey.swarm import books, evidence
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
 from covey.swarm.observed import Observations
@@ -40,7 +40,6 @@ from covey.trust.halt import owner_of
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
 
-STATE_KEY = "swarm.state"  # the meta row holding what a restarted coordinator resumes
 log = logging.getLogger("covey.swarm")
 
 
@@ -93,15 +92,16 @@ class SwarmCoordinator(PayDesk):
         self._seeded: dict[int, str] = {}  # stage -> its state id at the run's seed
         self._shapes_lock = threading.Lock()
         self._verdicts: dict[str, dict[str, Any]] = {}  # settled disputes, by request
-        with self.db.transaction() as c:  # ids of paid checks: each request is paid once
-            c.execute("CREATE TABLE IF NOT EXISTS swarm_checks (id TEXT PRIMARY KEY, at REAL)")
+        # the books' tables (covey.swarm.books), the ids of paid checks among them: each
+        # request is paid once; books a data directory kept as one JSON row move in now
+        books.prepare(self.db)
         # a restart resumes: rounds, trainers and unpaid work from SQLite; the epoch from
         # the ledger (each (epoch, peer) is paid once); servers re-learned from heartbeats
         self.epoch = self._last_epoch()
-        self._saved = ""
+        self._saved: dict[str, str] = {}  # the books' sections as stored (books.sections)
         self._grace_until = 0.0
-        if (saved := self.db.get_meta(STATE_KEY)) is not None:
-            self._restore(json.loads(saved))
+        if (saved := books.read(self.db, cfg.stages)) is not None:
+            self._restore(saved)
         self._thread: threading.Thread | None = None
         from covey.swarm.referee import Referee  # torch: imported once the app is built
 
@@ -116,27 +116,24 @@ class SwarmCoordinator(PayDesk):
         )
         return int(row["e"]) if row is not None and row["e"] is not None else 0
 
-    def _snapshot(self) -> str:
-        return json.dumps(
-            {"averaging": self.averaging.to_dict(), "trainers": self.trainers,
-             "unpaid": self.unpaid, "known_states": self.known_states,
-             "vouched": self.observed.vouched},
-            sort_keys=True,
-        )  # fmt: skip
+    def _snapshot(self) -> dict[str, Any]:
+        return {"averaging": self.averaging.to_dict(), "trainers": self.trainers,
+                "unpaid": self.unpaid, "known_states": self.known_states,
+                "vouched": self.observed.vouched}  # fmt: skip
 
     def _save(self, conn: Any = None) -> None:
-        """Write the snapshot when it changed (under self.lock). `conn`: inside an open
-        transaction (a payout's: the ledger entries and the emptied queue commit together)."""
+        """Write the books' sections that changed (under self.lock; covey.swarm.books).
+        `conn`: inside an open transaction (a payout's: the ledger entries and the emptied
+        queue commit together)."""
         snap = self._snapshot()
-        if snap == self._saved:
+        now = books.sections(snap)
+        if now == self._saved:
             return
-        sql = "INSERT OR REPLACE INTO meta VALUES (?, ?)"
         if conn is not None:
-            conn.execute(sql, (STATE_KEY, snap))
+            self._saved = books.write(conn, snap, self._saved, now)
         else:
             with self.db.transaction() as c:
-                c.execute(sql, (STATE_KEY, snap))
-        self._saved = snap
+                self._saved = books.write(c, snap, self._saved, now)
 
     def _restore(self, saved: dict[str, Any]) -> None:
         self.averaging.load(saved["averaging"])
@@ -144,7 +141,7 @@ class SwarmCoordinator(PayDesk):
         self.unpaid = {p: int(n) for p, n in saved["unpaid"].items()}
         self.known_states = saved.get("known_states", self.known_states)
         self.observed.vouched = {p: int(n) for p, n in saved.get("vouched", {}).items()}
-        self._saved = self._snapshot()
+        self._saved = books.sections(self._snapshot())
         # servers rejoin on their next heartbeat (404 -> join with their stage): until they
         # had the time to, no member of an open round counts as gone
         self._grace_until = time.time() + self.cfg.dead_after_s
@@ -298,18 +295,18 @@ class SwarmCoordinator(PayDesk):
 
     # -- servers -----------------------------------------------------------------------------
 
-    def join(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A server or trainer joins with its key (Membership: signature, stake, bans).
-        A server is assigned the stage it asks for, else the one with the fewest servers,
-        then the least throughput."""
-        self.membership.check_run(body.get("run_id", ""))
-        role = body.get("role")
-        if role not in ("server", "trainer"):
-            raise Rejected(400, f"role {role!r} must be 'server' or 'trainer'")
-        peer, name = str(body.get("peer_id")), str(body.get("name", ""))[:40]
-        self.membership.register(
-            peer, str(body.get("public_key")), name, "worker", float(body.get("stake", 0.0)), body
-        )
+    def join(self, req: SwarmJoin, raw: dict[str, Any]) -> dict[str, Any]:
+        """A server or trainer joins with its key (Membership: signature over `raw`, the
+        body as sent; stake, bans). A server is assigned the stage it asks for, else the
+        one with the fewest servers, then the least throughput."""
+        self.membership.check_run(req.run_id)
+        peer, name, role = req.peer_id, req.name, req.role
+        if role == "server" and (req.url is None or req.blob_url is None):
+            raise Rejected(400, "a server joins with its url and blob_url")
+        wanted = req.stage
+        if wanted is not None and not 0 <= wanted < self.cfg.stages:
+            raise Rejected(400, f"stage {wanted!r}: stages are 0..{self.cfg.stages - 1}")
+        self.membership.register(peer, req.public_key, name, "worker", req.stake, raw)
         if role == "trainer":
             with self.lock:
                 # a restarted trainer (same name) resumes after the last microbatch a
@@ -338,38 +335,32 @@ class SwarmCoordinator(PayDesk):
                 )
                 for k in range(self.cfg.stages)
             ]
-            stage = min(load)[2]
-            wanted = body.get("stage")
-            if wanted is not None:
-                if not isinstance(wanted, int) or not 0 <= wanted < self.cfg.stages:
-                    raise Rejected(400, f"stage {wanted!r}: stages are 0..{self.cfg.stages - 1}")
-                stage = wanted
+            stage = min(load)[2] if wanted is None else wanted
             self.servers[peer] = ServerInfo(
-                peer, name, stage, str(body.get("url")), str(body.get("blob_url")), time.time(),
-                public_key=str(body.get("public_key")),
+                peer, name, stage, str(req.url), str(req.blob_url), time.time(),
+                public_key=req.public_key,
             )  # fmt: skip
-        device = str(body.get("device", "cpu"))[:80]
-        log.info("[server %s] joined: stage %d on %s", name, stage, device)
+        log.info("[server %s] joined: stage %d on %s", name, stage, req.device)
         return {"run_id": self.run_id, "stage": stage, "spec": self.cfg.model_dump(mode="json")}
 
-    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(self, req: SwarmHeartbeat, raw: dict[str, Any]) -> dict[str, Any]:
         """A server's measurements in; its stage, round, apply or resync directive out.
         Rejected(404) for a server this coordinator does not know (dead: join again)."""
-        peer = str(body.get("peer_id"))
-        self.membership.check_run(body.get("run_id", ""))
-        self.membership.authenticate(body, -1, peer, nonces=self.membership.liveness)
+        peer = req.peer_id
+        self.membership.check_run(req.run_id)
+        self.membership.authenticate(raw, -1, peer, nonces=self.membership.liveness)
         self.membership.check_not_banned(peer)
         with self.lock:
             s = self.servers.get(peer)
             if s is None:
                 raise Rejected(404, f"server {peer[:8]} is not live here: join again")
             s.last_seen = time.time()
-            if s.moving and int(body["stage"]) == s.stage:
+            if s.moving and req.stage == s.stage:
                 s.moving = False
-            if int(body["stage"]) == s.stage:
-                s.step, s.state = int(body["step"]), body.get("state")
-                s.pending, s.queue = int(body["pending"]), int(body["queue"])
-                s.throughput = float(body["throughput"])
+            if req.stage == s.stage:
+                s.step, s.state = req.step, req.state
+                s.pending, s.queue = req.pending, req.queue
+                s.throughput = req.throughput
                 if s.state is not None:
                     self.averaging.state(peer, s.stage, s.step, s.state)
                     self.known_state(s.stage, self.averaging.stages[s.stage].agreed)
@@ -386,22 +377,20 @@ class SwarmCoordinator(PayDesk):
             ]
             return out
 
-    def round_report(self, body: dict[str, Any]) -> dict[str, Any]:
+    def round_report(self, req: SwarmRoundReport, raw: dict[str, Any]) -> dict[str, Any]:
         """A round member's gradient sum. Rejected(422) for a sum no member could apply or
         should (covey.swarm.sums: form, shapes, finite, samples), 409 when the round is
         not open to it."""
         from covey.swarm.sums import SumError, check_sum
 
-        peer = str(body.get("peer_id"))
-        self.membership.check_run(body.get("run_id", ""))
-        self.membership.authenticate(body, -1, peer)
+        peer = req.peer_id
+        self.membership.check_run(req.run_id)
+        self.membership.authenticate(raw, -1, peer)
         self.membership.check_not_banned(peer)
-        stage, samples, cid = body["stage"], body["samples"], str(body["cid"])
-        if type(stage) is not int or not 0 <= stage < self.cfg.stages:
+        stage, samples, cid = req.stage, req.samples, req.cid
+        if not 0 <= stage < self.cfg.stages:
             raise Rejected(422, f"stage {stage!r}: stages are 0..{self.cfg.stages - 1}")
-        if type(samples) is not int:
-            raise Rejected(422, f"samples {samples!r} is not an int")
-        data = self._decode(cid, body.get("data"))
+        data = self._decode(cid, req.data)
         try:
             norm = check_sum(data, self._shapes(stage), samples)
         except SumError as e:
@@ -414,7 +403,7 @@ class SwarmCoordinator(PayDesk):
             url = ""  # the coordinator holds it
             vouched = self.observed.pending(peer, samples)  # claimed samples vote no more
             why = self.averaging.report(
-                peer, stage, int(body["round"]), cid, samples, url, norm=norm, vouched=vouched
+                peer, stage, req.round, cid, samples, url, norm=norm, vouched=vouched
             )
             if why == "ok":
                 self.observed.reported_sum(peer, samples)
@@ -456,14 +445,16 @@ class SwarmCoordinator(PayDesk):
                     self._stage_shapes[stage] = None
             return self._stage_shapes[stage]
 
-    def state_upload(self, body: dict[str, Any]) -> dict[str, Any]:
+    def state_upload(self, req: SwarmStateUpload, raw: dict[str, Any]) -> dict[str, Any]:
         """A copy of a stage's agreed state, so a stage that loses every server resumes."""
-        peer = str(body.get("peer_id"))
-        self.membership.check_run(body.get("run_id", ""))
-        self.membership.authenticate(body, -1, peer)
+        peer = req.peer_id
+        self.membership.check_run(req.run_id)
+        self.membership.authenticate(raw, -1, peer)
         self.membership.check_not_banned(peer)
-        cid = str(body["cid"])
-        if cid not in {b.agreed for b in self.averaging.stages}:
+        cid = req.cid
+        with self.lock:
+            agreed = {b.agreed for b in self.averaging.stages}
+        if cid not in agreed:
             raise Rejected(409, f"state {cid[:12]} is no stage's agreed state")
-        self._store(cid, body.get("data"))
+        self._store(cid, req.data)
         return {"ok": True}
