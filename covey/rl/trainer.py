@@ -217,12 +217,9 @@ class Trainer:
         `size` bytes."""
         with self.lock:
             v, cid = self.version, self.cids[self.version]
-        peers = self.db.query(
-            "SELECT blob_url FROM peers WHERE role = 'worker' AND state = "
-            "'live' AND blob_url IS NOT NULL AND accepts_connections = 1"
-        )
+        peers = self.membership.peers.blob_urls(live_role="worker")
         urls = sorted(
-            {r["blob_url"] for r in peers},
+            set(peers.values()),
             key=lambda u: hashlib.sha256(f"{cid}|{u}".encode()).digest(),
         )[:MAX_PEER_PROVIDERS]
         providers = urls + ([self.url] if self.url else [])

@@ -137,8 +137,7 @@ class PayDesk:
             providers = [x.blob_url for x in self.servers.values() if x.stage == check.stage]
         keys = {}
         for s in check.servers:
-            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (s,))
-            keys[s] = "" if row is None else row["public_key"]
+            keys[s] = self.membership.peers.public_key(s) or ""
         try:
             evidence.verify_agreement(check, keys, self.cfg.tolerance)
         except evidence.EvidenceError as e:
@@ -210,10 +209,10 @@ class PayDesk:
         keys = {}
         for r in replies:
             server = r.get("server") if isinstance(r, dict) else None
-            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (server,))
-            if row is None:
+            key = self.membership.peers.public_key(str(server))
+            if key is None:
                 raise Rejected(404, f"unknown server {str(server)[:12]}")
-            keys[str(server)] = row["public_key"]
+            keys[str(server)] = key
         if len(keys) != 2:
             raise Rejected(400, "a dispute's two replies come from two different servers")
         # the same dispute again (replayed, or filed by another trainer) is answered from
