@@ -298,8 +298,7 @@ class Views:
             )
         }
         validators = [
-            {"peer_id": p["peer_id"], "name": p["name"]}
-            for p in self.peers.by_role("validator")
+            {"peer_id": p["peer_id"], "name": p["name"]} for p in self.peers.by_role("validator")
         ]
         return {
             "verifying": self.verifying,
