@@ -4,8 +4,11 @@ worker key posing as a validator (or the reverse) is refused. Whoever drives the
 rounds mode) reads the live peers and records no-shows here (covey.protocol.rounds decides
 who is alive). Signed requests are authenticated here too (covey.coordinator.auth).
 
-A component: it owns its state (the liveness overlay, the no-show table) and reaches the
-rest of the coordinator only through what `__init__` is given. It knows nothing of rounds.
+A component: it owns its state (the liveness overlay, the no-show table, and the peers
+table through `peers`, covey.coordinator.peers, the one module that reads and writes it)
+and reaches the rest of the coordinator only through what `__init__` is given: its config
+(`MembershipConfig`, which every mode derives from its spec). It knows nothing of rounds.
+The host (covey.coordinator.host) builds it.
 """
 
 from __future__ import annotations
