@@ -5,11 +5,11 @@ written from them. A config is immutable once loaded and hashes (canonical JSON,
 to the id that names its run directory. No environment variable overrides any field.
 
 The spec is a package: covey.config.parts (the tables every spec is built of),
-covey.config.networked (rounds, limits, trust) and covey.config.specs (SimConfig,
+covey.config.networked (rounds, limits, trust, membership) and covey.config.specs (SimConfig,
 RunConfig, their loaders, the run id); every name is importable from covey.config.
 """
 
-from covey.config.networked import LimitsConfig, RoundsConfig, TrustConfig
+from covey.config.networked import LimitsConfig, MembershipConfig, RoundsConfig, TrustConfig
 from covey.config.parts import (
     AlgorithmConfig,
     ChurnConfig,
@@ -49,6 +49,7 @@ __all__ = [
     "Frozen",
     "InnerOptim",
     "LimitsConfig",
+    "MembershipConfig",
     "ModelConfig",
     "NetworkConfig",
     "PeerConfig",

@@ -249,3 +249,52 @@ class TrustConfig(Frozen):
     def _dump(self, handler: Any) -> dict[str, Any]:
         names = ("sharded_above_peers", "shards", "shard_check_rate", "shard_publish_timeout_s")
         return drop_defaults(self, handler(self), names)
+
+
+class MembershipConfig(Frozen):
+    """What the host's membership (covey.coordinator.membership) reads: liveness, the
+    participation lease, stakes to join, the signature window and the no-show backoff.
+    Not a table of any spec: every mode derives it from its own (`RunConfig.membership`,
+    covey.rl.runspec.membership_config, `SwarmConfig.membership_config`), so no run id
+    changes with it."""
+
+    heartbeat_s: float = Field(2.0, gt=0, description="peers heartbeat this often")
+    dead_after_s: float = Field(6.0, gt=0, description="a peer silent this long is dead")
+    lease_s: float = Field(20.0, gt=0, description="a heartbeat renews the lease this long")
+    min_stake: float = Field(0.0, ge=0, description="credits a worker stakes to join")
+    min_validator_stake: float = Field(0.0, ge=0, description="credits a validator stakes")
+    nonce_window_s: float = Field(
+        300.0, gt=0, description="signed requests older (or newer) than this are refused"
+    )
+    no_show_backoff_s: float = Field(
+        30.0, ge=0, description="a repeated no-show sits out rounds this long, doubling"
+    )
+    no_show_backoff_max_s: float = Field(
+        3600.0, ge=0, description="the longest a no-show is left out of rounds"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> MembershipConfig:
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        if self.lease_s <= self.heartbeat_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        return self
+
+    @classmethod
+    def of(cls, rounds: RoundsConfig, trust: TrustConfig, limits: LimitsConfig) -> MembershipConfig:
+        """The membership of a spec with rounds, trust and limits tables."""
+        return cls(
+            heartbeat_s=rounds.heartbeat_s,
+            dead_after_s=rounds.dead_after_s,
+            lease_s=rounds.lease_s,
+            min_stake=trust.min_stake,
+            min_validator_stake=trust.min_validator_stake,
+            nonce_window_s=trust.nonce_window_s,
+            no_show_backoff_s=limits.no_show_backoff_s,
+            no_show_backoff_max_s=limits.no_show_backoff_max_s,
+        )

@@ -22,7 +22,7 @@ else:  # pragma: no cover
     pass
 
 
-from covey.config.networked import LimitsConfig, RoundsConfig, TrustConfig
+from covey.config.networked import LimitsConfig, MembershipConfig, RoundsConfig, TrustConfig
 from covey.config.parts import (
     AlgorithmConfig,
     ChurnConfig,
@@ -142,6 +142,10 @@ class RunConfig(Frozen):
     @classmethod
     def _default_method(cls, data: Any) -> Any:
         return default_algorithm(data)
+
+    def membership(self) -> MembershipConfig:
+        """What the host's membership reads of this spec (its rounds, trust and limits)."""
+        return MembershipConfig.of(self.rounds, self.trust, self.limits)
 
     @property
     def run_id(self) -> str:

@@ -34,6 +34,7 @@ from covey.trust.polls import (
     poll_message,
 )
 
+from .peers import Peers
 from .rejected import Rejected
 
 if TYPE_CHECKING:
@@ -90,10 +91,12 @@ class ReceivedAt:
 
 
 class Auth:
-    """Signature and nonce checks over the peers table and the nonces table of `db`."""
+    """Signature and nonce checks over the peers' keys (covey.coordinator.peers) and the
+    nonces table of `db`."""
 
     def __init__(self, db: Database, nonce_window_s: float) -> None:
         self.db = db
+        self.peers = Peers(db)
         self.nonce_window_s = nonce_window_s
 
     def authenticate(
@@ -113,10 +116,9 @@ class Auth:
         if purpose is None:
             raise Rejected(401, "no signature is valid for this path")
         if public_key is None:
-            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (peer_id,))
-            if row is None or not row["public_key"]:
+            public_key = self.peers.public_key(peer_id)
+            if public_key is None:
                 raise Rejected(404, f"unknown peer {peer_id}: join first")
-            public_key = row["public_key"]
         signature = raw.get("signature")
         if not isinstance(signature, str) or not verify(
             public_key, request_message(raw, round, purpose), signature

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from covey.protocol import schemas
 from covey.trust.certify import sign_certificate
 
+from .peers import Peers
+
 if TYPE_CHECKING:
     from covey.trust.identity import Identity
 
@@ -32,12 +34,9 @@ def make_certificate(
     from `start_hash` to `new_hash`; members without an accepted contribution are listed
     as rejected, with the reason intake recorded or "no contribution"."""
     total = sum(r["tokens"] for r in rows)
-    names = {p["peer_id"]: p["name"] or "" for p in db.query("SELECT * FROM peers")}
-    urls = {
-        p["peer_id"]: p["blob_url"]
-        for p in db.query("SELECT peer_id, blob_url, accepts_connections FROM peers")
-        if p["accepts_connections"] and p["blob_url"]
-    }
+    peers = Peers(db)
+    names = {p["peer_id"]: p["name"] or "" for p in peers.every()}
+    urls = peers.blob_urls()
     accepted = [
         schemas.AcceptedContribution(
             peer_id=r["peer_id"],

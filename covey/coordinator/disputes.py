@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
     from .accounts import Accounts
     from .db import Database
+    from .peers import Peers
 
 log = logging.getLogger("covey.coordinator")
 
@@ -52,6 +53,7 @@ class Disputes:
     # provided by Coordinator / Verification
     cfg: RunConfig
     db: Database
+    peers: Peers  # covey.coordinator.peers, membership's
     accounts: Accounts
     blobs: BlobStore
     strategy: Strategy
@@ -278,7 +280,7 @@ class Disputes:
                     },
                     now,
                 )
-                c.execute("UPDATE peers SET state = 'banned' WHERE peer_id = ?", (task.peer_id,))
+                self.peers.ban(c, task.peer_id)
                 c.execute(
                     "UPDATE payouts SET status = 'forfeit' WHERE peer_id = ? AND status = 'due'",
                     (task.peer_id,),

@@ -130,10 +130,7 @@ class Intake(Views):
                     ),
                 )
             if req.compute_s > 0:  # the next round plans with the speed seen in this one
-                c.execute(
-                    "UPDATE peers SET step_time_s = ? WHERE peer_id = ?",
-                    (req.compute_s / req.inner_steps, req.peer_id),
-                )
+                self.peers.set_step_time(c, req.peer_id, req.compute_s / req.inner_steps)
         self.uploads.named(req.peer_id, (req.cid, req.end_state_cid))
         try:
             if draw is not None and draw.drawn:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from covey.trust.identity import nonce_time
 
+from .peers import Peers
 from .rejected import Rejected
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class Liveness:
 
     def __init__(self, db: Database, nonce_window_s: float, flush_s: float = FLUSH_S) -> None:
         self.db = db
+        self.peers = Peers(db)
         self.flush_s = flush_s
         self.nonce_window_s = nonce_window_s
         self.started_at = time.time()
@@ -94,11 +96,7 @@ class Liveness:
             return 0
         try:
             with self.db.transaction() as c:
-                c.executemany(
-                    "UPDATE peers SET last_seen = MAX(COALESCE(last_seen, 0), ?), "
-                    "step_time_s = COALESCE(?, step_time_s) WHERE peer_id = ? AND state = 'live'",
-                    [(t, step, peer) for peer, (t, step) in dirty.items()],
-                )
+                self.peers.write_heartbeats(c, [(p, t, s) for p, (t, s) in dirty.items()])
                 c.executemany("INSERT OR IGNORE INTO nonces VALUES (?, ?, ?)", nonces)
         except BaseException:
             with self._lock:

@@ -4,8 +4,11 @@ worker key posing as a validator (or the reverse) is refused. Whoever drives the
 rounds mode) reads the live peers and records no-shows here (covey.protocol.rounds decides
 who is alive). Signed requests are authenticated here too (covey.coordinator.auth).
 
-A component: it owns its state (the liveness overlay, the no-show table) and reaches the
-rest of the coordinator only through what `__init__` is given. It knows nothing of rounds.
+A component: it owns its state (the liveness overlay, the no-show table, and the peers
+table through `peers`, covey.coordinator.peers, the one module that reads and writes it)
+and reaches the rest of the coordinator only through what `__init__` is given: its config
+(`MembershipConfig`, which every mode derives from its spec). It knows nothing of rounds.
+The host (covey.coordinator.host) builds it.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from covey.trust.identity import peer_id_of
 
 from .auth import Auth
 from .liveness import FLUSH_S, Liveness
+from .peers import Peers
 from .rejected import Rejected
 
 if TYPE_CHECKING:
-    from covey.config import RunConfig
+    from covey.config import MembershipConfig
 
     from .accounts import Accounts
     from .db import Database
@@ -44,7 +48,7 @@ class Membership:
     def __init__(
         self,
         db: Database,
-        cfg: RunConfig,
+        cfg: MembershipConfig,
         accounts: Accounts,
         run_id: str,
         *,
@@ -62,7 +66,8 @@ class Membership:
         self._wake = wake
         self._stop = stop
         self.check_not_halted = check_not_halted
-        self.auth = Auth(db, cfg.trust.nonce_window_s)
+        self.peers = Peers(db)  # the peers table's one reader and writer
+        self.auth = Auth(db, cfg.nonce_window_s)
         self._liveness: Liveness | None = None
         self._liveness_lock = threading.Lock()
         self._no_show_table = False
@@ -117,19 +122,15 @@ class Membership:
         self.register(req.peer_id, req.public_key, req.name, "worker", req.stake, raw)
         now = time.time()
         with self.db.transaction() as c:
-            c.execute(
-                "UPDATE peers SET device = ?, step_time_s = ?, bandwidth_mbps = ?, "
-                "accepts_connections = ?, blob_url = ?, last_seen = ?, state = 'live' "
-                "WHERE peer_id = ?",
-                (
-                    req.device,
-                    req.step_time_s,
-                    req.bandwidth_mbps,
-                    int(req.accepts_connections),
-                    req.blob_url,
-                    now,
-                    req.peer_id,
-                ),
+            self.peers.announce(
+                c,
+                req.peer_id,
+                device=req.device,
+                step_time_s=req.step_time_s,
+                bandwidth_mbps=req.bandwidth_mbps,
+                accepts_connections=req.accepts_connections,
+                blob_url=req.blob_url,
+                now=now,
             )
             self.db.event(
                 c, now, "join", req.peer_id, req.model_dump(exclude={"run_id", "signature"})
@@ -141,13 +142,13 @@ class Membership:
             req.device,
             req.step_time_s,
         )
-        r = self.cfg.rounds
+        m = self.cfg
         return schemas.JoinReply(
             peer_id=req.peer_id,
             run_id=self.run_id,
-            heartbeat_s=r.heartbeat_s,
-            dead_after_s=r.dead_after_s,
-            lease_s=r.lease_s,
+            heartbeat_s=m.heartbeat_s,
+            dead_after_s=m.dead_after_s,
+            lease_s=m.lease_s,
         )
 
     def register(
@@ -168,18 +169,12 @@ class Membership:
             raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
         if account is not None and account.role != role:
             raise Rejected(409, f"key {peer_id[:12]} is registered as a {account.role}")
-        trust = self.cfg.trust
-        minimum = trust.min_stake if role == "worker" else trust.min_validator_stake
+        minimum = self.cfg.min_stake if role == "worker" else self.cfg.min_validator_stake
         if account is None and stake < minimum:
             raise Rejected(403, f"stake {stake} is below this run's minimum stake {minimum}")
         now = time.time()
         with self.accounts.transaction() as c:
-            c.execute(
-                "INSERT INTO peers (peer_id, public_key, name, role, joined_at, last_seen, "
-                "state, step_time_s) VALUES (?, ?, ?, ?, ?, ?, 'live', 1.0) "
-                "ON CONFLICT(peer_id) DO UPDATE SET name = excluded.name",
-                (peer_id, public_key, name, role, now, now),
-            )
+            self.peers.register(c, peer_id, public_key, name, role, now)
             if account is None:
                 self.accounts.append(
                     c,
@@ -197,8 +192,8 @@ class Membership:
             live = self._liveness
             if live is None:
                 # never staler than a heartbeat period: /metrics counts live peers from SQLite
-                flush_s = min(FLUSH_S, self.cfg.rounds.heartbeat_s)
-                live = Liveness(self.db, self.cfg.trust.nonce_window_s, flush_s)
+                flush_s = min(FLUSH_S, self.cfg.heartbeat_s)
+                live = Liveness(self.db, self.cfg.nonce_window_s, flush_s)
                 self._liveness = live
                 live.start(self._stop)
         return live
@@ -210,9 +205,8 @@ class Membership:
         flushed in batches (covey.coordinator.liveness); only reviving a dead peer writes
         at once (its "revived" event)."""
         self.check_run(req.run_id)
-        row = self.db.read_one(  # committed state: a round's commit does not stall this
-            "SELECT state, public_key FROM peers WHERE peer_id = ?", (req.peer_id,)
-        )
+        # committed state: a round's commit does not stall this
+        row = self.peers.row(req.peer_id, committed=True)
         if row is None or not row["public_key"]:
             raise Rejected(404, f"unknown peer {req.peer_id}: join first")
         live = self.liveness
@@ -225,13 +219,9 @@ class Membership:
         if row["state"] == "dead":
             with self.db.transaction() as c:
                 self.db.event(c, now, "revived", req.peer_id, {})
-                c.execute(
-                    "UPDATE peers SET last_seen = ?, state = 'live', "
-                    "step_time_s = COALESCE(?, step_time_s) WHERE peer_id = ?",
-                    (now, req.step_time_s, req.peer_id),
-                )
+                self.peers.set_live(c, req.peer_id, now, req.step_time_s)
         live.beat(req.peer_id, now, req.step_time_s)
-        return {"ok": True, "lease_s": self.cfg.rounds.lease_s}
+        return {"ok": True, "lease_s": self.cfg.lease_s}
 
     def leave(self, req: schemas.LeaveRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """The deathrattle: the peer is gone now, and no round waits for it."""
@@ -239,21 +229,17 @@ class Membership:
         self.authenticate(raw, -1, req.peer_id)
         now = time.time()
         with self.accounts.transaction() as c:
-            n = c.execute(
-                "UPDATE peers SET state = 'left', last_seen = ? WHERE peer_id = ?",
-                (now, req.peer_id),
-            ).rowcount
-            if n == 0:
+            if not self.peers.set_left(c, req.peer_id, now):
                 raise Rejected(404, f"unknown peer {req.peer_id}")
             self.db.event(c, now, "leave", req.peer_id, {"reason": req.reason})
             self.accounts.append(c, "leave", {"peer_id": req.peer_id, "reason": req.reason}, now)
         self._wake.set()
-        row = self.db.one("SELECT name FROM peers WHERE peer_id = ?", (req.peer_id,))
-        log.info("[%s %s] left: %s", row["name"] if row else "?", req.peer_id[:8], req.reason)
+        name = self.peers.name(req.peer_id)
+        log.info("[%s %s] left: %s", name or "?", req.peer_id[:8], req.reason)
         return {"ok": True}
 
     def peer_views(self) -> list[PeerView]:
-        rows = self.db.query("SELECT * FROM peers WHERE role = 'worker'")
+        rows = self.peers.by_role("worker")
         out, live = self.no_shows(), self.liveness
         return [
             PeerView(
@@ -288,7 +274,7 @@ class Membership:
         "no show" ledger entry (covey.trust.entry_schemas) with its count and backoff, so
         `covey ledger verify` replays it: repeated no-shows lower the worker's reputation,
         and a low reputation has its contributions sampled as a new peer's."""
-        limits, known = self.cfg.limits, self.no_shows()
+        m, known = self.cfg, self.no_shows()
         absent = sorted(set(absent) - set(submitted))
         workers = self.accounts.book.accounts
         with self.accounts.transaction() as c:
@@ -296,9 +282,7 @@ class Membership:
                 c.execute("UPDATE no_shows SET consecutive = 0 WHERE peer_id = ?", (peer,))
             for peer in absent:
                 count = known.get(peer, (0, 0.0))[0] + 1
-                wait = no_show_backoff(
-                    count, limits.no_show_backoff_s, limits.no_show_backoff_max_s
-                )
+                wait = no_show_backoff(count, m.no_show_backoff_s, m.no_show_backoff_max_s)
                 c.execute(
                     "INSERT OR REPLACE INTO no_shows VALUES (?, ?, ?)", (peer, count, now + wait)
                 )

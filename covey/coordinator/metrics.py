@@ -31,6 +31,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .peers import Peers
+
 if TYPE_CHECKING:
     from .db import Database
     from .service import Coordinator
@@ -176,6 +178,7 @@ class HostCollector(Collector):
         servers); by default the peers table's live members heard from within
         `dead_after_s`."""
         self.db, self.dead_after_s, self.live = db, dead_after_s, live
+        self.peers = Peers(db)
 
     def collect(self) -> Iterator[Metric]:
         db = self.db
@@ -189,22 +192,15 @@ class HostCollector(Collector):
         if self.live is not None:
             by_role = self.live()
         else:
-            for r in db.query(
-                "SELECT role, COUNT(*) AS n FROM peers WHERE state = 'live' AND last_seen >= ? "
-                "GROUP BY role",
-                (live_after,),
-            ):
-                by_role[r["role"]] = r["n"]
+            by_role.update(self.peers.live_by_role(live_after))
         for role, n in sorted(by_role.items()):
             live.add_metric([role], n)
         yield live
         peers = GaugeMetricFamily(
             "covey_peers", "Registered peers by role and recorded state", labels=["role", "state"]
         )
-        for r in db.query(
-            "SELECT role, state, COUNT(*) AS n FROM peers GROUP BY role, state ORDER BY role, state"
-        ):
-            peers.add_metric([r["role"], r["state"]], r["n"])
+        for role, state, n in self.peers.counts():
+            peers.add_metric([role, state], n)
         yield peers
 
         height = GaugeMetricFamily("covey_ledger_height", "Entries in the signed ledger")

@@ -81,6 +81,7 @@ class Rounds(Intake, Views):
         self.db = db
         self.accounts = accounts
         self.membership = membership
+        self.peers = membership.peers
         self.verification = verification
         self.blobs = blobs
         self.fetcher = fetcher
@@ -199,7 +200,7 @@ class Rounds(Intake, Views):
                 "WHERE status IN ('open', 'closing')",
                 (now + self.cfg.rounds.deadline_min_s + self.cfg.rounds.dead_after_s,),
             )
-            c.execute("UPDATE peers SET last_seen = ? WHERE state = 'live'", (now,))
+            self.peers.touch_live(c, now)
             self._release_pending_evidence(c)
             self.db.event(c, now, "coordinator restarted", "", {"round": state.round})
         log.info("resumed run %s at round %d (state %s)", self.run_id, state.round, cid[:12])
@@ -242,7 +243,7 @@ class Rounds(Intake, Views):
         with self.db.transaction() as c:
             for p in peers:
                 if p.state == "live" and not is_alive(now, p, cfg):
-                    c.execute("UPDATE peers SET state = 'dead' WHERE peer_id = ?", (p.peer_id,))
+                    self.peers.set_dead(c, p.peer_id)
                     self.db.event(c, now, "dead", p.peer_id, {"silent_s": now - p.last_seen})
                     log.warning("[%s] silent for %.1f s: dead", p.peer_id, now - p.last_seen)
         if now - self._nonces_pruned > 60:
@@ -396,11 +397,7 @@ class Rounds(Intake, Views):
                     rnd.round,
                 ),
             )
-            for r in rows:
-                c.execute(
-                    "UPDATE peers SET contributions = contributions + 1 WHERE peer_id = ?",
-                    (r["peer_id"],),
-                )
+            self.peers.count_contributions(c, [r["peer_id"] for r in rows])
             if checkpoint:
                 c.execute(
                     "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",

@@ -1,27 +1,25 @@
 """The coordinator: a facade over its components. Transport-free: the FastAPI app
 (covey.coordinator.app) turns HTTP into calls here and `Rejected` into 4xx replies.
 
-The components (../shared/DESIGN.md) each own their state and take what they need in
-`__init__`: Membership (peers, liveness, signatures and nonces, no-shows), Blobs (the
-store, the fetcher of peers' own blobs and the upload gate: covey.coordinator.uploads),
-Accounts (ledger and book), Verification (assignments, canaries, disputes and
-the referee), Halt (the owner's HALT: covey.coordinator.halt). One mode uses them: Rounds
-(covey.coordinator.rounds: open, close, commit, intake, certificates, evaluation, the read
-side). This class builds them in order
-and forwards the calls the app, the CLI and the tests make; it holds no logic of its own.
+The host (covey.coordinator.host: identity, database, accounts and ledger, blob store,
+Membership with the peers table, the owner's Halt) is built first; the rounds mode's
+components then take what they need in `__init__`: Blobs (the fetcher of peers' own blobs
+and the upload gate: covey.coordinator.uploads), Verification (assignments, canaries,
+disputes and the referee) and Rounds (covey.coordinator.rounds: open, close, commit,
+intake, certificates, evaluation, the read side). This class builds them in order and
+forwards the calls the app, the CLI and the tests make; it holds no logic of its own.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from covey.algorithms import TrainState
-from covey.blobs import BlobClient, BlobStore
+from covey.blobs import BlobClient
 from covey.config import RunConfig, run_id_of
 from covey.data.corpus import load_corpus
 from covey.protocol import schemas
@@ -29,11 +27,9 @@ from covey.protocol.rounds import PeerView
 from covey.trust.halt import owner_of
 from covey.trust.identity import Identity
 
-from .accounts import Accounts
 from .db import Database
-from .halt import Halt
+from .host import Host, RunTerms
 from .liveness import Liveness
-from .membership import Membership
 from .model import build_model
 from .rounds import Rounds
 from .uploads import Blobs, blob_sizes
@@ -55,40 +51,38 @@ class Coordinator:
         """Open (or create) the run in `data_dir`. ValueError if the spec names another
         coordinator key, or `data_dir` holds another run; DeviceError (a ValueError) for a
         bad `device`, where the referee recomputes (default: the run's verify_device)."""
-        # the coordinator's own key signs certificates and ledger entries; it is part of the
-        # spec, so of the run id (ValueError if the spec names another key)
-        self.identity = Identity.load_or_create(data_dir / "coordinator.key")
-        cfg = cfg.with_coordinator_key(self.identity.public_key)
-        self.cfg = cfg
         self.data_dir = data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
-        (data_dir / "checkpoints").mkdir(exist_ok=True)
         if threads:
             torch.set_num_threads(threads)
-        d = cfg.data
-        self.corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
-        # the run id covers the data: one spec on other data is another run
-        self.run_id = run_id_of(cfg, self.corpus.fingerprint)
-        self.db = Database(data_dir / "coordinator.db")
-        known = self.db.get_meta("run_id")
-        if known is not None and known != self.run_id:
-            raise ValueError(
-                f"{data_dir} holds run {known}, not this spec's run {self.run_id}; "
-                f"use another --data-dir"
+
+        def terms(identity: Identity, db: Database) -> RunTerms:
+            # the coordinator's own key signs certificates and ledger entries; it is part of
+            # the spec, so of the run id (ValueError if the spec names another key)
+            self.cfg = c = cfg.with_coordinator_key(identity.public_key)
+            d = c.data
+            self.corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
+            # the run id covers the data: one spec on other data is another run
+            return RunTerms(
+                run_id=run_id_of(c, self.corpus.fingerprint),
+                owner_key=owner_of(c.model_dump(), identity.public_key),
+                membership=c.membership(),
+                max_blob_bytes=c.limits.max_blob_bytes,
             )
-        self.accounts = Accounts(self.db, self.identity, data_dir)
-        self._stop = threading.Event()
-        wake = threading.Event()  # a contribution or a leave: look at the round now
-        self.membership = Membership(
-            self.db,
-            cfg,
-            self.accounts,
-            self.run_id,
-            wake=wake,
-            stop=self._stop,
-            check_not_halted=lambda: self.halt.check_not_halted(),  # built below
+
+        # the host's parts; the round driver writes the owner's HALT and aborts the open round
+        self.host = host = Host(
+            data_dir,
+            terms,
+            position=lambda: self.rounds.state.round,
+            effect=lambda: self.rounds.abort_if_open(),
+            written=lambda: self.rounds.commits.notify(),  # round long-polls learn at once
         )
-        self.blobs = BlobStore(data_dir / "blobs", cfg.limits.max_blob_bytes)
+        cfg = self.cfg
+        (data_dir / "checkpoints").mkdir(exist_ok=True)
+        self.identity, self.db, self.run_id = host.identity, host.db, host.run_id
+        self.accounts, self.blobs, self.halt = host.accounts, host.blobs, host.halt
+        self.membership = host.membership
+        self._stop, wake = host.stop, host.wake  # wake: a contribution or a leave
         self.fetcher = BlobClient(
             timeout_s=cfg.limits.request_timeout_s,
             retries=cfg.limits.retries,
@@ -118,18 +112,6 @@ class Coordinator:
             blob_sizes(model.strategy, model.template),
             self.membership.check_not_banned,
             run_id=self.run_id,
-        )
-        # the owner's HALT (a host part): the round driver writes it and aborts the open round
-        self.halt = Halt(
-            self.accounts,
-            run_id=self.run_id,
-            owner_key=owner_of(cfg.model_dump(), self.identity.public_key),
-            check_run=self.membership.check_run,
-            authenticate=self.membership.authenticate,
-            wake=wake,
-            position=lambda: self.rounds.state.round,
-            effect=lambda: self.rounds.abort_if_open(),
-            written=lambda: self.rounds.commits.notify(),  # round long-polls learn at once
         )
         self.rounds = Rounds(
             cfg,
@@ -167,8 +149,7 @@ class Coordinator:
         self.rounds.stop(timeout_s)
         self.fetcher.close()
         self.rounds.close_evidence_fetches()
-        self.membership.liveness.flush()  # H9: heartbeats in memory reach SQLite first
-        self.db.close()
+        self.host.close()  # heartbeats in memory reach SQLite, then the database closes
 
     # -- membership (covey.coordinator.membership): the facade's calls, delegated ------------
 

@@ -31,6 +31,7 @@ from covey.blobs.store import (
 )
 from covey.trust.identity import IdentityError, nonce_time, verify
 
+from .peers import Peers
 from .rejected import Rejected
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class Blobs:
         `check_not_banned(peer_id)` raises Rejected(403) for a peer excluded for fraud;
         `run_id`: the run's id (covey.config.run_id_of), uploads are signed for it."""
         self.db, self.run_id, self.sizes = db, run_id, dict(sizes)
+        self.peers = Peers(db)
         self.store, self.fetcher = store, fetcher
         self.check_not_banned = check_not_banned
         self.window_s = cfg.trust.nonce_window_s
@@ -119,7 +121,7 @@ class Blobs:
                 f"unsigned upload: a blob upload needs the {UPLOAD_PEER_HEADER}, "
                 f"{UPLOAD_NONCE_HEADER} and {UPLOAD_SIGNATURE_HEADER} headers of a member",
             )
-        row = self.db.one("SELECT public_key, role, state FROM peers WHERE peer_id = ?", (peer_id,))
+        row = self.peers.row(peer_id)
         if row is None or not row["public_key"]:
             raise Rejected(403, f"unknown peer {peer_id[:32]!r}: only members upload blobs")
         message = upload_message(self.run_id, peer_id, cid, size, nonce)
@@ -182,13 +184,11 @@ class Blobs:
             if self.store.size(cid) != size:
                 raise Rejected(422, f"blob {cid[:12]} has {self.store.size(cid)} bytes, not {size}")
             return
-        peer = self.db.one(
-            "SELECT accepts_connections, blob_url FROM peers WHERE peer_id = ?", (peer_id,)
-        )
-        if not (peer and peer["accepts_connections"] and peer["blob_url"]):
+        url = self.peers.blob_url(peer_id)
+        if url is None:
             raise Rejected(409, f"blob {cid[:12]} was not uploaded (PUT /v1/blobs/...)")
         try:  # streamed to disk and hashed on arrival (capped by limits.max_blob_bytes)
-            (fetcher or self.fetcher).fetch_into(self.store, cid, [peer["blob_url"]], size=size)
+            (fetcher or self.fetcher).fetch_into(self.store, cid, [url], size=size)
         except LocalBlobError as e:
             raise Rejected(503, f"could not fetch blob {cid[:12]}: {e}") from None
         except BlobError as e:

@@ -77,6 +77,7 @@ class Verification(Assignments, Canaries, Disputes):
         self.cfg = cfg
         self.accounts = accounts
         self.membership = membership
+        self.peers = membership.peers
         self.blobs = blobs
         self.run_id = run_id
         self.strategy = strategy

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .accounts import Accounts
     from .db import Database
     from .liveness import Liveness
+    from .peers import Peers
 
 # Cached views (H9): /v1/round and /v1/status answer from views rebuilt when what they show
 # changes (the open round's row, the canonical state), not per request over all peers.
@@ -115,6 +116,7 @@ class Views:
     cfg: RunConfig
     run_id: str
     db: Database
+    peers: Peers  # covey.coordinator.peers, membership's
     blobs: BlobStore
     state: TrainState
     state_cid: str
@@ -251,9 +253,7 @@ class Views:
         if row is None:
             return []
         cert = schemas.Certificate.model_validate_json(row["certificate"])
-        live = {
-            p["peer_id"] for p in self.db.read_all("SELECT peer_id FROM peers WHERE state = 'live'")
-        }
+        live = {p["peer_id"] for p in self.peers.live(committed=True)}
         return [u for a in cert.accepted if a.peer_id in live for u in a.providers]
 
     def certificate(self, round_: int) -> schemas.Certificate:
@@ -298,8 +298,7 @@ class Views:
             )
         }
         validators = [
-            {"peer_id": p["peer_id"], "name": p["name"]}
-            for p in self.db.query("SELECT * FROM peers WHERE role = 'validator'")
+            {"peer_id": p["peer_id"], "name": p["name"]} for p in self.peers.by_role("validator")
         ]
         return {
             "verifying": self.verifying,
@@ -341,7 +340,7 @@ class Views:
         peers = []
         summary = self.accounts.book.summary()
         accounts = summary["accounts"]
-        for p in self.db.query("SELECT * FROM peers WHERE role = 'worker' ORDER BY joined_at"):
+        for p in self.peers.by_role("worker"):
             seen = self.liveness.last_seen(p["peer_id"], p["last_seen"])  # unflushed beats
             view = PeerView(p["peer_id"], p["step_time_s"], None, seen, p["state"])
             alive = is_alive(now, view, cfg)

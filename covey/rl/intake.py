@@ -207,11 +207,11 @@ class Intake:
         return {"ok": True, "cid": cid, "tokens": tokens}
 
     def _role(self, peer_id: str, role: str) -> None:
-        row = self.t.db.one("SELECT role FROM peers WHERE peer_id = ?", (peer_id,))
-        if row is None:
+        known = self.t.membership.peers.role(peer_id)
+        if known is None:
             raise Rejected(404, f"unknown peer {peer_id}: join first")
-        if row["role"] != role:
-            raise Rejected(403, f"peer {peer_id[:12]} is a {row['role']}, not a {role}")
+        if known != role:
+            raise Rejected(403, f"peer {peer_id[:12]} is a {known}, not a {role}")
 
     def _slash_replay(self, req: SubmitBatch, reason: str) -> None:
         t, now, step = self.t, time.time(), req.batch.step
@@ -283,9 +283,7 @@ class Intake:
     def _live_validators(self) -> list[str]:
         t = self.t
         now, live = time.time(), t.membership.liveness
-        rows = t.db.query(
-            "SELECT peer_id, last_seen FROM peers WHERE role = 'validator' AND state = 'live'"
-        )
+        rows = t.membership.peers.live("validator")
         book = t.accounts.book.accounts
         return [
             r["peer_id"]

@@ -22,13 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from covey.config import LimitsConfig, RoundsConfig, TrustConfig
+from covey.config import MembershipConfig
 from covey.coordinator.rejected import Rejected
 from covey.devices import (
     DeviceError,
@@ -188,16 +187,16 @@ def ledger_policy(spec: RLSpec) -> Policy:
     )
 
 
-def membership_config(spec: RLSpec) -> Any:
-    """What covey.coordinator.membership.Membership reads of a run config (trust, rounds,
-    limits), from the RL spec: the component is shared, the rounds spec is not."""
-    rounds = RoundsConfig(
+def membership_config(spec: RLSpec) -> MembershipConfig:
+    """What the host's membership (covey.coordinator.membership) reads, from the RL spec:
+    the liveness and stakes here, a lease of three heartbeats (past dead_after_s)."""
+    return MembershipConfig(
         heartbeat_s=spec.heartbeat_s,
         dead_after_s=spec.dead_after_s,
         lease_s=max(3 * spec.heartbeat_s, spec.dead_after_s + 1),
+        min_stake=spec.min_stake,
+        min_validator_stake=spec.min_validator_stake,
     )
-    trust = TrustConfig(min_stake=spec.min_stake, min_validator_stake=spec.min_validator_stake)
-    return SimpleNamespace(trust=trust, rounds=rounds, limits=LimitsConfig())
 
 
 class VerifyRefused(RuntimeError):

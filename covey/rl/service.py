@@ -151,10 +151,7 @@ def _validator_join(t: Trainer, req: schemas.ValidatorJoin, raw: dict[str, Any])
     t.halt.check_not_halted()  # nobody joins a halted run
     t.membership.register(req.validator_id, req.public_key, req.name, "validator", req.stake, raw)
     with t.db.transaction() as c:
-        c.execute(
-            "UPDATE peers SET state = 'live', last_seen = ? WHERE peer_id = ?",
-            (time.time(), req.validator_id),
-        )
+        t.membership.peers.set_live(c, req.validator_id, time.time())
     return {
         "ok": True,
         "heartbeat_s": t.spec.heartbeat_s,

@@ -1,10 +1,11 @@
 """The RL trainer (trusted, the run owner): holds the policy, publishes versions on the blob
 plane, and takes a GRPO step whenever enough VERIFIED samples are in.
 
-It is built from covey's coordinator components, not a copy of them: `Membership` (joins
-with stake, heartbeats, leaves, signed requests and nonces), `Accounts` (the ledger and the
-book), `Halt` (the owner's HALT, written by the learning loop, which stops after it),
-`BlobStore` (policy versions and submitted batches by content id). The RL mode's
+It is built on covey's coordinator host (covey.coordinator.host), not a copy of it:
+`Membership` (joins with stake, heartbeats, leaves, signed requests and nonces, the peers
+table), `Accounts` (the ledger and the book), `Halt` (the owner's HALT, written by the
+learning loop, which stops after it), `BlobStore` (policy versions and submitted batches
+by content id). The RL mode's
 own parts: `Intake` (covey.rl.intake: submissions, validator assignment and reports,
 verdicts written to the ledger) and the learning loop here.
 
@@ -28,12 +29,10 @@ from typing import Any
 
 import torch
 
-from covey.blobs import BlobStore
-from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
-from covey.coordinator.halt import Halt
-from covey.coordinator.membership import Membership
+from covey.coordinator.host import Host, RunTerms
 from covey.devices import resolve_device, resolve_precision
+from covey.protocol.content import content_id
 from covey.rl import policy as pol
 from covey.rl.batch import RolloutBatch
 from covey.rl.intake import RL_SCHEMA, Intake
@@ -73,59 +72,51 @@ class Trainer:
         `device` (covey.devices.resolve_device) holds the policy and its optimizer state;
         `precision` ("fp32", "bf16") is the learning step's forward (DeviceError otherwise)."""
         self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.url = url
-        self.identity = Identity.load_or_create(self.data_dir / KEY_FILE)
-        self.db = Database(self.data_dir / "coordinator.db")
+        self._policy0: bytes | None = None  # a new run's first policy, stored once hosted
+
+        def terms(identity: Identity, db: Database) -> RunTerms:
+            stored = db.get_meta("rl_spec")
+            if stored is None:
+                if spec is None or policy_dir is None:
+                    raise ValueError(f"{self.data_dir} holds no RL run: give a spec and a --policy")
+                self.model_cfg, model = pol.load_policy_dir(policy_dir)
+                self._policy0 = pol.policy_bytes(model)
+                cid0 = content_id(self._policy0)
+                self.spec = spec
+                self.run_id = run_id_of(spec, self.model_cfg, cid0, identity.public_key)
+            else:
+                saved = json.loads(stored)
+                self.spec = RLSpec.model_validate(saved["spec"])
+                if spec is not None and spec != self.spec:
+                    raise ValueError(
+                        f"{self.data_dir} holds run {saved['run_id']} with another "
+                        f"spec; use another --data-dir"
+                    )
+                self.model_cfg, self.run_id = saved["model"], saved["run_id"]
+            spec_of_run = {"rl": self.spec.model_dump(mode="json"), "model": self.model_cfg}
+            return RunTerms(
+                run_id=self.run_id,
+                owner_key=owner_of(spec_of_run, identity.public_key),
+                membership=membership_config(self.spec),
+            )
+
+        # the host's parts; the learning loop writes the owner's HALT between steps and
+        # takes no step after it
+        self.host = host = Host(
+            self.data_dir, terms, position=lambda: self.version, key_file=KEY_FILE
+        )
+        self.identity, self.db, self.accounts = host.identity, host.db, host.accounts
+        self.blobs, self.membership, self.halt = host.blobs, host.membership, host.halt
+        self.stop_event, self._wake = host.stop, host.wake  # _wake: a HALT to write
         with self.db.transaction() as c:
             for statement in RL_SCHEMA:
                 c.execute(statement)
-        self.blobs = BlobStore(self.data_dir / "blobs")
-        stored = self.db.get_meta("rl_spec")
-        if stored is None:
-            if spec is None or policy_dir is None:
-                raise ValueError(f"{self.data_dir} holds no RL run: give a spec and a --policy")
-            model_cfg, model = pol.load_policy_dir(policy_dir)
-            cid0 = self.blobs.put(pol.policy_bytes(model))
-            self.run_id = run_id_of(spec, model_cfg, cid0, self.identity.public_key)
-            self.spec, self.model_cfg = spec, model_cfg
-            self.accounts = Accounts(self.db, self.identity, self.data_dir)
-            self._create(cid0)
-        else:
-            saved = json.loads(stored)
-            self.spec = RLSpec.model_validate(saved["spec"])
-            if spec is not None and spec != self.spec:
-                raise ValueError(
-                    f"{self.data_dir} holds run {saved['run_id']} with another "
-                    f"spec; use another --data-dir"
-                )
-            self.model_cfg, self.run_id = saved["model"], saved["run_id"]
-            self.accounts = Accounts(self.db, self.identity, self.data_dir)
+        if self._policy0 is not None:
+            self._create(self.blobs.put(self._policy0))
+            self._policy0 = None
         self.task = self.spec.task.build()
         self.rollout = rollout_spec(self.spec, self.run_id, self.model_cfg["vocab_size"])
-        self.stop_event = threading.Event()
-        self._wake = threading.Event()  # the learning loop looks now (a HALT to write)
-        self.membership = Membership(
-            self.db,
-            membership_config(self.spec),
-            self.accounts,
-            self.run_id,
-            wake=self._wake,
-            stop=self.stop_event,
-            check_not_halted=lambda: self.halt.check_not_halted(),
-        )
-        # the owner's HALT (the host's part): the learning loop writes it between steps and
-        # takes no step after it
-        spec_of_run = {"rl": self.spec.model_dump(mode="json"), "model": self.model_cfg}
-        self.halt = Halt(
-            self.accounts,
-            run_id=self.run_id,
-            owner_key=owner_of(spec_of_run, self.identity.public_key),
-            check_run=self.membership.check_run,
-            authenticate=self.membership.authenticate,
-            wake=self._wake,
-            position=lambda: self.version,
-        )
         self.lock = threading.RLock()
         rows = self.db.query("SELECT version, cid FROM rl_versions ORDER BY version")
         self.cids = {int(r["version"]): r["cid"] for r in rows}
@@ -217,12 +208,9 @@ class Trainer:
         `size` bytes."""
         with self.lock:
             v, cid = self.version, self.cids[self.version]
-        peers = self.db.query(
-            "SELECT blob_url FROM peers WHERE role = 'worker' AND state = "
-            "'live' AND blob_url IS NOT NULL AND accepts_connections = 1"
-        )
+        peers = self.membership.peers.blob_urls(live_role="worker")
         urls = sorted(
-            {r["blob_url"] for r in peers},
+            set(peers.values()),
             key=lambda u: hashlib.sha256(f"{cid}|{u}".encode()).digest(),
         )[:MAX_PEER_PROVIDERS]
         providers = urls + ([self.url] if self.url else [])
@@ -257,8 +245,7 @@ class Trainer:
         self.stop_event.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self.membership.liveness.flush()
-        self.db.close()
+        self.host.close()
 
     def _loop(self) -> None:
         if not any(h.get("pass_at_1") is not None for h in self.history):

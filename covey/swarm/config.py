@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
-from covey.config import Frozen, RunConfig, TrustConfig
+from covey.config import Frozen, MembershipConfig, TrustConfig
 
 
 class SwarmConfig(Frozen):
@@ -195,17 +195,17 @@ class SwarmConfig(Frozen):
             )
         return f"hf:{directory}"
 
-    def membership_config(self) -> RunConfig:
-        """The data-parallel RunConfig whose trust and liveness fields Membership reads."""
-        return RunConfig.model_validate(
-            {
-                "name": self.name,
-                "seed": self.seed,
-                "rounds": {"heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s},
-                "trust": TrustConfig(
-                    min_stake=self.min_stake, slash_fraction=self.slash_fraction, sample_rate=0.0
-                ).model_dump(),
-            }
+    def membership_config(self) -> MembershipConfig:
+        """What the host's membership reads: the servers' liveness and stake."""
+        return MembershipConfig(
+            heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s, min_stake=self.min_stake
+        )
+
+    def trust_config(self) -> TrustConfig:
+        """The incentive rules the ledger's "run created" entry records (covey.trust.
+        incentives.Policy): the stake and slash of this spec, nothing sampled."""
+        return TrustConfig(
+            min_stake=self.min_stake, slash_fraction=self.slash_fraction, sample_rate=0.0
         )
 
 

@@ -124,8 +124,7 @@ class PayDesk:
             providers = [x.blob_url for x in self.servers.values() if x.stage == check.stage]
         keys = {}
         for s in check.servers:
-            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (s,))
-            keys[s] = "" if row is None else row["public_key"]
+            keys[s] = self.membership.peers.public_key(s) or ""
         try:
             evidence.verify_agreement(check, keys, self.cfg.tolerance)
         except evidence.EvidenceError as e:
@@ -196,10 +195,10 @@ class PayDesk:
             providers = [s.blob_url for s in self.servers.values()]
         keys = {}
         for r in req.replies:
-            row = self.db.one("SELECT public_key FROM peers WHERE peer_id = ?", (r.server,))
-            if row is None:
+            key = self.membership.peers.public_key(r.server)
+            if key is None:
                 raise Rejected(404, f"unknown server {r.server[:12]}")
-            keys[r.server] = row["public_key"]
+            keys[r.server] = key
         if len(keys) != 2:
             raise Rejected(400, "a dispute's two replies come from two different servers")
         # the same dispute again (replayed, or filed by another trainer) is answered from

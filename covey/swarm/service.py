@@ -2,9 +2,10 @@
 payouts and disputes, over the coordinator's components.
 
 Transport-free (covey/swarm/app.py turns HTTP into calls here and `Rejected` into 4xx).
-It REUSES, not copies: Membership (signed joins and requests, nonces, bans), Accounts (the
-hash-chained ledger and its Book: stakes, rewards, slashes), Halt (the owner's HALT) and
-the Database of covey.coordinator; stage states travel on the blob plane (covey.blobs)
+It is built on the coordinator's host (covey.coordinator.host), not a copy of it:
+Membership (signed joins and requests, nonces, bans, the peers table), Accounts (the
+hash-chained ledger and its Book: stakes, rewards, slashes), Halt (the owner's HALT), the
+Database and the blob store; stage states travel on the blob plane (covey.blobs)
 between servers by content id. What it adds is SWARM's: which server serves which
 stage, per-stage averaging rounds (covey.swarm.averaging), the rebalancer
 (covey.swarm.rebalance), pay per verified microbatch and the referee for duplicated
@@ -22,11 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from covey.blobs import BlobError, BlobStore
-from covey.coordinator.accounts import Accounts
+from covey.blobs import BlobError
 from covey.coordinator.db import Database
-from covey.coordinator.halt import Halt
-from covey.coordinator.membership import Membership
+from covey.coordinator.host import Host, RunTerms
 from covey.coordinator.rejected import Rejected
 from covey.protocol.swarm import SwarmHeartbeat, SwarmJoin, SwarmRoundReport, SwarmStateUpload
 from covey.swarm import books, evidence
@@ -46,34 +45,23 @@ log = logging.getLogger("covey.swarm")
 class SwarmCoordinator(PayDesk):
     def __init__(self, cfg: SwarmConfig, data_dir: Path, device: str | None = None) -> None:
         """`device`: where the referee recomputes (covey.swarm.referee.Referee)."""
-        data_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.run_id = cfg.run_id
-        self.identity = Identity.load_or_create(data_dir / "coordinator.key")
-        self.db = Database(data_dir / "swarm.db")
-        known = self.db.get_meta("run_id")
-        if known is not None and known != self.run_id:
-            raise ValueError(f"{data_dir} holds run {known}, not this spec's run {self.run_id}")
-        self.accounts = Accounts(self.db, self.identity, data_dir)
-        # gradient sums of averaging rounds and agreed stage states, relayed by content id:
-        # a round whose member died after reporting is still applied by the others
-        self.blobs = BlobStore(data_dir / "blobs")
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # the driver looks now (a HALT to write)
-        mcfg = cfg.membership_config()
-        self.membership = Membership(
-            self.db, mcfg, self.accounts, self.run_id, wake=self._wake, stop=self._stop,
-            check_not_halted=lambda: self.halt.check_not_halted(),
-        )  # fmt: skip
-        # the owner's HALT (the host's part): the driver writes it and pays nothing after it
-        self.halt = Halt(
-            self.accounts, run_id=self.run_id, check_run=self.membership.check_run,
-            owner_key=owner_of(cfg.model_dump(mode="json"), self.identity.public_key),
-            authenticate=self.membership.authenticate, wake=self._wake,
-            position=lambda: self.epoch,
-        )  # fmt: skip
+
+        def terms(identity: Identity, _db: Database) -> RunTerms:
+            owner = owner_of(cfg.model_dump(mode="json"), identity.public_key)
+            return RunTerms(cfg.run_id, owner, cfg.membership_config())
+
+        # the host's parts; gradient sums of averaging rounds and agreed stage states are
+        # relayed by content id (a round whose member died after reporting is still applied
+        # by the others); the driver writes the owner's HALT and pays nothing after it
+        self.host = host = Host(data_dir, terms, position=lambda: self.epoch, db_file="swarm.db")
+        known = host.db.get_meta("run_id")
+        self.identity, self.db, self.accounts = host.identity, host.db, host.accounts
+        self.blobs, self.membership, self.halt = host.blobs, host.membership, host.halt
+        self._stop, self._wake = host.stop, host.wake  # _wake: the driver looks now
         if known is None:
-            self._create(mcfg)
+            self._create()
         self.lock = threading.RLock()
         self.servers: dict[str, ServerInfo] = {}
         # trainers' measurements of servers: rebalancing never rests on a server's own word
@@ -147,7 +135,7 @@ class SwarmCoordinator(PayDesk):
         self._grace_until = time.time() + self.cfg.dead_after_s
         log.info("resumed: stage steps %s", [b.step for b in self.averaging.stages])
 
-    def _create(self, mcfg: Any) -> None:
+    def _create(self) -> None:
         now = time.time()
         with self.accounts.transaction() as c:
             c.execute("INSERT INTO meta VALUES (?, ?)", ("run_id", self.run_id))
@@ -160,7 +148,7 @@ class SwarmCoordinator(PayDesk):
                     "name": self.cfg.name,
                     "spec": self.cfg.model_dump(mode="json"),
                     "coordinator_key": self.identity.public_key,
-                    "policy": Policy.from_config(mcfg.trust).to_dict(),
+                    "policy": Policy.from_config(self.cfg.trust_config()).to_dict(),
                 },
                 now,
             )
@@ -191,8 +179,7 @@ class SwarmCoordinator(PayDesk):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.membership.liveness.flush()
-        self.db.close()
+        self.host.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
