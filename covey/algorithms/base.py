@@ -207,8 +207,8 @@ class Strategy(ABC):
 
         copy=False returns the live tensors (or zeros standing in for state not created
         yet): read them at once; writing to them writes the strategy's state. A copy holds
-        only what training could change (issue 13.3): the zeros standing in for state not
-        created yet are broadcast views of one zero, never written, so they are not
+        only what training could change: the zeros standing in for state not created
+        yet are broadcast views of one zero, never written, so they are not
         copied; and with `start` (the round's start parameters, which nothing changes in
         place), a parameter with exactly the bits of its start entry is that tensor, not
         a copy (at a round's first commitment the whole model is)."""
@@ -236,7 +236,7 @@ class Strategy(ABC):
         return state
 
     def free_round_memory(self, optimizer: bool = False, start: bool = False) -> None:
-        """Let go of what only this round's inner steps use (issue 13.3): the gradients
+        """Let go of what only this round's inner steps use: the gradients
         (the next inner step makes its own: numerics do not change), and with `optimizer`
         the strategy's own training state (a DiLoCo worker's AdamW moments: two model
         sizes). `optimizer` only when the next inner step follows a `begin_round` or
@@ -349,7 +349,7 @@ class Strategy(ABC):
             vector = self.codec.decode(c.payload, numel)
         except CodecError as e:
             raise RoundError(f"payload rejected: {e}") from None
-        finally:  # a mapped payload's pages are not held once decoded (issue 13.3)
+        finally:  # a mapped payload's pages are not held once decoded
             drop_mapped_pages(c.payload)
         if not bool(torch.isfinite(vector).all()):
             raise RoundError("payload decodes to NaN or Inf values")
@@ -364,7 +364,7 @@ class Strategy(ABC):
     ) -> TrainState:
         """`apply_round`, the same new state bit for bit, taking start_state's tensors out
         of it as they are replaced, so that the old and the new state are not both in
-        memory (issue 13.3): for a caller that drops the start state anyway (a worker whose
+        memory: for a caller that drops the start state anyway (a worker whose
         result replaces it). start_state may be left empty, also when this raises after
         aggregating. Default: `apply_round`, start_state untouched."""
         return self.apply_round(start_state, contributions)
@@ -388,10 +388,10 @@ class Strategy(ABC):
                 return self.codec.decode(contributions[i].payload, numel, device=device)
             except CodecError as e:
                 raise RoundError(f"contribution {i}: {e}") from None
-            finally:  # a mapped payload's pages are not held once decoded (issue 13.3)
+            finally:  # a mapped payload's pages are not held once decoded
                 drop_mapped_pages(contributions[i].payload)
 
-        # one decoded contribution in memory at a time, the rule's exact bits (issue 13.3)
+        # one decoded contribution in memory at a time, the rule's exact bits
         flat = aggregate_lazily(self.aggregator, len(contributions), load, weights)
         update = unflatten(flat, params)
         return dict(zip(names, update, strict=True))

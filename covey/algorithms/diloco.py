@@ -75,7 +75,7 @@ class DiLoCo(Strategy):
         super().load_state(state)
         start = [state.params[n] for n in self.names]
         if all(t.device == self.device and t.dtype == torch.float32 for t in start):
-            # the state's tensors, not a flat copy: a model size less (issue 13.3); a
+            # the state's tensors, not a flat copy: a model size less; a
             # state's tensors are never changed in place (outer_step makes new ones)
             self._start, self._start_params = None, start
         else:
@@ -223,8 +223,8 @@ class DiLoCo(Strategy):
 
 def _zeros(p: torch.Tensor, device: str | None) -> torch.Tensor:
     """Zeros shaped like `p`: on the meta device a layout; else a broadcast view of one
-    zero, which holds no memory (a fresh AdamW's two moments would be two model sizes,
-    issue 13.3) and is copied into a real tensor wherever it is installed."""
+    zero, which holds no memory (a fresh AdamW's two moments would be two model sizes)
+    and is copied into a real tensor wherever it is installed."""
     if device == "meta":
         return torch.empty_like(p, device="meta")
     return torch.zeros((), dtype=p.dtype, device=device or p.device).expand(p.shape)
@@ -245,7 +245,7 @@ def outer_step(
     """Nesterov SGD on the named parameters in outer_grads; the others are carried over.
     `consume`: take each tensor out of start_state's dicts as its replacement is made, so
     that a tensor no one else holds is freed at once (one tensor's old and new values in
-    memory, not two states: issue 13.3); the same new state, bit for bit, and start_state
+    memory, not two states); the same new state, bit for bit, and start_state
     is left empty. RoundError for a non-finite outer gradient, before anything is taken."""
     for name, g in outer_grads.items():
         if not torch.isfinite(g).all():

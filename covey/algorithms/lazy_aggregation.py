@@ -1,4 +1,4 @@
-"""Aggregation that holds one decoded contribution at a time (issue 13, section 3).
+"""Aggregation that holds one decoded contribution at a time (docs/memory.md).
 
 `aggregate_lazily(aggregator, n, load, weights)` returns exactly what
 `aggregator([load(0), ..., load(n-1)], weights)` returns, bit for bit, while a peer's memory

@@ -1,4 +1,5 @@
-"""Sharded aggregation (issue 13 §1): one shard of the flat parameter space at a time.
+"""Sharded aggregation: one shard of the flat parameter space at a time
+(docs/sharded-aggregation.md).
 
 Past a crossover in peers, every peer fetching every contribution costs more than the
 model itself. Instead the flat parameter space (the strategy's names in order, as

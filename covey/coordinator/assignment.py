@@ -1,5 +1,5 @@
 """Which validator checks which contribution: drawn from the public beacon, not first come
-(../shared/DESIGN.md, "Trust").
+(docs/trust.md).
 
 A sampled contribution needs `validators_per_check` checks when its peer is new or has a
 low reputation, one otherwise (`Book.checks_needed`). Its validators are drawn by

@@ -1,5 +1,5 @@
 """Canaries: known-bad contributions the coordinator plants among a validator's checks, so
-that a validator cannot be paid for not checking (../shared/DESIGN.md, "Trust").
+that a validator cannot be paid for not checking (docs/trust.md).
 
 At each commit, each eligible validator gets a canary with probability `canary_rate`,
 decided by the coordinator's signature over (run, round, validator)

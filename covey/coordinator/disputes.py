@@ -131,7 +131,7 @@ class Disputes:
         with self._layout_lock:
             if self._layout is None:
                 layout = self.strategy.local_state_layout()
-                # broadcast views of one zero: no model-sized tensors made (issue 13.3)
+                # broadcast views of one zero: no model-sized tensors made
                 zeros = {
                     n: torch.zeros((), dtype=t.dtype).expand(t.shape) for n, t in layout.items()
                 }

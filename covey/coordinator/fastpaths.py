@@ -3,7 +3,7 @@
 At 1000 peers a coordinator answers about 500 heartbeats and 500 `/v1/round` polls a
 second. Through FastAPI each costs its dependency solving, its response-model validation
 and serialization and a few exception-handling layers: most of a request's CPU, measured
-(BENCHMARKS: `covey bench coordinator`; /work/notes/s2/bench/T1.md). `FastPaths` is a raw
+(BENCHMARKS: `covey bench coordinator`). `FastPaths` is a raw
 ASGI layer just inside the app's own middlewares (rate limits, body limits and deadlines,
 the endpoint tag signatures are checked against, metrics: all still apply) that answers
 exactly `POST /v1/heartbeat` and `GET /v1/round` (with its long-poll, `hold_round_poll`)

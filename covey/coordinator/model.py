@@ -3,7 +3,7 @@ names, shapes and dtypes, the loss, the sequence length, an evaluation copy, and
 files on the blob plane. Built once by the facade (covey.coordinator.service) and handed to
 verification and to the rounds mode.
 
-Of the model's weights the coordinator holds one copy, the strategy's (issue 13.3): the
+Of the model's weights the coordinator holds one copy, the strategy's: the
 template is shapes only, and the evaluation copy borrows the canonical state's tensors
 while it evaluates (covey.memory.borrowed_weights). The strategy's model keeps the seeded
 round-0 weights: nothing on the coordinator trains it (the referee trains a copy), and a

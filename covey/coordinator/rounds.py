@@ -439,7 +439,7 @@ class Rounds(Intake, Views):
 
         The update consumes the current state's tensors (`Strategy.apply_round_consuming`:
         each old tensor is let go as its replacement is made, so the old and the new state
-        are not both in memory, issue 13.3). Meanwhile, and if anything fails, the current
+        are not both in memory). Meanwhile, and if anything fails, the current
         state is its blob: the same bytes, read from disk when asked for."""
         if assembled is not None:
             new_state = assembled[1]
@@ -465,7 +465,7 @@ class Rounds(Intake, Views):
     def _outer_on_disk(self, state: TrainState, cid: str) -> None:
         """While `state` is current its outer tensors (the outer momentum: a model size)
         are read from its blob when the next update needs them, not held in memory
-        (issue 13.3; as a worker does, covey.peer.worker_state). The same bytes: the
+        (as a worker does, covey.peer.worker_state). The same bytes: the
         blob's content id is the state's. The blob is kept while it is the current state
         (covey.coordinator.retention), and the open file stays readable if it is deleted."""
         if state.outer:

@@ -288,7 +288,7 @@ class ShardedAggregation:
         rule, blobs = self.strategy.aggregator, self.blobs
         norms = None
         if isinstance(rule, NormClip) and rule.factor > 0:
-            # TODO(issue 13): contributors should commit block sums in their signed
+            # Not done yet: contributors should commit block sums in their signed
             # submissions (shards.block_square_sums) so this decode leaves the coordinator
             codec = self.strategy.codec
             norms = [l2_norm(codec.decode(blobs.view(r["cid"]), self.numel)) for r in rows]

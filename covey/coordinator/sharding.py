@@ -1,5 +1,5 @@
-"""Sharded aggregation's coordinator side (issue 13 §1): it certifies shard hashes, never
-tensors.
+"""Sharded aggregation's coordinator side (docs/sharded-aggregation.md): it certifies
+shard hashes, never tensors.
 
 For each sharded round r a `ShardBoard` draws, from a beacon (the hash of round r's
 closed input set, unknown before its inputs were fixed), an ordered list of staked aggregators
@@ -273,7 +273,7 @@ class ShardBoard:
         # recomputation can take a while: outside the lock, then decided under it
         try:
             truth = self._referee(round, shard)
-        except Exception as e:  # a failed referee convicts nobody (DESIGN.md, Trust)
+        except Exception as e:  # a failed referee convicts nobody (docs/trust.md)
             return {"ok": True, "outcome": "inconclusive", "detail": str(e)[:200]}
         with self._lock:
             if rnd.published.get(shard) is not pub:

@@ -1,4 +1,5 @@
-"""Verification and incentives on the coordinator (../shared/DESIGN.md, "The round" step 6).
+"""Verification and incentives on the coordinator (docs/architecture.md, "A round, from
+contribution to certificate").
 
 At each commit the accepted contributions are written to the ledger, each with the
 coordinator's sampling draw (covey.trust.certify): sampled ones become tasks assigned to

@@ -349,7 +349,7 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self._note_round(info.round, compute_s, ended - started, ahead[0])
         self._train_ended = ended
         # the contribution in a list `_finish` empties: no frame keeps a model-sized
-        # payload alive once it is published (while the round is applied, issue 13.3)
+        # payload alive once it is published (while the round is applied)
         args = (info, [contribution], loss, compute_s, ended - started, commitments)
         del contribution
         if self._overlaps():

@@ -155,7 +155,7 @@ class StateKeeping:
         if self.state_hash != cert.start_hash:  # we missed something: take the result
             return self._canonical(cert, "local start state differs from the certificate's")
         above = self.cfg.trust.sharded_above_peers
-        if above and len(cert.accepted) >= above:  # issue 13 §1: shard by shard
+        if above and len(cert.accepted) >= above:  # shard by shard (docs/sharded-aggregation.md)
             sharded = self._sharded_result(cert)
             if sharded is not None:
                 return sharded
@@ -169,7 +169,7 @@ class StateKeeping:
             # mapped from disk, not read into memory: N contributions are not N in RAM
             payload = self.store.view(a.cid)
             contributions.append(Contribution(payload, a.tokens, a.inner_steps, a.fragment))
-        if consume:  # the result replaces the start state: not both in memory (issue 13.3)
+        if consume:  # the result replaces the start state: not both in memory
             self.state_hash = None  # the start state is emptied: a retry downloads it
             new_state = self.strategy.apply_round_consuming(self.state, contributions)
         else:
@@ -271,7 +271,7 @@ class StateKeeping:
     def _outer_on_disk(self, state: TrainState, cid: str) -> None:
         """While state `cid` is served from our store, its outer tensors (the outer
         momentum: a model size) are read from that file when the next round's update needs
-        them, not held in memory while the worker trains (issue 13.3). The same bytes:
+        them, not held in memory while the worker trains. The same bytes:
         the file's content id is the state's."""
         if self.server is None or not state.outer:
             return

@@ -120,7 +120,7 @@ class Training:
         """The end state's blob and content id (H3), once, before it is published: the
         bytes of `verify.local_state_to_bytes(local.end)`, streamed into a scratch file of
         the store and hashed on the way, never held in memory next to the tensors (a local
-        state is 1.5 GB at 124M, issue 13.3)."""
+        state is 1.5 GB at 124M)."""
         if local is None or local.end_cid is not None or not local.end:
             return
         assert self.store is not None

@@ -156,7 +156,7 @@ def _validator_join(t: Trainer, req: schemas.ValidatorJoin, raw: dict[str, Any])
         "ok": True,
         "heartbeat_s": t.spec.heartbeat_s,
         "dead_after_s": t.spec.dead_after_s,
-        "verify_device": t.spec.verify_device,  # the class its checks must run on (issue 12)
+        "verify_device": t.spec.verify_device,  # the class its checks must run on
     }
 
 

@@ -121,7 +121,7 @@ class Trainer:
         rows = self.db.query("SELECT version, cid FROM rl_versions ORDER BY version")
         self.cids = {int(r["version"]): r["cid"] for r in rows}
         self.version = max(self.cids)
-        # issue 12: re-checks and audits run on the run's verify class (a policy version
+        # re-checks and audits run on the run's verify class (a policy version
         # loaded there by policy_at), or not at all: judged elsewhere, rounding could convict
         self.judging = verify_compute(self.spec)
         self._not_judged: set[int] = set()

@@ -1,4 +1,4 @@
-"""SWARM pipeline training (arXiv 2301.11913), issue 15.
+"""SWARM pipeline training (arXiv 2301.11913).
 
 This package's pure core: `plan` cuts a model into stages, `stage` runs one stage's
 forward and recomputing backward, `codecs` compresses what travels between stages,

@@ -98,7 +98,7 @@ class SwarmConfig(Frozen):
     verify_device: Literal["cpu", "cuda", "mps"] = Field(
         "cpu",
         description="device class the referee recomputes disputed replies on; a "
-        "coordinator without it judges nothing (issue 12)",
+        "coordinator without it judges nothing",
     )
     payout_s: float = Field(
         5.0, gt=0, description="the ledger pays verified microbatches this often"
