@@ -134,6 +134,32 @@ class LimitsConfig(Frozen):
     )
 
 
+def derived_limits(data: Any, derived: dict[str, Any]) -> Any:
+    """A spec's fields before validation with its [limits] table's fields that are unset
+    taken from `derived`: how a mode whose body size is a field of its own (RL's
+    max_batch_bytes, SWARM's max_body_bytes) gives its table the values its app has always
+    used. A table given as a `LimitsConfig` keeps only the fields it was built with; one of
+    another type is left for the model to refuse, naming it."""
+    if not isinstance(data, dict):
+        return data
+    given = data.get("limits", {})
+    if isinstance(given, LimitsConfig):
+        given = given.model_dump(exclude_unset=True)
+    if not isinstance(given, dict):
+        return data
+    return {**data, "limits": {**derived, **given}}
+
+
+def body_limit_matches(limits: LimitsConfig, field: str, size: int) -> None:
+    """ValueError unless `limits.max_json_bytes` is the mode's own body size `size` (its
+    spec's `field`): one request-size limit, named in one place."""
+    if limits.max_json_bytes != size:
+        raise ValueError(
+            f"limits.max_json_bytes ({limits.max_json_bytes}) differs from {field} ({size}): "
+            f"the largest request body is {field}; set that instead"
+        )
+
+
 class TrustConfig(Frozen):
     """Verification, robust aggregation and incentives. Amounts are in the run's credits;
     everything is derived from the ledger."""

@@ -15,6 +15,10 @@ precision; a peer of another class refuses to judge rather than convict honest w
 rounding (`verify_refusal`), and a worker's `--device auto` means that class
 (`peer_device`). Both enter the run id only when not the default, so runs created before
 they existed keep their ids.
+
+The `limits` table is the host's `LimitsConfig` (rates, body deadline, connections), its
+`max_json_bytes` always the spec's `max_batch_bytes`. A table holding what the trainer used
+before the spec had one (`default_limits`) is left out of the dump, so of the run id.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import logging
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from covey.config import MembershipConfig
+from covey.config import LimitsConfig, MembershipConfig
+from covey.config.networked import body_limit_matches, derived_limits
 from covey.coordinator.rejected import Rejected
 from covey.devices import (
     DeviceError,
@@ -124,6 +129,27 @@ class RLSpec(BaseModel):
         description="precision of sampling and checks: fp32 only (RL's rollouts and prefill "
         "checks do not autocast; the trainer's learning step may, with --precision)",
     )
+    limits: LimitsConfig = Field(
+        default_factory=lambda: default_limits(RLSpec.model_fields["max_batch_bytes"].default),
+        description="the trainer's HTTP limits (rates per peer and address, joins, body "
+        "deadline, connections); max_json_bytes is max_batch_bytes",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _limits_of_batch(cls, data: Any) -> Any:
+        default = cls.model_fields["max_batch_bytes"].default
+        size = data.get("max_batch_bytes", default) if isinstance(data, dict) else None
+        if not isinstance(size, int):
+            return data  # the field's own check names it
+        return derived_limits(data, default_limits(size).model_dump())
+
+    @model_serializer(mode="wrap")
+    def _dump_limits(self, handler: Any) -> dict[str, Any]:
+        dumped = handler(self)
+        if self.limits == default_limits(self.max_batch_bytes):
+            dumped.pop("limits", None)  # runs made before the table keep their ids
+        return dumped
 
     @model_validator(mode="after")
     def _consistent(self) -> RLSpec:
@@ -133,7 +159,14 @@ class RLSpec(BaseModel):
             )
         if self.task.kind == "jsonl" and not (self.task.path and self.task.reward):
             raise ValueError("a jsonl task needs task.path and task.reward (py:<mod>:<fn>)")
+        body_limit_matches(self.limits, "max_batch_bytes", self.max_batch_bytes)
         return self
+
+
+def default_limits(max_batch_bytes: int) -> LimitsConfig:
+    """The limits a trainer serves with unless its spec says otherwise: the host's
+    defaults, with the largest batch as the largest request body."""
+    return LimitsConfig(max_json_bytes=max(1024, max_batch_bytes))
 
 
 def run_id_of(spec: RLSpec, model_cfg: dict[str, Any], policy_cid: str, trainer_key: str) -> str:

@@ -1,11 +1,11 @@
 """The trainer's HTTP service: the RL mode of covey's coordinator API.
 
 Membership (join, heartbeat, leave), signatures and nonces, the owner's HALT, the
-ledger routes, /healthz and /metrics, rate and body-size limits are the coordinator's
-host parts (covey.coordinator.host_app); the RL routes are `/v1/rl/*`. Every POST is
-signed for the path it is sent to (covey.coordinator.auth). Bad input is a 4xx naming
-the field (422 for a body that does not parse, with each field's problem) and changes
-nothing.
+ledger routes, /healthz and /metrics, rate and body-size limits (the spec's [limits]
+table) are the coordinator's host parts (covey.coordinator.host_app); the RL routes are
+`/v1/rl/*`. Every POST is signed for the path it is sent to (covey.coordinator.auth). Bad
+input is a 4xx naming the field (422 for a body that does not parse, with each field's
+problem) and changes nothing.
 
     GET  /                      status page (reward, pass@1, batches accepted/rejected)
     GET  /v1/run                run id, mode, trainer key, spec (`covey halt`, `ledger verify`)
@@ -34,7 +34,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
-from covey.config import LimitsConfig
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
 from covey.coordinator.metrics import HostCollector, Metrics, reason_label
 from covey.coordinator.rejected import Rejected
@@ -57,7 +56,7 @@ def create_app(trainer: Trainer) -> FastAPI:
     t = trainer
 
     handle_errors(app, log)
-    limits = LimitsConfig(max_json_bytes=max(1024, t.spec.max_batch_bytes))
+    limits = t.spec.limits  # its max_json_bytes is the spec's max_batch_bytes
     metrics = Metrics(HostCollector(t.db, t.spec.dead_after_s), RLCollector(t))
     host_routes(app, metrics, t.halt, t.accounts)  # /healthz, /metrics, /v1/halt, /v1/ledger
 
@@ -162,8 +161,7 @@ def _validator_join(t: Trainer, req: schemas.ValidatorJoin, raw: dict[str, Any])
 
 def serve(trainer: Trainer, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM, then stop the learning loop and close the database."""
-    limits = LimitsConfig(max_json_bytes=max(1024, trainer.spec.max_batch_bytes))
-    serve_app(create_app(trainer), host, port, limits, trainer.start, trainer.stop)
+    serve_app(create_app(trainer), host, port, trainer.spec.limits, trainer.start, trainer.stop)
 
 
 class RLCollector(Collector):

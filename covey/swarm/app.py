@@ -17,7 +17,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
-from covey.config import LimitsConfig
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
 from covey.coordinator.metrics import HostCollector, Metrics
 from covey.coordinator.rejected import Rejected
@@ -67,7 +66,7 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
     app = FastAPI(title="covey swarm", description="SWARM stage servers, trainers, rebalancing.")
 
     handle_errors(app, log)
-    limits = _limits(coord)
+    limits = coord.cfg.limits  # its max_json_bytes is the spec's max_body_bytes
     # live servers are the coordinator's in-memory set (heartbeats do not touch SQLite)
     live = HostCollector(coord.db, coord.cfg.dead_after_s, lambda: {"server": len(coord.servers)})
     metrics = Metrics(live, views.SwarmCollector(coord))
@@ -149,12 +148,6 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
     return app
 
 
-def _limits(coord: SwarmCoordinator) -> LimitsConfig:
-    """The host's limits with this run's body size (blobs too: states travel as JSON)."""
-    size = max(1024, coord.cfg.max_body_bytes)
-    return LimitsConfig(max_json_bytes=size, max_blob_bytes=size, body_timeout_s=30.0)
-
-
 def serve(coord: SwarmCoordinator, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM, then stop the driver."""
-    serve_app(create_app(coord), host, port, _limits(coord), coord.start, coord.stop)
+    serve_app(create_app(coord), host, port, coord.cfg.limits, coord.start, coord.stop)

@@ -3,6 +3,10 @@
 Frozen and hashed into the run id like a data-parallel run's spec (STYLE.md rule 4). The
 coordinator owns it; servers and trainers read it from `GET /v1/swarm/spec`, so every
 peer builds the same model, plan and batches.
+
+The `limits` table is the host's `LimitsConfig`, its `max_json_bytes` always the spec's
+`max_body_bytes`. A table holding what the coordinator used before the spec had one
+(`default_limits`) is left out of the dump, so of the run id.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Field, ValidationInfo, model_serializer, model_validator
 
-from covey.config import Frozen, MembershipConfig, TrustConfig
+from covey.config import Frozen, LimitsConfig, MembershipConfig, TrustConfig
+from covey.config.networked import body_limit_matches, derived_limits
 
 
 class SwarmConfig(Frozen):
@@ -108,6 +113,27 @@ class SwarmConfig(Frozen):
     )
     min_stake: float = Field(0.0, ge=0, description="credits a server stakes to join")
     slash_fraction: float = Field(0.5, ge=0, le=1, description="stake a proven liar loses")
+    limits: LimitsConfig = Field(
+        default_factory=lambda: default_limits(SwarmConfig.model_fields["max_body_bytes"].default),
+        description="the coordinator's HTTP limits (rates per peer and address, joins, body "
+        "deadline, connections); max_json_bytes is max_body_bytes",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _limits_of_body(cls, data: Any) -> Any:
+        default = cls.model_fields["max_body_bytes"].default
+        size = data.get("max_body_bytes", default) if isinstance(data, dict) else None
+        if not isinstance(size, int):
+            return data  # the field's own check names it
+        return derived_limits(data, default_limits(size).model_dump())
+
+    @model_serializer(mode="wrap")
+    def _dump_limits(self, handler: Any) -> dict[str, Any]:
+        dumped = handler(self)
+        if self.limits == default_limits(self.max_body_bytes):
+            dumped.pop("limits", None)  # runs made before the table keep their ids
+        return dumped
 
     @classmethod
     def received(cls, spec: Any) -> SwarmConfig:
@@ -157,6 +183,7 @@ class SwarmConfig(Frozen):
 
     @model_validator(mode="after")
     def _fits(self) -> SwarmConfig:
+        body_limit_matches(self.limits, "max_body_bytes", self.max_body_bytes)
         if self.model:
             return self  # the directory's config.json is checked when a stage is built
         if self.stages > self.n_layer:
@@ -207,6 +234,14 @@ class SwarmConfig(Frozen):
         return TrustConfig(
             min_stake=self.min_stake, slash_fraction=self.slash_fraction, sample_rate=0.0
         )
+
+
+def default_limits(max_body_bytes: int) -> LimitsConfig:
+    """The limits a coordinator serves with unless its spec says otherwise: the host's
+    defaults with the run's body size for JSON and blobs alike (stage states travel as
+    JSON) and a longer body deadline (30 s: gradient sums are large)."""
+    size = max(1024, max_body_bytes)
+    return LimitsConfig(max_json_bytes=size, max_blob_bytes=size, body_timeout_s=30.0)
 
 
 def tokenizer_digest(directory: str) -> str:
