@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 import typer
 
+from covey.bench.say import LOG_JSON, bench_say
+
 
 def register(bench_app: Any) -> None:
     """Add `covey bench agreement` to the bench sub-app."""
@@ -51,11 +53,13 @@ def register(bench_app: Any) -> None:
             float, typer.Option(min=0.1, help="give up on the network run after this long")
         ] = 120.0,
         progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """The simulator and the network agree: the --long preset's method (default DiLoCo
         H=100 int4 + error feedback) in the simulator and over real processes on 127.0.0.1
         from the same warm start, both evaluated on the simulator's validation batches;
         the goal is a tail-mean val loss within 1%."""
+        say = bench_say(log_json, "agreement")
         from covey.bench.agreement import agreement_size, pick_method, run_agreement_bench
         from covey.local.cluster import ClusterError
 
@@ -74,11 +78,11 @@ def register(bench_app: Any) -> None:
         try:
             rows = run_agreement_bench(size=size, method_name=method, out_dir=out,
                                        from_dir=from_dir, timeout_s=timeout_min * 60,
-                                       progress=progress)  # fmt: skip
+                                       progress=progress and not log_json)  # fmt: skip
         except (ValueError, ClusterError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
         if json_path:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(rows, indent=2) + "\n")
-            typer.echo(f"wrote {json_path}")
+            say(f"wrote {json_path}")

@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 import typer
 
+from covey.bench.say import LOG_JSON, bench_say
+
 
 def register(bench_app: Any) -> None:
     """Add `covey bench hostsync` to the bench sub-app."""
@@ -20,10 +22,12 @@ def register(bench_app: Any) -> None:
         json_path: Annotated[
             Path | None, typer.Option("--json", help="write the rows here")
         ] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Per method (DDP, DiLoCo, Streaming DiLoCo, DeMo): host milliseconds per inner
         step per 1M parameters on this machine's CPU, and the device-to-host
         synchronizations one inner step makes (counted on the meta device)."""
+        say = bench_say(log_json, "hostsync")
         from covey.bench.hostsync import run_hostsync_bench  # torch: only when it runs
         from covey.models.gpt import GPT_SIZES
 
@@ -32,7 +36,7 @@ def register(bench_app: Any) -> None:
             raise typer.Exit(2)
         rows = run_hostsync_bench(model, steps)
         for r in rows:
-            typer.echo(
+            say(
                 f"{r['method']:>10}: {r['host_ms_per_step_per_m']:8.3f} host ms/step/1M params "
                 f"(fastest {r['fastest_ms_per_step_per_m']:.3f}; {r['parameters_m']}M), "
                 f"{r['syncs_per_step']:.2f} syncs/step"

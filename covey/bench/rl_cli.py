@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from covey.bench.say import LOG_JSON, bench_say
+
 
 def _fail(message: str) -> typer.Exit:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
@@ -45,11 +47,13 @@ def register(bench_app: typer.Typer) -> None:
             bool, typer.Option(help="also run the verification section (covey.bench.rl_verify)")
         ] = True,
         seed: Annotated[int, typer.Option(help="seeds SFT, prompts and sampling")] = 0,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Does RL learn, and what does checking it cost: SFT then GRPO on held-out
         arithmetic (pass@1 curve, start/end, minutes; goal +25 points within 20 CPU
         minutes), plus honest false rejections, cheats caught, validator cost share, proof
         bytes and rollout throughput from the verification bench."""
+        say = bench_say(log_json, "rl")
         import dataclasses
         import tempfile
 
@@ -67,12 +71,12 @@ def register(bench_app: typer.Typer) -> None:
         )
         with tempfile.TemporaryDirectory(prefix="covey-bench-rl-") as work:
             result = run_bench(quick, Path(work), json_path=json_path, verify=verify, cfg=cfg,
-                               policy_dir=policy, echo=typer.echo)  # fmt: skip
+                               policy_dir=policy, echo=say)  # fmt: skip
         r = result["learning"]
         verdict = "goal met" if r["met"] else "goal MISSED"
         if quick and not r["met"]:
             verdict = "quick run, too short for the goal"
-        typer.echo(
+        say(
             f"learning: pass@1 {100 * r['pass_at_1_start']:.1f}% -> {100 * r['pass_at_1_end']:.1f}%"
             f" ({r['gain_points']:+.1f} points, best {100 * r['pass_at_1_best']:.1f}%) in "
             f"{r['rl_steps']} steps, {r['rl_minutes']:.1f} min ({verdict}: +{r['goal_points']:g} "
@@ -83,7 +87,7 @@ def register(bench_app: typer.Typer) -> None:
             s = v["summary"]
             cost = [r for r in v["rows"] if r.get("section") == "cost"]
             rate = max((r.get("rollouts_per_s", 0.0) for r in cost), default=float("nan"))
-            typer.echo(
+            say(
                 f"verification: {s.get('honest_rejected')}/{s.get('honest_rollouts')} honest "
                 f"rejected, {s.get('cheats_missed')} cheats missed over {s.get('cheat_kinds')} "
                 f"kinds x {s.get('min_tries')}+ tries, validator share "
@@ -91,6 +95,4 @@ def register(bench_app: typer.Typer) -> None:
                 f"{s.get('proof_bytes_per_full_chunk')} B per 32 tokens, {rate:.1f} rollouts/s"
             )
         if json_path:
-            typer.echo(
-                f"wrote {json_path}" + (f" and {result['plot']}" if "plot" in result else "")
-            )
+            say(f"wrote {json_path}" + (f" and {result['plot']}" if "plot" in result else ""))

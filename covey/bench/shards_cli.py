@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
+from covey.bench.say import LOG_JSON, bench_say
+
 
 def register(bench_app: Any) -> None:
     """Add `covey bench shards` to the bench sub-app."""
@@ -20,10 +22,12 @@ def register(bench_app: Any) -> None:
         json_path: Annotated[
             Path | None, typer.Option("--json", help="write the rows here")
         ] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Gather vs sharded aggregation, one DiLoCo round per peer count and path, on
         127.0.0.1: seconds to the certificate and to a worker holding the new state, bytes a
         worker downloads, bytes the aggregators read: where the two paths cross over."""
+        bench_say(log_json, "shards")
         try:
             counts = [int(x) for x in peers.split(",") if x.strip()]
         except ValueError:

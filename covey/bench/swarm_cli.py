@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
+from covey.bench.say import LOG_JSON, bench_say
+
 
 def register(bench_app: Any) -> None:
     """Add `covey bench swarm` and `covey bench swarm-codecs` to the bench sub-app."""
@@ -33,10 +35,12 @@ def register(bench_app: Any) -> None:
                 "[default: the SWARM trainer's, 2 per server]"
             ),
         ] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """SWARM vs a fixed GPipe-style pipeline on the same 4 servers (2 stages), emulated
         speeds: homogeneous, and heterogeneous (1x-4x) with a server SIGKILLed every
         --kill-every s. Prints samples/s, loss, reroutes, rebalances, bytes between stages."""
+        say = bench_say(log_json, "swarm")
         from covey.bench.swarm import SCENARIOS, run_swarm_bench
 
         if (
@@ -52,12 +56,12 @@ def register(bench_app: Any) -> None:
             raise typer.Exit(2)
         rows = run_swarm_bench(
             quick=quick, seconds=seconds, kill_every=kill_every, emulate_s=emulate_s,
-            json_path=json_path, plot_path=plot_path, echo=typer.echo, inflight=inflight,
+            json_path=json_path, plot_path=plot_path, echo=say, inflight=inflight,
         )  # fmt: skip
         for scenario in SCENARIOS:
             by = {r["mode"]: r for r in rows if r["scenario"] == scenario}
             ratio = by["swarm"]["samples_per_s"] / max(by["fixed"]["samples_per_s"], 1e-9)
-            typer.echo(
+            say(
                 f"{scenario}: swarm {by['swarm']['samples_per_s']:.2f} samples/s, fixed "
                 f"{by['fixed']['samples_per_s']:.2f} samples/s (x{ratio:.2f}); loss "
                 f"{by['swarm']['final_loss']} vs {by['fixed']['final_loss']}; reroutes "
@@ -75,9 +79,11 @@ def register(bench_app: Any) -> None:
             typer.Option(help="plain, int8 or subspace:RANK (repeat; default: all five)"),
         ] = None,
         json_path: Annotated[Path | None, typer.Option("--json", help="write the rows")] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
         """Bytes between stages per microbatch (over HTTP) and held-out loss after the same
         tokens, for fp32, 8-bit and subspace (ranks 4, 8, 16) activations between stages."""
+        say = bench_say(log_json, "swarm-codecs")
         from covey.bench.swarm_codecs import CODECS, run_codecs
 
         chosen = tuple(codec or CODECS)
@@ -97,9 +103,9 @@ def register(bench_app: Any) -> None:
                 err=True,
             )
             raise typer.Exit(2)
-        rows = run_codecs(microbatches, seeds, json_path, typer.echo, chosen)
+        rows = run_codecs(microbatches, seeds, json_path, say, chosen)
         for r in rows:
-            typer.echo(
+            say(
                 f"{r['codec']:>12}: {r['bytes_per_microbatch_http']:>7} bytes/microbatch, "
                 f"held-out loss {r['held_out_loss']:.4f} ({100 * r['held_out_vs_plain']:+.2f}%; "
                 f"per seed {r['held_out_loss_per_seed']})"

@@ -11,9 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
-from covey.cli.common import (
-    fail,
-)
+from covey.bench.say import LOG_JSON, bench_say
+from covey.cli.common import fail
 from covey.cli.root import bench_app
 
 
@@ -58,8 +57,10 @@ def bench_comms(
             "machine's cores); the numbers are the same bytes as one at a time",
         ),
     ] = None,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo vs DiLoCo+DCT, same tokens, 8 workers."""
+    say = bench_say(log_json, "comms")
     from covey.bench.comms import comms_methods, preset, run_comms_bench
 
     try:
@@ -76,11 +77,11 @@ def bench_comms(
     if jobs < 1:
         raise fail(f"--jobs must be >= 1, got {jobs}")
     records = run_comms_bench(size=size, out_dir=out, only=only, resume=resume,
-                              progress=progress, jobs=jobs)  # fmt: skip
+                              progress=progress and not log_json, jobs=jobs)  # fmt: skip
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(records, indent=2) + "\n")
-        typer.echo(f"wrote {json_path}")
+        say(f"wrote {json_path}")
 
 
 @bench_app.command("network")
@@ -113,9 +114,11 @@ def bench_network(
             "its local states through the coordinator); default the run's (1.0 new, 0.25)"
         ),
     ] = None,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """DDP vs DiLoCo vs DiLoCo + int4 + error feedback: real processes over rate-limited
     network namespaces (needs root and iproute2). Results go in BENCHMARKS.md."""
+    say = bench_say(log_json, "network")
     if verify_rate is not None and not 0 <= verify_rate <= 1:
         raise fail(f"--verify-rate must be in [0, 1], got {verify_rate}")
     if workers < 1:
@@ -149,7 +152,7 @@ def bench_network(
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(records, indent=2) + "\n")
-        typer.echo(f"wrote {json_path}")
+        say(f"wrote {json_path}")
 
 
 @bench_app.command("coordinator")
@@ -176,10 +179,12 @@ def bench_coordinator(
     procs: Annotated[int, typer.Option(min=1, help="client processes")] = 2,
     out: Annotated[Path | None, typer.Option(help="run directory")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write rows here")] = None,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Latency (p50/p99) of heartbeat, round poll (or round long-poll wake-up), upload and
     submit against a real coordinator with many simulated peers, and the coordinator's CPU
     share."""
+    say = bench_say(log_json, "coordinator")
     from covey.bench.coordinator import rows_json, run_coordinator_bench
 
     out = out or Path("runs") / time.strftime("bench-coordinator-%Y%m%d-%H%M%S")
@@ -194,28 +199,28 @@ def bench_coordinator(
             round_wait_s=round_wait_s,
             submitters=submitters,
             procs=procs,
-            echo=typer.echo,
+            echo=say,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     for r in rows[:-1]:
-        typer.echo(
+        say(
             f"{r['op']:>10}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, {r['requests']} "
             f"requests ({r['per_s']}/s), {r['errors']} errors, {r['peers']} peers"
         )
     c = rows[-1]
-    typer.echo(
+    say(
         f"coordinator: CPU {c['cpu_share']:.0%} of a core ({c['cpu_ms_per_request']} ms a "
         f"request), RSS {c['rss_mib']} MiB, "
         f"{c['rounds']} rounds committed; submissions from {c['submitters']} of "
         f"{c['peers']} peers (real signed uploads and submits); load {c['load_avg']:.1f}"
     )
     if c["error_reasons"]:
-        typer.echo(f"errors: {c['error_reasons']}")
+        say(f"errors: {c['error_reasons']}")
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(rows_json(rows))
-        typer.echo(f"wrote {json_path}")
+        say(f"wrote {json_path}")
 
 
 @bench_app.command("model")
@@ -229,18 +234,20 @@ def bench_model(
     threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 1,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     json_path: Annotated[Path | None, typer.Option("--json", help="write the result here")] = None,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """A worker's inner-step throughput (covey's DiLoCo strategy on build_model('hf:DIR'))
     against a bare transformers + AdamW loop on the same batches, on a tiny Llama built in
     a temp dir: tokens/s of each and covey's overhead (goal: at most 3%)."""
+    say = bench_say(log_json, "model")
     from covey.bench.model import run_model_bench
 
     r = run_model_bench(
         steps=steps, repeats=repeats, hidden=hidden, layers=layers, batch_size=batch_size,
-        seq_len=seq_len, threads=threads, device=device, echo=typer.echo,
+        seq_len=seq_len, threads=threads, device=device, echo=say,
     )  # fmt: skip
     verdict = "goal met" if r["met"] else f"MISSED the {r['goal_pct']}% goal"
-    typer.echo(
+    say(
         f"tiny Llama ({r['model']['parameters']:,} parameters), {r['device']}, "
         f"{r['threads']} threads: bare {r['bare_tokens_per_s']:,.0f} tokens/s, covey "
         f"{r['covey_tokens_per_s']:,.0f} tokens/s, overhead {r['overhead_pct']:+.1f}% "
@@ -250,7 +257,7 @@ def bench_model(
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(r, indent=1) + "\n")
-        typer.echo(f"wrote {json_path}")
+        say(f"wrote {json_path}")
 
 
 @bench_app.command("trust")
@@ -265,10 +272,12 @@ def bench_trust(
     model: Annotated[str, typer.Option(help="GPT size for the calibration")] = "nano",
     out: Annotated[Path | None, typer.Option(help="run directory")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """The cost of trust: honest vs cheating re-execution distances (the tolerance's
     calibration), detection probability against the sampling rate, validator compute as a
     fraction of worker compute, and validation loss with one of four workers cheating."""
+    say = bench_say(log_json, "trust")
     parts = only or ["calibration", "detection", "cost", "loss", "sparse"]
     unknown = set(parts) - {"calibration", "detection", "cost", "loss", "sparse"}
     if unknown:
@@ -287,26 +296,26 @@ def bench_trust(
         from covey.bench.trust_calibration import calibrate
 
         results["calibration"] = calibrate(model_size=model)
-        typer.echo(json.dumps(results["calibration"]["summary"], indent=1))
+        say(json.dumps(results["calibration"]["summary"], indent=1))
     if "detection" in parts:
         results["detection"] = bench.detection()
         for rate, row in results["detection"].items():
             cells = ", ".join(
                 f"{h}: {v['measured']:.3f} ({v['expected']:.3f})" for h, v in row.items()
             )
-            typer.echo(f"sample rate {rate}: detected {cells}")
+            say(f"sample rate {rate}: detected {cells}")
     if "cost" in parts:
         run = bench.local_run(out / "cost", rounds, ["honest"] * 4)
         results["cost"] = {"rounds": rounds, "compute": run["compute"], "wall_s": run["wall_s"]}
         for phase, c in run["compute"].items():
-            typer.echo(
+            say(
                 f"{phase}: {c['re-executed']}/{c['contributions']} re-executed; validator "
                 f"{c['validator_s']} s / workers {c['worker_s']} s = {c['fraction']:.1%}"
             )
     if "loss" in parts:
         results["loss"] = bench.loss_under_attack(out / "loss", rounds, attack)
         r = results["loss"]
-        typer.echo(
+        say(
             f"val loss after {rounds} rounds: honest {r['honest_val_loss']:.4f}, with one "
             f"{attack} of 4: {r['attacked_val_loss']:.4f} ({r['relative']:+.2%}); "
             f"caught: {r['caught']}"
@@ -314,11 +323,11 @@ def bench_trust(
     if "sparse" in parts:  # late and intermittent cheaters at a sparse sampling rate
         from covey.bench.trust_sparse import sparse_report
 
-        results["sparse"] = sparse_report(rate, echo=typer.echo)
+        results["sparse"] = sparse_report(rate, echo=say)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(results, indent=2) + "\n")
-        typer.echo(f"wrote {json_path}")
+        say(f"wrote {json_path}")
 
 
 @bench_app.command("compare")
@@ -326,9 +335,11 @@ def bench_compare(
     workers: Annotated[int, typer.Option(help="simulated workers")] = 4,
     steps: Annotated[int, typer.Option(help="inner steps per worker")] = 240,
     out: Annotated[Path | None, typer.Option(help="run directory")] = None,
+    log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """A minute-long look at the algorithms: DDP vs DiLoCo vs DiLoCo+DCT, simulated
     in-process on the stdlib corpus; prints bytes sent against loss reached."""
+    bench_say(log_json, "compare")
     from covey.bench.comms import run_demo
 
     out = out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
