@@ -349,6 +349,9 @@ LONG_RUNNING = (
     ("sim",), ("demo",), ("coordinator",), ("worker",), ("validator",),
     ("rl", "trainer"), ("rl", "worker"), ("rl", "validator"), ("rl", "demo"),
     ("swarm", "coordinator"), ("swarm", "server"), ("swarm", "trainer"), ("swarm", "demo"),
+    *(("bench", b) for b in ("comms", "network", "coordinator", "model", "trust", "compare",
+                             "agreement", "gpu", "hostsync", "rl", "shards", "swarm",
+                             "swarm-codecs")),
 )  # fmt: skip
 
 
@@ -361,6 +364,19 @@ def test_every_long_running_command_takes_log_json() -> None:
     for command in LONG_RUNNING:
         r = runner.invoke(app, [*command, "-h"])
         assert r.exit_code == 0 and "--log-json" in r.output, command
+
+
+def test_a_bench_with_log_json_writes_json_log_lines(tmp_path: Path) -> None:
+    """The cheapest bench (host syncs of one nano inner step per method): with --log-json
+    every line it writes is a JSON log record on stderr, its results among them; stdout
+    (where they go without it) stays empty."""
+    r = covey("bench", "hostsync", "--model", "nano", "--steps", "1", "--log-json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "", r.stdout
+    records = [json.loads(line) for line in r.stderr.splitlines()]  # --log-json: all JSON
+    results = [e for e in records if "host ms/step/1M params" in e["message"]]
+    assert len(results) == 4, r.stderr  # ddp, diloco, streaming, demo
+    assert {(e["level"], e["peer"]) for e in results} == {("INFO", "bench-hostsync")}
 
 
 def test_set_values_reach_the_spec_over_flags_and_toml(tmp_path: Path) -> None:
