@@ -116,7 +116,8 @@ class SwarmConfig(Frozen):
     limits: LimitsConfig = Field(
         default_factory=lambda: default_limits(SwarmConfig.model_fields["max_body_bytes"].default),
         description="the coordinator's HTTP limits (rates per peer and address, joins, body "
-        "deadline, connections); max_json_bytes is max_body_bytes",
+        "deadline, connections); max_json_bytes is max_body_bytes; unless set, max_blob_bytes "
+        "is max_body_bytes too and body_timeout_s 30",
     )
 
     @model_validator(mode="before")
