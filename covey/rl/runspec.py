@@ -138,9 +138,11 @@ class RLSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _limits_of_batch(cls, data: Any) -> Any:
-        default = cls.model_fields["max_batch_bytes"].default
-        size = data.get("max_batch_bytes", default) if isinstance(data, dict) else None
-        if not isinstance(size, int):
+        if not isinstance(data, dict):
+            return data
+        try:
+            size = int(data.get("max_batch_bytes", cls.model_fields["max_batch_bytes"].default))
+        except (TypeError, ValueError):
             return data  # the field's own check names it
         return derived_limits(data, default_limits(size).model_dump())
 

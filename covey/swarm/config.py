@@ -123,9 +123,11 @@ class SwarmConfig(Frozen):
     @model_validator(mode="before")
     @classmethod
     def _limits_of_body(cls, data: Any) -> Any:
-        default = cls.model_fields["max_body_bytes"].default
-        size = data.get("max_body_bytes", default) if isinstance(data, dict) else None
-        if not isinstance(size, int):
+        if not isinstance(data, dict):
+            return data
+        try:
+            size = int(data.get("max_body_bytes", cls.model_fields["max_body_bytes"].default))
+        except (TypeError, ValueError):
             return data  # the field's own check names it
         return derived_limits(data, default_limits(size).model_dump())
 
