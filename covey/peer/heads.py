@@ -15,9 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from covey.trust.heads import Head, HeadError, head_is_signed, head_line, parse_head
+from covey.trust.heads import HEADS_FILE, Head, HeadError, head_is_signed, head_line, parse_head
 
-HEADS_FILE = "ledger-heads.jsonl"
 log = logging.getLogger("covey.peer")
 
 

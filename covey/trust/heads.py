@@ -20,6 +20,7 @@ from typing import Any
 from covey.trust.identity import Identity, canonical_json, verify
 from covey.trust.ledger import Entry, LedgerError
 
+HEADS_FILE = "ledger-heads.jsonl"  # where a peer keeps them, in its store directory
 HEAD_FIELDS = ("hash", "length", "run_id", "signature")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")
