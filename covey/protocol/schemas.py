@@ -197,7 +197,7 @@ class LedgerHead(BaseModel):
     entries, the last with hash `hash`. Peers keep these; `covey ledger verify --heads`
     refuses a ledger shorter than one, or different at its length."""
 
-    run_id: str = Field(pattern=r"^[0-9a-f]{64}$")
+    run_id: str = Field(pattern=r"^[0-9a-z_-]{1,64}$")
     length: int = Field(ge=1, le=2**53)
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")
     signature: str = Field(pattern=r"^[0-9a-f]{128}$")

@@ -23,6 +23,7 @@ from covey.trust.ledger import Entry, LedgerError
 HEADS_FILE = "ledger-heads.jsonl"  # where a peer keeps them, in its store directory
 HEAD_FIELDS = ("hash", "length", "run_id", "signature")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_RUN_ID = re.compile(r"[0-9a-z_-]{1,64}")  # a run id (16 hex digits) never needs more
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")
 MAX_LENGTH = 2**53  # a length any JSON reader holds exactly
 
@@ -102,7 +103,7 @@ def _check_form(value: dict[str, Any]) -> None:
     length = value["length"]
     if not isinstance(length, int) or isinstance(length, bool) or not 0 < length <= MAX_LENGTH:
         raise HeadError(f"length must be a positive integer, got {length!r:.40}")
-    for name, pattern in (("run_id", _HEX64), ("hash", _HEX64), ("signature", _SIGNATURE)):
+    for name, pattern in (("run_id", _RUN_ID), ("hash", _HEX64), ("signature", _SIGNATURE)):
         field = value[name]
         if not isinstance(field, str) or not pattern.fullmatch(field):
             raise HeadError(f"{name} is not lowercase hex of the right length: {field!r:.80}")
