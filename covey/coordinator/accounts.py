@@ -79,19 +79,18 @@ class Accounts:
         """The ledger's current head, signed (covey.trust.heads): (run id, length, hash of
         the last entry). What receipts and certificates carry and GET /v1/ledger/head
         returns; peers keep it as evidence against a ledger cut short or rolled back."""
-        with self.db.lock:
-            row = self.db._conn.execute(
-                "SELECT idx, hash FROM ledger ORDER BY idx DESC LIMIT 1"
-            ).fetchone()
-            if row is None:
-                raise RuntimeError("the ledger has no entry yet: no head to sign")
-            length, digest = int(row[0]) + 1, str(row[1])
-            head = self._head
-            if head is None or head.length != length or head.hash != digest:
-                run_id = self.book.run_id
-                if run_id is None:
-                    raise RuntimeError("the ledger names no run yet: no head to sign")
-                head = self._head = sign_head(self.identity, run_id, length, digest)
+        # the reading connection: the last COMMITTED entry, even when called inside an
+        # open transaction, so no head ever names an entry a rollback or crash could undo
+        row = self.db.read_one("SELECT idx, hash FROM ledger ORDER BY idx DESC LIMIT 1")
+        if row is None:
+            raise RuntimeError("the ledger has no entry yet: no head to sign")
+        length, digest = int(row[0]) + 1, str(row[1])
+        head = self._head
+        if head is None or head.length != length or head.hash != digest:
+            run_id = self.book.run_id
+            if run_id is None:
+                raise RuntimeError("the ledger names no run yet: no head to sign")
+            head = self._head = sign_head(self.identity, run_id, length, digest)
         return head.to_dict()
 
     def find(self, type: str, **match: Any) -> dict[str, Any] | None:
