@@ -60,12 +60,12 @@ def verify(
 
     Exit 0 if the hash chain, every signature and every rule hold, the ledger is at least
     as long as every signed head given (--heads) and agrees with each at its length, every
-    slash of an
-    aggregator carries evidence that holds (its own signed hash, the round's certified
-    inputs; with --recompute, a recomputed shard that differs from it), and the balances
-    the coordinator reports (if any) equal the replay; 1 naming the first failure; 2 if
-    the source cannot be read. Without --heads, a copy of the ledger cut short at an entry
-    boundary cannot be told from the whole: the output says so."""
+    slash of an aggregator carries evidence that holds (its own signed hash, the round's
+    certified inputs; with --recompute, a recomputed shard that differs from it), and the
+    balances the coordinator reports (if any) equal the replay; 1 naming the first failure
+    (or two signed heads that disagree: a forked ledger); 2 if the source cannot be read.
+    Without --heads, a copy of the ledger cut short at an entry boundary cannot be told
+    from the whole: the output says so."""
     report = _verified(source, recompute, heads or None)
     for warning in report.head_warnings:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
