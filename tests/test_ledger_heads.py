@@ -245,6 +245,7 @@ def covey(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.network
 def test_a_workers_kept_heads_refuse_a_truncated_copy_and_an_old_snapshot(
     tmp_path: Path,
 ) -> None:
