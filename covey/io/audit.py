@@ -109,10 +109,10 @@ def verify(
     replay of the entries they cover. A head of another run or with a bad signature is no
     evidence: left out, with a warning in the report. Two validly signed heads that differ
     at one length: covey.trust.heads.ForkError; a ledger shorter than a head or different
-    at its length: LedgerError naming the head. `recompute`: also recompute each such slash's shard
-    from the run's blobs (a data directory's, or a URL's over HTTP; SourceError for an
-    export, which holds none). LedgerError on the first failure: a bad entry by its index,
-    differing balances by the first differing account."""
+    at its length: LedgerError naming the head. `recompute`: also recompute each such
+    slash's shard from the run's blobs (a data directory's, or a URL's over HTTP;
+    SourceError for an export, which holds none). LedgerError on the first failure: a
+    bad entry by its index, differing balances by the first differing account."""
     if recompute and not _has_blobs(source):
         raise SourceError(
             f"{source}: --recompute needs the run's blobs: a coordinator's data directory "
