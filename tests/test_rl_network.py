@@ -52,7 +52,13 @@ def test_honest_batch_is_accepted_paid_and_trained_on(trainer: str) -> None:
     with validator(trainer):
         w = joined_worker(trainer)
         v0 = policy(trainer)["version"]
-        assert w.step(policy(trainer)) is not None
+        receipt = w.step(policy(trainer))
+        assert receipt is not None
+        # the receipt's signed ledger head is kept, and the ledger holds what it names
+        [kept] = [json.loads(x) for x in w.heads.path.read_text().splitlines()]
+        assert kept == receipt["ledger_head"] and kept["run_id"] == w.run.run_id
+        entries = httpx.get(f"{trainer}/v1/ledger", params={"limit": 5000}).json()
+        assert entries[kept["length"] - 1]["hash"] == kept["hash"]
         row = wait_for(lambda: decided(trainer, w.identity.peer_id), 30, "a verdict")
         assert row["status"] in ("accepted", "consumed"), row
         wait_for(lambda: policy(trainer)["version"] > v0, 20, "a trainer step")

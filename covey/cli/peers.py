@@ -244,6 +244,10 @@ def validator(
     advertise_host: Annotated[
         str | None, typer.Option(help="--aggregate: address others reach it at")
     ] = None,
+    store_dir: Annotated[
+        Path | None,
+        typer.Option(help="where it keeps the ledger heads it is given (default .covey-peer/NAME)"),
+    ] = None,
     verbose: Annotated[bool, typer.Option(help="debug logging")] = False,
     log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
@@ -280,6 +284,7 @@ def validator(
         blob_host=blob_host,
         blob_port=blob_port,
         advertise_host=advertise_host,
+        store_dir=store_dir,
     )
     try:
         checker = Validator(opts)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.trust import ledger
+from covey.trust.heads import Head, sign_head
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book
 
@@ -31,6 +32,7 @@ class Accounts:
         self.identity = identity
         self.balances_path = data_dir / "ledger-balances.json"
         self._local = threading.local()
+        self._head: Head | None = None  # the last head signed, reused until the ledger grows
         if 0 < db.opened_version < 2:  # covey 0.1.0 signed entries without the prefix
             with db.transaction() as c:
                 if n := ledger.resign_legacy(c, identity):
@@ -72,6 +74,24 @@ class Accounts:
         with self.db.lock:
             rows = ledger.read_entries(self.db._conn, start=start, limit=limit)
         return [json.loads(ledger.to_line(e)) for e in rows]
+
+    def head(self) -> dict[str, Any]:
+        """The ledger's current head, signed (covey.trust.heads): (run id, length, hash of
+        the last entry). What receipts and certificates carry and GET /v1/ledger/head
+        returns; peers keep it as evidence against a ledger cut short or rolled back."""
+        # the reading connection: the last COMMITTED entry, even when called inside an
+        # open transaction, so no head ever names an entry a rollback or crash could undo
+        row = self.db.read_one("SELECT idx, hash FROM ledger ORDER BY idx DESC LIMIT 1")
+        if row is None:
+            raise RuntimeError("the ledger has no entry yet: no head to sign")
+        length, digest = int(row[0]) + 1, str(row[1])
+        head = self._head
+        if head is None or head.length != length or head.hash != digest:
+            run_id = self.book.run_id
+            if run_id is None:
+                raise RuntimeError("the ledger names no run yet: no head to sign")
+            head = self._head = sign_head(self.identity, run_id, length, digest)
+        return head.to_dict()
 
     def find(self, type: str, **match: Any) -> dict[str, Any] | None:
         """The latest entry of `type` whose payload has these values (receipts), found by

@@ -29,10 +29,13 @@ def make_certificate(
     new_size: int,
     now: float,
     reason: str,
+    ledger_head: dict[str, Any] | None = None,
 ) -> schemas.Certificate:
     """The signed certificate of `rnd` committing `rows` (its contributions, by peer id)
     from `start_hash` to `new_hash`; members without an accepted contribution are listed
-    as rejected, with the reason intake recorded or "no contribution"."""
+    as rejected, with the reason intake recorded or "no contribution". `ledger_head`: the
+    ledger's signed head as of the commit (covey.coordinator.accounts.Accounts.head),
+    which the certificate names and peers keep."""
     total = sum(r["tokens"] for r in rows)
     peers = Peers(db)
     names = {p["peer_id"]: p["name"] or "" for p in peers.every()}
@@ -77,5 +80,6 @@ def make_certificate(
         ],
         closed_at=now,
         reason=reason,
+        ledger_head=None if ledger_head is None else schemas.LedgerHead(**ledger_head),
     )
     return sign_certificate(unsigned, identity)

@@ -105,8 +105,8 @@ class Halt:
                 f"({owner[:16]}...): only the run owner may halt it",
             )
         self._authenticate(raw, NO_ROUND, peer_id_of(owner), owner)
-        if self.halted is not None:
-            return {"ok": True, "halted": self.halted}
+        if self.halted is not None:  # the receipt: with the ledger's signed head
+            return {"ok": True, "halted": self.halted, "ledger_head": self.accounts.head()}
         pending = _PendingHalt({"owner_key": owner, "reason": req.reason, "request": raw})
         with self._lock:
             if self._pending is None:
@@ -117,7 +117,7 @@ class Halt:
             raise Rejected(503, "the HALT is accepted but not written yet; ask again")
         if pending.error is not None:
             raise Rejected(500, f"the HALT could not be written: {pending.error}")
-        return {"ok": True, "halted": self.halted}
+        return {"ok": True, "halted": self.halted, "ledger_head": self.accounts.head()}
 
     def enforce(self, now: float) -> None:
         """The driver's part (first in every pass): write a pending HALT, then apply the

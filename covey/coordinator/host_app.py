@@ -74,7 +74,8 @@ def handle_errors(app: FastAPI, logger: logging.Logger) -> None:
 
 def host_routes(app: FastAPI, metrics: Metrics, halt: Halt, accounts: Accounts) -> None:
     """GET /healthz, GET /metrics, POST /v1/halt, the ledger (GET /v1/ledger,
-    /v1/ledger/balances: what `covey ledger verify URL` reads) and /docs (rendered on the
+    /v1/ledger/balances: what `covey ledger verify URL` reads; /v1/ledger/head: its signed
+    head) and /docs (rendered on the
     server from the app's OpenAPI document, no CDN: covey.coordinator.apidocs) on `app`.
     Each mode answers GET /v1/run itself with at least RUN_KEYS (covey.errors: run id,
     mode, coordinator key, spec), which is how `covey halt` and the peers know a covey
@@ -110,6 +111,13 @@ def host_routes(app: FastAPI, metrics: Metrics, halt: Halt, accounts: Accounts) 
     ) -> list[dict[str, Any]]:
         """Ledger entries from `start`, each with its hash and the coordinator's signature."""
         return accounts.entries(start, limit)
+
+    @app.get("/v1/ledger/head")
+    def ledger_head() -> schemas.LedgerHead:
+        """The ledger's current head (run id, length, last entry's hash), signed by the
+        coordinator's key (covey.trust.heads): `covey ledger verify --heads URL` refuses
+        a copy of the ledger shorter than it or different at its length."""
+        return schemas.LedgerHead(**accounts.head())
 
     @app.get("/v1/ledger/balances")
     def ledger_balances() -> dict[str, Any]:

@@ -138,7 +138,8 @@ class Intake(Views):
         finally:
             self._wake.set()
         log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
-        return {"ok": True, "cid": req.cid}
+        # the receipt: with the ledger's signed head, which the peer keeps (covey.peer.heads)
+        return {"ok": True, "cid": req.cid, "ledger_head": self.accounts.head()}
 
     def _book_refusal(
         self,

@@ -374,6 +374,7 @@ class Rounds(Intake, Views):
             new_size,
             now,
             reason,
+            ledger_head=self.accounts.head(),
         )
         prev = self.db.one("SELECT closed_at FROM rounds WHERE round = ?", (rnd.round - 1,))
         cycle = now - (prev["closed_at"] if prev else rnd.opened_at)

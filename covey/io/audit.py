@@ -2,10 +2,18 @@
 
 A ledger comes from a coordinator's data directory, its SQLite file, a JSONL export, or a
 live coordinator's HTTP API. Verifying it checks the hash chain and every signature
-(covey.trust.ledger), replays every entry through the incentive rules
-(covey.trust.incentives), and compares the balances the coordinator reports with the
-replay's. Reading a source that does not exist or cannot be reached is a `SourceError`;
-anything wrong with what was read is a `LedgerError`.
+(covey.trust.ledger), holds it to the signed ledger heads it is shown (covey.trust.heads:
+a copy shorter than one, or different at its length, was cut short or rolled back),
+replays every entry through the incentive rules (covey.trust.incentives), and compares the
+balances the coordinator reports with the replay's.
+
+The balances a data directory holds (`ledger-balances.json`) are unsigned: anyone holding
+the copy can edit or delete them, so they decide nothing about the ledger's length. Balances
+that claim more entries than the ledger holds are reported, not compared, and are no
+evidence; only signed heads are.
+
+Reading a source that does not exist or cannot be reached is a `SourceError`; anything
+wrong with what was read is a `LedgerError`.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from covey.protocol.content import content_id
+from covey.trust.heads import Head, check_heads, usable
 from covey.trust.identity import canonical_json
 from covey.trust.incentives import Book
 from covey.trust.ledger import Entry, LedgerError, parse_line, read_entries, to_line, verify_chain
@@ -49,6 +58,12 @@ class VerifyReport:
     shard_slashes: int = 0
     recomputed: bool = False
     pending_slashes: int = 0  # of aggregators in a round not certified yet
+    # signed heads the ledger was held to (None: none given), the longest one's length,
+    # and why each head given was no evidence (another run's, a bad signature)
+    heads: int | None = None
+    head_length: int = 0
+    head_warnings: tuple[str, ...] = ()
+    balances_ahead: int | None = None  # unsigned balances claiming more entries: not compared
 
     @property
     def accounts(self) -> int:
@@ -83,14 +98,21 @@ def load(source: str | Path) -> tuple[list[Entry], dict[str, Any] | None, str | 
 
 
 def verify(
-    source: str | Path, recompute: bool = False, progress: Callable[[str], None] | None = None
+    source: str | Path,
+    recompute: bool = False,
+    progress: Callable[[str], None] | None = None,
+    heads: list[tuple[Head, str]] | None = None,
 ) -> VerifyReport:
-    """Load, check the chain and signatures, replay every entry, check every slash of an
+    """Load, check the chain and signatures, hold the ledger to `heads` (signed heads, each
+    with where it was found; None: none given), replay every entry, check every slash of an
     aggregator against its evidence, and compare the reported balances (if any) with the
-    replay of the entries they cover. `recompute`: also recompute each such slash's shard
-    from the run's blobs (a data directory's, or a URL's over HTTP; SourceError for an
-    export, which holds none). LedgerError on the first failure: a bad entry by its index,
-    differing balances by the first differing account."""
+    replay of the entries they cover. A head of another run or with a bad signature is no
+    evidence: left out, with a warning in the report. Two validly signed heads that differ
+    at one length: covey.trust.heads.ForkError; a ledger shorter than a head or different
+    at its length: LedgerError naming the head. `recompute`: also recompute each such
+    slash's shard from the run's blobs (a data directory's, or a URL's over HTTP;
+    SourceError for an export, which holds none). LedgerError on the first failure: a
+    bad entry by its index, differing balances by the first differing account."""
     if recompute and not _has_blobs(source):
         raise SourceError(
             f"{source}: --recompute needs the run's blobs: a coordinator's data directory "
@@ -98,17 +120,19 @@ def verify(
         )
     entries, reported, published_key = load(source)
     key = verify_chain(entries, published_key)
-    covered = None
+    head_warnings: list[str] = []
+    head_length = 0
+    if heads is not None:
+        run_id = str(entries[0].payload.get("run_id"))
+        heads, head_warnings = usable(heads, run_id, key)
+        head_length = check_heads(entries, heads)
+    covered, ahead = None, None
     if reported is not None:
         covered = reported.get("entries") if isinstance(reported, dict) else None
-        if not isinstance(covered, int) or isinstance(covered, bool):
+        if not isinstance(covered, int) or isinstance(covered, bool) or covered <= 0:
             raise LedgerError(None, f"the coordinator's balances lack an entry count: {covered!r}")
-        if not 0 < covered <= len(entries):
-            raise LedgerError(
-                None,
-                f"the coordinator's balances cover {covered} entries; the ledger has "
-                f"{len(entries)}",
-            )
+        if covered > len(entries):  # unsigned: no proof of a longer ledger, and no check
+            covered, ahead, reported = None, covered, None
     book, snapshot = Book(), None
     for entry in entries:
         book.apply(entry)
@@ -128,7 +152,17 @@ def verify(
             )
         recompute_shards(verdicts, created["spec"], _blob_fetcher(source), progress)
     return VerifyReport(
-        len(entries), key, book.summary(), covered, len(verdicts), recompute, len(pending)
+        len(entries),
+        key,
+        book.summary(),
+        covered,
+        len(verdicts),
+        recompute,
+        len(pending),
+        None if heads is None else len(heads),
+        head_length,
+        tuple(head_warnings),
+        ahead,
     )
 
 

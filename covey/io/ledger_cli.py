@@ -1,7 +1,8 @@
 """`covey ledger ...`: verify, show and export a run's ledger (covey.io.audit).
 
-Exit codes: 0 when the ledger verifies, 1 when it does not (`ledger INVALID: entry N: ...`),
-2 when the source cannot be read or the arguments are wrong (`error: ...`). Only typer is
+Exit codes: 0 when the ledger verifies, 1 when it does not (`ledger INVALID: entry N: ...`,
+or `ledger FORKED: ...` when two validly signed heads disagree), 2 when the source cannot
+be read or the arguments are wrong (`error: ...`). Only typer is
 imported here; the audit code loads when a command runs.
 """
 
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
 
 SOURCE_HELP = "a coordinator's data directory, its coordinator.db, a .jsonl export, or its URL"
 Source = Annotated[str, typer.Argument(help=SOURCE_HELP, show_default=False)]
+HEADS_HELP = (
+    "signed ledger heads to hold the ledger to (repeatable): a JSONL file of heads or "
+    "receipts (a peer's ledger-heads.jsonl), a peer's store directory, or a coordinator's "
+    "URL (its /v1/ledger/head). A ledger shorter than a head, or different at its length, "
+    "is refused; two heads at one length that differ prove a forked ledger. A head of "
+    "another run or with a bad signature is ignored, with a warning"
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -44,15 +52,23 @@ def verify(
             "blobs (a data directory or URL): it stands only if the aggregator's hash is wrong",
         ),
     ] = False,
+    heads: Annotated[
+        list[str] | None, typer.Option("--heads", help=HEADS_HELP, show_default=False)
+    ] = None,
 ) -> None:
     """Check the chain and signatures, replay every balance, compare with the coordinator's.
 
-    Exit 0 if the hash chain, every signature and every rule hold, every slash of an
-    aggregator carries evidence that holds (its own signed hash, the round's certified
-    inputs; with --recompute, a recomputed shard that differs from it), and the balances
-    the coordinator reports (if any) equal the replay; 1 naming the first failure; 2 if
-    the source cannot be read."""
-    report = _verified(source, recompute)
+    Exit 0 if the hash chain, every signature and every rule hold, the ledger is at least
+    as long as every signed head given (--heads) and agrees with each at its length, every
+    slash of an aggregator carries evidence that holds (its own signed hash, the round's
+    certified inputs; with --recompute, a recomputed shard that differs from it), and the
+    balances the coordinator reports (if any) equal the replay; 1 naming the first failure
+    (or two signed heads that disagree: a forked ledger); 2 if the source cannot be read.
+    Without --heads, a copy of the ledger cut short at an entry boundary cannot be told
+    from the whole: the output says so."""
+    report = _verified(source, recompute, heads or None)
+    for warning in report.head_warnings:
+        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     key = report.coordinator_key
     compared = (
         "no balances reported to compare"
@@ -69,6 +85,19 @@ def verify(
         f"coordinator key {key[:16]}...; balances recomputed for {report.accounts} accounts "
         f"{compared}"
     )
+    if report.heads:
+        typer.echo(
+            f"held to {report.heads} signed head(s): the ledger reaches the longest (length "
+            f"{report.head_length}) and agrees with each"
+        )
+    else:
+        none = "no signed heads given" if report.heads is None else "no valid signed heads"
+        typer.echo(f"{none}: a truncated copy cannot be detected (see --heads)")
+    if report.balances_ahead is not None:
+        typer.echo(
+            f"the unsigned balances file claims {report.balances_ahead} entries, more than "
+            "the ledger holds: not compared, and no evidence on its own (signed heads are)"
+        )
     if report.shard_slashes:
         how = "recomputed: each shard" if report.recomputed else "on the ledger: each"
         typer.echo(
@@ -131,18 +160,34 @@ def export(
     typer.echo(f"wrote {len(entries)} entries to {out}")
 
 
-def _verified(source: str, recompute: bool = False) -> VerifyReport:
-    """The verified report, or exit 1 (invalid ledger) / 2 (unreadable source)."""
+def _verified(source: str, recompute: bool = False, heads: list[str] | None = None) -> VerifyReport:
+    """The verified report, or exit 1 (invalid ledger, forked heads) / 2 (unreadable source)."""
     from covey.io.audit import SourceError
     from covey.io.audit import verify as verify_source
+    from covey.io.heads_source import load_heads
+    from covey.trust.heads import ForkError
     from covey.trust.ledger import LedgerError
 
     try:
-        return verify_source(source, recompute, progress=typer.echo)
+        given = None
+        if heads is not None:
+            given, unreadable = [], []
+            for name in heads:
+                found, warnings = load_heads(name)
+                given += found
+                unreadable += warnings
+            for warning in unreadable:
+                typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+        return verify_source(source, recompute, progress=typer.echo, heads=given)
     except SourceError as e:
         raise _fail(str(e)) from None
     except sqlite3.DatabaseError as e:  # a damaged coordinator.db in a data directory
         raise _fail(f"{source}: its database cannot be read ({e}); is it damaged?") from None
+    except ForkError as e:
+        typer.secho(f"ledger FORKED: {e}", fg=typer.colors.RED)
+        for head, where in e.heads:
+            typer.echo(f"  {where}: {json.dumps(head.to_dict(), sort_keys=True)}")
+        raise typer.Exit(1) from None
     except LedgerError as e:
         typer.secho(f"ledger INVALID: {e}", fg=typer.colors.RED)
         raise typer.Exit(1) from None

@@ -30,6 +30,7 @@ from covey.data.batches import assignment_batches
 from covey.devices import verification_mismatch
 from covey.memory import bound_heap, shapes_only
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.peer.heads import HeadKeeper
 from covey.peer.runsetup import fetch_state, set_up_run
 from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError
@@ -57,6 +58,7 @@ class ValidatorOptions:
     blob_host: str = "127.0.0.1"  # where --aggregate serves its shards
     blob_port: int = 0
     advertise_host: str | None = None  # the address others reach them at (default: bound)
+    store_dir: Path | None = None  # where it keeps the ledger heads it is given
 
 
 class Validator:
@@ -91,6 +93,8 @@ class Validator:
         self.template = shapes_only(run.template)  # checked for shapes only: no weights
         bound_heap()  # freed tensors go back to the kernel (covey.memory)
         self.blobs = run.blobs
+        store_dir = self.opts.store_dir or Path(f".covey-peer/{self.name}")
+        self.heads = HeadKeeper(store_dir, self.run_id, run.coordinator_key)
         reply = self.client.post(
             "/v1/validators/join",
             {
@@ -259,6 +263,7 @@ class Validator:
         if not verdict.agree:
             body.update(self._evidence(mine, verdict.segment, sources))
         self.client.post("/v1/verify/report", body, round=task.round)
+        self._keep_head(f"the head after its report on round {task.round}")
         self.done += 1
         log.info(
             "[%s - round %d] %s's contribution: %s (distance %s) in %.1f s",
@@ -269,6 +274,15 @@ class Validator:
             "exact" if verdict.exact else f"{verdict.distance:.3g}",
             compute_s,
         )
+
+    def _keep_head(self, where: str) -> None:
+        """Keep the ledger's signed head as it is now (GET /v1/ledger/head), which holds
+        the record of this report (covey.peer.heads). A coordinator that does not answer
+        costs the evidence, never the check."""
+        try:
+            self.heads.keep(self.client.get("/v1/ledger/head", quiet=True), where)
+        except (PeerRejected, CoordinatorLost) as e:
+            log.warning("[%s] no ledger head to keep: %s", self.name, e)
 
     def _evidence(
         self, mine: verify.Reexecution, segment: int, sources: list[str]

@@ -48,6 +48,7 @@ from covey.blobs import BlobServer, BlobStore
 from covey.memory import bound_heap, shapes_only
 from covey.peer import group
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.peer.heads import HeadKeeper
 from covey.peer.lease import Lease, LeaseLapsed
 from covey.peer.overlap import SideCommitter, Transfer
 from covey.peer.runsetup import set_up_run
@@ -152,6 +153,8 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         store_dir = self.opts.store_dir or Path(f".covey-peer/{self.name}")
         self.store_dir = store_dir
         self.store = BlobStore(store_dir / "blobs", limits.max_blob_bytes)
+        # the ledger heads the coordinator signs in its receipts and certificates
+        self.heads = HeadKeeper(store_dir, self.run_id, self.coordinator_key)
         blob_url = None
         if self.opts.serve_blobs:
             self.server = BlobServer(self.store, self.opts.blob_host, self.opts.blob_port)

@@ -11,6 +11,7 @@ from typing import Any
 
 from covey.algorithms import Contribution, TrainState
 from covey.peer.client import PeerRejected
+from covey.peer.heads import HeadKeeper
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
 from covey.trust.identity import request_purpose
@@ -32,6 +33,7 @@ class Publishing:
     store: Any
     server: Any
     strategy: Any
+    heads: HeadKeeper
 
     def _publish(
         self,
@@ -106,12 +108,14 @@ class Publishing:
             # for that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual
             pulled = len(payload) + (2 * self._local.end_size if local else 0)
             pull_s = self.cfg.limits.request_timeout_s + pulled / _PULL_BYTES_S
-            self.client.post(path, signed, round=None, timeout_s=pull_s)
+            reply = self.client.post(path, signed, round=None, timeout_s=pull_s)
         except PeerRejected as e:
             log.warning("[%s - round %d] contribution refused: %s", self.name, info.round, e)
             if e.status == 403:
                 raise
             return False
+        if isinstance(reply, dict):  # the receipt carries the ledger's signed head
+            self.heads.keep(reply.get("ledger_head"), f"round {info.round}'s receipt")
         log.info(
             "[%s - round %d] %d steps, loss %.4f, sent %d bytes",
             self.name,

@@ -15,6 +15,7 @@ from typing import Any
 from covey.algorithms import Contribution, TrainState
 from covey.blobs import BlobError
 from covey.peer.client import CoordinatorLost, PeerRejected
+from covey.peer.heads import HeadKeeper
 from covey.peer.worker_types import Stopped
 from covey.protocol import schemas
 from covey.protocol.checkpoint import (
@@ -47,6 +48,7 @@ class StateKeeping:
     store: Any
     server: Any
     strategy: Any
+    heads: HeadKeeper
 
     def _round_view(self, after: str | None = None, wait_s: float = 0.0) -> schemas.RoundInfo:
         """GET /v1/round. With `after` (a tag this worker saw), a long-poll: held until
@@ -129,6 +131,9 @@ class StateKeeping:
                         f"round {info.round}'s certificate is not signed by the run's "
                         f"coordinator key {self.coordinator_key[:12]}"
                     )
+                if cert.ledger_head is not None:
+                    where = f"round {cert.round}'s certificate"
+                    self.heads.keep(cert.ledger_head.model_dump(), where)
                 return cert
             except PeerRejected as e:
                 if e.status != 404:

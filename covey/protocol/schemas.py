@@ -192,6 +192,17 @@ class Rejection(BaseModel):
     reason: str
 
 
+class LedgerHead(BaseModel):
+    """The coordinator's signed head of the run's ledger (covey.trust.heads): `length`
+    entries, the last with hash `hash`. Peers keep these; `covey ledger verify --heads`
+    refuses a ledger shorter than one, or different at its length."""
+
+    run_id: str = Field(pattern=r"^[0-9a-z_-]{1,64}$")
+    length: int = Field(ge=1, le=2**53)
+    hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    signature: str = Field(pattern=r"^[0-9a-f]{128}$")
+
+
 class Certificate(BaseModel):
     """The outcome of a round: what every peer applies and the hash it must reach."""
 
@@ -206,6 +217,9 @@ class Certificate(BaseModel):
     rejected: list[Rejection]
     closed_at: float
     reason: str
+    # the ledger's signed head as of the commit (before the round's own entries); None in
+    # certificates of covey versions without heads, whose signatures leave it out
+    ledger_head: LedgerHead | None = None
     signature: str = ""  # the coordinator's, over the rest (covey.trust.identity)
 
 

@@ -204,7 +204,8 @@ class Intake:
             len(b.samples),
             tokens,
         )
-        return {"ok": True, "cid": cid, "tokens": tokens}
+        # the receipt: with the ledger's signed head, which the worker keeps (covey.peer.heads)
+        return {"ok": True, "cid": cid, "tokens": tokens, "ledger_head": t.accounts.head()}
 
     def _role(self, peer_id: str, role: str) -> None:
         known = self.t.membership.peers.role(peer_id)

@@ -24,6 +24,7 @@ import torch
 from covey.blobs import BlobClient, BlobError, BlobServer, BlobStore
 from covey.devices import device_name
 from covey.peer.client import CoordinatorClient, PeerRejected
+from covey.peer.heads import HeadKeeper
 from covey.rl.batch import RolloutBatch, rollout
 from covey.rl.peer import Membership, PolicyCache, RunInfo, read_run
 from covey.rl.policy import PolicyError, codec_kwargs
@@ -61,6 +62,7 @@ class RolloutWorker:
         self.device = peer_device(self.run.spec, device)  # auto: the run's verify class
         root = work_dir or Path(tempfile.mkdtemp(prefix="covey-rl-worker-"))
         self.store = BlobStore(root / "blobs")
+        self.heads = HeadKeeper(root, self.run.run_id, self.run.trainer_key)  # receipts' heads
         self.fetcher = BlobClient(timeout_s=10.0, retries=2)
         self.policies = PolicyCache(self.run, self.store, self.fetcher, self.device)
         self.server = BlobServer(self.store) if serve_blobs else None
@@ -134,6 +136,8 @@ class RolloutWorker:
             len(batch.samples),
             time.time() - t0,
         )
+        if isinstance(reply, dict):
+            self.heads.keep(reply.get("ledger_head"), f"step {v}'s receipt")
         self.submitted.append({"step": v, **reply})
         return reply
 

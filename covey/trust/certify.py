@@ -18,8 +18,10 @@ from covey.trust.identity import Identity, canonical_json, verify
 
 def certificate_message(cert: schemas.Certificate) -> bytes:
     """What a certificate's signature covers: the certificate without its signature, after
-    a prefix of its own (no other signed kind of message starts with it)."""
-    body = canonical_json(cert.model_dump(mode="json", exclude={"signature"}))
+    a prefix of its own (no other signed kind of message starts with it). A certificate
+    without a ledger head is signed without the field, as before heads existed."""
+    left_out = {"signature"} | ({"ledger_head"} if cert.ledger_head is None else set())
+    body = canonical_json(cert.model_dump(mode="json", exclude=left_out))
     return f"covey-certificate/v1\n{body}".encode()
 
 
