@@ -21,7 +21,7 @@ from covey.data.batches import assignment_batches, step_seed
 from covey.data.corpus import Corpus
 from covey.models.gpt import lm_loss
 from covey.models.hf import ModelSourceError, hf_lm_loss
-from covey.models.randomness import check_reproducible, step_rng
+from covey.models.randomness import active_dropout, check_reproducible, step_rng
 from covey.models.source import build_model, build_run_model
 from covey.peer.worker_train import Training
 from covey.trust.committer import Committer
@@ -234,3 +234,36 @@ def global_dropout_model() -> tuple[torch.nn.Module, object]:
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), b[:, 1:].reshape(-1))
 
     return model, loss
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.long  # processes importing torch and transformers on busy cores: about a minute
+def test_demo_with_a_dropout_gpt2_verifies_without_disputes(tmp_path: Path) -> None:
+    """`covey demo` (a coordinator, two workers and a validator as processes) on a tiny HF
+    GPT-2 with its default dropout: every sampled contribution the validator re-executes
+    agrees, and nobody disputes or is banned."""
+    from covey.local.demo import run_local_demo
+
+    model = tiny_gpt2(tmp_path / "gpt2", vocab_size=320)
+    s = run_local_demo(
+        workers=2, minutes=3.0, rounds=4, out_dir=tmp_path / "run", model=f"hf:{model}",
+        progress=False, overrides={"trust": {"sample_rate": 1.0}},
+    )  # fmt: skip
+    trust = s["trust"]
+    assert s["rounds_committed"] >= 4
+    assert trust["disputes"] == 0 and not trust["banned"], trust
+    assert trust["agreed"] > 0, trust
+
+
+def test_a_torchrun_group_refuses_a_model_with_dropout(gpt2_dir: Path) -> None:
+    """A group's ranks each draw masks for their own rows: not reproducible, refused
+    before any collective; without dropout the check lets it through."""
+    from covey.peer.group import Group, attach
+
+    s = strategy(gpt2_dir)
+    with pytest.raises(ValueError, match=r"dropout .*resid_pdrop, embd_pdrop, attn_pdrop"):
+        attach(s, Group(0, 2, torch.device("cpu")))
+    assert "transformer.drop" in active_dropout(s.model)
+    plain = build_strategy(DILOCO, tiny_gpt(), lm_loss)
+    assert active_dropout(plain.model) == []

@@ -74,6 +74,15 @@ def dropout_fields(model: nn.Module) -> dict[str, float]:
     return out
 
 
+def active_dropout(model: nn.Module) -> list[str]:
+    """The names of the model's dropout modules that drop something (p > 0)."""
+    return [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+
+
 def check_reproducible(
     model: nn.Module,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
