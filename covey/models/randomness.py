@@ -95,13 +95,14 @@ def check_reproducible(
     `step_rng` seed give different losses: the model's randomness is not drawn from torch's
     global generators, so no validator could re-execute its steps. The message names the
     config's dropout fields (if any) and what to change. Runs on the model's device, on
-    a small fixed batch, without gradients; the model's mode and the global generators are
-    left as they were."""
+    a small fixed batch, without gradients; the model's mode, its buffers (batch norm's
+    running statistics) and the global generators are left as they were."""
     device = next(model.parameters()).device
     tokens = min(PROBE_TOKENS, seq_len) + 1
     batch = (torch.arange(tokens, dtype=torch.int64) % (vocab_size or 256))[None, :]
     batch = batch.to(device)
     was_training = model.training
+    buffers = {n: b.clone() for n, b in model.named_buffers()}  # a train forward moves some
     losses: list[Any] = []
     try:
         model.train()
@@ -111,6 +112,9 @@ def check_reproducible(
                     losses.append(loss_fn(model, batch).detach().float().cpu())
     finally:
         model.train(was_training)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
     if torch.equal(losses[0], losses[1]):
         return
     fields = dropout_fields(model)
