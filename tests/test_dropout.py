@@ -8,6 +8,8 @@ run start. One process, a tiny Hugging Face GPT-2 with its default dropout (0.1)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -267,3 +269,29 @@ def test_a_torchrun_group_refuses_a_model_with_dropout(gpt2_dir: Path) -> None:
     assert "transformer.drop" in active_dropout(s.model)
     plain = build_strategy(DILOCO, tiny_gpt(), lm_loss)
     assert active_dropout(plain.model) == []
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        torch.device("meta"),
+        pytest.param(
+            torch.device("cuda"),
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ),
+    ],
+)
+def test_a_seeded_inner_step_makes_no_host_sync(device: torch.device) -> None:
+    """The step's seed is host-side integer math and the generators' state lives on the
+    host: seeding adds no device-to-host synchronization to an inner step."""
+    from covey.bench.hostsync import no_host_sync, run_inner_steps
+
+    pool = torch.randint(0, 256, (4, 2, 17), generator=torch.Generator().manual_seed(0))
+    seeds = iter(step_seed(seed=0, round=0, worker="k", step=s) for s in range(100))
+
+    @contextlib.contextmanager
+    def seeded() -> Iterator[None]:
+        with no_host_sync(device), step_rng(device, next(seeds)):
+            yield
+
+    assert run_inner_steps("diloco", tiny_gpt(), lambda i: pool[i % 4], 2, seeded, device) >= 2
