@@ -9,6 +9,8 @@ run start. One process, a tiny Hugging Face GPT-2 with its default dropout (0.1)
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -295,3 +297,19 @@ def test_a_seeded_inner_step_makes_no_host_sync(device: torch.device) -> None:
             yield
 
     assert run_inner_steps("diloco", tiny_gpt(), lambda i: pool[i % 4], 2, seeded, device) >= 2
+
+
+def test_the_coordinator_refuses_such_a_model_at_start_in_one_line(tmp_path: Path) -> None:
+    spec = tmp_path / "run.toml"
+    spec.write_text(
+        '[model]\nsource = "py:tests.test_dropout:own_generator_model"\n'
+        "[data]\nseq_len = 16\nbatch_size = 2\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "covey.cli", "coordinator", str(spec), "--port", "0",
+         "--data-dir", str(tmp_path / "coordinator")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "randomness in its forward pass" in lines[0] and "Traceback" not in r.stderr
