@@ -9,7 +9,7 @@ versions), and the tokens are gathered from the corpus by plain indexing.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,21 +74,49 @@ def validation_batches(
     ]
 
 
-def assignment_batches(
-    cfg: RunConfig, corpus: Corpus, seq_len: int, round: int, data_key: str
-) -> Callable[[int], torch.Tensor]:
-    """Inner step -> batch of an assignment: a pure function of (run seed, round, data key,
-    step), so that a validator or a referee sees exactly the worker's data."""
+def step_seed(*, seed: int, round: int, worker: int | str, step: int) -> int:
+    """The 63-bit seed of one inner step's randomness (dropout), a pure function of the
+    same (seed, round, worker, step) as its batch: a validator re-executing the round, or a
+    referee recomputing one segment from step k, draws exactly the worker's masks for every
+    step without replaying the steps before it. Host-side integer math, no tensor read."""
+    key = f"covey-step-rng/{seed}/{round}/{worker}/{step}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
-    def batch(step: int) -> torch.Tensor:
+
+@dataclass(frozen=True, eq=False)
+class AssignmentBatches:
+    """Inner step -> batch of one assignment (callable), and `step_seed(step)`, the seed of
+    that step's randomness: both pure functions of (run seed, round, data key, step), so
+    that a validator or a referee sees exactly the worker's data and dropout masks."""
+
+    cfg: RunConfig
+    corpus: Corpus
+    seq_len: int
+    round: int
+    data_key: str
+
+    def __call__(self, step: int) -> torch.Tensor:
         return sample_batch(
-            corpus.train,
-            batch_size=cfg.data.batch_size,
-            seq_len=seq_len,
-            seed=cfg.seed,
-            round=round + cfg.data.round_offset,  # past a warm start's batches
-            worker=data_key,
+            self.corpus.train,
+            batch_size=self.cfg.data.batch_size,
+            seq_len=self.seq_len,
+            seed=self.cfg.seed,
+            round=self._round,
+            worker=self.data_key,
             step=step,
         )
 
-    return batch
+    def step_seed(self, step: int) -> int:
+        return step_seed(seed=self.cfg.seed, round=self._round, worker=self.data_key, step=step)
+
+    @property
+    def _round(self) -> int:
+        return self.round + self.cfg.data.round_offset  # past a warm start's batches
+
+
+def assignment_batches(
+    cfg: RunConfig, corpus: Corpus, seq_len: int, round: int, data_key: str
+) -> AssignmentBatches:
+    """Inner step -> batch of an assignment (with its steps' seeds: `AssignmentBatches`)."""
+    return AssignmentBatches(cfg, corpus, seq_len, round, data_key)

@@ -24,6 +24,7 @@ from torch import nn
 from covey.models.gpt import GPT, GPT_SIZES, GPTConfig, gpt_config, lm_loss
 from covey.models.hf import ModelSourceError, build_hf_model, hf_lm_loss, max_positions
 from covey.models.naming import model_name
+from covey.models.randomness import check_reproducible
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -159,7 +160,9 @@ def build_run_model(
     """The model a run spec names (a covey.config.ModelConfig), checked against the run's
     tokenizer and context: (model, loss_fn, info, seq_len). A covey preset takes the
     tokenizer's vocabulary size; seq_len defaults to the GPT's block size, else
-    min(DEFAULT_SEQ_LEN, the model's positions). ValueError when they do not fit."""
+    min(DEFAULT_SEQ_LEN, the model's positions). ValueError when they do not fit;
+    ModelSourceError when the model's forward in train mode is random in a way a validator
+    cannot reproduce (`check_reproducible`)."""
     source = model_cfg.spec
     kind, _ = parse_source(source)
     vocab = tokenizer_vocab if kind == "covey" and tokenizer_vocab != 256 else None
@@ -172,4 +175,7 @@ def build_run_model(
             seq_len = min(seq_len or DEFAULT_SEQ_LEN, info.max_positions)
     assert seq_len is not None
     check_fit(info, tokenizer_vocab, seq_len)
+    # every inner step must re-execute exactly: randomness not drawn from torch's global
+    # generators (which each step seeds: covey.models.randomness) is refused here
+    check_reproducible(model, loss, seq_len=seq_len, vocab_size=info.vocab_size, source=info.source)
     return model, loss, info, seq_len

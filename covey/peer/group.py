@@ -47,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from covey.algorithms.base import Strategy
 from covey.devices import resolve_device
+from covey.models.randomness import active_dropout, dropout_fields
 from covey.peer.fsdp import MODES, ShardedReplica
 
 BEGIN, STEP, END, STOP = 1, 2, 3, 4
@@ -155,7 +156,17 @@ def attach(strategy: Strategy, group: Group, mode: str = "ddp") -> ShardedReplic
     """Train `strategy` as one rank of `group`. "ddp": its loss runs through DDP (gradients
     averaged over the ranks in backward); returns None. "fsdp": inner steps run on an FSDP2
     replica (covey/peer/fsdp.py), returned for Leader/follow. The model must already be on
-    `group.device`. ValueError for another mode or a strategy fsdp does not support."""
+    `group.device`. ValueError for another mode, a strategy fsdp does not support, or a
+    model with active dropout: the ranks split each batch by rows, so their masks are not
+    the single process's a validator re-executes (covey.models.randomness)."""
+    if dropped := active_dropout(strategy.model):
+        fields = dropout_fields(strategy.model)
+        named = f" ({', '.join(fields)})" if fields else ""
+        raise ValueError(
+            f"a torchrun group of {group.world} ranks cannot train a model with dropout "
+            f"({len(dropped)} modules, e.g. {dropped[0]}){named}: each rank draws masks for "
+            "its own rows, which no validator reproduces; set the model's dropout to 0"
+        )
     if mode == "fsdp":
         return ShardedReplica(strategy)
     if mode != "ddp":

@@ -77,7 +77,9 @@ class Overlapping:
             for step in range(tau):
                 self._check_standing()
                 loss, seconds = self._timed_step(
-                    self.strategy.inner_step, partial(self._batch, nxt, key, step)
+                    self.strategy.inner_step,
+                    partial(self._batch, nxt, key, step),
+                    self._step_seed(nxt, key, step),
                 )
                 losses.append(loss)
                 compute_s += seconds

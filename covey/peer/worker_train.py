@@ -20,6 +20,7 @@ from covey.algorithms import Contribution, TrainState
 from covey.algorithms.tensors import host_sum
 from covey.data.batches import assignment_batches
 from covey.devices import synchronize
+from covey.models.randomness import step_rng
 from covey.peer.overlap import SideCommitter
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
@@ -167,7 +168,9 @@ class Training:
                     )
                     break
             loss, seconds = self._timed_step(
-                inner_step, partial(self._batch, info.round, key, step)
+                inner_step,
+                partial(self._batch, info.round, key, step),
+                self._step_seed(info.round, key, step),
             )
             losses.append(loss)
             compute_s += seconds
@@ -212,15 +215,24 @@ class Training:
         self,
         inner_step: Callable[[torch.Tensor], torch.Tensor],
         batch: Callable[[], torch.Tensor],
+        seed: int,
     ) -> tuple[torch.Tensor, float]:
         """One inner step, its batch sampled first -> (loss on the device, seconds: both),
-        --slowdown emulated. Nothing waits for the device: on an accelerator the seconds
-        are the host's, which runs ahead of the device by at most its launch queue."""
+        --slowdown emulated. Its randomness (dropout) is drawn from `seed` (`_step_seed`),
+        as a validator's re-execution draws it. Nothing waits for the device: on an
+        accelerator the seconds are the host's, which runs ahead of the device by at most
+        its launch queue."""
         t0 = time.perf_counter()
-        loss = inner_step(batch())
+        data = batch()
+        with step_rng(self.strategy.device, seed):
+            loss = inner_step(data)
         if self.opts.slowdown > 1:
             self._emulate_slowdown((time.perf_counter() - t0) * (self.opts.slowdown - 1))
         return loss, time.perf_counter() - t0
 
     def _batch(self, round: int, key: str, step: int) -> torch.Tensor:
         return assignment_batches(self.cfg, self.corpus, self.seq_len, round, key)(step)
+
+    def _step_seed(self, round: int, key: str, step: int) -> int:
+        """The seed of the step's randomness: covey.trust.verify.take_step's for it."""
+        return assignment_batches(self.cfg, self.corpus, self.seq_len, round, key).step_seed(step)

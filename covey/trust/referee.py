@@ -37,6 +37,7 @@ from covey.trust.verify import (
     BatchFn,
     require_reexecutable,
     segment_bounds,
+    take_step,
 )
 
 Outcome = Literal["fraud", "validator wrong", "honest drift", "inconclusive"]
@@ -85,8 +86,8 @@ def _run_segment(
     codec: Codec,
 ) -> Commitment | torch.Tensor:
     strategy.steps = first  # a loaded segment start: lr schedule and Streaming's merge step
-    for step in range(first, end):
-        strategy.inner_step(batch_fn(step))
+    for step in range(first, end):  # each step seeded by its own index (take_step)
+        take_step(strategy, batch_fn, step)
     if end == steps:
         return codec.decode(strategy.make_contribution().payload)
     return commitment_of(strategy.local_state(copy=False), start_state.params, end)
@@ -185,7 +186,7 @@ def referee(
             detail += f"recomputed steps 0..{first - 1} from the round's start"
     if not use_supplied:
         for step in range(first):  # no usable state supplied: recompute the prefix ourselves
-            strategy.inner_step(batch_fn(step))
+            take_step(strategy, batch_fn, step)
     if claimed_start is not None:  # how far apart the two machines already were here
         try:
             ours = commitment_of(strategy.local_state(copy=False), start_state.params, first)

@@ -49,6 +49,7 @@ from covey.algorithms.codec_base import Codec, CodecError
 from covey.algorithms.state import TrainState
 from covey.config import TrustConfig
 from covey.memory import all_finite
+from covey.models.randomness import step_rng
 from covey.trust.committer import Committer
 from covey.trust.sketch import (
     HEX64,
@@ -137,6 +138,18 @@ class SpilledStates(Mapping[int, dict[str, torch.Tensor]]):
         return len(self.kept)
 
 
+def take_step(strategy: Strategy, batch_fn: BatchFn, step: int) -> torch.Tensor:
+    """Inner step `step` of a round, as the worker took it: `strategy.inner_step` on
+    `batch_fn(step)`, its randomness (dropout) drawn under `step_rng` from
+    `batch_fn.step_seed(step)` when the batch function has one
+    (covey.data.batches.AssignmentBatches: a pure function of the run seed, round, data key
+    and step), so any step re-executes alone, mid-round included. A batch function without
+    step seeds leaves torch's generators as they are (the simulator's, plain tests')."""
+    seeds = getattr(batch_fn, "step_seed", None)
+    with step_rng(strategy.device, None if seeds is None else int(seeds(step))):
+        return strategy.inner_step(batch_fn(step))
+
+
 def require_reexecutable(strategy: Strategy) -> None:
     if not strategy.reexecutable:
         raise ValueError(
@@ -192,7 +205,7 @@ def reexecute(
     if 0 in keep:
         kept(0)
     for step in range(steps):
-        strategy.inner_step(batch_fn(step))
+        take_step(strategy, batch_fn, step)
         done = step + 1
         committer.after_step(done)
         if done % commit_every == 0 and done < steps and done // commit_every in keep:
