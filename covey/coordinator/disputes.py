@@ -8,7 +8,9 @@ missing or of a size the run does not imply (`_report_fault`); the referee uses 
 validator's segment-start state only when it hashes to the worker's commitment, else it
 recomputes from W_r. A judging that raises is retried `trust.dispute_attempts` times, then
 closed "inconclusive": nobody is slashed on an exception. "fraud" slashes and bans the
-worker and pays the validator `catch_reward`; "validator wrong" (its report provably
+worker, pays the validator `catch_reward`, and costs every validator that agreed on the
+contribution its stake share and check pay, and the worker its paid work
+(covey.coordinator.checks.Checks.convict); "validator wrong" (its report provably
 wrong) costs the validator `validator_slash_fraction` of its stake; "honest drift" (the
 worker right, the validator near it: cross-thread rounding past the tolerance) costs
 nobody anything.
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from covey.data.corpus import Corpus
 
     from .accounts import Accounts
+    from .checks import Checks
     from .db import Database
     from .peers import Peers
 
@@ -55,6 +58,7 @@ class Disputes:
     db: Database
     peers: Peers  # covey.coordinator.peers, membership's
     accounts: Accounts
+    checks: Checks  # missed-fraud accounting, shared with RL
     blobs: BlobStore
     strategy: Strategy
     template: TrainState
@@ -285,6 +289,8 @@ class Disputes:
                     "UPDATE payouts SET status = 'forfeit' WHERE peer_id = ? AND status = 'due'",
                     (task.peer_id,),
                 )
+                # validators that agreed on it missed a fraud; its paid work is clawed back
+                self.checks.convict(c, task.round, task.peer_id, detail, now)
             elif outcome == "validator wrong":  # a false accusation costs its stake share
                 self.accounts.append(
                     c,

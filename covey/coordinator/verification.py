@@ -36,6 +36,7 @@ from covey.trust.identity import canonical_json
 
 from .assignment import OPEN, Assignments
 from .canary import Canaries
+from .checks import Checks
 from .disputes import Disputes
 from .rejected import Rejected
 
@@ -86,6 +87,7 @@ class Verification(Assignments, Canaries, Disputes):
         self.corpus = corpus
         self.seq_len = seq_len
         self.verifying = verifying
+        self.checks = Checks(accounts)  # check pay and missed fraud, shared with RL
         self._init_referee()
         self._create_checks_table()
         self._create_canary_table()
@@ -392,19 +394,10 @@ class Verification(Assignments, Canaries, Disputes):
                 },
                 now,
             )
-            if self.cfg.trust.check_reward > 0:  # a completed assigned check is paid
-                self.accounts.append(
-                    c,
-                    "reward",
-                    {
-                        "round": req.round,
-                        "peer_id": req.validator_id,
-                        "amount": self.cfg.trust.check_reward,
-                        "kind": "check",
-                        "tokens": 0,
-                    },
-                    now,
-                )
+            # a completed assigned check is paid (taken back if it agreed on a fraud)
+            self.checks.pay_check(
+                c, req.round, v["peer_id"], req.validator_id, self.cfg.trust.check_reward, now
+            )
             status = v["status"]
             if status in OPEN and req.outcome == "disagree":
                 status = "disputed"  # the first disagreement is judged

@@ -7,7 +7,8 @@ false accusation (dispute "validator wrong", penalty) and the batch is accepted;
 acceptance is audited in full with probability audit_rate (drawn from the trainer's
 signature, so anyone can recompute it), and a bad batch found so costs the worker its
 slash and the validator a penalty (ledger kind "missed fraud": it passed a batch the
-audit proved bad).
+audit proved bad) and its check pay, through covey.coordinator.checks.Checks.convict, the
+same accounting as a rounds contribution convicted by the referee.
 A batch no validator could take is checked by the trainer in full.
 
 Ledger entries (covey.trust.incentives), round = the batch's step:
@@ -25,6 +26,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from covey.coordinator.checks import Checks
 from covey.coordinator.rejected import Rejected
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
 from covey.rl.policy import codec_kwargs
@@ -42,6 +44,7 @@ def _h(*parts: object) -> str:
 class Judge:
     def __init__(self, trainer: TrainerParts) -> None:
         self.t = trainer
+        self.checks = Checks(trainer.accounts)  # check pay and missed fraud, as rounds'
         self.audits = {"audited": 0, "caught": 0}
         # one check at a time: the prefill captures hidden states with a forward hook on
         # the version's shared frozen model (covey.rl.sampling.forward_hidden), so two
@@ -145,16 +148,8 @@ class Judge:
                 )
             if verdict.ok:
                 self.accept_entries(c, row, draw, now)
-                if outcome == "accepted" and validator is not None and t.spec.check_reward:
-                    self.append(
-                        c,
-                        "reward",
-                        step,
-                        validator,
-                        amount=t.spec.check_reward,
-                        kind="check",
-                        tokens=0,
-                    )
+                if outcome == "accepted" and validator is not None:
+                    self.checks.pay_check(c, step, worker, validator, t.spec.check_reward, now)
             else:
                 caught_by = validator if outcome == "caught" and not banned else None
                 self.reject_entries(
@@ -167,17 +162,10 @@ class Judge:
                     now,
                     slash=not banned,
                 )
-                if outcome == "missed" and validator is not None:
-                    self.append(
-                        c,
-                        "penalty",
-                        step,
-                        validator,
-                        kind="missed fraud",
-                        amount=t.accounts.book.penalty_amount(validator),
-                        reason=f"accepted {row['cid'][:12]}, which the trainer's audit "
-                        f"rejected ({problem}): missed fraud",
-                    )
+                if outcome in ("missed", "caught"):  # convicted by a check, not for a ban
+                    # who agreed on it missed a fraud; its pay, if any, is clawed back
+                    reason = f"the trainer's check rejects {row['cid'][:12]} ({problem})"
+                    self.checks.convict(c, step, worker, reason, now)
             c.execute(
                 "UPDATE rl_batches SET status = ?, problem = ?, detail = ? WHERE id = ?",
                 (
