@@ -98,7 +98,7 @@ class Convictions:
             raise LedgerError(
                 i,
                 f"penalty (missed fraud): validator {acc.peer_id} agreed on no contribution "
-                f"convicted in round {round_}",
+                f"rejected in round {round_} after it (none convicted)",
             )
         self._missed_due[(round_, acc.peer_id)] -= 1
 
