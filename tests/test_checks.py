@@ -21,7 +21,7 @@ from covey.coordinator.checks import Checks, Verdict, judge_safely
 from covey.coordinator.db import Database
 from covey.io import audit
 from covey.trust.identity import Identity
-from covey.trust.ledger import LEDGER_SCHEMA, LedgerError, append, read_entries
+from covey.trust.ledger import LEDGER_SCHEMA, Entry, LedgerError, append, read_entries
 from tests.test_ledger import POLICY
 
 STAKE = 10.0
@@ -191,16 +191,17 @@ def test_an_edited_missed_fraud_entry_fails_the_audit(tmp_path: Path) -> None:
     assert e.value.index == target.index
 
 
-def _resigned(world: World, dir: Path, change: Any) -> Path:
-    """The ledger as a dishonest coordinator re-signs it: every entry appended again with
-    its own key, `change(entry)` giving each one's (type, payload), or None to drop it."""
+def resigned(entries: list[Entry], key: Identity, dir: Path, change: Any) -> Path:
+    """A coordinator data directory holding `entries` as a dishonest coordinator re-signs
+    them: each appended again with its own `key`, `change(entry)` giving its (type,
+    payload), or None to drop it."""
     dir.mkdir()
     conn = sqlite3.connect(dir / audit.DB_FILE, isolation_level=None)
     conn.executescript(LEDGER_SCHEMA)
     conn.execute("BEGIN")
-    for entry in read_entries(world.accounts.db._conn):
+    for entry in entries:
         if (new := change(entry)) is not None:
-            append(conn, world.coord, new[0], new[1], entry.at)
+            append(conn, key, new[0], new[1], entry.at)
     conn.execute("COMMIT")
     conn.close()
     return dir
@@ -244,7 +245,8 @@ def test_a_resigned_ledger_that_bends_the_accounting_fails_the_audit(
             return None
         return e.type, p
 
-    dishonest = _resigned(world, tmp_path / "dishonest", change)
+    honest = read_entries(world.accounts.db._conn)
+    dishonest = resigned(honest, world.coord, tmp_path / "dishonest", change)
     if case == "work clawed back twice":  # the same claw-back once more
         conn = sqlite3.connect(dishonest / audit.DB_FILE, isolation_level=None)
         [work] = [e for e in world.entries("clawback") if e.payload["kind"] == "work"]

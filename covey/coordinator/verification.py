@@ -399,6 +399,8 @@ class Verification(Assignments, Canaries, Disputes):
                 c, req.round, v["peer_id"], req.validator_id, self.cfg.trust.check_reward, now
             )
             status = v["status"]
+            if status == "fraud" and req.outcome == "agree":  # passed a fraud convicted already
+                self.checks.convict(c, req.round, v["peer_id"], "agreed after the conviction", now)
             if status in OPEN and req.outcome == "disagree":
                 status = "disputed"  # the first disagreement is judged
                 c.execute(
