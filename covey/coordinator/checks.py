@@ -2,7 +2,13 @@
 covey.coordinator.verification, RL's rollout batches in covey.rl.verdicts).
 
 - The referee's interface: `Referee.judge(item) -> Verdict` (convicted, cleared or
-  inconclusive); `judge_safely` makes a referee that raises convict nobody.
+  inconclusive), implemented by rounds' disputes (covey.coordinator.disputes.Disputes.judge:
+  one disputed segment recomputed) and RL's verdicts (covey.rl.verdicts.Judge.judge: a
+  batch's samples recomputed). A referee that fails convicts nobody: `judge_safely` turns
+  a raise into "inconclusive"; rounds retry a raising judge `trust.dispute_attempts` times
+  and then close the dispute inconclusive, RL leaves the batch undecided.
+- Who checks an item: covey.trust.draws.draw_validators, one rule for both modes, each
+  passing its candidates, its beacon's rank, the item's worker, load and cap.
 - Missed-fraud accounting (`Checks.convict`): when an item is convicted, every validator
   that reported "agree" on it loses validator_slash_fraction of its stake (a "penalty" of
   kind "missed fraud") and the check reward it was paid for it (a "clawback"), and the
@@ -33,10 +39,15 @@ Item = TypeVar("Item", contravariant=True)
 
 @dataclass(frozen=True)
 class Verdict:
-    """A referee's decision on one item; `detail` says why, for the ledger."""
+    """A referee's decision on one item. `detail` says why, for the ledger; `finding` is
+    the mode's own word for it (rounds' dispute outcome: "fraud", "validator wrong",
+    "honest drift", "inconclusive"; RL's batch problem); `evidence` the part at fault
+    when one is (rounds' segment, RL's sample)."""
 
     outcome: Outcome
     detail: str
+    finding: str = ""
+    evidence: int | None = None
 
     @property
     def convicted(self) -> bool:
@@ -57,7 +68,8 @@ def judge_safely(referee: Referee[Item], item: Item) -> Verdict:
         return referee.judge(item)
     except Exception as e:  # a bug in judging must not convict (nor kill the caller)
         log.exception("the referee failed")
-        return Verdict("inconclusive", f"the referee failed: {type(e).__name__}: {e}"[:500])
+        detail = f"the referee failed: {type(e).__name__}: {e}"[:500]
+        return Verdict("inconclusive", detail, "inconclusive")
 
 
 class Checks:

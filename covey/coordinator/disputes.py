@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -38,6 +38,8 @@ from covey.protocol.checkpoint import state_from_bytes
 from covey.trust import referee, verify
 from covey.trust.sketch import commitment_of
 
+from .checks import Outcome, Verdict
+
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
     from covey.blobs import BlobStore
@@ -50,6 +52,21 @@ if TYPE_CHECKING:
     from .peers import Peers
 
 log = logging.getLogger("covey.coordinator")
+
+# the referee's findings (covey.trust.referee) as the outcomes every mode's referee gives
+REFEREE_OUTCOMES: dict[str, Outcome] = {
+    "fraud": "convicted",
+    "validator wrong": "cleared",
+    "honest drift": "cleared",
+    "inconclusive": "inconclusive",
+}
+
+
+class Disputed(NamedTuple):
+    """What the rounds referee judges: a check's task and the report disputing it."""
+
+    task: schemas.VerifyTask
+    report: schemas.VerifyReport
 
 
 class Disputes:
@@ -238,7 +255,8 @@ class Disputes:
         row = self.db.one("SELECT report FROM verifications WHERE id = ?", (task_id,))
         assert row is not None
         report = schemas.VerifyReport.model_validate_json(row["report"])
-        outcome, detail = self._judge(task, report)
+        verdict = self.judge(Disputed(task, report))  # raises: retried, then inconclusive
+        outcome, detail = verdict.finding, verdict.detail
         now = time.time()
         trust = self.cfg.trust
         with self.accounts.transaction() as c:
@@ -260,7 +278,7 @@ class Disputes:
                 },
                 now,
             )
-            if outcome == "fraud":
+            if verdict.convicted:
                 self.accounts.append(
                     c,
                     "slash",
@@ -312,6 +330,12 @@ class Disputes:
             outcome.upper() if outcome == "fraud" else outcome,
             detail,
         )
+
+    def judge(self, item: Disputed) -> Verdict:
+        """The referee's verdict on a disputed check (covey.coordinator.checks.Referee):
+        "fraud" convicts the worker; "validator wrong" and "honest drift" clear it."""
+        outcome, detail = self._judge(item.task, item.report)
+        return Verdict(REFEREE_OUTCOMES[outcome], detail, outcome, item.report.segment)
 
     def _judge(self, task: schemas.VerifyTask, report: schemas.VerifyReport) -> tuple[str, str]:
         """Recompute the disputed segment and compare its end with what the worker and the

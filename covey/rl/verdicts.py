@@ -24,9 +24,9 @@ import logging
 import sqlite3
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from covey.coordinator.checks import Checks
+from covey.coordinator.checks import Checks, Verdict
 from covey.coordinator.rejected import Rejected
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
 from covey.rl.policy import codec_kwargs
@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     from covey.rl.trainer_parts import TrainerParts
 
 log = logging.getLogger("covey.rl.intake")
+
+
+class Checked(NamedTuple):
+    """What the trainer judges: a batch's row and the samples to recompute (None: all)."""
+
+    row: sqlite3.Row
+    samples: list[int] | None
 
 
 def _h(*parts: object) -> str:
@@ -51,6 +58,16 @@ class Judge:
         # concurrent checks (the loop's deadline checks, request threads' audits) read each
         # other's states and reject honest batches (seen in a demo: "top-k overlap 0.667")
         self._checking = threading.Lock()
+
+    def judge(self, item: Checked) -> Verdict:
+        """The trainer's verdict on a batch (covey.coordinator.checks.Referee): convicted
+        when its recomputation over `item.samples` (None: every sample) finds a problem.
+        Raising leaves the batch undecided: nobody is convicted or paid."""
+        v = self.check(item.row, item.samples)
+        if v.ok:
+            return Verdict("cleared", v.detail)
+        problem = v.problem.value if v.problem else ""
+        return Verdict("convicted", v.detail, problem, v.sample)
 
     def check(self, row: sqlite3.Row, samples: list[int] | None) -> BatchVerdict:
         t = self.t
@@ -88,23 +105,24 @@ class Judge:
             else None
         )
         if claim is None:
-            verdict = self.check(row, None)
-            outcome = "accepted" if verdict.ok else "rejected"
+            verdict = self.judge(Checked(row, None))
+            outcome = "rejected" if verdict.convicted else "accepted"
         elif claim["ok"]:
             audit = int(_h("covey-rl-audit", draw)[:8], 16) / 16**8 < t.spec.audit_rate
-            verdict = self.check(row, None) if audit else BatchVerdict(True)
+            verdict = self.judge(Checked(row, None)) if audit else Verdict("cleared", "")
             self.audits["audited"] += audit
-            self.audits["caught"] += audit and not verdict.ok
-            outcome = "accepted" if verdict.ok else "missed"
+            self.audits["caught"] += audit and verdict.convicted
+            outcome = "missed" if verdict.convicted else "accepted"
         else:
             extra = [claim["sample"]] if claim["sample"] is not None else []
             extra = [i for i in extra if i < row["samples"]]
-            verdict = self.check(row, sorted(set((picked or []) + extra)))
-            outcome = "caught" if not verdict.ok else "false accusation"
+            verdict = self.judge(Checked(row, sorted(set((picked or []) + extra))))
+            outcome = "caught" if verdict.convicted else "false accusation"
         banned = t.accounts.book.accounts[worker].banned
-        if verdict.ok and banned:
-            verdict = BatchVerdict(False, None, "the worker was excluded for fraud")
-        problem = verdict.problem.value if verdict.problem else ("banned" if banned else None)
+        if not verdict.convicted and banned:
+            verdict = Verdict("convicted", "the worker was excluded for fraud", "banned")
+        problem = verdict.finding or ("banned" if banned else None)
+        accepted = not verdict.convicted
         with t.accounts.transaction() as c:
             now_status = c.execute("SELECT status FROM rl_batches WHERE id = ?", (row["id"],))
             if now_status.fetchone()[0] not in ("pending", "claimed"):  # decided meanwhile
@@ -146,7 +164,7 @@ class Judge:
                     amount=t.accounts.book.penalty_amount(validator),
                     reason=f"rejected {row['cid'][:12]}; the trainer's check accepts it",
                 )
-            if verdict.ok:
+            if accepted:
                 self.accept_entries(c, row, draw, now)
                 if outcome == "accepted" and validator is not None:
                     self.checks.pay_check(c, step, worker, validator, t.spec.check_reward, now)
@@ -158,7 +176,7 @@ class Judge:
                     worker,
                     caught_by,
                     f"{problem}: {verdict.detail}",
-                    verdict.sample or 0,
+                    verdict.evidence or 0,
                     now,
                     slash=not banned,
                 )
@@ -169,24 +187,24 @@ class Judge:
             c.execute(
                 "UPDATE rl_batches SET status = ?, problem = ?, detail = ? WHERE id = ?",
                 (
-                    "accepted" if verdict.ok else "rejected",
+                    "accepted" if accepted else "rejected",
                     problem,
                     verdict.detail[:500],
                     row["id"],
                 ),
             )
-        level = logging.INFO if verdict.ok else logging.WARNING
+        level = logging.INFO if accepted else logging.WARNING
         log.log(
             level,
             "[%s - step %d] batch %s %s (%s)%s",
             worker[:8],
             step,
             row["cid"][:12],
-            "accepted" if verdict.ok else "REJECTED",
+            "accepted" if accepted else "REJECTED",
             outcome,
             f": {problem}" if problem else "",
         )
-        return {"ok": True, "outcome": outcome, "accepted": verdict.ok}
+        return {"ok": True, "outcome": outcome, "accepted": accepted}
 
     def append(self, c: sqlite3.Connection, type: str, step: int, peer: str, **fields: Any) -> None:
         self.t.accounts.append(c, type, {"round": step, "peer_id": peer, **fields}, time.time())
