@@ -30,7 +30,7 @@ from tests.test_assignment import Squatter
 from tests.test_checks import resigned
 from tests.test_rl_attacks import claim, honest_body, post, report, signed, with_batch
 
-pytestmark = [pytest.mark.network, pytest.mark.long]
+pytestmark = pytest.mark.network
 
 STAMP_STAKE = 8.0
 SPEC = """
@@ -98,6 +98,7 @@ def _missed(entries: list[Entry], stamp: str) -> list[Entry]:
     ]
 
 
+@pytest.mark.long  # about 35 s: five processes, a few rounds
 def test_a_validator_that_agreed_with_a_convicted_contribution_pays_for_it(
     run: tuple[LocalCluster, Squatter], tmp_path: Path
 ) -> None:

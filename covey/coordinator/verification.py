@@ -52,6 +52,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("covey.coordinator")
 
+# a disagreement is judged when none was before: the contribution still open, or agreed on
+# by another validator that reported first (its checks then count as complete, but the
+# disagreeing validator still held its assigned check): a rubber stamp that reports at once
+# must not shadow an honest validator's disagreement, nor escape paying for it
+DISPUTABLE = (*OPEN, "agree")
+
 
 class Verification(Assignments, Canaries, Disputes):
     """Validators, their checks (assignments and canaries) and the referee. The three
@@ -401,7 +407,7 @@ class Verification(Assignments, Canaries, Disputes):
             status = v["status"]
             if status == "fraud" and req.outcome == "agree":  # passed a fraud convicted already
                 self.checks.convict(c, req.round, v["peer_id"], "agreed after the conviction", now)
-            if status in OPEN and req.outcome == "disagree":
+            if status in DISPUTABLE and req.outcome == "disagree":
                 status = "disputed"  # the first disagreement is judged
                 c.execute(
                     "UPDATE verifications SET status = ?, validator_id = ?, report = ? "
@@ -425,7 +431,7 @@ class Verification(Assignments, Canaries, Disputes):
             "exact" if req.exact else f"{req.distance}",
             "" if req.segment is None else f", segment {req.segment}",
         )
-        if status == "disputed" and v["status"] in OPEN:
+        if status == "disputed" and v["status"] in DISPUTABLE:
             self._disputes.put(req.task_id)
         return {"ok": True, "status": status}
 
