@@ -123,8 +123,8 @@ class Checks:
                         "peer_id": v,
                         "amount": book.penalty_amount(v),
                         "kind": "missed fraud",
-                        "reason": f"agreed on {worker_id[:12]}'s round-{round_} item, "
-                        f"convicted: {reason}"[:500],
+                        "reason": f"missed fraud: agreed on {worker_id[:12]}'s round-{round_} "
+                        f"item, convicted: {reason}"[:500],
                     },
                     now,
                 )
