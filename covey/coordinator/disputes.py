@@ -8,7 +8,9 @@ missing or of a size the run does not imply (`_report_fault`); the referee uses 
 validator's segment-start state only when it hashes to the worker's commitment, else it
 recomputes from W_r. A judging that raises is retried `trust.dispute_attempts` times, then
 closed "inconclusive": nobody is slashed on an exception. "fraud" slashes and bans the
-worker and pays the validator `catch_reward`; "validator wrong" (its report provably
+worker, pays the validator `catch_reward`, and costs every validator that agreed on the
+contribution its stake share and check pay, and the worker its paid work
+(covey.coordinator.checks.Checks.convict); "validator wrong" (its report provably
 wrong) costs the validator `validator_slash_fraction` of its stake; "honest drift" (the
 worker right, the validator near it: cross-thread rounding past the tolerance) costs
 nobody anything.
@@ -22,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -36,6 +38,8 @@ from covey.protocol.checkpoint import state_from_bytes
 from covey.trust import referee, verify
 from covey.trust.sketch import commitment_of
 
+from .checks import Outcome, Verdict
+
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
     from covey.blobs import BlobStore
@@ -43,10 +47,26 @@ if TYPE_CHECKING:
     from covey.data.corpus import Corpus
 
     from .accounts import Accounts
+    from .checks import Checks
     from .db import Database
     from .peers import Peers
 
 log = logging.getLogger("covey.coordinator")
+
+# the referee's findings (covey.trust.referee) as the outcomes every mode's referee gives
+REFEREE_OUTCOMES: dict[str, Outcome] = {
+    "fraud": "convicted",
+    "validator wrong": "cleared",
+    "honest drift": "cleared",
+    "inconclusive": "inconclusive",
+}
+
+
+class Disputed(NamedTuple):
+    """What the rounds referee judges: a check's task and the report disputing it."""
+
+    task: schemas.VerifyTask
+    report: schemas.VerifyReport
 
 
 class Disputes:
@@ -55,6 +75,7 @@ class Disputes:
     db: Database
     peers: Peers  # covey.coordinator.peers, membership's
     accounts: Accounts
+    checks: Checks  # missed-fraud accounting, shared with RL
     blobs: BlobStore
     strategy: Strategy
     template: TrainState
@@ -234,7 +255,8 @@ class Disputes:
         row = self.db.one("SELECT report FROM verifications WHERE id = ?", (task_id,))
         assert row is not None
         report = schemas.VerifyReport.model_validate_json(row["report"])
-        outcome, detail = self._judge(task, report)
+        verdict = self.judge(Disputed(task, report))  # raises: retried, then inconclusive
+        outcome, detail = verdict.finding, verdict.detail
         now = time.time()
         trust = self.cfg.trust
         with self.accounts.transaction() as c:
@@ -256,7 +278,7 @@ class Disputes:
                 },
                 now,
             )
-            if outcome == "fraud":
+            if verdict.convicted:
                 self.accounts.append(
                     c,
                     "slash",
@@ -285,6 +307,8 @@ class Disputes:
                     "UPDATE payouts SET status = 'forfeit' WHERE peer_id = ? AND status = 'due'",
                     (task.peer_id,),
                 )
+                # validators that agreed on it missed a fraud; its paid work is clawed back
+                self.checks.convict(c, task.round, task.peer_id, detail, now)
             elif outcome == "validator wrong":  # a false accusation costs its stake share
                 self.accounts.append(
                     c,
@@ -306,6 +330,12 @@ class Disputes:
             outcome.upper() if outcome == "fraud" else outcome,
             detail,
         )
+
+    def judge(self, item: Disputed) -> Verdict:
+        """The referee's verdict on a disputed check (covey.coordinator.checks.Referee):
+        "fraud" convicts the worker; "validator wrong" and "honest drift" clear it."""
+        outcome, detail = self._judge(item.task, item.report)
+        return Verdict(REFEREE_OUTCOMES[outcome], detail, outcome, item.report.segment)
 
     def _judge(self, task: schemas.VerifyTask, report: schemas.VerifyReport) -> tuple[str, str]:
         """Recompute the disputed segment and compare its end with what the worker and the

@@ -36,6 +36,7 @@ from covey.trust.identity import canonical_json
 
 from .assignment import OPEN, Assignments
 from .canary import Canaries
+from .checks import Checks
 from .disputes import Disputes
 from .rejected import Rejected
 
@@ -50,6 +51,12 @@ if TYPE_CHECKING:
     from .membership import Membership
 
 log = logging.getLogger("covey.coordinator")
+
+# a disagreement is judged when none was before: the contribution still open, or agreed on
+# by another validator that reported first (its checks then count as complete, but the
+# disagreeing validator still held its assigned check): a rubber stamp that reports at once
+# must not shadow an honest validator's disagreement, nor escape paying for it
+DISPUTABLE = (*OPEN, "agree")
 
 
 class Verification(Assignments, Canaries, Disputes):
@@ -86,6 +93,7 @@ class Verification(Assignments, Canaries, Disputes):
         self.corpus = corpus
         self.seq_len = seq_len
         self.verifying = verifying
+        self.checks = Checks(accounts)  # check pay and missed fraud, shared with RL
         self._init_referee()
         self._create_checks_table()
         self._create_canary_table()
@@ -392,21 +400,14 @@ class Verification(Assignments, Canaries, Disputes):
                 },
                 now,
             )
-            if self.cfg.trust.check_reward > 0:  # a completed assigned check is paid
-                self.accounts.append(
-                    c,
-                    "reward",
-                    {
-                        "round": req.round,
-                        "peer_id": req.validator_id,
-                        "amount": self.cfg.trust.check_reward,
-                        "kind": "check",
-                        "tokens": 0,
-                    },
-                    now,
-                )
+            # a completed assigned check is paid (taken back if it agreed on a fraud)
+            self.checks.pay_check(
+                c, req.round, v["peer_id"], req.validator_id, self.cfg.trust.check_reward, now
+            )
             status = v["status"]
-            if status in OPEN and req.outcome == "disagree":
+            if status == "fraud" and req.outcome == "agree":  # passed a fraud convicted already
+                self.checks.convict(c, req.round, v["peer_id"], "agreed after the conviction", now)
+            if status in DISPUTABLE and req.outcome == "disagree":
                 status = "disputed"  # the first disagreement is judged
                 c.execute(
                     "UPDATE verifications SET status = ?, validator_id = ?, report = ? "
@@ -430,7 +431,7 @@ class Verification(Assignments, Canaries, Disputes):
             "exact" if req.exact else f"{req.distance}",
             "" if req.segment is None else f", segment {req.segment}",
         )
-        if status == "disputed" and v["status"] in OPEN:
+        if status == "disputed" and v["status"] in DISPUTABLE:
             self._disputes.put(req.task_id)
         return {"ok": True, "status": status}
 

@@ -46,6 +46,7 @@ from covey.rl.batch import Problem, RolloutBatch, draw_samples
 from covey.rl.canaries import CANARY_SCHEMA, Canaries
 from covey.rl.runspec import NotJudged
 from covey.rl.verdicts import Judge
+from covey.trust.draws import draw_validators
 from covey.trust.identity import NO_ROUND
 
 if TYPE_CHECKING:
@@ -311,17 +312,20 @@ class Intake:
     def _assignee(
         self, row: sqlite3.Row, live: set[str], load: dict[tuple[int, str], int]
     ) -> str | None:
-        """The live validator ranked first by sha256(cid, validator) among those that did
-        not try this batch, are not its worker and are under validator_round_cap claims at
-        its step; None when none is."""
-        tried, cap = set(json.loads(row["tried"])), self.t.spec.validator_round_cap
-        eligible = sorted(
-            v
-            for v in live
-            if v not in tried and v != row["worker_id"] and load.get((row["step"], v), 0) < cap
+        """The live validator ranked first by `assign_rank` among those that did not try
+        this batch, are not its worker and are under validator_round_cap claims at its
+        step (covey.trust.draws.draw_validators); None when none is."""
+        beacon, step = self.assign_draw(row["cid"]), row["step"]
+        drawn = draw_validators(  # the rule rounds' Book.draw uses, with RL's beacon
+            sorted(live),
+            lambda v: assign_rank(beacon, v),
+            1,
+            worker=row["worker_id"],
+            tried=set(json.loads(row["tried"])),
+            load={v: load.get((step, v), 0) for v in live},
+            cap=self.t.spec.validator_round_cap,
         )
-        beacon = self.assign_draw(row["cid"])
-        return min(eligible, key=lambda v: assign_rank(beacon, v), default=None)
+        return drawn[0] if drawn else None
 
     def assign_draw(self, cid: str) -> str:
         """The trainer's signature over (run, batch cid): the beacon of the batch's

@@ -7,7 +7,8 @@ false accusation (dispute "validator wrong", penalty) and the batch is accepted;
 acceptance is audited in full with probability audit_rate (drawn from the trainer's
 signature, so anyone can recompute it), and a bad batch found so costs the worker its
 slash and the validator a penalty (ledger kind "missed fraud": it passed a batch the
-audit proved bad).
+audit proved bad) and its check pay, through covey.coordinator.checks.Checks.convict, the
+same accounting as a rounds contribution convicted by the referee.
 A batch no validator could take is checked by the trainer in full.
 
 Ledger entries (covey.trust.incentives), round = the batch's step:
@@ -23,8 +24,9 @@ import logging
 import sqlite3
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from covey.coordinator.checks import Checks, Verdict
 from covey.coordinator.rejected import Rejected
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
 from covey.rl.policy import codec_kwargs
@@ -35,6 +37,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("covey.rl.intake")
 
 
+class Checked(NamedTuple):
+    """What the trainer judges: a batch's row and the samples to recompute (None: all)."""
+
+    row: sqlite3.Row
+    samples: list[int] | None
+
+
 def _h(*parts: object) -> str:
     return hashlib.sha256("|".join(str(p) for p in parts).encode()).hexdigest()
 
@@ -42,12 +51,23 @@ def _h(*parts: object) -> str:
 class Judge:
     def __init__(self, trainer: TrainerParts) -> None:
         self.t = trainer
+        self.checks = Checks(trainer.accounts)  # check pay and missed fraud, as rounds'
         self.audits = {"audited": 0, "caught": 0}
         # one check at a time: the prefill captures hidden states with a forward hook on
         # the version's shared frozen model (covey.rl.sampling.forward_hidden), so two
         # concurrent checks (the loop's deadline checks, request threads' audits) read each
         # other's states and reject honest batches (seen in a demo: "top-k overlap 0.667")
         self._checking = threading.Lock()
+
+    def judge(self, item: Checked) -> Verdict:
+        """The trainer's verdict on a batch (covey.coordinator.checks.Referee): convicted
+        when its recomputation over `item.samples` (None: every sample) finds a problem.
+        Raising leaves the batch undecided: nobody is convicted or paid."""
+        v = self.check(item.row, item.samples)
+        if v.ok:
+            return Verdict("cleared", v.detail)
+        problem = v.problem.value if v.problem else ""
+        return Verdict("convicted", v.detail, problem, v.sample)
 
     def check(self, row: sqlite3.Row, samples: list[int] | None) -> BatchVerdict:
         t = self.t
@@ -85,23 +105,24 @@ class Judge:
             else None
         )
         if claim is None:
-            verdict = self.check(row, None)
-            outcome = "accepted" if verdict.ok else "rejected"
+            verdict = self.judge(Checked(row, None))
+            outcome = "rejected" if verdict.convicted else "accepted"
         elif claim["ok"]:
             audit = int(_h("covey-rl-audit", draw)[:8], 16) / 16**8 < t.spec.audit_rate
-            verdict = self.check(row, None) if audit else BatchVerdict(True)
+            verdict = self.judge(Checked(row, None)) if audit else Verdict("cleared", "")
             self.audits["audited"] += audit
-            self.audits["caught"] += audit and not verdict.ok
-            outcome = "accepted" if verdict.ok else "missed"
+            self.audits["caught"] += audit and verdict.convicted
+            outcome = "missed" if verdict.convicted else "accepted"
         else:
             extra = [claim["sample"]] if claim["sample"] is not None else []
             extra = [i for i in extra if i < row["samples"]]
-            verdict = self.check(row, sorted(set((picked or []) + extra)))
-            outcome = "caught" if not verdict.ok else "false accusation"
+            verdict = self.judge(Checked(row, sorted(set((picked or []) + extra))))
+            outcome = "caught" if verdict.convicted else "false accusation"
         banned = t.accounts.book.accounts[worker].banned
-        if verdict.ok and banned:
-            verdict = BatchVerdict(False, None, "the worker was excluded for fraud")
-        problem = verdict.problem.value if verdict.problem else ("banned" if banned else None)
+        if not verdict.convicted and banned:
+            verdict = Verdict("convicted", "the worker was excluded for fraud", "banned")
+        problem = verdict.finding or ("banned" if banned else None)
+        accepted = not verdict.convicted
         with t.accounts.transaction() as c:
             now_status = c.execute("SELECT status FROM rl_batches WHERE id = ?", (row["id"],))
             if now_status.fetchone()[0] not in ("pending", "claimed"):  # decided meanwhile
@@ -143,18 +164,10 @@ class Judge:
                     amount=t.accounts.book.penalty_amount(validator),
                     reason=f"rejected {row['cid'][:12]}; the trainer's check accepts it",
                 )
-            if verdict.ok:
+            if accepted:
                 self.accept_entries(c, row, draw, now)
-                if outcome == "accepted" and validator is not None and t.spec.check_reward:
-                    self.append(
-                        c,
-                        "reward",
-                        step,
-                        validator,
-                        amount=t.spec.check_reward,
-                        kind="check",
-                        tokens=0,
-                    )
+                if outcome == "accepted" and validator is not None:
+                    self.checks.pay_check(c, step, worker, validator, t.spec.check_reward, now)
             else:
                 caught_by = validator if outcome == "caught" and not banned else None
                 self.reject_entries(
@@ -163,42 +176,35 @@ class Judge:
                     worker,
                     caught_by,
                     f"{problem}: {verdict.detail}",
-                    verdict.sample or 0,
+                    verdict.evidence or 0,
                     now,
                     slash=not banned,
                 )
-                if outcome == "missed" and validator is not None:
-                    self.append(
-                        c,
-                        "penalty",
-                        step,
-                        validator,
-                        kind="missed fraud",
-                        amount=t.accounts.book.penalty_amount(validator),
-                        reason=f"accepted {row['cid'][:12]}, which the trainer's audit "
-                        f"rejected ({problem}): missed fraud",
-                    )
+                if outcome in ("missed", "caught"):  # convicted by a check, not for a ban
+                    # who agreed on it missed a fraud; its pay, if any, is clawed back
+                    reason = f"the trainer's check rejects {row['cid'][:12]} ({problem})"
+                    self.checks.convict(c, step, worker, reason, now)
             c.execute(
                 "UPDATE rl_batches SET status = ?, problem = ?, detail = ? WHERE id = ?",
                 (
-                    "accepted" if verdict.ok else "rejected",
+                    "accepted" if accepted else "rejected",
                     problem,
                     verdict.detail[:500],
                     row["id"],
                 ),
             )
-        level = logging.INFO if verdict.ok else logging.WARNING
+        level = logging.INFO if accepted else logging.WARNING
         log.log(
             level,
             "[%s - step %d] batch %s %s (%s)%s",
             worker[:8],
             step,
             row["cid"][:12],
-            "accepted" if verdict.ok else "REJECTED",
+            "accepted" if accepted else "REJECTED",
             outcome,
             f": {problem}" if problem else "",
         )
-        return {"ok": True, "outcome": outcome, "accepted": verdict.ok}
+        return {"ok": True, "outcome": outcome, "accepted": accepted}
 
     def append(self, c: sqlite3.Connection, type: str, step: int, peer: str, **fields: Any) -> None:
         self.t.accounts.append(c, type, {"round": step, "peer_id": peer, **fields}, time.time())

@@ -9,6 +9,7 @@ so every replay of the ledger, `covey ledger verify`'s included, checks every dr
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from covey.trust.certify import check_canary_draw, draw_value
@@ -53,21 +54,22 @@ class Draws:
         """The first `n` eligible validators for the check of `peer_id`'s round-`round`
         contribution, in beacon order (see the "assignment" entry); fewer if fewer are
         eligible."""
-        policy, key = self._policy(), (round, peer_id)
-        tried = self._tried.get(key, set())
-        eligible = [
+        policy = self._policy()
+        staked = [
             a.peer_id
             for a in self.accounts.values()
-            if a.role == "validator"
-            and not a.banned
-            and a.stake >= policy.min_validator_stake
-            and a.peer_id != peer_id
-            and a.peer_id not in tried
-            and self._load.get((round, a.peer_id), 0) < policy.validator_round_cap
+            if a.role == "validator" and not a.banned and a.stake >= policy.min_validator_stake
         ]
         beacon = self.beacon(round)
-        ranked = sorted(eligible, key=lambda v: draw_rank(beacon, round, peer_id, v))
-        return ranked[: max(n, 0)]
+        return draw_validators(
+            staked,
+            lambda v: draw_rank(beacon, round, peer_id, v),
+            n,
+            worker=peer_id,
+            tried=self._tried.get((round, peer_id), set()),
+            load={v: self._load.get((round, v), 0) for v in staked},
+            cap=policy.validator_round_cap,
+        )
 
     def checks_needed(self, round: int, peer_id: str) -> int:
         """How many more validators must be assigned to this contribution now: its
@@ -134,6 +136,26 @@ class Draws:
         elif p["outcome"] == "missed":
             validator.missed_checks += 1
         self._canaries.add((p["round"], validator.peer_id))
+
+
+def draw_validators(
+    candidates: Iterable[str],
+    rank: Callable[[str], str],
+    n: int,
+    *,
+    worker: str,
+    tried: Collection[str],
+    load: Mapping[str, int],
+    cap: int,
+) -> list[str]:
+    """Who checks one item, in every coordinator mode: of the `candidates` (the mode's
+    validators in good standing: rounds' staked ones, RL's live ones), those that are not
+    its `worker`, have not `tried` it and hold fewer than `cap` checks (`load`, in the
+    item's round or step), the first `n` by `rank` (a public hash of the mode's beacon,
+    the item and the validator: `draw_rank`, covey.rl.intake.assign_rank); fewer if fewer
+    are eligible."""
+    eligible = [v for v in candidates if v != worker and v not in tried and load.get(v, 0) < cap]
+    return sorted(eligible, key=rank)[: max(n, 0)]
 
 
 def draw_rank(beacon: str, round: int, peer_id: str, validator_id: str) -> str:

@@ -36,8 +36,14 @@ The payload of each entry type is the contract between the coordinator and covey
   assignment (another validator is drawn)
 - "penalty": {round, peer_id, amount, kind: "false accusation"|"canary"|"missed fraud",
   reason}: a validator loses validator_slash_fraction of its stake (not banned) for a
-  dispute the referee found it wrong in, for passing a canary, or (RL) for accepting a
-  batch the trainer's audit then proved bad
+  dispute the referee found it wrong in, for passing a canary, or for agreeing on an item
+  (a contribution, an RL batch) convicted since: "missed fraud", once per such item
+- "clawback": {round, peer_id (who pays back), worker_id (whose item was convicted),
+  amount, kind: "work"|"check", reason}: after a conviction (a "dispute" with outcome
+  "fraud", or a "contribution rejected" of an item a validator agreed on) the worker's work
+  reward for it, or the check reward of a validator that agreed on it (a "check" reward
+  names the item's worker in `worker_id`), taken from the payee's stake: the pay, at most
+  the stake left (covey.trust.convictions)
 - "dispute": {round, peer_id, validator_id, segment, outcome: "fraud"|"validator wrong"|
   "honest drift"|"inconclusive", detail}: "honest drift" (the worker right, the validator
   within covey.trust.referee.DRIFT_FACTOR of it) and "inconclusive" cost nobody anything
@@ -46,7 +52,8 @@ The payload of each entry type is the contract between the coordinator and covey
   the round's inputs, the referee's hash), checked by `covey ledger verify`
 - "reward": {round, peer_id, amount, kind: "work"|"catch"|"check", tokens (0 unless work)};
   a "check" pays check_reward to a validator for a completed assigned check, once per
-  reported verification
+  reported verification, and names the checked item's worker in `worker_id` (so a
+  conviction can claw it back; older entries lack it)
 - "round certificate": {round, new_hash, certificate_hash, accepted: [ids], rejected: [ids]}
 - "checkpoint": {round, cid, weights_hash}
 - "no show": {round, peer_id, consecutive, sits_out_s}: a live member of a round that
@@ -91,6 +98,8 @@ _SCHEMA_TEXT = {
     "outcome:caught|passed|missed",
     "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary|missed "
     "fraud, reason:text",
+    "clawback": "round:count, peer_id:id, worker_id:id, amount:amount, kind:work|check, "
+    "reason:text",
     "round certificate": "round:count, new_hash:text, certificate_hash:text, accepted:ids, "
     "rejected:ids",
     "checkpoint": "round:count, cid:text, weights_hash:text",

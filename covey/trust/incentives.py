@@ -21,6 +21,7 @@ from typing import Any
 
 from covey.trust import halt
 from covey.trust.certify import check_draw, draw_value
+from covey.trust.convictions import Convictions
 from covey.trust.draws import Draws
 from covey.trust.entry_schemas import SCHEMAS, check_payload
 from covey.trust.identity import IdentityError, peer_id_of
@@ -35,7 +36,7 @@ WITHHELD_BAN = 2
 __all__ = ["SCHEMAS", "Account", "Book", "Policy"]
 
 
-class Book(Draws):
+class Book(Draws, Convictions):
     """The run's accounts as of the entries applied so far. Build with `replay`, or apply
     entries one by one as they are appended."""
 
@@ -56,8 +57,6 @@ class Book(Draws):
         self._paid: set[tuple[int, str]] = set()
         self._catches_due: dict[tuple[int, str], int] = {}  # (round, validator) -> unpaid
         self._checks_due: dict[tuple[int, str], int] = {}  # (round, validator) -> unpaid
-        self._agreed_by: dict[tuple[int, str], set[str]] = {}  # (round, peer) -> validators
-        self._missed_due: dict[tuple[int, str], int] = {}  # (round, validator) -> passed frauds
         self.check_rewards = 0.0
         self.penalties = 0.0
         # validator assignment (see the "assignment" entry); keys (round, worker)
@@ -74,6 +73,7 @@ class Book(Draws):
         # one was accepted at rate 0 (a run whose contributions nobody re-executes)
         self._signed_draws = False
         self._unchecked_run: bool | None = None
+        self._init_convictions()  # missed fraud and claw-backs (covey.trust.convictions)
 
     @classmethod
     def replay(cls, entries: Iterable[Entry]) -> Book:
@@ -188,6 +188,7 @@ class Book(Draws):
                 "catch_rewards": self.catch_rewards,
                 "check_rewards": self.check_rewards,
                 "penalties": self.penalties,
+                "clawbacks": self.clawbacks,
             },
             "accounts": accounts,
         }
@@ -287,8 +288,8 @@ class Book(Draws):
         if p.get("withheld") is True:  # drawn for verification; its evidence never came
             acc.withheld += 1
             acc.banned = acc.banned or acc.withheld >= WITHHELD_BAN
-        for v in self._agreed_by.pop((p["round"], p["peer_id"]), set()):  # they passed it
-            self._missed_due[(p["round"], v)] = self._missed_due.get((p["round"], v), 0) + 1
+        if (p["round"], p["peer_id"]) in self._agreed_by:  # rejected after a check passed it
+            self._convict(p["round"], p["peer_id"])
 
     def _verification(self, i: int, p: dict[str, Any]) -> None:
         acc = self._peer(i, p)
@@ -314,7 +315,7 @@ class Book(Draws):
         self._checks_due[due] = self._checks_due.get(due, 0) + 1
         if p["outcome"] == "agree":
             acc.agreed += 1
-            self._agreed_by.setdefault(key, set()).add(validator.peer_id)
+            self._agreed(p["round"], p["peer_id"], validator.peer_id)
 
     def _report_refused(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p).refused_reports += 1
@@ -331,15 +332,8 @@ class Book(Draws):
                 f"penalty: {amount} is not validator_slash_fraction "
                 f"{self._policy().validator_slash_fraction} x stake {acc.stake} = {expected}",
             )
-        if p["kind"] == "missed fraud":  # (RL) it agreed on a contribution rejected after
-            due = (p["round"], acc.peer_id)
-            if not self._missed_due.get(due):
-                raise LedgerError(
-                    i,
-                    f"penalty (missed fraud): validator {acc.peer_id} agreed on no contribution "
-                    f"rejected in round {p['round']}",
-                )
-            self._missed_due[due] -= 1
+        if p["kind"] == "missed fraud":  # it agreed on an item convicted since
+            self._missed_fraud_penalty(i, acc, p["round"])
         acc.stake -= amount
         acc.slashed += amount
         self.penalties += amount
@@ -350,6 +344,7 @@ class Book(Draws):
         acc, validator = self._peer(i, p), self._peer(i, p, "validator_id")
         if p["outcome"] == "fraud":
             acc.frauds += 1
+            self._convict(p["round"], p["peer_id"])
             key = (p["round"], validator.peer_id)
             self._catches_due[key] = self._catches_due.get(key, 0) + 1
         elif p["outcome"] == "validator wrong":
@@ -405,6 +400,7 @@ class Book(Draws):
             fault = f"catch reward {amount} is not catch_reward {policy.catch_reward}"
         if fault is not None:
             raise LedgerError(i, f"reward ({p['kind']}): {fault}")
+        self._record_pay(p)
         if p["kind"] == "work":
             self._paid.add(key)
             acc.tokens_paid += tokens

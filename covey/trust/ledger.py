@@ -49,6 +49,7 @@ ENTRY_TYPES: tuple[str, ...] = (
     "checkpoint",
     "halt",
     "no show",
+    "clawback",
 )
 GENESIS = "0" * 64
 LINE_FIELDS = ("at", "hash", "index", "payload", "prev_hash", "signature", "type")
