@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         v.client, v._state, v.done, v.compute_s = Reports(), None, 0, 0.0
         v.stop, v._reexecuting = threading.Event(), None
+        v._keep_head = lambda where: None  # type: ignore[method-assign]  # no ledger here
         v._batch_fn = lambda task: _batches(task.round)  # type: ignore[method-assign]
         gc.collect()
         phases = Phases(rss_mib()["VmRSS"], mib)

@@ -88,6 +88,7 @@ def _worker(strategy: Any, store_dir: Path, steps: int) -> Worker:
     w._transfer, w._trained_since_adopt, w.rounds_done = None, False, 0
     w._waited_s, w._train_ended = 0.0, None
     w._batch = _batch  # type: ignore[method-assign]
+    w._step_seed = lambda round, key, step: 1000 * round + step  # type: ignore[method-assign]
     w._check_standing = lambda: None  # type: ignore[method-assign]
     w.state, w.state_hash = None, None
     return w
