@@ -174,6 +174,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.network
+@pytest.mark.long  # the in-process tests above cover the limits; this one the real commands
 @pytest.mark.parametrize("mode", ["rl", "swarm"])
 def test_set_limits_on_the_real_commands(mode: str, tmp_path: Path) -> None:
     """`covey rl trainer` and `covey swarm coordinator` with `--set limits.join_burst=2`

@@ -187,6 +187,7 @@ def _trainers(url: str) -> dict[str, Any] | None:
 
 
 @pytest.mark.network
+@pytest.mark.long  # the migration and reopen tests above run by default
 def test_a_sigkilled_coordinator_process_keeps_its_books(tmp_path: Path) -> None:
     """A trainer's books written over HTTP survive a SIGKILL of the coordinator, and a
     restart on a data directory whose books are in the legacy JSON row. Refused bodies
