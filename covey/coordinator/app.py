@@ -12,48 +12,30 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterator
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from covey.blobs import BlobError, RangeNotSatisfiable, parse_range
+from covey.blobs import BlobError
 from covey.protocol import schemas
 
 from .fastpaths import MAX_ROUND_WAIT_S, ClientGone, FastPaths, hold_round_poll, unless_gone
 from .host_app import handle_errors, host_middleware, host_routes, serve_app
 from .limits import LongPolls
 from .metrics import HostCollector, Metrics, RunCollector
-from .openapi import BLOB_BODY, BLOB_UPLOAD, errors
+from .openapi import BLOB_UPLOAD, errors
 from .openapi import document as document_api
+from .peer_routes import CHUNK_BYTES, blob_routes, membership_routes, run_route
 from .rejected import Rejected
 from .service import Coordinator
 
 log = logging.getLogger("covey.coordinator")
 STATIC = resources.files("covey.dashboard") / "static"
-
-
-_WRITE_BYTES = 1 << 20
-
-
-def _file_range(path: Path, start: int, end: int) -> Iterator[bytes]:
-    """Bytes start..end (inclusive) of a file, a MiB at a time (starlette iterates a sync
-    generator in its thread pool)."""
-    with path.open("rb") as f:
-        f.seek(start)
-        left = end - start + 1
-        while left > 0:
-            piece = f.read(min(left, _WRITE_BYTES))
-            if not piece:
-                return  # the file shrank: the client sees a short body
-            left -= len(piece)
-            yield piece
 
 
 def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
@@ -103,10 +85,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
 
     host_routes(app, metrics, coord.halt, coord.accounts)
 
-    @app.get("/v1/run")
-    def run() -> dict[str, Any]:
-        """The run spec, its id and the corpus fingerprint every peer must match."""
-        return coord.run_spec()
+    run_route(app, coord.run_spec)  # with the corpus fingerprint every peer must match
 
     @app.get("/v1/status")
     def status() -> dict[str, Any]:
@@ -116,20 +95,13 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     # Signed requests: the signature covers the body exactly as sent, so handlers read the
     # raw JSON (FastAPI has already parsed and validated it into the model) and pass both.
 
-    @app.post("/v1/join")
-    async def join(req: schemas.JoinRequest, request: Request) -> schemas.JoinReply:
-        """Register (the first time: ledger entries for the join and its stake) and go live.
-        The peer id must be the hash of the public key that signs the request."""
-        return await run_in_threadpool(coord.join, req, await request.json())
-
-    @app.post("/v1/heartbeat")
-    async def heartbeat(req: schemas.HeartbeatRequest, request: Request) -> dict[str, Any]:
-        return await _inline_or_thread(coord.heartbeat, req, await request.json())
-
-    @app.post("/v1/leave")
-    async def leave(req: schemas.LeaveRequest, request: Request) -> dict[str, Any]:
-        """The deathrattle: sent on Ctrl-C or SIGTERM, so no round waits for this peer."""
-        return await run_in_threadpool(coord.leave, req, await request.json())
+    membership_routes(
+        app,
+        coord.join,
+        coord.heartbeat,
+        coord.leave,
+        heartbeat_call=lambda fn, req, raw: _inline_or_thread(fn, req, raw),
+    )
 
     @app.get("/v1/round", responses=errors(401))
     async def current_round(
@@ -255,7 +227,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
                 async for piece in request.stream():
                     pending.append(piece)
                     buffered += len(piece)
-                    if buffered >= _WRITE_BYTES:  # one thread hop per MiB, not per packet
+                    if buffered >= CHUNK_BYTES:  # one thread hop per MiB, not per packet
                         await run_in_threadpool(writer.write, b"".join(pending))
                         pending, buffered = [], 0
                 await run_in_threadpool(writer.write, b"".join(pending))
@@ -272,42 +244,7 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
             coord.uploads.done(ticket, stored)
         return {"ok": True, "cid": cid, "size": ticket.size}
 
-    @app.api_route(
-        "/v1/blobs/{cid}",
-        methods=["GET", "HEAD"],
-        response_class=Response,
-        responses={**BLOB_BODY, **errors(404, 416)},
-    )
-    def get_blob(cid: str, request: Request) -> Response:
-        """Blob bytes; a single `Range: bytes=a-b` gives 206 with that slice (streamed from
-        disk, never read whole into memory)."""
-        if not coord.blobs.has(cid):
-            raise Rejected(404, f"no blob {cid[:80]!r}")
-        size = coord.blobs.size(cid)
-        try:
-            byte_range = parse_range(request.headers.get("range"), size)
-        except RangeNotSatisfiable as e:
-            return JSONResponse(
-                {"error": str(e)}, 416, headers={"Content-Range": f"bytes */{size}"}
-            )
-        if byte_range is None:
-            if request.method == "HEAD":
-                return Response(headers={"Content-Length": str(size)})
-            return FileResponse(coord.blobs.path(cid), media_type="application/octet-stream")
-        start, end = byte_range
-        headers = {
-            "Content-Range": f"bytes {start}-{end}/{size}",
-            "Accept-Ranges": "bytes",
-            "Content-Length": str(end - start + 1),
-        }
-        if request.method == "HEAD":
-            return Response(None, 206, headers=headers, media_type="application/octet-stream")
-        return StreamingResponse(
-            _file_range(coord.blobs.path(cid), start, end),
-            206,
-            headers=headers,
-            media_type="application/octet-stream",
-        )
+    blob_routes(app, coord.blobs)
 
     # the rounds mode's aggregation serves its own routes (sharded: the shard board's)
     app.include_router(coord.rounds.aggregation.router)

@@ -241,7 +241,10 @@ class LocalCluster:
                 last = f"{type(e).__name__}: {e}"
             time.sleep(0.2)
         summary = last if isinstance(last, str) else _summary(last)
-        raise ClusterError(f"timed out after {timeout_s} s waiting for {what}; last: {summary}")
+        logs = "\n".join(self.tail(n, 40) for n in ["coordinator", *self.workers])
+        raise ClusterError(
+            f"timed out after {timeout_s} s waiting for {what}; last: {summary}\n{logs}"
+        )
 
     def tail(self, name: str = "coordinator", lines: int = 30) -> str:
         path = self.logs / f"{name}.log"

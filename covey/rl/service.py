@@ -29,14 +29,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, Response
+from fastapi.responses import HTMLResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
 from covey.coordinator.metrics import HostCollector, Metrics, reason_label
-from covey.coordinator.rejected import Rejected
+from covey.coordinator.peer_routes import blob_routes, membership_routes, run_route
 from covey.protocol import schemas
 from covey.rl.intake import ClaimCheck, ReportCheck, SubmitBatch
 from covey.rl.status_page import STATUS_HTML
@@ -64,18 +64,17 @@ def create_app(trainer: Trainer) -> FastAPI:
     def index() -> HTMLResponse:
         return HTMLResponse(STATUS_HTML)
 
-    @app.get("/v1/run")
-    def run() -> dict[str, Any]:
-        """The run id, the trainer's key and what the id covers: the spec and model, the
-        first policy's content id (`covey halt` and `covey ledger verify URL` read it)."""
-        return {
+    run_route(
+        app,
+        lambda: {
             "run_id": t.run_id,
             "mode": "rl",
             "coordinator_key": t.identity.public_key,
             "owner_key": t.halt.owner_key,
             "spec": {"rl": t.spec.model_dump(mode="json"), "model": t.model_cfg},
-            "policy0": t.cids[0],
-        }
+            "policy0": t.cids[0],  # the first policy's content id, which the id covers
+        },
+    )
 
     @app.get("/v1/rl/spec")
     def spec() -> dict[str, Any]:
@@ -103,22 +102,12 @@ def create_app(trainer: Trainer) -> FastAPI:
                 r.update(status="pending", cid=None, validator_id=None)
         return out
 
-    @app.post("/v1/join")
-    async def join(req: schemas.JoinRequest, request: Request) -> schemas.JoinReply:
-        return await run_in_threadpool(t.membership.join, req, await request.json())
+    membership_routes(app, t.membership.join, t.membership.heartbeat, t.membership.leave)
 
     @app.post("/v1/rl/validators/join")
     async def validator_join(req: schemas.ValidatorJoin, request: Request) -> dict[str, Any]:
         raw = await request.json()
         return await run_in_threadpool(_validator_join, t, req, raw)
-
-    @app.post("/v1/heartbeat")
-    async def heartbeat(req: schemas.HeartbeatRequest, request: Request) -> dict[str, Any]:
-        return await run_in_threadpool(t.membership.heartbeat, req, await request.json())
-
-    @app.post("/v1/leave")
-    async def leave(req: schemas.LeaveRequest, request: Request) -> dict[str, Any]:
-        return await run_in_threadpool(t.membership.leave, req, await request.json())
 
     @app.post("/v1/rl/batch")
     async def submit(req: SubmitBatch, request: Request) -> dict[str, Any]:
@@ -132,13 +121,7 @@ def create_app(trainer: Trainer) -> FastAPI:
     async def report(req: ReportCheck, request: Request) -> dict[str, Any]:
         return await run_in_threadpool(t.intake.report, req, await request.json())
 
-    @app.api_route("/v1/blobs/{cid}", methods=["GET", "HEAD"], response_class=Response)
-    def get_blob(cid: str, request: Request) -> Response:
-        if not t.blobs.has(cid):
-            raise Rejected(404, f"no blob {cid[:80]!r}")
-        if request.method == "HEAD":
-            return Response(headers={"Content-Length": str(t.blobs.size(cid))})
-        return FileResponse(t.blobs.path(cid), media_type="application/octet-stream")
+    blob_routes(app, t.blobs)  # policy versions and batches by content id
 
     host_middleware(app, metrics, limits, json_limit=limits.max_json_bytes, joins=JOINS)
     return app

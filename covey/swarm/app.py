@@ -14,12 +14,12 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
 from covey.coordinator.metrics import HostCollector, Metrics
-from covey.coordinator.rejected import Rejected
+from covey.coordinator.peer_routes import blob_routes, run_route
 from covey.protocol.swarm import (
     SwarmDispute,
     SwarmHeartbeat,
@@ -72,16 +72,16 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
     metrics = Metrics(live, views.SwarmCollector(coord))
     host_routes(app, metrics, coord.halt, coord.accounts)  # /healthz, /metrics, /v1/halt...
 
-    @app.get("/v1/run")
-    def run() -> dict[str, Any]:
-        """The run id, mode, coordinator key and spec (`covey halt`, `covey ledger verify`)."""
-        return {
+    run_route(
+        app,
+        lambda: {
             "run_id": coord.run_id,
             "mode": "swarm",
             "coordinator_key": coord.identity.public_key,
             "owner_key": coord.halt.owner_key,
             "spec": coord.cfg.model_dump(mode="json"),
-        }
+        },
+    )
 
     # Signed requests: the signature covers the body exactly as sent, so each handler
     # passes the raw JSON along with the model FastAPI validated it into (a body the model
@@ -121,11 +121,7 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
         """A copy of a stage's agreed state, kept so the stage survives losing its servers."""
         return await call(coord.state_upload, req, request)
 
-    @app.get("/v1/blobs/{cid}")
-    def blob(cid: str) -> Any:
-        if not coord.blobs.has(cid):
-            raise Rejected(404, f"no blob {cid[:80]!r}")
-        return FileResponse(coord.blobs.path(cid), media_type="application/octet-stream")
+    blob_routes(app, coord.blobs)  # stage states kept by the coordinator
 
     @app.get("/v1/swarm/servers")
     def servers() -> Any:
