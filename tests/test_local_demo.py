@@ -78,6 +78,10 @@ def test_demo_trains_and_leaves_a_run_directory(tmp_path: Path) -> None:
     assert (s["first_val_loss"], s["last_val_loss"]) == (losses[0], losses[-1])
     assert s["bytes_total"] == sum(r["bytes"] for r in records) > 0
     assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
+    # the decentralization multiplier: workers' compute is useful, the rest is booked
+    costs = s["decentralization"]
+    assert costs["useful_s"] > 0 and costs["multiplier"] >= 1.0
+    assert costs["multiplier"] == pytest.approx(1 + sum(v or 0 for v in costs["adds"].values()))
 
     db = tmp_path / "coordinator" / "coordinator.db"
     with sqlite3.connect(db) as con:

@@ -162,6 +162,28 @@ class RunCollector(Collector):
         ):
             settled.add_metric([str(r["outcome"])], r["n"])
         yield settled
+        yield from cost_metrics(coord.costs())
+
+
+def cost_metrics(costs: dict[str, Any]) -> Iterator[Metric]:
+    """The decentralization multiplier and the peer seconds of each of its parts
+    (covey.protocol.multiplier), from a `Costs.as_dict()`."""
+    if costs.get("multiplier") is not None:
+        m = GaugeMetricFamily(
+            "covey_decentralization_multiplier",
+            "Peer seconds spent per second a centralized process needs for the same tokens",
+        )
+        m.add_metric([], costs["multiplier"])
+        yield m
+    parts = CounterMetricFamily(
+        "covey_peer_seconds",
+        "Peer seconds by what they bought: useful compute, or a part of the multiplier",
+        labels=["part"],
+    )
+    parts.add_metric(["useful"], costs["useful_s"])
+    for part, seconds in costs["parts_s"].items():
+        parts.add_metric([part], seconds)
+    yield parts
 
 
 class HostCollector(Collector):

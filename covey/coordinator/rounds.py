@@ -477,7 +477,10 @@ class Rounds(Intake, Views):
         now = time.time()
         with self.db.transaction() as c:
             c.execute("UPDATE rounds SET status = 'aborted' WHERE round = ?", (rnd.round,))
-            self.db.event(c, now, "round aborted", "", {"round": rnd.round, "why": why})
+            # members and span: the time lost to it (covey.coordinator.costs, churn)
+            span, members = round(now - rnd.opened_at, 3), len(rnd.members)
+            detail = {"round": rnd.round, "why": why, "members": members, "span_s": span}
+            self.db.event(c, now, "round aborted", "", detail)
         self.commits.notify()  # the round view changed: wake the round long-polls
         log.warning("[round %d.%d] aborted: %s", rnd.round, rnd.attempt, why)
 

@@ -249,3 +249,6 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         return self.rounds.status()
+
+    def costs(self) -> dict[str, Any]:
+        return self.rounds.costs()

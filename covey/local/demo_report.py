@@ -48,6 +48,8 @@ def write_demo_outputs(
         "tokens_total": sum(r["tokens"] for r in rounds),
         "peers_seen": [p.get("name") or p["peer_id"] for p in status["peers"]],
         "trust": _trust(coordinator_dir, status),
+        # peer seconds per second of a centralized run (covey.protocol.multiplier)
+        "decentralization": status.get("costs"),
         "kills": len(kills),
         "kill_events": kills,
         "rounds_after_first_kill": (
@@ -133,6 +135,9 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
     lines.append(
         f"verified         {trust['agreed']} re-executions agreed, {trust['disputes']} disputes"
     )
+    if (costs := s.get("decentralization")) and costs.get("multiplier") is not None:
+        adds = ", ".join(f"{k} +{v:.2f}" for k, v in costs["adds"].items() if v)
+        lines.append(f"multiplier       {costs['multiplier']:.2f}x a centralized run ({adds})")
     if s["kills"]:
         lines.append(
             f"chaos            {s['kills']} worker(s) SIGKILLed; "
