@@ -261,7 +261,8 @@ def test_dashboard_renders_status(chromium: str, server: StatusServer) -> None:
     rows = {tr.attrs["data-peer"]: tr for tr in peers_body.find("tr")}
     assert set(rows) == {p["peer_id"] for p in status["peers"]}
     assert doc.find("img") == [] and doc.find("b") == []
-    assert len(doc.find("script")) == 1  # the page's own
+    # the page's own, and the frame every mode's page shares (served by the host itself)
+    assert [sc.attrs.get("src") for sc in doc.find("script")] == ["/frame.js", None]
     evil_cells = [td.text for td in rows[EVIL].find("td")]
     assert evil_cells[0] == EVIL and evil_cells[1] == "<script>alert(2)</script>"
     dead_cells = rows["peer-gamma-0003"].find("td")

@@ -171,6 +171,7 @@ def test_rl_healthz_and_metrics(rl_run: tuple[str, Path, str]) -> None:
     assert "covey_live_peers" in families and "covey_rl_batches" in families
     again = metrics(url)  # the first scrape is counted by route template
     assert value(again["covey_http_requests"], route="/metrics", status="200") >= 1
+    shows_the_shared_frame(url, run["run_id"])
 
 
 def test_a_rounds_worker_is_told_it_found_an_rl_trainer(rl_run: tuple[str, Path, str]) -> None:
@@ -257,6 +258,21 @@ def test_swarm_healthz_and_metrics(swarm: Swarm) -> None:
     assert value(families["covey_live_peers"], role="server") == 2
     again = metrics(url)
     assert value(again["covey_http_requests"], route="/metrics", status="200") >= 1
+    host = shows_the_shared_frame(url, run["run_id"])
+    assert host["live"]["server"] == 2
+
+
+def shows_the_shared_frame(url: str, run_id: str) -> dict:
+    """Every mode's status page loads the host's frame, and the host answers what it shows."""
+    page = httpx.get(f"{url}/", timeout=30).text
+    assert '<header id="covey-frame">' in page and '<script src="/frame.js">' in page
+    script = httpx.get(f"{url}/frame.js", timeout=30)
+    assert script.headers["content-type"].startswith("text/javascript")
+    assert "covey-frame" in script.text and "innerHTML" not in script.text
+    host = httpx.get(f"{url}/v1/host", timeout=30).json()
+    assert host["run_id"] == run_id and host["halted"] is None
+    assert host["ledger"]["length"] >= 2 and len(host["ledger"]["hash"]) == 64
+    return host
 
 
 def test_swarm_forged_halts_are_refused(swarm: Swarm) -> None:

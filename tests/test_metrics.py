@@ -119,6 +119,9 @@ def test_healthz_and_metrics_move_during_a_run(tmp_path: Path) -> None:
         assert http.get("/no/such/path").status_code == 404
         after = scrape(http)
         assert http.get("/healthz").status_code == 200
+        host = http.get("/v1/host").json()  # what the status page's shared frame shows
+        assert host["live"]["worker"] == 1 and host["ledger"]["length"] > height_before
+        assert '<script src="/frame.js">' in http.get("/").text
 
     assert value(after, "covey_rounds_committed_total") >= 2
     assert value(after, "covey_round") >= 2
@@ -128,6 +131,9 @@ def test_healthz_and_metrics_move_during_a_run(tmp_path: Path) -> None:
     assert value(after, "covey_live_peers", role="worker") == 1
     assert value(after, "covey_ledger_height") > height_before
     assert value(after, "covey_disputes_open") == 0
+    # the decentralization multiplier: a worker's compute is useful, the rest is booked
+    assert value(after, "covey_decentralization_multiplier") >= 1.0
+    assert value(after, "covey_peer_seconds_total", part="useful") > 0
     assert value(after, "covey_contributions_rejected_total", reason="round <n> is not open") >= 1
 
     template = "/v1/rounds/{round}/certificate"

@@ -211,3 +211,9 @@ def test_rl_status_page_names_the_policy(chromium: str, tmp_path: Path) -> None:
     assert status["parameters"] == sum(p.numel() for p in t.policy.parameters())
     assert doc.by_id("model").text == status["model_name"]
     assert doc.by_id("parameters").text == count_text_js(status["parameters"])
+    # the host's frame, the same on every mode's page, filled from /v1/run and /v1/host
+    assert doc.by_id("frame-run").text == f"covey · rl · run {status['run_id']}"
+    assert doc.by_id("frame-ledger").text.startswith("ledger ")
+    assert " entries · head " in doc.by_id("frame-ledger").text
+    assert doc.by_id("frame-live").text.startswith("live ")
+    assert doc.by_id("frame-halt").text == ""

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
+from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query, Request
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
     from .halt import Halt
 
 log = logging.getLogger("covey.coordinator")
+
+# the status pages' frame, served by every mode at /frame.js (covey/dashboard/static)
+FRAME_JS = (resources.files("covey.dashboard") / "static" / "frame.js").read_bytes()
 
 
 def handle_errors(app: FastAPI, logger: logging.Logger) -> None:
@@ -73,7 +77,8 @@ def handle_errors(app: FastAPI, logger: logging.Logger) -> None:
 
 
 def host_routes(app: FastAPI, metrics: Metrics, halt: Halt, accounts: Accounts) -> None:
-    """GET /healthz, GET /metrics, POST /v1/halt, the ledger (GET /v1/ledger,
+    """GET /healthz, GET /metrics, POST /v1/halt, the status pages' frame (/frame.js, fed
+    by GET /v1/host), the ledger (GET /v1/ledger,
     /v1/ledger/balances: what `covey ledger verify URL` reads; /v1/ledger/head: its signed
     head) and /docs (rendered on the
     server from the app's OpenAPI document, no CDN: covey.coordinator.apidocs) on `app`.
@@ -105,6 +110,24 @@ def host_routes(app: FastAPI, metrics: Metrics, halt: Halt, accounts: Accounts) 
         heartbeat is answered 410 with the owner's reason. GETs keep being answered."""
         return await run_in_threadpool(halt.request, req, await request.json())
 
+    @app.get("/v1/host", tags=["operations"])
+    def host_view() -> dict[str, Any]:
+        """What every mode's status page shows in its frame (`/frame.js`): the run id,
+        the owner's HALT if there is one, the ledger's length and head, live peers by
+        role."""
+        return {
+            "run_id": halt.run_id,
+            "halted": halt.halted,
+            "ledger": _head_or_none(accounts),
+            "live": metrics.host.live_by_role(),
+        }
+
+    @app.get("/frame.js", include_in_schema=False)
+    def frame_js() -> Response:
+        """The status pages' shared frame: a bar with the run, mode, halt, ledger and live
+        peers, and links to /docs, /metrics and the ledger (covey/dashboard/static)."""
+        return Response(FRAME_JS, media_type="text/javascript")
+
     @app.get("/v1/ledger")
     def ledger_entries(
         start: int = Query(0, ge=0, le=schemas.MAX_INT), limit: int = Query(1000, ge=1, le=5000)
@@ -124,6 +147,14 @@ def host_routes(app: FastAPI, metrics: Metrics, halt: Halt, accounts: Accounts) 
         """Balances, stakes, reputation and ownership as the coordinator's book has them
         (`covey ledger verify URL` recomputes them from the entries)."""
         return accounts.book.summary()
+
+
+def _head_or_none(accounts: Accounts) -> dict[str, Any] | None:
+    try:
+        head = accounts.head()
+    except RuntimeError:  # no entry yet
+        return None
+    return {"length": head["length"], "hash": head["hash"]}
 
 
 def host_middleware(

@@ -202,20 +202,22 @@ class HostCollector(Collector):
         self.db, self.dead_after_s, self.live = db, dead_after_s, live
         self.peers = Peers(db)
 
+    def live_by_role(self) -> dict[str, int]:
+        """Live peers by role (also what the status pages' frame shows)."""
+        if self.live is not None:
+            return self.live()
+        by_role = dict.fromkeys(("worker", "validator"), 0)
+        by_role.update(self.peers.live_by_role(time.time() - self.dead_after_s))
+        return by_role
+
     def collect(self) -> Iterator[Metric]:
         db = self.db
-        live_after = time.time() - self.dead_after_s
         live = GaugeMetricFamily(
             "covey_live_peers",
             "Peers that are live and heard from within dead_after_s",
             labels=["role"],
         )
-        by_role = dict.fromkeys(("worker", "validator"), 0)
-        if self.live is not None:
-            by_role = self.live()
-        else:
-            by_role.update(self.peers.live_by_role(live_after))
-        for role, n in sorted(by_role.items()):
+        for role, n in sorted(self.live_by_role().items()):
             live.add_metric([role], n)
         yield live
         peers = GaugeMetricFamily(
@@ -236,6 +238,7 @@ class Metrics:
     (`HostCollector`) and the mode's own collector of its run."""
 
     def __init__(self, host: HostCollector, run: Collector) -> None:
+        self.host = host
         self.registry = CollectorRegistry(auto_describe=True)
         self.latency = Histogram(
             "covey_http_request_duration_seconds",

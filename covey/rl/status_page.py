@@ -5,7 +5,8 @@ STATUS_HTML = """<!doctype html>
 <style>body{font:14px system-ui,sans-serif;margin:2em;max-width:60em}
 table{border-collapse:collapse}td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:left}
 svg{border:1px solid #ccc;background:#fafafa}</style></head>
-<body><h1>covey rl <span id="run"></span></h1>
+<body><header id="covey-frame"></header><script src="/frame.js"></script>
+<h1>covey rl <span id="run"></span></h1>
 <p>model <b id="model">?</b> &middot; <span id="parameters">?</span> parameters</p>
 <p>policy version <b id="version">?</b> &middot; batches accepted <b id="acc">0</b>,
 rejected <b id="rej">0</b> &middot; audits <span id="audits"></span> &middot;

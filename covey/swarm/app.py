@@ -37,6 +37,7 @@ JOINS = frozenset({"/v1/swarm/join"})  # registers a new key (a ledger entry)
 PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>covey swarm</title>
 <style>body{font:14px system-ui;margin:2em}table{border-collapse:collapse}
 td,th{border:1px solid #ccc;padding:3px 8px}</style></head><body>
+<header id="covey-frame"></header><script src="/frame.js"></script>
 <h1>covey swarm <span id="run"></span></h1><div id="totals"></div>
 <h2>Stages</h2><table id="stages"></table><h2>Servers</h2><table id="servers"></table>
 <h2>Rebalances</h2><pre id="moves"></pre><h2>Disputes</h2><pre id="disputes"></pre>
