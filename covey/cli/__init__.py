@@ -23,6 +23,7 @@ from covey.cli.root import app, bench_app
 from covey.io.cli import register as register_io
 from covey.io.ledger_cli import register as register_ledger
 from covey.rl.cli import register as register_rl
+from covey.serve.cli import register as register_serve
 from covey.swarm.cli import register as register_swarm
 
 register_ledger(app)
@@ -35,6 +36,7 @@ register_bench_agreement(bench_app)  # covey bench agreement (simulator vs netwo
 register_bench_rl(bench_app)  # covey bench rl (covey/bench/rl_cli.py)
 register_bench_hostsync(bench_app)  # covey bench hostsync (syncs per inner step)
 register_rl(app)  # rl trainer, worker, validator, demo
+register_serve(app)  # serve server, worker, validator (covey/serve/cli.py)
 
 # the commands register as their modules load, in the order `covey --help` lists them
 import covey.cli.run  # noqa: E402, I001
