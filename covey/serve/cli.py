@@ -45,6 +45,7 @@ def _fail(message: str) -> typer.Exit:
 
 def _setup(name: str, threads: int) -> threading.Event:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per long-poll otherwise
     import torch
 
     torch.set_num_threads(threads)
@@ -164,3 +165,84 @@ def validator(
     except (CoordinatorLost, ValueError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"validator {name}: {n} checks")
+
+
+@serve_app.command("demo")
+def demo(
+    model: Annotated[
+        str, typer.Option(help="an exported model folder, or a run directory (covey demo's)")
+    ],
+    out: Annotated[Path, typer.Option(help="the server's data dir")] = Path("runs/serve-demo"),
+    workers: Annotated[int, typer.Option(help="honest worker processes", min=1)] = 2,
+    adversaries: Annotated[
+        int, typer.Option(help="cheating workers (quantized weights): watch them go", min=0)
+    ] = 0,
+    validators: Annotated[int, typer.Option(help="validator processes", min=0)] = 1,
+    port: Annotated[int, typer.Option(help="port on 127.0.0.1", min=1, max=65535)] = 8800,
+    minutes: Annotated[
+        float | None, typer.Option(help="stop after this long (default: Ctrl-C)", min=0.05)
+    ] = None,
+) -> None:
+    """A server, workers and validators as processes on 127.0.0.1, serving `model`."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    from covey.serve.model import model_dir
+
+    try:
+        folder = model_dir(model, out)  # a run directory is exported once, into out/model
+    except (ValueError, OSError) as e:
+        raise _fail(str(e)) from None
+    url = f"http://127.0.0.1:{port}"
+    run = [sys.executable, "-m", "covey", "serve"]
+    out.mkdir(parents=True, exist_ok=True)
+    logs = open(out / "processes.log", "ab")  # noqa: SIM115 -- closed below
+    server = [*run, "server", "--data-dir", str(out), "--model", str(folder)]
+    procs = [subprocess.Popen([*server, "--port", str(port)], stdout=logs, stderr=logs)]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not stop.is_set():
+            if procs[0].poll() is not None:
+                raise _fail(f"the server exited; see {out / 'processes.log'}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        peer = ["--server", url, "--model", str(folder)]
+        for i in range(workers + adversaries):
+            cheat = ["--behavior", "quantized"] if i >= workers else []
+            name = f"cheat{i - workers}" if cheat else f"w{i}"
+            procs.append(
+                subprocess.Popen(
+                    [*run, "worker", *peer, "--name", name, *cheat], stdout=logs, stderr=logs
+                )
+            )
+        for i in range(validators):
+            procs.append(
+                subprocess.Popen(
+                    [*run, "validator", *peer, "--name", f"v{i}"], stdout=logs, stderr=logs
+                )
+            )
+        typer.echo(
+            f"serving {folder} at {url}/v1 (logs: {out / 'processes.log'}); try:\n"
+            f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+            '-d \'{"prompt": "Once upon a time", "max_tokens": 40}\'\n'
+            f"status: {url}/v1/serve/status   Ctrl-C stops everything"
+        )
+        stop.wait(None if minutes is None else minutes * 60)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        logs.close()

@@ -32,8 +32,9 @@ MODEL_FILES = (
 
 def model_dir(source: str | Path, data_dir: Path | None = None) -> Path:
     """The Hugging Face folder to serve: `source` itself when it holds config.json, else
-    `source` is a rounds run directory whose latest certified checkpoint is exported (once)
-    into `data_dir`/model (covey.io.export.export_run). ValueError otherwise."""
+    `source` is a rounds run directory (a coordinator's data dir, or a `covey demo` run
+    directory holding one) whose latest certified checkpoint is exported (once) into
+    `data_dir`/model (covey.io.export.export_run). ValueError otherwise."""
     d = Path(source)
     if (d / "config.json").is_file():
         return d
@@ -41,6 +42,8 @@ def model_dir(source: str | Path, data_dir: Path | None = None) -> Path:
         raise ValueError(f"{d} has no config.json and no --data-dir to export the run into")
     from covey.io.export import export_run
 
+    if (d / "coordinator" / "coordinator.db").is_file():  # a `covey demo` run directory
+        d = d / "coordinator"
     out = Path(data_dir) / "model"
     if not (out / "config.json").is_file():
         export_run(d, out)  # ValueError for a run without a certified checkpoint
