@@ -230,6 +230,12 @@ def demo(
                     [*run, "validator", *peer, "--name", f"v{i}"], stdout=logs, stderr=logs
                 )
             )
+        typer.echo(f"waiting for {workers + adversaries} workers to load the model...")
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not stop.wait(0.5):
+            status = httpx.get(f"{url}/v1/serve/status", timeout=5).json()
+            if status["serving"] >= workers + adversaries:
+                break
         typer.echo(
             f"serving {folder} at {url}/v1 (logs: {out / 'processes.log'}); try:\n"
             f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
