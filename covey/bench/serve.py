@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
 
 from covey.bench.say import LOG_JSON, bench_say
@@ -51,6 +50,8 @@ def baseline(model: Any, tok: Any, prompts: list[str], max_tokens: int) -> dict[
 def served(
     model_dir: Path, prompts: list[str], max_tokens: int, workers: int, concurrency: int, port: int
 ) -> dict[str, float]:
+    import httpx
+
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="covey-bench-serve-") as tmp:
         run = [sys.executable, "-m", "covey", "serve"]
@@ -126,6 +127,8 @@ def served(
 
 
 def _wait(cond: Callable[[], bool], timeout: float) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
