@@ -104,7 +104,8 @@ def served(
                     "/v1/completions",
                     json={"prompt": prompts[i], "seed": i, "max_tokens": max_tokens},
                 )
-                r.raise_for_status()
+                if r.status_code != 200:
+                    raise RuntimeError(f"request {i}: {r.status_code} {r.text[:300]}")
                 return time.perf_counter() - t, r.json()["usage"]["completion_tokens"]
 
             start = time.perf_counter()
@@ -218,7 +219,7 @@ def register(bench_app: typer.Typer) -> None:
 
         torch.set_num_threads(1)
         m, tok = load_model(model)
-        prompts = [f"Once upon a time there was request {i}" for i in range(requests)]
+        prompts = [f"{i}: Once upon a time" for i in range(requests)]
         base = baseline(m, tok, prompts, max_tokens)
         say(
             f"one generate process: {base['tokens_per_s']:.1f} tokens/s, p50 "
