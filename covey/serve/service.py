@@ -95,6 +95,7 @@ class ServeCoordinator:
         self.checks = Checks(self.accounts)
         self.model, self.tokenizer = served.load_model(self.model_path)  # the referee's
         self.hidden_size = served.hidden_size(self.model)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.window = served.context_window(self.model)
         self.lock = threading.Lock()  # ledger decisions, one at a time
         self._judging = threading.Lock()  # prefill hooks: one check at a time
@@ -191,8 +192,8 @@ class ServeCoordinator:
         proof size are checked first (Rejected 422, nothing recorded); then the draw, and
         for an answer not drawn, its pay. Returns the answer's number."""
         problem = check_shape(tokens, job.max_tokens, job.eos_id)
-        if problem is None and any(t >= self.tokenizer.vocab_size for t in tokens):
-            problem = f"a token id outside the vocabulary of {self.tokenizer.vocab_size}"
+        if problem is None and any(t >= self.vocab_size for t in tokens):
+            problem = f"a token id outside the model's vocabulary of {self.vocab_size}"
         expected = 2 * proof_size(len(tokens), self.hidden_size)
         if problem is None and len(proof_hex) != expected:
             problem = f"proof of {len(proof_hex) // 2} bytes, expected {expected // 2}"
