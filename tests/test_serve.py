@@ -252,6 +252,41 @@ def test_attacker_messages_change_nothing(tmp_path: Path, model_dir: Path) -> No
         assert box["user"].status_code == 200, box["user"].text
         assert box["user"].json()["usage"]["completion_tokens"] <= 6
         assert s.answers() == 1
+        # a pull unsigned, signed by another key, or for another run
+        pull = {"run_id": run, "peer_id": me.peer_id}
+        assert http.post("/v1/serve/pull", json=pull).status_code == 422
+        forged_pull = _signed(other, "/v1/serve/pull", pull)
+        assert http.post("/v1/serve/pull", json=forged_pull).status_code == 401
+        elsewhere = _signed(me, "/v1/serve/pull", pull | {"run_id": "0" * 16})
+        assert http.post("/v1/serve/pull", json=elsewhere).status_code == 409
+        # a validator: joins, claims the drawn answer (a new worker's are all drawn)
+        v = Identity.generate()
+        vjoin = {
+            "run_id": run,
+            "validator_id": v.peer_id,
+            "public_key": v.public_key,
+            "name": "v",
+            "stake": 5.0,
+        }
+        path = "/v1/serve/validators/join"
+        assert http.post(path, json=_signed(v, path, vjoin)).status_code == 200
+        claim = {"run_id": run, "peer_id": v.peer_id}
+        task = http.post("/v1/serve/claim", json=_signed(v, "/v1/serve/claim", claim)).json()
+        assert task["task"]["answer_id"] == 1 and task["task"]["tokens"] == tokens
+        report = {"run_id": run, "peer_id": v.peer_id, "answer_id": 1, "ok": True}
+        rpath = "/v1/serve/report"
+        wrong = _signed(v, rpath, report | {"answer_id": 2})
+        assert http.post(rpath, json=wrong).status_code == 409  # holds no claim on it
+        as_worker = _signed(me, rpath, report | {"peer_id": me.peer_id})
+        assert http.post(rpath, json=as_worker).status_code == 403  # a worker is no validator
+        # a false accusation: the server's re-check accepts the answer, the validator pays
+        accuse = _signed(v, rpath, report | {"ok": False, "problem": "proof"})
+        r = http.post(rpath, json=accuse)
+        assert r.status_code == 200 and r.json()["outcome"] == "false accusation"
+        assert http.post(rpath, json=accuse).status_code == 401  # a replay
+        book = s.accounts.book.accounts
+        assert not book[me.peer_id].banned and book[me.peer_id].tokens_paid == len(tokens)
+        assert book[v.peer_id].stake < 5.0
         # the owner's HALT: users get 503, workers 410, and nothing more is recorded
         halt = {"run_id": run, "owner_key": s.identity.public_key, "reason": "test over"}
         r = http.post("/v1/halt", json=_signed(s.identity, "/v1/halt", halt))
@@ -263,3 +298,67 @@ def test_attacker_messages_change_nothing(tmp_path: Path, model_dir: Path) -> No
         pull = {"run_id": run, "peer_id": me.peer_id}
         r = http.post("/v1/serve/pull", json=_signed(me, "/v1/serve/pull", pull))
         assert r.status_code == 410
+
+
+def _join_worker(http: httpx.Client, run: str, ident: Identity) -> None:
+    body = {
+        "run_id": run,
+        "peer_id": ident.peer_id,
+        "public_key": ident.public_key,
+        "name": "w",
+        "stake": 1.0,
+        "step_time_s": 1.0,
+    }
+    assert http.post("/v1/join", json=_signed(ident, "/v1/join", body)).status_code == 200
+
+
+def test_backpressure_timeout_and_hangup(tmp_path: Path, model_dir: Path) -> None:
+    """One worker holds a request and never answers: the next request waits, the one after
+    gets 429 with Retry-After, a client that hangs up leaves the queue, and the held one
+    gets 504 at request_timeout_s."""
+    with in_process_server(
+        tmp_path / "server", model_dir, max_tokens=4, queue_per_worker=1, request_timeout_s=2.0
+    ) as (url, s):
+        http = httpx.Client(base_url=url, timeout=30)
+        me = Identity.generate()
+        _join_worker(http, s.run_id, me)
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(0.5):
+                body = {"run_id": s.run_id, "peer_id": me.peer_id}
+                http.post("/v1/heartbeat", json=_signed(me, "/v1/heartbeat", body))
+
+        _thread(beat)
+        box: dict[str, Any] = {}
+        pull = {"run_id": s.run_id, "peer_id": me.peer_id}
+        puller = _thread(
+            lambda: box.update(
+                job=http.post("/v1/serve/pull", json=_signed(me, "/v1/serve/pull", pull)).json()[
+                    "job"
+                ]
+            )
+        )
+        wait_for(lambda: s.alive(me.peer_id), 10, "the worker's first heartbeat")
+        ask = {"prompt": "x", "max_tokens": 2}
+        first = _thread(lambda: box.update(first=http.post("/v1/completions", json=ask)))
+        puller.join(10)
+        assert box["job"] is not None  # held by `me`, never answered
+
+        def hang_up() -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json=ask, timeout=0.7)
+
+        second = _thread(hang_up)
+        wait_for(lambda: httpx.get(f"{url}/v1/serve/status").json()["waiting"] == 1, 5)
+        busy = http.post("/v1/completions", json=ask)
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        second.join(5)
+        wait_for(
+            lambda: httpx.get(f"{url}/v1/serve/status").json()["waiting"] == 0,
+            5,
+            "the hung-up request to leave the queue",
+        )
+        first.join(10)
+        assert box["first"].status_code == 504
+        done.set()
