@@ -119,18 +119,20 @@ def create_app(s: ServeCoordinator) -> FastAPI:
             ],
         }
 
-    def make_job(req: Any, text: str, max_tokens: int | None) -> Job:
+    def make_job(req: Any, text: str, max_tokens: int | None, is_chat: bool) -> Job:
         if s.halt.halted is not None:
             raise Rejected(503, f"this run was halted by its owner: {s.halt.halted['reason']}")
         if req.model not in (None, cfg.name):
             raise Rejected(404, f"model {req.model!r} is not served here; this serves {cfg.name!r}")
-        n = max_tokens or cfg.max_tokens
-        if n > cfg.max_tokens:
-            raise Rejected(400, f"max_tokens {n} is over this server's limit {cfg.max_tokens}")
         ids = tok.encode(text) or [tok.eos_id]
         if len(ids) > cfg.max_prompt_tokens:
             raise Rejected(400, f"the prompt is {len(ids)} tokens, over {cfg.max_prompt_tokens}")
-        if s.window is not None and len(ids) + n > s.window:
+        room = cfg.max_tokens if s.window is None else min(cfg.max_tokens, s.window - len(ids))
+        # not asked: OpenAI's 16 for a completion, as many as fit for a chat
+        n = max_tokens or (min(DEFAULT_COMPLETION_TOKENS, room) if not is_chat else room)
+        if n > cfg.max_tokens:
+            raise Rejected(400, f"max_tokens {n} is over this server's limit {cfg.max_tokens}")
+        if n > room or n < 1:
             raise Rejected(
                 400,
                 f"{len(ids)} prompt tokens + max_tokens {n} exceed the model's "
@@ -172,7 +174,7 @@ def create_app(s: ServeCoordinator) -> FastAPI:
     async def answer(
         req: Any, text: str, max_tokens: int | None, request: Request, is_chat: bool
     ) -> Response:
-        job = make_job(req, text, max_tokens)
+        job = make_job(req, text, max_tokens, is_chat)
         try:
             p = await dispatch.submit(job)
         except Rejected as e:
@@ -218,7 +220,7 @@ def create_app(s: ServeCoordinator) -> FastAPI:
             text = req.text()
         except ValueError as e:
             raise Rejected(400, str(e)) from None
-        return await answer(req, text, req.max_tokens or DEFAULT_COMPLETION_TOKENS, request, False)
+        return await answer(req, text, req.max_tokens, request, False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Response:
