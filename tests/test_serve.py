@@ -362,3 +362,18 @@ def test_backpressure_timeout_and_hangup(tmp_path: Path, model_dir: Path) -> Non
         first.join(10)
         assert box["first"].status_code == 504
         done.set()
+
+
+def test_a_data_dir_reopens_its_run_and_refuses_another(tmp_path: Path, model_dir: Path) -> None:
+    from covey.serve.service import ServeCoordinator
+
+    s = ServeCoordinator(ServeConfig(), tmp_path / "d", str(model_dir))
+    run_id = s.run_id
+    s.stop()
+    again = ServeCoordinator(None, tmp_path / "d", None)  # spec and model from the data dir
+    assert again.run_id == run_id and again.model_cid == served.model_cid(model_dir)
+    again.stop()
+    with pytest.raises(ValueError, match="another spec or model"):
+        ServeCoordinator(ServeConfig(verify_rate=0.5), tmp_path / "d", str(model_dir))
+    with pytest.raises(ValueError, match="no serving run"):
+        ServeCoordinator(None, tmp_path / "empty", None)
