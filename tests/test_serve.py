@@ -10,6 +10,7 @@ import copy
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -87,6 +88,14 @@ def test_the_check_passes_honest_answers_and_catches_every_cheat(model_dir: Path
         tokens, proof = ServeWorker.answer(type("W", (), {"model": model})(), job)  # type: ignore[arg-type]
         assert check_answer(model, job.model_dump(), tokens, proof).ok
         assert not check_answer(model, job.model_dump(), tokens[:-1], proof).ok  # shape
+        # a streamed job: segments of 3 tokens, each from its own seed
+        streamed = job.model_copy(update={"segment": 3})
+        seg_tokens, seg_proof = ServeWorker.answer(
+            SimpleNamespace(model=model, progress=lambda *_: None), streamed
+        )
+        assert check_answer(model, streamed.model_dump(), seg_tokens, seg_proof).ok
+        if seg_tokens[3:] != tokens[3:]:  # checked as one piece, the later segments fail
+            assert not check_answer(model, job.model_dump(), seg_tokens, seg_proof).ok
         for cheat in CHEATS if top_p < 1 else ("quantized",):  # the wrapper: every cheat
             bad = corrupt(copy.deepcopy(model), cheat)
             verdict = check_answer(model, job.model_dump(), *cheat_answer(bad, job, cheat))
@@ -101,6 +110,10 @@ def test_stop_strings_eos_and_usage() -> None:
     assert (done.text, done.completion_tokens, done.finish_reason) == ("ab", 4, "stop")
     done = finish([0, 1, 9], decode, 9, [])
     assert (done.text, done.completion_tokens, done.finish_reason) == ("ab", 3, "stop")
+    # a streamed answer so far holds back what could be the start of a stop string
+    assert finish([0, 1, 2], decode, None, ["cx"], partial=True).text == "ab"
+    assert finish([0, 1, 2, 3], decode, None, ["cx"], partial=True).text == "abcd"
+    assert finish([0, 1, 2], decode, None, ["bc"], partial=True).finish_reason == "stop"
     done = finish([0, 1], decode, 9, [])
     assert (done.text, done.finish_reason, "".join(done.pieces)) == ("ab", "length", "ab")
 
@@ -116,7 +129,9 @@ def test_openai_client_and_a_caught_cheat_in_process(tmp_path: Path, model_dir: 
     from covey.serve.validator import ServeValidator
     from covey.serve.worker import ServeWorker
 
-    cfg = dict(max_tokens=16, new_worker_answers=50, heartbeat_s=0.5, dead_after_s=3.0)
+    cfg = dict(
+        max_tokens=16, new_worker_answers=50, heartbeat_s=0.5, dead_after_s=3.0, stream_segment=4
+    )
     with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
         stop = threading.Event()
         honest = ServeWorker(url, Identity.generate(), model_dir, name="honest", stop=stop)
@@ -138,6 +153,18 @@ def test_openai_client_and_a_caught_cheat_in_process(tmp_path: Path, model_dir: 
                 client.completions.create(model="serve", prompt="x", max_tokens=4, stream=True)
             )
             assert events[-1].choices[0].finish_reason in ("stop", "length")
+            chunks = list(
+                client.chat.completions.create(
+                    model="serve",
+                    messages=[{"role": "user", "content": "Go"}],
+                    max_tokens=12,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    seed=4,
+                )
+            )
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 12
 
             def caught() -> bool:
                 client.completions.create(model="serve", prompt="more", max_tokens=4)

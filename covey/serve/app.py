@@ -48,6 +48,7 @@ from covey.serve.wire import (
     ClaimRequest,
     CompletionRequest,
     Job,
+    ProgressSubmit,
     PullRequest,
     ReportRequest,
 )
@@ -171,10 +172,55 @@ def create_app(s: ServeCoordinator) -> FastAPI:
             if not p.future.done():
                 dispatch.drop(p)
 
+    async def stream(
+        p: Pending, job: Job, rid: str, req: Any, is_chat: bool, done: Any
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: the text as the worker's progress comes in (held back where
+        it could be the start of a stop string), then the answer's rest, the finish and
+        the usage. A client that hangs up cancels this generator, which drops the job."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.request_timeout_s
+        text, name, n_prompt = "", cfg.name, len(job.prompt_ids)
+        stops = req.stops()
+        if is_chat:
+            yield fmt.sse(fmt.chunk(rid, name, None, None, True, first=True))
+        try:
+            while True:
+                update = asyncio.ensure_future(p.updates.get())
+                ready, _ = await asyncio.wait(
+                    {update, p.future},
+                    timeout=max(0.0, deadline - loop.time()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not ready:
+                    update.cancel()
+                    served.labels("timeout").inc()
+                    yield fmt.error_event(f"no answer within {cfg.request_timeout_s} s", 504)
+                    return
+                if p.future in ready:
+                    update.cancel()
+                    finished = done(p.future.result())
+                else:
+                    finished = fmt.finish(update.result(), tok.decode, job.eos_id, stops, True)
+                if finished.text.startswith(text) and len(finished.text) > len(text):
+                    piece, text = finished.text[len(text) :], finished.text
+                    yield fmt.sse(fmt.chunk(rid, name, piece, None, is_chat))
+                if p.future in ready or finished.finish_reason == "stop":
+                    break
+            yield fmt.sse(fmt.chunk(rid, name, None, finished.finish_reason, is_chat))
+            if req.include_usage():
+                yield fmt.sse(fmt.usage_chunk(rid, name, n_prompt, finished, is_chat))
+            yield fmt.sse("[DONE]")
+        finally:
+            if not p.future.done():
+                dispatch.drop(p)
+
     async def answer(
         req: Any, text: str, max_tokens: int | None, request: Request, is_chat: bool
     ) -> Response:
         job = make_job(req, text, max_tokens, is_chat)
+        if req.stream:
+            job = job.model_copy(update={"segment": cfg.stream_segment})
         try:
             p = await dispatch.submit(job)
         except Rejected as e:
@@ -188,24 +234,10 @@ def create_app(s: ServeCoordinator) -> FastAPI:
             return fmt.finish(tokens, tok.decode, job.eos_id, req.stops())
 
         if req.stream:
-
-            async def events() -> AsyncIterator[bytes]:
-                try:
-                    finished = done(await wait(p, None))  # a hang-up cancels this generator
-                except Rejected as e:
-                    yield fmt.error_event(e.message, e.status)
-                    return
-                finally:
-                    if not p.future.done():
-                        dispatch.drop(p)
-                it: Iterator[bytes] = fmt.chunks(
-                    rid, cfg.name, len(job.prompt_ids), finished, is_chat, req.include_usage()
-                )
-                for event in it:
-                    yield event
-
             return StreamingResponse(
-                events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                stream(p, job, rid, req, is_chat, done),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
             )
         try:
             finished = done(await wait(p, request))
@@ -283,6 +315,8 @@ def create_app(s: ServeCoordinator) -> FastAPI:
         p = dispatch.holder(req.job_id)
         if p is None or p.worker != req.peer_id or p.answering:
             raise Rejected(409, f"job {req.job_id} is not held by worker {req.peer_id[:12]}")
+        if list(req.tokens[: len(p.streamed)]) != p.streamed:
+            raise Rejected(422, f"the answer to {req.job_id} does not extend its streamed tokens")
         p.answering = True
         try:
             number = await run_in_threadpool(
@@ -293,6 +327,22 @@ def create_app(s: ServeCoordinator) -> FastAPI:
             raise
         dispatch.finish(p, list(req.tokens))
         return {"ok": True, "answer_id": number}
+
+    @app.post("/v1/serve/progress")
+    async def progress(req: ProgressSubmit, request: Request) -> dict[str, Any]:
+        """A worker's tokens so far of a streamed job it holds: sent on to the user; 409 for
+        a job it does not hold, 422 for tokens that do not extend its last progress."""
+        await run_in_threadpool(s.authenticate, await request.json(), req.peer_id, "worker")
+        p = dispatch.holder(req.job_id)
+        if p is None or p.worker != req.peer_id or p.answering or not p.job.segment:
+            raise Rejected(409, f"job {req.job_id} is not a streamed job of {req.peer_id[:12]}")
+        if any(t >= s.vocab_size for t in req.tokens):
+            raise Rejected(422, f"a token id outside the model's vocabulary of {s.vocab_size}")
+        try:
+            dispatch.progress(p, list(req.tokens))
+        except ValueError as e:
+            raise Rejected(422, str(e)) from None
+        return {"ok": True}
 
     @app.post("/v1/serve/claim")
     async def claim(req: ClaimRequest, request: Request) -> dict[str, Any]:

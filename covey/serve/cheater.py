@@ -12,13 +12,11 @@ cheat would, and each must be caught by the answer check (covey.serve.checks):
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from covey.rl.proofs import build_proof
-from covey.rl.sampling import generate_batch
-from covey.serve.model import sampler
 from covey.serve.wire import Job
 from covey.serve.worker import ServeWorker
 
@@ -42,17 +40,15 @@ def corrupt(model: torch.nn.Module, cheat: str, seed: int = 1) -> torch.nn.Modul
 def cheat_answer(model: torch.nn.Module, job: Job, cheat: str) -> tuple[list[int], bytes]:
     """What a worker of `cheat` returns for `job` under `model` (already corrupted)."""
     temperature = job.temperature / 2 if cheat == "other_settings" else job.temperature
-    lm = sampler(model, job.top_p, temperature)
-    gen = generate_batch(
-        lm, [list(job.prompt_ids)], job.max_tokens, temperature, [job.seed], job.eos_id
-    )[0]
-    tokens = list(gen.tokens)
-    if cheat == "edited_tokens":
-        i = len(tokens) // 2
-        vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
-        edit = (tokens[i] + 1) % vocab
-        tokens[i] = edit if edit != job.eos_id else (edit + 1) % vocab
-    return tokens, build_proof(gen.hidden.cpu())
+    honest = SimpleNamespace(model=model, progress=lambda *_: None)
+    tokens, proof = ServeWorker.answer(honest, job.model_copy(update={"temperature": temperature}))
+    if cheat != "edited_tokens":
+        return tokens, proof
+    i = len(tokens) // 2
+    vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
+    edit = (tokens[i] + 1) % vocab
+    tokens[i] = edit if edit != job.eos_id else (edit + 1) % vocab
+    return tokens, proof
 
 
 class CheatingServeWorker(ServeWorker):

@@ -5,7 +5,8 @@ then
 1. the answer's shape: at most max_tokens tokens; an end-of-sequence token only last; no
    end-of-sequence token means exactly max_tokens tokens (a worker may not stop early);
 2. every token is the argmax of logits / T + the Gumbel noise regenerated from the job's
-   seed at its position (covey.rl.sampling.sampling_scores, within SAMPLING_TOLERANCE):
+   seed at its position (a streamed answer's segments each from their own seed,
+   `segment_seed`) (covey.rl.sampling.sampling_scores, within SAMPLING_TOLERANCE):
    edited tokens, another seed, temperature or top_p, another model;
 3. the inference proof (covey.rl.proofs.compare_proof) against the recomputed hidden states:
    other weights (a perturbed or quantized copy), another model, other hidden states.
@@ -15,6 +16,7 @@ A verdict is data, never an exception: a malformed proof is a failed check.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,22 @@ from torch import nn
 from covey.rl.proofs import ProofThresholds, compare_proof
 from covey.rl.sampling import SAMPLING_TOLERANCE, prefill, sampling_scores
 from covey.serve.model import sampler
+
+
+def segment_seed(seed: int, index: int) -> int:
+    """The sampling seed of a streamed answer's segment `index` (the job's own seed for the
+    first): each segment is one covey.rl.sampling.generate_batch call, whose noise
+    positions start at 0, so each needs noise of its own."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"covey-serve-segment|{seed}|{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def segments(n_tokens: int, segment: int) -> list[tuple[int, int]]:
+    """(start, end) of each segment of an answer of `n_tokens` (one when `segment` is 0)."""
+    size = segment or max(1, n_tokens)
+    return [(a, min(a + size, n_tokens)) for a in range(0, n_tokens, size)]
 
 
 @dataclass(frozen=True)
@@ -67,18 +85,22 @@ def check_answer(
     temperature, top_p = float(job["temperature"]), float(job["top_p"])
     lm = sampler(model, top_p, temperature)
     logits, hidden = prefill(lm, [prompt + tokens])[0]
-    start = len(prompt) - 1  # the logits at position i predict token i + 1
-    scores = sampling_scores(
-        logits[start : start + len(tokens)], tokens, int(job["seed"]), temperature
-    )
-    bad = (scores.gap > SAMPLING_TOLERANCE).nonzero().flatten().tolist()
+    first = len(prompt) - 1  # the logits at position i predict token i + 1
+    seed, gaps = int(job["seed"]), []
+    for index, (a, b) in enumerate(segments(len(tokens), int(job.get("segment") or 0))):
+        scores = sampling_scores(
+            logits[first + a : first + b], tokens[a:b], segment_seed(seed, index), temperature
+        )
+        gaps.append(scores.gap)
+    gap = torch.cat(gaps)
+    bad = (gap > SAMPLING_TOLERANCE).nonzero().flatten().tolist()
     if bad:
         i = bad[0]
         return AnswerVerdict(
             False,
             "sampling",
             f"{len(bad)} of {len(tokens)} tokens are not the seeded draw (first at {i}: "
-            f"gap {float(scores.gap[i]):.3g})",
+            f"gap {float(gap[i]):.3g})",
         )
     verdict = compare_proof(proof, hidden[len(prompt) :], thresholds or ProofThresholds())
     if not verdict.ok:

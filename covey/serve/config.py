@@ -35,6 +35,13 @@ class ServeConfig(BaseModel):
     pull_wait_s: float = Field(
         5.0, gt=0, le=60, description="a worker's long-poll for a request waits this long"
     )
+    stream_segment: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="a streamed answer comes from its worker this many tokens "
+        "at a time (each segment seeded on its own: covey.serve.checks.segment_seed)",
+    )
     verify_rate: float = Field(
         0.1, ge=0, le=1, description="share of an established worker's answers re-checked"
     )

@@ -35,6 +35,8 @@ class Pending:
     worker: str | None = None
     dropped: bool = False  # the client is gone: nobody waits for the answer
     answering: bool = False  # its worker's answer is being recorded
+    streamed: list[int] = field(default_factory=list)  # its worker's progress so far
+    updates: asyncio.Queue[list[int]] = field(default_factory=asyncio.Queue)  # to the stream
 
 
 class Dispatcher:
@@ -117,6 +119,15 @@ class Dispatcher:
                     self.jobs.pop(p.job.job_id, None)
                 else:
                     self.queue.appendleft(p)
+
+    def progress(self, p: Pending, tokens: list[int]) -> None:
+        """A streamed job's tokens so far: they must extend what came before (ValueError)."""
+        if len(tokens) <= len(p.streamed) or tokens[: len(p.streamed)] != p.streamed:
+            raise ValueError(f"progress of {len(tokens)} tokens does not extend the last")
+        if len(tokens) > p.job.max_tokens:
+            raise ValueError(f"progress of {len(tokens)} tokens, over max_tokens")
+        p.streamed = list(tokens)
+        p.updates.put_nowait(p.streamed)
 
     def holder(self, job_id: str) -> Pending | None:
         return self.jobs.get(job_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +20,15 @@ class Finished:
 
 
 def finish(
-    tokens: list[int], decode: Callable[[list[int]], str], eos_id: int | None, stops: list[str]
+    tokens: list[int],
+    decode: Callable[[list[int]], str],
+    eos_id: int | None,
+    stops: list[str],
+    partial: bool = False,
 ) -> Finished:
-    """The answer as the user sees it."""
+    """The answer as the user sees it. `partial`: the tokens so far of a streamed answer,
+    whose text holds back a trailing partial UTF-8 character and any ending that could be
+    the start of a stop string (it is shown once the next tokens rule the stop out)."""
     ended = eos_id is not None and bool(tokens) and tokens[-1] == eos_id
     body = tokens[:-1] if ended else tokens
     pieces, shown, used = [], "", len(tokens)
@@ -37,9 +43,12 @@ def finish(
             shown = text
         if cut >= 0:
             break
-    if len(shown) < len(full := decode(body)) and reason != "stop":
+    if reason != "stop" and not partial and len(shown) < len(full := decode(body)):
         pieces.append(full[len(shown) :])
         shown = full
+    if partial and reason != "stop":
+        held = max((k for s in stops for k in range(1, len(s)) if shown.endswith(s[:k])), default=0)
+        shown = shown[: len(shown) - held]
     return Finished(shown, used, reason, [p for p in pieces if p])
 
 
@@ -87,45 +96,45 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def chunks(
-    rid: str, model: str, prompt_tokens: int, done: Finished, is_chat: bool, with_usage: bool
-) -> Iterator[bytes]:
-    """The server-sent events of a streamed answer, [DONE] last."""
-    created = int(time.time())
+def chunk(
+    rid: str,
+    model: str,
+    piece: str | None,
+    reason: str | None,
+    is_chat: bool,
+    first: bool = False,
+) -> dict[str, Any]:
+    """One event of a streamed answer: a piece of text, or the finish (`reason`)."""
     kind = "chat.completion.chunk" if is_chat else "text_completion"
-
-    def chunk(piece: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
-        if is_chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if piece is not None:
-                delta["content"] = piece
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-        else:
-            choice = {"text": piece or "", "index": 0, "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
-
     if is_chat:
-        yield sse(chunk(None, None, first=True))
-    for piece in done.pieces:
-        yield sse(chunk(piece, None))
-    yield sse(chunk(None, done.finish_reason))
-    if with_usage:
-        yield sse(
-            {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage(prompt_tokens, done),
-            }
-        )
-    yield sse("[DONE]")
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        if piece is not None:
+            delta["content"] = piece
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+    else:
+        choice = {"text": piece or "", "index": 0, "logprobs": None, "finish_reason": reason}
+    created = int(time.time())
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(
+    rid: str, model: str, prompt_tokens: int, done: Finished, is_chat: bool
+) -> dict[str, Any]:
+    """The last event before [DONE] when the client asked for stream_options.include_usage."""
+    kind = "chat.completion.chunk" if is_chat else "text_completion"
+    return {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_tokens, done),
+    }
 
 
 def error_event(message: str, status: int) -> bytes:

@@ -95,6 +95,9 @@ class Job(BaseModel):
     top_p: float = Field(..., gt=0, le=1)
     seed: int = Field(..., ge=0, lt=1 << 64)
     eos_id: int | None = None
+    segment: int = Field(
+        0, ge=0, le=MAX_TOKENS_CAP, description="stream this many tokens at a time (0: none)"
+    )
 
 
 class PullRequest(Signed):
@@ -113,6 +116,17 @@ class AnswerSubmit(Signed):
     job_id: JobId
     tokens: list[TokenId] = Field(..., max_length=MAX_TOKENS_CAP)
     proof: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{2})*$", max_length=1 << 17)]
+
+
+class ProgressSubmit(Signed):
+    """POST /v1/serve/progress: the tokens generated so far for a streamed job (each
+    segment's, as it is done): passed on to the user at once, and bound to the answer,
+    which must extend them."""
+
+    run_id: RunId
+    peer_id: PeerId
+    job_id: JobId
+    tokens: list[TokenId] = Field(..., min_length=1, max_length=MAX_TOKENS_CAP)
 
 
 class ClaimRequest(Signed):

@@ -15,6 +15,7 @@ import torch
 from covey.peer.client import CoordinatorLost, PeerRejected
 from covey.rl.proofs import build_proof
 from covey.rl.sampling import generate_batch
+from covey.serve.checks import segment_seed, segments
 from covey.serve.model import sampler
 from covey.serve.peer import ServePeer
 from covey.serve.wire import Job
@@ -26,12 +27,35 @@ class ServeWorker(ServePeer):
     role = "worker"
 
     def answer(self, job: Job) -> tuple[list[int], bytes]:
-        """The tokens for `job` and their proof."""
+        """The tokens for `job` and their proof. A streamed job is generated a segment at a
+        time, each segment's tokens posted at once (`progress`)."""
         lm = sampler(self.model, job.top_p, job.temperature)
-        gen = generate_batch(
-            lm, [list(job.prompt_ids)], job.max_tokens, job.temperature, [job.seed], job.eos_id
-        )[0]
-        return gen.tokens, build_proof(gen.hidden.cpu())
+        tokens: list[int] = []
+        hidden: list[torch.Tensor] = []
+        for index, (a, b) in enumerate(segments(job.max_tokens, job.segment)):
+            gen = generate_batch(
+                lm,
+                [list(job.prompt_ids) + tokens],
+                b - a,
+                job.temperature,
+                [segment_seed(job.seed, index)],
+                job.eos_id,
+            )[0]
+            tokens += gen.tokens
+            hidden.append(gen.hidden.cpu())
+            if len(gen.tokens) < b - a or gen.tokens[-1:] == [job.eos_id]:
+                break
+            if job.segment and b < job.max_tokens:
+                self.progress(job, tokens)
+        return tokens, build_proof(torch.cat(hidden))
+
+    def progress(self, job: Job, tokens: list[int]) -> None:
+        """Post the tokens so far of a streamed job (best effort: the answer carries all)."""
+        try:
+            body = {**self.body(), "job_id": job.job_id, "tokens": tokens}
+            self.client.post_once("/v1/serve/progress", body, timeout_s=5.0)
+        except Exception as e:  # the answer still goes; the user sees it later
+            log.debug("[%s] progress of %s not taken: %s", self.name, job.job_id[:8], e)
 
     def run_loop(self, max_answers: int | None = None) -> int:
         """Answer requests until stopped (or `max_answers` answered); returns how many."""
