@@ -13,6 +13,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dashboard",),  # static page over the services' JSON
     ("bench",),  # measurements that drive everything below
     ("local",),  # a demo and a cluster of real processes on one machine
+    ("serve",),  # the serving mode: verified inference on the host, reusing rl's sampling
     ("rl", "swarm"),  # the RL and SWARM modes and their peers, on the coordinator's host
     ("coordinator",),  # the host (identity, database, ledger, membership...) + data rounds
     ("peer",),  # worker / validator loops, blob plane client, local state

@@ -15,8 +15,21 @@ from tests.import_graph import ROOT, cycles, graph, modules, reachable
 MAX_LINES = 500
 # the code of cheating peers (tests and demos), and the modules that start cheaters: the
 # command lines, the demos and the benches that measure what cheats can do
-ADVERSARY = {"covey.peer.adversary", "covey.peer.cheater", "covey.rl.cheats", "covey.rl.cheater"}
-STARTERS = ("covey.__main__", "covey.cli", "covey.bench.", "covey.rl.cli", "covey.rl.demo")
+ADVERSARY = {
+    "covey.peer.adversary",
+    "covey.peer.cheater",
+    "covey.rl.cheats",
+    "covey.rl.cheater",
+    "covey.serve.cheater",
+}
+STARTERS = (
+    "covey.__main__",
+    "covey.cli",
+    "covey.bench.",
+    "covey.rl.cli",
+    "covey.rl.demo",
+    "covey.serve.cli",
+)
 HONEST_PEERS = (
     "covey.peer.worker",
     "covey.peer.worker_publish",
@@ -26,6 +39,10 @@ HONEST_PEERS = (
     "covey.rl.worker",
     "covey.rl.validator",
     "covey.rl.trainer",
+    "covey.serve.worker",
+    "covey.serve.validator",
+    "covey.serve.service",
+    "covey.serve.app",
     "covey.swarm.server",
     "covey.swarm.trainer",
 )

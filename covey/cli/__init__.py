@@ -16,6 +16,7 @@ from covey.bench.agreement_cli import register as register_bench_agreement
 from covey.bench.gpu_cli import register as register_bench_gpu
 from covey.bench.hostsync_cli import register as register_bench_hostsync
 from covey.bench.rl_cli import register as register_bench_rl
+from covey.bench.serve import register as register_bench_serve
 from covey.bench.shards_cli import register as register_bench_shards
 from covey.bench.swarm_cli import register as register_bench_swarm
 from covey.cli import common
@@ -23,6 +24,7 @@ from covey.cli.root import app, bench_app
 from covey.io.cli import register as register_io
 from covey.io.ledger_cli import register as register_ledger
 from covey.rl.cli import register as register_rl
+from covey.serve.cli import register as register_serve
 from covey.swarm.cli import register as register_swarm
 
 register_ledger(app)
@@ -33,8 +35,10 @@ register_bench_swarm(bench_app)  # covey bench swarm
 register_bench_shards(bench_app)  # covey bench shards (gather vs sharded rounds)
 register_bench_agreement(bench_app)  # covey bench agreement (simulator vs network)
 register_bench_rl(bench_app)  # covey bench rl (covey/bench/rl_cli.py)
+register_bench_serve(bench_app)  # covey bench serve (covey/bench/serve.py)
 register_bench_hostsync(bench_app)  # covey bench hostsync (syncs per inner step)
 register_rl(app)  # rl trainer, worker, validator, demo
+register_serve(app)  # serve server, worker, validator (covey/serve/cli.py)
 
 # the commands register as their modules load, in the order `covey --help` lists them
 import covey.cli.run  # noqa: E402, I001

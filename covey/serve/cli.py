@@ -1,0 +1,254 @@
+"""`covey serve server | worker | validator`: the serving mode from the command line.
+
+Only typer is imported at module level: torch loads when a command runs. Bad input exits 2
+with `error: ...`. A worker's --behavior other than honest (tests, `covey bench serve`)
+loads covey.serve.cheater; nothing else does.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+serve_app = typer.Typer(
+    help="Serve a trained model: an OpenAI-compatible API answered by untrusted inference "
+    "workers, re-checked by staked validators.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+ServerUrl = Annotated[
+    str, typer.Option("--server", help="the server's URL, e.g. http://127.0.0.1:8800")
+]
+ModelDir = Annotated[
+    Path, typer.Option(help="the exported model folder (the server's model, by content id)")
+]
+IdentityPath = Annotated[
+    Path | None,
+    typer.Option(help="Ed25519 key file (created mode 600 if missing); default: a fresh key"),
+]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `serve` command group to the main `covey` app."""
+    app.add_typer(serve_app, name="serve")
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
+def _setup(name: str, threads: int) -> threading.Event:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per long-poll otherwise
+    import torch
+
+    torch.set_num_threads(threads)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _identity(path: Path | None):
+    from covey.trust.identity import Identity, IdentityError
+
+    try:
+        return Identity.generate() if path is None else Identity.load_or_create(path)
+    except IdentityError as e:
+        raise _fail(str(e)) from None
+
+
+@serve_app.command("server")
+def server(
+    data_dir: Annotated[Path, typer.Option(help="the run's database, key and ledger")],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="an exported model folder, or a rounds run directory (its latest "
+            "certified checkpoint); not needed to reopen a data dir"
+        ),
+    ] = None,
+    spec: Annotated[Path | None, typer.Option(help="TOML with a [serve] table")] = None,
+    sets: Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE; repeat")] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port", min=1, max=65535)] = 8800,
+    threads: Annotated[int, typer.Option(help="torch threads (the referee)", min=1)] = 1,
+) -> None:
+    """Serve the model's OpenAI-compatible API; workers and validators join it."""
+    from covey.errors import UserError
+    from covey.spec import load_spec
+
+    try:
+        values = {}
+        if spec is not None:
+            from covey.config.parts import load_toml
+
+            values = load_toml(spec).get("serve", {})
+        from covey.serve.config import ServeConfig
+
+        cfg = load_spec(ServeConfig, spec, values, sets or [])
+    except (UserError, OSError, ValueError) as e:
+        raise _fail(str(e)) from None
+    _setup("server", threads)
+    from covey.serve.app import serve
+    from covey.serve.service import ServeCoordinator
+
+    try:
+        s = ServeCoordinator(cfg, data_dir, model)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"serving {cfg.name} (run {s.run_id}) on http://{host}:{port}/v1", err=True)
+    serve(s, host, port)
+
+
+@serve_app.command("worker")
+def worker(
+    server_url: ServerUrl,
+    model: ModelDir,
+    behavior: Annotated[
+        str, typer.Option(help="honest, or a cheat (tests): covey.serve.cheater.CHEATS")
+    ] = "honest",
+    identity: IdentityPath = None,
+    name: Annotated[str, typer.Option(help="name in the ledger")] = "worker",
+    stake: Annotated[float, typer.Option(help="credits staked on joining", min=0)] = 10.0,
+    max_answers: Annotated[int | None, typer.Option(help="stop after this many", min=1)] = None,
+    threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+) -> None:
+    """Answer the server's requests and get paid per verified token."""
+    from covey.peer.client import CoordinatorLost
+
+    stop = _setup(name, threads)
+    try:
+        if behavior == "honest":
+            from covey.serve.worker import ServeWorker as make
+        else:
+            from covey.serve.cheater import serve_worker
+
+            def make(*a, **k):
+                return serve_worker(behavior, *a, **k)
+
+        w = make(server_url, _identity(identity), model, name=name, stake=stake, stop=stop)
+        n = w.run_loop(max_answers)
+    except (CoordinatorLost, ValueError) as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"worker {name}: {n} answers" + (f"; stopped: {w.stopped}" if w.stopped else ""))
+    if w.stopped:
+        raise typer.Exit(1)
+
+
+@serve_app.command("validator")
+def validator(
+    server_url: ServerUrl,
+    model: ModelDir,
+    identity: IdentityPath = None,
+    name: Annotated[str, typer.Option(help="name in the ledger")] = "validator",
+    stake: Annotated[float, typer.Option(help="credits staked on joining", min=0)] = 10.0,
+    max_checks: Annotated[int | None, typer.Option(help="stop after this many", min=1)] = None,
+    threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+) -> None:
+    """Re-check drawn answers by one prefill; paid per check and per proven catch."""
+    from covey.peer.client import CoordinatorLost
+    from covey.serve.validator import ServeValidator
+
+    stop = _setup(name, threads)
+    try:
+        v = ServeValidator(
+            server_url, _identity(identity), model, name=name, stake=stake, stop=stop
+        )
+        n = v.run_loop(max_checks)
+    except (CoordinatorLost, ValueError) as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"validator {name}: {n} checks")
+
+
+@serve_app.command("demo")
+def demo(
+    model: Annotated[
+        str, typer.Option(help="an exported model folder, or a run directory (covey demo's)")
+    ],
+    out: Annotated[Path, typer.Option(help="the server's data dir")] = Path("runs/serve-demo"),
+    workers: Annotated[int, typer.Option(help="honest worker processes", min=1)] = 2,
+    adversaries: Annotated[
+        int, typer.Option(help="cheating workers (quantized weights): watch them go", min=0)
+    ] = 0,
+    validators: Annotated[int, typer.Option(help="validator processes", min=0)] = 1,
+    port: Annotated[int, typer.Option(help="port on 127.0.0.1", min=1, max=65535)] = 8800,
+    minutes: Annotated[
+        float | None, typer.Option(help="stop after this long (default: Ctrl-C)", min=0.05)
+    ] = None,
+) -> None:
+    """A server, workers and validators as processes on 127.0.0.1, serving `model`."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    from covey.serve.model import model_dir
+
+    try:
+        folder = model_dir(model, out)  # a run directory is exported once, into out/model
+    except (ValueError, OSError) as e:
+        raise _fail(str(e)) from None
+    url = f"http://127.0.0.1:{port}"
+    run = [sys.executable, "-m", "covey", "serve"]
+    out.mkdir(parents=True, exist_ok=True)
+    logs = open(out / "processes.log", "ab")  # noqa: SIM115 -- closed below
+    server = [*run, "server", "--data-dir", str(out), "--model", str(folder)]
+    procs = [subprocess.Popen([*server, "--port", str(port)], stdout=logs, stderr=logs)]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not stop.is_set():
+            if procs[0].poll() is not None:
+                raise _fail(f"the server exited; see {out / 'processes.log'}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        peer = ["--server", url, "--model", str(folder)]
+        for i in range(workers + adversaries):
+            cheat = ["--behavior", "quantized"] if i >= workers else []
+            name = f"cheat{i - workers}" if cheat else f"w{i}"
+            procs.append(
+                subprocess.Popen(
+                    [*run, "worker", *peer, "--name", name, *cheat], stdout=logs, stderr=logs
+                )
+            )
+        for i in range(validators):
+            procs.append(
+                subprocess.Popen(
+                    [*run, "validator", *peer, "--name", f"v{i}"], stdout=logs, stderr=logs
+                )
+            )
+        typer.echo(f"waiting for {workers + adversaries} workers to load the model...")
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not stop.wait(0.5):
+            status = httpx.get(f"{url}/v1/serve/status", timeout=5).json()
+            if status["serving"] >= workers + adversaries:
+                break
+        typer.echo(
+            f"serving {folder} at {url}/v1 (logs: {out / 'processes.log'}); try:\n"
+            f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+            '-d \'{"prompt": "Once upon a time", "max_tokens": 40}\'\n'
+            f"status: {url}/v1/serve/status   Ctrl-C stops everything"
+        )
+        stop.wait(None if minutes is None else minutes * 60)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        logs.close()

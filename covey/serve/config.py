@@ -1,0 +1,94 @@
+"""The serving run's spec: a frozen pydantic model (TOML table [serve] or flags), hashed
+with the model's content id and the coordinator's key into the run id."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from covey.config import LimitsConfig, MembershipConfig, TrustConfig
+from covey.trust.policy import Policy
+
+# the lowest temperature served: seeded Gumbel-max needs T > 0, and below this the
+# scaled logits' float noise between a worker and a validator nears the check's tolerance
+MIN_TEMPERATURE = 0.05
+
+
+class ServeConfig(BaseModel):
+    """What a `covey serve` run promises its users and its workers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field("serve", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="model name")
+    max_tokens: int = Field(256, ge=1, le=4096, description="largest max_tokens of a request")
+    max_prompt_tokens: int = Field(
+        1024, ge=1, le=65536, description="longest prompt (after the chat template), in tokens"
+    )
+    request_timeout_s: float = Field(
+        60.0, gt=0, description="a request not answered by a worker in this long gets a 504"
+    )
+    queue_per_worker: int = Field(
+        2, ge=0, description="requests waiting per live worker before new ones get a 429"
+    )
+    pull_wait_s: float = Field(
+        5.0, gt=0, le=60, description="a worker's long-poll for a request waits this long"
+    )
+    stream_segment: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="a streamed answer comes from its worker this many tokens "
+        "at a time (each segment seeded on its own: covey.serve.checks.segment_seed)",
+    )
+    verify_rate: float = Field(
+        0.1, ge=0, le=1, description="share of an established worker's answers re-checked"
+    )
+    new_worker_rate: float = Field(
+        1.0, ge=0, le=1, description="share re-checked of a new or low-reputation worker's"
+    )
+    new_worker_answers: int = Field(
+        3, ge=0, description="a worker is new until this many of its answers were paid"
+    )
+    claim_timeout_s: float = Field(
+        30.0, gt=0, description="a validator's claim on an answer lapses after this long"
+    )
+    heartbeat_s: float = Field(1.0, gt=0, description="peers heartbeat this often")
+    dead_after_s: float = Field(4.0, gt=0, description="a peer silent this long is dead")
+    min_stake: float = Field(0.0, ge=0, description="credits a worker stakes to join")
+    min_validator_stake: float = Field(0.0, ge=0, description="credits a validator stakes")
+    trust: TrustConfig = Field(
+        default_factory=TrustConfig,
+        description="incentives: reward_per_token, slash_fraction, check and catch rewards",
+    )
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request limits")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ServeConfig:
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        return self
+
+    def membership_config(self) -> MembershipConfig:
+        """What the host's membership reads: liveness and stakes, a lease of three beats."""
+        return MembershipConfig(
+            heartbeat_s=self.heartbeat_s,
+            dead_after_s=self.dead_after_s,
+            lease_s=max(3 * self.heartbeat_s, self.dead_after_s + 1),
+            min_stake=self.min_stake,
+            min_validator_stake=self.min_validator_stake,
+        )
+
+    def policy(self) -> Policy:
+        """The ledger's incentive policy ("run created"), from the trust table."""
+        return Policy.from_config(self.trust)
+
+
+def run_id_of(cfg: ServeConfig, model_cid: str, coordinator_key: str) -> str:
+    """16 hex digits of sha256 over the spec, the served model's content id and the key."""
+    body = {"serve": cfg.model_dump(mode="json"), "model": model_cid, "key": coordinator_key}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,162 @@
+"""Requests waiting for a worker, and the workers holding them: the event loop's side of
+the serving mode (every method runs on the app's event loop, none blocks).
+
+Routing is by load: a worker pulls (a long-poll) when it has a free slot, so a busy worker
+is never handed more than it asked for, and the oldest waiting request goes to whichever
+worker asks first. Backpressure: past `queue_per_worker` waiting requests per live worker,
+a new request is refused (429 with Retry-After); with no live worker, 503. A worker that
+stops heartbeating, or is excluded, loses what it held: its requests go back to the head of
+the queue. A request whose client hung up or timed out is dropped (a worker that answers it
+later is still paid for verified work: it did what it was asked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from covey.coordinator.rejected import Rejected
+from covey.serve.wire import Job
+
+
+class Busy(Rejected):
+    """Every worker is busy and the queue is full: 429 with Retry-After (host_app)."""
+
+
+@dataclass
+class Pending:
+    job: Job
+    future: asyncio.Future[Any]
+    created: float = field(default_factory=time.monotonic)
+    worker: str | None = None
+    dropped: bool = False  # the client is gone: nobody waits for the answer
+    answering: bool = False  # its worker's answer is being recorded
+    streamed: list[int] = field(default_factory=list)  # its worker's progress so far
+    updates: asyncio.Queue[list[int]] = field(default_factory=asyncio.Queue)  # to the stream
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        queue_per_worker: int,
+        alive: Callable[[str], bool],
+        live_after_s: float,
+    ) -> None:
+        """`alive(peer)`: the worker heartbeats and is not excluded; `live_after_s`: a
+        worker that pulled within this long counts as serving."""
+        self.queue_per_worker = queue_per_worker
+        self.alive = alive
+        self.live_after_s = live_after_s
+        self.queue: deque[Pending] = deque()
+        self.jobs: dict[str, Pending] = {}  # job id -> waiting or held
+        self.pulled: dict[str, float] = {}  # worker -> when it last asked
+        self._cond: asyncio.Condition | None = None
+
+    @property
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:  # made on the event loop that uses it
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    def serving(self) -> list[str]:
+        now = time.monotonic()
+        return [w for w, t in self.pulled.items() if now - t < self.live_after_s and self.alive(w)]
+
+    def held(self) -> int:
+        return sum(1 for p in self.jobs.values() if p.worker is not None)
+
+    async def submit(self, job: Job) -> Pending:
+        """Queue `job`; Busy (429) past the queue's room, Rejected(503) with no worker."""
+        self.sweep()
+        workers = len(self.serving())
+        if workers == 0:
+            raise Rejected(503, "no inference worker is serving this model now; retry later")
+        idle = max(0, workers - self.held())
+        if len(self.queue) >= idle + self.queue_per_worker * workers:
+            raise Busy(429, f"all {workers} workers are busy and {len(self.queue)} requests wait")
+        p = Pending(job, asyncio.get_running_loop().create_future())
+        self.jobs[job.job_id] = p
+        async with self.cond:
+            self.queue.append(p)
+            self.cond.notify()
+        return p
+
+    async def take(self, worker: str, wait_s: float) -> Job | None:
+        """The oldest waiting job for `worker`, waiting up to `wait_s`; None if none came."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        self.pulled[worker] = time.monotonic()
+        self.release(worker)  # a worker pulls when it is free: what it held was lost
+        async with self.cond:
+            while True:
+                self.sweep()
+                while self.queue and self.queue[0].dropped:
+                    self.jobs.pop(self.queue.popleft().job.job_id, None)
+                if self.queue:
+                    p = self.queue.popleft()
+                    p.worker = worker
+                    return p.job
+                left = deadline - loop.time()
+                if left <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(self.cond.wait(), left)
+                except (asyncio.TimeoutError, TimeoutError):
+                    return None
+                finally:
+                    self.pulled[worker] = time.monotonic()
+
+    def release(self, worker: str) -> None:
+        """What `worker` holds (and is not answering) goes back to the head of the queue."""
+        for p in list(self.jobs.values()):
+            if p.worker == worker and not p.answering:
+                p.worker = None
+                if p.dropped:
+                    self.jobs.pop(p.job.job_id, None)
+                else:
+                    self.queue.appendleft(p)
+
+    def progress(self, p: Pending, tokens: list[int]) -> None:
+        """A streamed job's tokens so far: they must extend what came before (ValueError)."""
+        if len(tokens) <= len(p.streamed) or tokens[: len(p.streamed)] != p.streamed:
+            raise ValueError(f"progress of {len(tokens)} tokens does not extend the last")
+        if len(tokens) > p.job.max_tokens:
+            raise ValueError(f"progress of {len(tokens)} tokens, over max_tokens")
+        p.streamed = list(tokens)
+        p.updates.put_nowait(p.streamed)
+
+    def holder(self, job_id: str) -> Pending | None:
+        return self.jobs.get(job_id)
+
+    def finish(self, p: Pending, result: Any) -> None:
+        """The job is answered: its waiter (if still there) gets `result`."""
+        self.jobs.pop(p.job.job_id, None)
+        if not p.future.done():
+            p.future.set_result(result)
+
+    def drop(self, p: Pending) -> None:
+        """The client hung up or timed out: nobody waits for this job any more."""
+        p.dropped = True
+        if p.worker is None or p.future.done():
+            self.jobs.pop(p.job.job_id, None)
+            if p in self.queue:
+                self.queue.remove(p)
+        if not p.future.done():
+            p.future.cancel()
+
+    def sweep(self) -> None:
+        """Jobs held by a worker that is dead or excluded go back to the head of the queue
+        (or are forgotten, if their client is gone)."""
+        for p in list(self.jobs.values()):
+            if p.worker is None or self.alive(p.worker):
+                continue
+            self.pulled.pop(p.worker, None)
+            p.worker = None
+            if p.dropped:
+                self.jobs.pop(p.job.job_id, None)
+            else:
+                self.queue.appendleft(p)

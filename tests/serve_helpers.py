@@ -1,0 +1,75 @@
+"""A tiny served model (a 2-layer GPT-2 over a byte-level BPE trained in the test, random
+weights, nothing downloaded) and the processes of a serving run on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.rl_helpers import ROOT, free_port, stop, wait_for
+from tests.tiny_hf import tiny_gpt2, tiny_tokenizer
+
+
+def tiny_served_model(directory: Path, seed: int = 0) -> Path:
+    """An exported-style folder: config.json, model.safetensors, tokenizer files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = tiny_tokenizer(directory)
+    from covey.data.tokenizer import HFTokenizer
+
+    vocab = HFTokenizer(tok).vocab_size
+    tiny_gpt2(directory, vocab_size=vocab, positions=128)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(directory)))
+    model.config.eos_token_id = model.config.bos_token_id = HFTokenizer(tok).eos_id
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "covey", *cmd], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+@contextlib.contextmanager
+def server_process(
+    tmp: Path, model: Path, sets: tuple[str, ...] = ()
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    port = free_port()
+    cmd = ["serve", "server", "--data-dir", str(tmp / "server"), "--model", str(model)]
+    cmd += ["--port", str(port)]
+    for s in sets:
+        cmd += ["--set", s]
+    log = tmp / "server.log"
+    proc = start(cmd, log)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, f"server exited {proc.returncode}: {log.read_text()[-3000:]}"
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 90, "the server to serve")
+        yield url, proc
+    finally:
+        stop(proc)
+
+
+def peer_process(
+    tmp: Path, url: str, model: Path, role: str, name: str, behavior: str = "honest"
+) -> subprocess.Popen:
+    cmd = ["serve", role, "--server", url, "--model", str(model), "--name", name]
+    if role == "worker":
+        cmd += ["--behavior", behavior]
+    return start(cmd, tmp / f"{name}.log")
