@@ -151,6 +151,16 @@ class Membership:
             lease_s=m.lease_s,
         )
 
+    def join_validator(self, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> None:
+        """A validator registers with its stake and goes live (RL, serving). Rejected(410)
+        once the run is halted; the mode answers with what its validators need."""
+        self.check_run(req.run_id)
+        self.check_not_halted()
+        self.register(req.validator_id, req.public_key, req.name, "validator", req.stake, raw)
+        with self.db.transaction() as c:
+            self.peers.set_live(c, req.validator_id, time.time())
+        log.info("[%s %s] validator joined", req.name, req.validator_id[:8])
+
     def register(
         self, peer_id: str, public_key: str, name: str, role: str, stake: float, raw: dict
     ) -> None:

@@ -24,7 +24,6 @@ problem) and changes nothing.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,11 +128,7 @@ def create_app(trainer: Trainer) -> FastAPI:
 
 def _validator_join(t: Trainer, req: schemas.ValidatorJoin, raw: dict[str, Any]) -> dict[str, Any]:
     """A validator registers with its stake (at least min_validator_stake) and goes live."""
-    t.membership.check_run(req.run_id)
-    t.halt.check_not_halted()  # nobody joins a halted run
-    t.membership.register(req.validator_id, req.public_key, req.name, "validator", req.stake, raw)
-    with t.db.transaction() as c:
-        t.membership.peers.set_live(c, req.validator_id, time.time())
+    t.membership.join_validator(req, raw)  # refused once the run is halted
     return {
         "ok": True,
         "heartbeat_s": t.spec.heartbeat_s,

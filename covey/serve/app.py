@@ -34,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
 from covey.coordinator.metrics import HostCollector, Metrics
+from covey.coordinator.peer_routes import membership_routes, run_route
 from covey.coordinator.rejected import Rejected
 from covey.protocol import schemas
 from covey.rl.sampling import sample_seed
@@ -84,15 +85,16 @@ def create_app(s: ServeCoordinator) -> FastAPI:
     host_routes(app, metrics, s.halt, s.accounts)
     app.state.dispatch = dispatch
 
-    @app.get("/v1/run")
-    def run() -> dict[str, Any]:
-        return {
+    run_route(
+        app,
+        lambda: {
             "run_id": s.run_id,
             "mode": "serve",
             "coordinator_key": s.identity.public_key,
             "owner_key": s.halt.owner_key,
             "spec": s.spec_of_run(),
-        }
+        },
+    )
 
     @app.get("/v1/serve/spec")
     def spec() -> dict[str, Any]:
@@ -267,33 +269,17 @@ def create_app(s: ServeCoordinator) -> FastAPI:
 
     # -- membership (the host's) --------------------------------------------------------------
 
-    @app.post("/v1/join")
-    async def join(req: schemas.JoinRequest, request: Request) -> schemas.JoinReply:
-        return await run_in_threadpool(s.membership.join, req, await request.json())
+    membership_routes(app, s.membership.join, s.membership.heartbeat, s.membership.leave)
 
     @app.post("/v1/serve/validators/join")
     async def validator_join(req: schemas.ValidatorJoin, request: Request) -> dict[str, Any]:
         raw = await request.json()
 
         def go() -> dict[str, Any]:
-            s.membership.check_run(req.run_id)
-            s.halt.check_not_halted()
-            s.membership.register(
-                req.validator_id, req.public_key, req.name, "validator", req.stake, raw
-            )
-            with s.db.transaction() as c:
-                s.membership.peers.set_live(c, req.validator_id, time.time())
+            s.membership.join_validator(req, raw)
             return {"ok": True, "heartbeat_s": cfg.heartbeat_s}
 
         return await run_in_threadpool(go)
-
-    @app.post("/v1/heartbeat")
-    async def heartbeat(req: schemas.HeartbeatRequest, request: Request) -> dict[str, Any]:
-        return await run_in_threadpool(s.membership.heartbeat, req, await request.json())
-
-    @app.post("/v1/leave")
-    async def leave(req: schemas.LeaveRequest, request: Request) -> dict[str, Any]:
-        return await run_in_threadpool(s.membership.leave, req, await request.json())
 
     # -- workers and validators ---------------------------------------------------------------
 
