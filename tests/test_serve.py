@@ -142,7 +142,12 @@ def test_openai_client_and_a_caught_cheat_in_process(tmp_path: Path, model_dir: 
     from covey.serve.worker import ServeWorker
 
     cfg = dict(
-        max_tokens=16, new_worker_answers=50, heartbeat_s=0.5, dead_after_s=3.0, stream_segment=4
+        max_tokens=16,
+        new_worker_answers=50,
+        heartbeat_s=0.5,
+        dead_after_s=3.0,
+        stream_segment=4,
+        pull_wait_s=1.0,
     )
     with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
         stop = threading.Event()
@@ -382,7 +387,11 @@ def test_backpressure_timeout_and_hangup(tmp_path: Path, model_dir: Path) -> Non
                 ]
             )
         )
-        wait_for(lambda: s.alive(me.peer_id), 10, "the worker's first heartbeat")
+        wait_for(
+            lambda: httpx.get(f"{url}/v1/serve/status").json()["serving"] == 1,
+            10,
+            "the worker's first heartbeat and pull",
+        )
         ask = {"prompt": "x", "max_tokens": 2}
         streamed = {**ask, "stream": True}  # its worker sends progress, then nothing
         first = _thread(lambda: box.update(first=http.post("/v1/completions", json=streamed)))
@@ -434,3 +443,47 @@ def test_a_data_dir_reopens_its_run_and_refuses_another(tmp_path: Path, model_di
         ServeCoordinator(ServeConfig(verify_rate=0.5), tmp_path / "d", str(model_dir))
     with pytest.raises(ValueError, match="no serving run"):
         ServeCoordinator(None, tmp_path / "empty", None)
+
+
+def test_a_dead_workers_request_goes_to_another(tmp_path: Path, model_dir: Path) -> None:
+    """A worker takes a request and falls silent (no answer, no heartbeat): after
+    dead_after_s its request goes back to the queue and another worker answers it."""
+    from covey.serve.worker import ServeWorker
+
+    cfg = dict(
+        max_tokens=4, heartbeat_s=0.5, dead_after_s=2.0, request_timeout_s=30, pull_wait_s=1.0
+    )  # a stopped worker's long-poll ends within a second
+    with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
+        http = httpx.Client(base_url=url, timeout=30)
+        ghost = Identity.generate()
+        _join_worker(http, s.run_id, ghost)
+        beat = {"run_id": s.run_id, "peer_id": ghost.peer_id}
+        http.post("/v1/heartbeat", json=_signed(ghost, "/v1/heartbeat", beat))
+        box: dict[str, Any] = {}
+        pull = {"run_id": s.run_id, "peer_id": ghost.peer_id}
+        puller = _thread(
+            lambda: box.update(
+                job=http.post("/v1/serve/pull", json=_signed(ghost, "/v1/serve/pull", pull)).json()[
+                    "job"
+                ]
+            )
+        )
+        wait_for(lambda: httpx.get(f"{url}/v1/serve/status").json()["serving"] == 1, 10)
+        user = _thread(
+            lambda: box.update(
+                user=http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3})
+            )
+        )
+        puller.join(10)
+        assert box["job"] is not None  # the ghost holds it, and says nothing more
+        stop = threading.Event()
+        honest = ServeWorker(url, Identity.generate(), model_dir, name="honest", stop=stop)
+        worker = _thread(honest.run_loop)
+        try:
+            user.join(25)
+            assert box["user"].status_code == 200, box["user"].text
+            rows = s.db.query("SELECT worker_id FROM serve_answers")
+            assert [r["worker_id"] for r in rows] == [honest.identity.peer_id]
+        finally:
+            stop.set()
+            worker.join(20)
