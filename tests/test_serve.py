@@ -307,19 +307,31 @@ def test_attacker_messages_change_nothing(tmp_path: Path, model_dir: Path) -> No
         assert http.post("/v1/serve/pull", json=forged_pull).status_code == 401
         elsewhere = _signed(me, "/v1/serve/pull", pull | {"run_id": "0" * 16})
         assert http.post("/v1/serve/pull", json=elsewhere).status_code == 409
-        # a validator: joins, claims the drawn answer (a new worker's are all drawn)
-        v = Identity.generate()
-        vjoin = {
-            "run_id": run,
-            "validator_id": v.peer_id,
-            "public_key": v.public_key,
-            "name": "v",
-            "stake": 5.0,
-        }
+        # two validators join; the answer's draw assigns it to one of them, the other gets
+        # nothing (a new worker's answers are all drawn)
         path = "/v1/serve/validators/join"
-        assert http.post(path, json=_signed(v, path, vjoin)).status_code == 200
-        claim = {"run_id": run, "peer_id": v.peer_id}
-        task = http.post("/v1/serve/claim", json=_signed(v, "/v1/serve/claim", claim)).json()
+        tasks = {}
+        pair = (Identity.generate(), Identity.generate())
+        for ident in pair:
+            vjoin = {
+                "run_id": run,
+                "validator_id": ident.peer_id,
+                "public_key": ident.public_key,
+                "name": "v",
+                "stake": 5.0,
+            }
+            assert http.post(path, json=_signed(ident, path, vjoin)).status_code == 200
+        for ident in pair:
+            claim = {"run_id": run, "peer_id": ident.peer_id}
+            got = http.post("/v1/serve/claim", json=_signed(ident, "/v1/serve/claim", claim))
+            tasks[ident.peer_id] = got.json()["task"]
+        from covey.serve.assign import assigned
+
+        row = s.db.one("SELECT draw FROM serve_answers WHERE id = 1")
+        chosen = assigned(row["draw"], me.peer_id, [i.peer_id for i in pair], [])
+        v = next(i for i in pair if i.peer_id == chosen)
+        assert [p for p, t in tasks.items() if t is not None] == [chosen]
+        task = {"task": tasks[chosen]}
         assert task["task"]["answer_id"] == 1 and task["task"]["tokens"] == tokens
         report = {"run_id": run, "peer_id": v.peer_id, "answer_id": 1, "ok": True}
         rpath = "/v1/serve/report"
