@@ -195,6 +195,11 @@ def test_openai_client_and_a_caught_cheat_in_process(tmp_path: Path, model_dir: 
                 client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
             with pytest.raises(openai.BadRequestError):
                 client.completions.create(model="serve", prompt="x", max_tokens=999)
+            from covey.io.audit import verify
+
+            audit = verify(url)  # the ledger replays: pay, the slash, the catch reward
+            cheat_account = audit.summary["accounts"][cheat.identity.peer_id]
+            assert cheat_account["banned"] and cheat_account["slashed"] > 0
             metrics = httpx.get(f"{url}/metrics").text
             assert "covey_serve_tokens_per_second" in metrics
             assert "covey_serve_answer_seconds_bucket" in metrics
