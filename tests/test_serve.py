@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,6 +241,12 @@ def test_attacker_messages_change_nothing(tmp_path: Path, model_dir: Path) -> No
                 "/v1/heartbeat",
                 json=_signed(ident, "/v1/heartbeat", {"run_id": run, "peer_id": ident.peer_id}),
             )
+        # an honest worker refuses to start on another copy of the model
+        other_copy = tmp_path / "other-model"
+        shutil.copytree(model_dir, other_copy)
+        (other_copy / "config.json").write_text((model_dir / "config.json").read_text() + " ")
+        with pytest.raises(ValueError, match="the server serves"):
+            ServeWorker(url, Identity.generate(), other_copy)
         # no worker pulled yet: a user's request finds none
         assert (
             http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 503
