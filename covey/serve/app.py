@@ -9,6 +9,7 @@ rate and body limits are the host's (covey.coordinator.host_app).
     GET  /v1/serve/status                 answers by status, workers' pay, who was excluded
     POST /v1/join, /v1/heartbeat, /v1/leave, /v1/serve/validators/join   membership
     POST /v1/serve/pull, /v1/serve/answer a worker's long-poll for a request; its answer
+    POST /v1/serve/progress               a streamed request's tokens so far (per segment)
     POST /v1/serve/claim, /v1/serve/report   a validator's check and its verdict
 
 A user's request gets 400 for what it may not ask (too many tokens, too long a prompt),

@@ -13,6 +13,7 @@ later is still paid for verified work: it did what it was asked).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from typing import Any
 
 from covey.coordinator.rejected import Rejected
 from covey.serve.wire import Job
+
+SWEEP_S = 0.5  # how often a waiting worker's long-poll looks for requeued jobs
 
 
 class Busy(Rejected):
@@ -103,12 +106,10 @@ class Dispatcher:
                 left = deadline - loop.time()
                 if left <= 0:
                     return None
-                try:
-                    await asyncio.wait_for(self.cond.wait(), left)
-                except (asyncio.TimeoutError, TimeoutError):
-                    return None
-                finally:
-                    self.pulled[worker] = time.monotonic()
+                # at most SWEEP_S at a time: a dead worker's jobs are requeued meanwhile
+                with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                    await asyncio.wait_for(self.cond.wait(), min(left, SWEEP_S))
+                self.pulled[worker] = time.monotonic()
 
     def release(self, worker: str) -> None:
         """What `worker` holds (and is not answering) goes back to the head of the queue."""

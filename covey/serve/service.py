@@ -34,6 +34,7 @@ from covey.coordinator.db import Database
 from covey.coordinator.host import Host, RunTerms
 from covey.coordinator.rejected import Rejected
 from covey.rl.proofs import proof_size
+from covey.serve import assign
 from covey.serve import model as served
 from covey.serve.checks import AnswerVerdict, check_answer, check_shape
 from covey.serve.config import ServeConfig, run_id_of
@@ -47,7 +48,8 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS serve_answers (id INTEGER PRIMARY KEY, job_id TEXT UNIQUE, "
     "worker_id TEXT NOT NULL, job TEXT NOT NULL, tokens TEXT NOT NULL, proof TEXT NOT NULL, "
     "cid TEXT NOT NULL, rate REAL NOT NULL, draw TEXT NOT NULL, status TEXT NOT NULL, "
-    "validator_id TEXT, claimed_at REAL, problem TEXT, detail TEXT, created REAL NOT NULL)",
+    "validator_id TEXT, claimed_at REAL, tried TEXT, problem TEXT, detail TEXT, "
+    "created REAL NOT NULL)",
 )
 
 
@@ -155,7 +157,8 @@ class ServeCoordinator:
                 self.halt.enforce(time.time())
                 with self.db.transaction() as c:  # a lapsed claim goes to another validator
                     c.execute(
-                        "UPDATE serve_answers SET status = 'pending', validator_id = NULL "
+                        "UPDATE serve_answers SET status = 'pending', validator_id = NULL, "
+                        "tried = json_insert(COALESCE(tried, '[]'), '$[#]', validator_id) "
                         "WHERE status = 'claimed' AND claimed_at < ?",
                         (time.time() - self.cfg.claim_timeout_s,),
                     )
@@ -269,16 +272,38 @@ class ServeCoordinator:
             amount=self.accounts.book.work_reward(tokens),
         )
 
+    def live_validators(self, now: float) -> list[str]:
+        """Validators heard from within dead_after_s, not excluded."""
+        book, live = self.accounts.book.accounts, self.membership.liveness
+        return [
+            r["peer_id"]
+            for r in self.membership.peers.by_role("validator")
+            if r["state"] != "left"
+            and now - live.last_seen(r["peer_id"], r["last_seen"]) < self.cfg.dead_after_s
+            and not (r["peer_id"] in book and book[r["peer_id"]].banned)
+        ]
+
     def claim(self, validator: str) -> dict[str, Any] | None:
-        """The oldest drawn answer not yet checked, of another peer, for `validator`."""
+        """The oldest drawn answer not yet checked that is assigned to `validator`
+        (covey.serve.assign: its draw ranks `validator` first among the live ones)."""
+        live = self.live_validators(time.time())
+        if validator not in live:
+            live.append(validator)  # it asks now: it is alive
         with self.lock, self.db.transaction() as c:
-            row = c.execute(
+            rows = c.execute(
                 "SELECT * FROM serve_answers WHERE status = 'pending' AND worker_id != ? "
-                "ORDER BY id LIMIT 1",
+                "ORDER BY id LIMIT 256",
                 (validator,),
-            ).fetchone()
-            if row is None:
+            ).fetchall()
+            tried = {r["id"]: json.loads(r["tried"] or "[]") for r in rows}
+            mine = [
+                r
+                for r in rows
+                if assign.assigned(r["draw"], r["worker_id"], live, tried[r["id"]]) == validator
+            ]
+            if not mine:
                 return None
+            row = mine[0]
             c.execute(
                 "UPDATE serve_answers SET status = 'claimed', validator_id = ?, claimed_at = ? "
                 "WHERE id = ?",
