@@ -66,8 +66,12 @@ class Dispatcher:
         return self._cond
 
     def serving(self) -> list[str]:
+        """Workers that pulled lately and are alive. Also read by the status and metrics
+        handlers from the thread pool while the loop adds pulls: it reads a copy (made in
+        one step under the GIL), never the dict the loop changes."""
         now = time.monotonic()
-        return [w for w, t in self.pulled.items() if now - t < self.live_after_s and self.alive(w)]
+        pulled = tuple(self.pulled.items())
+        return [w for w, t in pulled if now - t < self.live_after_s and self.alive(w)]
 
     def held(self) -> int:
         return sum(1 for p in self.jobs.values() if p.worker is not None)
