@@ -15,7 +15,13 @@ from tests.import_graph import ROOT, cycles, graph, modules, reachable
 MAX_LINES = 500
 # the code of cheating peers (tests and demos), and the modules that start cheaters: the
 # command lines, the demos and the benches that measure what cheats can do
-ADVERSARY = {"covey.peer.adversary", "covey.peer.cheater", "covey.rl.cheats", "covey.rl.cheater"}
+ADVERSARY = {
+    "covey.peer.adversary",
+    "covey.peer.cheater",
+    "covey.peer.house",
+    "covey.rl.cheats",
+    "covey.rl.cheater",
+}
 STARTERS = ("covey.__main__", "covey.cli", "covey.bench.", "covey.rl.cli", "covey.rl.demo")
 HONEST_PEERS = (
     "covey.peer.worker",

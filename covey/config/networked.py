@@ -247,9 +247,10 @@ class TrustConfig(Frozen):
         0.05,
         ge=0,
         le=1,
-        description="chance per round per validator that the coordinator plants a canary "
-        "among its checks (an accepted contribution's payload sign-flipped): agreeing with "
-        "one costs validator_slash_fraction of stake and the check's pay",
+        description="rounds: chance per round that a house worker's contribution (the run "
+        "owner's, covey worker --house-of) is a canary, trained on other data; RL: chance "
+        "per step per validator of a planted bad batch. Agreeing with one costs "
+        "validator_slash_fraction of stake and the check's pay (docs/trust.md, Canaries)",
     )
     # sharded aggregation (covey/coordinator/sharding.py; docs/sharded-aggregation.md)
     sharded_above_peers: int | None = Field(

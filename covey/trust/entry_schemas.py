@@ -30,6 +30,16 @@ The payload of each entry type is the contract between the coordinator and covey
   coordinator's signature (covey.trust.certify.canary_message), below canary_rate. Caught:
   a completed check (paid check_reward); passed: a "penalty" (kind canary) follows, no pay;
   missed: a missed check
+- "house canary": {round, peer_id (a house worker: the run owner's own key), draw, proof,
+  outcome: "caught"|"convicted"|"unchecked", detail}: the reveal of a rounds-mode canary
+  (covey.trust.house): the house worker's accepted contribution of that round was made bad
+  on purpose. `draw` is the coordinator's signature (covey.trust.certify.canary_message)
+  over (run, round, house key), below canary_rate; `proof` its signature that the key is
+  its own. Caught: a validator's dispute convicted it already; convicted: no validator did,
+  and the coordinator's referee recomputed it now (`detail` says how far it was), which
+  convicts it (every validator that agreed on it missed a fraud); unchecked: nobody
+  checked it, or the referee found no divergence. Either way the key is burned (banned:
+  the reveal makes it public) and every validator that agreed on it passed a canary
 - "report refused": {round, peer_id (the validator), worker_id, task_id, field, reason}: a
   validator's report that was malformed or unprovable (segment out of range, a blob missing
   or of the wrong size); it counts against the validator's reputation and ends its
@@ -96,6 +106,8 @@ _SCHEMA_TEXT = {
     "assignment": "round:count, peer_id:id, beacon:text, validators:ids, reason:draw|reassign",
     "canary": "round:count, peer_id:id, worker_id:id, cid:text, draw:text, "
     "outcome:caught|passed|missed",
+    "house canary": "round:count, peer_id:id, draw:text, proof:text, "
+    "outcome:caught|convicted|unchecked, detail:text",
     "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary|missed "
     "fraud, reason:text",
     "clawback": "round:count, peer_id:id, worker_id:id, amount:amount, kind:work|check, "
