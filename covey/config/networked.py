@@ -243,6 +243,20 @@ class TrustConfig(Frozen):
         description="most checks one validator is assigned per round (a single key cannot "
         "hold every check)",
     )
+    validator_stake_cap: float = Field(
+        100.0,
+        ge=0,
+        description="validators are drawn with probability in proportion to their stake, "
+        "counted up to this cap per key (a larger stake buys no more checks); 0: drawn by "
+        "the beacon's hash alone, stake aside",
+    )
+    established_checks: int = Field(
+        5,
+        ge=0,
+        description="a validator with at least this many checks (less false accusations) "
+        "and no canary passed has an established record; every drawn set of checks holds "
+        "one when one is eligible (fresh keys cannot clear work among themselves); 0: no rule",
+    )
     canary_rate: float = Field(
         0.05,
         ge=0,

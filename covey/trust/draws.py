@@ -9,6 +9,7 @@ so every replay of the ledger, `covey ledger verify`'s included, checks every dr
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -61,15 +62,37 @@ class Draws:
             if a.role == "validator" and not a.banned and a.stake >= policy.min_validator_stake
         ]
         beacon = self.beacon(round)
-        return draw_validators(
+        cap = policy.validator_stake_cap
+
+        def rank(v: str) -> Any:
+            hashed = draw_rank(beacon, round, peer_id, v)
+            return hashed if cap <= 0 else weighted_rank(hashed, self.accounts[v].stake, cap)
+
+        ranked = draw_validators(
             staked,
-            lambda v: draw_rank(beacon, round, peer_id, v),
-            n,
+            rank,
+            len(staked),
             worker=peer_id,
             tried=self._tried.get((round, peer_id), set()),
             load={v: self._load.get((round, v), 0) for v in staked},
             cap=policy.validator_round_cap,
         )
+        chosen = ranked[: max(n, 0)]
+        if chosen and not any(self.established(v) for v in chosen):
+            # the best-ranked established validator eligible takes the last place
+            first = next((v for v in ranked[len(chosen) :] if self.established(v)), None)
+            if first is not None:
+                chosen[-1] = first
+        return chosen
+
+    def established(self, validator_id: str) -> bool:
+        """Whether a validator has an established record: at least `established_checks`
+        checks less its false accusations, and no canary passed (never, with the rule
+        off)."""
+        need, acc = self._policy().established_checks, self.accounts[validator_id]
+        if need <= 0:
+            return False
+        return acc.canaries_passed == 0 and acc.checks - acc.false_accusations >= need
 
     def checks_needed(self, round: int, peer_id: str) -> int:
         """How many more validators must be assigned to this contribution now: its
@@ -156,6 +179,16 @@ def draw_validators(
     are eligible."""
     eligible = [v for v in candidates if v != worker and v not in tried and load.get(v, 0) < cap]
     return sorted(eligible, key=rank)[: max(n, 0)]
+
+
+def weighted_rank(hashed: str, stake: float, cap: float) -> float:
+    """A validator's place in a stake-weighted draw (lower checks first): -ln(u) / w, u
+    uniform in (0, 1) from the public hash `hashed`, w its stake counted up to `cap`
+    (weighted sampling without replacement, Efraimidis and Spirakis 2006: drawn first
+    with probability w / sum(w)). A key staked 0 ranks last."""
+    u = (int(hashed[:16], 16) + 0.5) / 2.0**64
+    weight = min(max(stake, 0.0), cap)
+    return math.inf if weight <= 0 else -math.log(u) / weight
 
 
 def draw_rank(beacon: str, round: int, peer_id: str, validator_id: str) -> str:
