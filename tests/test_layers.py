@@ -21,6 +21,7 @@ ADVERSARY = {
     "covey.peer.house",
     "covey.rl.cheats",
     "covey.rl.cheater",
+    "covey.rl.sampling_cheats",
 }
 STARTERS = ("covey.__main__", "covey.cli", "covey.bench.", "covey.rl.cli", "covey.rl.demo")
 HONEST_PEERS = (
