@@ -9,15 +9,18 @@ party's (they agree), and convicted otherwise (an honest validator's dispute: th
 convicts it; canaries keep honest validators re-executing). Scenarios: the party's keys
 established (they did honest checks first: the worst case) or fresh, and a worker checked
 by one validator (an established worker) or by `validators_per_check` = 2 (a new or
-low-reputation one). Stated: f for one check, f x (f/2) / (1 - f/2) for two (two draws
-without replacement, weights f/2 per party key), 0 when its keys are fresh (the
-established validator every set holds is then an honest one). P(clear) is the share of
-draws cleared; the number of cheats cleared before the first conviction is geometric:
-P / (1 - P). Pure and in one process.
+low-reputation one), with and without an audit of cleared work (one more check by a
+validator not yet tried, at `audit_rate`, default 0.1). Stated (`stated`): f for one
+check, f x (f/2) / (1 - f/2) for two (two draws without replacement, weights f/2 per
+party key), times the chance the audit misses or lands on the party too; 0 when its keys
+are fresh (the established validator every set holds is then an honest one). P(clear)
+is the share of draws cleared; the number of cheats cleared before the first conviction
+is geometric: P / (1 - P). Pure and in one process.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +45,7 @@ POLICY = Policy(
     canary_rate=0.0,
     validator_stake_cap=CAP,
     established_checks=5,
+    audit_rate=0.1,
 )
 
 
@@ -63,42 +67,62 @@ def book_for(share: float, party_established: bool) -> tuple[Book, set[str]]:
     return book, party
 
 
-def clear_probability(book: Book, party: set[str], checks: int, draws: int) -> float:
-    """The share of `draws` rounds in which every validator drawn is the party's."""
-    cleared = sum(set(book.draw(r, "cheater", checks)) <= party for r in range(draws))
+def clear_probability(
+    book: Book, party: set[str], checks: int, draws: int, audit_rate: float = 0.0
+) -> float:
+    """The share of `draws` rounds in which every validator drawn is the party's, the
+    audit's too when one is drawn (a pseudo-random audit draw per round, at `audit_rate`)."""
+    cleared = 0
+    for r in range(draws):
+        chosen = book.draw(r, "cheater", checks)
+        if not set(chosen) <= party:
+            continue
+        if random.Random(r).random() < audit_rate:  # audited: one validator not yet tried
+            book._tried[(r, "cheater")] = set(chosen)
+            chosen = book.draw(r, "cheater", 1)
+            del book._tried[(r, "cheater")]
+        cleared += set(chosen) <= party
     return cleared / draws
 
 
-def stated(share: float, checks: int) -> float:
-    """P(every one of `checks` stake-weighted draws without replacement is the party's),
-    its share split evenly over two keys: f for one check, f x (f/2) / (1 - f/2) for two."""
+def stated(share: float, checks: int, audit_rate: float = 0.0) -> float:
+    """P(every one of `checks` stake-weighted draws without replacement is the party's, and
+    the audit's, drawn at `audit_rate`), its share split evenly over two keys: f for one
+    check, f x (f/2) / (1 - f/2) for two; an audit after one check is the party's with
+    probability (f/2) / (1 - f/2), after two never (both its keys were tried)."""
+    rest = (share / 2) / (1 - share / 2)
     if checks == 1:
-        return share
-    return share * (share / 2) / (1 - share / 2) if checks == 2 else 0.0
+        return share * (1 - audit_rate * (1 - rest))
+    return share * rest * (1 - audit_rate) if checks == 2 else 0.0
 
 
-def finality_report(draws: int = 20_000, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def finality_report(
+    draws: int = 20_000, audit_rate: float = 0.1, echo: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Rows per (f, party keys established or fresh, checks per item, audit rate)."""
     rows = []
     for share in (0.2, 0.4):
         for established in (True, False):
             book, party = book_for(share, established)
             for checks in (1, 2):
-                p = clear_probability(book, party, checks, draws)
-                expected = p / (1 - p) if p < 1 else float("inf")
-                row = {
-                    "share": share,
-                    "party_established": established,
-                    "checks": checks,
-                    "draws": draws,
-                    "p_clear": p,
-                    "stated_p_clear": stated(share, checks) if established else 0.0,
-                    "cheats_before_conviction": expected,
-                }
-                rows.append(row)
-                echo(
-                    f"f={share}: party keys {'established' if established else 'fresh'}, "
-                    f"{checks} check(s): P(clears a cheat) {p:.3f} (stated "
-                    f"{row['stated_p_clear']:.3f}), cheats cleared before conviction "
-                    f"{expected:.2f}"
-                )
+                for audit in (0.0, audit_rate) if established else (0.0,):
+                    p = clear_probability(book, party, checks, draws, audit)
+                    expected = p / (1 - p) if p < 1 else float("inf")
+                    row = {
+                        "share": share,
+                        "party_established": established,
+                        "checks": checks,
+                        "audit_rate": audit,
+                        "draws": draws,
+                        "p_clear": p,
+                        "stated_p_clear": stated(share, checks, audit) if established else 0.0,
+                        "cheats_before_conviction": expected,
+                    }
+                    rows.append(row)
+                    echo(
+                        f"f={share}: party keys {'established' if established else 'fresh'}, "
+                        f"{checks} check(s), audit rate {audit}: P(clears a cheat) {p:.3f} "
+                        f"(stated {row['stated_p_clear']:.3f}), cheats cleared before "
+                        f"conviction {expected:.2f}"
+                    )
     return {"rows": rows, "honest_validators": HONEST, "honest_stake": STAKE, "cap": CAP}

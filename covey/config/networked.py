@@ -257,6 +257,14 @@ class TrustConfig(Frozen):
         "and no canary passed has an established record; every drawn set of checks holds "
         "one when one is eligible (fresh keys cannot clear work among themselves); 0: no rule",
     )
+    audit_rate: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="chance that a contribution cleared by its checks (all agreeing) is "
+        "checked once more by a validator not yet tried (an audit, drawn by the coordinator's "
+        "signature; its pay waits for it): a party's own keys cannot count on clearing it",
+    )
     canary_rate: float = Field(
         0.05,
         ge=0,

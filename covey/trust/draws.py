@@ -13,7 +13,8 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from covey.trust.certify import check_canary_draw, draw_value
+from covey.trust.certify import audit_message, check_canary_draw, draw_value
+from covey.trust.identity import verify
 from covey.trust.ledger import LedgerError
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class Draws:
     _load: dict[tuple[int, str], int]
     _canaries: set[tuple[int, str]]
     _checks_due: dict[tuple[int, str], int]
+    _agreed_by: dict[tuple[int, str], set[str]]
+    _audited: set[tuple[int, str]]
 
     def _policy(self) -> Policy:
         raise NotImplementedError
@@ -111,6 +114,14 @@ class Draws:
         done = self._done.get(key, 0)
         return done >= 1 and (done >= self._required[key] or not self.draw(round, peer_id, 1))
 
+    def cleared(self, round: int, peer_id: str) -> bool:
+        """Whether a sampled contribution was cleared: its checks complete, none open, and
+        every completed one an agreement (what an audit may re-check)."""
+        key = (round, peer_id)
+        if key not in self._required or self._open.get(key) or not self.checks_complete(*key):
+            return False
+        return len(self._agreed_by.get(key, ())) >= self._done.get(key, 0)
+
     def is_assigned(self, round: int, peer_id: str, validator_id: str) -> bool:
         """Whether `validator_id` holds an open assignment to check this contribution."""
         return validator_id in self._open.get((round, peer_id), set())
@@ -119,6 +130,8 @@ class Draws:
         key, rnd = (p["round"], p["peer_id"]), p["round"]
         if key not in self._required:
             raise LedgerError(i, f"assignment: no sampled contribution of {key[1]} in round {rnd}")
+        if p["reason"] == "audit":
+            self._audit(i, p, key)
         if p["beacon"] != self.beacon(rnd):
             raise LedgerError(
                 i,
@@ -134,6 +147,25 @@ class Draws:
             self._open.setdefault(key, set()).add(v)
             self._tried.setdefault(key, set()).add(v)
             self._load[(rnd, v)] = self._load.get((rnd, v), 0) + 1
+
+    def _audit(self, i: int, p: dict[str, Any], key: tuple[int, str]) -> None:
+        """An audit's grounds (the item cleared: its checks complete, every one agreeing,
+        none open; its draw the coordinator's, below audit_rate; once), then one more
+        check required of it."""
+        where = f"assignment (audit) of {key[1]}'s round-{key[0]} contribution"
+        if key in self._audited:
+            raise LedgerError(i, f"{where}: audited before")
+        if not self.cleared(*key):
+            raise LedgerError(i, f"{where}: its checks are not complete and all agreeing")
+        draw = p.get("draw")
+        message = audit_message(self.run_id or "", key[0], key[1])
+        if not isinstance(draw, str) or not verify(self.coordinator_key or "", message, draw):
+            raise LedgerError(i, f"{where}: draw is not the coordinator's signature")
+        if draw_value(draw) >= self._policy().audit_rate:
+            rate = self._policy().audit_rate
+            raise LedgerError(i, f"{where}: its draw is {draw_value(draw):.3g}, not below {rate}")
+        self._audited.add(key)
+        self._required[key] = self._done[key] + 1
 
     def _canary(self, i: int, p: dict[str, Any]) -> None:
         validator = self._peer(i, p)

@@ -34,6 +34,7 @@ class Policy:
     # 0 (older ledgers): validators ranked by the beacon's hash alone (covey.trust.draws)
     validator_stake_cap: float = 0.0
     established_checks: int = 0
+    audit_rate: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: TrustConfig) -> Policy:
@@ -123,6 +124,7 @@ _LATER_FIELDS = (
     "canary_rate",
     "validator_stake_cap",
     "established_checks",
+    "audit_rate",
 )
 _INT_FIELDS = (
     "new_peer_contributions",
