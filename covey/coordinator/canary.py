@@ -194,6 +194,18 @@ class Canaries:
             ).fetchone()
             if row is None or row["status"] != "judging":
                 return
+            v = c.execute("SELECT status FROM verifications WHERE id = ?", (vid,)).fetchone()
+            held = c.execute(
+                "SELECT 1 FROM checks WHERE vid = ? AND status = 'assigned'", (vid,)
+            ).fetchone()
+            if v["status"] in (*UNDECIDED, "fraud") or held is not None:  # since queued
+                # checked again (an audit), or convicted by a dispute: the sweep decides
+                c.execute(
+                    "UPDATE house_canaries SET status = 'planted' WHERE round = ? AND peer_id = ?",
+                    (task.round, task.peer_id),
+                )
+                self._judging.discard(vid)
+                return
             outcome = "convicted" if finding == "fraud" else "unchecked"
             self._reveal(c, task.round, task.peer_id, outcome, detail, time.time())
         self._judging.discard(vid)
