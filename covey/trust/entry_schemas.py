@@ -30,8 +30,9 @@ The payload of each entry type is the contract between the coordinator and covey
   audit_rate. A "verification" must come from an assigned validator; a work reward of a
   sampled contribution needs its checks completed (else the round's checks were skipped)
 - "canary": {round, peer_id (the validator), worker_id, cid, draw, outcome: "caught"|
-  "passed"|"missed"}: a known-bad contribution (the worker's payload sign-flipped) the
-  coordinator planted among the validator's checks, revealed once resolved; `draw` is the
+  "passed"|"missed"}: a known-bad item planted among the validator's checks (the RL mode's
+  copy of a real batch, covey.rl.canaries; older rounds runs' sign-flipped payloads),
+  revealed once resolved; `draw` is the
   coordinator's signature (covey.trust.certify.canary_message), below canary_rate. Caught:
   a completed check (paid check_reward); passed: a "penalty" (kind canary) follows, no pay;
   missed: a missed check
