@@ -1,14 +1,17 @@
 """Canaries a validator cannot tell from real checks (covey.trust.house,
 covey.coordinator.canary): in a real rounds run (a coordinator process, two honest
 `covey worker` processes and a house worker, `covey worker --house-of`), two lazy validator
-keys: one agrees with every check at once (tests/test_assignment.py's Squatter), the other
+keys: one agrees with every check at once (tests/test_assignment.py's Squatter), another
 looks for the tells canaries used to have (a task whose content id is not the accepted
 contribution's in the ledger, or that no assignment entry gave it) and disputes those,
 agreeing with the rest. Neither finds a tell: every task either got is an accepted
 contribution in the ledger under the same content id, assigned to it by a public
-"assignment" entry. The house worker's canary round is revealed once both reported; the
-coordinator's referee convicts it, and both lose validator_slash_fraction of their stake
-(below min_validator_stake: they can no longer check) and all standing as checkers.
+"assignment" entry. A third rubber stamp takes the audits (every contribution is checked
+by two validators, as a new peer's, and audit_rate 1 has every cleared one checked once
+more by the validator not yet drawn: all three check each). The house worker's
+canary round is revealed once all reported; the coordinator's referee convicts it, and
+the lazy ones lose validator_slash_fraction of their stake (below min_validator_stake:
+they can no longer check) and all standing as checkers.
 `covey ledger verify` replays it, and refuses the reveal forged or edited."""
 
 from __future__ import annotations
@@ -56,12 +59,14 @@ sample_rate = 1.0
 min_stake = 10.0
 min_validator_stake = 5.0
 validators_per_check = 2
+new_peer_contributions = 100
 validator_round_cap = 8
 check_reward = 0.5
 challenge_rounds = 1
 verify_timeout_s = 20
 commit_every = 2
 canary_rate = 0.5
+audit_rate = 1.0
 validator_slash_fraction = 0.5
 """
 
@@ -190,13 +195,14 @@ def run(
     spec = tmp / "run.toml"
     spec.write_text(SPEC)
     cluster = LocalCluster(spec, tmp)
-    stamp = seeker = None
+    stamp = seeker = auditor = None
     try:
         cluster.start_coordinator()
         stamp = Squatter(cluster, stake=STAKE, stamp=True)
         seeker = TellSeeker(cluster, stake=STAKE)
-        stamp.thread.start()
-        seeker.thread.start()
+        auditor = Squatter(cluster, stake=STAKE, stamp=True)  # the third: audits (rate 1)
+        for lazy in (stamp, seeker, auditor):
+            lazy.thread.start()
         cluster.start_worker("ada", "--stake", "20")
         cluster.start_worker("bob", "--stake", "20")
         coordinator_key = cluster.data_dir / "coordinator.key"
@@ -206,7 +212,7 @@ def run(
         house = house_identity(Identity.load_or_create(coordinator_key), cluster.run_id, 0)
         yield cluster, stamp, seeker, house.peer_id
     finally:
-        for lazy in (stamp, seeker):
+        for lazy in (stamp, seeker, auditor):
             if lazy is not None:
                 lazy.stop.set()
         cluster.stop()
@@ -263,6 +269,15 @@ def test_lazy_validators_find_no_tell_and_lose_their_stake_to_a_house_canary(
         reply = lazy.post("/v1/verify/claim", {"run_id": lazy.run_id, "validator_id": lazy.id})
         assert reply.status_code == 403, reply.text  # its stake is gone below the minimum
     assert accounts[house]["banned"]  # the reveal burned the house key
+    # every cleared contribution was audited by the validator not yet drawn (audit_rate 1),
+    # and the canary was revealed only after its audit reported
+    audits = [e for e in entries if e.type == "assignment" and e.payload["reason"] == "audit"]
+    assert any((e.payload["round"], e.payload["peer_id"]) == (rnd, house) for e in audits)
+    assert all(
+        e.payload["round"] < rnd or entries.index(e) < revealed_at
+        for e in audits
+        if e.payload["peer_id"] == house
+    )
     audit.verify(cluster.url)  # the draw, the proof and every penalty recomputed
 
 

@@ -41,6 +41,7 @@ CHECKS_SCHEMA = (
     "CREATE TABLE IF NOT EXISTS audits (vid INTEGER PRIMARY KEY, audited INTEGER NOT NULL);"
 )
 OPEN = ("pending", "claimed")  # verification statuses still waiting for checks
+AUDIT_WAIT_ROUNDS = 10  # an audit drawn with no validator left to take it waits this long
 
 
 class Assignments:
@@ -135,7 +136,9 @@ class Assignments:
         if rate <= 0:
             return
         book = self.accounts.book
-        cleared = c.execute(  # audits.audited: 0 no, 1 assigned, 2 drawn, none to assign
+        newest = c.execute("SELECT MAX(round) AS r FROM verifications").fetchone()["r"] or 0
+        cleared = c.execute(  # audits.audited: 0 no, 1 assigned, 2 drawn and waiting for a
+            # validator not yet tried (AUDIT_WAIT_ROUNDS at most), 3 none came
             "SELECT v.id, v.round, v.peer_id FROM verifications v LEFT JOIN audits a "
             "ON a.vid = v.id WHERE v.status = 'agree' AND (a.vid IS NULL OR a.audited = 2) "
             "ORDER BY v.id"
@@ -145,6 +148,8 @@ class Assignments:
             audited, draw = audit_draw(self.accounts.identity, self.run_id, rnd, peer, rate)
             validators = book.draw(rnd, peer, 1) if audited else []
             state = 0 if not (audited and book.cleared(rnd, peer)) else 1 if validators else 2
+            if state == 2 and rnd < newest - AUDIT_WAIT_ROUNDS:
+                state = 3
             c.execute("INSERT OR REPLACE INTO audits VALUES (?, ?)", (row["id"], state))
             if state != 1:
                 continue  # not audited, or drawn with no validator left to take it yet
