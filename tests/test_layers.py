@@ -18,8 +18,10 @@ MAX_LINES = 500
 ADVERSARY = {
     "covey.peer.adversary",
     "covey.peer.cheater",
+    "covey.peer.house",
     "covey.rl.cheats",
     "covey.rl.cheater",
+    "covey.rl.sampling_cheats",
     "covey.serve.cheater",
 }
 STARTERS = (

@@ -186,6 +186,9 @@ def test_a_version_1_ledger_signed_the_old_way_audits_after_opening(tmp_path: Pa
         "validators_per_check",
         "validator_round_cap",
         "canary_rate",
+        "validator_stake_cap",
+        "established_checks",
+        "audit_rate",
     }
     policy = {
         k: v for k, v in Policy.from_config(TrustConfig()).to_dict().items() if k not in new_fields

@@ -264,11 +264,15 @@ def bench_model(
 def bench_trust(
     only: Annotated[
         list[str] | None,
-        typer.Option(help="calibration, detection, cost, loss, sparse (repeat; default all)"),
+        typer.Option(
+            help="calibration, detection, cost, loss, sparse, rl-sampling, finality (repeat; "
+            "default all)"
+        ),
     ] = None,
     rate: Annotated[float, typer.Option(help="sampling rate of --only sparse")] = 0.2,
     rounds: Annotated[int, typer.Option(min=5, help="rounds per local run (cost, loss)")] = 30,
     attack: Annotated[str, typer.Option(help="the cheat of the loss comparison")] = "sign-flip",
+    tries: Annotated[int, typer.Option(min=1, help="batches per cheat of --only rl-sampling")] = 20,
     model: Annotated[str, typer.Option(help="GPT size for the calibration")] = "nano",
     out: Annotated[Path | None, typer.Option(help="run directory")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
@@ -276,14 +280,14 @@ def bench_trust(
 ) -> None:
     """The cost of trust: honest vs cheating re-execution distances (the tolerance's
     calibration), detection probability against the sampling rate, validator compute as a
-    fraction of worker compute, and validation loss with one of four workers cheating."""
+    fraction of worker compute, validation loss with one of four workers cheating, how
+    often RL workers that sample their own way are caught, and how often a party's own
+    validator keys clear its cheats."""
     say = bench_say(log_json, "trust")
-    parts = only or ["calibration", "detection", "cost", "loss", "sparse"]
-    unknown = set(parts) - {"calibration", "detection", "cost", "loss", "sparse"}
-    if unknown:
-        raise fail(
-            f"--only takes calibration, detection, cost, loss, sparse; got {sorted(unknown)}"
-        )
+    known = ["calibration", "detection", "cost", "loss", "sparse", "rl-sampling", "finality"]
+    parts = only or known
+    if unknown := set(parts) - set(known):
+        raise fail(f"--only takes {', '.join(known)}; got {sorted(unknown)}")
     from covey.peer.adversary import BEHAVIORS
 
     if attack not in BEHAVIORS or attack == "honest":
@@ -324,6 +328,14 @@ def bench_trust(
         from covey.bench.trust_sparse import sparse_report
 
         results["sparse"] = sparse_report(rate, echo=say)
+    if "rl-sampling" in parts:  # RL workers that sample their own way
+        from covey.bench.rl_sampling import sampling_report
+
+        results["rl_sampling"] = sampling_report(tries=tries, echo=say)
+    if "finality" in parts:  # a party's own validator keys clearing its cheats
+        from covey.bench.finality import finality_report
+
+        results["finality"] = finality_report(echo=say)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(results, indent=2) + "\n")

@@ -146,6 +146,17 @@ def worker(
             "and optimizer moments sharded; DiLoCo only)"
         ),
     ] = "ddp",
+    house_of: Annotated[
+        Path | None,
+        typer.Option(
+            help="run owners: the coordinator's key file; this worker is then house worker "
+            "--house-index of the run (its canaries, docs/trust.md), under a key derived "
+            "from it (--identity is not used; --run-id is required)"
+        ),
+    ] = None,
+    house_index: Annotated[
+        int, typer.Option(min=0, max=63, help="with --house-of: which house key (0-63)")
+    ] = 0,
 ) -> None:
     """Join a run and train: fetch the canonical state, train each round's assignment,
     publish contributions, apply certified rounds. Ctrl-C / SIGTERM leave cleanly."""
@@ -193,8 +204,15 @@ def worker(
         run_id=run_id,
     )
     try:
-        peer = build_worker(opts)
-    except IdentityError as e:
+        if house_of is None:
+            peer = build_worker(opts)
+        else:
+            if behavior != "honest":
+                raise fail("--house-of plays its own canaries: leave --behavior out")
+            from covey.peer.house import HouseWorker
+
+            peer = HouseWorker(opts, house_of, house_index)
+    except (IdentityError, ValueError) as e:
         raise fail(str(e)) from None
     from covey.logs import set_peer
 

@@ -243,13 +243,36 @@ class TrustConfig(Frozen):
         description="most checks one validator is assigned per round (a single key cannot "
         "hold every check)",
     )
+    validator_stake_cap: float = Field(
+        100.0,
+        ge=0,
+        description="validators are drawn with probability in proportion to their stake, "
+        "counted up to this cap per key (a larger stake buys no more checks); 0: drawn by "
+        "the beacon's hash alone, stake aside",
+    )
+    established_checks: int = Field(
+        5,
+        ge=0,
+        description="a validator with at least this many checks (less false accusations) "
+        "and no canary passed has an established record; every drawn set of checks holds "
+        "one when one is eligible (fresh keys cannot clear work among themselves); 0: no rule",
+    )
+    audit_rate: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="chance that a contribution cleared by its checks (all agreeing) is "
+        "checked once more by a validator not yet tried (an audit, drawn by the coordinator's "
+        "signature; its pay waits for it): a party's own keys cannot count on clearing it",
+    )
     canary_rate: float = Field(
         0.05,
         ge=0,
         le=1,
-        description="chance per round per validator that the coordinator plants a canary "
-        "among its checks (an accepted contribution's payload sign-flipped): agreeing with "
-        "one costs validator_slash_fraction of stake and the check's pay",
+        description="rounds: chance per round that a house worker's contribution (the run "
+        "owner's, covey worker --house-of) is a canary, trained on other data; RL: chance "
+        "per step per validator of a planted bad batch. Agreeing with one costs "
+        "validator_slash_fraction of stake and the check's pay (docs/trust.md, Canaries)",
     )
     # sharded aggregation (covey/coordinator/sharding.py; docs/sharded-aggregation.md)
     sharded_above_peers: int | None = Field(

@@ -25,6 +25,8 @@ import logging
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
+from covey.trust.certify import audit_draw
+
 if TYPE_CHECKING:
     from covey.config import RunConfig
 
@@ -36,8 +38,10 @@ log = logging.getLogger("covey.coordinator")
 CHECKS_SCHEMA = (
     "CREATE TABLE IF NOT EXISTS checks (vid INTEGER NOT NULL, validator_id TEXT NOT NULL, "
     "status TEXT NOT NULL, assigned_at REAL NOT NULL, PRIMARY KEY (vid, validator_id));"
+    "CREATE TABLE IF NOT EXISTS audits (vid INTEGER PRIMARY KEY, audited INTEGER NOT NULL);"
 )
 OPEN = ("pending", "claimed")  # verification statuses still waiting for checks
+AUDIT_WAIT_ROUNDS = 10  # an audit drawn with no validator left to take it waits this long
 
 
 class Assignments:
@@ -45,6 +49,7 @@ class Assignments:
     cfg: RunConfig
     db: Database
     accounts: Accounts
+    run_id: str
 
     def _create_checks_table(self) -> None:
         with self.db.lock:
@@ -120,6 +125,54 @@ class Assignments:
         ).fetchall()
         for row in waiting:
             self._assign(c, row["id"], row["round"], row["peer_id"], "reassign", now)
+        self._audit_cleared(c, now)
+
+    def _audit_cleared(self, c: sqlite3.Connection, now: float) -> None:
+        """Inside a transaction: each contribution cleared by its checks (all agreeing) is
+        audited once with probability audit_rate, by the coordinator's signed draw: one
+        more validator, not yet tried on it, is drawn ("assignment", reason "audit"), and
+        it is open (its pay held) until that check is in."""
+        rate = self.cfg.trust.audit_rate
+        if rate <= 0:
+            return
+        book = self.accounts.book
+        newest = c.execute("SELECT MAX(round) AS r FROM verifications").fetchone()["r"] or 0
+        cleared = c.execute(  # audits.audited: 0 no, 1 assigned, 2 drawn and waiting for a
+            # validator not yet tried (AUDIT_WAIT_ROUNDS at most), 3 none came
+            "SELECT v.id, v.round, v.peer_id FROM verifications v LEFT JOIN audits a "
+            "ON a.vid = v.id WHERE v.status = 'agree' AND (a.vid IS NULL OR a.audited = 2) "
+            "ORDER BY v.id"
+        ).fetchall()
+        for row in cleared:
+            rnd, peer = row["round"], row["peer_id"]
+            audited, draw = audit_draw(self.accounts.identity, self.run_id, rnd, peer, rate)
+            validators = book.draw(rnd, peer, 1) if audited else []
+            state = 0 if not (audited and book.cleared(rnd, peer)) else 1 if validators else 2
+            if state == 2 and rnd < newest - AUDIT_WAIT_ROUNDS:
+                state = 3
+            c.execute("INSERT OR REPLACE INTO audits VALUES (?, ?)", (row["id"], state))
+            if state != 1:
+                continue  # not audited, or drawn with no validator left to take it yet
+            self.accounts.append(
+                c,
+                "assignment",
+                {
+                    "round": rnd,
+                    "peer_id": peer,
+                    "beacon": book.beacon(rnd),
+                    "validators": validators,
+                    "reason": "audit",
+                    "draw": draw,
+                },
+                now,
+            )
+            c.execute("UPDATE verifications SET status = 'pending' WHERE id = ?", (row["id"],))
+            for validator in validators:
+                c.execute(
+                    "INSERT OR REPLACE INTO checks VALUES (?, ?, 'assigned', ?)",
+                    (row["id"], validator, now),
+                )
+            log.info("[round %d] %s's cleared contribution audited", rnd, peer[:8])
 
     def _assigned_task(self, c: sqlite3.Connection, validator_id: str) -> int | None:
         """The oldest open check assigned to this validator (its verification id)."""

@@ -1,51 +1,67 @@
-"""Canaries: known-bad contributions the coordinator plants among a validator's checks, so
-that a validator cannot be paid for not checking (docs/trust.md).
+"""Canaries in the rounds mode: contributions of the run owner's own house workers, bad on
+purpose in rounds the coordinator's secret draw picks (covey.trust.house; docs/trust.md,
+"Canaries").
 
-At each commit, each eligible validator gets a canary with probability `canary_rate`,
-decided by the coordinator's signature over (run, round, validator)
-(covey.trust.certify.canary_draw): secret until revealed, verifiable afterwards. The canary
-is one of the round's sampled contributions that this validator was not drawn to check,
-its payload sign-flipped: the same task in every other field, so only re-executing it
-tells it apart. A validator that disputes it caught it (a completed check, paid); one that
-agrees passed it (no pay, a "penalty" of validator_slash_fraction of its stake); one that
-does not report in time missed it. The "canary" ledger entry is written only then.
+A canary here is not a task of its own: it is an accepted contribution like any other, in
+the certificate, in the ledger with its sampling draw, checked by the validators the public
+beacon draws, its payload served like any other. What makes it a canary is only that its
+worker is a house key (derived from the coordinator's key: nobody else can tell) and that
+the coordinator's signed draw over (run, round, house key) fell below `canary_rate`, which
+the house worker computes too and then trains on other data. So nothing a validator can
+read tells it from a real check before it reports.
 
-A canary takes its task id from the `verifications` id sequence (a row with status
-'canary' and a negative round, which no payout or pruning query matches), so its id is
-indistinguishable from a real check's; the `canaries` table holds what it is.
+The reveal comes after every check drawn for it has reported or expired (never earlier: a
+validator still holding the check must not learn it): a "house canary" ledger entry with
+the draw and the coordinator's proof that the key is its own. When a validator disputed it
+and the referee convicted it, the canary was "caught" (the catch is that dispute's). When
+none did, the coordinator's referee recomputes its first segment from the committed inputs
+(the referee thread, as for a dispute): a divergence convicts it ("convicted"), and every
+validator that agreed on it pays for a missed fraud (covey.coordinator.checks.Checks.convict)
+and has passed a canary (its agreements are evidence of nothing from then on). No
+divergence, or no check at all: "unchecked", nobody penalised. Either way the key is burned
+(banned), since the reveal makes it public.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sqlite3
+import time
 from typing import TYPE_CHECKING, Any
 
-from covey.algorithms.codec_base import CodecError
-from covey.blobs import BlobError
 from covey.protocol import schemas
+from covey.protocol.checkpoint import state_from_bytes
+from covey.trust import referee, verify
 from covey.trust.certify import canary_draw
+from covey.trust.house import house_peer_ids, house_proof
+
+from .assignment import OPEN
 
 if TYPE_CHECKING:
+    import queue
+
     from covey.algorithms import Strategy, TrainState
     from covey.blobs import BlobStore
     from covey.config import RunConfig
 
     from .accounts import Accounts
+    from .checks import Checks
     from .db import Database
+    from .peers import Peers
 
 log = logging.getLogger("covey.coordinator")
 
-CANARY_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS canaries (vid INTEGER PRIMARY KEY, real_vid INTEGER NOT NULL, "
-    "round INTEGER NOT NULL, peer_id TEXT NOT NULL, validator_id TEXT NOT NULL, "
-    "cid TEXT NOT NULL, draw TEXT NOT NULL, status TEXT NOT NULL, placed_at REAL NOT NULL);"
+HOUSE_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS house_canaries (round INTEGER NOT NULL, "
+    "peer_id TEXT NOT NULL, draw TEXT NOT NULL, status TEXT NOT NULL, "
+    "PRIMARY KEY (round, peer_id));"
 )
+# a planted canary's verification statuses that are not over yet (the reveal waits)
+UNDECIDED = (*OPEN, "disputed")
 
 
 class Canaries:
-    # provided by Coordinator / Verification
+    # provided by Verification
     cfg: RunConfig
     run_id: str
     db: Database
@@ -53,142 +69,188 @@ class Canaries:
     blobs: BlobStore
     strategy: Strategy
     template: TrainState
+    peers: Peers
+    checks: Checks
+    _disputes: queue.Queue[int | None]
     _task: Any
+    _batch_fn: Any
+    _previous_end: Any
+    _referee_strategy_for: Any
 
     def _create_canary_table(self) -> None:
         with self.db.lock:
-            self.db._conn.executescript(CANARY_SCHEMA)
+            self.db._conn.executescript(HOUSE_SCHEMA)
+        self._house = house_peer_ids(self.accounts.identity, self.run_id)
+        self._judging: set[int] = set()  # verification ids queued for the referee's reveal
 
     def _plant_canaries(self, c: sqlite3.Connection, round_: int, now: float) -> None:
-        """Inside the commit's transaction, after the round's checks were drawn."""
-        trust, book = self.cfg.trust, self.accounts.book
-        if trust.canary_rate <= 0:
+        """Inside the commit's transaction, after the round's contributions were recorded:
+        note which house contributions of this round are canaries (kept secret)."""
+        rate = self.cfg.trust.canary_rate
+        if rate <= 0 or not self._house:
             return
-        sampled = c.execute(
-            "SELECT id, peer_id FROM verifications WHERE round = ? AND status = 'pending' "
-            "ORDER BY id",
-            (round_,),
+        for row in c.execute("SELECT peer_id FROM payouts WHERE round = ?", (round_,)).fetchall():
+            peer = row["peer_id"]
+            if peer not in self._house:
+                continue
+            planted, draw = canary_draw(self.accounts.identity, self.run_id, round_, peer, rate)
+            if planted:
+                c.execute(
+                    "INSERT OR IGNORE INTO house_canaries VALUES (?, ?, ?, 'planted')",
+                    (round_, peer, draw),
+                )
+
+    def _sweep_canaries(self, c: sqlite3.Connection, now: float) -> None:
+        """Inside a transaction: reveal every planted canary whose checks are over; one that
+        no validator convicted goes to the referee thread (`_reveal_by_referee`)."""
+        rows = c.execute(
+            "SELECT h.round, h.peer_id, h.status, v.id AS vid, v.status AS check_status "
+            "FROM house_canaries h LEFT JOIN verifications v "
+            "ON v.round = h.round AND v.peer_id = h.peer_id "
+            "WHERE h.status IN ('planted', 'judging') ORDER BY h.round"
         ).fetchall()
-        for v in sorted(book.accounts.values(), key=lambda a: a.peer_id):
-            if v.role != "validator" or v.banned or v.stake < trust.min_validator_stake:
-                continue
-            planted, draw = canary_draw(
-                self.accounts.identity, self.run_id, round_, v.peer_id, trust.canary_rate
-            )
-            if not planted:
-                continue
-            candidates = [
-                row
-                for row in sampled
-                if row["peer_id"] != v.peer_id
-                and not book.is_assigned(round_, row["peer_id"], v.peer_id)
-            ]
-            if not candidates:
-                continue
-            pick = int(hashlib.sha256(bytes.fromhex(draw)).hexdigest(), 16) % len(candidates)
-            real = candidates[pick]
-            task = self._task(real["id"])
-            numel = sum(
-                self.template.params[n].numel() for n in self.strategy.fragment_names(task.fragment)
-            )
-            codec = self.strategy.codec
-            try:
-                bad = codec.encode(-codec.decode(self.blobs.get(task.cid), numel))
-                cid = self.blobs.put(bad)
-            except (BlobError, CodecError) as e:  # never fail a commit for a canary
-                log.warning("[round %d] no canary for %s: %s", round_, v.peer_id[:8], e)
-                continue
-            vid = c.execute(
-                "INSERT INTO verifications (round, peer_id, status) VALUES (?, ?, 'canary')",
-                (-1 - round_, f"canary:{v.peer_id}:{real['peer_id']}"),
-            ).lastrowid
-            c.execute(
-                "INSERT INTO canaries VALUES (?, ?, ?, ?, ?, ?, ?, 'assigned', ?)",
-                (vid, real["id"], round_, real["peer_id"], v.peer_id, cid, draw, now),
-            )
+        for row in rows:
+            if row["vid"] is None:
+                self._reveal(c, row["round"], row["peer_id"], "unchecked", "not sampled", now)
+            elif row["check_status"] == "fraud":
+                self._reveal(c, row["round"], row["peer_id"], "caught", "a dispute", now)
+            elif (
+                row["check_status"] in UNDECIDED
+                or c.execute(
+                    "SELECT 1 FROM checks WHERE vid = ? AND status = 'assigned'", (row["vid"],)
+                ).fetchone()
+            ):
+                continue  # a validator still holds a check of it: it must not learn yet
+            elif row["vid"] not in self._judging:  # (again, after a restart)
+                self._judging.add(row["vid"])
+                c.execute(
+                    "UPDATE house_canaries SET status = 'judging' WHERE round = ? AND peer_id = ?",
+                    (row["round"], row["peer_id"]),
+                )
+                self._disputes.put(-row["vid"])  # the referee thread: a reveal, not a dispute
 
-    def _canary(self, vid: int) -> Any:
-        return self.db.one("SELECT * FROM canaries WHERE vid = ?", (vid,))
-
-    def _canary_task(self, row: Any) -> schemas.VerifyTask:
-        """The real task, but for this canary's id and its sign-flipped payload."""
-        real = self._task(row["real_vid"])
-        return real.model_copy(update={"task_id": row["vid"], "cid": row["cid"]})
-
-    def _next_canary(self, c: sqlite3.Connection, validator_id: str) -> int | None:
-        row = c.execute(
-            "SELECT vid FROM canaries WHERE validator_id = ? AND status = 'assigned' "
-            "ORDER BY vid LIMIT 1",
-            (validator_id,),
-        ).fetchone()
-        return None if row is None else int(row["vid"])
-
-    def _resolve_canary(
-        self, c: sqlite3.Connection, row: Any, outcome: str, now: float, reason: str = ""
+    def _reveal(
+        self,
+        c: sqlite3.Connection,
+        round_: int,
+        peer_id: str,
+        outcome: str,
+        detail: str,
+        now: float,
     ) -> None:
-        """Inside a transaction: reveal the canary on the ledger with its outcome (caught,
-        passed, missed); pay a catch as a completed check, penalize a pass."""
-        validator = row["validator_id"]
-        c.execute("UPDATE canaries SET status = ? WHERE vid = ?", (outcome, row["vid"]))
+        """Inside a transaction: the "house canary" entry, the key burned, and for a
+        conviction by the reveal, the missed fraud of those that agreed."""
+        row = c.execute(
+            "SELECT draw FROM house_canaries WHERE round = ? AND peer_id = ?", (round_, peer_id)
+        ).fetchone()
+        c.execute(
+            "UPDATE house_canaries SET status = ? WHERE round = ? AND peer_id = ?",
+            (outcome, round_, peer_id),
+        )
         self.accounts.append(
             c,
-            "canary",
+            "house canary",
             {
-                "round": row["round"],
-                "peer_id": validator,
-                "worker_id": row["peer_id"],
-                "cid": row["cid"],
+                "round": round_,
+                "peer_id": peer_id,
                 "draw": row["draw"],
+                "proof": house_proof(self.accounts.identity, self.run_id, peer_id),
                 "outcome": outcome,
+                "detail": detail[:500],
             },
             now,
         )
-        if outcome == "caught" and self.cfg.trust.check_reward > 0:
-            self.accounts.append(
-                c,
-                "reward",
-                {
-                    "round": row["round"],
-                    "peer_id": validator,
-                    "amount": self.cfg.trust.check_reward,
-                    "kind": "check",
-                    "tokens": 0,
-                },
-                now,
-            )
-        elif outcome == "passed":
-            self.accounts.append(
-                c,
-                "penalty",
-                {
-                    "round": row["round"],
-                    "peer_id": validator,
-                    "amount": self.accounts.book.penalty_amount(validator),
-                    "kind": "canary",
-                    "reason": reason or "agreed with a planted sign-flipped payload",
-                },
-                now,
-            )
-        log.log(
-            logging.WARNING if outcome != "caught" else logging.INFO,
-            "[round %d] %s %s a canary",
-            row["round"],
-            validator[:8],
-            outcome,
+        self.peers.ban(c, peer_id)
+        c.execute(
+            "UPDATE payouts SET status = 'forfeit' WHERE peer_id = ? AND status = 'due'",
+            (peer_id,),
         )
+        if outcome == "convicted":
+            penalised = self.checks.convict(c, round_, peer_id, f"house canary: {detail}", now)
+            log.warning(
+                "[round %d] house canary of %s revealed: convicted, %d validator(s) agreed "
+                "on it without catching it",
+                round_,
+                peer_id[:8],
+                len(penalised),
+            )
+        else:
+            log.info("[round %d] house canary of %s revealed: %s", round_, peer_id[:8], outcome)
 
-    def _sweep_canaries(self, c: sqlite3.Connection, now: float) -> None:
-        late = c.execute(
-            "SELECT * FROM canaries WHERE status = 'assigned' AND placed_at < ?",
-            (now - self.cfg.trust.verify_timeout_s,),
-        ).fetchall()
-        for row in late:
-            self._resolve_canary(c, row, "missed", now)
+    def _reveal_by_referee(self, vid: int) -> None:
+        """The referee thread: recompute a canary no validator convicted, then reveal it
+        ("convicted" on a divergence, else "unchecked"). Raises like a dispute's judging
+        (the caller retries it and finally leaves it for a restart)."""
+        refusal = getattr(getattr(self, "referee_compute", None), "refusal", None)
+        if refusal is not None:  # not judged on another device class: left for a restart
+            log.warning("a house canary stays unrevealed: %s", refusal)
+            return
+        task = self._task(vid)
+        finding, detail = self._judge_first_segment(task)
+        with self.accounts.transaction() as c:
+            row = c.execute(
+                "SELECT status FROM house_canaries WHERE round = ? AND peer_id = ?",
+                (task.round, task.peer_id),
+            ).fetchone()
+            if row is None or row["status"] != "judging":
+                return
+            v = c.execute("SELECT status FROM verifications WHERE id = ?", (vid,)).fetchone()
+            held = c.execute(
+                "SELECT 1 FROM checks WHERE vid = ? AND status = 'assigned'", (vid,)
+            ).fetchone()
+            if v["status"] in (*UNDECIDED, "fraud") or held is not None:  # since queued
+                # checked again (an audit), or convicted by a dispute: the sweep decides
+                c.execute(
+                    "UPDATE house_canaries SET status = 'planted' WHERE round = ? AND peer_id = ?",
+                    (task.round, task.peer_id),
+                )
+                self._judging.discard(vid)
+                return
+            outcome = "convicted" if finding == "fraud" else "unchecked"
+            self._reveal(c, task.round, task.peer_id, outcome, detail, time.time())
+        self._judging.discard(vid)
+
+    def _judge_first_segment(self, task: schemas.VerifyTask) -> tuple[str, str]:
+        """The referee's recomputation of the first segment of `task` from its committed
+        inputs, against the worker's claim (covey.trust.referee.judge; the recomputed end
+        stands in for a validator's)."""
+        strategy = self._referee_strategy_for()
+        trust = self.cfg.trust
+        start = state_from_bytes(self.blobs.get(task.start_cid), self.template)
+        numel = sum(start.params[n].numel() for n in strategy.fragment_names(task.fragment))
+        claimed = [verify.Commitment.from_dict(x) for x in task.commitments]
+        worker_end = verify.segment_end(claimed, self.blobs.get(task.cid), 0, strategy.codec, numel)
+        result = referee.referee(
+            strategy,
+            start,
+            0,
+            None,
+            self._batch_fn(task.round, task.data_key),
+            task.inner_steps,
+            trust.commit_every,
+            claimed_start=claimed[0],
+            tolerance=trust.tolerance,
+            **self._previous_end(task, strategy),
+        )
+        if result.end is None:
+            return "inconclusive", result.detail
+        judgement = referee.judge(result, worker_end, result.end, trust.tolerance)
+        return judgement.outcome, judgement.detail
 
     def canary_blobs(self) -> set[str]:
-        """Blobs an open canary still needs (its payload and the real task's inputs)."""
+        """Blobs an unrevealed canary still needs: its payload, its round's start state and
+        its committed local states."""
         rows = self.db.query(
-            "SELECT k.cid, r.start_cid FROM canaries k JOIN rounds r ON r.round = k.round "
-            "WHERE k.status = 'assigned'"
+            "SELECT c.cid, r.start_cid, l.start_cid AS l_start, l.end_cid AS l_end "
+            "FROM house_canaries h JOIN rounds r ON r.round = h.round "
+            "JOIN contributions c ON c.round = h.round AND c.attempt = r.attempt "
+            "AND c.peer_id = h.peer_id LEFT JOIN local_states l ON l.round = h.round "
+            "AND l.attempt = r.attempt AND l.peer_id = h.peer_id "
+            "WHERE h.status IN ('planted', 'judging')"
         )
-        return {r["cid"] for r in rows} | {r["start_cid"] for r in rows}
+        return {
+            cid
+            for r in rows
+            for cid in (r["cid"], r["start_cid"], r["l_start"], r["l_end"])
+            if cid is not None
+        }

@@ -82,6 +82,7 @@ class Disputes:
     corpus: Corpus
     seq_len: int
     _task: Any
+    _reveal_by_referee: Any  # covey.coordinator.canary: a house canary's reveal
     _disputes: queue.Queue[int | None]
     _referee_thread: threading.Thread | None
     _referee_strategy: Strategy | None
@@ -196,7 +197,10 @@ class Disputes:
     def _referee(self) -> None:
         while (task_id := self._disputes.get()) is not None:
             try:
-                self._settle(task_id)
+                if task_id < 0:  # a house canary no validator convicted (canary.py)
+                    self._reveal_by_referee(-task_id)
+                else:
+                    self._settle(task_id)
             except Exception as e:  # a bug must not kill the referee nor convict anyone
                 self._referee_failed(task_id, e)
 

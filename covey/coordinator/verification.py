@@ -287,21 +287,10 @@ class Verification(Assignments, Canaries, Disputes):
         with self.accounts.transaction() as c:
             self._sweep(c, now)
             self._sweep_canaries(c, now)
-            found = [
-                vid
-                for vid in (
-                    self._assigned_task(c, req.validator_id),
-                    self._next_canary(c, req.validator_id),
-                )
-                if vid is not None
-            ]
-        if not found:
+            found = self._assigned_task(c, req.validator_id)
+        if found is None:
             return {"task": None}
-        canary = self._canary(min(found))
-        if canary is not None:  # looks like any other check
-            return {"task": self._canary_task(canary).model_dump()}
-        row = {"id": min(found)}
-        task = self._task(row["id"])
+        task = self._task(found)
         log.info(
             "[round %d] %s re-executes %s's contribution",
             task.round,
@@ -369,9 +358,6 @@ class Verification(Assignments, Canaries, Disputes):
         self.membership.check_run(req.run_id)
         self.membership.authenticate(raw, req.round, req.validator_id)
         self._check_role(req.validator_id, "validator")
-        canary = self._canary(req.task_id)
-        if canary is not None and canary["validator_id"] == req.validator_id:
-            return self._report_canary(canary, req)
         v = self.db.one("SELECT * FROM verifications WHERE id = ?", (req.task_id,))
         if v is None or v["status"] == "canary":
             raise Rejected(404, f"no verification task {req.task_id}")
@@ -434,19 +420,6 @@ class Verification(Assignments, Canaries, Disputes):
         if status == "disputed" and v["status"] in DISPUTABLE:
             self._disputes.put(req.task_id)
         return {"ok": True, "status": status}
-
-    def _report_canary(self, canary: Any, req: schemas.VerifyReport) -> dict[str, Any]:
-        """A report on a canary: answered as a report on a real check would be."""
-        if canary["status"] != "assigned":
-            raise Rejected(
-                409, f"task {req.task_id} is not assigned to {req.validator_id[:12]} (or ended)"
-            )
-        if req.round != canary["round"]:
-            raise Rejected(422, f"report refused: round: task {req.task_id} is of another round")
-        caught = req.outcome == "disagree"
-        with self.accounts.transaction() as c:
-            self._resolve_canary(c, canary, "caught" if caught else "passed", time.time())
-        return {"ok": True, "status": "disputed" if caught else "agree"}
 
     def _refuse_report(self, v: Any, req: schemas.VerifyReport, field: str, reason: str) -> None:
         """Record a refused report against its validator and end its check (the next

@@ -20,7 +20,7 @@ import binascii
 import enum
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +189,17 @@ def draw_samples(cid: str, draw: str, n: int, k: int) -> list[int]:
     return verified_subset(cid, draw, n, k)
 
 
+def proof_detection(n_samples: int, k: int, bad: int) -> float:
+    """The probability that `k` proof checks drawn at random of `n_samples` include at
+    least one of `bad` samples with a bad proof: 1 - C(n-bad, k) / C(n, k). The k to
+    state for a run is the smallest reaching its target for the cheat it must not miss
+    (one bad sample of n: k / n)."""
+    if not 0 <= bad <= n_samples or k < 0:
+        raise ValueError(f"bad n_samples={n_samples}, k={k} or bad={bad}")
+    k = min(k, n_samples)
+    return 1.0 - math.comb(n_samples - bad, k) / math.comb(n_samples, k)
+
+
 def verified_subset(digest: str, beacon: str, n_samples: int, k: int) -> list[int]:
     """The `k` sample indices (sorted, distinct, all when k >= n_samples) a validator
     prefills: ranked by sha256(digest, beacon, i). The beacon (e.g. the validator's
@@ -230,23 +241,25 @@ def measure_samples(
     task: Task,
     encode: Callable[[str], list[int]] = byte_encode,
     prefill_batch: int = 4,
+    proofs_of: Collection[int] | None = None,
 ) -> dict[int, SampleStats]:
     """Prefill samples `indices` of `batch` (prompts are the batch's own `prompt_indices`,
-    G from `spec`) under `model` and measure proof, sampling and logprobs against it. The
+    G from `spec`) under `model` and measure sampling and logprobs against it, and the
+    proof of those in `proofs_of` (None: all; the others measure as a perfect proof). The
     caller has checked the batch's shape (`check_batch` does). ValueError on an index out
     of range."""
     n, g = len(batch.samples), spec.group_size
-    if any(not 0 <= i < n for i in indices):
-        raise ValueError(f"verify_samples {indices} out of range [0, {n})")
+    if any(not 0 <= i < n for i in [*indices, *(proofs_of or ())]):
+        raise ValueError(f"verify_samples {sorted(proofs_of or indices)} out of range [0, {n})")
+    proved = set(indices if proofs_of is None else proofs_of)
     prompts = {p: encode(task.prompt(p)) for p in set(batch.prompt_indices)}
     out: dict[int, SampleStats] = {}
     for start in range(0, len(indices), prefill_batch):
         part = indices[start : start + prefill_batch]
         seqs = [prompts[batch.prompt_indices[i // g]] + batch.samples[i].tokens for i in part]
         for i, (logits, hidden) in zip(part, sampling.prefill(model, seqs), strict=True):
-            out[i] = _measure(
-                batch, i, len(prompts[batch.prompt_indices[i // g]]), logits, hidden, spec
-            )
+            prompt_len = len(prompts[batch.prompt_indices[i // g]])
+            out[i] = _measure(batch, i, prompt_len, logits, hidden, spec, i in proved)
     return out
 
 
@@ -257,21 +270,27 @@ def _measure(
     logits: torch.Tensor,
     hidden: torch.Tensor,
     spec: RolloutSpec,
+    prove: bool = True,
 ) -> SampleStats:
     s, g = batch.samples[i], spec.group_size
-    proof = proofs.compare_proof(s.proof_bytes(), hidden[prompt_len:], _MEASURE)
     seed = sampling.sample_seed(
         spec.run_id, batch.step, batch.worker_id, batch.prompt_indices[i // g], i % g
     )
     check = sampling.sampling_scores(logits[prompt_len - 1 : -1], s.tokens, seed, spec.temperature)
     err = (check.logprobs - torch.tensor(s.logprobs)).abs()
     err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+    overlap, mean_ulp, proof_error = 1.0, 0.0, ""  # the cheap check only: no proof
+    if prove:
+        proof = proofs.compare_proof(s.proof_bytes(), hidden[prompt_len:], _MEASURE)
+        overlap = min((c.overlap for c in proof.chunks), default=0.0)
+        mean_ulp = max((c.mean_ulp for c in proof.chunks), default=math.inf)
+        proof_error = "" if proof.ok else proof.reason
     return SampleStats(
-        overlap=min((c.overlap for c in proof.chunks), default=0.0),
-        mean_ulp=max((c.mean_ulp for c in proof.chunks), default=math.inf),
+        overlap=overlap,
+        mean_ulp=mean_ulp,
         gap=float(check.gap.max()),
         logprob_err=float(err.max()),
-        proof_error="" if proof.ok else proof.reason,
+        proof_error=proof_error,
         gap_pos=int(check.gap.argmax()),
         logprob_pos=int(err.argmax()),
     )
@@ -323,11 +342,15 @@ def check_batch(
 ) -> BatchVerdict:
     """All checks on `batch` as submitted by `submitter` (the authenticated worker id)
     against the run's `spec`, the expected `step` and policy blob (`model` must be that
-    policy; `policy_version` is checked when given). `verify_samples` picks which samples
-    get the prefill checks (a)/(b) (all when None; see `verified_subset`; ValueError when
-    out of range); the run/worker/step/policy binding, (c), (d) and token sanity run on
-    every sample. `tolerances` default to TOLERANCES[spec.precision]. A bad batch is a
-    verdict naming the first problem found, never an exception."""
+    policy; `policy_version` is checked when given). Every sample is prefilled: its tokens
+    are checked against the seeded draw from the recomputed logits and its logprobs
+    against them (the cheap check, on all samples: a worker that samples some of them
+    otherwise, at another temperature, top-k, top-p, greedy, with a logit bias or
+    best-of-n, is caught on those). `verify_samples` picks the samples whose proofs are
+    compared as well (all when None; see `verified_subset` and `proof_detection`;
+    ValueError when out of range); the run/worker/step/policy binding, rewards and token
+    sanity run on every sample. `tolerances` default to TOLERANCES[spec.precision]. A bad
+    batch is a verdict naming the first problem found, never an exception."""
     tol = tolerances or TOLERANCES[spec.precision]
     if batch.run_id != spec.run_id:
         return _bad(Problem.WRONG_RUN, f"run {batch.run_id!r}, expected {spec.run_id!r}")
@@ -364,11 +387,19 @@ def check_batch(
         reward = task.reward(want[i // g], completion_text(s.tokens, spec.eos_id, decode))
         if not abs(reward - s.reward) <= 1e-6:  # NaN claims fail too
             return _bad(Problem.REWARD, f"reward {s.reward}, recomputed {reward}", i)
-    chosen = list(range(len(batch.samples))) if verify_samples is None else list(verify_samples)
+    every = list(range(len(batch.samples)))
+    chosen = every if verify_samples is None else list(verify_samples)
     stats = measure_samples(
-        batch, chosen, spec=spec, model=model, task=task, encode=encode, prefill_batch=prefill_batch
+        batch,
+        every,
+        spec=spec,
+        model=model,
+        task=task,
+        encode=encode,
+        prefill_batch=prefill_batch,
+        proofs_of=chosen,
     )
-    for i in chosen:
+    for i in every:
         if not (verdict := judge(stats[i], tol, i)).ok:
             return verdict
     return BatchVerdict(True)

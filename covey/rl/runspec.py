@@ -88,7 +88,12 @@ class RLSpec(BaseModel):
     eos_id: int | None = Field(10, description="newline ends a completion; None: fixed length")
     async_level: int = Field(2, ge=0, le=64, description="batches at most this stale train")
     samples_per_step: int = Field(16, ge=1, description="verified samples a trainer step needs")
-    verify_samples: int = Field(2, ge=1, description="sequences per batch the validator prefills")
+    verify_samples: int = Field(
+        2,
+        ge=1,
+        description="sequences per batch whose proofs the validator checks (every sequence's "
+        "tokens and logprobs are checked against its prefill)",
+    )
     audit_rate: float = Field(0.1, ge=0, le=1, description="accepted batches the trainer re-checks")
     verify_timeout_s: float = Field(60.0, gt=0, description="an unreported check is reassigned")
     lr: float = Field(2e-4, gt=0, description="AdamW; covey.rl.learn.DEFAULT_LR, bench's too")

@@ -68,6 +68,18 @@ def canary_draw(identity: Identity, run_id: str, round: int, validator_id: str, 
     return draw_value(draw) < rate, draw
 
 
+def audit_message(run_id: str, round: int, peer_id: str) -> bytes:
+    """What the coordinator signs to decide whether a cleared contribution is audited (one
+    more check by a validator not yet tried): unknown to anyone before, checkable after."""
+    return f"covey-audit/v1\n{run_id}\n{round}\n{peer_id}".encode()
+
+
+def audit_draw(identity: Identity, run_id: str, round: int, peer_id: str, rate: float):
+    """(audited, draw): whether this cleared contribution gets an audit, and the proof."""
+    draw = identity.sign(audit_message(run_id, round, peer_id))
+    return draw_value(draw) < rate, draw
+
+
 def check_canary_draw(
     coordinator_key: str, run_id: str, round: int, validator_id: str, draw: str
 ) -> bool:

@@ -15,16 +15,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from covey.trust.certify import check_canary_draw, draw_value
+from covey.trust.house import check_house_proof
 from covey.trust.ledger import LedgerError
 
 if TYPE_CHECKING:
-    from covey.trust.policy import Account
+    from covey.trust.policy import Account, Policy
 
 
 class Convictions:
     """Mixed into `Book`, which calls `_init_convictions` and applies the entries."""
 
     accounts: dict[str, Account]
+    run_id: str | None
+    coordinator_key: str | None
+    _accepted: dict[tuple[int, str], int]
 
     def _init_convictions(self) -> None:
         self._agreed_by: dict[tuple[int, str], set[str]] = {}  # (round, peer) -> validators
@@ -34,8 +39,12 @@ class Convictions:
         self._check_paid: dict[tuple[int, str, str], float] = {}  # (round, worker, validator)
         self._clawed: set[tuple[int, str, str]] = set()  # (round, worker, payee) taken back
         self.clawbacks = 0.0
+        self._house_revealed: set[tuple[int, str]] = set()  # (round, house key)
 
     def _peer(self, i: int, p: dict[str, Any], field: str = "peer_id") -> Account:
+        raise NotImplementedError
+
+    def _policy(self) -> Policy:
         raise NotImplementedError
 
     # -- what the coordinator asks while writing entries -------------------------------
@@ -123,3 +132,37 @@ class Convictions:
         acc.stake -= expected
         acc.slashed += expected
         self.clawbacks += expected
+
+    def _house_canary(self, i: int, p: dict[str, Any]) -> None:
+        """The reveal of a house worker's canary (covey.trust.house): the draw and the
+        house proof are the coordinator's, the draw is below canary_rate, the contribution
+        was accepted; "caught" needs it convicted already, "convicted" convicts it now.
+        Every validator that agreed on it passed a canary; the key is burned (banned)."""
+        acc, rnd = self._peer(i, p), p["round"]
+        key, run_id = self.coordinator_key or "", self.run_id or ""
+        where = f"house canary of {acc.peer_id} in round {rnd}"
+        if not check_house_proof(key, run_id, acc.peer_id, p["proof"]):
+            raise LedgerError(i, f"{where}: proof is not the coordinator's signature")
+        if not check_canary_draw(key, run_id, rnd, acc.peer_id, p["draw"]):
+            raise LedgerError(i, f"{where}: draw is not the coordinator's signature")
+        rate = self._policy().canary_rate
+        if draw_value(p["draw"]) >= rate:
+            value = draw_value(p["draw"])
+            raise LedgerError(i, f"{where}: its draw is {value:.3g}, not below {rate}")
+        if (rnd, acc.peer_id) not in self._accepted:
+            raise LedgerError(i, f"{where}: no accepted contribution of it in that round")
+        if (rnd, acc.peer_id) in self._house_revealed:
+            raise LedgerError(i, f"{where}: revealed twice")
+        convicted = (rnd, acc.peer_id) in self._convicted
+        if p["outcome"] == "caught" and not convicted:
+            raise LedgerError(i, f"{where}: caught, but no dispute convicted it")
+        if p["outcome"] == "convicted":
+            if convicted:
+                raise LedgerError(i, f"{where}: convicted already (a caught canary)")
+            acc.frauds += 1
+            self._convict(rnd, acc.peer_id)
+        self._house_revealed.add((rnd, acc.peer_id))
+        if p["outcome"] != "unchecked":  # agreeing on it proves a validator did not work
+            for v in self._agreed_by.get((rnd, acc.peer_id), set()):
+                self.accounts[v].canaries_passed += 1
+        acc.banned = True

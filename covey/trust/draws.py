@@ -9,10 +9,12 @@ so every replay of the ledger, `covey ledger verify`'s included, checks every dr
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from covey.trust.certify import check_canary_draw, draw_value
+from covey.trust.certify import audit_message, check_canary_draw, draw_value
+from covey.trust.identity import verify
 from covey.trust.ledger import LedgerError
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ class Draws:
     _load: dict[tuple[int, str], int]
     _canaries: set[tuple[int, str]]
     _checks_due: dict[tuple[int, str], int]
+    _agreed_by: dict[tuple[int, str], set[str]]
+    _audited: set[tuple[int, str]]
 
     def _policy(self) -> Policy:
         raise NotImplementedError
@@ -61,15 +65,37 @@ class Draws:
             if a.role == "validator" and not a.banned and a.stake >= policy.min_validator_stake
         ]
         beacon = self.beacon(round)
-        return draw_validators(
+        cap = policy.validator_stake_cap
+
+        def rank(v: str) -> Any:
+            hashed = draw_rank(beacon, round, peer_id, v)
+            return hashed if cap <= 0 else weighted_rank(hashed, self.accounts[v].stake, cap)
+
+        ranked = draw_validators(
             staked,
-            lambda v: draw_rank(beacon, round, peer_id, v),
-            n,
+            rank,
+            len(staked),
             worker=peer_id,
             tried=self._tried.get((round, peer_id), set()),
             load={v: self._load.get((round, v), 0) for v in staked},
             cap=policy.validator_round_cap,
         )
+        chosen = ranked[: max(n, 0)]
+        if chosen and not any(self.established(v) for v in chosen):
+            # the best-ranked established validator eligible takes the last place
+            first = next((v for v in ranked[len(chosen) :] if self.established(v)), None)
+            if first is not None:
+                chosen[-1] = first
+        return chosen
+
+    def established(self, validator_id: str) -> bool:
+        """Whether a validator has an established record: at least `established_checks`
+        checks less its false accusations, and no canary passed (never, with the rule
+        off)."""
+        need, acc = self._policy().established_checks, self.accounts[validator_id]
+        if need <= 0:
+            return False
+        return acc.canaries_passed == 0 and acc.checks - acc.false_accusations >= need
 
     def checks_needed(self, round: int, peer_id: str) -> int:
         """How many more validators must be assigned to this contribution now: its
@@ -88,6 +114,14 @@ class Draws:
         done = self._done.get(key, 0)
         return done >= 1 and (done >= self._required[key] or not self.draw(round, peer_id, 1))
 
+    def cleared(self, round: int, peer_id: str) -> bool:
+        """Whether a sampled contribution was cleared: its checks complete, none open, and
+        every completed one an agreement (what an audit may re-check)."""
+        key = (round, peer_id)
+        if key not in self._required or self._open.get(key) or not self.checks_complete(*key):
+            return False
+        return len(self._agreed_by.get(key, ())) >= self._done.get(key, 0)
+
     def is_assigned(self, round: int, peer_id: str, validator_id: str) -> bool:
         """Whether `validator_id` holds an open assignment to check this contribution."""
         return validator_id in self._open.get((round, peer_id), set())
@@ -96,6 +130,8 @@ class Draws:
         key, rnd = (p["round"], p["peer_id"]), p["round"]
         if key not in self._required:
             raise LedgerError(i, f"assignment: no sampled contribution of {key[1]} in round {rnd}")
+        if p["reason"] == "audit":
+            self._audit(i, p, key)
         if p["beacon"] != self.beacon(rnd):
             raise LedgerError(
                 i,
@@ -111,6 +147,25 @@ class Draws:
             self._open.setdefault(key, set()).add(v)
             self._tried.setdefault(key, set()).add(v)
             self._load[(rnd, v)] = self._load.get((rnd, v), 0) + 1
+
+    def _audit(self, i: int, p: dict[str, Any], key: tuple[int, str]) -> None:
+        """An audit's grounds (the item cleared: its checks complete, every one agreeing,
+        none open; its draw the coordinator's, below audit_rate; once), then one more
+        check required of it."""
+        where = f"assignment (audit) of {key[1]}'s round-{key[0]} contribution"
+        if key in self._audited:
+            raise LedgerError(i, f"{where}: audited before")
+        if not self.cleared(*key):
+            raise LedgerError(i, f"{where}: its checks are not complete and all agreeing")
+        draw = p.get("draw")
+        message = audit_message(self.run_id or "", key[0], key[1])
+        if not isinstance(draw, str) or not verify(self.coordinator_key or "", message, draw):
+            raise LedgerError(i, f"{where}: draw is not the coordinator's signature")
+        if draw_value(draw) >= self._policy().audit_rate:
+            rate = self._policy().audit_rate
+            raise LedgerError(i, f"{where}: its draw is {draw_value(draw):.3g}, not below {rate}")
+        self._audited.add(key)
+        self._required[key] = self._done[key] + 1
 
     def _canary(self, i: int, p: dict[str, Any]) -> None:
         validator = self._peer(i, p)
@@ -156,6 +211,16 @@ def draw_validators(
     are eligible."""
     eligible = [v for v in candidates if v != worker and v not in tried and load.get(v, 0) < cap]
     return sorted(eligible, key=rank)[: max(n, 0)]
+
+
+def weighted_rank(hashed: str, stake: float, cap: float) -> float:
+    """A validator's place in a stake-weighted draw (lower checks first): -ln(u) / w, u
+    uniform in (0, 1) from the public hash `hashed`, w its stake counted up to `cap`
+    (weighted sampling without replacement, Efraimidis and Spirakis 2006: drawn first
+    with probability w / sum(w)). A key staked 0 ranks last."""
+    u = (int(hashed[:16], 16) + 0.5) / 2.0**64
+    weight = min(max(stake, 0.0), cap)
+    return math.inf if weight <= 0 else -math.log(u) / weight
 
 
 def draw_rank(beacon: str, round: int, peer_id: str, validator_id: str) -> str:

@@ -14,22 +14,38 @@ The payload of each entry type is the contract between the coordinator and covey
 - "verification": {round, peer_id, validator_id, outcome: "agree"|"disagree"|"expired",
   distance: float|null, exact: bool}; "expired" names the validator that held the check
   and did not report in time (a missed check: it counts against it), or "" (older runs)
-- "assignment": {round, peer_id, beacon, validators: [ids], reason: "draw"|"reassign"}: which
-  validators must check a sampled contribution, drawn from the public beacon (the hash of
-  the last round certificate before the round was accepted) with the validator ids: each
-  eligible validator (staked at least min_validator_stake, not banned, not the worker, not
-  tried on this contribution, under validator_round_cap checks this round) ranks by
-  sha256(beacon, round, peer, validator), and the first n are assigned, n = the checks still
-  needed. The book recomputes every draw (`Book.draw`); a contribution sampled as new or
-  low-reputation needs validators_per_check checks, others one (fewer if fewer validators
-  are eligible). A "verification" must come from an assigned validator; a work reward of a
+- "assignment": {round, peer_id, beacon, validators: [ids], reason: "draw"|"reassign"|
+  "audit", draw (audit only)}: which validators must check a sampled contribution, drawn
+  from the public beacon (the hash of the last round certificate before the round was
+  accepted) with the validator ids: each eligible validator (staked at least
+  min_validator_stake, not banned, not the worker, not tried on this contribution, under
+  validator_round_cap checks this round) ranks by sha256(beacon, round, peer, validator),
+  weighted by its stake up to validator_stake_cap (`weighted_rank`), and the first n are
+  assigned, n = the checks still needed; when none of them has an established record
+  (established_checks) and an eligible one has, it takes the last place. The book
+  recomputes every draw (`Book.draw`); a contribution sampled as new or low-reputation
+  needs validators_per_check checks, others one (fewer if fewer validators are eligible).
+  An "audit" adds one check to a contribution whose checks were complete and all agreed;
+  its `draw` is the coordinator's signature (covey.trust.certify.audit_message), below
+  audit_rate. A "verification" must come from an assigned validator; a work reward of a
   sampled contribution needs its checks completed (else the round's checks were skipped)
 - "canary": {round, peer_id (the validator), worker_id, cid, draw, outcome: "caught"|
-  "passed"|"missed"}: a known-bad contribution (the worker's payload sign-flipped) the
-  coordinator planted among the validator's checks, revealed once resolved; `draw` is the
+  "passed"|"missed"}: a known-bad item planted among the validator's checks (the RL mode's
+  copy of a real batch, covey.rl.canaries; older rounds runs' sign-flipped payloads),
+  revealed once resolved; `draw` is the
   coordinator's signature (covey.trust.certify.canary_message), below canary_rate. Caught:
   a completed check (paid check_reward); passed: a "penalty" (kind canary) follows, no pay;
   missed: a missed check
+- "house canary": {round, peer_id (a house worker: the run owner's own key), draw, proof,
+  outcome: "caught"|"convicted"|"unchecked", detail}: the reveal of a rounds-mode canary
+  (covey.trust.house): the house worker's accepted contribution of that round was made bad
+  on purpose. `draw` is the coordinator's signature (covey.trust.certify.canary_message)
+  over (run, round, house key), below canary_rate; `proof` its signature that the key is
+  its own. Caught: a validator's dispute convicted it already; convicted: no validator did,
+  and the coordinator's referee recomputed it now (`detail` says how far it was), which
+  convicts it (every validator that agreed on it missed a fraud); unchecked: nobody
+  checked it, or the referee found no divergence. Either way the key is burned (banned:
+  the reveal makes it public) and every validator that agreed on it passed a canary
 - "report refused": {round, peer_id (the validator), worker_id, task_id, field, reason}: a
   validator's report that was malformed or unprovable (segment out of range, a blob missing
   or of the wrong size); it counts against the validator's reputation and ends its
@@ -93,9 +109,12 @@ _SCHEMA_TEXT = {
     "reward": "round:count, peer_id:id, amount:amount, kind:work|catch|check, tokens:count",
     "report refused": "round:count, peer_id:id, worker_id:id, task_id:count, field:text, "
     "reason:text",
-    "assignment": "round:count, peer_id:id, beacon:text, validators:ids, reason:draw|reassign",
+    "assignment": "round:count, peer_id:id, beacon:text, validators:ids, "
+    "reason:draw|reassign|audit",
     "canary": "round:count, peer_id:id, worker_id:id, cid:text, draw:text, "
     "outcome:caught|passed|missed",
+    "house canary": "round:count, peer_id:id, draw:text, proof:text, "
+    "outcome:caught|convicted|unchecked, detail:text",
     "penalty": "round:count, peer_id:id, amount:amount, kind:false accusation|canary|missed "
     "fraud, reason:text",
     "clawback": "round:count, peer_id:id, worker_id:id, amount:amount, kind:work|check, "

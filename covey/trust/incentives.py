@@ -68,6 +68,7 @@ class Book(Draws, Convictions):
         self._done: dict[tuple[int, str], int] = {}  # completed checks
         self._load: dict[tuple[int, str], int] = {}  # (round, validator) -> assigned
         self._canaries: set[tuple[int, str]] = set()  # (round, validator) resolved
+        self._audited: set[tuple[int, str]] = set()  # (round, worker) audited once
         # a training coordinator's run (its "run created" names the corpus fingerprint)
         # signs each contribution's sampling draw; None: no contribution seen yet, True:
         # one was accepted at rate 0 (a run whose contributions nobody re-executes)

@@ -45,6 +45,7 @@ ENTRY_TYPES: tuple[str, ...] = (
     "penalty",
     "assignment",
     "canary",
+    "house canary",
     "round certificate",
     "checkpoint",
     "halt",

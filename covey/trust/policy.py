@@ -31,6 +31,10 @@ class Policy:
     validators_per_check: int = 1
     validator_round_cap: int = 1_000_000
     canary_rate: float = 0.0
+    # 0 (older ledgers): validators ranked by the beacon's hash alone (covey.trust.draws)
+    validator_stake_cap: float = 0.0
+    established_checks: int = 0
+    audit_rate: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: TrustConfig) -> Policy:
@@ -118,5 +122,13 @@ _LATER_FIELDS = (
     "validators_per_check",
     "validator_round_cap",
     "canary_rate",
+    "validator_stake_cap",
+    "established_checks",
+    "audit_rate",
 )
-_INT_FIELDS = ("new_peer_contributions", "validators_per_check", "validator_round_cap")
+_INT_FIELDS = (
+    "new_peer_contributions",
+    "validators_per_check",
+    "validator_round_cap",
+    "established_checks",
+)
