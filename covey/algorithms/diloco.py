@@ -202,9 +202,11 @@ class DiLoCo(Strategy):
 
     def encode_work(self) -> tuple[bytes, int | None]:
         delta = self.pseudo_gradient()
-        payload = self.codec.encode(delta)
-        if self.cfg.error_feedback:  # becomes the residual once the round accepts it
-            self._pending = delta - self.codec.decode(payload, device=delta.device)
+        if not self.cfg.error_feedback:
+            return self.codec.encode(delta), None
+        # what the codec dropped becomes the residual once the round accepts it
+        payload, decoded = self.codec.roundtrip(delta)
+        self._pending = delta - decoded
         return payload, None
 
     def apply_round(
