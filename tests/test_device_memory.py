@@ -7,6 +7,7 @@ keeps W_r on the host and moves one fragment at a time."""
 from __future__ import annotations
 
 import gc
+import types
 from typing import Any
 
 import pytest
@@ -19,16 +20,21 @@ from covey.models.gpt import GPT, gpt_config, lm_loss
 META = torch.device("meta")
 
 
+# not what a strategy holds: code, and what code reaches (modules' globals)
+_NOT_STATE = (type, str, bytes, int, float, types.ModuleType, types.FunctionType,
+              types.BuiltinFunctionType, types.MethodType, types.CodeType)  # fmt: skip
+
+
 def device_bytes(root: Any, device_type: str = "meta") -> int:
     """Bytes of the distinct storages of every tensor reachable from `root` (attributes,
-    containers, modules, optimizers; a parameter's gradient too) on `device_type`. A view
-    counts as its base (an expanded zero: one element)."""
+    containers, modules, optimizers; a parameter's gradient too; not code or modules) on
+    `device_type`. A view counts as its base (an expanded zero: one element)."""
     seen: set[int] = set()
     bases: dict[int, torch.Tensor] = {}
     stack = [root]
     while stack:
         obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float)):
+        if id(obj) in seen or isinstance(obj, _NOT_STATE):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):

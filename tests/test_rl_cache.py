@@ -68,3 +68,46 @@ def test_cached_generation_past_the_context_is_refused() -> None:
     model = _model()
     with pytest.raises(ValueError, match="exceeds block_size"):
         sampling.generate_batch(model, [[1] * 40], 20, 1.0, [7])
+
+
+class HFUncached(torch.nn.Module):
+    """A Hugging Face causal LM behind a wrapper without `config`: `generate_batch` reruns
+    the prefix every step (no past_key_values), as it did before the cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, **_: object) -> object:
+        return self.model(input_ids=input_ids, use_cache=False)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_generation_with_past_key_values_picks_the_uncached_tokens(arch: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = {"vocab_size": 97, "bos_token_id": 0, "eos_token_id": 1}
+    if arch == "gpt2":
+        config = AutoConfig.for_model(
+            "gpt2", n_positions=48, n_embd=32, n_layer=2, n_head=2, **common
+        )
+    else:
+        config = AutoConfig.for_model(
+            "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
+            **common,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 97, (n,), generator=g).tolist() for n in (3, 9, 1, 6)]
+    seeds = [sampling.sample_seed("run", 1, "w", i, 0) for i in range(len(prompts))]
+    cached = sampling.generate_batch(model, prompts, 10, 0.8, seeds, eos_id=5)
+    plain = sampling.generate_batch(HFUncached(model), prompts, 10, 0.8, seeds, eos_id=5)
+    for a, b in zip(cached, plain, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-4, atol=1e-5)

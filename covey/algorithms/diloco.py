@@ -28,7 +28,7 @@ from torch import nn
 from covey.algorithms.aggregation import Aggregator
 from covey.algorithms.base import LossFn, Strategy
 from covey.algorithms.codec_base import Codec
-from covey.algorithms.host_memory import add_from_host, host_copy, host_zeros, pinned
+from covey.algorithms.host_memory import add_from_host, home_of, moved_to, pinned, zeros_at
 from covey.algorithms.optim import (
     has_schedule,
     make_inner_optimizer,
@@ -61,10 +61,12 @@ class DiLoCo(Strategy):
         self._start_params: list[torch.Tensor] | None = None
         self._start_round = 0  # its round: with inner steps, the lr schedule's position
         numel = sum(p.numel() for p in model.parameters()) if cfg.error_feedback else 0
-        # error feedback, on the host (pinned next to a GPU): the device holds the model,
-        # its gradients and the two AdamW moments only (tests/test_device_memory.py)
-        self._residual = host_zeros(numel, self.device)  # carried into the next round
-        self._pending = host_zeros(numel, self.device)  # until certified
+        # error feedback, on the host (pinned next to a GPU) unless the canonical state is
+        # on the device: the device holds the model, its gradients and the two AdamW
+        # moments only (tests/test_device_memory.py); `_ef_home` is set by load_state
+        self._ef_home = torch.device("cpu")
+        self._residual = zeros_at(numel, self._ef_home, self.device)  # into the next round
+        self._pending = zeros_at(numel, self._ef_home, self.device)  # until certified
 
     @property
     def reexecutable(self) -> bool:
@@ -79,6 +81,11 @@ class DiLoCo(Strategy):
         # the state's tensors, not a copy: a state's tensors are never changed in place
         # (outer_step makes new ones); host tensors are pinned for the GPU to read
         self._start_params = [pinned(state.params[n], self.device) for n in self.names]
+        home = home_of(self._start_params, self.device)
+        if home != self._ef_home:  # the residuals follow the canonical state
+            self._ef_home = home
+            self._residual = moved_to(self._residual, home, self.device)
+            self._pending = moved_to(self._pending, home, self.device)
         self._start_round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
@@ -88,12 +95,12 @@ class DiLoCo(Strategy):
         if self.cfg.error_feedback:
             if accepted:
                 self._residual = self._pending
-            self._pending = host_zeros(self._residual.numel(), self.device)
+            self._pending = zeros_at(self._residual.numel(), self._ef_home, self.device)
 
     def reset_local(self) -> None:
         self.reset_inner_optimizer()
-        self._residual = host_zeros(self._residual.numel(), self.device)
-        self._pending = host_zeros(self._pending.numel(), self.device)
+        self._residual = zeros_at(self._residual.numel(), self._ef_home, self.device)
+        self._pending = zeros_at(self._pending.numel(), self._ef_home, self.device)
 
     def reset_inner_optimizer(self) -> None:
         """A fresh inner optimizer: no moments, step count 0."""
@@ -164,8 +171,9 @@ class DiLoCo(Strategy):
                     k: _to_state_device(extras[f"optim/{name}/{k}"], p) for k in fresh
                 }
         if self.cfg.error_feedback:
-            self._residual = host_copy(extras["optim/ef/residual"], self.device)
-            self._pending = host_copy(extras["optim/ef/pending"], self.device)
+            home, device = self._ef_home, self.device
+            self._residual = moved_to(extras["optim/ef/residual"], home, device, copy=True)
+            self._pending = moved_to(extras["optim/ef/pending"], home, device, copy=True)
 
     def inner_step(self, batch: torch.Tensor) -> torch.Tensor:
         if has_schedule(self.cfg.optim):  # a pure function of (round, step): re-executable
@@ -204,7 +212,7 @@ class DiLoCo(Strategy):
             return self.codec.encode(delta), None
         # what the codec dropped becomes the residual once the round accepts it
         payload, decoded = self.codec.roundtrip(delta)
-        self._pending = host_copy(delta.sub_(decoded), self.device)
+        self._pending = moved_to(delta.sub_(decoded), self._ef_home, self.device)
         return payload, None
 
     def apply_round(

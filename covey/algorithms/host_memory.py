@@ -19,13 +19,31 @@ def _pin(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def host_zeros(numel: int, device: torch.device) -> torch.Tensor:
-    """float32 zeros on the host, pinned when `device` is CUDA."""
+def home_of(start: list[torch.Tensor], device: torch.device) -> torch.device:
+    """Where error feedback's residuals live beside a round's start weights: on `device`
+    when the start weights are there already (the simulator on a GPU keeps every state on
+    it: nothing goes to the host), else on the host."""
+    if start and all(t.device == device for t in start):
+        return device
+    return torch.device("cpu")
+
+
+def zeros_at(numel: int, home: torch.device, device: torch.device) -> torch.Tensor:
+    """float32 zeros at `home`, pinned when that is the host beside a CUDA `device`."""
+    if home.type != "cpu":
+        return torch.zeros(numel, device=home)
     return torch.zeros(numel, pin_memory=_pin(device))
 
 
-def host_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of `t` on the host (pinned when `device` is CUDA); its own memory."""
+def moved_to(
+    t: torch.Tensor, home: torch.device, device: torch.device, copy: bool = False
+) -> torch.Tensor:
+    """`t` at `home` (pinned when that is the host beside a CUDA `device`): `t` itself when
+    it is there already and not `copy`, else a copy in its own memory."""
+    if t.device == home and not copy:
+        return t
+    if home.type != "cpu":
+        return t.detach().to(home, copy=True)
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=_pin(device))
     out.copy_(t.detach())
     return out

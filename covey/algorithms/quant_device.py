@@ -84,10 +84,14 @@ def to_host(parts: list[Tensor]) -> list[np.ndarray]:
 def to_device(buf: memoryview, offset: int, nbytes: int, device: torch.device) -> Tensor:
     """nbytes of buf at offset as a fresh uint8 tensor on device (page-locked staging on
     CUDA); the tensor starts its own allocation, so float32 views of it are aligned."""
-    pin = device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    host.numpy()[:] = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=offset)
-    return host.to(device, non_blocking=pin)
+    raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=offset)
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host.numpy()[:] = raw
+        return host.to(device, non_blocking=True)
+    return torch.from_numpy(raw.copy()).to(device)
 
 
 def decode_block(
@@ -110,22 +114,20 @@ def decode_block(
         pad_bad = (nibbles[-1] != 8) if numel % 2 else torch.zeros((), dtype=torch.bool)
         q = nibbles[:numel].to(torch.int8) - 8
     out = dequantize(scales, q, block)
-    flags = torch.stack(
-        [
-            ~(torch.isfinite(scales) & (scales >= 0)).all(),
-            bad_q,
-            pad_bad.to(device),
-            ~torch.isfinite(out).all(),
-        ]
-    ).tolist()  # the one sync
-    if flags[0]:
+    checks = [
+        (torch.isfinite(scales) & (scales >= 0)).all(),
+        ~bad_q,
+        ~pad_bad.to(device),
+        torch.isfinite(out).all(),
+    ]
+    if bool(torch.stack(checks).all()):  # the one sync of a valid payload
+        return out
+    if not bool(checks[0]):
         raise CodecError("block scales must be finite and >= 0")
-    if flags[1]:
+    if not bool(checks[1]):
         if levels == 127:
             raise CodecError("quantized value -128 is outside the symmetric range [-127, 127]")
         raise CodecError("int4 nibble 0 (value -8) is outside the symmetric range [-7, 7]")
-    if flags[2]:
+    if not bool(checks[2]):
         raise CodecError(f"int4 padding nibble is {int(nibbles[-1])}, expected 8 (zero)")
-    if flags[3]:
-        raise CodecError("dequantized values overflow float32: a block scale is too large")
-    return out
+    raise CodecError("dequantized values overflow float32: a block scale is too large")

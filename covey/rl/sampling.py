@@ -9,10 +9,11 @@ validator regenerates the noise of any position without the others.
 Works with covey's GPT (the hidden state is the output of `ln_f`, the input of the LM head)
 and with a Hugging Face causal LM (the input of its LM head: the final norm's output, which
 is transformers' `hidden_states[-1]`).
-covey's GPT generates with a KV cache (`covey.models.gpt.KVCache`): one prefill of the
-right-padded prompts, then one token per row per step. Other models rerun the prefix each
-step. Either way the hidden state kept for position j is the one computed when j was the
-last position, as an incremental decoder produces it.
+covey's GPT and Hugging Face causal LMs generate with their cache (covey/rl/decoding.py:
+covey GPT's `KVCache`, transformers' `past_key_values`): one prefill of the right-padded
+prompts, then one token per row per step. A duck-typed model without an output embedding
+reruns the prefix each step. Either way the hidden state kept for position j is the one
+computed when j was the last position, as an incremental decoder produces it.
 
 The noise is drawn on the host from the CPU generator seeded per (seed, position) (the
 same values on every machine: CUDA's generator streams differ from the CPU's), for all rows
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from covey.models.gpt import GPT, KVCache
+from covey.models.gpt import GPT
+from covey.rl.decoding import Decoder, decoder_for
 
 
 def _h64(*parts: object) -> int:
@@ -141,9 +143,13 @@ def generate_batch(
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     if any(not p for p in prompts):
         raise ValueError("prompt_ids is empty")
-    if isinstance(model, GPT):
-        return _generate_cached(model, prompts, max_new_tokens, temperature, seeds, eos_id)
     device = next(model.parameters()).device
+    size = max(len(p) for p in prompts) + max_new_tokens
+    decoder = decoder_for(model, len(prompts), size)
+    if decoder is not None:
+        return _generate_cached(
+            decoder, prompts, max_new_tokens, temperature, seeds, eos_id, device
+        )
     seqs = [list(p) for p in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -197,41 +203,37 @@ def _step_noise(
 
 
 def _generate_cached(
-    model: GPT,
+    decoder: Decoder,
     prompts: list[list[int]],
     max_new_tokens: int,
     temperature: float,
     seeds: list[int],
     eos_id: int | None,
+    device: torch.device,
 ) -> list[Generation]:
-    """`generate_batch` with a KV cache: a prefill of the right-padded prompts, then every
-    row's last token at its own position. A row that is done keeps being fed (its outputs
-    are ignored) so that the batch keeps its shape."""
-    device = next(model.parameters()).device
+    """`generate_batch` with the model's cache (covey/rl/decoding.py): a prefill of the
+    right-padded prompts, then every row's last token at its own position."""
     n = len(prompts)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
-    cache = KVCache(model, n, min(model.cfg.block_size, width + max_new_tokens))
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
     tokens: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
     hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
     live = list(range(n)) if max_new_tokens > 0 else []
-    last = torch.tensor(lengths, device=device) - 1  # each row's last real position
-    at = torch.arange(n, device=device)
+    moving = torch.ones(n, dtype=torch.bool, device=device)
     for i in range(max_new_tokens + 1):
         if not live:
             break
         longest = max(lengths[r] + len(tokens[r]) for r in live)
-        if longest > model.cfg.block_size:  # as the model says without a cache
-            raise ValueError(f"sequence length {longest} exceeds block_size {model.cfg.block_size}")
-        logits, h = forward_hidden_cached(model, ids, cache)
-        if i == 0:  # the prefill: each row's last real position
-            logits, h = logits[at, last], h[at, last]
-            cache.advance(torch.tensor(lengths, device=device))
+        if decoder.max_positions is not None and longest > decoder.max_positions:
+            raise ValueError(  # as the model says without a cache
+                f"sequence length {longest} exceeds block_size {decoder.max_positions}"
+            )
+        if i == 0:
+            logits, h = decoder.prefill(ids, torch.tensor(lengths, device=device))
         else:
-            logits, h = logits[:, 0], h[:, 0]
-            cache.advance(1)
+            logits, h = decoder.step(ids, moving)
         sampling = []
         for r in live:
             if i > 0:  # hidden state of the previous generated token, now the last position
@@ -250,14 +252,12 @@ def _generate_cached(
         for j, (r, tok) in enumerate(zip(sampling, picked.tolist(), strict=True)):  # the sync
             logprobs[r].append(lp[j])
             tokens[r].append(tok)
-        step_ids = torch.zeros(n, 1, dtype=torch.long, device=device)
-        step_ids[rows, 0] = picked
-        ids = step_ids
+        ids = torch.zeros(n, 1, dtype=torch.long, device=device)
+        ids[rows, 0] = picked
+        # the rows sampled now are fed next; the others are done and stay where they are
+        moving = torch.zeros(n, dtype=torch.bool, device=device)
+        moving[rows] = True
         live = sampling  # one that just emitted eos stays for one pass: its last hidden state
-        # rows not sampled this step are done: their position is not moved on
-        done = torch.ones(n, dtype=torch.long, device=device)
-        done[rows] = 0
-        cache.length -= done  # cancel next step's advance for them (its outputs are unused)
     return [_generation(tokens[r], logprobs[r], hidden[r], device) for r in range(n)]
 
 
@@ -273,19 +273,6 @@ def _generation(
         logprobs=torch.stack(logprobs) if logprobs else torch.zeros(0, device=device),
         hidden=torch.stack(hidden) if hidden else torch.zeros(0, d, device=device),
     )
-
-
-def forward_hidden_cached(
-    model: GPT, ids: torch.Tensor, cache: KVCache
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`forward_hidden` of covey's GPT with a KV cache (logits, ln_f output; float32)."""
-    captured: list[torch.Tensor] = []
-    handle = model.ln_f.register_forward_hook(lambda _m, _i, out: captured.append(out))
-    try:
-        logits = model(ids, cache)
-    finally:
-        handle.remove()
-    return logits.float(), captured[0].float()
 
 
 @dataclass(frozen=True)
