@@ -6,8 +6,9 @@ position and the hidden state there (the LM head's input, float32, (B, D)), the 
 
 - covey's GPT: `covey.models.gpt.KVCache` (attention causal by position, so a row's pads
   sit above its real tokens and are overwritten as it grows);
-- a Hugging Face causal LM with an output embedding: its `past_key_values`, an attention
-  mask that leaves each row's prefill pads out, and explicit position ids.
+- a Hugging Face causal LM with an output embedding: its cache (`past_key_values`, named
+  `cache` since transformers 5), an attention mask that leaves each row's prefill pads
+  out, and explicit position ids.
 
 A row that is done keeps being fed (its outputs are ignored) so that the batch keeps its
 shape; `step(..., moving)` leaves its position where it is.
@@ -15,6 +16,7 @@ shape; `step(..., moving)` leaves its position where it is.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol
 
 import torch
@@ -78,6 +80,9 @@ class HFDecoder:
     def __init__(self, model: nn.Module, head: nn.Module) -> None:
         self.model, self.head = model, head
         self.max_positions: int | None = None  # the model says so itself
+        # transformers 5 names the cache argument and output `cache`, 4.x `past_key_values`
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.past: Any = None
         self.mask: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -85,10 +90,10 @@ class HFDecoder:
     def _forward(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         captured, handle = _capture(self.head, pre=True)
         try:
-            out = self.model(past_key_values=self.past, use_cache=True, **kwargs)
+            out = self.model(**{self.cache_arg: self.past}, use_cache=True, **kwargs)
         finally:
             handle.remove()
-        self.past = out.past_key_values
+        self.past = getattr(out, self.cache_arg)
         return out.logits.float(), captured[0].float()
 
     def prefill(
