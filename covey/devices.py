@@ -132,12 +132,59 @@ def resolve_precision(setting: str, device: torch.device | str) -> Precision:
 def run_precision(setting: str, verify_class: str) -> Precision:
     """A run's precision from its spec: "fp32" or "bf16" as written; "auto" is bf16 when
     the run verifies on CUDA, else fp32. Every peer of the run trains in it, since
-    validators re-execute in it."""
+    validators re-execute in it. `verify_class` "auto": `run_verify_class`'s."""
     if setting in ("fp32", "bf16"):
         return setting  # type: ignore[return-value]
     if setting != "auto":
         raise DeviceError(f"precision {setting!r} is not one of auto, fp32, bf16")
-    return "bf16" if verify_class == "cuda" else "fp32"
+    return "bf16" if run_verify_class(verify_class) == "cuda" else "fp32"
+
+
+def run_verify_class(setting: str, cuda: bool | None = None) -> str:
+    """The device class a run verifies on: its spec's `verify_device`, where "auto" is
+    "cuda" on a machine with a CUDA GPU and "cpu" elsewhere (MPS only when asked for: its
+    kernels are not deterministic enough to re-execute on). `cuda`: whether a GPU is
+    there (None: ask torch). A spec loaded from a file has it fixed (`plan_run_compute` at
+    load, covey.spec), so every peer reads the same class; "auto" left in a spec built in
+    code resolves on each machine alone."""
+    if setting != "auto":
+        return setting
+    has_cuda = torch.cuda.is_available() if cuda is None else cuda
+    return "cuda" if has_cuda else "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCompute:
+    """What a run fixes for every peer: the device class contributions are re-executed
+    on (and that honest workers train on), the inner steps' precision, torch.compile."""
+
+    verify_class: str
+    precision: Precision
+    compile: bool
+
+    def describe(self) -> str:
+        compiled = "compiled" if self.compile else "not compiled"
+        return f"verifies on {self.verify_class} in {self.precision}, {compiled}"
+
+
+def plan_run_compute(
+    verify_device: str, precision: str, compile: bool, cuda: bool | None = None
+) -> RunCompute:
+    """A run's compute from its spec's `[peer]` settings, "auto"s resolved on a machine
+    with (`cuda` True) or without a CUDA GPU (None: this one): a default spec on a GPU
+    machine verifies and trains on CUDA in bf16. Pure given `cuda`."""
+    verify = run_verify_class(verify_device, cuda)
+    return RunCompute(verify, run_precision(precision, verify), bool(compile))
+
+
+def peer_compute_line(
+    role: str, device: torch.device | str, precision: str, run: RunCompute
+) -> str:
+    """What a peer says at start about where it computes and what the run fixes."""
+    return (
+        f"{role} computes on {device_name(device)} in {precision}"
+        f"{', compiled' if run.compile else ''}; the run {run.describe()}"
+    )
 
 
 def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager[Any]:
@@ -177,6 +224,7 @@ def verification_mismatch(
     (its spec's); re-executing elsewhere differs by more than rounding, and a validator that
     convicted an honest peer for that would be wrong, so it refuses the check instead."""
     mine = device_class(device)
+    spec_class = run_verify_class(spec_class)
     if mine != spec_class:
         return (
             f"this run verifies on {spec_class}, this validator computes on {mine} "
@@ -224,6 +272,7 @@ def referee_compute(
     when its class or precision is not the run's. A refusing referee leaves disputes open:
     recomputing on another class differs by more than rounding and could convict an
     honest peer."""
+    verify_class = run_verify_class(verify_class)
     precision = run_precision(precision_setting, verify_class)
     lacks = f"referee lacks device class {verify_class}"
     if spec is None:

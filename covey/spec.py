@@ -4,7 +4,8 @@ pairs, validated by the spec's pydantic model, every problem in one line (`UserE
 ``--set`` takes a dotted key into the spec (``rounds.max_rounds=5``, ``algorithm.codec=int4``)
 and a value read as JSON when it parses (numbers, true/false, lists, quoted strings) and as
 a plain string otherwise (``model.size=nano``). Keys are checked like the TOML's: an unknown
-one is named with the closest valid key. Imports no torch (``--help`` stays instant).
+one is named with the closest valid key. Imports no torch (``--help`` stays instant), but
+to fix a run spec's "auto" verify device (`fix_run_compute`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ def parse_sets(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def fix_run_compute(spec: Any, cuda: bool | None = None) -> Any:
+    """A run spec (covey.config.RunConfig) whose `[peer] verify_device` is "auto" with it
+    fixed for this machine: cuda with a GPU (`cuda` None: ask torch, imported only then),
+    else cpu (covey.devices.plan_run_compute). The class is then the spec's, hashed into
+    the run id and served to every peer, so all of them read the same one. Any other spec
+    is returned as it is."""
+    from covey.config import RunConfig
+
+    if not isinstance(spec, RunConfig) or spec.peer.verify_device != "auto":
+        return spec
+    from covey.devices import run_verify_class
+
+    peer = spec.peer.model_copy(update={"verify_device": run_verify_class("auto", cuda)})
+    return spec.model_copy(update={"peer": peer})
+
+
 def load_spec(
     loader: Callable[..., Any] | type[BaseModel],
     path: Path | None = None,
@@ -62,8 +79,8 @@ def load_spec(
     where = f" in {path}" if path else ""
     try:
         if is_model:
-            return loader.model_validate(values)
-        return loader(path, **values)
+            return fix_run_compute(loader.model_validate(values))
+        return fix_run_compute(loader(path, **values))
     except ValidationError as e:
         if isinstance(root, type) and issubclass(root, BaseModel):
             message = describe_validation_error(root, e)

@@ -8,11 +8,13 @@ Contract:
 * ``encode(x)`` takes a 1-D float32 tensor without NaN/Inf (anything else raises
   ``CodecError``) and returns ``bytes``.  On another device than the CPU, top-k and DCT
   select (and DCT transforms) on that device and copy only the kept entries to the host;
-  the other codecs copy the vector to the host once: bytes for the wire are made there.
+  int8 and int4 quantize on that device (covey.algorithms.quant_device) and copy only the
+  payload; the others copy the vector to the host once: bytes for the wire are made there.
   It is stateless and deterministic: the same input gives the same bytes.  Error feedback
   is the caller's job, not the codec's.
 * ``decode(payload, numel=None, device=None)`` returns a fresh, writable 1-D float32 tensor
-  (on ``device``, default the CPU; top-k and DCT scatter/invert on that device).  It checks the
+  (on ``device``, default the CPU; top-k and DCT scatter/invert on that device, int8 and
+  int4 copy the payload there and check and dequantize it there).  It checks the
   magic, the codec id, every parameter (which must equal this codec's), the exact total length,
   ``numel`` when given, index ranges/order, and that scales and values are finite.  Malformed
   payloads raise ``CodecError``; nothing is read past the buffer.
@@ -99,7 +101,9 @@ def _rows(a: np.ndarray, block: int) -> np.ndarray:
 def _quantize(x: np.ndarray, block: int, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per block: scale = max|block| / levels (float32), q = round(x / scale) (int8)."""
     rows = _rows(x, block)
-    scales = np.maximum(-rows.min(axis=1), rows.max(axis=1)) / np.float32(levels)
+    # + 0: an all-zero block's scale is +0.0 whichever zero the reduction returned (the
+    # device quantizer, covey/algorithms/quant_device.py, writes the same bytes)
+    scales = np.maximum(-rows.min(axis=1), rows.max(axis=1)) / np.float32(levels) + np.float32(0)
     # Near float32's max, levels * scale can round up to inf: step such scales toward zero so
     # that every payload we emit dequantizes to finite values.
     with np.errstate(over="ignore"):
@@ -263,6 +267,13 @@ class Codec(ABC):
         if target.type == "cpu":
             return self._decode_body(buf, offset, n)
         return self._decode_to(buf, offset, n, target)
+
+    def roundtrip(self, x: Tensor) -> tuple[bytes, Tensor]:
+        """(encode(x), decode of those bytes on x's device): what error feedback keeps.
+        The same bits as encoding and decoding; codecs that quantize on the device take the
+        decoded vector from their encoder's values instead of sending the payload back."""
+        payload = self.encode(x)
+        return payload, self.decode(payload, device=x.device)
 
     def _decode_to(self, buf: memoryview, offset: int, numel: int, device: torch.device) -> Tensor:
         """Decode onto a device (default: on the host, then one copy)."""

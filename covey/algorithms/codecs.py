@@ -27,10 +27,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from covey.algorithms import quant_device
 from covey.algorithms.codec_base import (
+    _HEADER,
+    MAGIC,
     Body,
     Codec,
     CodecError,
+    _check_tensor,
     _decode_values,
     _dequantize,
     _encode_values,
@@ -105,6 +109,34 @@ class _BlockCodec(Codec):
 
     def _bound(self, x: np.ndarray) -> float:
         return _quant_bound(_peak(x), self.levels)
+
+    def _device_parts(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(scales, q, packed values) of x, computed on x's device."""
+        scales, q = quant_device.quantize(x, self.block, self.levels)
+        return scales, q, q if self.levels == 127 else quant_device.pack_int4(q)
+
+    def _on_device(self, x: Tensor) -> Body:
+        """Quantize on x's device; only the payload's bytes cross to the host (the same
+        bytes as a host encode)."""
+        scales, _, packed = self._device_parts(x)
+        return list(quant_device.to_host([scales, packed]))
+
+    def _decode_to(self, buf: memoryview, offset: int, numel: int, device: torch.device) -> Tensor:
+        if device.type == "meta":  # no values there to check: checked on the host, then moved
+            return super()._decode_to(buf, offset, numel, device)
+        return quant_device.decode_block(buf, offset, numel, self.block, self.levels, device)
+
+    def roundtrip(self, x: Tensor) -> tuple[bytes, Tensor]:
+        """On a device: the payload crosses to the host once and the decoded vector is
+        q * scale of the encoder's own values, never copied back (the bits of a decode)."""
+        if not isinstance(x, Tensor) or x.device.type == "cpu":
+            return super().roundtrip(x)
+        _check_tensor(x)
+        scales, q, packed = self._device_parts(x.detach())
+        head = _HEADER.pack(MAGIC, self.codec_id, x.numel())
+        body = quant_device.to_host([scales, packed])
+        payload = b"".join([head, self.params_struct.pack(*self._params()), *body])
+        return payload, quant_device.dequantize(scales, q, self.block)
 
 
 class Int8Codec(_BlockCodec):

@@ -79,8 +79,7 @@ class DeMo(Strategy):
 
     def extract(self) -> tuple[bytes, torch.Tensor]:
         """Encode the momentum's fast components; return (payload, what the payload decodes to)."""
-        payload = self.codec.encode(self.momentum)
-        return payload, self.codec.decode(payload, device=self.momentum.device)
+        return self.codec.roundtrip(self.momentum)
 
     def encode_work(self) -> tuple[bytes, int | None]:
         payload, self.sent = self.extract()  # subtracted from the momentum in `adopt`

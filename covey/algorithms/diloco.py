@@ -28,6 +28,7 @@ from torch import nn
 from covey.algorithms.aggregation import Aggregator
 from covey.algorithms.base import LossFn, Strategy
 from covey.algorithms.codec_base import Codec
+from covey.algorithms.host_memory import add_from_host, home_of, moved_to, pinned, zeros_at
 from covey.algorithms.optim import (
     has_schedule,
     make_inner_optimizer,
@@ -55,13 +56,17 @@ class DiLoCo(Strategy):
         self.cfg = cfg
         self.steps_per_round = cfg.inner_steps
         self.inner_opt = make_inner_optimizer(model, cfg.optim)
-        self._start: torch.Tensor | None = None  # flat start weights of the current round
-        self._start_params: list[torch.Tensor] | None = None  # or the state's own tensors
+        # the round's start weights: the state's own tensors, on the model's device or
+        # on the host (pinned there next to a GPU); never a copy on the device
+        self._start_params: list[torch.Tensor] | None = None
         self._start_round = 0  # its round: with inner steps, the lr schedule's position
         numel = sum(p.numel() for p in model.parameters()) if cfg.error_feedback else 0
-        # error feedback, on the model's device: carried into the next round / pending
-        self._residual = torch.zeros(numel, device=self.device)
-        self._pending = torch.zeros(numel, device=self.device)  # until certified
+        # error feedback, on the host (pinned next to a GPU) unless the canonical state is
+        # on the device: the device holds the model, its gradients and the two AdamW
+        # moments only (tests/test_device_memory.py); `_ef_home` is set by load_state
+        self._ef_home = torch.device("cpu")
+        self._residual = zeros_at(numel, self._ef_home, self.device)  # into the next round
+        self._pending = zeros_at(numel, self._ef_home, self.device)  # until certified
 
     @property
     def reexecutable(self) -> bool:
@@ -73,14 +78,14 @@ class DiLoCo(Strategy):
 
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
-        start = [state.params[n] for n in self.names]
-        if all(t.device == self.device and t.dtype == torch.float32 for t in start):
-            # the state's tensors, not a flat copy: a model size less; a
-            # state's tensors are never changed in place (outer_step makes new ones)
-            self._start, self._start_params = None, start
-        else:
-            self._start = flatten(start).to(self.device)
-            self._start_params = None
+        # the state's tensors, not a copy: a state's tensors are never changed in place
+        # (outer_step makes new ones); host tensors are pinned for the GPU to read
+        self._start_params = [pinned(state.params[n], self.device) for n in self.names]
+        home = home_of(self._start_params, self.device)
+        if home != self._ef_home:  # the residuals follow the canonical state
+            self._ef_home = home
+            self._residual = moved_to(self._residual, home, self.device)
+            self._pending = moved_to(self._pending, home, self.device)
         self._start_round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
@@ -90,12 +95,12 @@ class DiLoCo(Strategy):
         if self.cfg.error_feedback:
             if accepted:
                 self._residual = self._pending
-            self._pending = torch.zeros_like(self._residual)
+            self._pending = zeros_at(self._residual.numel(), self._ef_home, self.device)
 
     def reset_local(self) -> None:
         self.reset_inner_optimizer()
-        self._residual = torch.zeros_like(self._residual)
-        self._pending = torch.zeros_like(self._pending)
+        self._residual = zeros_at(self._residual.numel(), self._ef_home, self.device)
+        self._pending = zeros_at(self._pending.numel(), self._ef_home, self.device)
 
     def reset_inner_optimizer(self) -> None:
         """A fresh inner optimizer: no moments, step count 0."""
@@ -105,7 +110,7 @@ class DiLoCo(Strategy):
         self.reset_inner_optimizer()
 
     def _free_round_start(self) -> None:
-        self._start = self._start_params = None
+        self._start_params = None
 
     def end_local_state(self) -> dict[str, torch.Tensor]:
         """`local_state()`, the inner optimizer's moments handed over rather than copied
@@ -166,8 +171,9 @@ class DiLoCo(Strategy):
                     k: _to_state_device(extras[f"optim/{name}/{k}"], p) for k in fresh
                 }
         if self.cfg.error_feedback:
-            self._residual = extras["optim/ef/residual"].to(self.device, copy=True)
-            self._pending = extras["optim/ef/pending"].to(self.device, copy=True)
+            home, device = self._ef_home, self.device
+            self._residual = moved_to(extras["optim/ef/residual"], home, device, copy=True)
+            self._pending = moved_to(extras["optim/ef/pending"], home, device, copy=True)
 
     def inner_step(self, batch: torch.Tensor) -> torch.Tensor:
         if has_schedule(self.cfg.optim):  # a pure function of (round, step): re-executable
@@ -184,27 +190,29 @@ class DiLoCo(Strategy):
         return self._start_round
 
     def pseudo_gradient(self) -> torch.Tensor:
-        """start - local, flat float32, plus the carried residual under error feedback."""
-        delta = flatten(list(self.model.parameters()))
-        if self._start is not None:  # in place, element by element: the same bits
-            torch.sub(self._start, delta, out=delta)
-        elif self._start_params is not None:
-            at = 0
-            for t in self._start_params:
-                part = delta[at : at + t.numel()]
-                torch.sub(t.reshape(-1), part, out=part)
-                at += t.numel()
-        else:
+        """start - local, flat float32 on the model's device, plus the carried residual
+        under error feedback. Start weights and residual on the host come over a
+        parameter (or chunk) at a time: one model size on the device, the result."""
+        if self._start_params is None:
             raise RuntimeError("load_state must run before the first round")
+        delta = flatten(list(self.model.parameters()))
+        at = 0
+        for t in self._start_params:  # in place, element by element: the same bits
+            part = delta[at : at + t.numel()]
+            start = t.reshape(-1).to(delta.device, non_blocking=True).float()
+            torch.sub(start, part, out=part)
+            at += t.numel()
         if self.cfg.error_feedback:
-            delta += self._residual
+            add_from_host(delta, self._residual)
         return delta
 
     def encode_work(self) -> tuple[bytes, int | None]:
         delta = self.pseudo_gradient()
-        payload = self.codec.encode(delta)
-        if self.cfg.error_feedback:  # becomes the residual once the round accepts it
-            self._pending = delta - self.codec.decode(payload, device=delta.device)
+        if not self.cfg.error_feedback:
+            return self.codec.encode(delta), None
+        # what the codec dropped becomes the residual once the round accepts it
+        payload, decoded = self.codec.roundtrip(delta)
+        self._pending = moved_to(delta.sub_(decoded), self._ef_home, self.device)
         return payload, None
 
     def apply_round(

@@ -31,15 +31,16 @@ from covey.algorithms.aggregation import Aggregator
 from covey.algorithms.base import LossFn
 from covey.algorithms.codec_base import Codec
 from covey.algorithms.diloco import DiLoCo, outer_step
+from covey.algorithms.host_memory import pinned
 from covey.algorithms.state import Contribution, RoundError, TrainState
 from covey.algorithms.tensors import flatten
 from covey.config import StreamingDiLoCoConfig
 
 
-def _on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The tensors on `device` (the same objects where they already are). Host to device
-    without a synchronization: the merge runs inside an inner step (`merge_late`)."""
-    return {n: t.to(device, non_blocking=True) for n, t in tensors.items()}
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` (the same object where it already is). Host to device without a
+    synchronization: the merge runs inside an inner step (`merge_late`)."""
+    return t.to(device, non_blocking=True)
 
 
 def layer_key(name: str) -> str:
@@ -105,8 +106,13 @@ class StreamingDiLoCo(DiLoCo):
 
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
-        self._global = _on(state.params, self.device)
+        self._global = dict(zip(self.names, self._start_params or (), strict=True))
         self._round = state.round
+
+    def _global_of(self, state: TrainState) -> dict[str, torch.Tensor]:
+        """W_r's parameters where the state keeps them (on the host, pinned next to a GPU):
+        a merge or a contribution moves one fragment of them to the device."""
+        return {n: pinned(state.params[n], self.device) for n in self.names}
 
     def adopt(self, state: TrainState, accepted: bool = True) -> None:
         """Merge the fragment the last round synced; keep the rest of the local weights.
@@ -114,10 +120,10 @@ class StreamingDiLoCo(DiLoCo):
         fragment = self.fragments[self.fragment_of(state.round - 1)]
         alpha = self.cfg.mixing
         params = dict(self.model.named_parameters())
-        self._global = _on(state.params, self.device)
-        with torch.no_grad():
+        self._global = self._global_of(state)
+        with torch.no_grad():  # only the fragment's global weights move to the device
             for name in fragment:
-                params[name].mul_(alpha).add_(self._global[name], alpha=1 - alpha)
+                params[name].mul_(alpha).add_(_on(self._global[name], self.device), alpha=1 - alpha)
         self._round = state.round
         if self.cfg.inner_state == "reset":
             self.reset_inner_optimizer()
@@ -168,7 +174,8 @@ class StreamingDiLoCo(DiLoCo):
         p = self.fragment_of(self._round)
         names = self.fragments[p]
         local = dict(self.model.named_parameters())
-        delta = flatten([self._global[n] for n in names]) - flatten([local[n] for n in names])
+        start = flatten([_on(self._global[n], self.device) for n in names])
+        delta = start - flatten([local[n] for n in names])
         payload = self.codec.encode(delta)
         self._round += 1  # only once the fragment's bytes exist
         return payload, p

@@ -301,3 +301,33 @@ def run_hostsync_bench(
             }
         )
     return rows
+
+
+def time_commitment(numel: int = 4 << 20, repeats: int = 5) -> dict[str, Any]:
+    """Host milliseconds per commitment per 1M parameters (`commitment_of` of a local state
+    of `numel` parameters and AdamW's two moments, on the CPU): the first commitment of a
+    process (its hash tables made), the fastest of the next `repeats`, and of that the
+    SHA-256 `state_hash` alone (the fastest of `repeats`; the rest is the three sketches)."""
+    from covey.trust.sketch import commitment_of, state_hash
+
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(numel, generator=g)}
+    local = {"param/w": start["w"] + 1e-3}
+    local |= {"optim/w/exp_avg": start["w"] * 0.1, "optim/w/exp_avg_sq": start["w"].square()}
+
+    def seconds(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    first = seconds(lambda: commitment_of(local, start, 10))
+    whole = min(seconds(lambda: commitment_of(local, start, 10)) for _ in range(repeats))
+    hashing = min(seconds(lambda: state_hash(local)) for _ in range(repeats))
+    per_m = 1e3 / (numel / 1e6)
+    return {
+        "parameters_m": round(numel / 1e6, 3),
+        "first_ms_per_m": round(first * per_m, 3),
+        "ms_per_m": round(whole * per_m, 3),
+        "hash_ms_per_m": round(hashing * per_m, 3),
+        "sketch_ms_per_m": round(max(whole - hashing, 0.0) * per_m, 3),
+    }

@@ -19,6 +19,9 @@ def register(bench_app: Any) -> None:
     def bench_hostsync(
         model: Annotated[str, typer.Option(help="covey GPT size: nano micro mini small")] = "micro",
         steps: Annotated[int, typer.Option(min=1, help="inner steps timed per method")] = 12,
+        commit_params: Annotated[
+            int, typer.Option(min=1, help="parameters of the state a commitment is timed on")
+        ] = 4 << 20,
         json_path: Annotated[
             Path | None, typer.Option("--json", help="write the rows here")
         ] = None,
@@ -26,7 +29,9 @@ def register(bench_app: Any) -> None:
     ) -> None:
         """Per method (DDP, DiLoCo, Streaming DiLoCo, DeMo): host milliseconds per inner
         step per 1M parameters on this machine's CPU, and the device-to-host
-        synchronizations one inner step makes (counted on the meta device)."""
+        synchronizations one inner step makes (counted on the meta device); then host
+        milliseconds per commitment (hash and sketches of parameters and AdamW moments)
+        per 1M parameters."""
         say = bench_say(log_json, "hostsync")
         from covey.bench.hostsync import run_hostsync_bench  # torch: only when it runs
         from covey.models.gpt import GPT_SIZES
@@ -41,5 +46,13 @@ def register(bench_app: Any) -> None:
                 f"(fastest {r['fastest_ms_per_step_per_m']:.3f}; {r['parameters_m']}M), "
                 f"{r['syncs_per_step']:.2f} syncs/step"
             )
+        from covey.bench.hostsync import time_commitment
+
+        c = time_commitment(commit_params)
+        say(
+            f"commitment: {c['ms_per_m']:8.3f} host ms/1M params: sketches "
+            f"{c['sketch_ms_per_m']:.3f}, hash {c['hash_ms_per_m']:.3f} (first "
+            f"{c['first_ms_per_m']:.3f}, tables made; {c['parameters_m']}M params + 2 moments)"
+        )
         if json_path:
-            json_path.write_text(json.dumps(rows, indent=1) + "\n")
+            json_path.write_text(json.dumps({"methods": rows, "commitment": c}, indent=1) + "\n")

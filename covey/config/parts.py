@@ -271,11 +271,12 @@ class ChurnConfig(Frozen):
 
 
 class PeerConfig(Frozen):
-    """Where and how peers compute (covey/devices.py). `device` and `compile`
-    are each peer's own choice (a worker's --device overrides `device`); `precision` and
-    `verify_device` are the run's: every inner step runs in `precision`, and
-    contributions are re-executed on the `verify_device` class, so a validator on another
-    class refuses its checks rather than convict an honest peer for rounding."""
+    """Where and how peers compute (covey/devices.py). `device` is each peer's own choice
+    (a worker's --device overrides it); `verify_device`, `precision` and `compile` are the
+    run's, fixed together: every inner step runs in `precision` (compiled or not, as
+    re-execution needs all or none), and contributions are re-executed on the
+    `verify_device` class, so a validator on another class refuses its checks rather than
+    convict an honest peer for rounding."""
 
     device: str = Field(
         "auto",
@@ -289,8 +290,11 @@ class PeerConfig(Frozen):
         "verifies on cuda (the simulator: when it runs on CUDA), else fp32",
     )
     compile: bool = Field(False, description="torch.compile the inner step's forward pass")
-    verify_device: Literal["cpu", "cuda", "mps"] = Field(
-        "cpu", description="device class that re-executes contributions (validators, referee)"
+    verify_device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto",
+        description="device class that re-executes contributions (validators, referee) and "
+        "that honest workers train on; auto: cuda on a machine with a GPU, else cpu, fixed "
+        "when the spec is loaded from its file (covey.devices.plan_run_compute)",
     )
 
 

@@ -43,8 +43,14 @@ from covey.config.parts import (
 
 def _without_default_peer(model: SimConfig | RunConfig, dumped: dict[str, Any]) -> dict[str, Any]:
     """A spec's dump without a default [peer] table: specs written before the [peer] table
-    existed keep their hash, so their run ids and sim checkpoints."""
-    if dumped.get("peer") is not None and model.peer == type(model).model_fields["peer"].default:
+    existed keep their hash, so their run ids and sim checkpoints. The default's
+    verify_device "auto" fixed to "cpu" (covey.spec.fix_run_compute on a machine without a
+    GPU) is the default of before, so it is left out too."""
+    default = type(model).model_fields["peer"].default
+    if dumped.get("peer") is not None and model.peer in (
+        default,
+        default.model_copy(update={"verify_device": "cpu"}),
+    ):
         del dumped["peer"]
     return dumped
 

@@ -56,14 +56,19 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, nh, T, hs)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:
+            y = cache.attend(layer, q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
 
@@ -86,8 +91,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -119,16 +126,60 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) int64 token ids -> logits (B, T, vocab_size)."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx: (B, T) int64 token ids -> logits (B, T, vocab_size). With `cache`, idx are
+        the tokens at positions `cache.positions(T)` of each row (see `KVCache`)."""
         _, T = idx.shape
-        if self.cfg.block_size < T:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        if cache is None:
+            if self.cfg.block_size < T:
+                raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+            pos = torch.arange(T, device=idx.device)
+        else:
+            pos = cache.positions(T)  # (B, T)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache, i)
         return self.lm_head(self.ln_f(x))
+
+
+class KVCache:
+    """Keys and values of every layer for the positions a batch has seen, for incremental
+    decoding: buffers (B, nh, size, hs) per layer, and each row's next position `length`.
+
+    A forward with the cache writes the keys/values of its T tokens at positions
+    length .. length + T - 1 of each row and attends, for a query at position p, to the
+    slots <= p (causal by position), so a right-padded prefill followed by one token per
+    row at each row's own length is exact: a row's pads sit at slots above its real tokens
+    and are overwritten as it grows. The caller moves `length` on (`advance`)."""
+
+    def __init__(self, model: GPT, batch: int, size: int) -> None:
+        if size > model.cfg.block_size:
+            raise ValueError(f"cache of {size} positions exceeds block_size {model.cfg.block_size}")
+        p = next(model.parameters())
+        nh, hs = model.cfg.n_head, model.cfg.n_embd // model.cfg.n_head
+        self.keys = [p.new_zeros(batch, nh, size, hs) for _ in model.blocks]
+        self.values = [p.new_zeros(batch, nh, size, hs) for _ in model.blocks]
+        self.length = torch.zeros(batch, dtype=torch.long, device=p.device)
+        self._pos: torch.Tensor | None = None
+
+    def positions(self, T: int) -> torch.Tensor:
+        """(B, T) positions of the next T tokens of each row (kept for `attend`)."""
+        self._pos = self.length[:, None] + torch.arange(T, device=self.length.device)
+        return self._pos
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pos = self._pos
+        assert pos is not None, "positions() runs first (GPT.forward calls it)"
+        slots = pos[:, None, :, None].expand_as(k)  # (B, nh, T, hs)
+        keys = self.keys[layer].scatter_(2, slots, k)
+        values = self.values[layer].scatter_(2, slots, v)
+        reach = torch.arange(keys.shape[2], device=pos.device)
+        mask = (reach[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, size)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+    def advance(self, by: torch.Tensor | int) -> None:
+        """Move each row's next position on by `by` (per row, or all alike)."""
+        self.length += by
 
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,11 @@ from covey.config import RunConfig, run_id_of
 from covey.data.corpus import Corpus, load_corpus
 from covey.devices import (
     DeviceError,
+    RunCompute,
     device_name,
+    plan_run_compute,
     resolve_device,
     resolve_precision,
-    run_precision,
 )
 from covey.models.bundle import local_sources
 from covey.models.source import build_run_model
@@ -42,6 +43,7 @@ class RunSetup:
     run_id: str  # covey.config.run_id_of(spec, data fingerprint), recomputed here
     device: str = "cpu"  # covey.devices.device_name of where the strategy trains
     precision: str = "fp32"  # of its inner steps: the run's (covey.devices.run_precision)
+    compute: RunCompute | None = None  # what the run fixes: verify class, precision, compile
 
     @property
     def coordinator_key(self) -> str:
@@ -115,16 +117,16 @@ def set_up_run(
     # "auto" means the run's verify_device class: an honest peer must train on the class
     # its contributions are re-executed on, or rounding alone could start a dispute
     template = TrainState({n: p.detach().clone() for n, p in model.named_parameters()})
+    peer = cfg.peer
     try:
-        chosen = device or ("auto" if validating else cfg.peer.device)
-        where = resolve_device(cfg.peer.verify_device if chosen == "auto" else chosen)
-        precision = resolve_precision(
-            run_precision(cfg.peer.precision, cfg.peer.verify_device), where
-        )
+        compute = plan_run_compute(peer.verify_device, peer.precision, peer.compile)
+        chosen = device or ("auto" if validating else peer.device)
+        where = resolve_device(compute.verify_class if chosen == "auto" else chosen)
+        precision = resolve_precision(compute.precision, where)
     except DeviceError as e:
         raise RuntimeError(f"this machine cannot train as the run asks: {e}") from None
     strategy = build_strategy(cfg.algorithm, model.to(where), loss_fn, aggregator)
-    strategy.set_compute(precision, cfg.peer.compile)
+    strategy.set_compute(precision, compute.compile)
     blobs = BlobClient(
         timeout_s=limits.request_timeout_s,
         retries=limits.retries,
@@ -132,8 +134,9 @@ def set_up_run(
         max_bytes=limits.max_blob_bytes,
     )
     return RunSetup(
-        cfg, info, corpus, seq_len, strategy, template, blobs, served, device_name(where), precision
-    )
+        cfg, info, corpus, seq_len, strategy, template, blobs, served, device_name(where),
+        precision, compute,
+    )  # fmt: skip
 
 
 def fetch_state(

@@ -27,7 +27,7 @@ from typing import Any
 from covey.algorithms import TrainState
 from covey.blobs import BlobError, BlobStore
 from covey.data.batches import assignment_batches
-from covey.devices import verification_mismatch
+from covey.devices import peer_compute_line, verification_mismatch
 from covey.memory import bound_heap, shapes_only
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.heads import HeadKeeper
@@ -83,8 +83,11 @@ class Validator:
         )
         # re-execution on another device class or precision than the run's would
         # differ by more than rounding; refuse the checks (no verdict), never convict for it
+        assert run.compute is not None
+        log.info("[%s] %s", self.name, peer_compute_line(
+            "validator", run.strategy.device, run.precision, run.compute))  # fmt: skip
         refusal = verification_mismatch(
-            run.cfg.peer.verify_device, run.precision, run.strategy.device, run.precision
+            run.compute.verify_class, run.precision, run.strategy.device, run.precision
         )
         if refusal is not None:
             raise RuntimeError(f"refusing to validate: {refusal}")

@@ -45,6 +45,7 @@ from typing import Any
 
 from covey.algorithms import Contribution, TrainState
 from covey.blobs import BlobServer, BlobStore
+from covey.devices import peer_compute_line
 from covey.memory import bound_heap, shapes_only
 from covey.peer import group
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
@@ -136,10 +137,13 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
             replica = group.attach(run.strategy, self.group, self.opts.group)
             self.leader = group.Leader(run.strategy, self.group, replica)
         self.device = run.device  # its name, reported at join (covey.devices.device_name)
-        if run.device.split(":")[0] != run.cfg.peer.verify_device:
+        assert run.compute is not None
+        log.info("[%s] %s", self.name, peer_compute_line(
+            "worker", run.strategy.device, run.precision, run.compute))  # fmt: skip
+        if run.device.split(":")[0] != run.compute.verify_class:
             log.warning(
                 "[%s] training on %s; this run re-executes contributions on %s in %s",
-                self.name, run.device, run.cfg.peer.verify_device, run.precision,
+                self.name, run.device, run.compute.verify_class, run.precision,
             )  # fmt: skip
         self.cfg, self.corpus, self.seq_len = run.cfg, run.corpus, run.seq_len
         self.run_id, self.coordinator_key = run.run_id, run.coordinator_key

@@ -9,9 +9,18 @@ validator regenerates the noise of any position without the others.
 Works with covey's GPT (the hidden state is the output of `ln_f`, the input of the LM head)
 and with a Hugging Face causal LM (the input of its LM head: the final norm's output, which
 is transformers' `hidden_states[-1]`).
-No KV cache: each step reruns the prefix, which is the simple and exact choice for the
-small policies this runs on; the hidden state kept for position j is the one computed when
-j was the last position, as an incremental decoder would produce it.
+covey's GPT and Hugging Face causal LMs generate with their cache (covey/rl/decoding.py:
+covey GPT's `KVCache`, transformers' `past_key_values`): one prefill of the right-padded
+prompts, then one token per row per step. A duck-typed model without an output embedding
+reruns the prefix each step. Either way the hidden state kept for position j is the one
+computed when j was the last position, as an incremental decoder produces it.
+
+The noise is drawn on the host from the CPU generator seeded per (seed, position) (the
+same values on every machine: CUDA's generator streams differ from the CPU's), for all rows
+of a step at once, and crosses to the logits' device in one non-blocking copy from pinned
+memory; the argmax and log-softmax run there, and one list of token ids per step comes
+back. The tokens are today's for a given seed: the same noise, added to the same logits up
+to float rounding (tests/test_rl_cache.py compares generation with and without the cache).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import torch
 from torch import nn
 
 from covey.models.gpt import GPT
+from covey.rl.decoding import Decoder, decoder_for
 
 
 def _h64(*parts: object) -> int:
@@ -134,6 +144,12 @@ def generate_batch(
     if any(not p for p in prompts):
         raise ValueError("prompt_ids is empty")
     device = next(model.parameters()).device
+    size = max(len(p) for p in prompts) + max_new_tokens
+    decoder = decoder_for(model, len(prompts), size)
+    if decoder is not None:
+        return _generate_cached(
+            decoder, prompts, max_new_tokens, temperature, seeds, eos_id, device
+        )
     seqs = [list(p) for p in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -173,6 +189,90 @@ def generate_batch(
             )
         )
     return out
+
+
+def _step_noise(
+    seeds: list[int], position: int, rows: list[int], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """(len(rows), vocab) Gumbel noise of `position` for those rows, drawn on the host
+    (`gumbel_noise`'s values) and copied to `device` once, from pinned memory on CUDA."""
+    noise = torch.stack([gumbel_noise(seeds[r], position, vocab) for r in rows])
+    if device.type == "cuda":
+        return noise.pin_memory().to(device, non_blocking=True)
+    return noise.to(device)
+
+
+def _generate_cached(
+    decoder: Decoder,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seeds: list[int],
+    eos_id: int | None,
+    device: torch.device,
+) -> list[Generation]:
+    """`generate_batch` with the model's cache (covey/rl/decoding.py): a prefill of the
+    right-padded prompts, then every row's last token at its own position."""
+    n = len(prompts)
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
+    hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
+    live = list(range(n)) if max_new_tokens > 0 else []
+    moving = torch.ones(n, dtype=torch.bool, device=device)
+    for i in range(max_new_tokens + 1):
+        if not live:
+            break
+        longest = max(lengths[r] + len(tokens[r]) for r in live)
+        if decoder.max_positions is not None and longest > decoder.max_positions:
+            raise ValueError(  # as the model says without a cache
+                f"sequence length {longest} exceeds block_size {decoder.max_positions}"
+            )
+        if i == 0:
+            logits, h = decoder.prefill(ids, torch.tensor(lengths, device=device))
+        else:
+            logits, h = decoder.step(ids, moving)
+        sampling = []
+        for r in live:
+            if i > 0:  # hidden state of the previous generated token, now the last position
+                hidden[r].append(h[r])
+            if len(tokens[r]) < max_new_tokens and not (
+                eos_id is not None and tokens[r][-1:] == [eos_id]
+            ):
+                sampling.append(r)
+        if not sampling:
+            break
+        rows = torch.tensor(sampling, device=device)
+        scaled = logits[rows] / temperature
+        noise = _step_noise(seeds, i, sampling, scaled.shape[-1], device)
+        picked = torch.argmax(scaled + noise, dim=-1)
+        lp = torch.log_softmax(scaled, dim=-1).gather(1, picked[:, None])[:, 0]
+        for j, (r, tok) in enumerate(zip(sampling, picked.tolist(), strict=True)):  # the sync
+            logprobs[r].append(lp[j])
+            tokens[r].append(tok)
+        ids = torch.zeros(n, 1, dtype=torch.long, device=device)
+        ids[rows, 0] = picked
+        # the rows sampled now are fed next; the others are done and stay where they are
+        moving = torch.zeros(n, dtype=torch.bool, device=device)
+        moving[rows] = True
+        live = sampling  # one that just emitted eos stays for one pass: its last hidden state
+    return [_generation(tokens[r], logprobs[r], hidden[r], device) for r in range(n)]
+
+
+def _generation(
+    tokens: list[int],
+    logprobs: list[torch.Tensor],
+    hidden: list[torch.Tensor],
+    device: torch.device,
+) -> Generation:
+    d = hidden[0].numel() if hidden else 0
+    return Generation(
+        tokens=tokens,
+        logprobs=torch.stack(logprobs) if logprobs else torch.zeros(0, device=device),
+        hidden=torch.stack(hidden) if hidden else torch.zeros(0, d, device=device),
+    )
 
 
 @dataclass(frozen=True)

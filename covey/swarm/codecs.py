@@ -43,33 +43,54 @@ def int8_nbytes(shape: tuple[int, ...] | torch.Size, block: int = 64) -> int:
     return _HEAD.size + 4 * len(shape) + 4 * math.ceil(n / block) + n
 
 
+#: values quantized (or dequantized) at a time, a multiple of every block size: a tensor of
+#: any size is encoded on its device a chunk at a time, and only codes and scales cross
+CHUNK = 1 << 22
+
+
 def encode_int8(x: torch.Tensor, block: int = 64) -> bytes:
-    """Blockwise 8-bit encoding of a float tensor. ValueError for a block size not in
-    BLOCKS, more than MAX_NDIM dimensions, or non-finite values."""
+    """Blockwise 8-bit encoding of a float tensor, quantized on its own device `CHUNK`
+    values at a time (the bytes do not depend on the chunking: chunks hold whole blocks).
+    ValueError for a block size not in BLOCKS, more than MAX_NDIM dimensions, or
+    non-finite values."""
     if block not in BLOCKS:
         raise ValueError(f"block size {block} must be one of {BLOCKS}")
     if x.dim() > MAX_NDIM:
         raise ValueError(f"tensor of {x.dim()} dims exceeds {MAX_NDIM}")
-    flat = x.detach().to(torch.float32).reshape(-1).cpu()
-    if not bool(torch.isfinite(flat).all()):
-        raise ValueError("cannot encode a tensor with inf or nan")
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    step = max(CHUNK // block, 1) * block
+    scale_parts, code_parts = [], []
+    for at in range(0, n, step):
+        chunk = flat[at : at + step].to(torch.float32)
+        if not bool(torch.isfinite(chunk).all()):
+            raise ValueError("cannot encode a tensor with inf or nan")
+        scales, codes = _quantize_chunk(chunk, block)
+        scale_parts.append(scales.cpu().numpy().tobytes())
+        code_parts.append(codes.cpu().numpy().tobytes())
+    head = _HEAD.pack(MAGIC, VERSION, x.dim(), block)
+    shape = struct.pack(f"<{x.dim()}I", *x.shape)
+    return b"".join([head, shape, *scale_parts, *code_parts])
+
+
+def _quantize_chunk(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, int8 codes) of a flat float32 chunk, on its device."""
     n = flat.numel()
     nb = math.ceil(n / block)
-    padded = torch.zeros(nb * block, dtype=torch.float32)
-    padded[:n] = flat
-    blocks = padded.view(nb, block)
+    pad = nb * block - n
+    blocks = (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(nb, block)
     scales = blocks.abs().amax(dim=1) / 127.0
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-    head = _HEAD.pack(MAGIC, VERSION, x.dim(), block)
-    shape = struct.pack(f"<{x.dim()}I", *x.shape)
-    return head + shape + scales.numpy().tobytes() + codes.numpy().tobytes()
+    return scales, codes
 
 
-def decode_int8(data: bytes, *, max_numel: int = 1 << 28) -> torch.Tensor:
-    """The float32 tensor of an encode_int8 payload. CodecError on a wrong magic or
-    version, a block size not in BLOCKS, too many dims, more than `max_numel` values, a
-    length other than the exact size, non-finite or negative scales, or code -128."""
+def decode_int8(data: bytes, *, max_numel: int | None = None) -> torch.Tensor:
+    """The float32 tensor of an encode_int8 payload, dequantized `CHUNK` values at a time.
+    CodecError on a wrong magic or version, a block size not in BLOCKS, too many dims, more
+    than `max_numel` values (no bound but the payload's own length when None: each value
+    is one byte of it), a length other than the exact size, non-finite or negative scales,
+    or code -128."""
     if len(data) < _HEAD.size:
         raise CodecError(f"payload of {len(data)} bytes is shorter than the {_HEAD.size}-byte head")
     magic, version, ndim, block = _HEAD.unpack_from(data)
@@ -83,22 +104,31 @@ def decode_int8(data: bytes, *, max_numel: int = 1 << 28) -> torch.Tensor:
         raise CodecError(f"payload of {len(data)} bytes ends inside the shape")
     shape = struct.unpack_from(f"<{ndim}I", data, _HEAD.size)
     n = math.prod(shape)
-    if n > max_numel:
+    if max_numel is not None and n > max_numel:
         raise CodecError(f"shape {shape} has {n} values, more than max_numel {max_numel}")
     want = int8_nbytes(shape, block)
     if len(data) != want:
         raise CodecError(f"payload of {len(data)} bytes; shape {shape} block {block} needs {want}")
     nb = math.ceil(n / block)
     off = _HEAD.size + 4 * ndim
-    scales = torch.frombuffer(bytearray(data[off : off + 4 * nb]), dtype=torch.float32)
+    view = memoryview(data)
+    scales = torch.frombuffer(bytearray(view[off : off + 4 * nb]), dtype=torch.float32)
     if nb and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
         raise CodecError("scales must be finite and >= 0")
-    codes = torch.frombuffer(bytearray(data[off + 4 * nb :]), dtype=torch.int8)
-    if n and bool((codes == -128).any()):
-        raise CodecError("code -128 is never produced by the encoder")
-    padded = torch.zeros(nb * block, dtype=torch.float32)
-    padded[:n] = codes.to(torch.float32)
-    return (padded.view(nb, block) * scales[:, None]).reshape(-1)[:n].reshape(shape)
+    out = torch.empty(n, dtype=torch.float32)
+    step = max(CHUNK // block, 1) * block
+    for at in range(0, n, step):
+        m = min(step, n - at)
+        first = off + 4 * nb + at
+        codes = torch.frombuffer(bytearray(view[first : first + m]), dtype=torch.int8)
+        if bool((codes == -128).any()):
+            raise CodecError("code -128 is never produced by the encoder")
+        mb = math.ceil(m / block)
+        padded = torch.zeros(mb * block, dtype=torch.float32)
+        padded[:m] = codes
+        chunk_scales = scales[at // block : at // block + mb]
+        out[at : at + m] = (padded.view(mb, block) * chunk_scales[:, None]).reshape(-1)[:m]
+    return out.reshape(shape)
 
 
 class SubspaceCodec:

@@ -91,10 +91,11 @@ def _encode_grad(cfg: SwarmConfig, g: torch.Tensor) -> bytes:
 def forward(cfg: SwarmConfig, k: int, stage: Stage, body: bytes) -> bytes:
     (data,) = unpack(body, 1)
     x, ids = _stage_input(cfg, k, stage, data)
-    out = stage.forward(x.to(_device(stage))).cpu()  # computed on the device, sent from here
+    # computed on the device; int8 is encoded there a chunk at a time (only codes cross)
+    out = stage.forward(x.to(_device(stage)))
     if cfg.codec == "subspace" and not stage.last:
         assert ids is not None
-        payload = subspace.encode_payload(ids, subspace.for_run(cfg).to_coeffs(out, ids))
+        payload = subspace.encode_payload(ids, subspace.for_run(cfg).to_coeffs(out.cpu(), ids))
     else:
         payload = encode_tensor(out, "plain" if cfg.codec == "subspace" else cfg.codec)
     return pack(payload, json.dumps({"loss": None, "sketch": []}).encode())
@@ -122,7 +123,7 @@ def backward(cfg: SwarmConfig, k: int, stage: Stage, body: bytes) -> bytes:
             raise WireError(f"grad_output {tuple(g.shape)} does not fit input {tuple(x.shape)}")
         grad = stage.backward(x.to(_device(stage)), g.to(_device(stage)))
     meta = {"loss": loss, "sketch": stage.last_sketch}
-    out = b"" if grad is None else _encode_grad(cfg, grad.cpu())
+    out = b"" if grad is None else _encode_grad(cfg, grad)
     return pack(out, json.dumps(meta).encode())
 
 

@@ -33,20 +33,12 @@ import numpy as np
 import torch
 
 from covey.memory import all_finite
+from covey.trust import sketch_hashing
 
 BUCKETS = 64
 SEED = 0x636F766579  # "covey": offsets the coordinate index before mixing
 TINY = 1e-30  # below any float32 norm that matters; keeps 0 / 0 at 0
 HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer on uint64 (wrapping arithmetic): a bijective integer hash."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 #: vectors longer than this are sketched a block of coordinates at a time (a
@@ -56,14 +48,16 @@ _BLOCK = 1 << 20
 
 @functools.lru_cache(maxsize=8)
 def _hashing(length: int, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bucket index int64, sign float64) for coordinates 0..length-1; cached per length."""
+    """(bucket index int64, sign float64) for coordinates 0..length-1 (numpy; the
+    definition `sketch_hashing` computes in torch, kept as the tests' reference)."""
     return _hashing_at(0, length, buckets)
 
 
 def _hashing_at(start: int, length: int, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(bucket index int64, sign float64) for coordinates start..start+length-1."""
     with np.errstate(over="ignore"):
-        h = _splitmix64(np.arange(start, start + length, dtype=np.uint64) + np.uint64(SEED))
+        coordinates = np.arange(start, start + length, dtype=np.uint64)
+        h = sketch_hashing.splitmix64_np(coordinates + np.uint64(SEED))
     index = torch.from_numpy(((h >> np.uint64(1)) % np.uint64(buckets)).astype(np.int64))
     sign = torch.from_numpy(1.0 - 2.0 * (h & np.uint64(1)).astype(np.float64))
     return index, sign
@@ -73,26 +67,32 @@ def sketch_parts(parts: Iterable[torch.Tensor], buckets: int = BUCKETS) -> torch
     """`sketch(torch.cat(parts))`, the same bits, without concatenating: each flat part is
     added at its offset a block of coordinates at a time, in coordinate order (the order in
     which `index_add_` adds), so memory stays at one block beyond the part in hand. `parts`
-    may be a generator: each part can be dropped once added."""
+    may be a generator: each part can be dropped once added.
+
+    The sums are made on the parts' device (the first part's; the others are moved there)
+    with the hash tables cached on it (covey/trust/sketch_hashing.py); only the `buckets`
+    sums cross to the host. On the CPU the bits are those of `_hashing_at`'s numpy tables
+    added in coordinate order. A CUDA device adds a bucket's terms with atomics, in an order
+    of its own: the sums there agree with the host's to float64 rounding (about 1e-16
+    relative), which the tolerance sketches are compared with (`distance`) does not see."""
     if buckets < 1:
         raise ValueError(f"buckets must be >= 1, got {buckets}")
-    out = torch.zeros(buckets, dtype=torch.float64)
+    out: torch.Tensor | None = None
     offset = 0
     for part in parts:
         if part.dim() != 1:
             raise ValueError(f"sketch takes flat vectors, got shape {tuple(part.shape)}")
-        flat = part.detach()
+        if out is None:
+            out = torch.zeros(buckets, dtype=torch.float64, device=part.device)
+        flat = part.detach().to(out.device)
         for start in range(0, flat.numel(), _BLOCK):
             piece = flat[start : start + _BLOCK]
-            at = offset + start
-            index, sign = (
-                _hashing(piece.numel(), buckets)  # the common case, cached: a whole small vector
-                if at == 0
-                else _hashing_at(at, piece.numel(), buckets)
+            index, sign = sketch_hashing.table(
+                offset + start, piece.numel(), buckets, SEED, out.device
             )
-            out.index_add_(0, index, piece.to("cpu", torch.float64) * sign)  # any device
+            out.index_add_(0, index, (piece * sign).to(torch.float64))  # x * (+-1): exact
         offset += flat.numel()
-    return out
+    return torch.zeros(buckets, dtype=torch.float64) if out is None else out.cpu()
 
 
 def sketch(vec: torch.Tensor, buckets: int = BUCKETS) -> torch.Tensor:
@@ -204,10 +204,12 @@ def commitment_of(
         now, start = local[f"param/{n}"], start_params[n]
         if now.shape != start.shape:
             raise ValueError(f"param/{n}: shape {tuple(now.shape)}, start {tuple(start.shape)}")
-    # one parameter's delta at a time: never a model-sized copy (sketch_parts' bits)
+    # one parameter's delta at a time, on the local state's device (a float32
+    # subtraction rounds alike everywhere): never a model-sized copy (sketch_parts' bits)
     deltas = (
         (
-            local[f"param/{n}"].detach().float().cpu() - start_params[n].detach().float().cpu()
+            local[f"param/{n}"].detach().float()
+            - start_params[n].detach().float().to(local[f"param/{n}"].device)
         ).reshape(-1)
         for n in names
     )
