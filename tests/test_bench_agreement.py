@@ -73,6 +73,7 @@ def test_rows_judge_the_tail_mean_and_say_whether_round_0_matched() -> None:
 
 
 @pytest.mark.network
+@pytest.mark.long  # the spec and batches it rests on are checked by default above
 def test_a_toy_run_end_to_end_on_the_simulators_batches(tmp_path: Path) -> None:
     """Warm start, simulation and a network run of 2 workers; then again --from the first
     directory, which reuses its simulation."""

@@ -220,6 +220,7 @@ def test_coordinator_sigkill_and_restart_resumes(tmp_path: Path) -> None:
     assert "resumed run" in log
 
 
+@pytest.mark.long  # the budget is pure: tests/test_protocol.py checks it by default
 def test_slow_peer_gets_a_smaller_budget_and_weighs_its_tokens(tmp_path: Path) -> None:
     spec = tmp_path / "run.toml"
     text = SPEC.format(name="hetero", inner_steps=40, deadline_min_s=4)
