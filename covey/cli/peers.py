@@ -8,7 +8,10 @@ from typing import Annotated
 import typer
 
 from covey.cli.common import (
+    BLOBS_OPTION,
+    DB_OPTION,
     DEVICE_HELP,
+    KEY_OPTION,
     LOG_JSON,
     LOG_TO,
     RUN_ID_OPTION,
@@ -47,10 +50,14 @@ def coordinator(
     ] = None,
     set_: Annotated[list[str] | None, SET] = None,
     wandb_project: Annotated[str | None, WANDB_PROJECT] = None,
+    db: Annotated[str | None, DB_OPTION] = None,
+    blobs: Annotated[str | None, BLOBS_OPTION] = None,
+    key: Annotated[Path | None, KEY_OPTION] = None,
 ) -> None:
     """Serve a training run: membership, rounds, blobs, checkpoints and the status page.
 
-    Killed and restarted on the same --data-dir, it resumes from the last committed round."""
+    Killed and restarted on the same --data-dir, it resumes from the last committed round;
+    with --db, --blobs and --key, on any --data-dir (docs/operations.md)."""
     from covey.config import load_run_config
 
     cfg = load_config(config, {}, load_run_config, set_)
@@ -65,9 +72,11 @@ def coordinator(
     guard(lambda: check_data_dir(data_dir))  # a damaged database or state: refused
     from covey.coordinator.app import serve
     from covey.coordinator.service import Coordinator
+    from covey.coordinator.storage import Storage
 
     try:
-        coord = Coordinator(cfg, data_dir, threads=threads, device=device)
+        storage = Storage(db=db, blobs=blobs, key=key)
+        coord = Coordinator(cfg, data_dir, threads=threads, device=device, storage=storage)
     except ValueError as e:
         raise fail(str(e)) from None
     # the run id covers the coordinator's key: it is what peers are told to trust

@@ -19,11 +19,17 @@ from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import (
+    FileResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from covey.blobs import BlobError, RangeNotSatisfiable, parse_range
+from covey.blobs import BlobError, RangeNotSatisfiable, S3BlobStore, parse_range
 from covey.protocol import schemas
 
 from .fastpaths import MAX_ROUND_WAIT_S, ClientGone, FastPaths, hold_round_poll, unless_gone
@@ -280,9 +286,13 @@ def create_app(coord: Coordinator, *, fast_paths: bool = True) -> FastAPI:
     )
     def get_blob(cid: str, request: Request) -> Response:
         """Blob bytes; a single `Range: bytes=a-b` gives 206 with that slice (streamed from
-        disk, never read whole into memory)."""
+        disk, never read whole into memory). With blobs in an object store, a GET is a 307
+        to a presigned URL there (the Range goes along)."""
         if not coord.blobs.has(cid):
             raise Rejected(404, f"no blob {cid[:80]!r}")
+        if isinstance(coord.blobs, S3BlobStore) and request.method == "GET":
+            # the bytes come from the object store, not through this process
+            return RedirectResponse(coord.blobs.presigned_url(cid), 307)
         size = coord.blobs.size(cid)
         try:
             byte_range = parse_range(request.headers.get("range"), size)

@@ -32,6 +32,7 @@ from .host import Host, RunTerms
 from .liveness import Liveness
 from .model import build_model
 from .rounds import Rounds
+from .storage import Storage
 from .uploads import Blobs, blob_sizes
 from .verification import Verification
 from .views import CommitSignal, OpenRound
@@ -47,10 +48,12 @@ class Coordinator:
         *,
         threads: int | None = None,
         device: str | None = None,
+        storage: Storage = Storage(),  # noqa: B008 -- frozen
     ) -> None:
-        """Open (or create) the run in `data_dir`. ValueError if the spec names another
-        coordinator key, or `data_dir` holds another run; DeviceError (a ValueError) for a
-        bad `device`, where the referee recomputes (default: the run's verify_device)."""
+        """Open (or create) the run in `data_dir` (and `storage`, covey.coordinator.storage).
+        ValueError if the spec names another coordinator key, or `data_dir` holds another
+        run; DeviceError (a ValueError) for a bad `device`, where the referee recomputes
+        (default: the run's verify_device)."""
         self.data_dir = data_dir
         if threads:
             torch.set_num_threads(threads)
@@ -76,6 +79,7 @@ class Coordinator:
             position=lambda: self.rounds.state.round,
             effect=lambda: self.rounds.abort_if_open(),
             written=lambda: self.rounds.commits.notify(),  # round long-polls learn at once
+            storage=storage,
         )
         cfg = self.cfg
         (data_dir / "checkpoints").mkdir(exist_ok=True)

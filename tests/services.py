@@ -1,0 +1,112 @@
+"""Real infrastructure for the tests, started from packages on the package index: a
+PostgreSQL server (pgserver bundles its binaries) and an S3-compatible HTTP server (moto's,
+a separate process on 127.0.0.1). One of each per test session (tests/conftest.py); each
+test gets its own database and its own bucket. Where a server cannot start here, the tests
+that need it skip with the reason."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_names = itertools.count()
+
+
+class Postgres:
+    """A PostgreSQL server in `root` (its data directory and Unix socket); `database()`
+    creates an empty database and returns its URL."""
+
+    def __init__(self) -> None:
+        import pgserver
+
+        # its own directory, readable by the user the server runs as (pgserver runs it as
+        # an unprivileged user when we are root; pytest's directories are private)
+        self.root = Path(tempfile.mkdtemp(prefix="covey-pg-"))
+        self.root.chmod(0o755)
+        self._server = pgserver.get_server(self.root, cleanup_mode="stop")
+
+    def database(self, name: str | None = None) -> str:
+        name = name or f"covey_{os.getpid()}_{next(_names)}"
+        self._server.psql(f"CREATE DATABASE {name};")
+        return str(self._server.get_uri(name))
+
+    def stop(self) -> None:
+        # sessions a test left open would hold up the shutdown
+        self._server.psql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND datname IS NOT NULL;"
+        )
+        self._server.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class S3Server:
+    """moto's S3-compatible server as its own process on 127.0.0.1; `env` is what a
+    client needs (AWS_ENDPOINT_URL and made-up credentials); `bucket()` creates one."""
+
+    def __init__(self, log: Path, timeout_s: float = 60.0) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": "covey-test",
+            "AWS_SECRET_ACCESS_KEY": "covey-test-secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        self._log = log.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited ({self.proc.returncode}); see {log}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"moto_server did not listen on {port} within {timeout_s} s")
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            region_name=self.env["AWS_DEFAULT_REGION"],
+        )
+
+    def bucket(self) -> str:
+        name = f"covey-{os.getpid()}-{next(_names)}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
