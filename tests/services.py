@@ -67,6 +67,7 @@ class S3Server:
             "AWS_SECRET_ACCESS_KEY": "covey-test-secret",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
+        self.log_path = log  # moto logs each request: presigned GETs carry X-Amz-Signature
         self._log = log.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -20,7 +20,7 @@ from covey.coordinator.storage import Storage
 from covey.trust import ledger
 from covey.trust.identity import Identity
 from covey.trust.incentives import Policy
-from tests.services import Postgres
+from tests.services import Postgres, S3Server
 from tests.test_host import check_peers_repository
 from tests.test_migrations import V1_SCHEMA
 
@@ -171,27 +171,39 @@ def test_the_host_on_postgres_with_an_outside_key(postgres: Postgres, tmp_path: 
 
 
 def test_a_rounds_coordinator_resumes_on_an_empty_data_dir(
-    postgres: Postgres, tmp_path: Path
+    postgres: Postgres, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The default suite's run of the real path (the end-to-end one with processes and a
+    SIGKILL is tests/test_s3.py's, marked long): a rounds coordinator on PostgreSQL and
+    S3 creates its run, and another on an empty data dir, with the same key, resumes it;
+    its blob route sends a GET to the object store."""
+    from starlette.testclient import TestClient
+
+    from covey.coordinator.app import create_app
     from covey.coordinator.service import Coordinator
 
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC)
-    storage = Storage(db=postgres.database(), key=tmp_path / "coordinator.key")
+    storage = Storage(
+        db=postgres.database(), blobs=f"s3://{s3.bucket()}/r", key=tmp_path / "coordinator.key"
+    )
     first = Coordinator(load_run_config(spec), tmp_path / "a", storage=storage)
     run_id, state = first.run_id, first.rounds.state_cid
     n = len(first.accounts.entries(0, 100))
     first.stop()
     assert n >= 1
-    # its blobs are on the first data dir's disk (no --blobs): carry the state blob over,
-    # as an S3 bucket would (tests/test_s3.py runs it with one)
-    (tmp_path / "b" / "blobs" / state[:2]).mkdir(parents=True)
-    src = tmp_path / "a" / "blobs" / state[:2] / state
-    (tmp_path / "b" / "blobs" / state[:2] / state).write_bytes(src.read_bytes())
     again = Coordinator(load_run_config(spec), tmp_path / "b", storage=storage)
     try:
         assert again.run_id == run_id and again.rounds.state_cid == state
         assert len(again.accounts.entries(0, 100)) == n  # resumed: nothing re-created
         assert again.accounts.find("run created", run_id=run_id) is not None
+        http = TestClient(create_app(again), follow_redirects=False)
+        got = http.get(f"/v1/blobs/{state}")
+        assert got.status_code == 307 and got.headers["location"].startswith(s3.url)
+        head = http.head(f"/v1/blobs/{state}")  # sizes are answered here
+        assert head.status_code == 200 and int(head.headers["content-length"]) > 0
+        assert http.get(f"/v1/blobs/{'0' * 64}").status_code == 404
     finally:
         again.stop()

@@ -55,7 +55,10 @@ class S3BlobStore(BlobStore):
             raise ValueError("--blobs s3://... needs boto3: pip install 'covey[scale]'") from e
         super().__init__(root, max_blob_bytes)
         self._errors = (BotoCoreError, ClientError)
-        self._s3: Any = boto3.client("s3")
+        from botocore.config import Config
+
+        # SigV4 presigned URLs: what every region and S3-compatible store accepts
+        self._s3: Any = boto3.client("s3", config=Config(signature_version="s3v4"))
         self._sizes: dict[str, int] = {}  # cid -> its size in the bucket (immutable: kept)
         self._lock = threading.Lock()
         try:
