@@ -207,3 +207,45 @@ def test_a_rounds_coordinator_resumes_on_an_empty_data_dir(
         assert http.get(f"/v1/blobs/{'0' * 64}").status_code == 404
     finally:
         again.stop()
+
+
+def test_the_swarm_mode_runs_on_postgres(postgres: Postgres, tmp_path: Path) -> None:
+    """--db on the SWARM coordinator: it creates its run there and, on a new data dir
+    with its key given, opens the same run again."""
+    from covey.swarm.config import SwarmConfig
+    from covey.swarm.service import SwarmCoordinator
+
+    storage = Storage(db=postgres.database(), key=tmp_path / "swarm.key")
+    cfg = SwarmConfig(n_layer=2, n_embd=16, n_head=2, seq_len=8)
+    coord = SwarmCoordinator(cfg, tmp_path / "s1", storage=storage)
+    entries = len(coord.accounts.entries(0, 100))
+    coord.stop()
+    reopened = SwarmCoordinator(cfg, tmp_path / "s2", storage=storage)
+    try:
+        assert reopened.run_id == cfg.run_id and len(reopened.accounts.entries(0, 100)) == entries
+        assert entries >= 1 and not (tmp_path / "s2" / "swarm.db").exists()
+    finally:
+        reopened.stop()
+
+
+@pytest.mark.long  # a rollout batch is generated: ~10 s here
+def test_the_rl_mode_steps_on_postgres(postgres: Postgres, tmp_path: Path) -> None:
+    """--db on the RL trainer: it takes a verified batch, steps, and resumes from the
+    database."""
+    from covey.rl.trainer import Trainer
+    from tests.test_rl_moments import SPEC as RL_SPEC
+    from tests.test_rl_moments import _accept, _batch
+
+    storage = Storage(db=postgres.database(), key=tmp_path / "rl.key")
+    t = Trainer(tmp_path / "rl", spec=RL_SPEC, policy_dir="covey:nano", storage=storage)
+    _accept(t, _batch(t, 0, "w1"))
+    assert t.step_if_ready() is not None and t.version == 1
+    run_id = t.run_id
+    t.stop()
+    # its policy blobs and moments are on this dir's disk (no --blobs): the same dir
+    again = Trainer(tmp_path / "rl", storage=storage)
+    assert again.run_id == run_id and again.version == 1
+    rows = again.db.query("SELECT status, COUNT(*) AS n FROM rl_batches GROUP BY status")
+    assert {r["status"]: r["n"] for r in rows} == {"consumed": 1}
+    assert not (tmp_path / "rl" / "coordinator.db").exists()
+    again.stop()
