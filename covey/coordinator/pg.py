@@ -163,10 +163,20 @@ class PgConnection:
         return result
 
     def executemany(self, sql: str, seq: Sequence[Sequence[Any]]) -> Result:
-        total = 0
-        for args in seq:
-            total += max(self.execute(sql, args).rowcount, 0)
-        return Result([], total, None)
+        st = dialect.translate(sql, True)
+        if st.replace_table is not None or st.limit_args or st.json_args:
+            total = 0
+            for args in seq:  # statements that need their arguments looked at, one by one
+                total += max(self.execute(sql, args).rowcount, 0)
+            return Result([], total, None)
+        import psycopg
+
+        try:  # one round of the pipeline for every row (no lastrowid here, as in sqlite3)
+            with self._conn.cursor() as cur:
+                cur.executemany(st.sql, [[_arg(a) for a in args] for args in seq])
+                return Result([], cur.rowcount, None)
+        except psycopg.Error as e:
+            raise _mapped(e) from e
 
     def executescript(self, script: str) -> None:
         for statement in dialect.split_script(script):
