@@ -83,7 +83,7 @@ def _copy(src: Database, dst: Database, progress: Callable[[str], None]) -> Move
     ).fetchall()
     moved = Moved()
     with dst.transaction() as c:
-        for name, sql in tables:
+        for _, sql in tables:
             c.execute(ddl(sql.replace("CREATE TABLE ", "CREATE TABLE IF NOT EXISTS ", 1)))
         for (sql,) in indexes:
             c.execute(sql.replace("CREATE INDEX ", "CREATE INDEX IF NOT EXISTS ", 1))
