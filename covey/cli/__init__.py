@@ -40,8 +40,8 @@ register_rl(app)  # rl trainer, worker, validator, demo
 import covey.cli.run  # noqa: E402, I001
 import covey.cli.demo  # noqa: E402
 import covey.cli.peers  # noqa: E402
-import covey.cli.bench  # noqa: E402,F401
-import covey.cli.database  # noqa: E402
+import covey.cli.bench  # noqa: E402
+import covey.cli.database  # noqa: E402,F401
 from covey.cli.halt import register as register_halt  # noqa: E402
 
 register_halt(app)  # covey halt, in every coordinator mode
