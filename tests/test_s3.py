@@ -189,3 +189,29 @@ def test_a_run_on_postgres_and_s3_survives_sigkill_onto_an_empty_data_dir(
     assert not (tmp_path / "fresh-data-dir" / "coordinator.db").exists()
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     assert "resumed run" in log
+
+
+def test_the_scale_compose_file_passes_flags_the_cli_has() -> None:
+    """compose.scale.yaml (no container runtime here to run it): PostgreSQL, MinIO with
+    its bucket, and a coordinator given both, every flag one `covey coordinator` has."""
+    yaml = pytest.importorskip("yaml")
+    from typer.main import get_command
+
+    from covey.cli import app
+
+    root = Path(__file__).resolve().parents[1]
+    services = yaml.safe_load((root / "compose.scale.yaml").read_text())["services"]
+    command = services["coordinator"]["command"]
+    flags = dict(f.split("=", 1) for f in command if f.startswith("--"))
+    env = services["postgres"]["environment"]
+    assert flags["--db"] == (
+        f"postgresql://{env['POSTGRES_USER']}:{env['POSTGRES_PASSWORD']}@postgres/"
+        f"{env['POSTGRES_DB']}"
+    )
+    bucket = parse_url(flags["--blobs"])[0]
+    assert f"local/{bucket}" in services["make-bucket"]["entrypoint"][-1]
+    assert services["coordinator"]["environment"]["AWS_ENDPOINT_URL"] == "http://minio:9000"
+    assert (root / command[1].replace("/configs/", "configs/")).is_file()
+    known = {opt for p in get_command(app).commands["coordinator"].params for opt in p.opts}  # type: ignore[attr-defined]
+    assert set(flags) <= known, set(flags) - known
+    assert 'ARG EXTRAS=""' in (root / "Dockerfile").read_text()
