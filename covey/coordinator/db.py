@@ -248,7 +248,13 @@ def _prepare_pg(conn: PgConnection) -> int:
 class Database:
     """A thread-safe handle: one connection, serialized by a lock. The coordinator's
     handlers are short; the heavy work (the outer step, evaluation) runs outside it.
-    Opening creates, migrates or refuses the schema (`prepare`; `SchemaError`)."""
+    Opening creates, migrates or refuses the schema (`prepare`; `SchemaError`).
+
+    On PostgreSQL (a `postgresql://` URL) the writer's connection is the same, but a read
+    outside a transaction of its own thread goes over a connection of that thread: a round
+    trip to the server is not a function call, and reads queued behind one lock would
+    stall every request. Like any read outside a transaction it sees the last committed
+    state."""
 
     def __init__(self, path: Path | str) -> None:
         if is_url(path):
@@ -285,24 +291,48 @@ class Database:
             raise
         self.lock = threading.RLock()
         self._read_lock = threading.Lock()
+        # reads outside a transaction go to a connection of the reading thread's own, so
+        # they neither queue behind each other's round trips nor behind a writer
+        self._local = threading.local()
+        self._readers: list[PgConnection] = []
 
     @property
     def is_postgres(self) -> bool:
         return self.url is not None
+
+    def _own(self) -> Any:
+        """On PostgreSQL outside a transaction of this thread: this thread's connection;
+        else None (the writer's, under the lock, as on SQLite)."""
+        if self.url is None or getattr(self._local, "depth", 0):
+            return None
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = PgConnection(self.url)
+            with self._read_lock:
+                self._readers.append(conn)
+        return conn
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception."""
         with self.lock:
             self._conn.execute("BEGIN IMMEDIATE")
+            local = getattr(self, "_local", None)
+            if local is not None:  # PostgreSQL: this thread's reads see its writes
+                local.depth = getattr(local, "depth", 0) + 1
             try:
                 yield self._conn
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
+            finally:
+                if local is not None:
+                    local.depth -= 1
             self._conn.execute("COMMIT")
 
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        if (own := self._own()) is not None:
+            return own.execute(sql, args).fetchall()  # type: ignore[no-any-return]
         with self.lock:
             return self._conn.execute(sql, args).fetchall()
 
@@ -314,11 +344,15 @@ class Database:
         """The first row of a query against the last committed state, on the reading
         connection: it never waits for a writer's transaction. Not for code inside a
         transaction that must see its own uncommitted writes (use `one`)."""
+        if (own := self._own()) is not None:
+            return own.execute(sql, args).fetchone()  # type: ignore[no-any-return]
         with self._read_lock:
             return self._reader.execute(sql, args).fetchone()
 
     def read_all(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         """`read_one`, every row."""
+        if (own := self._own()) is not None:
+            return own.execute(sql, args).fetchall()  # type: ignore[no-any-return]
         with self._read_lock:
             return self._reader.execute(sql, args).fetchall()
 
@@ -336,3 +370,5 @@ class Database:
         with self.lock, self._read_lock:
             self._conn.close()
             self._reader.close()
+            for conn in getattr(self, "_readers", ()):
+                conn.close()
