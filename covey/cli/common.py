@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from covey.config import load_sim_config
-from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP
+from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP, REPLICA_HELP
 from covey.errors import UserError, check_coordinator, check_data_paths
 from covey.spec import SET_HELP
 
@@ -35,6 +35,7 @@ RUN_ID_OPTION = typer.Option(
 DB_OPTION = typer.Option("--db", help=DB_HELP)
 BLOBS_OPTION = typer.Option("--blobs", help=BLOBS_HELP)
 KEY_OPTION = typer.Option("--key", help=KEY_HELP)
+REPLICA_OPTION = typer.Option("--replica", help=REPLICA_HELP)
 DEBUG = False  # set by `covey --debug`: errors a person can act on also show their traceback
 
 

@@ -24,9 +24,7 @@ def migrate(
     data_dir: Annotated[
         Path, typer.Argument(help="the coordinator's data dir (stopped)", show_default=False)
     ],
-    to: Annotated[
-        str, typer.Option("--to", help="an empty PostgreSQL database: postgresql://...")
-    ],
+    to: Annotated[str, typer.Option("--to", help="an empty PostgreSQL database: postgresql://...")],
     blobs: Annotated[
         str | None,
         typer.Option(help="also copy the data dir's blobs to s3://bucket/prefix"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -14,6 +14,7 @@ from covey.cli.common import (
     KEY_OPTION,
     LOG_JSON,
     LOG_TO,
+    REPLICA_OPTION,
     RUN_ID_OPTION,
     SET,
     WANDB_PROJECT,
@@ -27,6 +28,8 @@ from covey.cli.common import (
     setup_logs,
 )
 from covey.cli.root import app
+
+LEASE_TTL_S = 4.0  # a replica's lease: a dead leader is replaced within this and a start-up
 
 
 @app.command()
@@ -53,6 +56,7 @@ def coordinator(
     db: Annotated[str | None, DB_OPTION] = None,
     blobs: Annotated[str | None, BLOBS_OPTION] = None,
     key: Annotated[Path | None, KEY_OPTION] = None,
+    replica: Annotated[bool, REPLICA_OPTION] = False,
 ) -> None:
     """Serve a training run: membership, rounds, blobs, checkpoints and the status page.
 
@@ -74,8 +78,11 @@ def coordinator(
     from covey.coordinator.service import Coordinator
     from covey.coordinator.storage import Storage
 
+    fence = None
+    if replica:
+        fence = _lead(db, key, port)
     try:
-        storage = Storage(db=db, blobs=blobs, key=key)
+        storage = Storage(db=db, blobs=blobs, key=key, fence=fence)
         coord = Coordinator(cfg, data_dir, threads=threads, device=device, storage=storage)
     except ValueError as e:
         raise fail(str(e)) from None
@@ -100,6 +107,30 @@ def coordinator(
     finally:
         stop.set()
         follower.join(timeout=10)
+
+
+def _lead(db: str | None, key: Path | None, port: int) -> Any:
+    """A replica: wait for the run's lease, keep it, exit the process (code 3) when it is
+    lost; the lease's fence for the coordinator's database."""
+    import os
+    import socket
+
+    from covey.coordinator.lease import lead
+
+    if db is None or key is None:
+        raise fail("--replica needs --db postgresql://... and --key: every replica serves one run")
+    holder = f"{socket.gethostname()}:{port}:{os.getpid()}"
+
+    def lost() -> None:
+        typer.secho(f"replica {holder}: lost the run's lease; exiting", err=True)
+        os._exit(3)  # no more writes from here: another replica drives the run
+
+    typer.echo(f"replica {holder}: waiting for the run's lease")
+    try:
+        lease, _ = lead(db, holder, LEASE_TTL_S, lost)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    return lease.fence
 
 
 @app.command()

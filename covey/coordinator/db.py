@@ -256,6 +256,10 @@ class Database:
     stall every request. Like any read outside a transaction it sees the last committed
     state."""
 
+    # called inside every writing transaction, under the write lock: a replica's lease
+    # check (covey.coordinator.lease.Lease.fence); raising rolls the transaction back
+    fence: Callable[[Any], None] | None = None
+
     def __init__(self, path: Path | str) -> None:
         if is_url(path):
             self._open_pg(str(path))
@@ -317,6 +321,12 @@ class Database:
         """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception."""
         with self.lock:
             self._conn.execute("BEGIN IMMEDIATE")
+            if self.fence is not None:  # a replica: write only while holding the lease
+                try:
+                    self.fence(self._conn)
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
             local = getattr(self, "_local", None)
             if local is not None:  # PostgreSQL: this thread's reads see its writes
                 local.depth = getattr(local, "depth", 0) + 1

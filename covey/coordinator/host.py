@@ -89,6 +89,7 @@ class Host:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.load_or_create(storage.key or data_dir / key_file)
         self.db = Database(storage.db or data_dir / db_file)
+        self.db.fence = storage.fence
         try:
             self.terms = run = terms(self.identity, self.db)
             known = self.db.get_meta("run_id")

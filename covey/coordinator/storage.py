@@ -3,8 +3,10 @@ key (docs/operations.md). Light on purpose: every mode's command line imports it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DB_HELP = (
     "the run's database: postgresql://user:password@host/dbname (needs covey[scale]); "
@@ -13,6 +15,10 @@ DB_HELP = (
 BLOBS_HELP = (
     "where blobs live: s3://bucket/prefix (endpoint and credentials: AWS_ENDPOINT_URL, "
     "AWS_ACCESS_KEY_ID, ... or AWS_PROFILE; needs covey[scale]); default: --data-dir"
+)
+REPLICA_HELP = (
+    "one of several coordinators of this run on one --db and --blobs (and --key): wait for "
+    "the run's lease in the database, then serve; exit when it is lost"
 )
 KEY_HELP = (
     "the coordinator's Ed25519 key file (made on first use); default: in --data-dir. The "
@@ -29,3 +35,5 @@ class Storage:
     db: str | None = None  # None: the data dir's SQLite file; or postgresql://user@host/db
     blobs: str | None = None  # None: the data dir's blobs/; or s3://bucket/prefix
     key: Path | None = None  # None: the data dir's key file; the run id covers this key
+    # a replica's lease check, run inside each writing transaction (covey.coordinator.lease)
+    fence: Callable[[Any], None] | None = None
