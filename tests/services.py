@@ -6,6 +6,7 @@ that need it skip with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -29,8 +30,8 @@ class Postgres:
 
         # its own directory, readable by the user the server runs as (pgserver runs it as
         # an unprivileged user when we are root; pytest's directories are private)
-        self.root = Path(tempfile.mkdtemp(prefix="covey-pg-"))
-        self.root.chmod(0o755)
+        self.root = Path(tempfile.mkdtemp(prefix="covey-pg-")) / "data"
+        self.root.parent.chmod(0o755)
         self._server = pgserver.get_server(self.root, cleanup_mode="stop")
 
     def database(self, name: str | None = None) -> str:
@@ -45,7 +46,7 @@ class Postgres:
             "WHERE pid <> pg_backend_pid() AND datname IS NOT NULL;"
         )
         self._server.cleanup()
-        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.root.parent, ignore_errors=True)
 
 
 def free_port() -> int:
@@ -111,3 +112,66 @@ class S3Server:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+class FailoverProxy:
+    """One address in front of several coordinator replicas, as a TCP load balancer with
+    health checks is in production: each connection goes to the first backend that
+    accepts it (a standby replica does not listen until it holds the run's lease), and
+    its bytes are relayed both ways until either side closes."""
+
+    def __init__(self, backends: list[int]) -> None:
+        import threading
+
+        self.backends = backends
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        self._server.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        import threading
+
+        upstream = None
+        for port in self.backends:
+            try:
+                upstream = socket.create_connection(("127.0.0.1", port), timeout=1.0)
+                break
+            except OSError:
+                continue
+        if upstream is None:
+            client.close()
+            return
+        upstream.settimeout(None)
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+
+        threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+        pipe(client, upstream)
+        client.close()
+        upstream.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
