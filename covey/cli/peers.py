@@ -78,12 +78,17 @@ def coordinator(
     from covey.coordinator.service import Coordinator
     from covey.coordinator.storage import Storage
 
-    fence = None
-    if replica:
+    fence, corpus = None, None
+    if replica:  # what takes longest to build, before the wait: a shorter takeover
+        from covey.coordinator.service import load_run_corpus
+
+        corpus = load_run_corpus(cfg)
         fence = _lead(db, key, port)
     try:
         storage = Storage(db=db, blobs=blobs, key=key, fence=fence)
-        coord = Coordinator(cfg, data_dir, threads=threads, device=device, storage=storage)
+        coord = Coordinator(
+            cfg, data_dir, threads=threads, device=device, storage=storage, corpus=corpus
+        )
     except ValueError as e:
         raise fail(str(e)) from None
     # the run id covers the coordinator's key: it is what peers are told to trust
