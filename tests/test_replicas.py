@@ -186,3 +186,15 @@ def _applied(tmp_path: Path, peer: str) -> list[dict[str, Any]]:
 
     path = tmp_path / "peers" / peer / "applied.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_replica_needs_a_shared_database_and_key(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+
+    spec = tmp_path / "run.toml"
+    spec.write_text(SPEC)
+    args = ["coordinator", str(spec), "--port", str(free_port()), "--replica"]
+    result = CliRunner().invoke(app, [*args, "--data-dir", str(tmp_path / "d")])
+    assert result.exit_code == 2 and "--replica needs --db" in result.output, result.output

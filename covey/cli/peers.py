@@ -82,6 +82,9 @@ def coordinator(
     if replica:  # what takes longest to build, before the wait: a shorter takeover
         from covey.coordinator.service import load_run_corpus
 
+        if db is None or key is None:
+            raise fail("--replica needs --db postgresql://... and --key: replicas share a run")
+
         corpus = load_run_corpus(cfg)
         fence = _lead(db, key, port)
     try:
@@ -122,8 +125,7 @@ def _lead(db: str | None, key: Path | None, port: int) -> Any:
 
     from covey.coordinator.lease import lead
 
-    if db is None or key is None:
-        raise fail("--replica needs --db postgresql://... and --key: every replica serves one run")
+    assert db is not None and key is not None  # checked by the caller
     holder = f"{socket.gethostname()}:{port}:{os.getpid()}"
 
     def lost() -> None:
