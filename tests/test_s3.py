@@ -73,7 +73,9 @@ def test_blobs_reach_the_bucket_and_come_back_checked(aws: S3Server, tmp_path: P
     with pytest.raises(BlobError, match="hashes to"):
         other.get(small)
     assert list((tmp_path / "c").rglob("*")) == [tmp_path / "c" / small[:2]]  # nothing kept
-    store.delete(adopted)
+    assert fresh.modified(adopted) > 0  # asked of the bucket, not downloaded:
+    fresh.delete(adopted)  # from the bucket, without fetching it first
+    assert not (tmp_path / "b" / adopted[:2] / adopted).exists()
     assert not S3BlobStore(url, tmp_path / "d").has(adopted)
 
 

@@ -59,7 +59,8 @@ class S3BlobStore(BlobStore):
 
         # SigV4 presigned URLs: what every region and S3-compatible store accepts
         self._s3: Any = boto3.client("s3", config=Config(signature_version="s3v4"))
-        self._sizes: dict[str, int] = {}  # cid -> its size in the bucket (immutable: kept)
+        # cid -> (size, when stored) in the bucket; blobs are immutable, so kept
+        self._heads: dict[str, tuple[int, float]] = {}
         self._lock = threading.Lock()
         try:
             self._s3.head_bucket(Bucket=self.bucket)
@@ -73,18 +74,30 @@ class S3BlobStore(BlobStore):
     def key(self, cid: str) -> str:
         return f"{self.prefix}{cid[:2]}/{cid}"
 
-    def remote_size(self, cid: str) -> int | None:
-        """The blob's size in the bucket, None where it is not there."""
-        if cid in self._sizes:
-            return self._sizes[cid]
+    def _head(self, cid: str) -> tuple[int, float] | None:
+        """(size, when stored) of the blob in the bucket, None where it is not there."""
+        if cid in self._heads:
+            return self._heads[cid]
         try:
             head = self._s3.head_object(Bucket=self.bucket, Key=self.key(cid))
         except self._errors as e:
             if _status(e) == 404:
                 return None
             raise LocalBlobError(f"cannot ask {self.url} for blob {cid}: {e}") from e
-        size = self._sizes[cid] = int(head["ContentLength"])
-        return size
+        found = self._heads[cid] = (int(head["ContentLength"]), head["LastModified"].timestamp())
+        return found
+
+    def remote_size(self, cid: str) -> int | None:
+        """The blob's size in the bucket, None where it is not there."""
+        head = self._head(cid)
+        return None if head is None else head[0]
+
+    def modified(self, cid: str) -> float:
+        """When the bucket got the blob (no download); BlobError if it is not there."""
+        head = self._head(cid) if is_cid(cid) else None
+        if head is None:
+            raise BlobError(f"blob {cid} is not stored")
+        return head[1]
 
     def has(self, cid: str) -> bool:
         if not is_cid(cid):
@@ -128,12 +141,12 @@ class S3BlobStore(BlobStore):
         )
 
     def delete(self, cid: str) -> None:
-        super().delete(cid)
+        super().path(cid).unlink(missing_ok=True)  # the cached copy, never fetched for this
         try:
             self._s3.delete_object(Bucket=self.bucket, Key=self.key(cid))
         except self._errors as e:
             raise LocalBlobError(f"cannot delete blob {cid} from {self.url}: {e}") from e
-        self._sizes.pop(cid, None)
+        self._heads.pop(cid, None)
 
     def cids(self) -> list[str]:
         found = set(super().cids())
@@ -156,7 +169,7 @@ class S3BlobStore(BlobStore):
                 self._s3.upload_file(str(path), self.bucket, self.key(cid))
             except self._errors as e:
                 raise LocalBlobError(f"cannot store blob {cid} in {self.url}: {e}") from e
-            self._sizes[cid] = path.stat().st_size
+            self._heads.pop(cid, None)  # asked again when needed: the bucket's own time
 
 
 def _status(e: Exception) -> int | None:

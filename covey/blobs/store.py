@@ -94,6 +94,13 @@ class BlobStore:
         except FileNotFoundError:
             raise BlobError(f"blob {cid} is not stored") from None
 
+    def modified(self, cid: str) -> float:
+        """When the blob was stored (seconds since the epoch); BlobError if missing."""
+        try:
+            return self.path(cid).stat().st_mtime
+        except FileNotFoundError:
+            raise BlobError(f"blob {cid} is not stored") from None
+
     def put(self, data: bytes) -> str:
         """Store `data` and return its content id; idempotent. BlobError if too large or on I/O."""
         cid = content_id(data)
