@@ -107,6 +107,12 @@ def test_statements_behave_as_on_sqlite(postgres: Postgres) -> None:
         with pytest.raises(sqlite3.OperationalError):
             db.query("SELECT * FROM no_such_table")
         assert db.one("SELECT COUNT(*) AS n FROM nonces")["n"] == 1  # type: ignore[index]
+        with db.transaction() as c:  # SQLite's types: BLOB bytes, 64-bit integers, booleans
+            c.execute("CREATE TABLE IF NOT EXISTS kinds (b BLOB, i INTEGER, r REAL, t TEXT)")
+            c.execute("INSERT INTO kinds VALUES (?, ?, ?, ?)", (b"\x00\xff", 2**40, 0.5, "x"))
+            c.execute("INSERT INTO kinds VALUES (?, ?, ?, ?)", (None, True, None, None))
+        rows = db.query("SELECT * FROM kinds ORDER BY r")
+        assert [tuple(r) for r in rows] == [(b"\x00\xff", 2**40, 0.5, "x"), (None, 1, None, None)]
     finally:
         db.close()
 
