@@ -201,11 +201,12 @@ class FastPaths:
         await self._answer(send, self.coord.round_info, peer_id)
 
     async def _answer(self, send: Send, fn: Callable[..., Any], *args: Any) -> None:
-        """Call the service (inline when the database is free) and send its answer, or
-        the refusal it raised, as the app's exception handlers would."""
+        """Call the service (inline when the database is free and in this process: on
+        PostgreSQL a query is a round trip that must not hold up the event loop) and send
+        its answer, or the refusal it raised, as the app's exception handlers would."""
         lock = self.coord.db.lock
         try:
-            if lock.acquire(blocking=False):
+            if not self.coord.db.is_postgres and lock.acquire(blocking=False):
                 try:
                     result = fn(*args)
                 finally:
