@@ -19,11 +19,13 @@ ENV PYTHONUNBUFFERED=1 \
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install "torch>=2.4,<3" --index-url "${TORCH_INDEX}"
 
-# The package only, with no extras: a worker needs no plots, trackers or test tools.
+# The package only, with no extras: a worker needs no plots, trackers or test tools. A
+# coordinator on PostgreSQL and S3 needs --build-arg EXTRAS="[scale]" (compose.scale.yaml).
+ARG EXTRAS=""
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY covey ./covey
-RUN pip install . && rm -rf /src
+RUN pip install ".${EXTRAS}" && rm -rf /src
 
 # Not root. The run directory and the identity keys are volumes, so that a restarted
 # container resumes its run and keeps its identity (and so its stake and earnings).

@@ -48,3 +48,31 @@ def testbed_support() -> None:
     if forced:
         pytest.fail(f"CI is set and we are root with ip/tc, yet no testbed: {reason}")
     pytest.skip(f"needs root and iproute2: {reason}")
+
+
+@pytest.fixture(scope="session")
+def postgres():  # type: ignore[no-untyped-def]
+    """One real PostgreSQL server for the session (tests/services.py); call
+    `postgres.database()` for a new empty database's URL."""
+    try:
+        from tests.services import Postgres
+
+        server = Postgres()
+    except Exception as e:  # any reason it cannot start here is the skip's
+        pytest.skip(f"no PostgreSQL here (pip install pgserver 'psycopg[binary]'): {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One real S3-compatible HTTP server (moto's, its own process on 127.0.0.1) for the
+    session; `s3.bucket()` makes a new bucket, `s3.env` is what a client needs."""
+    try:
+        from tests.services import S3Server
+
+        server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")
+    except Exception as e:  # any reason it cannot start here is the skip's
+        pytest.skip(f"no S3-compatible server here (pip install 'moto[server]' boto3): {e}")
+    yield server
+    server.stop()

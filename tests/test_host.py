@@ -43,46 +43,51 @@ def test_the_pattern_finds_what_it_should() -> None:
 
 def test_the_peers_repository(tmp_path: Path) -> None:
     db = Database(tmp_path / "coordinator.db")
-    peers = Peers(db)
     try:
-        assert peers.row("a") is None and peers.public_key("a") is None
-        with db.transaction() as c:
-            peers.register(c, "a", "aa" * 32, "alice", "worker", 10.0)
-            peers.register(c, "v", "bb" * 32, "val", "validator", 11.0)
-            peers.announce(
-                c, "a", device="cpu", step_time_s=0.5, bandwidth_mbps=None,
-                accepts_connections=True, blob_url="http://127.0.0.1:9/", now=12.0,
-            )  # fmt: skip
-            peers.register(c, "a", "aa" * 32, "alice2", "worker", 13.0)  # a rejoin: new name
-        assert peers.name("a") == "alice2" and peers.role("v") == "validator"
-        assert peers.public_key("a") == "aa" * 32
-        assert peers.blob_url("a") == "http://127.0.0.1:9/" and peers.blob_url("v") is None
-        assert peers.blob_urls(live_role="worker") == {"a": "http://127.0.0.1:9/"}
-        assert [r["peer_id"] for r in peers.by_role("worker")] == ["a"]
-        assert peers.live_by_role(0.0) == {"worker": 1, "validator": 1}
-        with db.transaction() as c:
-            assert not peers.set_left(c, "nobody", 14.0)  # no row: nothing changes
-            assert peers.set_left(c, "v", 14.0)
-            peers.set_step_time(c, "a", 0.25)
-            peers.count_contributions(c, ["a", "a"])
-        row = peers.row("a", committed=True)
-        assert row is not None and row["step_time_s"] == 0.25 and row["contributions"] == 2
-        assert peers.counts() == [("validator", "left", 1), ("worker", "live", 1)]
-        with db.transaction() as c:  # a heartbeat batch never revives a peer that left
-            peers.write_heartbeats(c, [("v", 20.0, None), ("a", 20.0, 0.3), ("a", 5.0, None)])
-        assert peers.row("v")["state"] == "left"  # type: ignore[index]
-        assert peers.row("a")["last_seen"] == 20.0  # type: ignore[index]
-        with db.transaction() as c:
-            peers.set_dead(c, "a")
-        assert peers.live() == []
-        with db.transaction() as c:
-            peers.set_live(c, "a", 30.0)  # revived, its speed kept
-            peers.ban(c, "v")
-        assert peers.row("a")["step_time_s"] == 0.3  # type: ignore[index]
-        assert [r["peer_id"] for r in peers.live(committed=True)] == ["a"]
-        assert peers.row("v")["state"] == "banned"  # type: ignore[index]
+        check_peers_repository(db)
     finally:
         db.close()
+
+
+def check_peers_repository(db: Database) -> None:
+    """The peers repository on `db` (also run on PostgreSQL: tests/test_postgres.py)."""
+    peers = Peers(db)
+    assert peers.row("a") is None and peers.public_key("a") is None
+    with db.transaction() as c:
+        peers.register(c, "a", "aa" * 32, "alice", "worker", 10.0)
+        peers.register(c, "v", "bb" * 32, "val", "validator", 11.0)
+        peers.announce(
+            c, "a", device="cpu", step_time_s=0.5, bandwidth_mbps=None,
+            accepts_connections=True, blob_url="http://127.0.0.1:9/", now=12.0,
+        )  # fmt: skip
+        peers.register(c, "a", "aa" * 32, "alice2", "worker", 13.0)  # a rejoin: new name
+    assert peers.name("a") == "alice2" and peers.role("v") == "validator"
+    assert peers.public_key("a") == "aa" * 32
+    assert peers.blob_url("a") == "http://127.0.0.1:9/" and peers.blob_url("v") is None
+    assert peers.blob_urls(live_role="worker") == {"a": "http://127.0.0.1:9/"}
+    assert [r["peer_id"] for r in peers.by_role("worker")] == ["a"]
+    assert peers.live_by_role(0.0) == {"worker": 1, "validator": 1}
+    with db.transaction() as c:
+        assert not peers.set_left(c, "nobody", 14.0)  # no row: nothing changes
+        assert peers.set_left(c, "v", 14.0)
+        peers.set_step_time(c, "a", 0.25)
+        peers.count_contributions(c, ["a", "a"])
+    row = peers.row("a", committed=True)
+    assert row is not None and row["step_time_s"] == 0.25 and row["contributions"] == 2
+    assert peers.counts() == [("validator", "left", 1), ("worker", "live", 1)]
+    with db.transaction() as c:  # a heartbeat batch never revives a peer that left
+        peers.write_heartbeats(c, [("v", 20.0, None), ("a", 20.0, 0.3), ("a", 5.0, None)])
+    assert peers.row("v")["state"] == "left"  # type: ignore[index]
+    assert peers.row("a")["last_seen"] == 20.0  # type: ignore[index]
+    with db.transaction() as c:
+        peers.set_dead(c, "a")
+    assert peers.live() == []
+    with db.transaction() as c:
+        peers.set_live(c, "a", 30.0)  # revived, its speed kept
+        peers.ban(c, "v")
+    assert peers.row("a")["step_time_s"] == 0.3  # type: ignore[index]
+    assert [r["peer_id"] for r in peers.live(committed=True)] == ["a"]
+    assert peers.row("v")["state"] == "banned"  # type: ignore[index]
 
 
 def _terms(run_id: str) -> RunTerms:

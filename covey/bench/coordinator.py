@@ -102,9 +102,11 @@ def run_coordinator_bench(
     submitters: int = 4,
     procs: int = 2,
     echo: Any = print,
+    db: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run the bench; rows {op, p50_ms, p99_ms, max_ms, requests, errors, ...} per
-    operation, then one row op="coordinator" with its CPU share, memory and rounds.
+    operation, then one row op="coordinator" with its CPU share, memory and rounds. `db`:
+    the coordinator's --db (an empty PostgreSQL database); None: SQLite in `out_dir`.
     ValueError for a bad count or an `out_dir` holding an earlier run (its coordinator would
     resume that run, and the seeded submissions would meet their own earlier ones);
     ClusterError if the coordinator does not come up; RuntimeError if the peers do not
@@ -124,7 +126,8 @@ def run_coordinator_bench(
         )
     )
     ctx = mp.get_context("spawn")
-    with LocalCluster(spec, out_dir) as cluster:
+    args = ["--db", db] if db else []
+    with LocalCluster(spec, out_dir, coordinator_args=args) as cluster:
         cluster.start_coordinator()
         assert cluster.coordinator is not None
         pid = cluster.coordinator.pid

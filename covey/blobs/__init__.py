@@ -5,6 +5,8 @@ Three layers, each usable alone and each in its own module; this module re-expor
   atomically; also `parse_range` for single HTTP byte ranges.
 - `BlobServer` (covey.blobs.server): a peer's own read-only HTTP server over a store
   (GET/HEAD, single Range).
+- `S3BlobStore` (covey.blobs.s3): the same store over an S3-compatible bucket, its
+  directory a cache; `open_store` picks one from a coordinator's --blobs.
 - `BlobClient` (covey.blobs.client): fetches a blob from an ordered list of providers,
   with bounded retries, provider fallback, and parallel ranged chunks for large blobs;
   `fetch_into` (covey.blobs.streaming) streams one to disk instead, hashed on arrival, so
@@ -18,6 +20,7 @@ requested id. Wire format: `GET|HEAD {base}/v1/blobs/{cid}`, `PUT` on the coordi
 from __future__ import annotations
 
 from covey.blobs.client import BlobClient
+from covey.blobs.s3 import S3BlobStore, open_store
 from covey.blobs.server import BlobServer
 from covey.blobs.store import (
     BLOB_PATH_PREFIX,
@@ -36,5 +39,7 @@ __all__ = [
     "BlobStore",
     "LocalBlobError",
     "RangeNotSatisfiable",
+    "S3BlobStore",
+    "open_store",
     "parse_range",
 ]

@@ -12,7 +12,8 @@ import ipaddress
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
@@ -89,7 +90,8 @@ class BlobClient(StreamingFetch):
     408/429/5xx are retried; a 4xx, a wrong length or a wrong hash fails the provider at
     once. `served` counts bytes received per provider. Proxy environment variables are
     ignored: providers are peers, reached directly. Only http(s) providers are contacted,
-    and redirects are never followed (a provider cannot send the client elsewhere).
+    and redirects are never followed (a provider cannot send the client elsewhere) but
+    from the providers in `redirects_from`, one hop.
     Thread-safe.
     """
 
@@ -102,7 +104,12 @@ class BlobClient(StreamingFetch):
         chunk_bytes: int = 4 << 20,
         parallel: int = 4,
         max_bytes: int | None = None,
+        redirects_from: Sequence[str] = (),
     ) -> None:
+        """`redirects_from`: providers (base URLs, e.g. the coordinator's) whose GETs may
+        answer with one temporary redirect, followed to an http(s) URL that passes
+        `check_provider` (an object store's presigned URL: covey.blobs.s3); any other
+        provider's redirect fails it, as before."""
         if timeout_s <= 0 or retries < 1 or backoff_s < 0 or chunk_bytes < 1 or parallel < 1:
             raise ValueError(
                 f"need timeout_s ({timeout_s}) > 0, retries ({retries}) >= 1, backoff_s "
@@ -113,6 +120,7 @@ class BlobClient(StreamingFetch):
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.chunk_bytes, self.parallel, self.max_bytes = chunk_bytes, parallel, max_bytes
         self.served: dict[str, int] = {}
+        self.redirects_from = frozenset(b.rstrip("/") for b in redirects_from)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._http = httpx.Client(
@@ -123,7 +131,7 @@ class BlobClient(StreamingFetch):
             ),
             headers={"Accept-Encoding": "identity"},  # ranges must count raw bytes
             trust_env=False,
-            follow_redirects=False,  # a 3xx fails its provider: never fetch from elsewhere
+            follow_redirects=False,  # one hop at most, by hand (_stream); else a 3xx fails
         )
 
     def fetch(self, cid: str, providers: Sequence[str], size: int | None = None) -> bytes:
@@ -297,7 +305,7 @@ class BlobClient(StreamingFetch):
         t0 = time.monotonic()
         n = 0
         try:
-            with self._http.stream("GET", url, headers=headers) as resp:
+            with self._stream(base, url, headers) as resp:
                 self._check_status(resp, byte_range)
                 declared = int(resp.headers.get("Content-Length", "-1"))
                 if expected is not None and declared not in (-1, expected):
@@ -327,6 +335,30 @@ class BlobClient(StreamingFetch):
         if expected is not None and n != expected:
             raise _Failure(f"range of {expected} bytes came as {n}", retry=False)
         return n
+
+    @contextmanager
+    def _stream(self, base: str, url: str, headers: dict[str, str]) -> Iterator[httpx.Response]:
+        """GET `url`; from a provider in `redirects_from`, follow at most one temporary
+        redirect (302, 303, 307) to a URL `check_provider` accepts: a coordinator whose
+        blobs are in an object store answers with a presigned URL there (covey.blobs.s3).
+        The redirected body is checked like any other (its length, then its hash, by the
+        caller); a second redirect fails it."""
+        resp = self._http.send(self._http.build_request("GET", url, headers=headers), stream=True)
+        try:
+            location = resp.headers.get("Location", "")
+            if (
+                resp.status_code in (302, 303, 307)
+                and base.rstrip("/") in self.redirects_from
+                and location
+            ):
+                check_provider(location)  # BlobError: an http(s) URL no metadata service
+                resp.close()
+                resp = self._http.send(
+                    self._http.build_request("GET", location, headers=headers), stream=True
+                )
+            yield resp
+        finally:
+            resp.close()
 
     @staticmethod
     def _check_status(resp: httpx.Response, byte_range: tuple[int, int] | None) -> None:

@@ -94,6 +94,13 @@ class BlobStore:
         except FileNotFoundError:
             raise BlobError(f"blob {cid} is not stored") from None
 
+    def modified(self, cid: str) -> float:
+        """When the blob was stored (seconds since the epoch); BlobError if missing."""
+        try:
+            return self.path(cid).stat().st_mtime
+        except FileNotFoundError:
+            raise BlobError(f"blob {cid} is not stored") from None
+
     def put(self, data: bytes) -> str:
         """Store `data` and return its content id; idempotent. BlobError if too large or on I/O."""
         cid = content_id(data)
@@ -188,6 +195,7 @@ class BlobStore:
             final = self.path(cid)
             if final.is_file():  # immutable: same id, same bytes
                 path.unlink()
+                self._landed(cid, final)
                 return cid, size
             final.parent.mkdir(exist_ok=True)
             with path.open("rb+") as f:
@@ -197,6 +205,7 @@ class BlobStore:
             path.unlink(missing_ok=True)
             raise LocalBlobError(f"cannot store {path.name}: {e}") from e
         _fsync_dir(final.parent)
+        self._landed(cid, final)
         return cid, size
 
     def delete(self, cid: str) -> None:
@@ -214,6 +223,10 @@ class BlobStore:
                     out.append(f.name)
         return sorted(out)
 
+    def _landed(self, cid: str, path: Path) -> None:
+        """Blob `cid` is now at `path` (its place in the store): a store that keeps blobs
+        elsewhere too copies it there (covey.blobs.s3); this one has nothing to do."""
+
     def _check_size(self, cid: str, n: int) -> None:
         if self.max_blob_bytes is not None and n > self.max_blob_bytes:
             raise BlobError(f"blob {cid}: {n} bytes exceeds max_blob_bytes={self.max_blob_bytes}")
@@ -222,6 +235,7 @@ class BlobStore:
         self._check_size(cid, len(data))
         final = self.path(cid)
         if final.is_file():
+            self._landed(cid, final)
             return  # immutable: same id, same bytes
         try:
             final.parent.mkdir(exist_ok=True)
@@ -240,6 +254,7 @@ class BlobStore:
                 raise LocalBlobError(f"cannot store blob {cid}: {e}") from e
             raise
         _fsync_dir(final.parent)
+        self._landed(cid, final)
 
 
 class _PartWriter:
@@ -249,7 +264,7 @@ class _PartWriter:
 
     def __init__(self, store: BlobStore, cid: str, size: int) -> None:
         self.cid, self.size, self.received = cid, size, 0
-        self._final = store.path(cid)
+        self._store, self._final = store, store.path(cid)
         try:
             self._final.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._final.parent, prefix=_TMP_PREFIX, suffix=".part")
@@ -287,6 +302,7 @@ class _PartWriter:
             self.abort()
             raise
         _fsync_dir(self._final.parent)
+        self._store._landed(self.cid, self._final)
 
     def abort(self) -> None:
         """Drop what was written; idempotent."""

@@ -44,7 +44,8 @@ register_serve(app)  # serve server, worker, validator (covey/serve/cli.py)
 import covey.cli.run  # noqa: E402, I001
 import covey.cli.demo  # noqa: E402
 import covey.cli.peers  # noqa: E402
-import covey.cli.bench  # noqa: E402,F401
+import covey.cli.bench  # noqa: E402
+import covey.cli.database  # noqa: E402,F401
 from covey.cli.halt import register as register_halt  # noqa: E402
 
 register_halt(app)  # covey halt, in every coordinator mode

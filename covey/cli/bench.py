@@ -180,6 +180,10 @@ def bench_coordinator(
     out: Annotated[Path | None, typer.Option(help="run directory")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write rows here")] = None,
     log_json: Annotated[bool, LOG_JSON] = False,
+    db: Annotated[
+        str | None,
+        typer.Option(help="the coordinator's --db: an empty postgresql://... database"),
+    ] = None,
 ) -> None:
     """Latency (p50/p99) of heartbeat, round poll (or round long-poll wake-up), upload and
     submit against a real coordinator with many simulated peers, and the coordinator's CPU
@@ -200,6 +204,7 @@ def bench_coordinator(
             submitters=submitters,
             procs=procs,
             echo=say,
+            db=db,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -11,6 +11,7 @@ from typing import Any
 import typer
 
 from covey.config import load_sim_config
+from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP, REPLICA_HELP
 from covey.errors import UserError, check_coordinator, check_data_paths
 from covey.spec import SET_HELP
 
@@ -30,6 +31,11 @@ RUN_ID_OPTION = typer.Option(
     help="the run id the coordinator printed: refuse a coordinator serving any other run "
     "(its key is part of the id); without it, the coordinator's word is taken",
 )
+# where a coordinator keeps its run beside --data-dir (covey.coordinator.host.Storage)
+DB_OPTION = typer.Option("--db", help=DB_HELP)
+BLOBS_OPTION = typer.Option("--blobs", help=BLOBS_HELP)
+KEY_OPTION = typer.Option("--key", help=KEY_HELP)
+REPLICA_OPTION = typer.Option("--replica", help=REPLICA_HELP)
 DEBUG = False  # set by `covey --debug`: errors a person can act on also show their traceback
 
 

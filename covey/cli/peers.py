@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from covey.cli.common import (
+    BLOBS_OPTION,
+    DB_OPTION,
     DEVICE_HELP,
+    KEY_OPTION,
     LOG_JSON,
     LOG_TO,
+    REPLICA_OPTION,
     RUN_ID_OPTION,
     SET,
     WANDB_PROJECT,
@@ -24,6 +28,8 @@ from covey.cli.common import (
     setup_logs,
 )
 from covey.cli.root import app
+
+LEASE_TTL_S = 4.0  # a replica's lease: a dead leader is replaced within this and a start-up
 
 
 @app.command()
@@ -47,10 +53,15 @@ def coordinator(
     ] = None,
     set_: Annotated[list[str] | None, SET] = None,
     wandb_project: Annotated[str | None, WANDB_PROJECT] = None,
+    db: Annotated[str | None, DB_OPTION] = None,
+    blobs: Annotated[str | None, BLOBS_OPTION] = None,
+    key: Annotated[Path | None, KEY_OPTION] = None,
+    replica: Annotated[bool, REPLICA_OPTION] = False,
 ) -> None:
     """Serve a training run: membership, rounds, blobs, checkpoints and the status page.
 
-    Killed and restarted on the same --data-dir, it resumes from the last committed round."""
+    Killed and restarted on the same --data-dir, it resumes from the last committed round;
+    with --db, --blobs and --key, on any --data-dir (docs/operations.md)."""
     from covey.config import load_run_config
 
     cfg = load_config(config, {}, load_run_config, set_)
@@ -65,9 +76,22 @@ def coordinator(
     guard(lambda: check_data_dir(data_dir))  # a damaged database or state: refused
     from covey.coordinator.app import serve
     from covey.coordinator.service import Coordinator
+    from covey.coordinator.storage import Storage
 
+    fence, corpus = None, None
+    if replica:  # what takes longest to build, before the wait: a shorter takeover
+        from covey.coordinator.service import load_run_corpus
+
+        if db is None or key is None:
+            raise fail("--replica needs --db postgresql://... and --key: replicas share a run")
+
+        corpus = load_run_corpus(cfg)
+        fence = _lead(db, key, port)
     try:
-        coord = Coordinator(cfg, data_dir, threads=threads, device=device)
+        storage = Storage(db=db, blobs=blobs, key=key, fence=fence)
+        coord = Coordinator(
+            cfg, data_dir, threads=threads, device=device, storage=storage, corpus=corpus
+        )
     except ValueError as e:
         raise fail(str(e)) from None
     # the run id covers the coordinator's key: it is what peers are told to trust
@@ -91,6 +115,29 @@ def coordinator(
     finally:
         stop.set()
         follower.join(timeout=10)
+
+
+def _lead(db: str | None, key: Path | None, port: int) -> Any:
+    """A replica: wait for the run's lease, keep it, exit the process (code 3) when it is
+    lost; the lease's fence for the coordinator's database."""
+    import os
+    import socket
+
+    from covey.coordinator.lease import lead
+
+    assert db is not None and key is not None  # checked by the caller
+    holder = f"{socket.gethostname()}:{port}:{os.getpid()}"
+
+    def lost() -> None:
+        typer.secho(f"replica {holder}: lost the run's lease; exiting", err=True)
+        os._exit(3)  # no more writes from here: another replica drives the run
+
+    typer.echo(f"replica {holder}: waiting for the run's lease")
+    try:
+        lease, _ = lead(db, holder, LEASE_TTL_S, lost)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    return lease.fence
 
 
 @app.command()

@@ -13,6 +13,12 @@ migration knows, is refused with `SchemaError`, which says what to do. To change
 edit `SCHEMA` (what a new run directory gets), bump `SCHEMA_VERSION` and add the step that
 brings the previous version there to `MIGRATIONS`; tests/test_migrations.py checks that a
 migrated version-1 database has every table and column of `SCHEMA`.
+
+The same database can be a PostgreSQL server instead (`Database("postgresql://...")`, the
+`--db` option of every coordinator mode): the same SCHEMA and MIGRATIONS, run through the
+dialect seam (covey.coordinator.dialect, covey.coordinator.pg); the version is kept in the
+table covey_schema, and a migration runs in one transaction (PostgreSQL's DDL is
+transactional: that is its backup; take a pg_dump before upgrading covey all the same).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from typing import Any
 
 from covey import __version__
 from covey.trust.ledger import LEDGER_SCHEMA
+
+from .pg import PgConnection, is_url, redact
 
 log = logging.getLogger("covey.db")
 
@@ -117,7 +125,9 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
 V1_MARKERS = {"peers": "role", "contributions": "commitments", "verifications": "report"}
 
 
-def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
+def _columns(conn: Any, table: str) -> set[str]:
+    if isinstance(conn, PgConnection):
+        return set(conn.columns(table))
     return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
 
 
@@ -153,6 +163,8 @@ def prepare(conn: sqlite3.Connection, path: Path) -> int:
     """Create, migrate or refuse the schema of `conn` (the database at `path`); returns the
     version it had (0 for a new database). Raises `SchemaError` for a newer covey's database
     or a layout no migration reads; a failed migration step is rolled back whole."""
+    if isinstance(conn, PgConnection):
+        return _prepare_pg(conn)
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     has_tables = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table'").fetchone()
     if version == 0 and not has_tables:
@@ -193,13 +205,67 @@ def prepare(conn: sqlite3.Connection, path: Path) -> int:
     return found
 
 
+def _prepare_pg(conn: PgConnection) -> int:
+    """`prepare` on PostgreSQL: the same schema and migrations, each run (and the first
+    creation) in one transaction holding the write lock, so replicas starting together
+    create it once."""
+    where = redact(conn.url)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        found = start = conn.user_version
+        if found == 0 and not conn.tables():
+            conn.executescript(SCHEMA + LEDGER_SCHEMA)
+            conn.set_user_version(start := SCHEMA_VERSION)
+        elif found == 0:
+            raise SchemaError(
+                f"{where} holds tables but no covey schema version: give covey a database "
+                "of its own (CREATE DATABASE ...)"
+            )
+        elif found > SCHEMA_VERSION:
+            raise SchemaError(
+                f"{where} was written by a newer covey (schema version {found}; covey "
+                f"{__version__} reads up to {SCHEMA_VERSION}): upgrade covey to resume this run"
+            )
+        for step in range(start, SCHEMA_VERSION):
+            MIGRATIONS[step](conn)  # type: ignore[arg-type]
+            conn.execute(
+                "INSERT INTO events (at, kind, peer_id, detail) VALUES (?, ?, '', ?)",
+                (time.time(), "schema migrated", json.dumps({"from": step, "to": step + 1})),
+            )
+            conn.set_user_version(step + 1)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    if missing := missing_columns(conn):  # type: ignore[arg-type]
+        raise SchemaError(
+            f"{where} (schema version {SCHEMA_VERSION}) lacks {', '.join(missing)}: covey's "
+            "schema changed without a migration; report this as a bug"
+        )
+    return found
+
+
 class Database:
     """A thread-safe handle: one connection, serialized by a lock. The coordinator's
     handlers are short; the heavy work (the outer step, evaluation) runs outside it.
-    Opening creates, migrates or refuses the schema (`prepare`; `SchemaError`)."""
+    Opening creates, migrates or refuses the schema (`prepare`; `SchemaError`).
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    On PostgreSQL (a `postgresql://` URL) the writer's connection is the same, but a read
+    outside a transaction of its own thread goes over a connection of that thread: a round
+    trip to the server is not a function call, and reads queued behind one lock would
+    stall every request. Like any read outside a transaction it sees the last committed
+    state."""
+
+    # called inside every writing transaction, under the write lock: a replica's lease
+    # check (covey.coordinator.lease.Lease.fence); raising rolls the transaction back
+    fence: Callable[[Any], None] | None = None
+
+    def __init__(self, path: Path | str) -> None:
+        if is_url(path):
+            self._open_pg(str(path))
+            return
+        path = self.path = Path(path)
+        self.url: str | None = None
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA journal_mode=WAL")
@@ -217,19 +283,66 @@ class Database:
         self._reader.execute("PRAGMA query_only = ON")
         self._read_lock = threading.Lock()
 
+    def _open_pg(self, url: str) -> None:
+        self.url = url
+        self.path = Path(redact(url))  # what messages name; no file is opened at it
+        self._conn = PgConnection(url)  # type: ignore[assignment]
+        try:
+            self.opened_version = prepare(self._conn, self.path)  # type: ignore[arg-type]
+            self._reader = PgConnection(url, read_only=True)  # type: ignore[assignment]
+        except BaseException:
+            self._conn.close()
+            raise
+        self.lock = threading.RLock()
+        self._read_lock = threading.Lock()
+        # reads outside a transaction go to a connection of the reading thread's own, so
+        # they neither queue behind each other's round trips nor behind a writer
+        self._local = threading.local()
+        self._readers: list[PgConnection] = []
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.url is not None
+
+    def _own(self) -> Any:
+        """On PostgreSQL outside a transaction of this thread: this thread's connection;
+        else None (the writer's, under the lock, as on SQLite)."""
+        if self.url is None or getattr(self._local, "depth", 0):
+            return None
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = PgConnection(self.url)
+            with self._read_lock:
+                self._readers.append(conn)
+        return conn
+
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception."""
         with self.lock:
             self._conn.execute("BEGIN IMMEDIATE")
+            if self.fence is not None:  # a replica: write only while holding the lease
+                try:
+                    self.fence(self._conn)
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+            local = getattr(self, "_local", None)
+            if local is not None:  # PostgreSQL: this thread's reads see its writes
+                local.depth = getattr(local, "depth", 0) + 1
             try:
                 yield self._conn
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
+            finally:
+                if local is not None:
+                    local.depth -= 1
             self._conn.execute("COMMIT")
 
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        if (own := self._own()) is not None:
+            return own.execute(sql, args).fetchall()  # type: ignore[no-any-return]
         with self.lock:
             return self._conn.execute(sql, args).fetchall()
 
@@ -241,11 +354,15 @@ class Database:
         """The first row of a query against the last committed state, on the reading
         connection: it never waits for a writer's transaction. Not for code inside a
         transaction that must see its own uncommitted writes (use `one`)."""
+        if (own := self._own()) is not None:
+            return own.execute(sql, args).fetchone()  # type: ignore[no-any-return]
         with self._read_lock:
             return self._reader.execute(sql, args).fetchone()
 
     def read_all(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         """`read_one`, every row."""
+        if (own := self._own()) is not None:
+            return own.execute(sql, args).fetchall()  # type: ignore[no-any-return]
         with self._read_lock:
             return self._reader.execute(sql, args).fetchall()
 
@@ -263,3 +380,5 @@ class Database:
         with self.lock, self._read_lock:
             self._conn.close()
             self._reader.close()
+            for conn in getattr(self, "_readers", ()):
+                conn.close()

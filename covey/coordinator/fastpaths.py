@@ -19,6 +19,7 @@ database is free, in the thread pool when a writer holds it (as `_inline_or_thre
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -27,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import parse_qs
 
+import anyio
+import anyio.to_thread
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -36,6 +39,8 @@ from covey.protocol import schemas
 from covey.trust.polls import ROUND_POLL
 
 from .rejected import Rejected
+
+FAST_PATH_THREADS = 16  # on PostgreSQL: heartbeats and round polls in flight at once
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -126,6 +131,7 @@ class FastPaths:
 
     def __init__(self, app: ASGIApp, coord: Coordinator, long_polls: LongPolls) -> None:
         self.app, self.coord, self.long_polls = app, coord, long_polls
+        self._own_threads: Any = None  # PostgreSQL: threads of their own (see _answer)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -201,11 +207,20 @@ class FastPaths:
         await self._answer(send, self.coord.round_info, peer_id)
 
     async def _answer(self, send: Send, fn: Callable[..., Any], *args: Any) -> None:
-        """Call the service (inline when the database is free) and send its answer, or
-        the refusal it raised, as the app's exception handlers would."""
+        """Call the service (inline when the database is free and in this process: on
+        PostgreSQL a query is a round trip that must not hold up the event loop) and send
+        its answer, or the refusal it raised, as the app's exception handlers would."""
         lock = self.coord.db.lock
         try:
-            if lock.acquire(blocking=False):
+            if self.coord.db.is_postgres:
+                # threads no join or submission waiting for the write lock can take, or a
+                # herd of joins would starve heartbeats until their peers count as dead
+                if self._own_threads is None:
+                    self._own_threads = anyio.CapacityLimiter(FAST_PATH_THREADS)
+                result = await anyio.to_thread.run_sync(
+                    functools.partial(fn, *args), limiter=self._own_threads
+                )
+            elif lock.acquire(blocking=False):
                 try:
                     result = fn(*args)
                 finally:

@@ -1,12 +1,13 @@
 """The host: the parts every mode of the coordinator shares, built once and in order.
 
 1. the coordinator's identity (its key file in the data dir, made on first use);
-2. the database (covey.coordinator.db: created, migrated or refused by schema version);
+2. the database (covey.coordinator.db: created, migrated or refused by schema version):
+   the data dir's SQLite file, or a PostgreSQL server (`Storage.db`);
 3. the run's terms, asked of the mode now that its key and database are known (`terms`:
    the run id, the owner's key, membership's config, the largest blob), and the run-id
    check: a data dir holding another run is refused (ValueError naming both ids);
 4. the accounts (the signed ledger and the book replayed from it);
-5. the blob store (the data dir's blobs/);
+5. the blob store (the data dir's blobs/, or an S3-compatible bucket: `Storage.blobs`);
 6. membership (peers, the peers table, liveness, signatures and nonces, no-shows);
 7. the owner's HALT, with the mode's `position`, `effect` and `written`.
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from covey.blobs import BlobStore
+from covey.blobs import BlobStore, open_store
 from covey.config import MembershipConfig
 from covey.trust.identity import Identity
 
@@ -30,6 +31,7 @@ from .accounts import Accounts
 from .db import Database
 from .halt import Halt
 from .membership import Membership
+from .storage import Storage
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Host:
         written: Callable[[], None] = _nothing,
         key_file: str = "coordinator.key",
         db_file: str = "coordinator.db",
+        storage: Storage = Storage(),  # noqa: B008 -- frozen, so one shared default is safe
     ) -> None:
         """Open (or create) the host of the run in `data_dir`. `terms(identity, db)` is
         the mode's: the run it serves, read from its spec (and, for a run the data dir
@@ -84,22 +87,25 @@ class Host:
         database no migration reads; the database is closed again on any failure."""
         self.data_dir = data_dir = Path(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.identity = Identity.load_or_create(data_dir / key_file)
-        self.db = Database(data_dir / db_file)
+        self.identity = Identity.load_or_create(storage.key or data_dir / key_file)
+        self.db = Database(storage.db or data_dir / db_file)
+        self.db.fence = storage.fence
         try:
             self.terms = run = terms(self.identity, self.db)
             known = self.db.get_meta("run_id")
             if known is not None and known != run.run_id:
+                where = f"--db {self.db.path}" if storage.db else str(data_dir)
                 raise ValueError(
-                    f"{data_dir} holds run {known}, not this spec's run {run.run_id}; "
-                    f"use another --data-dir"
+                    f"{where} holds run {known}, not this spec's run {run.run_id} (the run "
+                    f"id covers the coordinator's key: give the run's --key); use another "
+                    f"{'--db' if storage.db else '--data-dir'}"
                 )
         except BaseException:
             self.db.close()
             raise
         self.run_id = run.run_id
         self.accounts = Accounts(self.db, self.identity, data_dir)
-        self.blobs = BlobStore(data_dir / "blobs", run.max_blob_bytes)
+        self.blobs = open_store(storage.blobs, data_dir / "blobs", run.max_blob_bytes)
         self.wake, self.stop = threading.Event(), threading.Event()
         self.membership = Membership(
             self.db,

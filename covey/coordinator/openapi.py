@@ -59,6 +59,12 @@ _BYTES = {"application/octet-stream": {"schema": {"type": "string", "format": "b
 # GET/HEAD /v1/blobs/{cid}: the bytes, whole or a single range
 BLOB_BODY: dict[int | str, dict[str, Any]] = {
     200: {"description": "The blob's bytes", "content": _BYTES},
+    307: {
+        "description": "With blobs in an object store (--blobs s3://...): GET the blob there",
+        "headers": {
+            "Location": {"description": "a presigned URL of the blob", "schema": {"type": "string"}}
+        },
+    },
     206: {
         "description": "The bytes of the requested range (`Range: bytes=a-b`)",
         "content": _BYTES,

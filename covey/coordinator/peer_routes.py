@@ -14,10 +14,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import (
+    FileResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.concurrency import run_in_threadpool
 
-from covey.blobs import RangeNotSatisfiable, parse_range
+from covey.blobs import RangeNotSatisfiable, S3BlobStore, parse_range
 from covey.protocol import schemas
 
 from .openapi import BLOB_BODY, errors
@@ -95,13 +101,17 @@ def file_range(path: Path, start: int, end: int) -> Iterator[bytes]:
 def blob_routes(app: FastAPI, blobs: BlobStore) -> None:
     """GET and HEAD /v1/blobs/{cid} over the host's blob store: the bytes whole, or a single
     `Range: bytes=a-b` as 206 with that slice, streamed from disk and never read whole into
-    memory. An unknown id is a 404, a range outside the blob a 416."""
+    memory. An unknown id is a 404, a range outside the blob a 416. With the blobs in an
+    object store (covey.blobs.S3BlobStore) a GET is a 307 to a presigned URL there."""
 
     def read_blob(cid: str, request: Request) -> Response:
         """Blob bytes; a single `Range: bytes=a-b` gives 206 with that slice (streamed from
         disk, never read whole into memory)."""
         if not blobs.has(cid):
             raise Rejected(404, f"no blob {cid[:80]!r}")
+        if isinstance(blobs, S3BlobStore) and request.method == "GET":
+            # the bytes come from the object store, not through this process (Range too)
+            return RedirectResponse(blobs.presigned_url(cid), 307)
         size = blobs.size(cid)
         try:
             byte_range = parse_range(request.headers.get("range"), size)

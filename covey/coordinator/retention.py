@@ -50,5 +50,5 @@ def prune_blobs(db: Database, blobs: BlobStore, round_: int, keep: set[str]) -> 
     }
     cutoff = time.time() - ORPHAN_GRACE_S
     for cid in blobs.cids():
-        if cid not in keep and blobs.path(cid).stat().st_mtime < cutoff:
+        if cid not in keep and blobs.modified(cid) < cutoff:
             blobs.delete(cid)

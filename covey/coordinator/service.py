@@ -21,7 +21,7 @@ import torch
 from covey.algorithms import TrainState
 from covey.blobs import BlobClient
 from covey.config import RunConfig, run_id_of
-from covey.data.corpus import load_corpus
+from covey.data.corpus import Corpus, load_corpus
 from covey.protocol import schemas
 from covey.protocol.rounds import PeerView
 from covey.trust.halt import owner_of
@@ -32,11 +32,18 @@ from .host import Host, RunTerms
 from .liveness import Liveness
 from .model import build_model
 from .rounds import Rounds
+from .storage import Storage
 from .uploads import Blobs, blob_sizes
 from .verification import Verification
 from .views import CommitSignal, OpenRound
 
 log = logging.getLogger("covey.coordinator")
+
+
+def load_run_corpus(cfg: RunConfig) -> Corpus:
+    """The run's data, as its [data] table names it."""
+    d = cfg.data
+    return load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
 
 
 class Coordinator:
@@ -47,10 +54,14 @@ class Coordinator:
         *,
         threads: int | None = None,
         device: str | None = None,
+        storage: Storage = Storage(),  # noqa: B008 -- frozen
+        corpus: Corpus | None = None,
     ) -> None:
-        """Open (or create) the run in `data_dir`. ValueError if the spec names another
-        coordinator key, or `data_dir` holds another run; DeviceError (a ValueError) for a
-        bad `device`, where the referee recomputes (default: the run's verify_device)."""
+        """Open (or create) the run in `data_dir` (and `storage`, covey.coordinator.storage).
+        ValueError if the spec names another coordinator key, or `data_dir` holds another
+        run; DeviceError (a ValueError) for a bad `device`, where the referee recomputes
+        (default: the run's verify_device). `corpus`: the run's data, loaded already (a
+        standby replica loads it before it waits: `load_run_corpus`)."""
         self.data_dir = data_dir
         if threads:
             torch.set_num_threads(threads)
@@ -59,8 +70,7 @@ class Coordinator:
             # the coordinator's own key signs certificates and ledger entries; it is part of
             # the spec, so of the run id (ValueError if the spec names another key)
             self.cfg = c = cfg.with_coordinator_key(identity.public_key)
-            d = c.data
-            self.corpus = load_corpus(list(d.paths), d.val_fraction, d.tokenizer, d.text_column)
+            self.corpus = corpus or load_run_corpus(c)
             # the run id covers the data: one spec on other data is another run
             return RunTerms(
                 run_id=run_id_of(c, self.corpus.fingerprint),
@@ -76,6 +86,7 @@ class Coordinator:
             position=lambda: self.rounds.state.round,
             effect=lambda: self.rounds.abort_if_open(),
             written=lambda: self.rounds.commits.notify(),  # round long-polls learn at once
+            storage=storage,
         )
         cfg = self.cfg
         (data_dir / "checkpoints").mkdir(exist_ok=True)

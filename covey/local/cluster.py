@@ -78,7 +78,12 @@ class LocalCluster:
         port: int | None = None,
         coordinator_threads: int = 1,
         env: dict[str, str] | None = None,
+        coordinator_args: Sequence[str] = (),
+        key: Path | None = None,
     ) -> None:
+        """`coordinator_args`: more options for `covey coordinator` (--db, --blobs);
+        `key`: the coordinator's key file outside its data dir (--key), so a coordinator
+        restarted on another `data_dir` serves the same run."""
         self.spec = spec
         self.run_dir = run_dir
         self.port = port or free_port()
@@ -93,7 +98,9 @@ class LocalCluster:
         self.peak_rss: dict[str, int] = {}  # name -> peak resident bytes seen (sample_rss)
         self.data_dir = (run_dir / "coordinator").resolve()
         # the coordinator's key file, created here (the coordinator loads it): the run id
-        coordinator_key = Identity.load_or_create(self.data_dir / "coordinator.key").public_key
+        self.coordinator_args = [*coordinator_args, *(["--key", str(key)] if key else [])]
+        key_file = key or self.data_dir / "coordinator.key"
+        coordinator_key = Identity.load_or_create(key_file).public_key
         self.config = load_run_config(spec).with_coordinator_key(coordinator_key)
         self._http = httpx.Client(base_url=self.url, timeout=5.0, trust_env=False)
 
@@ -127,6 +134,7 @@ class LocalCluster:
                 str(self.data_dir),
                 "--threads",
                 str(self.coordinator_threads),
+                *self.coordinator_args,
             ],
         )
         self.run_id  # noqa: B018 -- from the data as it is now, while the coordinator boots

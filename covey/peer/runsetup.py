@@ -93,8 +93,13 @@ def set_up_run(
     if threads:
         torch.set_num_threads(threads)
     d = cfg.data
+    # the coordinator may redirect a GET to its object store (covey.blobs.s3)
+    trusted = (client.base_url,)
     fetcher = BlobClient(
-        timeout_s=limits.request_timeout_s, retries=limits.retries, max_bytes=limits.max_blob_bytes
+        timeout_s=limits.request_timeout_s,
+        retries=limits.retries,
+        max_bytes=limits.max_blob_bytes,
+        redirects_from=trusted,
     )
     model_cfg, tokenizer = local_sources(  # hf: files this machine lacks: from the blob plane
         cfg.model, d.tokenizer, info.get("model_files_cid"),
@@ -132,6 +137,7 @@ def set_up_run(
         retries=limits.retries,
         chunk_bytes=limits.chunk_bytes,
         max_bytes=limits.max_blob_bytes,
+        redirects_from=trusted,
     )
     return RunSetup(
         cfg, info, corpus, seq_len, strategy, template, blobs, served, device_name(where),

@@ -16,6 +16,8 @@ from typing import Annotated
 
 import typer
 
+from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP, Storage
+
 rl_app = typer.Typer(
     help="Decentralized RL post-training: a trainer, untrusted rollout "
     "workers and staked validators.",
@@ -203,6 +205,9 @@ def trainer(
         typer.Option("--set", help="an RLSpec field, KEY=VALUE; repeat", metavar="KEY=VALUE"),
     ] = None,
     log_json: Annotated[bool, LOG_JSON] = False,
+    db: Annotated[str | None, typer.Option(help=DB_HELP)] = None,
+    blobs: Annotated[str | None, typer.Option(help=BLOBS_HELP)] = None,
+    key: Annotated[Path | None, typer.Option(help=KEY_HELP)] = None,
 ) -> None:
     """Serve an RL run: publish policy versions, take verified batches, train, pay."""
     from covey.config import load_toml
@@ -234,6 +239,7 @@ def trainer(
             url=f"http://{host}:{port}",
             device=where,
             precision=compute,
+            storage=Storage(db=db, blobs=blobs, key=key),
         )
     except (ValueError, FileNotFoundError, UserError) as e:
         raise _fail(str(e)) from None

@@ -31,6 +31,7 @@ import torch
 
 from covey.coordinator.db import Database
 from covey.coordinator.host import Host, RunTerms
+from covey.coordinator.storage import Storage
 from covey.devices import resolve_device, resolve_precision
 from covey.protocol.content import content_id
 from covey.rl import policy as pol
@@ -65,10 +66,12 @@ class Trainer:
         url: str = "",
         device: str = "cpu",
         precision: str = "fp32",
+        storage: Storage = Storage(),  # noqa: B008 -- frozen
     ) -> None:
-        """Open the run in `data_dir`, or create it from `spec` and the policy at
-        `policy_dir` (a policy directory or covey:<preset>). ValueError when the directory
-        holds no run and no spec/policy is given, or holds a run with another spec.
+        """Open the run in `data_dir` (and `storage`, covey.coordinator.storage), or create
+        it from `spec` and the policy at `policy_dir` (a policy directory or
+        covey:<preset>). ValueError when the directory holds no run and no spec/policy is
+        given, or holds a run with another spec.
         `device` (covey.devices.resolve_device) holds the policy and its optimizer state;
         `precision` ("fp32", "bf16") is the learning step's forward (DeviceError otherwise)."""
         self.data_dir = Path(data_dir)
@@ -104,8 +107,9 @@ class Trainer:
         # the host's parts; the learning loop writes the owner's HALT between steps and
         # takes no step after it
         self.host = host = Host(
-            self.data_dir, terms, position=lambda: self.version, key_file=KEY_FILE
-        )
+            self.data_dir, terms, position=lambda: self.version, key_file=KEY_FILE,
+            storage=storage,
+        )  # fmt: skip
         self.identity, self.db, self.accounts = host.identity, host.db, host.accounts
         self.blobs, self.membership, self.halt = host.blobs, host.membership, host.halt
         self.stop_event, self._wake = host.stop, host.wake  # _wake: a HALT to write

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
+from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP, Storage
+
 COORD = typer.Option(
     "--coordinator", help="the swarm coordinator's URL, e.g. http://127.0.0.1:8100"
 )
@@ -113,6 +115,9 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         log_json: Annotated[bool, LOG_JSON] = False,
+        db: Annotated[str | None, typer.Option(help=DB_HELP)] = None,
+        blobs: Annotated[str | None, typer.Option(help=BLOBS_HELP)] = None,
+        key: Annotated[Path | None, typer.Option(help=KEY_HELP)] = None,
     ) -> None:
         """Serve a SWARM run: stage assignment, averaging rounds, rebalancing, ledger."""
         if model is not None and not model.startswith("hf:"):
@@ -133,7 +138,11 @@ def register(app: typer.Typer) -> None:
         from covey.swarm.app import serve
         from covey.swarm.service import SwarmCoordinator
 
-        coord = SwarmCoordinator(cfg, data_dir, device)
+        try:
+            storage = Storage(db=db, blobs=blobs, key=key)
+            coord = SwarmCoordinator(cfg, data_dir, device, storage)
+        except ValueError as e:
+            _fail(str(e))
         typer.echo(f"swarm run {coord.run_id} on http://{host}:{port} (status page: /)")
         serve(coord, host, port)
 

@@ -27,6 +27,7 @@ from covey.blobs import BlobError
 from covey.coordinator.db import Database
 from covey.coordinator.host import Host, RunTerms
 from covey.coordinator.rejected import Rejected
+from covey.coordinator.storage import Storage
 from covey.protocol.swarm import SwarmHeartbeat, SwarmJoin, SwarmRoundReport, SwarmStateUpload
 from covey.swarm import books, evidence
 from covey.swarm.averaging import Averaging
@@ -43,8 +44,15 @@ log = logging.getLogger("covey.swarm")
 
 
 class SwarmCoordinator(PayDesk):
-    def __init__(self, cfg: SwarmConfig, data_dir: Path, device: str | None = None) -> None:
-        """`device`: where the referee recomputes (covey.swarm.referee.Referee)."""
+    def __init__(
+        self,
+        cfg: SwarmConfig,
+        data_dir: Path,
+        device: str | None = None,
+        storage: Storage = Storage(),  # noqa: B008 -- frozen
+    ) -> None:
+        """`device`: where the referee recomputes (covey.swarm.referee.Referee); `storage`:
+        where the host keeps the run beside `data_dir` (covey.coordinator.host)."""
         self.cfg = cfg
         self.run_id = cfg.run_id
 
@@ -55,7 +63,9 @@ class SwarmCoordinator(PayDesk):
         # the host's parts; gradient sums of averaging rounds and agreed stage states are
         # relayed by content id (a round whose member died after reporting is still applied
         # by the others); the driver writes the owner's HALT and pays nothing after it
-        self.host = host = Host(data_dir, terms, position=lambda: self.epoch, db_file="swarm.db")
+        self.host = host = Host(
+            data_dir, terms, position=lambda: self.epoch, db_file="swarm.db", storage=storage
+        )
         known = host.db.get_meta("run_id")
         self.identity, self.db, self.accounts = host.identity, host.db, host.accounts
         self.blobs, self.membership, self.halt = host.blobs, host.membership, host.halt

@@ -163,7 +163,7 @@ def read_entries(
     """Entries with index >= `start` in index order, at most `limit`. A path is opened
     read-only. LedgerError naming the row if a row's payload is not canonical JSON of a dict
     or a field has the wrong type; LedgerError (index None) if there is no ledger table."""
-    if isinstance(conn_or_path, sqlite3.Connection):
+    if not isinstance(conn_or_path, (str, Path)):  # an open connection (SQLite, PostgreSQL)
         return _read(conn_or_path, start, limit)
     path = Path(conn_or_path)
     if not path.is_file():

@@ -1,0 +1,200 @@
+"""Coordinator replicas on one PostgreSQL database (covey.coordinator.lease): the driver's
+lease is held by one at a time and taken over once it expires, every writing transaction
+of a holder that lost it is rolled back (fencing), and, with real processes, a leader
+SIGKILLed again and again is replaced by the other replica with no round lost, doubled or
+certified twice."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from covey.coordinator.db import Database
+from covey.coordinator.lease import DRIVER, Lease, LeaseLost
+from tests.services import FailoverProxy, Postgres, S3Server, free_port
+
+
+def test_one_holder_at_a_time_and_takeover_after_expiry(postgres: Postgres, tmp_path: Path) -> None:
+    url = postgres.database()
+    a, b = Lease(Database(url), "a", ttl_s=1.0), Lease(Database(url), "b", ttl_s=1.0)
+    assert a.try_take() and not b.try_take()
+    assert a.try_take()  # a renewal
+    deadline = time.monotonic() + 10
+    while not b.try_take():  # a stops renewing: b takes it once it expires
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.1)
+    assert not a.try_take()
+    row = a.db.one("SELECT holder FROM leases WHERE name = ?", (DRIVER,))
+    assert row is not None and row["holder"] == "b"
+    with pytest.raises(ValueError, match="postgresql"):
+        Lease(Database(tmp_path / "x.db"), "c")  # SQLite: no replicas
+
+
+def test_a_deposed_holder_cannot_write(postgres: Postgres) -> None:
+    url = postgres.database()
+    lease_a = Lease(Database(url), "a", ttl_s=0.5)
+    assert lease_a.try_take()
+    mode_db = Database(url)  # the mode's database of replica a, fenced by its lease
+    mode_db.fence = lease_a.fence
+    with mode_db.transaction() as c:
+        c.execute("INSERT INTO meta VALUES ('written by', 'a')")
+    time.sleep(0.6)  # a was paused past its lease...
+    assert Lease(Database(url), "b", ttl_s=5.0).try_take()  # ...and b took over
+    with pytest.raises(LeaseLost), mode_db.transaction() as c:
+        c.execute("UPDATE meta SET value = 'a again' WHERE key = 'written by'")
+    assert mode_db.get_meta("written by") == "a"  # rolled back
+    mode_db.close()
+
+
+def test_the_keeper_gives_up_when_another_holds_it(postgres: Postgres) -> None:
+    url = postgres.database()
+    a = Lease(Database(url), "a", ttl_s=0.6)
+    assert a.try_take()
+    lost, stop = threading.Event(), threading.Event()
+    a.keep(stop, lost.set)
+    with a.db.transaction() as c:  # another holder, as after a partition
+        c.execute("UPDATE leases SET holder = 'b', expires = expires + 60")
+    assert lost.wait(10)
+    stop.set()
+
+
+SPEC = """
+name = "test-replicas"
+seed = 3
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 64
+[algorithm]
+method = "diloco"
+inner_steps = 4
+outer_momentum = 0.5
+[rounds]
+target_compute_s = 30
+deadline_min_s = 3
+deadline_max_s = 60
+eval_batches = 1
+checkpoint_every = 1000
+"""
+KILLS = 20  # leaders SIGKILLed in one run
+
+
+def _leader_port(db: Database) -> int | None:
+    row = db.one("SELECT holder FROM leases WHERE name = ?", (DRIVER,))
+    return None if row is None else int(str(row["holder"]).split(":")[1])
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.long  # minutes: KILLS takeovers
+def test_leaders_killed_again_and_again_lose_and_double_no_round(
+    postgres: Postgres, s3: S3Server, tmp_path: Path
+) -> None:
+    from covey.io import audit
+    from covey.local.cluster import LocalCluster
+
+    spec = tmp_path / "run.toml"
+    spec.write_text(SPEC)
+    url, blobs, key = postgres.database(), f"s3://{s3.bucket()}/run", tmp_path / "c.key"
+    ports = [free_port(), free_port()]
+    proxy = FailoverProxy(ports)
+    cluster = LocalCluster(spec, tmp_path, port=proxy.port, env=s3.env, key=key)
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(port: int) -> None:
+        procs[port] = cluster._spawn(
+            f"replica-{port}",
+            ["coordinator", str(spec), "--port", str(port), "--threads", "1",
+             "--data-dir", str(tmp_path / f"cache-{port}"), "--db", url, "--blobs", blobs,
+             "--key", str(key), "--replica"],
+        )  # fmt: skip
+
+    lease_db = Database(url)
+    takeovers: list[float] = []
+    try:
+        for port in ports:
+            start(port)
+        cluster.wait_for(lambda s: True, 120, "a replica to serve")
+        cluster.start_worker("w0")
+        cluster.start_worker("w1")
+        done = 0
+        for _ in range(KILLS):
+            status = cluster.wait_for(
+                lambda s, n=done: s["committed_rounds"] > n and s["phase"] == "open",
+                180,
+                "a round committed since the last takeover, and the next one open",
+            )
+            done = status["committed_rounds"]
+            leader = _leader_port(lease_db)
+            assert leader in procs, leader
+            procs[leader].send_signal(signal.SIGKILL)
+            procs[leader].wait(10)
+            t0 = time.monotonic()
+            cluster.wait_for(lambda s: True, 120, "the other replica to take over")
+            takeovers.append(time.monotonic() - t0)
+            assert _leader_port(lease_db) not in (None, leader)
+            start(leader)  # back as the standby
+        final = cluster.wait_for(
+            lambda s, n=done: s["committed_rounds"] > n, 180, "a round after the last kill"
+        )
+        certs = [
+            cluster.get(f"/v1/rounds/{r}/certificate") for r in range(final["committed_rounds"])
+        ]
+        entries, _, _ = audit.load(cluster.url)
+        verify = subprocess.run(
+            [sys.executable, "-m", "covey", "ledger", "verify", cluster.url],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+    finally:
+        cluster.stop()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        proxy.close()
+        lease_db.close()
+    print(f"takeovers (s): {[round(t, 1) for t in takeovers]}")
+    (tmp_path / "takeovers.json").write_text(str([round(t, 2) for t in takeovers]))
+    assert len(takeovers) == KILLS
+    # no round lost or doubled: certificates 0..n, each certified once in the ledger
+    assert [c["round"] for c in certs] == list(range(len(certs)))
+    certified = [e.payload["round"] for e in entries if e.type == "round certificate"]
+    assert sorted(certified) == list(range(len(certs))), certified
+    # every worker's weights matched every certificate it applied, each applied once
+    for w in ("w0", "w1"):
+        records: list[dict[str, Any]] = _applied(tmp_path, w)
+        assert records and all(r["matched"] for r in records), w
+        rounds = [r["round"] for r in records]
+        assert len(rounds) == len(set(rounds)), f"{w} applied a round twice: {rounds}"
+
+
+def _applied(tmp_path: Path, peer: str) -> list[dict[str, Any]]:
+    import json
+
+    path = tmp_path / "peers" / peer / "applied.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_replica_needs_a_shared_database_and_key(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from covey.cli import app
+
+    spec = tmp_path / "run.toml"
+    spec.write_text(SPEC)
+    args = ["coordinator", str(spec), "--port", str(free_port()), "--replica"]
+    result = CliRunner().invoke(app, [*args, "--data-dir", str(tmp_path / "d")])
+    assert result.exit_code == 2 and "--replica needs --db" in result.output, result.output
