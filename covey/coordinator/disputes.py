@@ -103,8 +103,14 @@ class Disputes:
         this run's model and codec imply."""
         if req.round != task.round:
             return "round", f"task {task.task_id} is of round {task.round}, not {req.round}"
-        if req.outcome == "agree":
+        if req.outcome != "disagree":
             return None
+        if task.local_state_cid is not None and not self.blobs.has(task.local_state_cid):
+            # the referee re-executes from it: a dispute brings the evidence it fetched
+            return "local_state_cid", (
+                f"the disputed contribution started from local state "
+                f"{task.local_state_cid[:12]}: upload it (PUT /v1/blobs/...) with the dispute"
+            )
         k = self.cfg.trust.commit_every
         n = len(verify.commitment_steps(task.inner_steps, k))
         if req.segment is None:

@@ -39,6 +39,7 @@ from .canary import Canaries
 from .checks import Checks
 from .disputes import Disputes
 from .rejected import Rejected
+from .withheld import WithheldEvidence
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
@@ -59,8 +60,8 @@ log = logging.getLogger("covey.coordinator")
 DISPUTABLE = (*OPEN, "agree")
 
 
-class Verification(Assignments, Canaries, Disputes):
-    """Validators, their checks (assignments and canaries) and the referee. The three
+class Verification(Assignments, Canaries, Disputes, WithheldEvidence):
+    """Validators, their checks (assignments and canaries) and the referee. The four
     bases are this one component's parts (one file each), not shared-state mixins of the
     coordinator."""
 
@@ -336,7 +337,10 @@ class Verification(Assignments, Canaries, Disputes):
             start_hash=rnd["start_hash"],
             start_size=self.blobs.size(rnd["start_cid"]),
             commitments=json.loads(c["commitments"] or "[]"),
-            providers=[],
+            # where its evidence (the committed local states) is fetched from: the worker's
+            # own blob server, never this coordinator's store (none: the worker accepts no
+            # connections and uploaded them here)
+            providers=[url] if (url := self.peers.blob_url(v["peer_id"])) else [],
             **chain,
         )
 
@@ -379,10 +383,15 @@ class Verification(Assignments, Canaries, Disputes):
             raise Rejected(
                 409, f"task {req.task_id} is not assigned to {req.validator_id[:12]} (or ended)"
             )
-        fault = self._report_fault(self._task(req.task_id), req)
+        task = self._task(req.task_id)
+        fault = self._report_fault(task, req)
+        if fault is None and req.outcome == "withheld":
+            fault = self._withheld_fault(task, req)
         if fault is not None:
             self._refuse_report(v, req, *fault)
             raise Rejected(422, f"report refused: {fault[0]}: {fault[1]}")
+        if req.outcome == "withheld":
+            return self._report_withheld(v, req, raw)
         now = time.time()
         book = self.accounts.book
         with self.accounts.transaction() as c:
@@ -444,8 +453,10 @@ class Verification(Assignments, Canaries, Disputes):
         if req.round != canary["round"]:
             raise Rejected(422, f"report refused: round: task {req.task_id} is of another round")
         caught = req.outcome == "disagree"
+        # the real worker's evidence did not come: the canary was not checked either way
+        outcome = "missed" if req.outcome == "withheld" else "caught" if caught else "passed"
         with self.accounts.transaction() as c:
-            self._resolve_canary(c, canary, "caught" if caught else "passed", time.time())
+            self._resolve_canary(c, canary, outcome, time.time())
         return {"ok": True, "status": "disputed" if caught else "agree"}
 
     def _refuse_report(self, v: Any, req: schemas.VerifyReport, field: str, reason: str) -> None:

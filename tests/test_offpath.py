@@ -1,0 +1,199 @@
+"""Verification off the critical path (docs/trust.md): a round never waits for a drawn
+contribution's evidence; the drawn validators fetch it from the worker's own blob server,
+not from the coordinator; a worker whose evidence its validators attest withheld is
+slashed and clawed back, on their signed reports, which `covey ledger verify` replays, and
+one validator alone cannot frame an honest worker; a cheat convicted two rounds after its
+round was certified is slashed and clawed back, and the certified chain stands.
+
+An in-process coordinator driven by hand (tests/test_evidence.py's harness), workers' blob
+servers and the validator's evidence fetch over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from covey.blobs import BlobClient, BlobStore
+from covey.coordinator.auth import _RECEIVED_AT
+from covey.coordinator.rejected import Rejected
+from covey.io import audit
+from covey.peer.validator import Undelivered, Validator, ValidatorOptions
+from covey.protocol import schemas
+from covey.protocol.content import content_id
+from covey.trust.identity import Identity, request_purpose
+from tests import test_evidence
+from tests.test_evidence import Peer, account, entries_of, overdue, signed
+
+make = test_evidence.make  # the in-process coordinator fixture
+
+
+class HandValidator:
+    """A staked validator key that claims and reports by hand (signed as `covey
+    validator` signs)."""
+
+    def __init__(self, coord: Any, name: str, stake: float = 10.0) -> None:
+        self.coord, self.key = coord, Identity.generate()
+        self.id = self.key.peer_id
+        body = {
+            "run_id": coord.run_id, "validator_id": self.id, "public_key": self.key.public_key,
+            "name": name, "stake": stake,
+        }  # fmt: skip
+        self._call("/v1/validators/join", body, -1, coord.verification.validator_join,
+                   schemas.ValidatorJoin)  # fmt: skip
+
+    def _call(self, path: str, body: dict[str, Any], round_: int, fn: Any, model: Any) -> Any:
+        raw = signed(self.key, body, path, round_)
+        token = _RECEIVED_AT.set(request_purpose(path))
+        try:
+            return fn(model.model_validate(raw), raw)
+        finally:
+            _RECEIVED_AT.reset(token)
+
+    def claim(self) -> schemas.VerifyTask | None:
+        body = {"run_id": self.coord.run_id, "validator_id": self.id}
+        reply = self._call(
+            "/v1/verify/claim", body, -1, self.coord.verification.claim, schemas.ClaimRequest
+        )
+        return None if reply["task"] is None else schemas.VerifyTask.model_validate(reply["task"])
+
+    def report(self, task: schemas.VerifyTask, outcome: str, **extra: Any) -> Any:
+        body = {
+            "run_id": self.coord.run_id, "round": task.round, "validator_id": self.id,
+            "task_id": task.task_id, "outcome": outcome, **extra,
+        }  # fmt: skip
+        return self._call(
+            "/v1/verify/report", body, task.round, self.coord.verification.report,
+            schemas.VerifyReport,
+        )  # fmt: skip
+
+
+def commit(coord: Any, peers: list[Peer], draws: dict[str, bool], starts: dict[str, Any]) -> None:
+    """Every peer submits to the open round (drawn as `draws` says), and the round commits."""
+    coord.tick(time.time())
+    for p in peers:
+        k = p.k_drawn(want=draws.get(p.id, False), start=1000 * coord.state.round)
+        out = p.submit(k, start_cid=starts.get(p.id))
+        assert isinstance(out, dict), out
+        starts[p.id] = content_id(p.end_state())
+    overdue(coord)
+    round_ = coord.state.round
+    coord.tick(time.time())
+    assert coord.state.round == round_ + 1
+
+
+def test_a_round_closes_while_a_drawn_contributions_evidence_is_still_moving(make) -> None:
+    """The drawn worker's blob server holds every request it gets; the round commits at
+    once with the drawn contribution sampled in, and nothing asked for its states: they
+    wait for the drawn validators, who ask the worker, not the coordinator."""
+    coord = make(min_peers=2)
+    honest, drawn = Peer(coord, "honest"), Peer(coord, "drawn")
+    release, end = threading.Event(), content_id(drawn.end_state())
+    # a request for its evidence would hang here
+    drawn.server.hook = lambda cid: release.wait(30) if cid == end else None
+    try:
+        coord.tick(time.time())
+        assert isinstance(honest.submit(honest.k_drawn(want=False)), dict)
+        t0 = time.monotonic()
+        receipt = drawn.submit(drawn.k_drawn(want=True))
+        assert isinstance(receipt, dict), receipt
+        coord.tick(time.time())  # everyone submitted: the close does not wait
+        assert coord.open_round() is None and coord.state.round == 1
+        assert time.monotonic() - t0 < 25  # under the hook's 30 s: nothing waited on it
+        assert end not in drawn.server.requested and not coord.blobs.has(end)
+        accepted = [e for e in entries_of(coord, drawn.id) if e.type == "contribution accepted"]
+        assert [a.payload["sampled"] for a in accepted] == [True]
+        validator = HandValidator(coord, "v")
+        task = validator.claim()
+        assert task is not None and task.peer_id == drawn.id
+        assert task.providers == [drawn.server.url] and task.end_state_cid == end
+    finally:
+        release.set()
+
+
+def fetcher(coord: Any) -> Validator:
+    """A `covey validator` whose evidence fetch is used alone (no coordinator session)."""
+    v = Validator(ValidatorOptions(coordinator="http://127.0.0.1:9"))
+    v.blobs = BlobClient(timeout_s=5.0, retries=1)
+    v.cfg = coord.cfg
+    return v
+
+
+def test_a_validator_fetches_evidence_from_the_worker_and_waits_out_a_slow_provider(
+    make, tmp_path: Path
+) -> None:
+    """A slow provider (its bytes trickle) within the deadline delivers; a provider that
+    does not have the state is asked again until the deadline, then Undelivered."""
+    coord = make(min_peers=1)
+    slow, gone = Peer(coord, "slow"), Peer(coord, "gone")
+    end = slow.end_state()[: 96 << 10]  # trickled at 80 KiB/s
+    cid = content_id(end)
+    slow.server.blobs[cid] = end
+    slow.server.trickle.add(cid)
+    v = fetcher(coord)
+    t0 = time.monotonic()
+    path = v._fetch_evidence(
+        BlobStore(tmp_path / "a"), cid, [slow.server.url], len(end), time.monotonic() + 60
+    )
+    assert path.read_bytes() == end and slow.server.requested.count(cid) >= 1
+    assert time.monotonic() - t0 > 0.3  # it did trickle
+    missing = content_id(gone.end_state())
+    t0 = time.monotonic()
+    with pytest.raises(Undelivered, match="not delivered"):
+        v._fetch_evidence(
+            BlobStore(tmp_path / "b"), missing, [gone.server.url], 100, time.monotonic() + 2.5
+        )
+    assert time.monotonic() - t0 >= 2.5 and gone.server.requested.count(missing) >= 2
+    assert not coord.blobs.has(cid)  # nothing of it went through the coordinator
+
+
+def test_withheld_evidence_attested_by_the_drawn_validators_is_slashed(make) -> None:
+    """Two drawn validators attest, signed, that the drawn worker did not deliver: the
+    first alone changes nothing (the second still holds its check); with the second the
+    worker is slashed, excluded and counted as withholding, and `covey ledger verify`
+    replays it. An attestation naming another worker is refused."""
+    coord = make(min_peers=1, new=3)  # new peers are always drawn, checked by two
+    worker = Peer(coord, "withholder")
+    a, b = HandValidator(coord, "a"), HandValidator(coord, "b")
+    commit(coord, [worker], {worker.id: True}, {})
+    ta, tb = a.claim(), b.claim()
+    assert ta is not None and tb is not None and ta.task_id == tb.task_id
+    stake = account(coord, worker.id).stake
+    first = a.report(ta, "withheld", worker_id=worker.id, detail="404 until the deadline")
+    assert first["status"] != "withheld"  # b still holds its check
+    with pytest.raises(Rejected, match="worker_id"):
+        b.report(tb, "withheld", worker_id=a.id)  # refused: b's check ends, against b
+    acc = account(coord, worker.id)
+    assert not acc.banned and acc.slashed == 0 and acc.withheld == 0
+    c = HandValidator(coord, "c")
+    tc = c.claim()  # drawn in b's place
+    assert tc is not None and tc.task_id == tb.task_id
+    second = c.report(tc, "withheld", worker_id=worker.id)
+    assert second["status"] == "withheld"
+    acc = account(coord, worker.id)
+    assert acc.banned and acc.withheld == 1
+    assert acc.slashed == pytest.approx(coord.cfg.trust.slash_fraction * stake)
+    slashes = [e for e in entries_of(coord, worker.id) if e.type == "slash"]
+    assert len(slashes) == 1 and slashes[0].payload["withheld"] is True
+    coord.stop()
+    audit.verify(coord.data_dir)
+
+
+def test_one_validator_cannot_frame_an_honest_worker(make) -> None:
+    """One drawn validator attests withheld; the other fetches the evidence and agrees:
+    the worker loses nothing, and a slash written on that ledger would not verify."""
+    coord = make(min_peers=1, new=3)
+    worker = Peer(coord, "honest")
+    a, b = HandValidator(coord, "a"), HandValidator(coord, "b")
+    commit(coord, [worker], {worker.id: True}, {})
+    ta, tb = a.claim(), b.claim()
+    assert ta is not None and tb is not None
+    a.report(ta, "withheld", worker_id=worker.id)
+    b.report(tb, "agree", distance=0.0, exact=True)
+    acc = account(coord, worker.id)
+    assert not acc.banned and acc.slashed == 0 and acc.withheld == 0
+    book = coord.accounts.book
+    assert not book.withholding_proven(0, worker.id)
