@@ -123,13 +123,13 @@ def signed(key: Identity, body: dict[str, Any], path: str, round_: int = -1) -> 
 class Peer:
     """A worker that joins `coord` and submits contributions by hand."""
 
-    def __init__(self, coord: Coordinator, name: str) -> None:
+    def __init__(self, coord: Coordinator, name: str, stake: float = 0.0) -> None:
         self.coord, self.key, self.server = coord, Identity.generate(), BlobServer()
         self.id = self.key.peer_id
         body = {
             "run_id": coord.run_id, "peer_id": self.id, "public_key": self.key.public_key,
             "name": name, "step_time_s": 0.01, "accepts_connections": True,
-            "blob_url": self.server.url,
+            "blob_url": self.server.url, "stake": stake,
         }  # fmt: skip
         raw = signed(self.key, body, "/v1/join")
         token = _RECEIVED_AT.set(request_purpose("/v1/join"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,10 @@ from covey.io import audit
 from covey.peer.validator import Undelivered, Validator, ValidatorOptions
 from covey.protocol import schemas
 from covey.protocol.content import content_id
+from covey.trust import verify
 from covey.trust.identity import Identity, request_purpose
+from covey.trust.incentives import Book
+from covey.trust.ledger import LedgerError, read_entries
 from tests import test_evidence
 from tests.test_evidence import Peer, account, entries_of, overdue, signed
 
@@ -180,6 +184,20 @@ def test_withheld_evidence_attested_by_the_drawn_validators_is_slashed(make) -> 
     assert len(slashes) == 1 and slashes[0].payload["withheld"] is True
     coord.stop()
     audit.verify(coord.data_dir)
+    # the slash rests on the validators' signatures: an attestation edited (its detail) or
+    # taken away makes the book refuse the ledger
+    entries = read_entries(coord.data_dir / "coordinator.db")
+
+    def edited(e: Any, attestation: Any) -> Any:
+        if e.type != "verification" or e.payload["outcome"] != "withheld":
+            return e
+        return replace(e, payload={**e.payload, "attestation": attestation(e)})
+
+    forged = [edited(e, lambda e: {**e.payload["attestation"], "detail": "x"}) for e in entries]
+    with pytest.raises(LedgerError, match="attestation is not signed"):
+        Book.replay(forged)
+    with pytest.raises(LedgerError, match="not a signed report"):
+        Book.replay([edited(e, lambda e: None) for e in entries])
 
 
 def test_one_validator_cannot_frame_an_honest_worker(make) -> None:
@@ -197,3 +215,56 @@ def test_one_validator_cannot_frame_an_honest_worker(make) -> None:
     assert not acc.banned and acc.slashed == 0 and acc.withheld == 0
     book = coord.accounts.book
     assert not book.withholding_proven(0, worker.id)
+
+
+def test_a_cheat_convicted_two_rounds_late_is_slashed_and_clawed_back(make) -> None:
+    """Round 0's drawn contribution is agreed on by one validator and paid two rounds
+    later; then the other drawn validator's disagreement is judged fraud: the worker is
+    slashed and its paid work clawed back, the agreeing validator pays for missing it, the
+    rounds certified meanwhile stand, the next round commits without the cheat, and the
+    ledger verifies."""
+    coord = make(min_peers=1, new=3)  # new peers: always drawn, checked by two
+    cheat, honest = Peer(coord, "cheat", stake=20.0), Peer(coord, "honest", stake=20.0)
+    a, b = HandValidator(coord, "a"), HandValidator(coord, "b")
+    starts: dict[str, Any] = {}
+    commit(coord, [cheat, honest], {}, starts)
+    for _ in range(2):  # a checks both round-0 contributions: agrees
+        t = a.claim()
+        assert t is not None and t.round == 0
+        a.report(t, "agree", distance=0.0, exact=True)
+    late = b.claim()
+    assert late is not None and late.round == 0
+    if late.peer_id == honest.id:
+        b.report(late, "agree", distance=0.0, exact=True)
+        late = b.claim()
+    assert late is not None and late.peer_id == cheat.id and late.round == 0
+    for _ in range(2):  # two more rounds certified while b still holds its check
+        commit(coord, [cheat, honest], {}, starts)
+    certified = coord.db.query("SELECT round, new_hash FROM rounds ORDER BY round")
+    paid = [e for e in entries_of(coord, cheat.id) if e.type == "reward"]
+    assert [e.payload["round"] for e in paid] == [0]  # its round-0 work was paid
+    points = verify.commitment_steps(late.inner_steps, coord.cfg.trust.commit_every)
+    mine = cheat.payload(999_999)  # the validator's own payload backs the last segment
+    coord.blobs.put(mine)
+    out = b.report(late, "disagree", segment=len(points) - 1, payload_cid=content_id(mine))
+    assert out["status"] == "disputed"
+    coord.verification._settle(late.task_id)
+    clawed = [e for e in entries_of(coord, cheat.id) if e.type == "clawback"]
+    assert [e.payload["kind"] for e in clawed] == ["work"]
+    assert clawed[0].payload["amount"] == paid[0].payload["amount"] > 0
+    acc = account(coord, cheat.id)  # half its stake of 20, and its pay back from the rest
+    assert acc.banned and acc.slashed == pytest.approx(10.0 + paid[0].payload["amount"])
+    penalties = [e for e in read_entries(coord.data_dir / "coordinator.db") if e.type == "penalty"]
+    assert [p.payload["peer_id"] for p in penalties] == [a.id]  # it agreed: missed fraud
+    # the certified chain stands: nothing certified is rewritten, the next round goes on
+    assert coord.db.query("SELECT round, new_hash FROM rounds ORDER BY round") == certified
+    coord.tick(time.time())
+    k = honest.k_drawn(False, start=1000 * coord.state.round)
+    assert isinstance(honest.submit(k, start_cid=starts[honest.id]), dict)
+    rnd = coord.open_round()
+    assert rnd is not None and cheat.id not in rnd.members  # excluded
+    overdue(coord)
+    coord.tick(time.time())
+    assert coord.state.round == 4
+    coord.stop()
+    audit.verify(coord.data_dir)
