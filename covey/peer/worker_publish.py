@@ -103,10 +103,10 @@ class Publishing:
         }
         signed = self._signed(path, body, info.round)
         try:
-            # the coordinator may pull the payload from us before it answers, and the start
-            # and end local states if it drew this contribution for verification: allow
-            # for that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual
-            pulled = len(payload) + (2 * self._local.end_size if local else 0)
+            # the coordinator may pull the payload from us before it answers (never our
+            # local states: drawn validators fetch those later, covey.peer.validator):
+            # allow for that at 1 MiB/s (a 124M model's fp32 payload is 500 MB)
+            pulled = len(payload)
             pull_s = self.cfg.limits.request_timeout_s + pulled / _PULL_BYTES_S
             reply = self.client.post(path, signed, round=None, timeout_s=pull_s)
         except PeerRejected as e:
