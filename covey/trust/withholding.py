@@ -14,8 +14,8 @@ coordinator's word alone (docs/trust.md, "Verification off the critical path").
 - The penalty (a "slash" with `withheld: true`: `slash_fraction` of the stake, the ban, the
   claw-back of the contribution's paid work, as a conviction) needs `WITHHOLD_ATTESTATIONS`
   distinct validators' attestations, or every eligible validator's when fewer are eligible,
-  no completed check of the contribution and none still held: one validator alone cannot frame a worker
-  when a second is eligible. An honest worker whose provider is slow but delivers within
+  no completed check of the contribution and none still held: one validator alone cannot
+  frame a worker when a second is eligible. An honest worker whose provider is slow but delivers within
   the deadline is checked normally and loses nothing.
 
 `Withholding` is mixed into covey.trust.incentives.Book.
