@@ -15,8 +15,8 @@ coordinator's word alone (docs/trust.md, "Verification off the critical path").
   claw-back of the contribution's paid work, as a conviction) needs `WITHHOLD_ATTESTATIONS`
   distinct validators' attestations, or every eligible validator's when fewer are eligible,
   no completed check of the contribution and none still held: one validator alone cannot
-  frame a worker when a second is eligible. An honest worker whose provider is slow but delivers within
-  the deadline is checked normally and loses nothing.
+  frame a worker when a second is eligible. An honest worker whose provider is slow but
+  delivers within the deadline is checked normally and loses nothing.
 
 `Withholding` is mixed into covey.trust.incentives.Book.
 """
