@@ -149,7 +149,7 @@ class Peer:
         return strategy.codec.encode(torch.full((numel,), 1e-6 * (k + 1) + salt))
 
     def end_state(self) -> bytes:
-        n = next(n for n, what in self.coord.uploads.sizes.items() if what == "local state")
+        n = self.coord.rounds.evidence_size  # a published end state's size
         seed = self.id.encode()
         return (seed * (n // len(seed) + 1))[:n]
 

@@ -26,7 +26,7 @@ class ChainPeer(Peer):
     round_no: int = 0
 
     def end_state(self) -> bytes:
-        n = next(n for n, what in self.coord.uploads.sizes.items() if what == "local state")
+        n = self.coord.rounds.evidence_size  # a published end state's size
         seed = (self.id + f"/{self.round_no}").encode()
         return (seed * (n // len(seed) + 1))[:n]
 

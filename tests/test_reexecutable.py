@@ -18,10 +18,11 @@ from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, Stream
 from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss
 from covey.trust.committer import Committer
-from covey.trust.sketch import commitment_of
 from covey.trust.verify import (
     BatchFn,
     compare,
+    evidence_commitment,
+    evidence_of,
     local_state_from_bytes,
     local_state_to_bytes,
     reexecute,
@@ -87,12 +88,13 @@ def two_rounds(cfg: object, tokens: torch.Tensor, accepted: bool = True):
 
 def validate(cfg, start, previous_end, previous_accepted, commitments, c, claimed_end, tokens):
     """A validator's check from committed inputs: the previous end state travels as
-    safetensors bytes and is parsed against the validator's own template."""
+    safetensors bytes of what is published of it (`evidence_of`: no parameters when the
+    strategy does not carry them) and is parsed against the validator's own template."""
     v = make(cfg)
     prev = None
     if previous_end is not None:
-        data = local_state_to_bytes(previous_end)
-        prev = local_state_from_bytes(data, v.local_state(copy=False))
+        data = local_state_to_bytes(evidence_of(v, previous_end))
+        prev = local_state_from_bytes(data, v.evidence_layout())
     steps = c.inner_steps
     mine = reexecute(
         v,
@@ -103,7 +105,7 @@ def validate(cfg, start, previous_end, previous_accepted, commitments, c, claime
         previous_end=prev,
         previous_accepted=previous_accepted,
     )
-    end = commitment_of(claimed_end, start.params, steps)
+    end = evidence_commitment(v, claimed_end, start, steps)
     return compare(commitments, c.payload, mine, v.codec, numel(v, start), TOL, end), mine
 
 

@@ -97,6 +97,22 @@ class Strategy(ABC):
         next round's start is derived from it. False: every round starts fresh."""
         return False
 
+    @property
+    def local_params_carried(self) -> bool:
+        """Whether the parameters of a local state matter to the next round: False when
+        `adopt` loads the round's canonical start over them (DiLoCo, DeMo), so only the
+        strategy's own tensors (moments, residuals) are private state a validator cannot
+        recompute; True when the worker's own weights carry on (Streaming DiLoCo)."""
+        return True
+
+    def evidence_layout(self) -> dict[str, torch.Tensor]:
+        """`local_state_layout()` as it is published for verification: without the
+        parameters when they are not carried (see `local_params_carried`)."""
+        layout = self.local_state_layout()
+        if self.local_params_carried:
+            return layout
+        return {k: v for k, v in layout.items() if not k.startswith("param/")}
+
     def __init__(
         self, model: nn.Module, loss_fn: LossFn, codec: Codec, aggregator: Aggregator | None = None
     ) -> None:
@@ -171,6 +187,13 @@ class Strategy(ABC):
         self.reset_local()
         if previous_end is None or not self.carries_local_state:
             return
+        if not self.local_params_carried and not any(k.startswith("param/") for k in previous_end):
+            # published without its parameters (`evidence_layout`): `adopt` loads W_r over
+            # them anyway, so the round's start stands in for them
+            previous_end = {
+                **{f"param/{n}": start_state.params[n] for n in self.names},
+                **previous_end,
+            }
         self.load_local_state(previous_end)
         self.adopt(start_state, accepted)
 

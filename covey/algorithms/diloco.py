@@ -71,6 +71,10 @@ class DiLoCo(Strategy):
     def carries_local_state(self) -> bool:
         return self.cfg.inner_state == "keep" or self.cfg.error_feedback
 
+    @property
+    def local_params_carried(self) -> bool:
+        return False  # `adopt` loads the round's start over the worker's own weights
+
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
         start = [state.params[n] for n in self.names]

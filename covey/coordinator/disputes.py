@@ -413,7 +413,7 @@ class Disputes:
             return {}
         data = self.blobs.get(task.local_state_cid)
         return {
-            "previous_end": verify.local_state_from_bytes(data, strategy.local_state()),
+            "previous_end": verify.local_state_from_bytes(data, strategy.evidence_layout()),
             "previous_accepted": task.previous_accepted,
         }
 

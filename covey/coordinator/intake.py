@@ -212,11 +212,20 @@ class Intake(Views):
             raise Rejected(422, f"contribution {req.cid[:12]} is unusable: {e}") from None
         return self._check_local_state(req)
 
+    @functools.cached_property
+    def evidence_size(self) -> int:
+        """The size of a published end state (covey.trust.verify.evidence_of: the private
+        part of a local state alone, when the strategy does not carry its parameters)."""
+        from covey.trust.verify import local_state_nbytes  # torch-heavy: coordinator only
+
+        return local_state_nbytes(self.strategy.evidence_layout())
+
     def _check_local_state(self, req: schemas.ContributionRequest) -> Draw | None:
         """H3, the local-state chain (covey.algorithms.base): a strategy that carries local
         state names the state its round started from, which must be exactly the end state
         its contribution to the previous round named (in that round's certified attempt;
-        none: a fresh start), and its end state, of a local state's exact size. Only the
+        none: a fresh start), and its end state, of a published end state's exact size
+        (`evidence_size`). Only the
         hashes are checked here; a validator checks the content by re-execution.
 
         The draw made here is the one the commit makes (`record_round`), at the rate
@@ -229,7 +238,7 @@ class Intake(Views):
             return None
         if req.end_state_cid is None or req.end_state_size is None:
             raise Rejected(422, "a contribution must name its end local state (end_state_cid)")
-        if not self.uploads.is_local_state_size(req.end_state_size):
+        if req.end_state_size != self.evidence_size:
             raise Rejected(
                 422,
                 f"end state {req.end_state_cid[:12]} of {req.end_state_size} bytes is not "

@@ -65,7 +65,8 @@ class CheatingWorker(Worker):
             return super()._chained_start(chain)
         start = adversary.forge_local_state(chain.end)
         if self.opts.behavior == "unchained":  # names the forged state
-            return start, content_id(verify.local_state_to_bytes(start))
+            named = verify.evidence_of(self.strategy, start)
+            return start, content_id(verify.local_state_to_bytes(named))
         return start, chain.end_cid  # names the committed state
 
     def _work(self, info: schemas.RoundInfo) -> tuple[str, int]:

@@ -363,7 +363,7 @@ class Validator:
         (commitment 0 then disagrees: the worker could not have trained from it); an
         unusable end state becomes an impossible commitment (a malformed claim).
         Undelivered when the providers do not deliver a state within the deadline."""
-        template = self.strategy.local_state_layout()  # shapes only: no zeros made
+        template = self.strategy.evidence_layout()  # shapes only: no zeros made
         wanted = [
             (cid, size)
             for cid, size in (
@@ -383,7 +383,9 @@ class Validator:
             ) as path:
                 try:
                     end = verify.local_state_from_file(path, template)
-                    claimed_end = verify.commitment_of(end, start.params, task.inner_steps)
+                    claimed_end = verify.evidence_commitment(
+                        self.strategy, end, start, task.inner_steps
+                    )
                     del end  # only its commitment is needed
                 except ValueError as e:
                     log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
