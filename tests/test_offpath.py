@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from covey.blobs import BlobClient, BlobStore
 from covey.coordinator.auth import _RECEIVED_AT
@@ -268,3 +269,47 @@ def test_a_cheat_convicted_two_rounds_late_is_slashed_and_clawed_back(make) -> N
     assert coord.state.round == 4
     coord.stop()
     audit.verify(coord.data_dir)
+
+
+@pytest.mark.parametrize(
+    "name, private",
+    [
+        ("diloco-keep", {"optim"}),
+        # the residual and its pending update; Streaming's own weights carry on
+        pytest.param("diloco-reset-ef", {"optim"}, marks=pytest.mark.long),
+        pytest.param("streaming", {"param", "optim"}, marks=pytest.mark.long),
+    ],
+)
+def test_evidence_is_the_private_state_alone(name: str, private: set[str]) -> None:
+    """What a worker publishes of its end state holds only what the strategy carries and a
+    validator cannot recompute: DiLoCo's moments and residuals, no parameters (the certified
+    start stands in for them), and re-execution from it is bit-identical to re-execution
+    from the whole state. DiLoCo with its inner state reset and no error feedback carries
+    nothing, so publishes nothing."""
+    from tests.test_reexecutable import CONFIGS, batches, make, two_rounds
+
+    tokens = torch.randint(0, 256, (4096,))
+    cfg = CONFIGS[name]
+    state, end0, _, _, _ = two_rounds(cfg, tokens)
+    v = make(cfg)
+    published = verify.evidence_of(v, end0)
+    assert {k.split("/", 1)[0] for k in published} == private
+    whole = verify.local_state_nbytes(end0)
+    small = len(verify.local_state_to_bytes(published))
+    assert small == verify.local_state_nbytes(v.evidence_layout())
+    if "param" not in private:
+        params = sum(
+            t.numel() * t.element_size() for k, t in end0.items() if k.startswith("param/")
+        )
+        assert small <= whole - params + 4096  # the parameters do not travel
+    runs = []
+    for prev in (end0, verify.local_state_from_bytes(verify.local_state_to_bytes(published),
+                                                     v.evidence_layout())):  # fmt: skip
+        runs.append(
+            verify.reexecute(make(cfg), state, batches(tokens, 1), 4, 2, previous_end=dict(prev))
+        )
+    assert runs[0].payload == runs[1].payload
+    assert [c.hash for c in runs[0].commitments] == [c.hash for c in runs[1].commitments]
+    assert runs[0].end == runs[1].end
+    stateless = make(CONFIGS["diloco-keep"].model_copy(update={"inner_state": "reset"}))
+    assert not stateless.carries_local_state  # nothing is published, nothing travels
