@@ -131,6 +131,9 @@ def comms_methods(size: BenchSize) -> list[BenchMethod]:
         methods = [
             BenchMethod("ddp", {"method": "ddp"}),
             BenchMethod(f"diloco-h{hl}-int4-ef", int4_ef),
+            # the inner AdamW reset every round: its moments are then no private state a
+            # drawn contribution's validators must fetch (only the residual is)
+            BenchMethod(f"diloco-h{hl}-int4-ef-reset", {**int4_ef, "inner_state": "reset"}),
             BenchMethod(f"diloco-h{hl}", diloco(hl)),
             BenchMethod(f"diloco-h{hl}-dct-ef", dct_ef(hl)),
             BenchMethod(f"streaming-h{hl}-int4", streaming),
