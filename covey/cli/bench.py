@@ -130,8 +130,8 @@ def bench_network(
     verify_rate: Annotated[
         float | None,
         typer.Option(
-            help="share of contributions drawn for verification, new peers' too (each moves "
-            "its local states through the coordinator); default the run's (1.0 new, 0.25)"
+            help="share of contributions drawn for verification, new peers' too (no round "
+            "waits for their evidence); default the run's (1.0 new, 0.25)"
         ),
     ] = None,
     log_json: Annotated[bool, LOG_JSON] = False,
