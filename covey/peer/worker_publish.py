@@ -15,9 +15,12 @@ from covey.peer.heads import HeadKeeper
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
 from covey.trust.identity import request_purpose
+from covey.trust.withholding import EVIDENCE_KEEP_ROUNDS
 
 log = logging.getLogger("covey.worker")
-KEEP_CONTRIBUTIONS = 8  # own contribution and end-state blobs kept on the blob server
+# own contribution and end-state blobs kept on the blob server: a round's two, for the
+# rounds a drawn contribution's validators may still fetch its evidence in
+KEEP_CONTRIBUTIONS = 2 * EVIDENCE_KEEP_ROUNDS
 _PULL_BYTES_S = 1 << 20  # slowest rate a submission's answer may wait on a payload pull at
 
 
@@ -54,7 +57,7 @@ class Publishing:
             return False
         cid = self.store.put(payload)
         self._published.append(cid)
-        while len(self._published) > KEEP_CONTRIBUTIONS:  # peers fetch within a round or two
+        while len(self._published) > KEEP_CONTRIBUTIONS:
             old = self._published.pop(0)
             if old not in self._published:
                 self.store.delete(old)

@@ -16,7 +16,9 @@ coordinator's word alone (docs/trust.md, "Verification off the critical path").
   distinct validators' attestations, or every eligible validator's when fewer are eligible,
   no completed check of the contribution and none still held: one validator alone cannot
   frame a worker when a second is eligible. An honest worker whose provider is slow but
-  delivers within the deadline is checked normally and loses nothing.
+  delivers within the deadline is checked normally and loses nothing, and an attestation
+  about a round more than `EVIDENCE_KEEP_ROUNDS` behind the last certified one counts for
+  nothing (its worker need not keep that evidence any more).
 
 `Withholding` is mixed into covey.trust.incentives.Book.
 """
@@ -32,6 +34,9 @@ if TYPE_CHECKING:
     from covey.trust.policy import Account
 
 EVIDENCE_BYTES_S = 1 << 20  # the slowest rate a worker's providers may serve its evidence at
+# a worker keeps its published end states for its last this many rounds (covey.peer.
+# worker_publish); a check claimed later may find them gone (docs/trust.md says so)
+EVIDENCE_KEEP_ROUNDS = 8
 WITHHOLD_ATTESTATIONS = 2  # distinct validators that must attest non-delivery
 REPORT_PATH = "/v1/verify/report"
 
@@ -85,6 +90,7 @@ class Withholding:
     run_id: str | None
     _done: dict[tuple[int, str], int]
     _open: dict[tuple[int, str], set[str]]
+    certificates: int  # rounds certified so far: the last is round certificates - 1
     draw: Any
     _convict: Any
 
@@ -104,6 +110,8 @@ class Withholding:
         )
         if fault is not None:
             raise LedgerError(i, f"verification: withheld: {fault}")
+        if self.certificates - 1 - p["round"] >= EVIDENCE_KEEP_ROUNDS:
+            return  # its worker need not keep that evidence any more: it proves nothing
         self._withheld_by.setdefault((p["round"], p["peer_id"]), set()).add(validator.peer_id)
 
     def withholding_proven(self, round_: int, peer_id: str) -> bool:
