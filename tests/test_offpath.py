@@ -104,7 +104,7 @@ def test_a_round_closes_while_a_drawn_contributions_evidence_is_still_moving(mak
         assert isinstance(honest.submit(honest.k_drawn(want=False)), dict)
         t0 = time.monotonic()
         receipt = drawn.submit(drawn.k_drawn(want=True))
-        assert isinstance(receipt, dict), receipt
+        assert isinstance(receipt, dict) and receipt["drawn"] is True, receipt
         coord.tick(time.time())  # everyone submitted: the close does not wait
         assert coord.open_round() is None and coord.state.round == 1
         assert time.monotonic() - t0 < 25  # under the hook's 30 s: nothing waited on it

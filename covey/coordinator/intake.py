@@ -136,8 +136,11 @@ class Intake(Views):
         # (covey.coordinator.verification, docs/trust.md "Verification off the critical path")
         self._wake.set()
         log.info("[%s - round %d] contribution %s received", req.peer_id, req.round, req.cid[:12])
-        # the receipt: with the ledger's signed head, which the peer keeps (covey.peer.heads)
-        return {"ok": True, "cid": req.cid, "ledger_head": self.accounts.head()}
+        # the receipt: with the ledger's signed head, which the peer keeps (covey.peer.heads),
+        # and whether it was drawn for verification: recorded, it can no longer be withdrawn
+        # or replaced, and its worker must keep its evidence for the validators
+        drawn = draw is not None and draw.drawn
+        return {"ok": True, "cid": req.cid, "ledger_head": self.accounts.head(), "drawn": drawn}
 
     def _book_refusal(
         self,

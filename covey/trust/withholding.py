@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from covey.trust.policy import Account
 
 EVIDENCE_BYTES_S = 1 << 20  # the slowest rate a worker's providers may serve its evidence at
-# a worker keeps its published end states for its last this many rounds (covey.peer.
-# worker_publish); a check claimed later may find them gone (docs/trust.md says so)
-EVIDENCE_KEEP_ROUNDS = 8
+# a worker keeps a drawn contribution's evidence for this many rounds (covey.peer.
+# worker_publish: its receipt says it was drawn); a check claimed later may find it gone
+EVIDENCE_KEEP_ROUNDS = 32
 WITHHOLD_ATTESTATIONS = 2  # distinct validators that must attest non-delivery
 REPORT_PATH = "/v1/verify/report"
 
