@@ -27,6 +27,7 @@ from covey.peer.validator import Undelivered, Validator, ValidatorOptions
 from covey.protocol import schemas
 from covey.protocol.content import content_id
 from covey.trust import verify
+from covey.trust.evidence import evidence_of
 from covey.trust.identity import Identity, request_purpose
 from covey.trust.incentives import Book
 from covey.trust.ledger import LedgerError, read_entries
@@ -292,7 +293,7 @@ def test_evidence_is_the_private_state_alone(name: str, private: set[str]) -> No
     cfg = CONFIGS[name]
     state, end0, _, _, _ = two_rounds(cfg, tokens)
     v = make(cfg)
-    published = verify.evidence_of(v, end0)
+    published = evidence_of(v, end0)
     assert {k.split("/", 1)[0] for k in published} == private
     whole = verify.local_state_nbytes(end0)
     small = len(verify.local_state_to_bytes(published))

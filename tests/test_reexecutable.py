@@ -18,11 +18,10 @@ from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, Stream
 from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss
 from covey.trust.committer import Committer
+from covey.trust.evidence import evidence_commitment, evidence_of
 from covey.trust.verify import (
     BatchFn,
     compare,
-    evidence_commitment,
-    evidence_of,
     local_state_from_bytes,
     local_state_to_bytes,
     reexecute,

@@ -3,7 +3,7 @@ validators of its drawn contributions, at the run's default sampling rate, count
 the payload so that a reduction against DDP is quoted with them first.
 
 A drawn contribution's validators fetch what it published of its local states
-(covey.trust.verify.evidence_of: the private state alone, none for a method that carries
+(covey.trust.evidence.evidence_of: the private state alone, none for a method that carries
 none): the end state of its previous round (where this one started; none in a worker's
 first round) and of this round. A worker's first `trust.new_peer_contributions` are always
 drawn, the rest at `trust.sample_rate`; one validator fetches each (established peers need

@@ -217,7 +217,7 @@ class Intake(Views):
 
     @functools.cached_property
     def evidence_size(self) -> int:
-        """The size of a published end state (covey.trust.verify.evidence_of: the private
+        """The size of a published end state (covey.trust.evidence.evidence_of: the private
         part of a local state alone, when the strategy does not carry its parameters)."""
         from covey.trust.verify import local_state_nbytes  # torch-heavy: coordinator only
 

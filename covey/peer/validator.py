@@ -36,6 +36,7 @@ from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError
 from covey.protocol.content import content_id
 from covey.trust import verify
+from covey.trust.evidence import evidence_commitment
 from covey.trust.halt import EXIT_HALTED
 from covey.trust.identity import Identity
 from covey.trust.withholding import evidence_deadline_s
@@ -383,9 +384,7 @@ class Validator:
             ) as path:
                 try:
                     end = verify.local_state_from_file(path, template)
-                    claimed_end = verify.evidence_commitment(
-                        self.strategy, end, start, task.inner_steps
-                    )
+                    claimed_end = evidence_commitment(self.strategy, end, start, task.inner_steps)
                     del end  # only its commitment is needed
                 except ValueError as e:
                     log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
