@@ -295,6 +295,8 @@ def test_evidence_is_the_private_state_alone(name: str, private: set[str]) -> No
     v = make(cfg)
     published = evidence_of(v, end0)
     assert {k.split("/", 1)[0] for k in published} == private
+    if name == "diloco-reset-ef":  # its moments are reset: only the residual travels
+        assert all(k.startswith("optim/ef/") for k in published), sorted(published)
     whole = verify.local_state_nbytes(end0)
     small = len(verify.local_state_to_bytes(published))
     assert small == verify.local_state_nbytes(v.evidence_layout())

@@ -105,13 +105,16 @@ class Strategy(ABC):
         recompute; True when the worker's own weights carry on (Streaming DiLoCo)."""
         return True
 
+    def carries_entry(self, name: str) -> bool:
+        """Whether local-state entry `name` matters to the next round (what a worker
+        publishes for verification): the parameters only when `local_params_carried`, the
+        strategy's own tensors unless the next `begin_round` resets them."""
+        return self.local_params_carried or not name.startswith("param/")
+
     def evidence_layout(self) -> dict[str, torch.Tensor]:
-        """`local_state_layout()` as it is published for verification: without the
-        parameters when they are not carried (see `local_params_carried`)."""
-        layout = self.local_state_layout()
-        if self.local_params_carried:
-            return layout
-        return {k: v for k, v in layout.items() if not k.startswith("param/")}
+        """`local_state_layout()` as it is published for verification: the entries the
+        next round depends on alone (`carries_entry`)."""
+        return {k: v for k, v in self.local_state_layout().items() if self.carries_entry(k)}
 
     def __init__(
         self, model: nn.Module, loss_fn: LossFn, codec: Codec, aggregator: Aggregator | None = None
@@ -187,13 +190,11 @@ class Strategy(ABC):
         self.reset_local()
         if previous_end is None or not self.carries_local_state:
             return
-        if not self.local_params_carried and not any(k.startswith("param/") for k in previous_end):
-            # published without its parameters (`evidence_layout`): `adopt` loads W_r over
-            # them anyway, so the round's start stands in for them
-            previous_end = {
-                **{f"param/{n}": start_state.params[n] for n in self.names},
-                **previous_end,
-            }
+        if set(previous_end) < set(self.local_state_layout()):
+            # published without what the next round does not depend on (`evidence_layout`:
+            # the parameters `adopt` loads W_r over, moments that are reset): the round's
+            # start and the fresh state stand in for them
+            previous_end = {**self.local_state(copy=False), **previous_end}
         self.load_local_state(previous_end)
         self.adopt(start_state, accepted)
 

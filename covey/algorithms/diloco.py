@@ -75,6 +75,12 @@ class DiLoCo(Strategy):
     def local_params_carried(self) -> bool:
         return False  # `adopt` loads the round's start over the worker's own weights
 
+    def carries_entry(self, name: str) -> bool:
+        if name.startswith("param/"):
+            return self.local_params_carried
+        # the residual always; the inner optimizer only when it is kept between rounds
+        return name.startswith("optim/ef/") or self.cfg.inner_state == "keep"
+
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
         start = [state.params[n] for n in self.names]

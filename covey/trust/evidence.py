@@ -14,14 +14,13 @@ from covey.trust.sketch import Commitment, commitment_of
 
 
 def evidence_of(strategy: Strategy, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The part of a local state that is published as a contribution's end state: all of
-    it, or without the parameters when the strategy does not carry them into its next round
-    (`Strategy.local_params_carried`: the round's start stands in for them, and a validator
-    has it). Nothing public or recomputable travels: DiLoCo's evidence is its inner moments
-    and residuals, none at all for a strategy that carries no local state."""
-    if strategy.local_params_carried:
-        return dict(state)
-    return {k: v for k, v in state.items() if not k.startswith("param/")}
+    """The part of a local state that is published as a contribution's end state: the
+    entries its next round depends on (`Strategy.carries_entry`): no parameters when
+    `adopt` loads the round's start over them (a validator has it), no inner moments when
+    the next round resets them. Nothing public or recomputable travels: DiLoCo's evidence
+    is its kept inner moments and residuals, none at all for a strategy that carries no
+    local state."""
+    return {k: v for k, v in state.items() if strategy.carries_entry(k)}
 
 
 def evidence_commitment(
