@@ -400,7 +400,8 @@ def test_only_drawn_contributions_move_their_local_states(cluster) -> None:
     wait(cluster, lambda: checked(sampled=True), "a drawn honest contribution, checked")
     assert not any(on_coordinator(cid) for cid in checked(sampled=False) + checked(True))
     wait(cluster, lambda: len(slashed()) >= 1, "the withholder slashed on attestations")
-    assert [s.get("withheld") for s in slashed()] == [True], slashed()
+    # each drawn contribution it withheld is its own offence (rounds 0-2 are all drawn)
+    assert all(s.get("withheld") is True for s in slashed()), slashed()
     entries = ledger(cluster)
     attested = [
         e.payload
@@ -411,4 +412,6 @@ def test_only_drawn_contributions_move_their_local_states(cluster) -> None:
     ]
     assert attested and attested[0]["attestation"]["worker_id"] == withholder
     account = Book.replay(entries).accounts[withholder]
-    assert account.withheld == 1 and account.banned and account.slashed > 0.0, account
+    slashes = [e for e in entries if e.type == "slash" and e.payload["peer_id"] == withholder]
+    assert account.withheld == len(slashes) >= 1 and account.banned, account
+    assert account.slashed > 0.0, account

@@ -111,6 +111,10 @@ class Strategy(ABC):
         strategy's own tensors unless the next `begin_round` resets them."""
         return self.local_params_carried or not name.startswith("param/")
 
+    def names_local(self) -> list[str]:
+        """The names of `local_state()`'s entries (`local_state_layout()`'s keys)."""
+        return list(self.local_state_layout())
+
     def evidence_layout(self) -> dict[str, torch.Tensor]:
         """`local_state_layout()` as it is published for verification: the entries the
         next round depends on alone (`carries_entry`)."""
@@ -190,11 +194,16 @@ class Strategy(ABC):
         self.reset_local()
         if previous_end is None or not self.carries_local_state:
             return
-        if set(previous_end) < set(self.local_state_layout()):
+        if any(not self.carries_entry(k) and k not in previous_end for k in self.names_local()):
             # published without what the next round does not depend on (`evidence_layout`:
             # the parameters `adopt` loads W_r over, moments that are reset): the round's
-            # start and the fresh state stand in for them
-            previous_end = {**self.local_state(copy=False), **previous_end}
+            # start and the fresh state stand in for those entries, and only for those (a
+            # missing entry it carries is refused below)
+            fresh = self.local_state(copy=False)
+            previous_end = {
+                **{k: v for k, v in fresh.items() if not self.carries_entry(k)},
+                **previous_end,
+            }
         self.load_local_state(previous_end)
         self.adopt(start_state, accepted)
 
