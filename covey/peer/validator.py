@@ -243,7 +243,7 @@ class Validator:
         t0 = time.perf_counter()
         points = len(verify.commitment_steps(task.inner_steps, k))
         claimed_end = local.pop("claimed_end")
-        local_path = local.pop("previous_end_path")
+        local_path = local.pop("previous_end_path", None)
         self._reexecuting = task.task_id  # a stop signal cuts it short (`_on_signal`)
         try:
             if self.stop.is_set():
