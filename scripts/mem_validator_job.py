@@ -50,6 +50,7 @@ from covey.peer.validator import Validator, ValidatorOptions
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_to_file
 from covey.trust import verify
+from covey.trust.evidence import evidence_of
 
 SERVE = (
     "import sys; from pathlib import Path; from covey.blobs import BlobStore; "
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         start = states[r]
         mine = verify.reexecute(strategy, start, _batches(r), steps, k, (), previous_end)
         end = strategy.local_state()
-        end_ref = put_file(lambda p, end=end: p.write_bytes(verify.local_state_to_bytes(end)))
+        published = evidence_of(strategy, end)  # what a worker publishes of it
+        end_ref = put_file(lambda p, e=published: p.write_bytes(verify.local_state_to_bytes(e)))
         if r > 0:
             payload = mine.payload
             if args.inexact:

@@ -125,3 +125,54 @@ def test_methods_side_by_side_give_the_same_numbers_as_one_at_a_time(
     with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):
         run_comms_bench(size=TINY, out_dir=tmp_path / "x", progress=False, jobs=0,
                         corpus=stdlib_corpus)  # fmt: skip
+
+
+def test_every_row_counts_the_evidence_at_the_default_rate(
+    stdlib_corpus: Corpus, tmp_path: Path
+) -> None:
+    """A method that keeps private state (DiLoCo's moments and residual) sends its
+    validators what it published of its end states: its first new_peer_contributions
+    always, the rest at the default sample_rate; a method that keeps none (DDP, DiLoCo
+    with its inner optimizer reset and no error feedback) sends nothing; the reduction
+    against DDP is given with and without the evidence, and `--recount` prints an earlier
+    run's rows with it, training nothing."""
+    from covey.bench.comms import bench_config, count_evidence
+    from covey.bench.comms_evidence import evidence_per_worker, evidence_state_bytes
+    from covey.config import TrustConfig
+
+    methods = {m.name: m for m in comms_methods(LONG)}
+    keep = bench_config(methods["diloco-h100-int4-ef"], LONG)
+    params = 120_576  # the nano GPT
+    moments, residuals = 2 * params * 4, 2 * params * 4  # AdamW's two; residual and pending
+    vocab = stdlib_corpus.vocab_size
+    assert evidence_state_bytes(keep, vocab) == pytest.approx(moments + residuals, rel=0.01)
+    none = bench_config(methods["diloco-h100-int4-reset"], LONG)
+    assert evidence_state_bytes(none, vocab) == 0
+    trust = TrustConfig()
+    # 20 rounds: 3 always checked (the first has no start state: 5 states), 17 at the rate
+    assert evidence_per_worker(keep, 20, 10) == pytest.approx(10 * (5 + 2 * 17 * trust.sample_rate))
+    rows = [
+        {"method": "ddp", "baseline": "ddp", "bytes_sent_per_worker": 1e9, "rounds": 2000},
+        {"method": "diloco-h100-int4-ef", "baseline": "ddp", "bytes_sent_per_worker": 1e6,
+         "rounds": 20},
+        {"method": "diloco-h100-int4-reset", "baseline": "ddp", "bytes_sent_per_worker": 1e6,
+         "rounds": 20},
+    ]  # fmt: skip
+    count_evidence(rows, LONG, stdlib_corpus)
+    by = {r["method"]: r for r in rows}
+    assert by["ddp"]["evidence_bytes_per_worker"] == 0
+    assert by["diloco-h100-int4-reset"]["comm_reduction_vs_ddp_with_evidence"] == 1000.0
+    ef = by["diloco-h100-int4-ef"]
+    assert ef["sample_rate"] == trust.sample_rate and ef["evidence_bytes_per_worker"] > 1e6
+    assert ef["comm_reduction_vs_ddp_with_evidence"] == pytest.approx(
+        1e9 / (1e6 + ef["evidence_bytes_per_worker"])
+    )
+    earlier = tmp_path / "records.json"
+    for r in rows:
+        r.update(val_loss_tail=1.0, val_loss_gap_vs_ddp=0.0, comm_reduction_vs_ddp=1.0,
+                 bytes_received_per_worker=1.0, sim_time_s=1.0, utilization=1.0)  # fmt: skip
+        del r["evidence_bytes_per_worker"]
+    earlier.write_text(json.dumps(rows))
+    result = CliRunner().invoke(app, ["bench", "comms", "--long", "--recount", str(earlier)])
+    assert result.exit_code == 0, result.output
+    assert "evidence: bytes a worker sends its validators at sampling rate 0.25" in result.output

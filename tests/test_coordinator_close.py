@@ -62,7 +62,7 @@ class Worker(Peer):
     start: str | None = None
 
     def end_state(self) -> bytes:
-        n = next(n for n, what in self.coord.uploads.sizes.items() if what == "local state")
+        n = self.coord.rounds.evidence_size  # a published end state's size
         seed = f"{self.id}/{self.coord.state.round}".encode()
         return (seed * (n // len(seed) + 1))[:n]
 

@@ -1,14 +1,13 @@
-"""Evidence on draw (covey.coordinator.intake): a stateful contribution's local states cross
-the coordinator's link only when it is drawn for verification, and then a worker that has
-learnt it was drawn (its blob server sees the request) can neither walk away, nor draw
-again, nor stall past the round without a strike; and the coordinator's own failures are
-never booked against it. An in-process coordinator driven by hand, and test peers whose
-blob servers on 127.0.0.1 do what each test says."""
+"""Evidence off the critical path (covey.coordinator.intake): a stateful contribution's local
+states never cross the coordinator's link at intake, drawn or not; a drawn one is recorded
+(no second submission in its round), its round never waits for its states, and its states
+stay on the worker's blob server for the drawn validators (tests/test_offpath.py: their
+fetch, withholding and late conviction). An in-process coordinator driven by hand, and
+test peers whose blob servers on 127.0.0.1 do what each test says."""
 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,10 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-import covey.blobs.store as store_mod
+from covey.blobs import BlobClient, BlobError
 from covey.config import load_run_config
 from covey.coordinator.auth import _RECEIVED_AT
-from covey.coordinator.intake import Withheld, evidence_grace_s
 from covey.coordinator.rejected import Rejected
 from covey.coordinator.service import Coordinator
 from covey.io import audit
@@ -125,13 +123,13 @@ def signed(key: Identity, body: dict[str, Any], path: str, round_: int = -1) -> 
 class Peer:
     """A worker that joins `coord` and submits contributions by hand."""
 
-    def __init__(self, coord: Coordinator, name: str) -> None:
+    def __init__(self, coord: Coordinator, name: str, stake: float = 0.0) -> None:
         self.coord, self.key, self.server = coord, Identity.generate(), BlobServer()
         self.id = self.key.peer_id
         body = {
             "run_id": coord.run_id, "peer_id": self.id, "public_key": self.key.public_key,
             "name": name, "step_time_s": 0.01, "accepts_connections": True,
-            "blob_url": self.server.url,
+            "blob_url": self.server.url, "stake": stake,
         }  # fmt: skip
         raw = signed(self.key, body, "/v1/join")
         token = _RECEIVED_AT.set(request_purpose("/v1/join"))
@@ -151,7 +149,7 @@ class Peer:
         return strategy.codec.encode(torch.full((numel,), 1e-6 * (k + 1) + salt))
 
     def end_state(self) -> bytes:
-        n = next(n for n, what in self.coord.uploads.sizes.items() if what == "local state")
+        n = self.coord.rounds.evidence_size  # a published end state's size
         seed = self.id.encode()
         return (seed * (n // len(seed) + 1))[:n]
 
@@ -233,32 +231,32 @@ def overdue(coord: Coordinator) -> None:
 
 
 def test_only_a_drawn_contribution_moves_its_states_and_it_cannot_draw_again(make) -> None:
-    """Undrawn: its end state is never asked for. Drawn and not delivered: refused as
-    withheld, and a second submission to the round (another payload, another draw) is
-    refused without asking for anything, in this attempt and the next."""
+    """Undrawn or drawn, no end state is asked for at intake: both are accepted, and the
+    drawn one's states stay with its worker. A second submission to the round (another
+    payload, another draw) is refused without asking for anything."""
     coord = make(min_peers=1)
-    honest, cheat = Peer(coord, "honest"), Peer(coord, "cheat")
+    honest, drawn = Peer(coord, "honest"), Peer(coord, "drawn")
     coord.tick(time.time())
     undrawn = honest.submit(honest.k_drawn(want=False))
     assert isinstance(undrawn, dict), undrawn
     assert content_id(honest.end_state()) not in honest.server.requested
-    k = cheat.k_drawn(want=True)
-    end = content_id(cheat.end_state())
-    cheat.server.hook = lambda cid: cheat.server.blobs.pop(end, None)  # withholds it
-    first = cheat.submit(k)
-    assert isinstance(first, Rejected) and "not delivered" in first.message, first
-    asked = len(cheat.server.requested)
-    again = cheat.submit(cheat.k_drawn(want=False, start=k + 1))
+    k = drawn.k_drawn(want=True)
+    first = drawn.submit(k)
+    assert isinstance(first, dict), first
+    end = content_id(drawn.end_state())
+    assert end not in drawn.server.requested and not coord.blobs.has(end)
+    asked = len(drawn.server.requested)
+    again = drawn.submit(drawn.k_drawn(want=False, start=k + 1))
     assert isinstance(again, Rejected) and again.status == 409, again
-    assert len(cheat.server.requested) == asked  # refused before anything was fetched
-    withheld = [e for e in entries_of(coord, cheat.id) if e.payload.get("withheld") is True]
-    assert len(withheld) == 1 and account(coord, cheat.id).withheld == 1
+    assert len(drawn.server.requested) == asked  # refused before anything was fetched
+    assert account(coord, drawn.id).withheld == 0
 
 
 def test_what_a_dishonest_peer_names_for_its_local_states(make) -> None:
     """A size that is not the run's local-state size, another peer's end state as its
-    start, and bytes that do not hash to the end state it named (served under that id):
-    the first two are refused before anything is fetched or drawn, the third is withheld."""
+    start: refused before anything is fetched or drawn. Bytes that do not hash to the end
+    state it named (served under that id) are accepted at intake, which fetches nothing,
+    and no validator's fetch takes them (the blob client checks the content id)."""
     coord = make(min_peers=1)
     honest, liar = Peer(coord, "honest"), Peer(coord, "liar")
     coord.tick(time.time())
@@ -272,119 +270,75 @@ def test_what_a_dishonest_peer_names_for_its_local_states(make) -> None:
     assert isinstance(start, Rejected) and "starts from local state" in start.message, start
     assert content_id(end) not in liar.server.requested
     k = liar.k_drawn(want=True, start=100)
+    end_cid = content_id(end)
     forged = b"x" * len(end)  # the right size, the wrong bytes, under the named id
     liar.server.hook = lambda cid: liar.server.blobs.update({cid: forged} if cid == end_cid else {})
-    end_cid = content_id(end)
-    wrong = liar.submit(k)
-    assert isinstance(wrong, Withheld) and "not delivered" in wrong.message, wrong
-    assert account(coord, liar.id).withheld == 1
-    assert not coord.blobs.has(end_cid)
+    assert isinstance(liar.submit(k), dict)
+    assert end_cid not in liar.server.requested and not coord.blobs.has(end_cid)
+    with BlobClient(timeout_s=5, retries=1) as client, pytest.raises(BlobError):
+        client.fetch(end_cid, [liar.server.url], size=len(end))
 
 
 def test_a_stall_past_the_grace_is_withheld_and_the_round_goes_on(make) -> None:
-    """A drawn worker that serves its state slowly holds the round's close only within
-    `evidence_grace_s`; past it the round commits without it, books it as withheld, and
-    its submission is refused when the stalled fetch finally ends."""
+    """A drawn worker whose blob server stalls every request holds nothing: the round
+    commits at its deadline with the drawn contribution in it, sampled, and nothing was
+    asked of the stalling server (its validators ask it later, with their own deadline:
+    tests/test_offpath.py)."""
     coord = make(min_peers=2)
-    honest, cheat = Peer(coord, "honest"), Peer(coord, "cheat")
+    honest, staller = Peer(coord, "honest"), Peer(coord, "staller")
     coord.tick(time.time())
     assert isinstance(honest.submit(honest.k_drawn(want=False)), dict)
-    asked, release = threading.Event(), threading.Event()
-    end = content_id(cheat.end_state())
-
-    def stall(cid: str) -> None:
-        if cid == end:
-            asked.set()
-            release.wait(60)
-
-    cheat.server.hook = stall
-    out: list[Any] = []
-    submitting = threading.Thread(target=lambda: out.append(cheat.submit(cheat.k_drawn(True))))
-    submitting.start()
+    release = threading.Event()
+    end = content_id(staller.end_state())
+    staller.server.hook = lambda cid: release.wait(60) if cid == end else None
     try:
-        assert asked.wait(30), "the coordinator never asked for the drawn state"
+        assert isinstance(staller.submit(staller.k_drawn(True)), dict)
         overdue(coord)
-        coord.tick(time.time())  # within the grace: the round waits for the evidence
-        assert coord.open_round() is not None
-        grace = evidence_grace_s(coord.cfg.limits.request_timeout_s, len(cheat.end_state()))
-        coord.tick(time.time() + grace + 1)  # past it: the round commits without it
+        coord.tick(time.time())  # the deadline: the round commits, nothing is waited for
         assert coord.open_round() is None and coord.state.round == 1
     finally:
         release.set()
-        submitting.join(60)
-    assert isinstance(out[0], Rejected) and out[0].status == 409, out
-    mine = entries_of(coord, cheat.id)
-    assert not [e for e in mine if e.type == "contribution accepted"]
-    assert [e for e in mine if e.payload.get("withheld") is True]
-    accepted = [e for e in entries_of(coord, honest.id) if e.type == "contribution accepted"]
-    assert len(accepted) == 1
+    assert end not in staller.server.requested
+    mine = entries_of(coord, staller.id)
+    assert [e.payload["sampled"] for e in mine if e.type == "contribution accepted"] == [True]
+    assert not [e for e in mine if e.payload.get("withheld") is True]
 
 
 def test_a_slow_state_within_the_grace_is_waited_for_and_checked(make) -> None:
-    """The same slow transfer, ended within the grace: the round waited, and the drawn
-    contribution goes in sampled, its states on the coordinator for the validator."""
+    """A slow provider is not waited for either: the round commits as soon as every member
+    submitted, the drawn contribution sampled and assigned for checking, its states on the
+    worker, none on the coordinator."""
     coord = make(min_peers=1)
     peer = Peer(coord, "slow")
     coord.tick(time.time())
-    asked, release = threading.Event(), threading.Event()
     end = content_id(peer.end_state())
-    peer.server.hook = lambda cid: (asked.set(), release.wait(60)) if cid == end else None
-    out: list[Any] = []
-    submitting = threading.Thread(target=lambda: out.append(peer.submit(peer.k_drawn(True))))
-    submitting.start()
-    assert asked.wait(30)
-    overdue(coord)
+    peer.server.trickle.add(end)
+    assert isinstance(peer.submit(peer.k_drawn(True)), dict)
     coord.tick(time.time())
-    assert coord.open_round() is not None  # waiting for the evidence
-    release.set()
-    submitting.join(60)
-    assert isinstance(out[0], dict), out
-    coord.tick(time.time())
-    assert coord.state.round == 1 and coord.blobs.has(end)
+    assert coord.state.round == 1 and not coord.blobs.has(end)
     accepted = [e for e in entries_of(coord, peer.id) if e.type == "contribution accepted"]
     assert [a.payload["sampled"] for a in accepted] == [True]
+    pending = coord.db.query("SELECT status FROM verifications WHERE peer_id = ?", (peer.id,))
+    assert [r["status"] for r in pending] == ["pending"]
 
 
-class DiskFull:
-    """covey.blobs.store's view of `os`: writes fail with ENOSPC while `full` is set."""
-
-    full = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    def write(self, fd: int, data: Any) -> int:
-        if self.full:
-            raise OSError(28, "No space left on device")
-        return os.write(fd, data)
-
-    def pwrite(self, fd: int, data: Any, offset: int) -> int:
-        if self.full:
-            raise OSError(28, "No space left on device")
-        return os.pwrite(fd, data, offset)
-
-
-def test_the_coordinators_own_failure_is_not_the_peers(make, monkeypatch) -> None:
-    """The coordinator's disk fills while it stores a drawn worker's state: the worker
-    is refused (503, "lost"), nothing counts against it, and it may submit again in the
-    round's next attempt."""
+def test_the_coordinators_own_failure_is_not_the_peers(make) -> None:
+    """The coordinator stops and restarts with a drawn check still open: the check is
+    still there for a validator, the contribution stands, and nothing counts against its
+    worker (the coordinator never held its states, so has nothing to lose of them)."""
     coord = make(min_peers=1)
     peer = Peer(coord, "honest")
-    disk = DiskFull()
-    monkeypatch.setattr(store_mod, "os", disk)
-    end = content_id(peer.end_state())
-    for attempt in range(2):
-        coord.tick(time.time())
-        peer.server.hook = lambda cid: setattr(disk, "full", cid == end)
-        refused = peer.submit(peer.k_drawn(want=True, start=1000 * attempt))
-        disk.full = False
-        assert isinstance(refused, Rejected) and refused.status == 503, refused
-        assert "no fault of the peer's" in refused.message
-        overdue(coord)
-        coord.tick(time.time())  # nothing accepted: aborted, the round reopens
-        assert coord.open_round() is None or coord.open_round().attempt == attempt + 1
-    acc = account(coord, peer.id)
-    assert acc.withheld == 0 and not acc.banned and acc.rejected == 2
+    coord.tick(time.time())
+    assert isinstance(peer.submit(peer.k_drawn(want=True)), dict)
+    coord.tick(time.time())
+    assert coord.state.round == 1
+    coord.stop()
+    again = make(min_peers=1)
+    assert again.state.round == 1
+    pending = again.db.query("SELECT status FROM verifications WHERE peer_id = ?", (peer.id,))
+    assert [r["status"] for r in pending] == ["pending"]
+    acc = account(again, peer.id)
+    assert acc.withheld == 0 and not acc.banned and acc.rejected == 0
 
 
 def test_balances_written_by_an_older_covey_still_verify(make) -> None:

@@ -18,7 +18,7 @@ from covey.config import DDPConfig, DeMoConfig, DiLoCoConfig, InnerOptim, Stream
 from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss
 from covey.trust.committer import Committer
-from covey.trust.sketch import commitment_of
+from covey.trust.evidence import evidence_commitment, evidence_of
 from covey.trust.verify import (
     BatchFn,
     compare,
@@ -87,12 +87,13 @@ def two_rounds(cfg: object, tokens: torch.Tensor, accepted: bool = True):
 
 def validate(cfg, start, previous_end, previous_accepted, commitments, c, claimed_end, tokens):
     """A validator's check from committed inputs: the previous end state travels as
-    safetensors bytes and is parsed against the validator's own template."""
+    safetensors bytes of what is published of it (`evidence_of`: no parameters when the
+    strategy does not carry them) and is parsed against the validator's own template."""
     v = make(cfg)
     prev = None
     if previous_end is not None:
-        data = local_state_to_bytes(previous_end)
-        prev = local_state_from_bytes(data, v.local_state(copy=False))
+        data = local_state_to_bytes(evidence_of(v, previous_end))
+        prev = local_state_from_bytes(data, v.evidence_layout())
     steps = c.inner_steps
     mine = reexecute(
         v,
@@ -103,7 +104,7 @@ def validate(cfg, start, previous_end, previous_accepted, commitments, c, claime
         previous_end=prev,
         previous_accepted=previous_accepted,
     )
-    end = commitment_of(claimed_end, start.params, steps)
+    end = evidence_commitment(v, claimed_end, start, steps)
     return compare(commitments, c.payload, mine, v.codec, numel(v, start), TOL, end), mine
 
 
@@ -344,11 +345,13 @@ def test_a_local_state_not_chained_is_refused_or_caught(cluster) -> None:
 
 @pytest.mark.network
 def test_only_drawn_contributions_move_their_local_states(cluster) -> None:
-    """The coordinator fetches a contribution's local states (3x the model each) only when
-    it is drawn for verification: an undrawn honest contribution's end state never reaches
-    the coordinator, a drawn one's does. A worker that never serves its end state is
-    refused as withheld whenever drawn (new, it always is), so none of its contributions is
-    accepted, and its second withholding excludes it without touching its stake."""
+    """No contribution's local states (3x the model each) cross the coordinator's link,
+    drawn or not: a drawn honest contribution's end state stays with its worker, and the
+    validator's check of it, fetched from the worker, completes. A worker that never
+    serves its end state is accepted (rounds never wait for evidence), and its drawn
+    validator attests, signed, that it did not deliver: the only eligible validator's
+    attestation proves it, so it is slashed, excluded and counted as withholding, and
+    the ledger replays it."""
     import sqlite3
 
     import httpx
@@ -361,17 +364,20 @@ def test_only_drawn_contributions_move_their_local_states(cluster) -> None:
     def on_coordinator(cid: str) -> bool:
         return httpx.head(f"{cluster.url}/v1/blobs/{cid}", timeout=10).status_code == 200
 
-    def recent(sampled: bool) -> list[str]:
-        """End states of honest accepted contributions of the last two rounds, drawn or
-        not (pruning keeps three rounds' end states: one fetched would still be there)."""
+    def checked(sampled: bool) -> list[str]:
+        """End states of honest accepted contributions, drawn or not, that a validator
+        reported on (agreed) when `sampled`."""
+        entries = ledger(cluster)
         accepted = {
             (e.payload["round"], e.payload["peer_id"]): e.payload["sampled"]
-            for e in ledger(cluster)
+            for e in entries
             if e.type == "contribution accepted" and e.payload["peer_id"] in honest
         }
-        if not accepted:
-            return []
-        last = max(r for r, _ in accepted)
+        agreed = {
+            (e.payload["round"], e.payload["peer_id"])
+            for e in entries
+            if e.type == "verification" and e.payload["outcome"] == "agree"
+        }
         db = cluster.data_dir / "coordinator.db"
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
             ends = {(r, p): cid for r, p, cid in conn.execute(
@@ -380,36 +386,32 @@ def test_only_drawn_contributions_move_their_local_states(cluster) -> None:
         return [
             ends[key]
             for key, drawn in accepted.items()
-            if drawn == sampled and key[0] >= last - 1 and key in ends
+            if drawn == sampled and key in ends and (key in agreed or not sampled)
         ]
 
-    def withheld() -> list[dict]:
+    def slashed() -> list[dict]:
         return [
             e.payload
             for e in ledger(cluster)
-            if e.type == "contribution rejected"
-            and e.payload["peer_id"] == withholder
-            and e.payload.get("withheld") is True
+            if e.type == "slash" and e.payload["peer_id"] == withholder
         ]
 
-    wait(
-        cluster,
-        lambda: any(not on_coordinator(cid) for cid in recent(sampled=False)),
-        "an undrawn honest contribution whose end state stayed with its worker",
-    )
-    wait(
-        cluster,
-        lambda: any(on_coordinator(cid) for cid in recent(sampled=True)),
-        "a drawn honest contribution whose end state the coordinator holds",
-    )
-    wait(cluster, lambda: len(withheld()) >= 2, "two withheld refusals")
-    assert all("not delivered" in w["reason"] for w in withheld()), withheld()
+    wait(cluster, lambda: checked(sampled=False), "an undrawn honest contribution")
+    wait(cluster, lambda: checked(sampled=True), "a drawn honest contribution, checked")
+    assert not any(on_coordinator(cid) for cid in checked(sampled=False) + checked(True))
+    wait(cluster, lambda: len(slashed()) >= 1, "the withholder slashed on attestations")
+    # each drawn contribution it withheld is its own offence (rounds 0-2 are all drawn)
+    assert all(s.get("withheld") is True for s in slashed()), slashed()
     entries = ledger(cluster)
-    account = Book.replay(entries).accounts[withholder]
-    assert account.withheld == 2 and account.banned and account.slashed == 0.0, account
-    accepted = [
-        e
+    attested = [
+        e.payload
         for e in entries
-        if e.type == "contribution accepted" and e.payload["peer_id"] == withholder
+        if e.type == "verification"
+        and e.payload["peer_id"] == withholder
+        and e.payload["outcome"] == "withheld"
     ]
-    assert not accepted, accepted
+    assert attested and attested[0]["attestation"]["worker_id"] == withholder
+    account = Book.replay(entries).accounts[withholder]
+    slashes = [e for e in entries if e.type == "slash" and e.payload["peer_id"] == withholder]
+    assert account.withheld == len(slashes) >= 1 and account.banned, account
+    assert account.slashed > 0.0, account

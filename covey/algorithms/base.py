@@ -97,6 +97,29 @@ class Strategy(ABC):
         next round's start is derived from it. False: every round starts fresh."""
         return False
 
+    @property
+    def local_params_carried(self) -> bool:
+        """Whether the parameters of a local state matter to the next round: False when
+        `adopt` loads the round's canonical start over them (DiLoCo, DeMo), so only the
+        strategy's own tensors (moments, residuals) are private state a validator cannot
+        recompute; True when the worker's own weights carry on (Streaming DiLoCo)."""
+        return True
+
+    def carries_entry(self, name: str) -> bool:
+        """Whether local-state entry `name` matters to the next round (what a worker
+        publishes for verification): the parameters only when `local_params_carried`, the
+        strategy's own tensors unless the next `begin_round` resets them."""
+        return self.local_params_carried or not name.startswith("param/")
+
+    def names_local(self) -> list[str]:
+        """The names of `local_state()`'s entries (`local_state_layout()`'s keys)."""
+        return list(self.local_state_layout())
+
+    def evidence_layout(self) -> dict[str, torch.Tensor]:
+        """`local_state_layout()` as it is published for verification: the entries the
+        next round depends on alone (`carries_entry`)."""
+        return {k: v for k, v in self.local_state_layout().items() if self.carries_entry(k)}
+
     def __init__(
         self, model: nn.Module, loss_fn: LossFn, codec: Codec, aggregator: Aggregator | None = None
     ) -> None:
@@ -171,6 +194,16 @@ class Strategy(ABC):
         self.reset_local()
         if previous_end is None or not self.carries_local_state:
             return
+        if any(not self.carries_entry(k) and k not in previous_end for k in self.names_local()):
+            # published without what the next round does not depend on (`evidence_layout`:
+            # the parameters `adopt` loads W_r over, moments that are reset): the round's
+            # start and the fresh state stand in for those entries, and only for those (a
+            # missing entry it carries is refused below)
+            fresh = self.local_state(copy=False)
+            previous_end = {
+                **{k: v for k, v in fresh.items() if not self.carries_entry(k)},
+                **previous_end,
+            }
         self.load_local_state(previous_end)
         self.adopt(start_state, accepted)
 

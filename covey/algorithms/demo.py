@@ -65,6 +65,10 @@ class DeMo(Strategy):
         self.momentum = torch.zeros_like(self.momentum)
         self.sent = torch.zeros_like(self.sent)
 
+    @property
+    def local_params_carried(self) -> bool:
+        return False  # `adopt` loads the round's start over the worker's own weights
+
     def adopt(self, state: TrainState, accepted: bool = True) -> None:
         self.load_state(state)
         if accepted:  # error feedback: only what was sent and taken leaves the buffer

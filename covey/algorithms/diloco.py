@@ -76,6 +76,16 @@ class DiLoCo(Strategy):
     def carries_local_state(self) -> bool:
         return self.cfg.inner_state == "keep" or self.cfg.error_feedback
 
+    @property
+    def local_params_carried(self) -> bool:
+        return False  # `adopt` loads the round's start over the worker's own weights
+
+    def carries_entry(self, name: str) -> bool:
+        if name.startswith("param/"):
+            return self.local_params_carried
+        # the residual always; the inner optimizer only when it is kept between rounds
+        return name.startswith("optim/ef/") or self.cfg.inner_state == "keep"
+
     def load_state(self, state: TrainState) -> None:
         super().load_state(state)
         # the state's tensors, not a copy: a state's tensors are never changed in place

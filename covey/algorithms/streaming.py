@@ -85,6 +85,10 @@ class StreamingDiLoCo(DiLoCo):
         self._late: tuple[TrainState, bool] | None = None
 
     @property
+    def local_params_carried(self) -> bool:
+        return True  # the worker's own weights carry on: only one fragment is merged
+
+    @property
     def carries_local_state(self) -> bool:
         """The local weights carry over from round to round (only one fragment is merged)."""
         return True

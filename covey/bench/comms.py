@@ -131,6 +131,12 @@ def comms_methods(size: BenchSize) -> list[BenchMethod]:
         methods = [
             BenchMethod("ddp", {"method": "ddp"}),
             BenchMethod(f"diloco-h{hl}-int4-ef", int4_ef),
+            # the inner AdamW reset every round: its moments are then no private state a
+            # drawn contribution's validators must fetch (only the residual is)
+            BenchMethod(f"diloco-h{hl}-int4-ef-reset", {**int4_ef, "inner_state": "reset"}),
+            # no private state at all (inner optimizer reset, no error feedback): a drawn
+            # contribution's validators need nothing but public bytes
+            BenchMethod(f"diloco-h{hl}-int4-reset", diloco(hl, codec="int4", inner_state="reset")),
             BenchMethod(f"diloco-h{hl}", diloco(hl)),
             BenchMethod(f"diloco-h{hl}-dct-ef", dct_ef(hl)),
             BenchMethod(f"streaming-h{hl}-int4", streaming),
@@ -322,6 +328,7 @@ def run_comms_bench(
         m.name: MethodRun(m.name, m.baseline, m.seed, *done[m.name]) for m in todo
     }
     rows = summarize(runs, size.tail)
+    count_evidence(rows, size, corpus, init, offset)
     print(format_table(rows))
     if size.tail > 1:
         print(f"(val loss: the mean of the last {size.tail} evaluations of each run)")
@@ -334,6 +341,44 @@ def run_comms_bench(
     )
     write_json(out_dir / "records.json", rows)
     print(f"wrote {out_dir}/records.json and {out_dir}/comms.png")
+    return rows
+
+
+def count_evidence(
+    rows: list[dict[str, Any]],
+    size: BenchSize,
+    corpus: Corpus,
+    init: str | None = None,
+    offset: int = 0,
+) -> None:
+    """Add the verification evidence each row's worker sends at the run's default sampling
+    rate, and the reduction against DDP with it (covey.bench.comms_evidence), in place.
+    Rows of methods the preset does not name (an older run's) get none."""
+    from covey.bench.comms_evidence import add_evidence, evidence_per_worker, evidence_state_bytes
+
+    methods = {m.name: m for m in comms_methods(size)}
+    evidence: dict[str, float] = {}
+    state_bytes: dict[str, int] = {}
+    rate = 0.0
+    for r in rows:
+        method = methods.get(r["method"])
+        if method is None:
+            continue
+        cfg = bench_config(method, size, init=init, round_offset=offset)
+        rate = cfg.trust.sample_rate
+        key = json.dumps(method.algorithm, sort_keys=True)
+        if key not in state_bytes:
+            state_bytes[key] = evidence_state_bytes(cfg, corpus.vocab_size)
+        evidence[r["method"]] = evidence_per_worker(cfg, r["rounds"], state_bytes[key])
+    add_evidence(rows, evidence, rate)
+
+
+def recount_rows(path: Path, size: BenchSize) -> list[dict[str, Any]]:
+    """An earlier run's rows (its records.json) with the evidence counted: nothing is
+    trained (the bytes of a method's evidence follow from its config and rounds)."""
+    rows = json.loads(path.read_text())
+    count_evidence(rows, size, load_corpus())
+    print(format_table(rows))
     return rows
 
 

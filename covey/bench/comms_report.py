@@ -4,6 +4,8 @@ A row compares a method with its baseline (the DDP run of the same seed and lr s
 the mean validation loss of its last `tail` evaluations: DDP at a constant lr wobbles about
 ±0.7% between evaluations, so one point decides nothing at the --long preset.
 The row schema is the same for every preset; --quick judges on its last evaluation alone.
+Each row also counts the verification evidence its worker sends at the run's default
+sampling rate (covey.bench.comms_evidence).
 """
 
 from __future__ import annotations
@@ -73,18 +75,32 @@ def summarize(runs: dict[str, MethodRun], tail: int = 1) -> list[dict[str, Any]]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a fixed-width text table (the loss column is the judged tail mean)."""
+    """The rows as a fixed-width text table (the loss column is the judged tail mean). The
+    reduction against DDP is given with the verification evidence counted first ("all"),
+    then for the payload alone ("payload"); a row without evidence counted shows neither
+    evidence column."""
     head = (
-        f"{'method':<30}{'sent/worker':>14}{'recv/worker':>15}{'val loss':>10}{'gap':>8}"
-        f"{'reduction':>11}{'sim time':>11}{'util':>7}"
+        f"{'method':<30}{'sent/worker':>14}{'recv/worker':>15}{'evidence':>13}{'val loss':>10}"
+        f"{'gap':>8}{'all':>9}{'payload':>9}{'sim time':>11}{'util':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         gap = "" if r["val_loss_gap_vs_ddp"] is None else f"{r['val_loss_gap_vs_ddp']:+.1%}"
         red = "" if r["comm_reduction_vs_ddp"] is None else f"{r['comm_reduction_vs_ddp']:,.0f}x"
+        whole = r.get("comm_reduction_vs_ddp_with_evidence")
+        whole_s = "" if whole is None else f"{whole:,.0f}x"
+        evidence = r.get("evidence_bytes_per_worker")
+        evidence_s = "" if evidence is None else f"{evidence:,.0f}"
         lines.append(
             f"{r['method']:<30}{r['bytes_sent_per_worker']:>14,.0f}"
-            f"{r['bytes_received_per_worker']:>15,.0f}{r['val_loss_tail']:>10.4f}{gap:>8}"
-            f"{red:>11}{r['sim_time_s']:>10.1f}s{r['utilization']:>7.1%}"
+            f"{r['bytes_received_per_worker']:>15,.0f}{evidence_s:>13}{r['val_loss_tail']:>10.4f}"
+            f"{gap:>8}{whole_s:>9}{red:>9}{r['sim_time_s']:>10.1f}s{r['utilization']:>7.1%}"
+        )
+    rates = {r["sample_rate"] for r in rows if r.get("sample_rate") is not None}
+    if rates:
+        lines.append(
+            f"(evidence: bytes a worker sends its validators at sampling rate "
+            f"{', '.join(f'{x:g}' for x in sorted(rates))}, its first contributions always "
+            f"checked; 'all' is the reduction against DDP with it, 'payload' without)"
         )
     return "\n".join(lines)

@@ -13,9 +13,9 @@ from typing import Any
 
 from covey.config import RunConfig, TrustConfig
 
-# A new peer's first contributions are all drawn for verification, so their local states
-# cross the coordinator's link (covey.coordinator.intake); after them only a sample_rate
-# share does: "steady" figures count the rounds from this one on.
+# A new peer's first contributions are all drawn for verification; after them only a
+# sample_rate share is. Drawn or not, no round waits for evidence (its validators fetch it
+# from the worker after the round): "steady" figures count the rounds from this one on.
 STEADY_FROM = TrustConfig().new_peer_contributions
 
 
@@ -85,8 +85,9 @@ def run_spec(
 ) -> dict[str, Any]:
     """The run spec of one bench run, as the TOML tables `covey coordinator` reads.
     `verify_rate`: the share of contributions drawn for verification, new peers' too
-    (default: the run's defaults); each drawn one moves its two local states (3x the
-    model each) through the coordinator's link (covey.coordinator.intake)."""
+    (default: the run's defaults); a drawn one's evidence goes from its worker to its
+    validators after the round (none run in this bench), never through the coordinator's
+    link, and no round waits for it (covey.coordinator.intake)."""
     rounds: dict[str, Any] = {
         # Round 0 opens only once every worker has joined: clock zero is the same moment
         # for every method.

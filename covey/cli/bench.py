@@ -57,9 +57,18 @@ def bench_comms(
             "machine's cores); the numbers are the same bytes as one at a time",
         ),
     ] = None,
+    recount: Annotated[
+        Path | None,
+        typer.Option(
+            "--recount",
+            help="print an earlier run's records.json (of this preset) with the verification "
+            "evidence counted; trains nothing",
+        ),
+    ] = None,
     log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
-    """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo vs DiLoCo+DCT, same tokens, 8 workers."""
+    """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo vs DiLoCo+DCT, same tokens, 8 workers;
+    every row counts the verification evidence at the run's default sampling rate."""
     say = bench_say(log_json, "comms")
     from covey.bench.comms import comms_methods, preset, run_comms_bench
 
@@ -69,6 +78,17 @@ def bench_comms(
                       outer_momentum=outer_momentum, pretrain_steps=pretrain_steps)  # fmt: skip
     except ValueError as e:
         raise fail(str(e)) from None
+    if recount is not None:
+        from covey.bench.comms import recount_rows
+
+        if not recount.is_file():
+            raise fail(f"--recount {recount}: no such file")
+        rows = recount_rows(recount, size)
+        if json_path:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(rows, indent=2) + "\n")
+            say(f"wrote {json_path}")
+        return
     names = [m.name for m in comms_methods(size)]
     if only and (unknown := sorted(set(only) - set(names))):
         raise fail(f"unknown method(s) {unknown}; choose from {names}")
@@ -110,8 +130,8 @@ def bench_network(
     verify_rate: Annotated[
         float | None,
         typer.Option(
-            help="share of contributions drawn for verification, new peers' too (each moves "
-            "its local states through the coordinator); default the run's (1.0 new, 0.25)"
+            help="share of contributions drawn for verification, new peers' too (no round "
+            "waits for their evidence); default the run's (1.0 new, 0.25)"
         ),
     ] = None,
     log_json: Annotated[bool, LOG_JSON] = False,

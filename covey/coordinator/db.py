@@ -109,8 +109,10 @@ def _v2_to_v3(conn: sqlite3.Connection) -> None:
 
 def _v3_to_v4(conn: sqlite3.Connection) -> None:
     # a stateful contribution's draw for verification, made at intake: the rate (the
-    # commit samples with it) and its evidence (the local states, fetched only if drawn:
-    # NULL not drawn, then pending, secured, withheld or lost; covey.coordinator.intake)
+    # commit samples with it) and its evidence: NULL not drawn, "pending" drawn (its
+    # validators fetch the states from the worker), "undelivered" once its validators
+    # proved it withheld (covey.coordinator.withheld); "secured", "withheld" and "lost"
+    # are older runs' (fetched, or refused, at intake)
     conn.execute("ALTER TABLE local_states ADD COLUMN rate REAL")
     conn.execute("ALTER TABLE local_states ADD COLUMN evidence TEXT")
 

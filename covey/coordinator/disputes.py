@@ -104,8 +104,14 @@ class Disputes:
         this run's model and codec imply."""
         if req.round != task.round:
             return "round", f"task {task.task_id} is of round {task.round}, not {req.round}"
-        if req.outcome == "agree":
+        if req.outcome != "disagree":
             return None
+        if task.local_state_cid is not None and not self.blobs.has(task.local_state_cid):
+            # the referee re-executes from it: a dispute brings the evidence it fetched
+            return "local_state_cid", (
+                f"the disputed contribution started from local state "
+                f"{task.local_state_cid[:12]}: upload it (PUT /v1/blobs/...) with the dispute"
+            )
         k = self.cfg.trust.commit_every
         n = len(verify.commitment_steps(task.inner_steps, k))
         if req.segment is None:
@@ -411,7 +417,7 @@ class Disputes:
             return {}
         data = self.blobs.get(task.local_state_cid)
         return {
-            "previous_end": verify.local_state_from_bytes(data, strategy.local_state()),
+            "previous_end": verify.local_state_from_bytes(data, strategy.evidence_layout()),
             "previous_accepted": task.previous_accepted,
         }
 

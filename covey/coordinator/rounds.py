@@ -201,7 +201,6 @@ class Rounds(Intake, Views):
                 (now + self.cfg.rounds.deadline_min_s + self.cfg.rounds.dead_after_s,),
             )
             self.peers.touch_live(c, now)
-            self._release_pending_evidence(c)
             self.db.event(c, now, "coordinator restarted", "", {"round": state.round})
         log.info("resumed run %s at round %d (state %s)", self.run_id, state.round, cid[:12])
         return state, cid
@@ -268,11 +267,8 @@ class Rounds(Intake, Views):
                 (current.round, current.attempt),
             )
         ]
+        # a drawn contribution's evidence is never waited for: it is checked after the close
         reason = close_reason(now, current.deadline, waiting_on, submitted)
-        if reason is not None and self._evidence_pending(
-            current.round, current.attempt, current.deadline, now
-        ):
-            return  # a drawn contribution's local states are on their way (bounded)
         if reason is not None:
             self.membership.record_no_shows(current.round, waiting_on, submitted, now)
             self._close(current, reason, now=now)
@@ -337,12 +333,8 @@ class Rounds(Intake, Views):
                 "SELECT * FROM contributions WHERE round = ? AND attempt = ? ORDER BY peer_id",
                 (rnd.round, rnd.attempt),
             ).fetchall()
-            unsecured = self._refuse_missing_evidence(
-                c, rnd.round, rnd.attempt, rnd.deadline, time.time() if now is None else now
-            )
         banned = {p for p, a in self.accounts.book.accounts.items() if a.banned}
-        # excluded since it submitted, or drawn for verification without its evidence
-        rows = [r for r in rows if r["peer_id"] not in banned | unsecured]
+        rows = [r for r in rows if r["peer_id"] not in banned]  # excluded since it submitted
         if assembled is not None:
             rows = assembled[0]
         elif rows and self.aggregation.begin(rnd, rows, reason):

@@ -159,7 +159,6 @@ class Coordinator:
         self.verification.stop_referee()
         self.rounds.stop(timeout_s)
         self.fetcher.close()
-        self.rounds.close_evidence_fetches()
         self.host.close()  # heartbeats in memory reach SQLite, then the database closes
 
     # -- membership (covey.coordinator.membership): the facade's calls, delegated ------------

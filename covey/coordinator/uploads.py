@@ -59,7 +59,10 @@ def blob_sizes(strategy: Strategy, template: TrainState) -> dict[int, str]:
         what = "contribution" if fragment is None else f"contribution (fragment {fragment})"
         sizes.setdefault(strategy.codec.nbytes(numel), what)
     local = local_state_nbytes(strategy.local_state_layout())  # sized, not serialized
-    sizes.setdefault(local, "local state")
+    sizes.setdefault(local, "local state")  # a validator's state backing a dispute
+    # a worker's published end state (covey.trust.evidence.evidence_of): its private part alone
+    evidence = local_state_nbytes(strategy.evidence_layout())
+    sizes.setdefault(evidence, "local state")
     return sizes
 
 

@@ -39,6 +39,7 @@ from .canary import Canaries
 from .checks import Checks
 from .disputes import Disputes
 from .rejected import Rejected
+from .withheld import WithheldEvidence
 
 if TYPE_CHECKING:
     from covey.algorithms import Strategy, TrainState
@@ -59,8 +60,8 @@ log = logging.getLogger("covey.coordinator")
 DISPUTABLE = (*OPEN, "agree")
 
 
-class Verification(Assignments, Canaries, Disputes):
-    """Validators, their checks (assignments and canaries) and the referee. The three
+class Verification(Assignments, Canaries, Disputes, WithheldEvidence):
+    """Validators, their checks (assignments and canaries) and the referee. The four
     bases are this one component's parts (one file each), not shared-state mixins of the
     coordinator."""
 
@@ -325,7 +326,10 @@ class Verification(Assignments, Canaries, Disputes):
             start_hash=rnd["start_hash"],
             start_size=self.blobs.size(rnd["start_cid"]),
             commitments=json.loads(c["commitments"] or "[]"),
-            providers=[],
+            # where its evidence (the committed local states) is fetched from: the worker's
+            # own blob server, never this coordinator's store (none: the worker accepts no
+            # connections and uploaded them here)
+            providers=[url] if (url := self.peers.blob_url(v["peer_id"])) else [],
             **chain,
         )
 
@@ -365,10 +369,15 @@ class Verification(Assignments, Canaries, Disputes):
             raise Rejected(
                 409, f"task {req.task_id} is not assigned to {req.validator_id[:12]} (or ended)"
             )
-        fault = self._report_fault(self._task(req.task_id), req)
+        task = self._task(req.task_id)
+        fault = self._report_fault(task, req)
+        if fault is None and req.outcome == "withheld":
+            fault = self._withheld_fault(task, req)
         if fault is not None:
             self._refuse_report(v, req, *fault)
             raise Rejected(422, f"report refused: {fault[0]}: {fault[1]}")
+        if req.outcome == "withheld":
+            return self._report_withheld(v, req, raw)
         now = time.time()
         book = self.accounts.book
         with self.accounts.transaction() as c:

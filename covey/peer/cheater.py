@@ -25,6 +25,7 @@ from covey.protocol import schemas
 from covey.protocol.content import content_id
 from covey.trust import verify
 from covey.trust.committer import Committer
+from covey.trust.evidence import evidence_of
 
 log = logging.getLogger("covey.worker")
 
@@ -65,7 +66,8 @@ class CheatingWorker(Worker):
             return super()._chained_start(chain)
         start = adversary.forge_local_state(chain.end)
         if self.opts.behavior == "unchained":  # names the forged state
-            return start, content_id(verify.local_state_to_bytes(start))
+            named = evidence_of(self.strategy, start)
+            return start, content_id(verify.local_state_to_bytes(named))
         return start, chain.end_cid  # names the committed state
 
     def _work(self, info: schemas.RoundInfo) -> tuple[str, int]:

@@ -36,8 +36,10 @@ from covey.protocol import schemas
 from covey.protocol.checkpoint import CheckpointError
 from covey.protocol.content import content_id
 from covey.trust import verify
+from covey.trust.evidence import evidence_commitment
 from covey.trust.halt import EXIT_HALTED
 from covey.trust.identity import Identity
+from covey.trust.withholding import evidence_deadline_s
 
 log = logging.getLogger("covey.validator")
 
@@ -182,17 +184,22 @@ class Validator:
 
     def check(self, task: schemas.VerifyTask) -> None:
         """Re-execute one task and report the outcome (uploading the evidence of a
-        disagreement first)."""
+        disagreement first). The round's start and the payload come from the coordinator;
+        the worker's committed local states (its evidence) from the worker's own providers
+        (`task.providers`), tried for `evidence_deadline_s`: not delivered by then, this
+        validator reports them withheld (a signed attestation, covey.trust.withholding)."""
         sources = [self.opts.coordinator]
         # the payload waits on disk until the comparison: the re-execution does not hold
         # it (a model size for an fp32 payload)
         with tempfile.TemporaryDirectory(prefix="covey-validator-") as scratch:
+            store = BlobStore(Path(scratch))
             try:
                 start = self._start_state(task, sources)
-                payload = self.blobs.fetch_into(
-                    BlobStore(Path(scratch)), task.cid, sources, size=task.size
-                )
-                local = self._local_states(task, start, sources)
+                payload = self.blobs.fetch_into(store, task.cid, sources, size=task.size)
+                local = self._local_states(task, start, task.providers or sources, store)
+            except Undelivered as e:
+                self._report_withheld(task, str(e))
+                return
             except (BlobError, CheckpointError, RuntimeError) as e:
                 log.warning(
                     "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
@@ -202,6 +209,29 @@ class Validator:
             # each at 124M), and the previous end state is handed over, freed once loaded
             with tempfile.TemporaryDirectory(prefix="covey-validator-states-") as spill:
                 self._check(task, start, payload, local, Path(spill), sources)
+
+    def _report_withheld(self, task: schemas.VerifyTask, why: str) -> None:
+        """Attest, signed, that the worker's providers did not deliver its evidence."""
+        body: dict[str, Any] = {
+            "run_id": self.run_id,
+            "round": task.round,
+            "validator_id": self.validator_id,
+            "task_id": task.task_id,
+            "outcome": "withheld",
+            "worker_id": task.peer_id,
+            "detail": why[:500],
+        }
+        reply = self.client.post("/v1/verify/report", body, round=task.round)
+        self._keep_head(f"the head after its report on round {task.round}")
+        self.done += 1
+        log.warning(
+            "[%s - round %d] %s's evidence was not delivered: %s (%s)",
+            self.name,
+            task.round,
+            task.peer_id[:8],
+            why,
+            reply.get("status") if isinstance(reply, dict) else reply,
+        )
 
     def _check(
         self,
@@ -216,6 +246,7 @@ class Validator:
         t0 = time.perf_counter()
         points = len(verify.commitment_steps(task.inner_steps, k))
         claimed_end = local.pop("claimed_end")
+        local_path = local.pop("previous_end_path", None)
         self._reexecuting = task.task_id  # a stop signal cuts it short (`_on_signal`)
         try:
             if self.stop.is_set():
@@ -265,6 +296,7 @@ class Validator:
         }
         if not verdict.agree:
             body.update(self._evidence(mine, verdict.segment, sources))
+            self._upload_start_evidence(task, local_path, sources)
         self.client.post("/v1/verify/report", body, round=task.round)
         self._keep_head(f"the head after its report on round {task.round}")
         self.done += 1
@@ -308,48 +340,100 @@ class Validator:
             )
         return out
 
+    def _upload_start_evidence(
+        self, task: schemas.VerifyTask, path: Path | None, sources: list[str]
+    ) -> None:
+        """A dispute of a contribution that started from a committed local state brings it
+        to the coordinator: the referee re-executes from it (it came from the worker,
+        checked by its content id, and travels this far only for a dispute)."""
+        if path is None or task.local_state_cid is None or not task.providers:
+            return
+        self.blobs.upload(
+            sources[0],
+            path.read_bytes(),
+            task.local_state_cid,
+            signer=(self.identity, self.run_id),
+        )
+
     def _local_states(
-        self, task: schemas.VerifyTask, start: TrainState, sources: list[str]
+        self, task: schemas.VerifyTask, start: TrainState, providers: list[str], store: BlobStore
     ) -> dict[str, Any]:
-        """The local-state chain: the worker's committed local states, fetched by content id
-        (the fetch checks the hash): "previous_end", the end state of its previous round,
-        which this round starts from (None: a fresh start), and "claimed_end", the
+        """The local-state chain: the worker's committed local states, fetched from
+        `providers` by content id (the fetch checks the hash): "previous_end", the end state
+        of its previous round, which this round starts from (None: a fresh start; its file
+        stays in `store` as "previous_end_path" for a dispute), and "claimed_end", the
         commitment to its end state of this round (None: the strategy carries none). A
         start that is not a local state of this run re-executes from a fresh start
         (commitment 0 then disagrees: the worker could not have trained from it); an
-        unusable end state becomes an impossible commitment (a malformed claim). BlobError
-        when a blob is unavailable."""
-        template = self.strategy.local_state_layout()  # shapes only: no zeros made
+        unusable end state becomes an impossible commitment (a malformed claim).
+        Undelivered when the providers do not deliver a state within the deadline."""
+        template = self.strategy.evidence_layout()  # shapes only: no zeros made
+        wanted = [
+            (cid, size)
+            for cid, size in (
+                (task.end_state_cid, task.end_state_size),
+                (task.local_state_cid, task.local_state_size),
+            )
+            if cid is not None
+        ]
+        deadline = time.monotonic() + evidence_deadline_s(
+            self.cfg.limits.request_timeout_s, sum(size or 0 for _, size in wanted)
+        )
         # the end state first, reduced to its commitment: never two local states at once
         claimed_end = None
         if task.end_state_cid is not None:
-            with self._fetched(task.end_state_cid, sources, task.end_state_size) as path:
+            with self._fetched(
+                task.end_state_cid, providers, task.end_state_size, deadline
+            ) as path:
                 try:
                     end = verify.local_state_from_file(path, template)
-                    claimed_end = verify.commitment_of(end, start.params, task.inner_steps)
+                    claimed_end = evidence_commitment(self.strategy, end, start, task.inner_steps)
                     del end  # only its commitment is needed
                 except ValueError as e:
                     log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
                     claimed_end = verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()})
-        previous_end = None
+        previous_end, previous_path = None, None
         if task.local_state_cid is not None:
-            with self._fetched(task.local_state_cid, sources, task.local_state_size) as path:
-                try:
-                    previous_end = verify.local_state_from_file(path, template)
-                except ValueError as e:
-                    log.warning(
-                        "[%s] task %d: start state unusable: %s", self.name, task.task_id, e
-                    )
-        return {"previous_end": previous_end, "claimed_end": claimed_end}
+            previous_path = self._fetch_evidence(
+                store, task.local_state_cid, providers, task.local_state_size, deadline
+            )
+            try:
+                previous_end = verify.local_state_from_file(previous_path, template)
+            except ValueError as e:
+                log.warning("[%s] task %d: start state unusable: %s", self.name, task.task_id, e)
+        return {
+            "previous_end": previous_end,
+            "claimed_end": claimed_end,
+            "previous_end_path": previous_path,
+        }
+
+    def _fetch_evidence(
+        self, store: BlobStore, cid: str, providers: list[str], size: int | None, deadline: float
+    ) -> Path:
+        """One evidence blob from `providers` into `store`, asked again until `deadline`
+        (time.monotonic()); Undelivered when it has not come by then. A transfer under way
+        at the deadline is let finish (the blob client's own timeouts bound it)."""
+        while True:
+            try:
+                return self.blobs.fetch_into(store, cid, providers, size=size)
+            except BlobError as e:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stop.is_set():
+                    raise Undelivered(
+                        f"local state {cid[:12]} not delivered by {len(providers)} provider(s) "
+                        f"within the evidence deadline: {e}"
+                    ) from None
+                self.stop.wait(min(1.0, left))
 
     @contextlib.contextmanager
-    def _fetched(self, cid: str, sources: list[str], size: int | None) -> Iterator[Path]:
+    def _fetched(
+        self, cid: str, providers: list[str], size: int | None, deadline: float
+    ) -> Iterator[Path]:
         """A local state (weights + moments: 1.5 GB at 124M) streamed to a scratch file,
         parsed from there tensor by tensor, and removed: an in-memory fetch holds its
-        chunks, their joined copy and the tensors. BlobError as `fetch_into`
-        raises it."""
+        chunks, their joined copy and the tensors. Undelivered as `_fetch_evidence`."""
         with tempfile.TemporaryDirectory(prefix="covey-validator-") as scratch:
-            yield self.blobs.fetch_into(BlobStore(Path(scratch)), cid, sources, size=size)
+            yield self._fetch_evidence(BlobStore(Path(scratch)), cid, providers, size, deadline)
 
     def _start_state(self, task: schemas.VerifyTask, sources: list[str]) -> TrainState:
         if self._state is not None and self._state[0] == task.start_cid:
@@ -366,6 +450,11 @@ class Validator:
 
     def _batch_fn(self, task: schemas.VerifyTask) -> Any:
         return assignment_batches(self.cfg, self.corpus, self.seq_len, task.round, task.data_key)
+
+
+class Undelivered(Exception):
+    """The worker's providers did not deliver a committed local state within the evidence
+    deadline (covey.trust.withholding.evidence_deadline_s)."""
 
 
 class Stopping(BaseException):

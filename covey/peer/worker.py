@@ -113,6 +113,7 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self.server: BlobServer | None = None
         self._served_state: str | None = None
         self._published: list[str] = []
+        self._pinned: dict[str, int] = {}  # drawn contributions' evidence (worker_publish)
         self._transfer: Transfer[Finished] | None = None  # the last round's, in flight
         self._waited: str | None = None  # the round tag a "waiting" saw (covey.peer.worker_state)
         self._train_ended: float | None = None  # when the last round's training ended

@@ -15,9 +15,12 @@ from covey.peer.heads import HeadKeeper
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
 from covey.trust.identity import request_purpose
+from covey.trust.withholding import EVIDENCE_KEEP_ROUNDS
 
 log = logging.getLogger("covey.worker")
-KEEP_CONTRIBUTIONS = 8  # own contribution and end-state blobs kept on the blob server
+# own contribution and end-state blobs kept on the blob server (peers fetch within a round
+# or two); a drawn contribution's evidence is kept longer (`_pin`)
+KEEP_CONTRIBUTIONS = 8
 _PULL_BYTES_S = 1 << 20  # slowest rate a submission's answer may wait on a payload pull at
 
 
@@ -28,6 +31,7 @@ class Publishing:
     state: TrainState | None
     _local: LocalStates | None
     _published: list[str]
+    _pinned: dict[str, int]  # a drawn contribution's evidence (cid -> its round)
     name: str
     opts: Any
     store: Any
@@ -54,9 +58,9 @@ class Publishing:
             return False
         cid = self.store.put(payload)
         self._published.append(cid)
-        while len(self._published) > KEEP_CONTRIBUTIONS:  # peers fetch within a round or two
+        while len(self._published) > KEEP_CONTRIBUTIONS:
             old = self._published.pop(0)
-            if old not in self._published:
+            if old not in self._published and old not in self._pinned:
                 self.store.delete(old)
         if self.server is None:
             self.blobs.upload(
@@ -103,10 +107,10 @@ class Publishing:
         }
         signed = self._signed(path, body, info.round)
         try:
-            # the coordinator may pull the payload from us before it answers, and the start
-            # and end local states if it drew this contribution for verification: allow
-            # for that at 1 MiB/s (a 124M model's fp32 payload is 500 MB) beyond the usual
-            pulled = len(payload) + (2 * self._local.end_size if local else 0)
+            # the coordinator may pull the payload from us before it answers (never our
+            # local states: drawn validators fetch those later, covey.peer.validator):
+            # allow for that at 1 MiB/s (a 124M model's fp32 payload is 500 MB)
+            pulled = len(payload)
             pull_s = self.cfg.limits.request_timeout_s + pulled / _PULL_BYTES_S
             reply = self.client.post(path, signed, round=None, timeout_s=pull_s)
         except PeerRejected as e:
@@ -116,6 +120,8 @@ class Publishing:
             return False
         if isinstance(reply, dict):  # the receipt carries the ledger's signed head
             self.heads.keep(reply.get("ledger_head"), f"round {info.round}'s receipt")
+            if reply.get("drawn") is True and local:  # its validators will come for these
+                self._pin(info.round, (local["local_state_cid"], local["end_state_cid"]))
         log.info(
             "[%s - round %d] %d steps, loss %.4f, sent %d bytes",
             self.name,
@@ -125,6 +131,20 @@ class Publishing:
             len(payload),
         )
         return True
+
+    def _pin(self, round_: int, cids: tuple[str | None, ...]) -> None:
+        """Keep a drawn contribution's evidence (the start and end states it names) on the
+        blob server for EVIDENCE_KEEP_ROUNDS rounds, whatever the pruning of other blobs:
+        its validators fetch it after the round, and a worker that no longer has it
+        when they come is attested withholding (covey.trust.withholding)."""
+        for cid in cids:
+            if cid is not None:
+                self._pinned[cid] = max(self._pinned.get(cid, round_), round_)
+        for cid, pinned_at in list(self._pinned.items()):
+            if pinned_at <= round_ - EVIDENCE_KEEP_ROUNDS:
+                del self._pinned[cid]
+                if cid not in self._published:
+                    self.store.delete(cid)
 
     def _payload(self, info: schemas.RoundInfo, c: Contribution) -> bytes | None:
         """The bytes published for contribution `c` (None: nothing to send this round)."""

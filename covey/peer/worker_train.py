@@ -27,6 +27,7 @@ from covey.protocol import schemas
 from covey.protocol.checkpoint import write_safetensors
 from covey.trust import verify
 from covey.trust.committer import Committer
+from covey.trust.evidence import evidence_of
 
 log = logging.getLogger("covey.worker")
 PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
@@ -118,17 +119,19 @@ class Training:
         # its bytes: `_seal`, off the training thread
 
     def _seal(self, local: LocalStates | None) -> None:
-        """The end state's blob and content id (H3), once, before it is published: the
-        bytes of `verify.local_state_to_bytes(local.end)`, streamed into a scratch file of
-        the store and hashed on the way, never held in memory next to the tensors (a local
-        state is 1.5 GB at 124M)."""
+        """The end state's blob and content id (H3), once, before it is published: the bytes
+        of `verify.local_state_to_bytes(evidence_of(strategy, local.end))`, streamed
+        into a scratch file of the store and hashed on the way, never held in memory next
+        to the tensors (a local state is 1.5 GB at 124M)."""
         if local is None or local.end_cid is not None or not local.end:
             return
         assert self.store is not None
         path = self.store.scratch()
         try:
             with open(path, "wb") as f:
-                cid, size = write_safetensors(local.end, verify_local_metadata(), f)
+                # only what a validator cannot recompute (covey.trust.evidence.evidence_of)
+                evidence = evidence_of(self.strategy, local.end)
+                cid, size = write_safetensors(evidence, verify_local_metadata(), f)
         except BaseException:
             path.unlink(missing_ok=True)
             raise

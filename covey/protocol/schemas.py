@@ -287,7 +287,10 @@ class VerifyReport(Signed):
     round: Count
     validator_id: PeerId
     task_id: Count
-    outcome: Literal["agree", "disagree"]
+    # "withheld": the worker's providers did not deliver the evidence the check needs
+    # within covey.trust.withholding.evidence_deadline_s (signed: it is an attestation)
+    outcome: Literal["agree", "disagree", "withheld"]
+    worker_id: PeerId | None = None  # the checked contribution's worker (a "withheld" names it)
     exact: bool = False
     distance: float | None = Field(None, ge=0, allow_inf_nan=False)
     segment: Count | None = None

@@ -13,7 +13,10 @@ The payload of each entry type is the contract between the coordinator and covey
   peer did not deliver the local states its check needs: it costs reputation)}
 - "verification": {round, peer_id, validator_id, outcome: "agree"|"disagree"|"expired",
   distance: float|null, exact: bool}; "expired" names the validator that held the check
-  and did not report in time (a missed check: it counts against it), or "" (older runs)
+  and did not report in time (a missed check: it counts against it), or "" (older runs);
+  "withheld" carries `attestation`, the validator's signed report that the worker's
+  providers did not deliver the evidence its check needs (covey.trust.withholding): not a
+  completed check, and another validator is drawn
 - "assignment": {round, peer_id, beacon, validators: [ids], reason: "draw"|"reassign"|
   "audit", draw (audit only)}: which validators must check a sampled contribution, drawn
   from the public beacon (the hash of the last round certificate before the round was
@@ -63,9 +66,12 @@ The payload of each entry type is the contract between the coordinator and covey
 - "dispute": {round, peer_id, validator_id, segment, outcome: "fraud"|"validator wrong"|
   "honest drift"|"inconclusive", detail}: "honest drift" (the worker right, the validator
   within covey.trust.referee.DRIFT_FACTOR of it) and "inconclusive" cost nobody anything
-- "slash": {round, peer_id, amount, reason}; a slash of a validator (an aggregator of a
-  sharded round) also carries `evidence` (covey.trust.shard_evidence: its signed publish,
-  the round's inputs, the referee's hash), checked by `covey ledger verify`
+- "slash": {round, peer_id, amount, reason}; `withheld: true` marks a drawn worker whose
+  evidence its validators attested withheld (allowed only once proven:
+  covey.trust.withholding; it convicts the contribution as fraud does); a slash of a
+  validator (an aggregator of a sharded round) also carries `evidence`
+  (covey.trust.shard_evidence: its signed publish, the round's inputs, the referee's
+  hash), checked by `covey ledger verify`
 - "reward": {round, peer_id, amount, kind: "work"|"catch"|"check", tokens (0 unless work)};
   a "check" pays check_reward to a validator for a completed assigned check, once per
   reported verification, and names the checked item's worker in `worker_id` (so a
@@ -101,7 +107,8 @@ _SCHEMA_TEXT = {
     "inner_steps:count, sampled:bool, rate:amount, draw:text, request_id:text, nonce:text, "
     "signature:text",
     "contribution rejected": "round:count, peer_id:id, reason:text",
-    "verification": "round:count, peer_id:id, validator_id:text, outcome:agree|disagree|expired, "
+    "verification": "round:count, peer_id:id, validator_id:text, "
+    "outcome:agree|disagree|expired|withheld, "
     "distance:amount?, exact:bool",
     "dispute": "round:count, peer_id:id, validator_id:id, segment:count, "
     "outcome:fraud|validator wrong|honest drift|inconclusive, detail:text",

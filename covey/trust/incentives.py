@@ -27,6 +27,7 @@ from covey.trust.entry_schemas import SCHEMAS, check_payload
 from covey.trust.identity import IdentityError, peer_id_of
 from covey.trust.ledger import Entry, LedgerError
 from covey.trust.policy import Account, Policy
+from covey.trust.withholding import Withholding
 
 # A worker that withholds the local states of this many contributions drawn for
 # verification is excluded (its stake untouched): each withholding escapes a check, and
@@ -36,7 +37,7 @@ WITHHELD_BAN = 2
 __all__ = ["SCHEMAS", "Account", "Book", "Policy"]
 
 
-class Book(Draws, Convictions):
+class Book(Draws, Convictions, Withholding):
     """The run's accounts as of the entries applied so far. Build with `replay`, or apply
     entries one by one as they are appended."""
 
@@ -75,6 +76,7 @@ class Book(Draws, Convictions):
         self._signed_draws = False
         self._unchecked_run: bool | None = None
         self._init_convictions()  # missed fraud and claw-backs (covey.trust.convictions)
+        self._init_withholding()  # attested withheld evidence (covey.trust.withholding)
 
     @classmethod
     def replay(cls, entries: Iterable[Entry]) -> Book:
@@ -310,6 +312,9 @@ class Book(Draws, Convictions):
             return
         if validator is None:
             raise LedgerError(i, "verification: an outcome names its validator")
+        if p["outcome"] == "withheld":  # attested non-delivery: not a completed check
+            self._attest_withheld(i, p, validator)
+            return
         validator.checks += 1
         self._done[key] = self._done.get(key, 0) + 1
         due = (p["round"], validator.peer_id)
@@ -360,6 +365,8 @@ class Book(Draws, Convictions):
                 f"slash: {amount} is not slash_fraction {self._policy().slash_fraction} x "
                 f"stake {acc.stake} = {expected}",
             )
+        if p.get("withheld") is True:  # its drawn validators attested its evidence withheld
+            self._slash_withheld(i, p)
         acc.stake -= amount
         acc.slashed += amount
         acc.banned = True

@@ -104,7 +104,7 @@ class Account:
         """A worker: (agreed + 1) / (agreed + frauds + no_shows + withheld + 2), counting
         repeated no-shows only (a first one is a crash anyone may have), and withheld the
         contributions drawn for verification whose local states it did not deliver
-        (covey.coordinator.intake.Withheld). A validator: (good + 1) /
+        (covey.trust.withholding). A validator: (good + 1) /
         (good + faults + 2), where good is its checks less its false accusations, and none
         once it passed a canary: that proves it agrees without re-executing, so none of its
         agreements is evidence of work. 0.5 for a peer with no record."""

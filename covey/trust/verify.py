@@ -51,11 +51,11 @@ from covey.config import TrustConfig
 from covey.memory import all_finite
 from covey.models.randomness import step_rng
 from covey.trust.committer import Committer
+from covey.trust.evidence import evidence_commitment
 from covey.trust.sketch import (
     HEX64,
     Commitment,
     commitment_distance,
-    commitment_of,
     distance,
 )
 
@@ -218,7 +218,7 @@ def reexecute(
     payload = strategy.make_contribution().payload
     end = None
     if carries:
-        end = commitment_of(strategy.local_state(copy=False), start_state.params, steps)
+        end = evidence_commitment(strategy, strategy.local_state(copy=False), start_state, steps)
     return Reexecution(payload, committer.commitments, states, steps, commit_every, end)
 
 
