@@ -135,7 +135,7 @@ class Auth:
         window = self.nonce_window_s
         if abs(age) > window:
             raise Rejected(401, f"nonce is {age:.0f} s old; requests must be within {window:.0f} s")
-        if nonces is not None:  # heartbeats: spent in memory, flushed in batches (H9)
+        if nonces is not None:  # heartbeats: spent in memory, flushed in batches
             nonces.use_nonce(peer_id, nonce, now)
             return
         try:

@@ -99,7 +99,7 @@ def _v1_to_v2(conn: sqlite3.Connection) -> None:
 
 
 def _v2_to_v3(conn: sqlite3.Connection) -> None:
-    # H3: contributions commit the worker's local states (start and end) by content id
+    # contributions commit the worker's local states (start and end) by content id
     conn.execute(
         "CREATE TABLE IF NOT EXISTS local_states (round INTEGER, attempt INTEGER, "
         "peer_id TEXT, start_cid TEXT, end_cid TEXT, end_size INTEGER, "

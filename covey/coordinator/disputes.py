@@ -404,13 +404,13 @@ class Disputes:
             trust.commit_every,
             claimed_start=claimed[segment],
             tolerance=trust.tolerance,
-            **self._previous_end(task, strategy),  # H3: the committed start local state
+            **self._previous_end(task, strategy),  # the committed start local state
         )
         verdict = referee.judge(result, worker_end, validator_end, trust.tolerance)
         return verdict.outcome, verdict.detail
 
     def _previous_end(self, task: schemas.VerifyTask, strategy: Strategy) -> dict[str, Any]:
-        """H3: referee arguments for the task's committed start local state (none: fresh).
+        """Referee arguments for the task's committed start local state (none: fresh).
         ValueError for a blob that is not a local state of this run (checked by hash at
         intake, so only a coordinator bug gets here)."""
         if task.local_state_cid is None:

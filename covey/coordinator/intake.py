@@ -114,7 +114,7 @@ class Intake(Views):
                     json.dumps([m.model_dump() for m in req.commitments]),
                 ),
             )
-            if req.end_state_cid is not None and draw is not None:  # H3: the local-state chain
+            if req.end_state_cid is not None and draw is not None:  # the local-state chain
                 c.execute(
                     "INSERT INTO local_states VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
@@ -224,7 +224,7 @@ class Intake(Views):
         return local_state_nbytes(self.strategy.evidence_layout())
 
     def _check_local_state(self, req: schemas.ContributionRequest) -> Draw | None:
-        """H3, the local-state chain (covey.algorithms.base): a strategy that carries local
+        """The local-state chain (covey.algorithms.base): a strategy that carries local
         state names the state its round started from, which must be exactly the end state
         its contribution to the previous round named (in that round's certified attempt;
         none: a fresh start), and its end state, of a published end state's exact size

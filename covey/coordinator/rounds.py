@@ -406,7 +406,7 @@ class Rounds(Intake, Views):
                 )
         self.state, self.state_cid, self.state_hash = new_state, new_cid, new_hash
         self._outer_on_disk(new_state, new_cid)
-        self.commits.notify()  # H9: wakes the certificate long-polls now
+        self.commits.notify()  # wakes the certificate long-polls now
         log.info(
             "[round %d] committed: %d accepted, %d rejected, %s; weights %s",
             rnd.round,

@@ -128,7 +128,7 @@ class Verification(Assignments, Canaries, Disputes, WithheldEvidence):
         """Inside the commit's transaction: ledger entries for the accepted contributions
         (with the sampling draw), the certificate, and the payments now due."""
         book = self.accounts.book
-        drawn_at_intake = {  # H3: a stateful contribution's evidence was drawn at this rate
+        drawn_at_intake = {  # a stateful contribution's evidence was drawn at this rate
             (s["attempt"], s["peer_id"]): s["rate"]
             for s in c.execute(
                 "SELECT attempt, peer_id, rate FROM local_states WHERE round = ?", (round_,)
@@ -241,7 +241,7 @@ class Verification(Assignments, Canaries, Disputes, WithheldEvidence):
             "AND c.peer_id = v.peer_id WHERE v.status IN ('pending', 'claimed', 'disputed')"
         )
         keep = {r["cid"] for r in rows} | {r["start_cid"] for r in rows}
-        keep |= {  # H3: the committed local states a re-execution starts from and ends at
+        keep |= {  # the committed local states a re-execution starts from and ends at
             cid
             for r in self.db.query(
                 "SELECT l.start_cid, l.end_cid FROM verifications v "
@@ -311,7 +311,7 @@ class Verification(Assignments, Canaries, Disputes, WithheldEvidence):
         )
         assert c is not None
         assignment = json.loads(rnd["assignments"])[v["peer_id"]]
-        chain = self._local_state_chain(v["round"], rnd["attempt"], v["peer_id"])  # H3
+        chain = self._local_state_chain(v["round"], rnd["attempt"], v["peer_id"])
         return schemas.VerifyTask(
             task_id=task_id,
             round=v["round"],
@@ -334,7 +334,7 @@ class Verification(Assignments, Canaries, Disputes, WithheldEvidence):
         )
 
     def _local_state_chain(self, round_: int, attempt: int, peer_id: str) -> dict[str, Any]:
-        """H3: the committed local states of a contribution (covey.algorithms.base, the
+        """The committed local states of a contribution (covey.algorithms.base, the
         local-state chain): its start (the end state of the peer's previous round, checked
         at intake), whether that round's certificate accepted it, and its end state."""
         row = self.db.one(

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .liveness import Liveness
     from .peers import Peers
 
-# Cached views (H9): /v1/round and /v1/status answer from views rebuilt when what they show
+# Cached views : /v1/round and /v1/status answer from views rebuilt when what they show
 # changes (the open round's row, the canonical state), not per request over all peers.
 # Peers' liveness changes with every heartbeat, so the parts that list live peers are
 # rebuilt at most once per VIEW_MAX_AGE_S however many requests come.

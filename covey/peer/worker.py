@@ -18,7 +18,7 @@ steps (covey.trust.verify), so that validators can re-execute them and a dispute
 narrowed to one segment. Certificates must carry the coordinator's signature, and each
 accepted contribution's signed ledger entry is kept as a receipt (receipts.jsonl).
 
-The local-state chain (covey.algorithms.base; H3): a strategy that carries local state from
+The local-state chain (covey.algorithms.base): a strategy that carries local state from
 round to round (DiLoCo "keep" or with error feedback, Streaming DiLoCo, DeMo) starts every
 round with `begin_round(W_r, the end state of this worker's contribution to round r-1,
 whether that round's certificate accepted it)`, and fresh when it did not contribute to
@@ -104,8 +104,8 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self.halted: str | None = None  # the owner's reason, once the run is halted
         self.lease = Lease()
         self._trained_since_adopt = False  # the model moved in a round not yet applied
-        self._chain: LocalStates | None = None  # H3: the last recorded contribution's states
-        self._local: LocalStates | None = None  # H3: this round's
+        self._chain: LocalStates | None = None  # the last recorded contribution's states
+        self._local: LocalStates | None = None  # this round's
         self.state: TrainState | None = None
         self.state_hash: str | None = None  # self.state.digest(), computed once
         self.rounds_done = 0
@@ -410,7 +410,7 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
             else:
                 self.strategy.adopt(f.state)
         self._trained_since_adopt = not adopt
-        if f.local is not None:  # H3: only a recorded contribution continues the chain
+        if f.local is not None:  # only a recorded contribution continues the chain
             f.local.accepted = any(a.peer_id == self.peer_id for a in cert.accepted)
             self._chain = f.local if f.submitted else None
         if f.submitted:

@@ -1,5 +1,5 @@
-"""Training a worker's round: its start (the local-state chain of covey.algorithms.base;
-H3), the assignment's inner steps with commitments every k steps, and the end state sealed
+"""Training a worker's round: its start (the local-state chain of covey.algorithms.base),
+the assignment's inner steps with commitments every k steps, and the end state sealed
 as the blob its contribution names; plus the step timing reported at join and the emulated
 slowdown. Mixed into covey.peer.worker.Worker, whose attributes it uses.
 """
@@ -87,7 +87,7 @@ class Training:
             self._check_standing()
 
     def _begin_round(self, round_: int) -> None:
-        """H3: put the strategy at the round's start: chained from the end state of our
+        """Put the strategy at the round's start: chained from the end state of our
         contribution to the previous round, else fresh (see the module docstring)."""
         assert self.state is not None
         chain = self._chain if self._chain is not None and self._chain.round == round_ - 1 else None
@@ -109,7 +109,7 @@ class Training:
         return chain.end, chain.end_cid
 
     def _end_round(self) -> None:
-        """H3: the local state after this round's work, as the blob the contribution names."""
+        """The local state after this round's work, as the blob the contribution names."""
         if self._local is None:
             return
         if self._overlaps() or self.leader is not None:  # training goes on from it
@@ -119,7 +119,7 @@ class Training:
         # its bytes: `_seal`, off the training thread
 
     def _seal(self, local: LocalStates | None) -> None:
-        """The end state's blob and content id (H3), once, before it is published: the bytes
+        """The end state's blob and content id, once, before it is published: the bytes
         of `verify.local_state_to_bytes(evidence_of(strategy, local.end))`, streamed
         into a scratch file of the store and hashed on the way, never held in memory next
         to the tensors (a local state is 1.5 GB at 124M)."""
