@@ -68,10 +68,14 @@ def test_a_coordinators_database_is_read_into_the_parts(tmp_path: Path) -> None:
             "'agree', ?)",
             (json.dumps({"compute_s": 4.0}),),
         )
-        # a's drawn local states: start and end, 1 MB each, at 8 Mbit/s: 2 s
+        # a's drawn local states: start and end, 1 MB each, at 8 Mbit/s: 2 s; b's never came
         c.execute(
             "INSERT INTO local_states (round, attempt, peer_id, start_cid, end_cid, end_size, "
-            "evidence) VALUES (0, 1, 'a', 's', 'e', 1000000, 'secured')"
+            "evidence) VALUES (0, 1, 'a', 's', 'e', 1000000, 'pending')"
+        )
+        c.execute(
+            "INSERT INTO local_states (round, attempt, peer_id, start_cid, end_cid, end_size, "
+            "evidence) VALUES (0, 1, 'b', 's', 'e', 1000000, 'undelivered')"
         )
     costs = run_costs(db, Peers(db))
     assert costs.useful_s == pytest.approx(16.0)
