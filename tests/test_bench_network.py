@@ -18,6 +18,7 @@ from covey.bench.network import run_network_bench
 from covey.bench.network_plan import (
     apply_target,
     default_target,
+    format_table,
     network_methods,
     run_spec,
     summarize_run,
@@ -50,7 +51,8 @@ def test_breakdown_sums_to_the_cycle_and_target_is_reached_by_all() -> None:
         {"round": n, "val_loss": loss, "utilization": 0.6, "bytes": 10, "tokens": 100}
         for n, loss in ((0, 3.0), (1, 2.5), (2, 2.4))
     ]
-    status = {"model": "nano", "parameters": 1, "peers": [], "rounds": rounds}
+    costs = {"multiplier": 1.5, "adds": {"network": 0.4, "verification": 0.1}}
+    status = {"model": "nano", "parameters": 1, "peers": [], "rounds": rounds, "costs": costs}
     rec = summarize_run(
         method=method,
         mbit=10,
@@ -70,6 +72,8 @@ def test_breakdown_sums_to_the_cycle_and_target_is_reached_by_all() -> None:
     records = [rec, other]
     apply_target(records, default_target(records))
     assert [r["time_to_target_s"] for r in records] == [pytest.approx(20.0), 5.0]
+    assert rec["multiplier"] == 1.5 and rec["multiplier_adds"]["network"] == 0.4
+    assert "| 1.50x |" in format_table(records)
 
 
 @pytest.mark.long  # over a minute: `scripts/dev.py test --all`
@@ -90,6 +94,7 @@ def test_short_run_over_a_10_mbit_testbed(tmp_path: Path) -> None:
     assert rec["mbit"] == 10 and rec["method"] == "diloco-h10"
     assert rec["rounds"] >= 2
     assert 0 < rec["utilization"] <= 1
+    assert rec["multiplier"] >= 1.0  # the coordinator's, from its database
     assert rec["bytes_per_round"] > 0 and rec["tokens_per_s"] > 0
     assert rec["time_to_target_s"] is not None  # the default target is reached by every run
     assert json.loads((tmp_path / "records.json").read_text())[0]["rounds"] == rec["rounds"]

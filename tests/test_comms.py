@@ -136,8 +136,8 @@ def test_every_row_counts_the_evidence_at_the_default_rate(
     with its inner optimizer reset and no error feedback) sends nothing; the reduction
     against DDP is given with and without the evidence, and `--recount` prints an earlier
     run's rows with it, training nothing."""
-    from covey.bench.comms import bench_config, count_evidence
-    from covey.bench.comms_evidence import evidence_per_worker, evidence_state_bytes
+    from covey.bench.comms import bench_config, comms_methods, count_evidence
+    from covey.bench.comms_evidence import checked_share, evidence_per_worker, evidence_state_bytes
     from covey.config import TrustConfig
 
     methods = {m.name: m for m in comms_methods(LONG)}
@@ -158,9 +158,19 @@ def test_every_row_counts_the_evidence_at_the_default_rate(
         {"method": "diloco-h100-int4-reset", "baseline": "ddp", "bytes_sent_per_worker": 1e6,
          "rounds": 20},
     ]  # fmt: skip
+    for r in rows:
+        r.update(sim_time_s=100.0, utilization=0.5)
     count_evidence(rows, LONG, stdlib_corpus)
     by = {r["method"]: r for r in rows}
     assert by["ddp"]["evidence_bytes_per_worker"] == 0
+    # the modeled multiplier: half the time computing, the other half the network's, plus
+    # the share re-executed; the reset method sends no evidence
+    reset_cfg = bench_config(comms_methods(LONG)[-1], LONG)
+    share = checked_share(reset_cfg, 20)
+    assert 0 < share < 1
+    assert by["diloco-h100-int4-reset"]["multiplier"] == pytest.approx(2 + share, abs=1e-3)
+    assert by["diloco-h100-int4-reset"]["multiplier_adds"]["evidence"] == 0
+    assert by["diloco-h100-int4-ef"]["multiplier_adds"]["evidence"] > 0
     assert by["diloco-h100-int4-reset"]["comm_reduction_vs_ddp_with_evidence"] == 1000.0
     ef = by["diloco-h100-int4-ef"]
     assert ef["sample_rate"] == trust.sample_rate and ef["evidence_bytes_per_worker"] > 1e6

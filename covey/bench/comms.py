@@ -354,12 +354,19 @@ def count_evidence(
     """Add the verification evidence each row's worker sends at the run's default sampling
     rate, and the reduction against DDP with it (covey.bench.comms_evidence), in place.
     Rows of methods the preset does not name (an older run's) get none."""
-    from covey.bench.comms_evidence import add_evidence, evidence_per_worker, evidence_state_bytes
+    from covey.bench.comms_evidence import (
+        add_evidence,
+        add_multiplier,
+        checked_share,
+        evidence_per_worker,
+        evidence_state_bytes,
+    )
 
     methods = {m.name: m for m in comms_methods(size)}
     evidence: dict[str, float] = {}
     state_bytes: dict[str, int] = {}
-    rate = 0.0
+    rate, uplink = 0.0, 100.0
+    checked: dict[str, float] = {}
     for r in rows:
         method = methods.get(r["method"])
         if method is None:
@@ -370,7 +377,10 @@ def count_evidence(
         if key not in state_bytes:
             state_bytes[key] = evidence_state_bytes(cfg, corpus.vocab_size)
         evidence[r["method"]] = evidence_per_worker(cfg, r["rounds"], state_bytes[key])
+        checked[r["method"]] = checked_share(cfg, r["rounds"])
+        uplink = cfg.network.uplink_mbps
     add_evidence(rows, evidence, rate)
+    add_multiplier(rows, checked, uplink)
 
 
 def recount_rows(path: Path, size: BenchSize) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from covey.config import SimConfig
+from covey.protocol.multiplier import Costs
 
 
 def evidence_state_bytes(cfg: SimConfig, vocab_size: int) -> int:
@@ -58,3 +59,35 @@ def add_evidence(rows: list[dict[str, Any]], evidence: dict[str, float], rate: f
             base_bytes = base["bytes_sent_per_worker"] + evidence.get(base["method"], 0.0)
             mine = r["bytes_sent_per_worker"] + r["evidence_bytes_per_worker"]
             r["comm_reduction_vs_ddp_with_evidence"] = base_bytes / mine
+
+
+def checked_share(cfg: SimConfig, rounds: int) -> float:
+    """The share of a worker's contributions its validators re-execute over `rounds`
+    rounds: its first new_peer_contributions always, the rest at the sampling rate."""
+    if rounds <= 0:
+        return 0.0
+    always = min(cfg.trust.new_peer_contributions, rounds)
+    return (always + max(rounds - always, 0) * cfg.trust.sample_rate) / rounds
+
+
+def add_multiplier(
+    rows: list[dict[str, Any]], checked: dict[str, float], uplink_mbps: float
+) -> None:
+    """Add to each row (in place) the decentralization multiplier the simulator's model
+    gives it (covey.protocol.multiplier), per worker: useful = its compute (utilization x
+    simulated time), network = the rest of the simulated time, verification = the share of
+    its work validators re-execute (`checked`, counted at 1x the work: re-execution
+    measured 0.86x, docs/trust.md), evidence = its evidence bytes over its uplink. Churn
+    and rejected work are not modeled here (the rounds coordinator measures them)."""
+    for r in rows:
+        if r.get("utilization") is None or not r.get("sim_time_s"):
+            continue  # a row without the simulator's timing has no multiplier
+        c = Costs()
+        useful = r["utilization"] * r["sim_time_s"]
+        c.add_member(r["sim_time_s"], useful, "accepted")
+        c.verification_s = checked.get(r["method"], 0.0) * useful
+        c.evidence_s = (r.get("evidence_bytes_per_worker") or 0.0) * 8 / (uplink_mbps * 1e6)
+        c.unmeasured = ["churn", "rejected"]
+        d = c.as_dict()
+        r["multiplier"] = d["multiplier"]
+        r["multiplier_adds"] = {k: v for k, v in d["adds"].items() if k not in c.unmeasured}

@@ -81,7 +81,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     evidence column."""
     head = (
         f"{'method':<30}{'sent/worker':>14}{'recv/worker':>15}{'evidence':>13}{'val loss':>10}"
-        f"{'gap':>8}{'all':>9}{'payload':>9}{'sim time':>11}{'util':>7}"
+        f"{'gap':>8}{'all':>9}{'payload':>9}{'sim time':>11}{'util':>7}{'mult':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -91,16 +91,21 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         whole_s = "" if whole is None else f"{whole:,.0f}x"
         evidence = r.get("evidence_bytes_per_worker")
         evidence_s = "" if evidence is None else f"{evidence:,.0f}"
+        mult = r.get("multiplier")
+        mult_s = "" if mult is None else f"{mult:.2f}x"
         lines.append(
             f"{r['method']:<30}{r['bytes_sent_per_worker']:>14,.0f}"
             f"{r['bytes_received_per_worker']:>15,.0f}{evidence_s:>13}{r['val_loss_tail']:>10.4f}"
             f"{gap:>8}{whole_s:>9}{red:>9}{r['sim_time_s']:>10.1f}s{r['utilization']:>7.1%}"
+            f"{mult_s:>7}"
         )
     rates = {r["sample_rate"] for r in rows if r.get("sample_rate") is not None}
     if rates:
         lines.append(
             f"(evidence: bytes a worker sends its validators at sampling rate "
             f"{', '.join(f'{x:g}' for x in sorted(rates))}, its first contributions always "
-            f"checked; 'all' is the reduction against DDP with it, 'payload' without)"
+            f"checked; 'all' is the reduction against DDP with it, 'payload' without; "
+            f"'mult': peer seconds per second of a centralized run, modeled: network, "
+            f"re-execution and evidence, docs/decentralization.md)"
         )
     return "\n".join(lines)

@@ -211,6 +211,10 @@ def summarize_run(
         ],
         "target_loss": None,
         "time_to_target_s": None,
+        # measured by the coordinator (covey.coordinator.costs): peer seconds per second of
+        # a centralized run, and what each part adds to it
+        "multiplier": (status.get("costs") or {}).get("multiplier"),
+        "multiplier_adds": (status.get("costs") or {}).get("adds"),
     }
 
 
@@ -265,8 +269,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         f"| link | method | rounds | final val loss | time to {num(target, '.3f', 'target')} "
         f"| utilization | worker util. (from round {STEADY_FROM}) | bytes / round | tokens / s "
         "| mean cycle "
-        "| compute |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| compute | multiplier |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         b = r["breakdown_s"]
@@ -279,7 +283,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             f"({num(r.get('worker_utilization_steady'), '.1%')}) "
             f"| {r['bytes_per_round']:,.0f} "
             f"| {num(r['tokens_per_s'], ',.0f')} | {num(b.get('cycle'), '.2f')} s "
-            f"| {num(b.get('compute'), '.2f')} s |"
+            f"| {num(b.get('compute'), '.2f')} s | {num(r.get('multiplier'), '.2f')}x |"
         )
     return "\n".join(lines)
 
