@@ -22,7 +22,12 @@ serve_app = typer.Typer(
     rich_markup_mode=None,
 )
 ServerUrl = Annotated[
-    str, typer.Option("--server", help="the server's URL, e.g. http://127.0.0.1:8800")
+    str,
+    typer.Option(
+        "--server",
+        "--coordinator",
+        help="the server's URL, e.g. http://127.0.0.1:8800 (--coordinator, as for other peers)",
+    ),
 ]
 ModelDir = Annotated[
     Path, typer.Option(help="the exported model folder (the server's model, by content id)")
