@@ -65,18 +65,22 @@ def _meta_policy() -> GPT:
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> WireWatch:
     w = WireWatch()
-    real = sampling.gumbel_noise
-
-    def noise(*args: Any, **kwargs: Any) -> torch.Tensor:
-        w.exempt = True
-        try:
-            out = real(*args, **kwargs)
-        finally:
-            w.exempt = False
-        return out
-
-    monkeypatch.setattr(sampling, "gumbel_noise", noise)
+    monkeypatch.setattr(sampling, "gumbel_noise", _exempt(w, sampling.gumbel_noise))
+    # a decoding step's noise for every row: drawn on the host by design (the same tokens on
+    # any device), stacked there and moved to the device in one copy
+    monkeypatch.setattr(sampling, "_step_noise", _exempt(w, sampling._step_noise))
     return w
+
+
+def _exempt(w: WireWatch, fn: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was, w.exempt = w.exempt, True  # nested exempt calls leave it as they found it
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            w.exempt = was
+
+    return run
 
 
 # -- RL: generate, prove, learn --------------------------------------------------------------
