@@ -278,6 +278,7 @@ def wait(cluster, done, what: str) -> None:
 
 
 @pytest.mark.network
+@pytest.mark.long  # a 6-peer cluster, ~2 min; test_offpath.py covers this by default
 def test_validator_reexecutes_diloco_keep_with_error_feedback(cluster) -> None:
     """Every honest contribution after a worker's first starts from its committed end state
     of the round before; the validator's re-executions of those agree bit for bit (same
@@ -307,6 +308,7 @@ def test_validator_reexecutes_diloco_keep_with_error_feedback(cluster) -> None:
 
 
 @pytest.mark.network
+@pytest.mark.long  # a 6-peer cluster, ~2 min; test_offpath.py covers this by default
 def test_a_local_state_not_chained_is_refused_or_caught(cluster) -> None:
     """Naming a made-up start state is refused at intake by content id; training from one
     while naming the committed state disagrees with the validator at commitment 0."""
@@ -344,6 +346,7 @@ def test_a_local_state_not_chained_is_refused_or_caught(cluster) -> None:
 
 
 @pytest.mark.network
+@pytest.mark.long  # a 6-peer cluster, ~2 min; test_offpath.py covers this by default
 def test_only_drawn_contributions_move_their_local_states(cluster) -> None:
     """No contribution's local states (3x the model each) cross the coordinator's link,
     drawn or not: a drawn honest contribution's end state stays with its worker, and the
