@@ -4,6 +4,7 @@ what it accepts from peers (`LimitsConfig`) and the incentive rules (`TrustConfi
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import (
@@ -148,6 +149,32 @@ def derived_limits(data: Any, derived: dict[str, Any]) -> Any:
     if not isinstance(given, dict):
         return data
     return {**data, "limits": {**derived, **given}}
+
+
+def limits_before(
+    cls: Any, data: Any, field: str, default_limits: Callable[[int], LimitsConfig]
+) -> Any:
+    """The before-validator of a mode whose body size is its spec's `field` (RL's
+    max_batch_bytes, SWARM's max_body_bytes): the [limits] table's unset fields from
+    `default_limits(size)` (`derived_limits`). A size that is not a number is left for the
+    field's own check to name."""
+    if not isinstance(data, dict):
+        return data
+    try:
+        size = int(data.get(field, cls.model_fields[field].default))
+    except (TypeError, ValueError):
+        return data
+    return derived_limits(data, default_limits(size).model_dump())
+
+
+def without_default_limits(
+    dumped: dict[str, Any], limits: LimitsConfig, default: LimitsConfig
+) -> dict[str, Any]:
+    """A dumped spec without its [limits] table when the table is the mode's default: runs
+    made before the table existed keep their ids."""
+    if limits == default:
+        dumped.pop("limits", None)
+    return dumped
 
 
 def body_limit_matches(limits: LimitsConfig, field: str, size: int) -> None:

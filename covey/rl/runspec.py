@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from covey.config import LimitsConfig, MembershipConfig
-from covey.config.networked import body_limit_matches, derived_limits
+from covey.config.networked import body_limit_matches, limits_before, without_default_limits
 from covey.coordinator.rejected import Rejected
 from covey.devices import (
     DeviceError,
@@ -143,20 +143,13 @@ class RLSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _limits_of_batch(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        try:
-            size = int(data.get("max_batch_bytes", cls.model_fields["max_batch_bytes"].default))
-        except (TypeError, ValueError):
-            return data  # the field's own check names it
-        return derived_limits(data, default_limits(size).model_dump())
+        return limits_before(cls, data, "max_batch_bytes", default_limits)
 
     @model_serializer(mode="wrap")
     def _dump_limits(self, handler: Any) -> dict[str, Any]:
-        dumped = handler(self)
-        if self.limits == default_limits(self.max_batch_bytes):
-            dumped.pop("limits", None)  # runs made before the table keep their ids
-        return dumped
+        return without_default_limits(
+            handler(self), self.limits, default_limits(self.max_batch_bytes)
+        )
 
     @model_validator(mode="after")
     def _consistent(self) -> RLSpec:

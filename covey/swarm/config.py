@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, model_serializer, model_validator
 
 from covey.config import Frozen, LimitsConfig, MembershipConfig, TrustConfig
-from covey.config.networked import body_limit_matches, derived_limits
+from covey.config.networked import body_limit_matches, limits_before, without_default_limits
 
 
 class SwarmConfig(Frozen):
@@ -123,20 +123,13 @@ class SwarmConfig(Frozen):
     @model_validator(mode="before")
     @classmethod
     def _limits_of_body(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        try:
-            size = int(data.get("max_body_bytes", cls.model_fields["max_body_bytes"].default))
-        except (TypeError, ValueError):
-            return data  # the field's own check names it
-        return derived_limits(data, default_limits(size).model_dump())
+        return limits_before(cls, data, "max_body_bytes", default_limits)
 
     @model_serializer(mode="wrap")
     def _dump_limits(self, handler: Any) -> dict[str, Any]:
-        dumped = handler(self)
-        if self.limits == default_limits(self.max_body_bytes):
-            dumped.pop("limits", None)  # runs made before the table keep their ids
-        return dumped
+        return without_default_limits(
+            handler(self), self.limits, default_limits(self.max_body_bytes)
+        )
 
     @classmethod
     def received(cls, spec: Any) -> SwarmConfig:
