@@ -172,6 +172,7 @@ def test_rl_healthz_and_metrics(rl_run: tuple[str, Path, str]) -> None:
     again = metrics(url)  # the first scrape is counted by route template
     assert value(again["covey_http_requests"], route="/metrics", status="200") >= 1
     shows_the_shared_frame(url, run["run_id"])
+    serves_blobs_by_the_shared_route(url, run["policy0"])
 
 
 def test_a_rounds_worker_is_told_it_found_an_rl_trainer(rl_run: tuple[str, Path, str]) -> None:
@@ -260,6 +261,23 @@ def test_swarm_healthz_and_metrics(swarm: Swarm) -> None:
     assert value(again["covey_http_requests"], route="/metrics", status="200") >= 1
     host = shows_the_shared_frame(url, run["run_id"])
     assert host["live"]["server"] == 2
+
+
+def serves_blobs_by_the_shared_route(url: str, cid: str) -> None:
+    """The host's blob route (covey.coordinator.peer_routes): whole, one range, HEAD; a
+    path that is not a content id, an unknown id and a range past the end are refused."""
+    whole = httpx.get(f"{url}/v1/blobs/{cid}", timeout=30)
+    assert whole.status_code == 200 and len(whole.content) > 10
+    part = httpx.get(f"{url}/v1/blobs/{cid}", headers={"Range": "bytes=2-9"}, timeout=30)
+    assert part.status_code == 206 and part.content == whole.content[2:10]
+    head = httpx.head(f"{url}/v1/blobs/{cid}", timeout=30)
+    assert int(head.headers["content-length"]) == len(whole.content)
+    past = f"bytes={len(whole.content) + 5}-{len(whole.content) + 9}"
+    assert (
+        httpx.get(f"{url}/v1/blobs/{cid}", headers={"Range": past}, timeout=30).status_code == 416
+    )
+    for bad in ("..%2f..%2fetc%2fpasswd", "ab" * 31 + "zz", "0" * 64):
+        assert httpx.get(f"{url}/v1/blobs/{bad}", timeout=30).status_code == 404
 
 
 def shows_the_shared_frame(url: str, run_id: str) -> dict:
