@@ -370,13 +370,17 @@ def test_a_bench_with_log_json_writes_json_log_lines(tmp_path: Path) -> None:
     """The cheapest bench (host syncs of one nano inner step per method): with --log-json
     every line it writes is a JSON log record on stderr, its results among them; stdout
     (where they go without it) stays empty."""
-    r = covey("bench", "hostsync", "--model", "nano", "--steps", "1", "--log-json", cwd=tmp_path)
+    small = ("--commit-params", "65536", "--workers", "3")
+    r = covey(
+        "bench", "hostsync", "--model", "nano", "--steps", "1", *small, "--log-json", cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == "", r.stdout
     records = [json.loads(line) for line in r.stderr.splitlines()]  # --log-json: all JSON
     results = [e for e in records if "host ms/step/1M params" in e["message"]]
     assert len(results) == 4, r.stderr  # ddp, diloco, streaming, demo
     assert {(e["level"], e["peer"]) for e in results} == {("INFO", "bench-hostsync")}
+    assert sum("round result:" in e["message"] for e in records) == 1, r.stderr
 
 
 def test_set_values_reach_the_spec_over_flags_and_toml(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, port: int, out: str, mode: str = "ddp") -> None
             if replica is not None:  # what this rank holds of the replica's parameters
                 held = sum(t.to_local().numel() for t in replica.shards.values())  # type: ignore[attr-defined]
                 Path(out, "held").write_text(
-                    f"{held} {sum(p.numel() for p in s.model.parameters())}"
+                    f"{held} {sum(p.numel() for p in s.model.parameters())} {replica.gathers}"
                 )
         else:
             Path(out, f"steps{rank}").write_text(str(follow(s, group, replica)))
@@ -85,8 +85,8 @@ def _free_port() -> int:
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_gloo_ranks_are_one_peer_with_one_contribution(tmp_path: Path, mode: str) -> None:
     """DDP, or FSDP2 (fully_shard: sharded gradients and AdamW moments, gathered into the
-    leader's strategy after each step): the leader's contribution is one device's on the
-    whole batches, to 1e-6 (float sums in another order)."""
+    leader's strategy once, when the contribution reads it): the leader's contribution is
+    one device's on the whole batches, to 1e-6 (float sums in another order)."""
     mp.spawn(_rank, args=(2, _free_port(), str(tmp_path), mode), nprocs=2, join=True)
     single = _strategy()
     for b in _batches():
@@ -101,8 +101,9 @@ def test_two_gloo_ranks_are_one_peer_with_one_contribution(tmp_path: Path, mode:
     assert torch.allclose(got, ref, atol=1e-6), float((got - ref).abs().max())
     assert float(ref.abs().max()) > 1e-4  # it really trained
     if mode == "fsdp":  # each rank held about half of the replica (dim-0 shards)
-        held, whole = map(int, Path(tmp_path, "held").read_text().split())
+        held, whole, gathers = map(int, Path(tmp_path, "held").read_text().split())
         assert held <= 0.6 * whole, (held, whole)
+        assert gathers == 1  # no commitment was read between the steps: no gather per step
 
 
 def test_shard_takes_strided_rows_and_refuses_too_few() -> None:

@@ -331,3 +331,48 @@ def time_commitment(numel: int = 4 << 20, repeats: int = 5) -> dict[str, Any]:
         "hash_ms_per_m": round(hashing * per_m, 3),
         "sketch_ms_per_m": round(max(whole - hashing, 0.0) * per_m, 3),
     }
+
+
+def time_round_result(numel: int = 4 << 20, workers: int = 8, repeats: int = 3) -> dict[str, Any]:
+    """Host milliseconds per 1M parameters of a DiLoCo round result on the CPU, with the
+    defaults of a networked run (int4 payloads, the trust section's aggregation rule):
+    decoding and aggregating `workers` payloads one at a time (`aggregate_lazily`), the
+    Nesterov outer step, and the new state's SHA-256 digest. The fastest of `repeats`."""
+    from covey.algorithms.aggregation import build_aggregator
+    from covey.algorithms.codecs import get_codec
+    from covey.algorithms.diloco import outer_step
+    from covey.algorithms.lazy_aggregation import aggregate_lazily
+    from covey.algorithms.state import TrainState
+    from covey.config.networked import TrustConfig
+    from covey.config.parts import DiLoCoConfig
+
+    trust, cfg = TrustConfig(), DiLoCoConfig()
+    codec = get_codec(cfg.codec)
+    rule = build_aggregator(trust.aggregation, trust.trim_fraction, trust.clip_factor)
+    g = torch.Generator().manual_seed(0)
+    start = TrainState({"w": torch.randn(numel, generator=g)}, {}, 0)
+    payloads = [codec.encode(torch.randn(numel, generator=g) * 1e-3) for _ in range(workers)]
+
+    def load(i: int) -> torch.Tensor:
+        return codec.decode(payloads[i], numel)
+
+    best = {"aggregate": float("inf"), "outer": float("inf"), "hash": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flat = aggregate_lazily(rule, workers, load, [1.0] * workers)
+        t1 = time.perf_counter()
+        new = outer_step(start, {"w": flat}, cfg)
+        t2 = time.perf_counter()
+        new.digest()
+        t3 = time.perf_counter()
+        for part, s in (("aggregate", t1 - t0), ("outer", t2 - t1), ("hash", t3 - t2)):
+            best[part] = min(best[part], s)
+    per_m = 1e3 / (numel / 1e6)
+    return {
+        "parameters_m": round(numel / 1e6, 3),
+        "workers": workers,
+        "codec": cfg.codec,
+        "aggregation": trust.aggregation,
+        "ms_per_m": round(sum(best.values()) * per_m, 3),
+        **{f"{part}_ms_per_m": round(s * per_m, 3) for part, s in best.items()},
+    }

@@ -22,6 +22,9 @@ def register(bench_app: Any) -> None:
         commit_params: Annotated[
             int, typer.Option(min=1, help="parameters of the state a commitment is timed on")
         ] = 4 << 20,
+        workers: Annotated[
+            int, typer.Option(min=1, help="payloads in the round result that is timed")
+        ] = 8,
         json_path: Annotated[
             Path | None, typer.Option("--json", help="write the rows here")
         ] = None,
@@ -31,7 +34,8 @@ def register(bench_app: Any) -> None:
         step per 1M parameters on this machine's CPU, and the device-to-host
         synchronizations one inner step makes (counted on the meta device); then host
         milliseconds per commitment (hash and sketches of parameters and AdamW moments)
-        per 1M parameters."""
+        per 1M parameters; then host milliseconds per 1M parameters of a DiLoCo round result
+        (decode and aggregate --workers payloads, outer step, state digest)."""
         say = bench_say(log_json, "hostsync")
         from covey.bench.hostsync import run_hostsync_bench  # torch: only when it runs
         from covey.models.gpt import GPT_SIZES
@@ -54,5 +58,14 @@ def register(bench_app: Any) -> None:
             f"{c['sketch_ms_per_m']:.3f}, hash {c['hash_ms_per_m']:.3f} (first "
             f"{c['first_ms_per_m']:.3f}, tables made; {c['parameters_m']}M params + 2 moments)"
         )
+        from covey.bench.hostsync import time_round_result
+
+        r = time_round_result(commit_params, workers)
+        say(
+            f"round result: {r['ms_per_m']:8.3f} host ms/1M params for {workers} {r['codec']} "
+            f"payloads: decode + {r['aggregation']} {r['aggregate_ms_per_m']:.3f}, outer step "
+            f"{r['outer_ms_per_m']:.3f}, state digest {r['hash_ms_per_m']:.3f}"
+        )
         if json_path:
-            json_path.write_text(json.dumps({"methods": rows, "commitment": c}, indent=1) + "\n")
+            rows_out = {"methods": rows, "commitment": c, "round_result": r}
+            json_path.write_text(json.dumps(rows_out, indent=1) + "\n")

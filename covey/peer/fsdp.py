@@ -10,11 +10,13 @@ covey between peers still needs whole tensors: the round's start comes in as a f
 state, and the contribution and the commitments to the local state every k steps
 (verification) are computed from full parameters and moments. So the strategy's own model
 stays the canonical copy: at BEGIN every rank loads its shards from it (the leader's state,
-broadcast by the group), and after every inner step the shards are gathered back into the
+broadcast by the group), and when the state is read (a commitment every `commit_every`
+steps, the contribution at the round's end) the shards are gathered back into the
 leader's strategy, whose `local_state()`, `make_contribution()` and commitments are then
-those of one device taking the same steps. Memory: parameters are held twice on the
-leader (canonical + shard) and once per follower; gradients and optimizer moments are
-sharded. The per-step gather costs one all-gather of parameters and moments.
+those of one device taking the same steps (`Leader.sync_state` in covey/peer/group.py).
+Memory: parameters are held twice on the leader (canonical + shard) and once per follower;
+gradients and optimizer moments are sharded. A gather costs one all-gather of parameters
+and moments; inner steps between commitments gather nothing.
 
 Only strategies whose inner step is DiLoCo's (AdamW or SGD, lr schedule, global-norm
 clip) are supported; `ShardedReplica` refuses others with ValueError. Checked on gloo/CPU
@@ -69,6 +71,7 @@ class ShardedReplica:
         if sorted(self.shards) != sorted(self.names):
             raise ValueError("fully_shard renamed parameters: cannot map shards to the model")
         self.opt = make_inner_optimizer(replica, self.cfg.optim)
+        self.gathers = 0  # whole states gathered: one per commitment and per contribution
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -120,6 +123,7 @@ class ShardedReplica:
         strategy (model and inner optimizer), the others only take part."""
         s = self.strategy
         params = dict(s.model.named_parameters())
+        self.gathers += 1
         with torch.no_grad():
             for n in self.names:
                 shard = self.shards[n]

@@ -50,8 +50,8 @@ from covey.devices import resolve_device
 from covey.models.randomness import active_dropout, dropout_fields
 from covey.peer.fsdp import MODES, ShardedReplica
 
-BEGIN, STEP, END, STOP = 1, 2, 3, 4
-_NAMES = {BEGIN: "BEGIN", STEP: "STEP", END: "END", STOP: "STOP"}
+BEGIN, STEP, END, STOP, GATHER = 1, 2, 3, 4, 5
+_NAMES = {BEGIN: "BEGIN", STEP: "STEP", END: "END", STOP: "STOP", GATHER: "GATHER"}
 GROUP_TIMEOUT_S = 120.0  # a collective waits this long for a rank that is alive but stuck
 BEAT_S = 1.0  # a follower bumps its heartbeat counter this often
 LOST_AFTER_S = 8.0  # a rank whose counter did not move for this long is lost
@@ -195,6 +195,7 @@ class Leader:
             raise ValueError(f"rank {group.rank} is not the group's leader (rank 0)")
         self.strategy, self.group, self.replica = strategy, group, replica
         self.lost: str | None = None  # why the group broke: no collective is tried again
+        self.stale = False  # the replica stepped since its shards were gathered (fsdp)
 
     @contextlib.contextmanager
     def _collectives(self, what: str) -> Iterator[None]:
@@ -238,13 +239,24 @@ class Leader:
             rows = shard(full, 0, self.group.world)
             if self.replica is None:
                 return self.strategy.inner_step(rows)
-            loss = self.replica.step(rows)
-            self.replica.gather(leader=True)  # the strategy's state: one device's, stepped
-            return loss
+            self.stale = True  # gathered when the state is read: `sync_state`
+            return self.replica.step(rows)
+
+    def sync_state(self) -> None:
+        """Make the strategy's state the group's: with fsdp, gather the replica's shards
+        into it (parameters and moments, one all-gather each) when it stepped since the
+        last gather. Call before reading the state (a commitment, the contribution)."""
+        if self.replica is None or not self.stale:
+            return
+        with self._collectives("GATHER"):
+            self._command(GATHER)
+            self.replica.gather(leader=True)
+        self.stale = False
 
     def end(self) -> None:
         """Sum the ranks' tokens into the leader's strategy: its contribution counts the
         whole group's work."""
+        self.sync_state()
         with self._collectives("END"):
             self._command(END)
             tokens = torch.tensor([self.strategy.tokens], dtype=torch.int64, device=self._wire)
@@ -292,8 +304,9 @@ def _follow(strategy: Strategy, group: Group, replica: ShardedReplica | None) ->
                 strategy.inner_step(rows)
             else:
                 replica.step(rows)
-                replica.gather(leader=False)
             steps += 1
+        elif op == GATHER and replica is not None:
+            replica.gather(leader=False)
         elif op == END:
             tokens = torch.tensor([strategy.tokens], dtype=torch.int64, device=wire)
             dist.all_reduce(tokens)
