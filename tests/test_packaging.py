@@ -230,6 +230,7 @@ def _run(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.Compl
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a wheel built and installed in a new venv: `scripts/dev.py test --all`
 def test_the_built_wheel_installs_in_a_fresh_venv_and_runs_covey(tmp_path: Path) -> None:
     """`python -m build` makes the sdist and, from the sdist, the wheel (so the sdist holds
     what a build needs), without isolation: the build requirements come from this venv and

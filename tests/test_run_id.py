@@ -49,6 +49,7 @@ def write_run(root: Path, words: str) -> Path:
 
 
 @pytest.mark.network
+@pytest.mark.long  # two clusters; run_id_of over the data is checked by the pure tests
 def test_same_spec_other_data_is_another_run(tmp_path: Path) -> None:
     """Two coordinators, one spec and one coordinator key, different train.jsonl: their
     run ids differ (each one the id peers recompute from /v1/run), and a worker given the
