@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from covey.coordinator.db import Database
-from covey.coordinator.lease import DRIVER, Lease, LeaseLost
+from covey.coordinator.lease import DRIVER, Lease, LeaseLost, leader
 from tests.services import FailoverProxy, Postgres, S3Server, free_port
 
 
@@ -179,6 +179,103 @@ def test_leaders_killed_again_and_again_lose_and_double_no_round(
         assert records and all(r["matched"] for r in records), w
         rounds = [r["round"] for r in records]
         assert len(rounds) == len(set(rounds)), f"{w} applied a round twice: {rounds}"
+
+
+def _leader_holder(db: Database) -> str | None:
+    """The holder of the run's unexpired lease, as a follower reads it."""
+    held = leader(db)
+    return None if held is None else held[0]
+
+
+def _wait(what: str, timeout_s: float, check: Any) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_a_worker_that_talks_only_to_a_follower_trains_with_the_leader(
+    postgres: Postgres, s3: S3Server, tmp_path: Path
+) -> None:
+    """Two replicas on two ports: the leader drives the rounds; a worker given only the
+    follower's address joins, beats and contributes through it (forwarded to the leader,
+    signatures intact), and its contributions are in the rounds the leader certifies.
+    Reads from both replicas agree; the follower's own database writes nothing."""
+    import httpx
+
+    from covey.local.cluster import LocalCluster
+
+    spec = tmp_path / "run.toml"
+    spec.write_text(SPEC)
+    url, blobs, key = postgres.database(), f"s3://{s3.bucket()}/run", tmp_path / "c.key"
+    lead_port, follow_port = free_port(), free_port()
+    cluster = LocalCluster(spec, tmp_path, port=follow_port, env=s3.env, key=key)
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(port: int) -> None:
+        procs[port] = cluster._spawn(
+            f"replica-{port}",
+            ["coordinator", str(spec), "--port", str(port), "--threads", "1",
+             "--data-dir", str(tmp_path / f"cache-{port}"), "--db", url, "--blobs", blobs,
+             "--key", str(key), "--replica"],
+        )  # fmt: skip
+
+    lease_db = Database(url)
+    lead = httpx.Client(base_url=f"http://127.0.0.1:{lead_port}", timeout=10, trust_env=False)
+    follow = httpx.Client(base_url=cluster.url, timeout=10, trust_env=False)
+    try:
+        start(lead_port)
+        _wait("the first replica to lead", 120, lambda: _leader_holder(lease_db))
+        start(follow_port)
+        cluster.wait_for(lambda s: True, 120, "the follower to serve the run's status")
+        assert f":{lead_port}:" in str(_leader_holder(lease_db))
+        worker = cluster.start_worker("w0")
+        status = cluster.wait_for(lambda s: s["committed_rounds"] >= 2, 240, "two rounds")
+        assert worker.poll() is None, cluster.tail("w0")
+        assert f":{lead_port}:" in str(_leader_holder(lease_db))  # nobody took over
+        peer = cluster.ids.get("w0") or status["peers"][0]["peer_id"]
+        for r in range(2):  # certified by the leader, with the worker's contribution
+            cert = lead.get(f"/v1/rounds/{r}/certificate").json()
+            assert peer in [a["peer_id"] for a in cert["accepted"]], cert
+            assert follow.get(f"/v1/rounds/{r}/certificate").json() == cert
+        # the worker was given the follower's address only
+        assert f"127.0.0.1:{lead_port}" not in (tmp_path / "logs" / "w0.log").read_text()
+
+        def agree() -> bool:
+            a, b = lead.get("/v1/status").json(), follow.get("/v1/status").json()
+            keys = ("run_id", "committed_rounds", "weights_hash", "rounds", "trust")
+            return all(a[k] == b[k] for k in keys)
+
+        _wait("the two replicas' status to agree", 30, agree)
+        for path in ("/v1/ledger", "/v1/ledger/balances", "/v1/checkpoints", "/v1/run"):
+            _wait(f"{path} to agree", 30, lambda p=path: lead.get(p).json() == follow.get(p).json())
+        head = follow.get("/v1/ledger/head").json()
+        assert head["length"] == len(follow.get("/v1/ledger").json())
+        # the state's bytes come from the bucket by presigned URL, from either replica
+        cid = lease_db.get_meta("initial_cid")
+        got = follow.get(f"/v1/blobs/{cid}")
+        assert got.status_code == 307 and "X-Amz-Signature" in got.headers["location"]
+        # a write a follower cannot forward (no leader yet) would be a 503; one it can is
+        # the leader's answer: an unsigned join is refused by the leader's checks
+        refused = follow.post("/v1/join", json={"peer_id": "x"})
+        assert refused.status_code == 422, refused.text
+    finally:
+        cluster.stop()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        lead.close()
+        follow.close()
+        lease_db.close()
 
 
 def _applied(tmp_path: Path, peer: str) -> list[dict[str, Any]]:

@@ -78,20 +78,15 @@ def coordinator(
     from covey.coordinator.service import Coordinator
     from covey.coordinator.storage import Storage
 
-    fence, corpus = None, None
-    if replica:  # what takes longest to build, before the wait: a shorter takeover
-        from covey.coordinator.service import load_run_corpus
-
+    if replica:  # every replica serves; the lease holder drives the run
         if db is None or key is None:
             raise fail("--replica needs --db postgresql://... and --key: replicas share a run")
-
-        corpus = load_run_corpus(cfg)
-        fence = _lead(db, key, port)
+        storage = Storage(db=db, blobs=blobs, key=key)
+        _serve_replica(cfg, data_dir, storage, host, port, log, threads, device)
+        return
     try:
-        storage = Storage(db=db, blobs=blobs, key=key, fence=fence)
-        coord = Coordinator(
-            cfg, data_dir, threads=threads, device=device, storage=storage, corpus=corpus
-        )
+        storage = Storage(db=db, blobs=blobs, key=key)
+        coord = Coordinator(cfg, data_dir, threads=threads, device=device, storage=storage)
     except ValueError as e:
         raise fail(str(e)) from None
     # the run id covers the coordinator's key: it is what peers are told to trust
@@ -117,27 +112,89 @@ def coordinator(
         follower.join(timeout=10)
 
 
-def _lead(db: str | None, key: Path | None, port: int) -> Any:
-    """A replica: wait for the run's lease, keep it, exit the process (code 3) when it is
-    lost; the lease's fence for the coordinator's database."""
+def replica_holder(port: int) -> str:
+    """How a replica names itself in the lease row: host:port:pid."""
     import os
     import socket
 
-    from covey.coordinator.lease import lead
+    return f"{socket.gethostname()}:{port}:{os.getpid()}"
 
-    assert db is not None and key is not None  # checked by the caller
-    holder = f"{socket.gethostname()}:{port}:{os.getpid()}"
+
+def replica_url(host: str, port: int) -> str:
+    """Where the other replicas reach this one (the lease row's url)."""
+    import socket
+
+    reach = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"http://{reach}:{port}"
+
+
+def replica_lost(holder: str) -> Any:
+    """What a replica does when it cannot keep the run's lease: exit (code 3) at once, no
+    more writes from here; its supervisor starts it again as a follower."""
+    import os
 
     def lost() -> None:
         typer.secho(f"replica {holder}: lost the run's lease; exiting", err=True)
-        os._exit(3)  # no more writes from here: another replica drives the run
+        os._exit(3)
 
-    typer.echo(f"replica {holder}: waiting for the run's lease")
+    return lost
+
+
+def _serve_replica(
+    cfg: Any,
+    data_dir: Path,
+    storage: Any,
+    host: str,
+    port: int,
+    log: str | None,
+    threads: int | None,
+    device: str | None,
+) -> None:
+    """A replica of a rounds run (covey.coordinator.replica): a follower at once, the
+    leader once it holds the run's lease."""
+    from dataclasses import replace
+
+    from covey.coordinator.app import create_app, quiet_gc
+    from covey.coordinator.replica import serve_replica
+    from covey.coordinator.replica_rounds import RoundsFollower
+    from covey.coordinator.service import Coordinator, load_run_corpus
+
+    corpus = load_run_corpus(cfg)  # what takes longest to build, before the wait
+    holder, url = replica_holder(port), replica_url(host, port)
     try:
-        lease, _ = lead(db, holder, LEASE_TTL_S, lost)
+        follower = RoundsFollower(cfg, data_dir, storage, corpus, url)
     except ValueError as e:
         raise fail(str(e)) from None
-    return lease.fence
+
+    def build_leader(fence: Any) -> Any:
+        coord = Coordinator(
+            cfg, data_dir, threads=threads, device=device, storage=replace(storage, fence=fence),
+            corpus=corpus,
+        )  # fmt: skip
+        stops: list[Any] = [coord.stop]
+
+        def start() -> None:
+            coord.start()
+            quiet_gc()
+            if log is not None:
+                import threading
+
+                from covey.tracking import follow_rounds, open_tracker
+
+                tracker = open_tracker(log, data_dir, cfg.name, cfg.model_dump(mode="json"), None)
+                stop = threading.Event()
+                follow_rounds(tracker, coord.db, stop)
+                stops.insert(0, stop.set)
+
+        return create_app(coord), start, lambda: [s() for s in stops]
+
+    typer.echo(f"covey coordinator: {cfg.name}, replica {holder} serving at {url}")
+    typer.secho(f"  run id: {follower.host.run_id}", bold=True)
+    serve_replica(
+        db_url=storage.db, holder=holder, own_url=url, host=host, port=port, limits=cfg.limits,
+        follower=follower, build_leader=build_leader, on_lost=replica_lost(holder),
+        ttl_s=LEASE_TTL_S,
+    )  # fmt: skip
 
 
 @app.command()
