@@ -29,8 +29,6 @@ from covey.cli.common import (
 )
 from covey.cli.root import app
 
-LEASE_TTL_S = 4.0  # a replica's lease: a dead leader is replaced within this and a start-up
-
 
 @app.command()
 def coordinator(
@@ -112,34 +110,6 @@ def coordinator(
         follower.join(timeout=10)
 
 
-def replica_holder(port: int) -> str:
-    """How a replica names itself in the lease row: host:port:pid."""
-    import os
-    import socket
-
-    return f"{socket.gethostname()}:{port}:{os.getpid()}"
-
-
-def replica_url(host: str, port: int) -> str:
-    """Where the other replicas reach this one (the lease row's url)."""
-    import socket
-
-    reach = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    return f"http://{reach}:{port}"
-
-
-def replica_lost(holder: str) -> Any:
-    """What a replica does when it cannot keep the run's lease: exit (code 3) at once, no
-    more writes from here; its supervisor starts it again as a follower."""
-    import os
-
-    def lost() -> None:
-        typer.secho(f"replica {holder}: lost the run's lease; exiting", err=True)
-        os._exit(3)
-
-    return lost
-
-
 def _serve_replica(
     cfg: Any,
     data_dir: Path,
@@ -155,12 +125,12 @@ def _serve_replica(
     from dataclasses import replace
 
     from covey.coordinator.app import create_app, quiet_gc
-    from covey.coordinator.replica import serve_replica
+    from covey.coordinator.replica import exit_on_lost, holder_of, serve_replica, url_of
     from covey.coordinator.replica_rounds import RoundsFollower
     from covey.coordinator.service import Coordinator, load_run_corpus
 
     corpus = load_run_corpus(cfg)  # what takes longest to build, before the wait
-    holder, url = replica_holder(port), replica_url(host, port)
+    holder, url = holder_of(port), url_of(host, port)
     try:
         follower = RoundsFollower(cfg, data_dir, storage, corpus, url)
     except ValueError as e:
@@ -192,8 +162,7 @@ def _serve_replica(
     typer.secho(f"  run id: {follower.host.run_id}", bold=True)
     serve_replica(
         db_url=storage.db, holder=holder, own_url=url, host=host, port=port, limits=cfg.limits,
-        follower=follower, build_leader=build_leader, on_lost=replica_lost(holder),
-        ttl_s=LEASE_TTL_S,
+        follower=follower, build_leader=build_leader, on_lost=exit_on_lost(holder),
     )  # fmt: skip
 
 

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("covey.coordinator")
 
+LEASE_TTL_S = 4.0  # a replica's lease: a dead leader is replaced within this and a start-up
 REFRESH_S = 0.5  # a follower's book of the ledger and its view of the state, at most this old
 LEADER_CACHE_S = 0.5  # how long a follower trusts its last look at the lease row
 # hop-by-hop headers (RFC 9110 7.6.1) and the ones the relay sets itself
@@ -248,6 +249,35 @@ class Refresher:
             self.refresh_all()
 
 
+def holder_of(port: int) -> str:
+    """How a replica names itself in the lease row: host:port:pid."""
+    import os
+    import socket
+
+    return f"{socket.gethostname()}:{port}:{os.getpid()}"
+
+
+def url_of(host: str, port: int) -> str:
+    """Where the other replicas reach this one (the lease row's url)."""
+    import socket
+
+    reach = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"http://{reach}:{port}"
+
+
+def exit_on_lost(holder: str) -> Callable[[], None]:
+    """What a replica does when it cannot keep the run's lease: exit (code 3) at once, no
+    more writes from here; its supervisor starts it again as a follower."""
+    import os
+    import sys
+
+    def lost() -> None:
+        print(f"replica {holder}: lost the run's lease; exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    return lost
+
+
 # the mode's app over its fenced database: (app, start its driver, stop it)
 LeaderParts = tuple[ASGIApp, Callable[[], None], Callable[[], None]]
 
@@ -263,7 +293,7 @@ def serve_replica(
     follower: Any,
     build_leader: Callable[[Callable[[Any], None]], LeaderParts],
     on_lost: Callable[[], None],
-    ttl_s: float,
+    ttl_s: float = LEASE_TTL_S,
 ) -> None:
     """Serve `follower.app` (with `follower.close()`) on host:port at once, wait for the
     run's lease in a thread, then `build_leader(fence)` and switch the server to its app
@@ -304,3 +334,29 @@ def serve_replica(
             follower.close()
 
     serve_app(switch, host, port, limits, start, stop_all)  # type: ignore[arg-type]
+
+
+class RelayFollower:
+    """A follower that answers only /healthz itself and relays every other request to the
+    leader (the RL trainer's and the SWARM coordinator's replicas: their reads are views
+    of the leader's memory, not of the database alone); `close()` once its replica leads."""
+
+    def __init__(self, db_url: str, own_url: str, timeout_s: float) -> None:
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        from .db import Database
+
+        self.db = Database(db_url)
+        self.db.fence = refuse_writes
+
+        async def healthz(_request: Any) -> JSONResponse:
+            return JSONResponse({"ok": True})
+
+        app = Starlette(routes=[Route("/healthz", healthz)])
+        app.add_middleware(ForwardRest, leader=Leader(self.db, own_url), timeout_s=timeout_s)
+        self.app: ASGIApp = app
+
+    def close(self) -> None:
+        self.db.close()
