@@ -272,6 +272,12 @@ def test_a_worker_that_talks_only_to_a_follower_trains_with_the_leader(
         # the leader's answer: an unsigned join is refused by the leader's checks
         refused = follow.post("/v1/join", json={"peer_id": "x"})
         assert refused.status_code == 422, refused.text
+        # an auditor given the follower's address verifies the whole ledger from it
+        verify = subprocess.run(
+            [sys.executable, "-m", "covey", "ledger", "verify", cluster.url],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert verify.returncode == 0, verify.stdout + verify.stderr
     finally:
         cluster.stop()
         for p in procs.values():
@@ -292,6 +298,42 @@ def _applied(tmp_path: Path, peer: str) -> list[dict[str, Any]]:
 
     path = tmp_path / "peers" / peer / "applied.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_follower_writes_nothing_and_relays_nothing_while_nobody_leads(
+    postgres: Postgres,
+) -> None:
+    """A follower's database refuses every writing transaction; with no lease held (or
+    only its own), what it would relay is a 503 with Retry-After, not a hang or a 502."""
+    from starlette.testclient import TestClient
+
+    from covey.coordinator.replica import NotLeader, RelayFollower
+
+    url = postgres.database()
+    follower = RelayFollower(url, "http://127.0.0.1:1", timeout_s=5)
+    try:
+        with pytest.raises(NotLeader), follower.db.transaction() as c:
+            c.execute("INSERT INTO meta VALUES ('follower', 'wrote')")
+        assert follower.db.get_meta("follower") is None
+        with TestClient(follower.app) as http:
+            assert http.get("/healthz").json() == {"ok": True}
+            reply = http.post("/v1/join", json={"run_id": "x"})
+            assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+            assert "no replica holds the run's lease" in reply.json()["error"]
+            # the lease held by this very replica (its switch is under way): not to itself
+            own = Lease(Database(url), "me", ttl_s=30, url="http://127.0.0.1:1")
+            assert own.try_take()
+            time.sleep(0.6)  # past the follower's cached look at the lease row
+            reply = http.get("/v1/status")
+            assert reply.status_code == 503 and "no replica holds" in reply.json()["error"]
+            # another holder: relayed there (nobody listens at this one: 503, said so)
+            with own.db.transaction() as c:
+                c.execute("UPDATE leases SET url = 'http://127.0.0.1:9'")
+            time.sleep(0.6)
+            reply = http.get("/v1/status")
+            assert reply.status_code == 503 and "leader did not answer" in reply.json()["error"]
+    finally:
+        follower.close()
 
 
 def test_a_replica_needs_a_shared_database_and_key(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ log = logging.getLogger("covey.coordinator")
 LEASE_TTL_S = 4.0  # a replica's lease: a dead leader is replaced within this and a start-up
 REFRESH_S = 0.5  # a follower's book of the ledger and its view of the state, at most this old
 LEADER_CACHE_S = 0.5  # how long a follower trusts its last look at the lease row
+RELAY_CONNECTIONS = 2048  # a follower's connections to the leader, long-polls included
 # hop-by-hop headers (RFC 9110 7.6.1) and the ones the relay sets itself
 _HOP = {
     b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
@@ -142,9 +143,13 @@ class ForwardRest:
         import httpx
 
         self.app, self.leader = app, leader
-        # a long-poll is held up to 30 s (covey.coordinator.fastpaths, the certificate's)
+        # a long-poll is held up to 30 s (covey.coordinator.fastpaths, the certificate's),
+        # and every peer that polls through this follower holds a connection to the leader
         self.client: httpx.AsyncClient = httpx.AsyncClient(
-            timeout=httpx.Timeout(max(timeout_s, 40.0), connect=2.0), follow_redirects=False
+            timeout=httpx.Timeout(max(timeout_s, 40.0), connect=2.0, pool=5.0),
+            limits=httpx.Limits(max_connections=RELAY_CONNECTIONS, max_keepalive_connections=64),
+            follow_redirects=False,
+            trust_env=False,  # the leader's address is the lease row's, never a proxy's
         )
 
     def _local(self, scope: Scope) -> bool:
