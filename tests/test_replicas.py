@@ -150,10 +150,12 @@ def test_leaders_killed_again_and_again_lose_and_double_no_round(
         final = cluster.wait_for(
             lambda s, n=done: s["committed_rounds"] > n, 180, "a round after the last kill"
         )
-        certs = [
-            cluster.get(f"/v1/rounds/{r}/certificate") for r in range(final["committed_rounds"])
-        ]
+        # the ledger first (rounds go on committing meanwhile), then a certificate for each
+        # round it certifies
         entries, _, _ = audit.load(cluster.url)
+        certified = [e.payload["round"] for e in entries if e.type == "round certificate"]
+        assert len(certified) >= final["committed_rounds"]
+        certs = [cluster.get(f"/v1/rounds/{r}/certificate") for r in range(len(certified))]
         verify = subprocess.run(
             [sys.executable, "-m", "covey", "ledger", "verify", cluster.url],
             capture_output=True, text=True, timeout=120,
@@ -176,7 +178,6 @@ def test_leaders_killed_again_and_again_lose_and_double_no_round(
     assert len(takeovers) == KILLS
     # no round lost or doubled: certificates 0..n, each certified once in the ledger
     assert [c["round"] for c in certs] == list(range(len(certs)))
-    certified = [e.payload["round"] for e in entries if e.type == "round certificate"]
     assert sorted(certified) == list(range(len(certs))), certified
     # every worker's weights matched every certificate it applied, each applied once
     for w in ("w0", "w1"):
@@ -272,12 +273,6 @@ def test_a_worker_that_talks_only_to_a_follower_trains_with_the_leader(
         # the leader's answer: an unsigned join is refused by the leader's checks
         refused = follow.post("/v1/join", json={"peer_id": "x"})
         assert refused.status_code == 422, refused.text
-        # an auditor given the follower's address verifies the whole ledger from it
-        verify = subprocess.run(
-            [sys.executable, "-m", "covey", "ledger", "verify", cluster.url],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert verify.returncode == 0, verify.stdout + verify.stderr
     finally:
         cluster.stop()
         for p in procs.values():

@@ -131,10 +131,9 @@ def _serve_replica(
 
     corpus = load_run_corpus(cfg)  # what takes longest to build, before the wait
     holder, url = holder_of(port), url_of(host, port)
-    try:
-        follower = RoundsFollower(cfg, data_dir, storage, corpus, url)
-    except ValueError as e:
-        raise fail(str(e)) from None
+    from covey.trust.identity import Identity
+
+    Identity.load_or_create(storage.key)  # made once, before the follower and the leader
 
     def build_leader(fence: Any) -> Any:
         coord = Coordinator(
@@ -158,11 +157,19 @@ def _serve_replica(
 
         return create_app(coord), start, lambda: [s() for s in stops]
 
-    typer.echo(f"covey coordinator: {cfg.name}, replica {holder} serving at {url}")
-    typer.secho(f"  run id: {follower.host.run_id}", bold=True)
+    def build_follower() -> RoundsFollower:
+        try:
+            follower = RoundsFollower(cfg, data_dir, storage, corpus, url)
+        except ValueError as e:
+            raise fail(str(e)) from None
+        typer.echo(f"covey coordinator: {cfg.name}, replica {holder} serving at {url}")
+        typer.secho(f"  run id: {follower.host.run_id}", bold=True)
+        return follower
+
     serve_replica(
         db_url=storage.db, holder=holder, own_url=url, host=host, port=port, limits=cfg.limits,
-        follower=follower, build_leader=build_leader, on_lost=exit_on_lost(holder),
+        build_follower=build_follower, build_leader=build_leader,
+        on_lost=exit_on_lost(holder),
     )  # fmt: skip
 
 

@@ -295,21 +295,28 @@ def serve_replica(
     host: str,
     port: int,
     limits: Any,
-    follower: Any,
+    build_follower: Callable[[], Any],
     build_leader: Callable[[Callable[[Any], None]], LeaderParts],
     on_lost: Callable[[], None],
     ttl_s: float = LEASE_TTL_S,
 ) -> None:
-    """Serve `follower.app` (with `follower.close()`) on host:port at once, wait for the
-    run's lease in a thread, then `build_leader(fence)` and switch the server to its app
-    and start it; until SIGINT/SIGTERM. `on_lost()` when the lease cannot be kept (or the
-    mode cannot be built once it is held)."""
+    """Wait for the run's lease in a thread at once (a takeover does not wait for this
+    replica's start-up), build the follower (`build_follower()`: its `app` and `close()`)
+    and serve it on host:port; once the lease is held, `build_leader(fence)`, start it and
+    switch the server to its app; until SIGINT/SIGTERM. `on_lost()` when the lease cannot
+    be kept (or the mode cannot be built once it is held)."""
     from .host_app import serve_app
     from .lease import lead
 
-    switch = Switch(follower.app)
+    switch = Switch(_not_ready)
     stop = threading.Event()
     stop_mode: list[Callable[[], None]] = []
+    followers: list[Any] = []
+    lock = threading.Lock()  # the switch to the leader's app is final
+
+    def close_follower() -> None:
+        for follower in followers:
+            follower.close()
 
     def take_over() -> None:
         lease, _ = lead(db_url, holder, ttl_s, on_lost, serves_at=own_url, stop=stop)
@@ -322,23 +329,35 @@ def serve_replica(
             on_lost()
             return
         start()
-        stop_mode.append(stop_it)
-        switch.to(app)
+        with lock:
+            stop_mode.append(stop_it)
+            switch.to(app)
         log.info("replica %s leads the run and serves it at %s", holder, own_url)
         # requests the follower's app is answering finish first
-        threading.Timer(10.0, follower.close).start()
+        threading.Timer(10.0, close_follower).start()
 
-    def start() -> None:
-        threading.Thread(target=take_over, name="replica-lease", daemon=True).start()
+    threading.Thread(target=take_over, name="replica-lease", daemon=True).start()
+    follower = build_follower()
+    with lock:
+        followers.append(follower)
+        if not stop_mode:  # not the leader already
+            switch.to(follower.app)
+        else:
+            threading.Timer(1.0, close_follower).start()
 
     def stop_all() -> None:
         stop.set()
         for stop_it in stop_mode:
             stop_it()
         if not stop_mode:
-            follower.close()
+            close_follower()
 
-    serve_app(switch, host, port, limits, start, stop_all)  # type: ignore[arg-type]
+    serve_app(switch, host, port, limits, lambda: None, stop_all)  # type: ignore[arg-type]
+
+
+async def _not_ready(scope: Scope, receive: Receive, send: Send) -> None:
+    """What a replica answers before its follower or its leader is built: 503."""
+    await _reply(send, 503, {"error": "this replica is starting: retry"}, retry=True)
 
 
 class RelayFollower:

@@ -289,8 +289,8 @@ def _replica(build: Any, db: str, host: str, port: int) -> None:
     typer.echo(f"RL trainer replica {holder} serving at {url}")
     serve_replica(
         db_url=db, holder=holder, own_url=url, host=host, port=port,
-        limits=LimitsConfig(), follower=RelayFollower(db, url, 60.0), build_leader=build_leader,
-        on_lost=exit_on_lost(holder),
+        limits=LimitsConfig(), build_follower=lambda: RelayFollower(db, url, 60.0),
+        build_leader=build_leader, on_lost=exit_on_lost(holder),
     )  # fmt: skip
 
 

@@ -301,7 +301,7 @@ def _replica(cfg: Any, data_dir: Path, device: str | None, storage: Storage, hos
     typer.echo(f"swarm coordinator replica {holder} serving at {url}")
     serve_replica(
         db_url=storage.db, holder=holder, own_url=url, host=host, port=port,
-        limits=cfg.limits, follower=RelayFollower(storage.db, url, 60.0),
+        limits=cfg.limits, build_follower=lambda: RelayFollower(storage.db, url, 60.0),
         build_leader=build_leader, on_lost=exit_on_lost(holder),
     )  # fmt: skip
 
