@@ -219,6 +219,7 @@ def _wait(what: str, timeout_s: float, check: Any) -> Any:
 
 @pytest.mark.network
 @pytest.mark.slow
+@pytest.mark.long  # 30-55 s; the relay itself runs by default (test_a_follower_relays_...)
 def test_a_worker_that_talks_only_to_a_follower_trains_with_the_leader(
     postgres: Postgres, s3: S3Server, tmp_path: Path
 ) -> None:
@@ -340,6 +341,61 @@ def test_a_follower_writes_nothing_and_relays_nothing_while_nobody_leads(
             assert reply.status_code == 503 and "leader did not answer" in reply.json()["error"]
     finally:
         follower.close()
+
+
+@pytest.mark.network
+def test_a_follower_relays_a_signed_write_byte_for_byte_to_the_leader(postgres: Postgres) -> None:
+    """A follower relays what it does not answer to the address in the lease row, over a
+    real socket: the leader (here a server that echoes what it got) receives the body, the
+    signature headers and the path exactly as the peer sent them, and its answer, status
+    and headers, comes back unchanged."""
+    import json
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from covey.coordinator.replica import RelayFollower
+
+    async def echo(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {"path": request.url.path, "query": request.url.query,
+             "body": (await request.body()).decode(), "headers": dict(request.headers)},
+            status_code=409, headers={"x-leader": "yes"},
+        )  # fmt: skip
+
+    port = free_port()
+    leader_app = Starlette(routes=[Route("/{rest:path}", echo, methods=["GET", "POST", "PUT"])])
+    server = uvicorn.Server(uvicorn.Config(leader_app, host="127.0.0.1", port=port,
+                                           log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = postgres.database()
+    follower = RelayFollower(url, "http://127.0.0.1:1", timeout_s=5)
+    try:
+        _wait("the echo leader to listen", 30, lambda: server.started)
+        assert Lease(Database(url), "leader", ttl_s=30, url=f"http://127.0.0.1:{port}").try_take()
+        body = json.dumps(
+            {"run_id": "r", "signature": "ab" * 32, "nonce": "n"}, separators=(",", ":")
+        )
+        with TestClient(follower.app) as http:
+            reply = http.post(
+                "/v1/rounds/3/contributions?x=1", content=body,
+                headers={"content-type": "application/json", "x-covey-signature": "s1"},
+            )  # fmt: skip
+        assert reply.status_code == 409 and reply.headers["x-leader"] == "yes"
+        got = reply.json()
+        assert got["path"] == "/v1/rounds/3/contributions" and got["query"] == "x=1"
+        assert got["body"] == body  # byte for byte: the signature covers it as sent
+        assert got["headers"]["x-covey-signature"] == "s1"
+        assert got["headers"]["host"] == f"127.0.0.1:{port}"
+    finally:
+        follower.close()
+        server.should_exit = True
+        thread.join(10)
 
 
 def test_a_replica_needs_a_shared_database_and_key(tmp_path: Path) -> None:

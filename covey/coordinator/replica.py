@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -172,7 +173,10 @@ class ForwardRest:
     async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         import httpx
 
-        target = await run_in_threadpool(self.leader.url)
+        try:
+            target = await run_in_threadpool(self.leader.url)
+        except sqlite3.Error:  # the database away: nobody can be named the leader now
+            target = None
         if target is None:
             await _reply(
                 send, 503, {"error": "no replica holds the run's lease now (a takeover is "
