@@ -408,3 +408,13 @@ def test_a_replica_needs_a_shared_database_and_key(tmp_path: Path) -> None:
     args = ["coordinator", str(spec), "--port", str(free_port()), "--replica"]
     result = CliRunner().invoke(app, [*args, "--data-dir", str(tmp_path / "d")])
     assert result.exit_code == 2 and "--replica needs --db" in result.output, result.output
+    # on every mode: a SQLite --db is refused before anything is served or built
+    sqlite = ["--db", str(tmp_path / "run.db"), "--key", str(tmp_path / "k.key"), "--replica"]
+    for command in (
+        ["coordinator", str(spec), "--port", str(free_port()), "--data-dir", str(tmp_path / "e")],
+        ["rl", "trainer", "--port", str(free_port()), "--data-dir", str(tmp_path / "f")],
+        ["swarm", "coordinator", "--port", str(free_port()), "--data-dir", str(tmp_path / "g")],
+    ):
+        result = CliRunner().invoke(app, [*command, *sqlite])
+        assert result.exit_code != 0, (command, result.output)
+        assert "--replica needs --db postgresql" in result.output, (command, result.output)

@@ -166,11 +166,14 @@ def _serve_replica(
         typer.secho(f"  run id: {follower.host.run_id}", bold=True)
         return follower
 
-    serve_replica(
-        db_url=storage.db, holder=holder, own_url=url, host=host, port=port, limits=cfg.limits,
-        build_follower=build_follower, build_leader=build_leader,
-        on_lost=exit_on_lost(holder),
-    )  # fmt: skip
+    try:
+        serve_replica(
+            db_url=storage.db, holder=holder, own_url=url, host=host, port=port,
+            limits=cfg.limits, build_follower=build_follower, build_leader=build_leader,
+            on_lost=exit_on_lost(holder),
+        )  # fmt: skip
+    except ValueError as e:
+        raise fail(str(e)) from None
 
 
 @app.command()

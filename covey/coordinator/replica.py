@@ -308,10 +308,14 @@ def serve_replica(
     replica's start-up), build the follower (`build_follower()`: its `app` and `close()`)
     and serve it on host:port; once the lease is held, `build_leader(fence)`, start it and
     switch the server to its app; until SIGINT/SIGTERM. `on_lost()` when the lease cannot
-    be kept (or the mode cannot be built once it is held)."""
+    be waited for or kept (or the mode cannot be built once it is held). ValueError for a
+    `db_url` that is no PostgreSQL server's."""
     from .host_app import serve_app
     from .lease import lead
+    from .pg import is_url
 
+    if not is_url(db_url):
+        raise ValueError("--replica needs --db postgresql://...: replicas share one database")
     switch = Switch(_not_ready)
     stop = threading.Event()
     stop_mode: list[Callable[[], None]] = []
@@ -323,7 +327,12 @@ def serve_replica(
             follower.close()
 
     def take_over() -> None:
-        lease, _ = lead(db_url, holder, ttl_s, on_lost, serves_at=own_url, stop=stop)
+        try:
+            lease, _ = lead(db_url, holder, ttl_s, on_lost, serves_at=own_url, stop=stop)
+        except Exception:  # the database unreachable: a supervisor starts us again
+            log.exception("replica %s: cannot wait for the run's lease", holder)
+            on_lost()
+            return
         if not lease.held:
             return
         try:

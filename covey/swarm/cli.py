@@ -299,11 +299,14 @@ def _replica(cfg: Any, data_dir: Path, device: str | None, storage: Storage, hos
         return create_app(coord), coord.start, coord.stop
 
     typer.echo(f"swarm coordinator replica {holder} serving at {url}")
-    serve_replica(
-        db_url=storage.db, holder=holder, own_url=url, host=host, port=port,
-        limits=cfg.limits, build_follower=lambda: RelayFollower(storage.db, url, 60.0),
-        build_leader=build_leader, on_lost=exit_on_lost(holder),
-    )  # fmt: skip
+    try:
+        serve_replica(
+            db_url=storage.db, holder=holder, own_url=url, host=host, port=port,
+            limits=cfg.limits, build_follower=lambda: RelayFollower(storage.db, url, 60.0),
+            build_leader=build_leader, on_lost=exit_on_lost(holder),
+        )  # fmt: skip
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _config(pairs: list[str]) -> Any:
