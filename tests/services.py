@@ -38,6 +38,24 @@ class Postgres:
         self._server.psql(f"CREATE DATABASE {name};")
         return str(self._server.get_uri(name))
 
+    def pause(self) -> None:
+        """Stop the server (a fast shutdown: sessions are cut, as in a restart of a managed
+        database); `resume()` starts it again on the same socket and data."""
+        from pgserver._commands import pg_ctl
+
+        # postmaster.pid's fifth line: the directory of the server's Unix socket
+        self._socket_dir = (self.root / "postmaster.pid").read_text().splitlines()[4]
+        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.root, user=self._server.system_user)
+
+    def resume(self) -> None:
+        from pgserver._commands import pg_ctl
+
+        pg_ctl(
+            ["-w", "-o", '-h ""', "-o", f"-k {self._socket_dir}", "-l",
+             str(self.root / "resume.log"), "start"],
+            pgdata=self.root, user=self._server.system_user, timeout=30,
+        )  # fmt: skip
+
     def stop(self) -> None:
         # the data is thrown away: an immediate shutdown (no checkpoint, no waiting for
         # the sessions a test left open)

@@ -217,3 +217,47 @@ def test_the_scale_compose_file_passes_flags_the_cli_has() -> None:
     known = {opt for p in get_command(app).commands["coordinator"].params for opt in p.opts}  # type: ignore[attr-defined]
     assert set(flags) <= known, set(flags) - known
     assert 'ARG EXTRAS=""' in (root / "Dockerfile").read_text()
+
+
+def test_the_scale_compose_file_agrees_with_the_cli_on_ports_env_and_services() -> None:
+    """What else of compose.scale.yaml could rot unseen: the coordinator listens on every
+    address at the port the file publishes; its environment is the AWS SDK's names that
+    covey's --blobs help and covey.blobs.s3 name, with MinIO's own credentials; every
+    service it depends on exists; its --key sits on a volume, its --data-dir does not."""
+    yaml = pytest.importorskip("yaml")
+    from typer.main import get_command
+
+    from covey.blobs import s3 as s3_store
+    from covey.cli import app
+    from covey.coordinator.storage import BLOBS_HELP
+
+    root = Path(__file__).resolve().parents[1]
+    compose = yaml.safe_load((root / "compose.scale.yaml").read_text())
+    services = compose["services"]
+    coordinator = services["coordinator"]
+    command = coordinator["command"]
+    flags = dict(f.split("=", 1) for f in command if f.startswith("--"))
+    cli = get_command(app).commands[command[0]]  # type: ignore[attr-defined]
+    params = {opt: p for p in cli.params for opt in p.opts}
+    assert params["--port"].default == int(flags["--port"])  # covey's default port too
+    assert flags["--host"] == "0.0.0.0"
+    published = [str(p).rsplit(":", 1) for p in coordinator["ports"]]
+    assert [container for _, container in published] == [flags["--port"]]
+    env = coordinator["environment"]
+    sdk = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
+    assert set(env) == sdk
+    source = Path(s3_store.__file__).read_text()
+    for name in sdk:
+        assert name in source, name  # the names covey's S3 store documents and asks for
+    assert "AWS_ENDPOINT_URL" in BLOBS_HELP and "AWS_ACCESS_KEY_ID" in BLOBS_HELP
+    minio = services["minio"]["environment"]
+    assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == (
+        minio["MINIO_ROOT_USER"],
+        minio["MINIO_ROOT_PASSWORD"],
+    )
+    assert set(coordinator["depends_on"]) <= set(services)
+    mounts = {v.split(":")[1] for v in coordinator["volumes"]}
+    assert str(Path(flags["--key"]).parent) in mounts  # the run id covers the key: kept
+    assert not any(flags["--data-dir"].startswith(m) for m in mounts)  # a cache only
+    for name in compose.get("volumes", {}):
+        assert any(name in str(v) for s in services.values() for v in s.get("volumes", []))

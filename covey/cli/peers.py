@@ -29,8 +29,6 @@ from covey.cli.common import (
 )
 from covey.cli.root import app
 
-LEASE_TTL_S = 4.0  # a replica's lease: a dead leader is replaced within this and a start-up
-
 
 @app.command()
 def coordinator(
@@ -78,20 +76,15 @@ def coordinator(
     from covey.coordinator.service import Coordinator
     from covey.coordinator.storage import Storage
 
-    fence, corpus = None, None
-    if replica:  # what takes longest to build, before the wait: a shorter takeover
-        from covey.coordinator.service import load_run_corpus
-
+    if replica:  # every replica serves; the lease holder drives the run
         if db is None or key is None:
             raise fail("--replica needs --db postgresql://... and --key: replicas share a run")
-
-        corpus = load_run_corpus(cfg)
-        fence = _lead(db, key, port)
+        storage = Storage(db=db, blobs=blobs, key=key)
+        _serve_replica(cfg, data_dir, storage, host, port, log, threads, device)
+        return
     try:
-        storage = Storage(db=db, blobs=blobs, key=key, fence=fence)
-        coord = Coordinator(
-            cfg, data_dir, threads=threads, device=device, storage=storage, corpus=corpus
-        )
+        storage = Storage(db=db, blobs=blobs, key=key)
+        coord = Coordinator(cfg, data_dir, threads=threads, device=device, storage=storage)
     except ValueError as e:
         raise fail(str(e)) from None
     # the run id covers the coordinator's key: it is what peers are told to trust
@@ -117,27 +110,70 @@ def coordinator(
         follower.join(timeout=10)
 
 
-def _lead(db: str | None, key: Path | None, port: int) -> Any:
-    """A replica: wait for the run's lease, keep it, exit the process (code 3) when it is
-    lost; the lease's fence for the coordinator's database."""
-    import os
-    import socket
+def _serve_replica(
+    cfg: Any,
+    data_dir: Path,
+    storage: Any,
+    host: str,
+    port: int,
+    log: str | None,
+    threads: int | None,
+    device: str | None,
+) -> None:
+    """A replica of a rounds run (covey.coordinator.replica): a follower at once, the
+    leader once it holds the run's lease."""
+    from dataclasses import replace
 
-    from covey.coordinator.lease import lead
+    from covey.coordinator.app import create_app, quiet_gc
+    from covey.coordinator.replica import exit_on_lost, holder_of, serve_replica, url_of
+    from covey.coordinator.replica_rounds import RoundsFollower
+    from covey.coordinator.service import Coordinator, load_run_corpus
 
-    assert db is not None and key is not None  # checked by the caller
-    holder = f"{socket.gethostname()}:{port}:{os.getpid()}"
+    corpus = load_run_corpus(cfg)  # what takes longest to build, before the wait
+    holder, url = holder_of(port), url_of(host, port)
+    from covey.trust.identity import Identity
 
-    def lost() -> None:
-        typer.secho(f"replica {holder}: lost the run's lease; exiting", err=True)
-        os._exit(3)  # no more writes from here: another replica drives the run
+    Identity.load_or_create(storage.key)  # made once, before the follower and the leader
 
-    typer.echo(f"replica {holder}: waiting for the run's lease")
+    def build_leader(fence: Any) -> Any:
+        coord = Coordinator(
+            cfg, data_dir, threads=threads, device=device, storage=replace(storage, fence=fence),
+            corpus=corpus,
+        )  # fmt: skip
+        stops: list[Any] = [coord.stop]
+
+        def start() -> None:
+            coord.start()
+            quiet_gc()
+            if log is not None:
+                import threading
+
+                from covey.tracking import follow_rounds, open_tracker
+
+                tracker = open_tracker(log, data_dir, cfg.name, cfg.model_dump(mode="json"), None)
+                stop = threading.Event()
+                follow_rounds(tracker, coord.db, stop)
+                stops.insert(0, stop.set)
+
+        return create_app(coord), start, lambda: [s() for s in stops]
+
+    def build_follower() -> RoundsFollower:
+        try:
+            follower = RoundsFollower(cfg, data_dir, storage, corpus, url)
+        except ValueError as e:
+            raise fail(str(e)) from None
+        typer.echo(f"covey coordinator: {cfg.name}, replica {holder} serving at {url}")
+        typer.secho(f"  run id: {follower.host.run_id}", bold=True)
+        return follower
+
     try:
-        lease, _ = lead(db, holder, LEASE_TTL_S, lost)
+        serve_replica(
+            db_url=storage.db, holder=holder, own_url=url, host=host, port=port,
+            limits=cfg.limits, build_follower=build_follower, build_leader=build_leader,
+            on_lost=exit_on_lost(holder),
+        )  # fmt: skip
     except ValueError as e:
         raise fail(str(e)) from None
-    return lease.fence
 
 
 @app.command()

@@ -36,7 +36,7 @@ from typing import Any
 from covey import __version__
 from covey.trust.ledger import LEDGER_SCHEMA
 
-from .pg import PgConnection, is_url, redact
+from .pg import DatabaseUnavailable, PgConnection, is_url, redact
 
 log = logging.getLogger("covey.db")
 
@@ -313,7 +313,10 @@ class Database:
             return None
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = PgConnection(self.url)
+            try:
+                conn = self._local.conn = PgConnection(self.url)
+            except ValueError as e:  # the server is away: a 503 to the peer, not a 500
+                raise DatabaseUnavailable(str(e)) from None
             with self._read_lock:
                 self._readers.append(conn)
         return conn

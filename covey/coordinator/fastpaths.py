@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from covey.protocol import schemas
 from covey.trust.polls import ROUND_POLL
 
+from .pg import DatabaseUnavailable
 from .rejected import Rejected
 
 FAST_PATH_THREADS = 16  # on PostgreSQL: heartbeats and round polls in flight at once
@@ -232,6 +233,11 @@ class FastPaths:
             log.log(level, "fast path -> %d: %s", e.status, e.message)
             retry = [(b"retry-after", b"1")] if e.status == 429 else []
             await _send_json(send, e.status, {"error": e.message}, retry)
+            return
+        except DatabaseUnavailable as e:  # as covey.coordinator.host_app answers it
+            log.warning("fast path -> 503: %s", e)
+            message = f"the run's database is unavailable now, retry shortly: {e}"
+            await _send_json(send, 503, {"error": message}, [(b"retry-after", b"1")])
             return
         if isinstance(result, BaseModel):
             await _send(send, 200, result.model_dump_json().encode())

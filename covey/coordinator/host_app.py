@@ -33,6 +33,7 @@ from .auth import ReceivedAt
 from .limits import JOINS, RateLimit, header_deadline_protocol
 from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
 from .openapi import errors
+from .pg import DatabaseUnavailable
 from .rejected import Rejected
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ FRAME_JS = (resources.files("covey.dashboard") / "static" / "frame.js").read_byt
 def handle_errors(app: FastAPI, logger: logging.Logger) -> None:
     """`Rejected` -> its status with {"error"}, logged to `logger` (a 404 at debug: "not
     yet" is a normal answer to polling); HTTP errors and 422s the same way, a 422 naming
-    each field's problem."""
+    each field's problem; the database server away (`DatabaseUnavailable`) -> 503 with
+    Retry-After."""
 
     @app.exception_handler(Rejected)
     async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
@@ -60,6 +62,16 @@ def handle_errors(app: FastAPI, logger: logging.Logger) -> None:
         )
         retry = {"Retry-After": "1"} if exc.status == 429 else None  # busy, not refused
         return JSONResponse({"error": exc.message}, exc.status, headers=retry)
+
+    @app.exception_handler(DatabaseUnavailable)
+    async def _unavailable(request: Request, exc: DatabaseUnavailable) -> JSONResponse:
+        # the database server is away (covey.coordinator.pg): nothing was written; retry
+        logger.warning("%s %s -> 503: %s", request.method, request.url.path, exc)
+        return JSONResponse(
+            {"error": f"the run's database is unavailable now, retry shortly: {exc}"},
+            503,
+            headers={"Retry-After": "1"},
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

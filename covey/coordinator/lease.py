@@ -17,6 +17,7 @@ once.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,9 @@ LEASE_TABLE = (
     "CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, holder TEXT NOT NULL, "
     "expires REAL NOT NULL)"
 )
+# where the holder serves: the other replicas forward what they do not answer there
+# (covey.coordinator.replica); added to lease tables of covey before replicas forwarded
+LEASE_URL = "ALTER TABLE leases ADD COLUMN IF NOT EXISTS url TEXT"
 DRIVER = "driver"
 
 
@@ -46,14 +50,20 @@ class Lease:
     """`holder`'s claim on the run's driver lease in `db` (its own handle: the mode's
     database gets `fence`)."""
 
-    def __init__(self, db: Database, holder: str, ttl_s: float = 4.0) -> None:
+    def __init__(
+        self, db: Database, holder: str, ttl_s: float = 4.0, url: str | None = None
+    ) -> None:
+        """`url`: where this replica serves the run once it holds the lease (what the
+        others forward writes to; `leader`)."""
         if not db.is_postgres:
             raise ValueError("--replica needs --db postgresql://...: replicas share one database")
         if ttl_s <= 0:
             raise ValueError(f"lease ttl_s ({ttl_s}) must be > 0")
-        self.db, self.holder, self.ttl_s = db, holder, ttl_s
+        self.db, self.holder, self.ttl_s, self.url = db, holder, ttl_s, url
+        self.held = False  # set by `lead` once it holds the lease
         with db.transaction() as c:
             c.execute(LEASE_TABLE)
+            c.execute(LEASE_URL)
 
     def try_take(self) -> bool:
         """Take or renew the lease if it is free, expired or ours; whether we hold it."""
@@ -67,8 +77,8 @@ class Lease:
             if row is not None and row["holder"] != self.holder:
                 log.warning("taking over the run from %s (lease expired)", row["holder"])
             c.execute(
-                "INSERT OR REPLACE INTO leases VALUES (?, ?, ?)",
-                (DRIVER, self.holder, now + self.ttl_s),
+                "INSERT OR REPLACE INTO leases (name, holder, expires, url) VALUES (?, ?, ?, ?)",
+                (DRIVER, self.holder, now + self.ttl_s, self.url),
             )
             return True
 
@@ -106,14 +116,38 @@ class Lease:
         return thread
 
 
+def leader(db: Database) -> tuple[str, str | None] | None:
+    """(holder, url) of the run's unexpired lease on `db`, by the server's clock; None
+    while nobody holds it (a takeover under way) or before any replica started."""
+    try:
+        row = db.read_one(
+            "SELECT holder, url FROM leases WHERE name = ? AND "
+            "expires > EXTRACT(EPOCH FROM clock_timestamp())",
+            (DRIVER,),
+        )
+    except sqlite3.OperationalError:  # no lease table yet: no replica has started
+        return None
+    return None if row is None else (str(row["holder"]), row["url"])
+
+
 def lead(
-    url: str, holder: str, ttl_s: float, on_lost: Callable[[], None]
+    url: str,
+    holder: str,
+    ttl_s: float,
+    on_lost: Callable[[], None],
+    *,
+    serves_at: str | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[Lease, threading.Event]:
     """Wait for the lease of the run on `url`, then keep it (renewed by a thread; the
-    event stops it); `on_lost()` when it cannot be kept."""
-    lease = Lease(Database(url), holder, ttl_s)
-    stop = threading.Event()
-    lease.wait(stop)
+    event stops it); `on_lost()` when it cannot be kept. `serves_at`: this replica's URL,
+    recorded in the lease for the others to forward to. With `stop` set before the lease
+    is held, it returns without holding it (`lease.held` False)."""
+    lease = Lease(Database(url), holder, ttl_s, serves_at)
+    stop = stop or threading.Event()
+    if not lease.wait(stop):
+        return lease, stop
+    lease.held = True
     log.info("%s holds the run's lease", holder)
     lease.keep(stop, on_lost)
     return lease, stop

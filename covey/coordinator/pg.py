@@ -9,24 +9,44 @@ Errors come back as `sqlite3`'s classes (IntegrityError for a broken constraint,
 OperationalError for a missing table, DatabaseError otherwise), so the callers' handling
 (a replayed nonce, a second submission) is the same on both databases.
 
+A lost connection (the server restarted, a failover of a managed database, a backend
+terminated) is made again: a statement outside a transaction, and a transaction's BEGIN,
+reconnect for up to RECONNECT_S and run again; a statement inside a transaction cannot
+(the server dropped the transaction with the connection), so it raises
+`DatabaseUnavailable`, the transaction is rolled back whole, and the next one reconnects.
+The coordinator's apps answer `DatabaseUnavailable` with 503 (covey.coordinator.host_app):
+the peer retries, nothing was written, nothing is lost.
+
 psycopg (3) is imported here only: `pip install 'covey[scale]'` brings it; a coordinator
 on SQLite never imports this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from decimal import Decimal
 from typing import Any
 
 from . import dialect
 
+log = logging.getLogger("covey.db")
+
 # the one lock every writing transaction takes (pg_advisory_xact_lock): PostgreSQL's
 # BEGIN IMMEDIATE, shared by every process on the database
 WRITE_LOCK = 0x636F766579  # "covey"
 SCHEMA_TABLE = "CREATE TABLE IF NOT EXISTS covey_schema (version BIGINT NOT NULL)"
+RECONNECT_S = 5.0  # how long one statement waits for a lost server to answer again
+CONNECT_TIMEOUT_S = 2  # one connection attempt (libpq's connect_timeout)
+
+
+class DatabaseUnavailable(sqlite3.OperationalError):
+    """The database server cannot be reached now (a 503 to the peer: retry); what the
+    failed transaction wrote was rolled back."""
 
 
 def is_url(location: object) -> bool:
@@ -118,14 +138,43 @@ class PgConnection:
             raise ValueError(
                 "--db postgresql://... needs psycopg: pip install 'covey[scale]'"
             ) from e
-        self.url = url
+        self.url, self.read_only = url, read_only
+        self._in_transaction = False
         try:
-            self._conn = psycopg.connect(url, autocommit=True)
+            self._connect()
         except psycopg.Error as e:
             raise ValueError(f"cannot connect to {redact(url)}: {str(e).strip()}") from None
-        if read_only:
-            self._conn.execute("SET default_transaction_read_only = on")
         self._tables: dict[str, tuple[list[str], list[list[str]], str | None]] = {}
+
+    def _connect(self) -> None:
+        import psycopg
+
+        self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        if self.read_only:
+            self._conn.execute("SET default_transaction_read_only = on")
+
+    def _lost(self) -> bool:
+        return bool(self._conn.closed or self._conn.broken)
+
+    def _reconnect(self) -> None:
+        """Connect again, trying for up to RECONNECT_S; DatabaseUnavailable if it cannot."""
+        import psycopg
+
+        deadline, delay = time.monotonic() + RECONNECT_S, 0.1
+        while True:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+            try:
+                self._connect()
+                log.warning("reconnected to %s", redact(self.url))
+                return
+            except psycopg.Error as e:
+                if time.monotonic() + delay > deadline:
+                    raise DatabaseUnavailable(
+                        f"the database {redact(self.url)} does not answer: {str(e).strip()}"
+                    ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     # -- the sqlite3 API -----------------------------------------------------------------
 
@@ -134,8 +183,18 @@ class PgConnection:
         if word == "PRAGMA":
             return self._pragma(sql)
         if word.rstrip() == "BEGIN":
-            self._run("BEGIN", None)
+            self._run("BEGIN", None)  # outside a transaction still: reconnects if it must
+            self._in_transaction = True
             return self._run("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
+        if word in ("COMMIT", "ROLLBA"):
+            try:
+                return self._run(sql, None)
+            except DatabaseUnavailable:
+                if word == "COMMIT":
+                    raise  # whether it committed is unknown: the peer's retry will tell
+                return Result([], -1, None)  # the server dropped it with the connection
+            finally:
+                self._in_transaction = False
         st = dialect.translate(sql, bool(args))
         text = st.sql
         if st.replace_table is not None:
@@ -176,6 +235,10 @@ class PgConnection:
                 cur.executemany(st.sql, [[_arg(a) for a in args] for args in seq])
                 return Result([], cur.rowcount, None)
         except psycopg.Error as e:
+            if self._lost():
+                if not self._in_transaction:
+                    self._reconnect()
+                raise DatabaseUnavailable(f"the connection to the database was lost: {e}") from e
             raise _mapped(e) from e
 
     def executescript(self, script: str) -> None:
@@ -249,7 +312,18 @@ class PgConnection:
         try:
             cur = self._conn.execute(sql, params)
         except psycopg.Error as e:
-            raise _mapped(e) from e
+            if not self._lost():
+                raise _mapped(e) from e
+            if self._in_transaction:  # the server dropped the transaction with it
+                raise DatabaseUnavailable(
+                    f"the connection to {redact(self.url)} was lost in a transaction: "
+                    f"{str(e).strip()}"
+                ) from e
+            self._reconnect()  # nothing of ours was under way: run it again
+            try:
+                cur = self._conn.execute(sql, params)
+            except psycopg.Error as e2:
+                raise _mapped(e2) from e2
         rows: list[Row] = []
         if cur.description is not None:
             names = {c.name: i for i, c in enumerate(cur.description)}

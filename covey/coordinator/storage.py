@@ -17,8 +17,9 @@ BLOBS_HELP = (
     "AWS_ACCESS_KEY_ID, ... or AWS_PROFILE; needs covey[scale]); default: --data-dir"
 )
 REPLICA_HELP = (
-    "one of several coordinators of this run on one --db and --blobs (and --key): wait for "
-    "the run's lease in the database, then serve; exit when it is lost"
+    "one of several coordinators of this run on one --db and --blobs (and --key): serve at "
+    "once (reads from the database, writes relayed to the lease holder), drive the run once "
+    "holding its lease; exit when the lease is lost"
 )
 KEY_HELP = (
     "the coordinator's Ed25519 key file (made on first use); default: in --data-dir. The "

@@ -11,12 +11,13 @@ import os
 import signal
 import sqlite3
 import threading
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP, Storage
+from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP, REPLICA_HELP, Storage
 
 rl_app = typer.Typer(
     help="Decentralized RL post-training: a trainer, untrusted rollout "
@@ -208,6 +209,7 @@ def trainer(
     db: Annotated[str | None, typer.Option(help=DB_HELP)] = None,
     blobs: Annotated[str | None, typer.Option(help=BLOBS_HELP)] = None,
     key: Annotated[Path | None, typer.Option(help=KEY_HELP)] = None,
+    replica: Annotated[bool, typer.Option("--replica", help=REPLICA_HELP)] = False,
 ) -> None:
     """Serve an RL run: publish policy versions, take verified batches, train, pay."""
     from covey.config import load_toml
@@ -232,15 +234,25 @@ def trainer(
         if spec is not None or policy is not None or set_:
             given = {**defaults, **(load_toml(spec) if spec else {})}
             rl_spec = load_spec(RLSpec, spec, given, set_ or ())
-        t = Trainer(
-            data_dir,
-            spec=rl_spec,
-            policy_dir=policy,
-            url=f"http://{host}:{port}",
-            device=where,
-            precision=compute,
-            storage=Storage(db=db, blobs=blobs, key=key),
-        )
+        storage = Storage(db=db, blobs=blobs, key=key)
+
+        def build(fence: object = None) -> Trainer:
+            return Trainer(
+                data_dir,
+                spec=rl_spec,
+                policy_dir=policy,
+                url=f"http://{host}:{port}",
+                device=where,
+                precision=compute,
+                storage=replace(storage, fence=fence),  # type: ignore[arg-type]
+            )
+
+        if replica:  # every replica serves; the lease holder trains (covey.coordinator.replica)
+            if db is None or key is None:
+                raise _fail("--replica needs --db postgresql://... and --key: replicas share a run")
+            _replica(build, db, host, port)
+            return
+        t = build()
     except (ValueError, FileNotFoundError, UserError) as e:
         raise _fail(str(e)) from None
     except sqlite3.DatabaseError as e:  # a damaged database in --data-dir
@@ -250,6 +262,36 @@ def trainer(
         f"learning on {where} in {compute})"
     )
     serve(t, host, port)
+
+
+def _replica(build: Any, db: str, host: str, port: int) -> None:
+    """A replica of an RL run: a relaying follower at once, the trainer once it holds the
+    run's lease (its moments: covey.rl.moments, in its own data dir)."""
+    from covey.config import LimitsConfig
+    from covey.coordinator.replica import (
+        RelayFollower,
+        exit_on_lost,
+        holder_of,
+        serve_replica,
+        url_of,
+    )
+    from covey.rl.service import create_app
+
+    holder, url = holder_of(port), url_of(host, port)
+
+    def build_leader(fence: Any) -> Any:
+        t = build(fence)
+        logging.getLogger("covey.rl").info(
+            "[trainer] replica %s leads run %s at policy v%d", holder, t.run_id, t.version
+        )
+        return create_app(t), t.start, t.stop
+
+    typer.echo(f"RL trainer replica {holder} serving at {url}")
+    serve_replica(
+        db_url=db, holder=holder, own_url=url, host=host, port=port,
+        limits=LimitsConfig(), build_follower=lambda: RelayFollower(db, url, 60.0),
+        build_leader=build_leader, on_lost=exit_on_lost(holder),
+    )  # fmt: skip
 
 
 @rl_app.command("worker")

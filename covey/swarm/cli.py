@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP, Storage
+from covey.coordinator.storage import BLOBS_HELP, DB_HELP, KEY_HELP, REPLICA_HELP, Storage
 
 COORD = typer.Option(
     "--coordinator", help="the swarm coordinator's URL, e.g. http://127.0.0.1:8100"
@@ -118,6 +118,7 @@ def register(app: typer.Typer) -> None:
         db: Annotated[str | None, typer.Option(help=DB_HELP)] = None,
         blobs: Annotated[str | None, typer.Option(help=BLOBS_HELP)] = None,
         key: Annotated[Path | None, typer.Option(help=KEY_HELP)] = None,
+        replica: Annotated[bool, typer.Option("--replica", help=REPLICA_HELP)] = False,
     ) -> None:
         """Serve a SWARM run: stage assignment, averaging rounds, rebalancing, ledger."""
         if model is not None and not model.startswith("hf:"):
@@ -138,8 +139,13 @@ def register(app: typer.Typer) -> None:
         from covey.swarm.app import serve
         from covey.swarm.service import SwarmCoordinator
 
+        storage = Storage(db=db, blobs=blobs, key=key)
+        if replica:  # every replica serves; the lease holder drives (covey.coordinator.replica)
+            if db is None or key is None:
+                _fail("--replica needs --db postgresql://... and --key: replicas share a run")
+            _replica(cfg, data_dir, device, storage, host, port)
+            return
         try:
-            storage = Storage(db=db, blobs=blobs, key=key)
             coord = SwarmCoordinator(cfg, data_dir, device, storage)
         except ValueError as e:
             _fail(str(e))
@@ -267,6 +273,40 @@ def register(app: typer.Typer) -> None:
                 minutes=minutes, kill_every=kill_every, n_servers=servers, port=port, device=where
             )
         )
+
+
+def _replica(cfg: Any, data_dir: Path, device: str | None, storage: Storage, host: str,
+             port: int) -> None:  # fmt: skip
+    """A replica of a SWARM run: a relaying follower at once, the coordinator once it holds
+    the run's lease (built from the database as a restarted one is)."""
+    from dataclasses import replace
+
+    from covey.coordinator.replica import (
+        RelayFollower,
+        exit_on_lost,
+        holder_of,
+        serve_replica,
+        url_of,
+    )
+    from covey.swarm.app import create_app
+    from covey.swarm.service import SwarmCoordinator
+
+    assert storage.db is not None  # checked by the caller
+    holder, url = holder_of(port), url_of(host, port)
+
+    def build_leader(fence: Any) -> Any:
+        coord = SwarmCoordinator(cfg, data_dir, device, replace(storage, fence=fence))
+        return create_app(coord), coord.start, coord.stop
+
+    typer.echo(f"swarm coordinator replica {holder} serving at {url}")
+    try:
+        serve_replica(
+            db_url=storage.db, holder=holder, own_url=url, host=host, port=port,
+            limits=cfg.limits, build_follower=lambda: RelayFollower(storage.db, url, 60.0),
+            build_leader=build_leader, on_lost=exit_on_lost(holder),
+        )  # fmt: skip
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _config(pairs: list[str]) -> Any:
