@@ -36,7 +36,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 from safetensors import SafetensorError
@@ -51,7 +51,7 @@ from covey.config import TrustConfig
 from covey.memory import all_finite
 from covey.models.randomness import step_rng
 from covey.trust.committer import Committer
-from covey.trust.evidence import evidence_commitment
+from covey.trust.evidence import evidence_commitment, evidence_of
 from covey.trust.sketch import (
     HEX64,
     Commitment,
@@ -98,6 +98,10 @@ class Reexecution:
     # the local-state chain: the local state after make_contribution (step = steps); None
     # when the strategy carries no local state (no end state is committed)
     end: Commitment | None = None
+    # the content id of that end state as a worker publishes it (`evidence_cid`): equal to
+    # the end_state_cid a worker named, it ties the named bytes to this re-execution
+    # exactly, and nobody fetches them
+    end_cid: str | None = None
 
 
 class SpilledStates(Mapping[int, dict[str, torch.Tensor]]):
@@ -216,10 +220,12 @@ def reexecute(
     carries = strategy.carries_local_state
     strategy.free_round_memory(optimizer=not carries)
     payload = strategy.make_contribution().payload
-    end = None
+    end, end_cid = None, None
     if carries:
-        end = evidence_commitment(strategy, strategy.local_state(copy=False), start_state, steps)
-    return Reexecution(payload, committer.commitments, states, steps, commit_every, end)
+        local = strategy.local_state(copy=False)
+        end = evidence_commitment(strategy, local, start_state, steps)
+        end_cid = local_state_cid(evidence_of(strategy, local))
+    return Reexecution(payload, committer.commitments, states, steps, commit_every, end, end_cid)
 
 
 @dataclass(frozen=True)
@@ -405,11 +411,32 @@ def segment_end(
 # -- local states on the wire -----------------------------------------------------------
 
 
+def local_state_metadata() -> dict[str, str]:
+    """The safetensors metadata of a local state on the wire (its format tag)."""
+    return {"covey": json.dumps({"format": LOCAL_STATE_FORMAT}, sort_keys=True)}
+
+
 def local_state_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
     """A local state as safetensors bytes (names sorted: equal states give equal bytes)."""
     tensors = {k: state[k].detach().contiguous().cpu() for k in sorted(state)}
-    meta = json.dumps({"format": LOCAL_STATE_FORMAT}, sort_keys=True)
-    return st_save(tensors, metadata={"covey": meta})
+    return st_save(tensors, metadata=local_state_metadata())
+
+
+def local_state_cid(state: Mapping[str, torch.Tensor]) -> str:
+    """content_id(local_state_to_bytes(state)), hashed tensor by tensor: the bytes are
+    never held (a local state is 1.5 GB at 124M). A worker's end_state_cid is this of
+    what it publishes (covey.peer.worker_train)."""
+    from covey.protocol.checkpoint import write_safetensors
+
+    cid, _ = write_safetensors(state, local_state_metadata(), cast(BinaryIO, _Discard()))
+    return cid
+
+
+class _Discard:
+    """A sink that keeps nothing: write_safetensors only hashes through it."""
+
+    def write(self, piece: bytes | memoryview) -> int:
+        return len(piece)
 
 
 def local_state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
@@ -417,8 +444,7 @@ def local_state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
     state is GBs: the coordinator only needs its size for the upload gate)."""
     from covey.protocol.checkpoint import safetensors_nbytes
 
-    meta = json.dumps({"format": LOCAL_STATE_FORMAT}, sort_keys=True)
-    return safetensors_nbytes(state, {"covey": meta})
+    return safetensors_nbytes(state, local_state_metadata())
 
 
 def local_state_from_bytes(
