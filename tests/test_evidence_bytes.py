@@ -196,3 +196,16 @@ def test_a_paced_transfer_over_http_completes_at_the_cap_and_payloads_go_unpaced
     least = (len(evidence) - pacer.burst) / rate
     assert least - 1e-6 <= clock[0] <= len(evidence) / rate + 1e-6, (clock[0], least)
     assert pacer.burst >= PIECE_BYTES
+
+
+def test_a_stopping_validator_attests_nothing(tmp_path: Path) -> None:
+    """A validator stopped while a worker's provider does not answer leaves the check
+    (Stopping), never attesting withholding it did not wait out."""
+    from covey.peer.validator import Stopping
+
+    v = Validator(ValidatorOptions(coordinator="http://127.0.0.1:9"))
+    v.blobs = BlobClient(timeout_s=2.0, retries=1)
+    v.stop.set()
+    store = BlobStore(tmp_path / "empty")
+    with BlobServer(store) as server, pytest.raises(Stopping):
+        v._fetch_evidence(store, "ab" * 32, [server.url], 100, float("inf"))

@@ -329,19 +329,21 @@ class Validator:
     def _claimed_end(
         self, task: schemas.VerifyTask, mine: verify.Reexecution, start: TrainState
     ) -> verify.Commitment | None:
-        """The commitment to the end state the worker named (the next round's start derives
-        from it), compared with the re-execution's own. When the re-execution's end state
-        has the very content id the worker named (`Reexecution.end_cid`: bit-identical),
-        the named bytes are this recomputation and nothing travels. Otherwise (an honest
-        re-execution on another thread count differs in the last bits, or a forged end
-        state) the named state is fetched from the worker's providers and compared within
-        the tolerance; an unusable one is an impossible commitment (a malformed claim).
-        None for a strategy that carries no local state. Undelivered when the providers do
-        not deliver it within the evidence deadline."""
+        """The commitment to the end state the worker named (the next round starts from
+        it). When the re-execution's end state has the content id the worker named
+        (`Reexecution.end_cid`: bit-identical), the named bytes are this recomputation and
+        nothing travels. Otherwise (an honest re-execution on another thread count, or a
+        forged end state) the named state is fetched from the worker's providers, to be
+        compared within the tolerance; an unusable one is an impossible commitment. None
+        for a strategy that carries no local state; Undelivered as `_fetch_evidence`."""
         if task.end_state_cid is None:
             return None
         if mine.end_cid == task.end_state_cid:
             return mine.end
+        log.info(
+            "[%s - round %d] %s's end state is not this re-execution's bit for bit: fetching it",
+            self.name, task.round, task.peer_id[:8],
+        )  # fmt: skip
         providers = task.providers or [self.opts.coordinator]
         deadline = time.monotonic() + self._evidence_deadline(task.end_state_size or 0)
         template = self.strategy.evidence_layout()  # shapes only: no zeros made
@@ -430,14 +432,17 @@ class Validator:
         self, store: BlobStore, cid: str, providers: list[str], size: int | None, deadline: float
     ) -> Path:
         """One evidence blob from `providers` into `store`, asked again until `deadline`
-        (time.monotonic()); Undelivered when it has not come by then. A transfer under way
+        (time.monotonic()); Undelivered when it has not come by then, Stopping when this
+        validator stops first (a stopping validator attests nothing). A transfer under way
         at the deadline is let finish (the blob client's own timeouts bound it)."""
         while True:
             try:
                 return self.blobs.fetch_into(store, cid, providers, size=size)
             except BlobError as e:
+                if self.stop.is_set():  # this validator stops: it attests nothing
+                    raise Stopping(f"stopped while fetching evidence {cid[:12]}") from None
                 left = deadline - time.monotonic()
-                if left <= 0 or self.stop.is_set():
+                if left <= 0:
                     raise Undelivered(
                         f"local state {cid[:12]} not delivered by {len(providers)} provider(s) "
                         f"within the evidence deadline: {e}"
