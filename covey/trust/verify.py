@@ -36,7 +36,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -51,7 +51,13 @@ from covey.config import TrustConfig
 from covey.memory import all_finite
 from covey.models.randomness import step_rng
 from covey.trust.committer import Committer
-from covey.trust.evidence import evidence_commitment, evidence_of
+from covey.trust.evidence import (  # the local state on the wire: re-exported here
+    LOCAL_STATE_FORMAT,
+    evidence_commitment,
+    evidence_of,
+    local_state_cid,
+    local_state_metadata,
+)
 from covey.trust.sketch import (
     HEX64,
     Commitment,
@@ -60,7 +66,6 @@ from covey.trust.sketch import (
 )
 
 BatchFn = Callable[[int], torch.Tensor]  # inner step (0-based, within the round) -> batch
-LOCAL_STATE_FORMAT = "covey-local-state-1"
 DEFAULT_TOLERANCE: float = TrustConfig.model_fields["tolerance"].default
 
 
@@ -411,32 +416,10 @@ def segment_end(
 # -- local states on the wire -----------------------------------------------------------
 
 
-def local_state_metadata() -> dict[str, str]:
-    """The safetensors metadata of a local state on the wire (its format tag)."""
-    return {"covey": json.dumps({"format": LOCAL_STATE_FORMAT}, sort_keys=True)}
-
-
 def local_state_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
     """A local state as safetensors bytes (names sorted: equal states give equal bytes)."""
     tensors = {k: state[k].detach().contiguous().cpu() for k in sorted(state)}
     return st_save(tensors, metadata=local_state_metadata())
-
-
-def local_state_cid(state: Mapping[str, torch.Tensor]) -> str:
-    """content_id(local_state_to_bytes(state)), hashed tensor by tensor: the bytes are
-    never held (a local state is 1.5 GB at 124M). A worker's end_state_cid is this of
-    what it publishes (covey.peer.worker_train)."""
-    from covey.protocol.checkpoint import write_safetensors
-
-    cid, _ = write_safetensors(state, local_state_metadata(), cast(BinaryIO, _Discard()))
-    return cid
-
-
-class _Discard:
-    """A sink that keeps nothing: write_safetensors only hashes through it."""
-
-    def write(self, piece: bytes | memoryview) -> int:
-        return len(piece)
 
 
 def local_state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
