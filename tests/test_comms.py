@@ -132,8 +132,9 @@ def test_every_row_counts_the_evidence_at_the_default_rate(
 ) -> None:
     """A method that keeps private state (DiLoCo's moments and residual) sends each
     validator of a drawn contribution what it published of the end state it started from:
-    its first new_peer_contributions always, the rest at the default sample_rate; a method that keeps none (DDP, DiLoCo
-    with its inner optimizer reset and no error feedback) sends nothing; the reduction
+    its first new_peer_contributions always, the rest at the default sample_rate; a method
+    that keeps none (DDP, DiLoCo with its inner optimizer reset and no error feedback)
+    sends nothing; the reduction
     against DDP is given with and without the evidence, and `--recount` prints an earlier
     run's rows with it, training nothing."""
     from covey.bench.comms import bench_config, comms_methods, count_evidence
