@@ -130,10 +130,11 @@ def test_methods_side_by_side_give_the_same_numbers_as_one_at_a_time(
 def test_every_row_counts_the_evidence_at_the_default_rate(
     stdlib_corpus: Corpus, tmp_path: Path
 ) -> None:
-    """A method that keeps private state (DiLoCo's moments and residual) sends its
-    validators what it published of its end states: its first new_peer_contributions
-    always, the rest at the default sample_rate; a method that keeps none (DDP, DiLoCo
-    with its inner optimizer reset and no error feedback) sends nothing; the reduction
+    """A method that keeps private state (DiLoCo's moments and residual) sends each
+    validator of a drawn contribution what it published of the end state it started from:
+    its first new_peer_contributions always, the rest at the default sample_rate; a method
+    that keeps none (DDP, DiLoCo with its inner optimizer reset and no error feedback)
+    sends nothing; the reduction
     against DDP is given with and without the evidence, and `--recount` prints an earlier
     run's rows with it, training nothing."""
     from covey.bench.comms import bench_config, comms_methods, count_evidence
@@ -149,8 +150,11 @@ def test_every_row_counts_the_evidence_at_the_default_rate(
     none = bench_config(methods["diloco-h100-int4-reset"], LONG)
     assert evidence_state_bytes(none, vocab) == 0
     trust = TrustConfig()
-    # 20 rounds: 3 always checked (the first has no start state: 5 states), 17 at the rate
-    assert evidence_per_worker(keep, 20, 10) == pytest.approx(10 * (5 + 2 * 17 * trust.sample_rate))
+    # 20 rounds: 3 always checked by validators_per_check validators (the first has no
+    # start state), 17 at the rate by one; audits at audit_rate; one start state a check
+    k, audit = trust.validators_per_check, trust.audit_rate
+    want = 10 * (2 * (k + audit) + 17 * trust.sample_rate * (1 + audit))
+    assert evidence_per_worker(keep, 20, 10) == pytest.approx(want)
     rows = [
         {"method": "ddp", "baseline": "ddp", "bytes_sent_per_worker": 1e9, "rounds": 2000},
         {"method": "diloco-h100-int4-ef", "baseline": "ddp", "bytes_sent_per_worker": 1e6,

@@ -68,7 +68,8 @@ def test_a_coordinators_database_is_read_into_the_parts(tmp_path: Path) -> None:
             "'agree', ?)",
             (json.dumps({"compute_s": 4.0}),),
         )
-        # a's drawn local states: start and end, 1 MB each, at 8 Mbit/s: 2 s; b's never came
+        # a's drawn start state (its end is recomputed, not fetched): 1 MB at 8 Mbit/s, 1 s;
+        # b's never came
         c.execute(
             "INSERT INTO local_states (round, attempt, peer_id, start_cid, end_cid, end_size, "
             "evidence) VALUES (0, 1, 'a', 's', 'e', 1000000, 'pending')"
@@ -83,6 +84,6 @@ def test_a_coordinators_database_is_read_into_the_parts(tmp_path: Path) -> None:
     assert costs.rejected_s == pytest.approx(10.0)
     assert costs.churn_s == pytest.approx(10.0 + 2 * 2.5)
     assert costs.verification_s == pytest.approx(4.0)
-    assert (costs.evidence_bytes, costs.evidence_s) == (2_000_000, pytest.approx(2.0))
+    assert (costs.evidence_bytes, costs.evidence_s) == (1_000_000, pytest.approx(1.0))
     assert costs.redundant_s == 0.0 and costs.unmeasured == []
-    assert costs.multiplier() == pytest.approx((16 + 4 + 10 + 15 + 4 + 2) / 16)
+    assert costs.multiplier() == pytest.approx((16 + 4 + 10 + 15 + 4 + 1) / 16)

@@ -2,12 +2,16 @@
 validators of its drawn contributions, at the run's default sampling rate, counted with
 the payload so that a reduction against DDP is quoted with them first.
 
-A drawn contribution's validators fetch what it published of its local states
-(covey.trust.evidence.evidence_of: the private state alone, none for a method that carries
-none): the end state of its previous round (where this one started; none in a worker's
-first round) and of this round. A worker's first `trust.new_peer_contributions` are always
-drawn, the rest at `trust.sample_rate`; one validator fetches each (established peers need
-one check). DDP and every method that keeps no private state send no evidence.
+A drawn contribution's validators fetch what it published of the end state of its previous
+round (covey.trust.evidence.evidence_of: the private state alone, none for a method that
+carries none), where this round started; none in a worker's first round. The end state of
+the checked round is recomputed by the re-execution and tied to the content id the worker
+named, so it does not travel (counted here for a re-execution that is bit-identical, as on
+the run's fixed device class, precision and thread count; one that differs in the last
+bits fetches it as well). A worker's first `trust.new_peer_contributions` are always drawn
+and checked by `trust.validators_per_check` validators each, the rest at `trust.sample_rate`
+by one; a cleared check is audited by one more at `trust.audit_rate`. DDP and every method
+that keeps no private state send no evidence.
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ def evidence_state_bytes(cfg: SimConfig, vocab_size: int) -> int:
 
 def evidence_per_worker(cfg: SimConfig, rounds: int, state_bytes: int) -> float:
     """The evidence bytes one worker sends over `rounds` rounds at the config's sampling
-    rate (its first new_peer_contributions always drawn; the first has no start state)."""
+    rate: one start state per validator of a drawn contribution (the first has none)."""
     if rounds <= 0 or state_bytes == 0:
         return 0.0
     trust = cfg.trust
     always = min(trust.new_peer_contributions, rounds)
     sampled = max(rounds - trust.new_peer_contributions, 0) * trust.sample_rate
-    states = (2 * always - 1 if always else 0) + 2 * sampled
+    chained_new = max(always - 1, 0)  # a worker's first contribution starts fresh
+    states = chained_new * (trust.validators_per_check + trust.audit_rate)
+    states += sampled * (1 + trust.audit_rate)
     return states * state_bytes
 
 

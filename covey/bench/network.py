@@ -210,10 +210,13 @@ def run_one(
     max_rounds: int | None = None,
     batch_size: int = 8,
     verify_rate: float | None = None,
+    validators: int = 0,
 ) -> dict[str, Any]:
     """One fresh testbed, one fresh run of `method`, trained for budget_s after round 0
-    opens (or until max_rounds). RuntimeError, with the logs' tails, if a process exits
-    early or the run does not start within STARTUP_TIMEOUT_S."""
+    opens (or until max_rounds), with `validators` validator processes on hosts of their
+    own (their evidence fetches cross the workers' capped links). RuntimeError, with the
+    logs' tails, if a process exits early or the run does not start within
+    STARTUP_TIMEOUT_S."""
     run_dir = run_dir.resolve()  # the children run with cwd=run_dir
     if run_dir.exists():  # a coordinator given an old data dir would resume the old run
         shutil.rmtree(run_dir)
@@ -228,7 +231,8 @@ def run_one(
         verify_rate=verify_rate,
     )
     spec_path.write_text(to_toml(spec))
-    names = ["coord"] + [f"w{i}" for i in range(workers)]
+    worker_names = [f"w{i}" for i in range(workers)]
+    names = ["coord", *worker_names] + [f"v{i}" for i in range(validators)]
     loads: list[float] = []
     with Testbed(names, mbit=mbit) as tb, _Processes(tb, run_dir) as procs:
         coord_ip = tb.hosts["coord"].ip
@@ -237,12 +241,18 @@ def run_one(
             "coordinator", str(spec_path), "--host", coord_ip, "--port", str(PORT),
             "--data-dir", str(run_dir / "coordinator"), "--threads", "1",
         ])  # fmt: skip
-        for name in names[1:]:
+        for name in worker_names:
             procs.spawn(name, [
                 "worker", "--coordinator", url, "--name", name,
                 "--identity", str(run_dir / "keys" / f"{name}.key"),
                 "--store-dir", str(run_dir / "peers" / name), "--threads", "1",
                 "--blob-host", tb.hosts[name].ip, "--bandwidth-mbps", f"{mbit:g}",
+            ])  # fmt: skip
+        for name in names[1 + workers :]:
+            procs.spawn(name, [
+                "validator", "--coordinator", url, "--name", name,
+                "--identity", str(run_dir / "keys" / f"{name}.key"),
+                "--store-dir", str(run_dir / "peers" / name), "--threads", "1",
             ])  # fmt: skip
         status = _train(tb, url, procs, budget_s, f"{mbit:g} Mbit/s {method.name}", loads)
     opened, closed, contributions = _read_timeline(run_dir / "coordinator" / "coordinator.db")
@@ -257,13 +267,15 @@ def run_one(
     )
     # This run's own processes make a load of about workers + 1 while they compute; more
     # means other work competed for the cores (it slows compute and inflates utilization).
-    own = worker_utilization([run_dir / "peers" / n for n in names[1:]])
+    own = worker_utilization([run_dir / "peers" / n for n in worker_names])
     record["worker_utilization"] = own["mean"]
     record["worker_utilization_each"] = own["each"]
     record["worker_waited_s_mean"] = own["waited_s"]
-    steady = worker_utilization([run_dir / "peers" / n for n in names[1:]], STEADY_FROM)
+    steady = worker_utilization([run_dir / "peers" / n for n in worker_names], STEADY_FROM)
     record["worker_utilization_steady"] = steady["mean"]
     record["worker_waited_s_steady"] = steady["waited_s"]
+    # the checks' outcomes by then (agree, withheld, pending...): what the validators did
+    record["verifications"] = (status.get("trust") or {}).get("verifications")
     record["load_1m_mean"] = fmean(loads) if loads else None
     record["load_1m_max"] = max(loads, default=None)
     return record
@@ -328,6 +340,7 @@ def run_network_bench(
     max_rounds: int | None = None,
     batch_size: int = 8,
     verify_rate: float | None = None,
+    validators: int = 0,
 ) -> list[dict[str, Any]]:
     """Every method at every bandwidth, each a fresh testbed and run; returns the records
     (also written to ``out_dir/records.json`` after every run, so a failure later keeps
@@ -362,8 +375,10 @@ def run_network_bench(
                 max_rounds=max_rounds,
                 batch_size=batch_size,
                 verify_rate=verify_rate,
+                validators=validators,
             )
             record["verify_rate"] = verify_rate
+            record["validators"] = validators
             records.append(record)
             target = target_loss if target_loss is not None else default_target(records)
             apply_target(records, target)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import BinaryIO
 from urllib.parse import urlsplit
 
+from covey.blobs.pacing import PIECE_BYTES, Pacer
 from covey.blobs.store import (
     BLOB_PATH_PREFIX,
     BlobStore,
@@ -28,6 +30,7 @@ _JOIN_TIMEOUT_S = 5.0
 class _StoreHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # connection threads never block shutdown
     store: BlobStore
+    owner: BlobServer
 
     def handle_error(self, request: object, client_address: object) -> None:
         logger.debug("blob server: error serving %s", client_address, exc_info=True)
@@ -93,17 +96,23 @@ class _BlobHandler(BaseHTTPRequestHandler):
                 self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
             self.end_headers()
             if self.command == "GET":
-                self._copy(f, start, end - start + 1)
+                self._copy(f, cid, start, end - start + 1)
 
-    def _copy(self, f: BinaryIO, start: int, n: int) -> None:
+    def _copy(self, f: BinaryIO, cid: str, start: int, n: int) -> None:
+        owner = self.server.owner
+        pacer = owner.pacer if owner.pacer is not None and owner.paced(cid) else None
+        step = PIECE_BYTES if pacer is not None else _COPY_BYTES
         f.seek(start)
         try:
             while n > 0:
-                piece = f.read(min(n, _COPY_BYTES))
+                piece = f.read(min(n, step))
                 if not piece:  # file shrank under us: cut the connection, the client sees it
                     self.close_connection = True
                     return
+                if pacer is not None:
+                    pacer.wait(len(piece))
                 self.wfile.write(piece)
+                owner.count(cid, len(piece))
                 n -= len(piece)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client hung up (e.g. it gave up on us)
@@ -116,12 +125,32 @@ class BlobServer:
     Content-Range for a single Range, 404 for unknown or malformed ids and every other
     path, 416 for a bad range, 405 for other methods; Content-Length always. Access and
     error logs go to `logging` at debug level.
+
+    `pacer`: the blobs `paced(cid)` says are paced (a worker's verification evidence) are
+    sent through it, all connections together (covey.blobs.pacing); the others at once.
+    `served`: body bytes sent so far, per content id.
     """
 
-    def __init__(self, store: BlobStore, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        store: BlobStore,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        pacer: Pacer | None = None,
+        paced: Callable[[str], bool] | None = None,
+    ) -> None:
         self.store, self.host, self.port = store, host, port
+        self.pacer = pacer
+        self.paced: Callable[[str], bool] = paced or (lambda cid: False)
+        self.served: dict[str, int] = {}
+        self._served_lock = threading.Lock()
         self._httpd: _StoreHTTPServer | None = None
         self._thread: threading.Thread | None = None
+
+    def count(self, cid: str, n: int) -> None:
+        """Add `n` body bytes sent of blob `cid` to `served`."""
+        with self._served_lock:
+            self.served[cid] = self.served.get(cid, 0) + n
 
     def start(self) -> str:
         """Bind, start serving, and return the base URL (e.g. "http://127.0.0.1:43211").
@@ -131,7 +160,7 @@ class BlobServer:
         if self._httpd is not None:
             raise RuntimeError(f"blob server already started at {self.url}")
         httpd = _StoreHTTPServer((self.host, self.port), _BlobHandler)
-        httpd.store = self.store
+        httpd.store, httpd.owner = self.store, self
         self._httpd = httpd
         self._thread = threading.Thread(
             target=httpd.serve_forever,

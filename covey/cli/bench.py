@@ -134,6 +134,13 @@ def bench_network(
             "waits for their evidence); default the run's (1.0 new, 0.25)"
         ),
     ] = None,
+    validators: Annotated[
+        int,
+        typer.Option(
+            help="validator processes, one namespace each: they fetch drawn contributions' "
+            "evidence from the workers over the capped links (paced at trust.evidence_mbps)"
+        ),
+    ] = 0,
     log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """DDP vs DiLoCo vs DiLoCo + int4 + error feedback: real processes over rate-limited
@@ -141,6 +148,8 @@ def bench_network(
     say = bench_say(log_json, "network")
     if verify_rate is not None and not 0 <= verify_rate <= 1:
         raise fail(f"--verify-rate must be in [0, 1], got {verify_rate}")
+    if validators < 0:
+        raise fail(f"--validators must be >= 0, got {validators}")
     if workers < 1:
         raise fail(f"--workers must be >= 1, got {workers}")
     if minutes <= 0:
@@ -166,6 +175,7 @@ def bench_network(
             methods=tuple(only or METHOD_KEYS),
             inner_steps=inner_steps,
             verify_rate=verify_rate,
+            validators=validators,
         )
     except (TestbedUnavailable, RuntimeError) as e:
         raise fail(f"{e}\n(records of the runs before it: {out / 'records.json'})") from None

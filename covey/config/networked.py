@@ -233,6 +233,14 @@ class TrustConfig(Frozen):
     verify_timeout_s: float = Field(
         120.0, gt=0, description="a claimed verification not reported in time goes back"
     )
+    evidence_mbps: float = Field(
+        8.0,
+        gt=0,
+        description="Mbit/s a worker's blob server sends its verification evidence at, every "
+        "validator's fetch together (its payloads are not paced): the share of its uplink "
+        "checks may take (8% of 100 Mbit/s); validators wait for evidence at this rate shared "
+        "by two fetches before they attest it withheld",
+    )
     nonce_window_s: float = Field(
         300.0, gt=0, description="signed requests older (or newer) than this are refused"
     )

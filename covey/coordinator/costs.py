@@ -10,9 +10,11 @@ What each part rests on:
   attempts (their "round aborted" event carries the members and the span);
 - rejected: members whose contribution was refused at intake or left out at the close;
 - verification: the compute seconds in each validator's report;
-- evidence: the local states (start, where there was one, and end: the private state a
-  method keeps between rounds) that a drawn contribution's validators fetch from its
-  worker, at the worker's measured bandwidth (0 s where the bandwidth is unknown, and the
+- evidence: the local state a drawn contribution started from, where it started from one
+  (the private state a method keeps between rounds), that its validator fetches from its
+  worker (its end state is recomputed and tied to its content id, so it does not travel
+  when the re-execution is bit-identical), once a drawn contribution, at the worker's
+  measured bandwidth (0 s where the bandwidth is unknown, and the
   part is then listed as unmeasured). Rounds do not wait for it: these are seconds of the
   worker's link, not of the round; evidence never delivered is not counted;
 - redundant: none in this mode (no work is done twice but to verify it).
@@ -72,8 +74,8 @@ def run_costs(db: Database, peers: Peers) -> Costs:
         "SELECT peer_id, start_cid, end_size FROM local_states "
         "WHERE evidence IS NOT NULL AND evidence != 'undelivered'"
     ):
-        # the end state, and the start state when it was a local one: both the same size
-        size = int(s["end_size"] or 0) * (2 if s["start_cid"] else 1)
+        # the start state when it was a local one (every local state has the end's size)
+        size = int(s["end_size"] or 0) if s["start_cid"] else 0
         costs.evidence_bytes += size
         mbps = speed.get(s["peer_id"])
         if mbps and mbps > 0:

@@ -184,10 +184,14 @@ class Validator:
 
     def check(self, task: schemas.VerifyTask) -> None:
         """Re-execute one task and report the outcome (uploading the evidence of a
-        disagreement first). The round's start and the payload come from the coordinator;
-        the worker's committed local states (its evidence) from the worker's own providers
-        (`task.providers`), tried for `evidence_deadline_s`: not delivered by then, this
-        validator reports them withheld (a signed attestation, covey.trust.withholding)."""
+        disagreement first). The round's start and the payload come from the coordinator
+        (the start once per round, kept by its content id for every check of that round);
+        the worker's private state from the worker's own providers (`task.providers`):
+        the end state of its previous round, where this one starts. Its end state of this
+        round is recomputed, and travels only when the recomputation's content id is not
+        the one the worker named (`_claimed_end`). Evidence is asked for until
+        `evidence_deadline_s`: not delivered by then, this validator reports it withheld
+        (a signed attestation, covey.trust.withholding)."""
         sources = [self.opts.coordinator]
         # the payload waits on disk until the comparison: the re-execution does not hold
         # it (a model size for an fp32 payload)
@@ -196,7 +200,7 @@ class Validator:
             try:
                 start = self._start_state(task, sources)
                 payload = self.blobs.fetch_into(store, task.cid, sources, size=task.size)
-                local = self._local_states(task, start, task.providers or sources, store)
+                local = self._local_states(task, task.providers or sources, store)
             except Undelivered as e:
                 self._report_withheld(task, str(e))
                 return
@@ -208,7 +212,10 @@ class Validator:
             # every commitment's state is kept for a dispute's evidence, on disk (1.5 GB
             # each at 124M), and the previous end state is handed over, freed once loaded
             with tempfile.TemporaryDirectory(prefix="covey-validator-states-") as spill:
-                self._check(task, start, payload, local, Path(spill), sources)
+                try:
+                    self._check(task, start, payload, local, Path(spill), sources)
+                except Undelivered as e:
+                    self._report_withheld(task, str(e))
 
     def _report_withheld(self, task: schemas.VerifyTask, why: str) -> None:
         """Attest, signed, that the worker's providers did not deliver its evidence."""
@@ -242,32 +249,10 @@ class Validator:
         spill: Path,
         sources: list[str],
     ) -> None:
-        k = self.cfg.trust.commit_every
+        mine, compute_s = self._reexecute(task, start, local, spill)
+        claimed_end = self._claimed_end(task, mine, start)
+        local_path = local.get("previous_end_path")
         t0 = time.perf_counter()
-        points = len(verify.commitment_steps(task.inner_steps, k))
-        claimed_end = local.pop("claimed_end")
-        local_path = local.pop("previous_end_path", None)
-        self._reexecuting = task.task_id  # a stop signal cuts it short (`_on_signal`)
-        try:
-            if self.stop.is_set():
-                raise Stopping(f"stopped before the re-execution of task {task.task_id}")
-            mine = verify.reexecute(
-                self.strategy,
-                start,
-                self._batch_fn(task),
-                task.inner_steps,
-                k,
-                range(points),
-                previous_end=local.pop("previous_end"),
-                previous_accepted=task.previous_accepted,
-                spill_dir=spill,
-                consume_previous_end=True,
-            )
-        finally:
-            self._reexecuting = None
-        # the gradients, the inner moments (3 model sizes) and the strategy's hold on the
-        # start weights are not needed to compare; the next begin_round resets them anyway
-        self.strategy.free_round_memory(optimizer=True, start=True)
         payload = payload_file.read_bytes()
         numel = sum(start.params[n].numel() for n in self.strategy.fragment_names(task.fragment))
         verdict = verify.compare(
@@ -279,7 +264,7 @@ class Validator:
             self.cfg.trust.tolerance,
             claimed_end,
         )
-        compute_s = time.perf_counter() - t0
+        compute_s += time.perf_counter() - t0
         self.compute_s += compute_s
         body: dict[str, Any] = {
             "run_id": self.run_id,
@@ -309,6 +294,71 @@ class Validator:
             "exact" if verdict.exact else f"{verdict.distance:.3g}",
             compute_s,
         )
+
+    def _reexecute(
+        self, task: schemas.VerifyTask, start: TrainState, local: dict[str, Any], spill: Path
+    ) -> tuple[verify.Reexecution, float]:
+        """The round re-executed from its start and the worker's previous end state ->
+        (the re-execution, its compute seconds)."""
+        k = self.cfg.trust.commit_every
+        t0 = time.perf_counter()
+        points = len(verify.commitment_steps(task.inner_steps, k))
+        self._reexecuting = task.task_id  # a stop signal cuts it short (`_on_signal`)
+        try:
+            if self.stop.is_set():
+                raise Stopping(f"stopped before the re-execution of task {task.task_id}")
+            mine = verify.reexecute(
+                self.strategy,
+                start,
+                self._batch_fn(task),
+                task.inner_steps,
+                k,
+                range(points),
+                previous_end=local.pop("previous_end"),
+                previous_accepted=task.previous_accepted,
+                spill_dir=spill,
+                consume_previous_end=True,
+            )
+        finally:
+            self._reexecuting = None
+        # the gradients, the inner moments (3 model sizes) and the strategy's hold on the
+        # start weights are not needed to compare; the next begin_round resets them anyway
+        self.strategy.free_round_memory(optimizer=True, start=True)
+        return mine, time.perf_counter() - t0
+
+    def _claimed_end(
+        self, task: schemas.VerifyTask, mine: verify.Reexecution, start: TrainState
+    ) -> verify.Commitment | None:
+        """The commitment to the end state the worker named (the next round starts from
+        it). When the re-execution's end state has the content id the worker named
+        (`Reexecution.end_cid`: bit-identical), the named bytes are this recomputation and
+        nothing travels. Otherwise (an honest re-execution on another thread count, or a
+        forged end state) the named state is fetched from the worker's providers, to be
+        compared within the tolerance; an unusable one is an impossible commitment. None
+        for a strategy that carries no local state; Undelivered as `_fetch_evidence`."""
+        if task.end_state_cid is None:
+            return None
+        if mine.end_cid == task.end_state_cid:
+            return mine.end
+        log.info(
+            "[%s - round %d] %s's end state is not this re-execution's bit for bit: fetching it",
+            self.name, task.round, task.peer_id[:8],
+        )  # fmt: skip
+        providers = task.providers or [self.opts.coordinator]
+        deadline = time.monotonic() + self._evidence_deadline(task.end_state_size or 0)
+        template = self.strategy.evidence_layout()  # shapes only: no zeros made
+        with self._fetched(task.end_state_cid, providers, task.end_state_size, deadline) as path:
+            try:
+                end = verify.local_state_from_file(path, template)
+                return evidence_commitment(self.strategy, end, start, task.inner_steps)
+            except ValueError as e:
+                log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
+                return verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()})
+
+    def _evidence_deadline(self, evidence_bytes: int) -> float:
+        """Seconds a fetch of `evidence_bytes` of a worker's evidence is asked for."""
+        limits, trust = self.cfg.limits, self.cfg.trust
+        return evidence_deadline_s(limits.request_timeout_s, evidence_bytes, trust.evidence_mbps)
 
     def _keep_head(self, where: str) -> None:
         """Keep the ledger's signed head as it is now (GET /v1/ledger/head), which holds
@@ -356,69 +406,43 @@ class Validator:
         )
 
     def _local_states(
-        self, task: schemas.VerifyTask, start: TrainState, providers: list[str], store: BlobStore
+        self, task: schemas.VerifyTask, providers: list[str], store: BlobStore
     ) -> dict[str, Any]:
-        """The local-state chain: the worker's committed local states, fetched from
-        `providers` by content id (the fetch checks the hash): "previous_end", the end state
-        of its previous round, which this round starts from (None: a fresh start; its file
-        stays in `store` as "previous_end_path" for a dispute), and "claimed_end", the
-        commitment to its end state of this round (None: the strategy carries none). A
-        start that is not a local state of this run re-executes from a fresh start
-        (commitment 0 then disagrees: the worker could not have trained from it); an
-        unusable end state becomes an impossible commitment (a malformed claim).
-        Undelivered when the providers do not deliver a state within the deadline."""
-        template = self.strategy.evidence_layout()  # shapes only: no zeros made
-        wanted = [
-            (cid, size)
-            for cid, size in (
-                (task.end_state_cid, task.end_state_size),
-                (task.local_state_cid, task.local_state_size),
-            )
-            if cid is not None
-        ]
-        deadline = time.monotonic() + evidence_deadline_s(
-            self.cfg.limits.request_timeout_s, sum(size or 0 for _, size in wanted)
-        )
-        # the end state first, reduced to its commitment: never two local states at once
-        claimed_end = None
-        if task.end_state_cid is not None:
-            with self._fetched(
-                task.end_state_cid, providers, task.end_state_size, deadline
-            ) as path:
-                try:
-                    end = verify.local_state_from_file(path, template)
-                    claimed_end = evidence_commitment(self.strategy, end, start, task.inner_steps)
-                    del end  # only its commitment is needed
-                except ValueError as e:
-                    log.warning("[%s] task %d: end state unusable: %s", self.name, task.task_id, e)
-                    claimed_end = verify.Commitment(-1, "0" * 64, {"params": (), "optim": ()})
+        """The local-state chain's start: the worker's committed end state of its previous
+        round, which this round starts from, fetched from `providers` by content id (the
+        fetch checks the hash): "previous_end" (None: a fresh start; its file stays in
+        `store` as "previous_end_path" for a dispute). A start that is not a local state
+        of this run re-executes from a fresh start (commitment 0 then disagrees: the
+        worker could not have trained from it). Undelivered when the providers do not
+        deliver it within the deadline."""
         previous_end, previous_path = None, None
         if task.local_state_cid is not None:
+            deadline = time.monotonic() + self._evidence_deadline(task.local_state_size or 0)
             previous_path = self._fetch_evidence(
                 store, task.local_state_cid, providers, task.local_state_size, deadline
             )
             try:
+                template = self.strategy.evidence_layout()  # shapes only: no zeros made
                 previous_end = verify.local_state_from_file(previous_path, template)
             except ValueError as e:
                 log.warning("[%s] task %d: start state unusable: %s", self.name, task.task_id, e)
-        return {
-            "previous_end": previous_end,
-            "claimed_end": claimed_end,
-            "previous_end_path": previous_path,
-        }
+        return {"previous_end": previous_end, "previous_end_path": previous_path}
 
     def _fetch_evidence(
         self, store: BlobStore, cid: str, providers: list[str], size: int | None, deadline: float
     ) -> Path:
         """One evidence blob from `providers` into `store`, asked again until `deadline`
-        (time.monotonic()); Undelivered when it has not come by then. A transfer under way
+        (time.monotonic()); Undelivered when it has not come by then, Stopping when this
+        validator stops first (a stopping validator attests nothing). A transfer under way
         at the deadline is let finish (the blob client's own timeouts bound it)."""
         while True:
             try:
                 return self.blobs.fetch_into(store, cid, providers, size=size)
             except BlobError as e:
+                if self.stop.is_set():  # this validator stops: it attests nothing
+                    raise Stopping(f"stopped while fetching evidence {cid[:12]}") from None
                 left = deadline - time.monotonic()
-                if left <= 0 or self.stop.is_set():
+                if left <= 0:
                     raise Undelivered(
                         f"local state {cid[:12]} not delivered by {len(providers)} provider(s) "
                         f"within the evidence deadline: {e}"

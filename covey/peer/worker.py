@@ -45,6 +45,7 @@ from typing import Any
 
 from covey.algorithms import Contribution, TrainState
 from covey.blobs import BlobServer, BlobStore
+from covey.blobs.pacing import Pacer, mbps_to_bytes_s
 from covey.devices import peer_compute_line
 from covey.memory import bound_heap, shapes_only
 from covey.peer import group
@@ -114,6 +115,7 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self._served_state: str | None = None
         self._published: list[str] = []
         self._pinned: dict[str, int] = {}  # drawn contributions' evidence (worker_publish)
+        self._evidence: set[str] = set()  # its served end states: sent paced (worker_publish)
         self._transfer: Transfer[Finished] | None = None  # the last round's, in flight
         self._waited: str | None = None  # the round tag a "waiting" saw (covey.peer.worker_state)
         self._train_ended: float | None = None  # when the last round's training ended
@@ -162,7 +164,12 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self.heads = HeadKeeper(store_dir, self.run_id, self.coordinator_key)
         blob_url = None
         if self.opts.serve_blobs:
-            self.server = BlobServer(self.store, self.opts.blob_host, self.opts.blob_port)
+            # evidence goes at the run's paced rate, its payloads at once (covey.blobs.pacing)
+            pacer = Pacer(mbps_to_bytes_s(self.cfg.trust.evidence_mbps))
+            self.server = BlobServer(
+                self.store, self.opts.blob_host, self.opts.blob_port,
+                pacer=pacer, paced=self._evidence.__contains__,
+            )  # fmt: skip
             url = self.server.start()
             host = self.opts.advertise_host
             blob_url = url if host is None else url.replace(self.opts.blob_host, host, 1)

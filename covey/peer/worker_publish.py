@@ -32,6 +32,7 @@ class Publishing:
     _local: LocalStates | None
     _published: list[str]
     _pinned: dict[str, int]  # a drawn contribution's evidence (cid -> its round)
+    _evidence: set[str]  # the end states served: the blob server paces them
     name: str
     opts: Any
     store: Any
@@ -62,6 +63,7 @@ class Publishing:
             old = self._published.pop(0)
             if old not in self._published and old not in self._pinned:
                 self.store.delete(old)
+                self._evidence.discard(old)
         if self.server is None:
             self.blobs.upload(
                 self.opts.coordinator, payload, cid, signer=(self.identity, self.run_id)
@@ -75,6 +77,7 @@ class Publishing:
             else:
                 if end_path is not None and end_path.exists():  # sealed: moved into the store
                     self.store.adopt(end_path, end_cid)
+                self._evidence.add(end_cid)  # served at the run's paced rate
                 self._published.append(end_cid)
             if self.server is None and end_cid in self._published:
                 self.blobs.upload(
@@ -145,6 +148,7 @@ class Publishing:
                 del self._pinned[cid]
                 if cid not in self._published:
                     self.store.delete(cid)
+                    self._evidence.discard(cid)
 
     def _payload(self, info: schemas.RoundInfo, c: Contribution) -> bytes | None:
         """The bytes published for contribution `c` (None: nothing to send this round)."""

@@ -7,7 +7,6 @@ slowdown. Mixed into covey.peer.worker.Worker, whose attributes it uses.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ STEP_PROBE_WARMUP = 2  # untimed passes before the step-time probe at join
 
 def verify_local_metadata() -> dict[str, str]:
     """The safetensors metadata `verify.local_state_to_bytes` writes (its format tag)."""
-    return {"covey": json.dumps({"format": verify.LOCAL_STATE_FORMAT}, sort_keys=True)}
+    return verify.local_state_metadata()
 
 
 class Training:

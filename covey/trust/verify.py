@@ -51,7 +51,13 @@ from covey.config import TrustConfig
 from covey.memory import all_finite
 from covey.models.randomness import step_rng
 from covey.trust.committer import Committer
-from covey.trust.evidence import evidence_commitment
+from covey.trust.evidence import (  # the local state on the wire: re-exported here
+    LOCAL_STATE_FORMAT,
+    evidence_commitment,
+    evidence_of,
+    local_state_cid,
+    local_state_metadata,
+)
 from covey.trust.sketch import (
     HEX64,
     Commitment,
@@ -60,7 +66,6 @@ from covey.trust.sketch import (
 )
 
 BatchFn = Callable[[int], torch.Tensor]  # inner step (0-based, within the round) -> batch
-LOCAL_STATE_FORMAT = "covey-local-state-1"
 DEFAULT_TOLERANCE: float = TrustConfig.model_fields["tolerance"].default
 
 
@@ -98,6 +103,10 @@ class Reexecution:
     # the local-state chain: the local state after make_contribution (step = steps); None
     # when the strategy carries no local state (no end state is committed)
     end: Commitment | None = None
+    # the content id of that end state as a worker publishes it (`evidence_cid`): equal to
+    # the end_state_cid a worker named, it ties the named bytes to this re-execution
+    # exactly, and nobody fetches them
+    end_cid: str | None = None
 
 
 class SpilledStates(Mapping[int, dict[str, torch.Tensor]]):
@@ -216,10 +225,12 @@ def reexecute(
     carries = strategy.carries_local_state
     strategy.free_round_memory(optimizer=not carries)
     payload = strategy.make_contribution().payload
-    end = None
+    end, end_cid = None, None
     if carries:
-        end = evidence_commitment(strategy, strategy.local_state(copy=False), start_state, steps)
-    return Reexecution(payload, committer.commitments, states, steps, commit_every, end)
+        local = strategy.local_state(copy=False)
+        end = evidence_commitment(strategy, local, start_state, steps)
+        end_cid = local_state_cid(evidence_of(strategy, local))
+    return Reexecution(payload, committer.commitments, states, steps, commit_every, end, end_cid)
 
 
 @dataclass(frozen=True)
@@ -408,8 +419,7 @@ def segment_end(
 def local_state_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
     """A local state as safetensors bytes (names sorted: equal states give equal bytes)."""
     tensors = {k: state[k].detach().contiguous().cpu() for k in sorted(state)}
-    meta = json.dumps({"format": LOCAL_STATE_FORMAT}, sort_keys=True)
-    return st_save(tensors, metadata={"covey": meta})
+    return st_save(tensors, metadata=local_state_metadata())
 
 
 def local_state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
@@ -417,8 +427,7 @@ def local_state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
     state is GBs: the coordinator only needs its size for the upload gate)."""
     from covey.protocol.checkpoint import safetensors_nbytes
 
-    meta = json.dumps({"format": LOCAL_STATE_FORMAT}, sort_keys=True)
-    return safetensors_nbytes(state, {"covey": meta})
+    return safetensors_nbytes(state, local_state_metadata())
 
 
 def local_state_from_bytes(

@@ -33,7 +33,10 @@ from covey.trust.ledger import LedgerError
 if TYPE_CHECKING:
     from covey.trust.policy import Account
 
-EVIDENCE_BYTES_S = 1 << 20  # the slowest rate a worker's providers may serve its evidence at
+# how many fetches of a worker's evidence a validator allows for sharing the worker's paced
+# rate (trust.evidence_mbps) when it sets its deadline: the two validators that check a new
+# worker's contribution fetch at once
+EVIDENCE_FETCHERS = 2
 # a worker keeps a drawn contribution's evidence for this many rounds (covey.peer.
 # worker_publish: its receipt says it was drawn); a check claimed later may find it gone
 EVIDENCE_KEEP_ROUNDS = 32
@@ -41,11 +44,14 @@ WITHHOLD_ATTESTATIONS = 2  # distinct validators that must attest non-delivery
 REPORT_PATH = "/v1/verify/report"
 
 
-def evidence_deadline_s(request_timeout_s: float, evidence_bytes: int) -> float:
+def evidence_deadline_s(
+    request_timeout_s: float, evidence_bytes: int, evidence_mbps: float
+) -> float:
     """How long a drawn validator keeps asking a worker's providers for its evidence
-    (`evidence_bytes`, the local states its check needs) before it attests non-delivery:
-    one request timeout plus the bytes at `EVIDENCE_BYTES_S`."""
-    return request_timeout_s + evidence_bytes / EVIDENCE_BYTES_S
+    (`evidence_bytes`, the local state its check needs) before it attests non-delivery:
+    one request timeout plus the bytes at the worker's paced rate (`evidence_mbps`, the
+    run's trust.evidence_mbps) shared by EVIDENCE_FETCHERS fetches."""
+    return request_timeout_s + evidence_bytes * 8 * EVIDENCE_FETCHERS / (evidence_mbps * 1e6)
 
 
 def attestation_fault(
