@@ -50,7 +50,10 @@ from covey.swarm.wire import (
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.swarm.server")
-BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale")
+BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale", "subtle")
+#: "subtle": one request in SUBTLE_EVERY is answered with noise of SUBTLE_NOISE of the
+#: output's spread (a relative L2 error of about that: twice the default tolerance)
+SUBTLE_EVERY, SUBTLE_NOISE = 5, 0.1
 MAX_BODY = 64 << 20
 
 
@@ -343,7 +346,7 @@ class StageServer:
                         s.samples = kept[0]
                         for p, g in zip(s.params, kept[1], strict=True):
                             p.grad = g
-                reply = misbehave(self.behavior, kind, out, self.cfg.codec)
+                reply = misbehave(self.behavior, kind, out, self.cfg.codec, body)
                 busy = time.perf_counter() - t0
                 extra = (self.slowdown - 1) * busy + self.slowdown * self.emulate_s
                 if extra > 0:
@@ -359,11 +362,16 @@ class StageServer:
             self.waiting -= 1
 
 
-def misbehave(behavior: str, kind: str, reply: bytes, codec: str) -> bytes:
-    """An adversary's version of an honest reply: random outputs ("wrong"), outputs plus
-    noise of half their spread ("noise"), zero input gradients and sketch on backward
-    ("zero"). "honest" and "stale" (old weights, claimed current) return it unchanged."""
+def misbehave(behavior: str, kind: str, reply: bytes, codec: str, request: bytes = b"") -> bytes:
+    """An adversary's version of an honest reply to `request`: random outputs ("wrong"),
+    outputs plus noise of half their spread ("noise"), zero input gradients and sketch on
+    backward ("zero"), and, for one request in SUBTLE_EVERY (chosen by the request's
+    sha256, so a duplicate of it is answered alike), outputs plus noise of SUBTLE_NOISE of
+    their spread ("subtle"). "honest" and "stale" (old weights, claimed current) and the
+    requests "subtle" leaves alone return it unchanged."""
     if behavior in ("honest", "stale"):
+        return reply
+    if behavior == "subtle" and int(sha(request)[:8], 16) % SUBTLE_EVERY:
         return reply
     out, meta = unpack(reply, 2)
     meta_d = json.loads(meta)
@@ -377,6 +385,8 @@ def misbehave(behavior: str, kind: str, reply: bytes, codec: str) -> bytes:
         x = torch.randn_like(x)
     elif behavior == "noise":
         x = x + 0.5 * x.std() * torch.randn_like(x)
+    elif behavior == "subtle":
+        x = x + SUBTLE_NOISE * x.std() * torch.randn_like(x)
     elif behavior == "zero" and kind == "backward":
         x = torch.zeros_like(x)
     payload = (
