@@ -137,7 +137,9 @@ class PayDesk:
             except Rejected as e:  # the state is nowhere to be had: not verified, not paid
                 return f"refused: spot check impossible: {e.message}"
             if verdict["liars"]:
-                self._convict(check.stage, "spot check", verdict, reporter)
+                # the other server's reply agreed with the lie: a missed fraud (payouts)
+                agreed = [s for s in check.servers if s in verdict["honest"]]
+                self._convict(check.stage, "spot check", verdict, reporter, agreed)
                 return f"refused: spot check convicted {', '.join(verdict['liars'])}"
             if len(verdict["honest"]) != 2:
                 return f"refused: spot check inconclusive: {verdict['detail']}"
@@ -219,15 +221,26 @@ class PayDesk:
                 self._verdicts.pop(next(iter(self._verdicts)))
         return verdict
 
-    def _convict(self, stage: int, kind: str, verdict: dict[str, Any], reporter: str) -> None:
+    def _convict(
+        self,
+        stage: int,
+        kind: str,
+        verdict: dict[str, Any],
+        reporter: str,
+        agreed: list[str] | None = None,
+    ) -> None:
         """Slash and ban the referee's liars; their reports leave any open round (a liar's
-        gradient sum is not averaged into its stage) and their queued pay is void."""
+        gradient sum is not averaged into its stage) and their queued pay is void. `agreed`:
+        servers whose replies agreed with the lie (a spot check's), which pay a missed
+        fraud; the witness is then the reporting trainer, not them."""
         liars, honest = verdict["liars"], verdict["honest"]
         with self.lock:
             self.epoch += 1
             epoch = self.epoch
-        witness = honest[0] if honest else reporter
-        payouts.convict(self.accounts, epoch, stage, liars, witness, verdict["detail"])
+        witness = honest[0] if honest and not agreed else reporter
+        payouts.convict(
+            self.accounts, epoch, stage, liars, witness, verdict["detail"], agreed or []
+        )
         with self.lock:
             for liar in liars:
                 self.servers.pop(liar, None)
