@@ -329,8 +329,10 @@ def test_a_server_whose_reply_agreed_with_a_convicted_one_pays_a_missed_fraud(
     stake (a "missed fraud" penalty, not banned), on the ledger's own grounds, which
     `covey ledger verify` replays and which fail without the agreement entry."""
     from covey.io import audit
+    from covey.swarm.ledger_evidence import recompute_disputes
     from covey.trust.incentives import Book
     from covey.trust.ledger import LedgerError, read_entries
+    from covey.trust.swarm_evidence import check_disputes
 
     desk = Desk(tmp_path, spot_check_rate=1.0)
     try:
@@ -362,7 +364,31 @@ def test_a_server_whose_reply_agreed_with_a_convicted_one_pays_a_missed_fraud(
             ("penalty", "missed fraud", desk.pid("b")),
         ]
         assert entries[-3].payload["validator_id"] == desk.pid("t")  # the witness: the trainer
-        assert audit.verify(desk.coord.db.path).entries == len(entries)
+        report = audit.verify(desk.coord.db.path)
+        assert report.entries == len(entries) and report.swarm_convictions == 1
+        # the evidence: both signed replies, the request and the state, kept as blobs
+        ev = entries[-3].payload["evidence"]
+        assert [r["server"] for r in ev["replies"]] == [desk.pid("a"), desk.pid("b")]
+        assert ev["request"] == sha(req) and ev["state"] == desk.state
+
+        def fetch(cid: str, cap: int) -> bytes:
+            return desk.coord.blobs.get(cid)
+
+        assert recompute_disputes(entries, fetch) == 1  # the conviction stands, recomputed
+        # a coordinator that convicts b on the same evidence, its distance made up: the
+        # ledger cannot tell, the recomputation can
+        framed = {**entries[-3].payload, "peer_id": desk.pid("b"),
+                  "evidence": {**ev, "distances": {desk.pid("b"): 1.0}}}  # fmt: skip
+        forged = [*entries[:-3], dataclasses.replace(entries[-3], payload=framed)]
+        assert len(check_disputes(forged)) == 1
+        with pytest.raises(LedgerError, match="an honest server was convicted"):
+            recompute_disputes(forged, fetch)
+        # ... and one that cites a reply b never signed
+        wrong = {**ev, "replies": [ev["replies"][0], {**ev["replies"][1], "reply": sha(lie)}]}
+        forged = [*entries[:-3], dataclasses.replace(entries[-3], payload={
+            **entries[-3].payload, "evidence": wrong})]  # fmt: skip
+        with pytest.raises(LedgerError, match="not signed by it"):
+            check_disputes(forged)
         replay, kept = Book(), [e for e in entries if e.type != "verification"]
         with pytest.raises(LedgerError, match="agreed on no contribution"):
             for k, e in enumerate(kept):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from covey.coordinator.accounts import Accounts
 from covey.coordinator.checks import Checks
@@ -61,12 +62,14 @@ def convict(
     witness: str,
     detail: str,
     agreed: Sequence[str] = (),
+    proof: dict[str, Any] | None = None,
 ) -> list[str]:
     """A "dispute" (fraud; `witness`, the honest server or the trainer, as its validator)
     and a "slash" (slash_fraction of stake; the Book bans the peer) per liar not banned
     yet; then, for each server in `agreed` (its reply agreed with a liar's: a spot check),
     a "verification" agreeing on the liar's item and the missed-fraud penalty it costs (see
-    the module). Returns the liars convicted now."""
+    the module). `proof`: the dispute's evidence (covey.trust.swarm_evidence), if kept.
+    Returns the liars convicted now."""
     now = time.time()
     done = []
     with accounts.transaction() as c:
@@ -83,7 +86,8 @@ def convict(
             accounts.append(
                 c, "dispute",
                 {"round": epoch, "peer_id": liar, "validator_id": witness, "segment": stage,
-                 "outcome": "fraud", "detail": detail[:200]},
+                 "outcome": "fraud", "detail": detail[:200],
+                 **({"evidence": proof} if proof is not None else {})},
                 now,
             )  # fmt: skip
             accounts.append(

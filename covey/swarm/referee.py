@@ -99,4 +99,11 @@ class Referee:
         liars = sorted(s for s, d in dist.items() if not d <= cfg.tolerance)
         honest = sorted(s for s, d in dist.items() if d <= cfg.tolerance)
         detail = ", ".join(f"{s[:8]}: {d:.3g}" for s, d in sorted(dist.items()))
-        return {"liars": liars, "honest": honest, "detail": f"{kind} stage {k}: {detail}"}
+        return {"liars": liars, "honest": honest, "detail": f"{kind} stage {k}: {detail}",
+                "distances": dist}  # fmt: skip
+
+    def state_bytes(self, state: str) -> bytes | None:
+        """The bytes of the stage state the last settled dispute was recomputed on (kept
+        as a conviction's evidence), or None."""
+        with self._lock:
+            return self._states.get(state)
