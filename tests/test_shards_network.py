@@ -294,6 +294,7 @@ def test_the_round_driver_certifies_a_sharded_round_bit_exactly_and_slashes_a_li
         assert a.bytes_read <= a.shards_computed * (total / 4 + 2 * 64), (a.bytes_read, total)
     # a peer refuses the liar's wrong shard, fetched from the liar's own server
     lying = next(a for a in aggs.workers if a.identity.peer_id == liar)
+    assert lying.lies >= 1  # its wrong shards were taken, then caught
     bad = [c for c in lying.store.cids()]
     assert bad, "the liar published nothing"
     for c in bad:

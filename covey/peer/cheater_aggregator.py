@@ -61,7 +61,8 @@ class LyingAggregator(ShardAggregator):
             raise ValueError(f"lying aggregator mode {mode!r} must be one of {MODES}")
         self.mode = mode
         self._publishing = False
-        self.lies = 0  # wrong shards published
+        self._wrong: set[tuple[int, int]] = set()  # (round, shard) computed wrong
+        self.lies = 0  # wrong shards the coordinator took (publishes accepted)
 
     def work(self, round: int, start_state: TrainState) -> list[str]:
         self._publishing = True  # `compute` is called for publishes and checks alike
@@ -69,6 +70,12 @@ class LyingAggregator(ShardAggregator):
             return super().work(round, start_state)
         finally:
             self._publishing = False
+
+    def _post(self, round: int, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        answer = super()._post(round, action, body)
+        if action == "publish" and answer.get("ok") and (round, body["index"]) in self._wrong:
+            self.lies += 1
+        return answer
 
     def compute(
         self, board: dict[str, Any], index: int, start_state: TrainState
@@ -84,6 +91,6 @@ class LyingAggregator(ShardAggregator):
         else:
             p = nudged(p, seed=board["round"] * 1009 + index)
         self.last_reads = reads
-        self.lies += 1
+        self._wrong.add((board["round"], index))
         start = board["shards"][index]["start"]
         return p, m, shard_hash(board["round"], index, start, p, m)
