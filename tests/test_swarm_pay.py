@@ -380,9 +380,17 @@ def test_a_server_whose_reply_agreed_with_a_convicted_one_pays_a_missed_fraud(
         framed = {**entries[-3].payload, "peer_id": desk.pid("b"),
                   "evidence": {**ev, "distances": {desk.pid("b"): 1.0}}}  # fmt: skip
         forged = [*entries[:-3], dataclasses.replace(entries[-3], payload=framed)]
+        with pytest.raises(LedgerError, match="no SWARM conviction of"):  # b "agreed" with a
+            check_disputes(forged)
+        forged = [*entries[:-4], dataclasses.replace(entries[-3], payload=framed)]
         assert len(check_disputes(forged)) == 1
         with pytest.raises(LedgerError, match="an honest server was convicted"):
             recompute_disputes(forged, fetch)
+        # ... one that writes b as agreeing with a's item with no conviction behind it
+        bare = [*entries[:-3], dataclasses.replace(entries[-3], payload={
+            k: v for k, v in entries[-3].payload.items() if k != "evidence"})]  # fmt: skip
+        with pytest.raises(LedgerError, match="is no validator, and no SWARM conviction"):
+            check_disputes(bare)
         # ... and one that cites a reply b never signed
         wrong = {**ev, "replies": [ev["replies"][0], {**ev["replies"][1], "reply": sha(lie)}]}
         forged = [*entries[:-3], dataclasses.replace(entries[-3], payload={

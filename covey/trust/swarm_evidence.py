@@ -69,16 +69,23 @@ class SwarmVerdict:
 
 def check_disputes(entries: Sequence[Entry]) -> list[SwarmVerdict]:
     """Every "dispute" that carries SWARM evidence, checked against the ledger (see the
-    module): their verdicts, or LedgerError naming the first whose evidence does not hold."""
+    module): their verdicts, or LedgerError naming the first whose evidence does not hold.
+    A "verification" naming a peer that is no validator (only SWARM writes one: a stage
+    server whose reply agreed with a convicted one) must be backed by such a dispute of
+    the same item whose evidence holds that server's reply; else LedgerError naming it."""
     keys: dict[str, str] = {}
+    roles: dict[str, str] = {}
     agreed: dict[tuple[int, str], set[str]] = {}  # (round, peer) -> who agreed on it
+    unbacked: dict[tuple[int, str, str], int] = {}  # (round, peer, server) -> entry index
     verdicts = []
     for e in entries:
         p = e.payload
         if e.type == "join":
-            keys[p["peer_id"]] = p["public_key"]
+            keys[p["peer_id"]], roles[p["peer_id"]] = p["public_key"], p.get("role", "")
         elif e.type == "verification" and p.get("outcome") == "agree":
             agreed.setdefault((p["round"], p["peer_id"]), set()).add(p["validator_id"])
+            if roles.get(p["validator_id"], "validator") != "validator":
+                unbacked.setdefault((p["round"], p["peer_id"], p["validator_id"]), e.index)
         elif (
             e.type == "dispute"
             and isinstance(ev := p.get("evidence"), dict)
@@ -86,13 +93,22 @@ def check_disputes(entries: Sequence[Entry]) -> list[SwarmVerdict]:
         ):
             v = _check(e, keys)
             # a missed fraud needs the agreeing server's reply among the evidence's
-            others = agreed.get((p["round"], v.liar), set()) - {s for s, _ in v.replies}
+            servers = {s for s, _ in v.replies}
+            others = agreed.get((p["round"], v.liar), set()) - servers
             if others:
                 raise LedgerError(
                     e.index, f"conviction of stage server {v.liar}: {sorted(others)[0]} is "
                     "written as agreeing with it, but no reply of it is in the evidence",
                 )  # fmt: skip
+            for s in servers:
+                unbacked.pop((p["round"], v.liar, s), None)
             verdicts.append(v)
+    if unbacked:
+        (r, peer, server), i = min(unbacked.items(), key=lambda x: x[1])
+        raise LedgerError(
+            i, f"verification: {server} is no validator, and no SWARM conviction of {peer} "
+            f"in round {r} holds a reply of it",
+        )  # fmt: skip
     return verdicts
 
 
