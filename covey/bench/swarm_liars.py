@@ -19,6 +19,7 @@ trainer used, number about 1 / verify_rate - 1.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -99,6 +100,7 @@ def run_trial(verify_rate: float, seconds: float, echo: Callable[[str], None]) -
         return row
     finally:
         swarm.close()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def run_swarm_liars_bench(
