@@ -50,10 +50,12 @@ from covey.swarm.wire import (
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.swarm.server")
-BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale", "subtle")
-#: "subtle": one request in SUBTLE_EVERY is answered with noise of SUBTLE_NOISE of the
-#: output's spread (a relative L2 error of about that: twice the default tolerance)
-SUBTLE_EVERY, SUBTLE_NOISE = 5, 0.1
+BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale", "subtle", "shade")
+#: "subtle": one request in SUBTLE_EVERY is answered with an error of relative L2
+#: SUBTLE_NOISE (1.4x the default tolerance) along a direction drawn from the request's
+#: hash; "shade", its accomplice, answers the same requests with SHADE of that error: within
+#: the tolerance of the truth and of the liar's reply, so a check pairing the two agrees
+SUBTLE_EVERY, SUBTLE_NOISE, SHADE = 5, 0.07, 0.5
 MAX_BODY = 64 << 20
 
 
@@ -366,12 +368,13 @@ def misbehave(behavior: str, kind: str, reply: bytes, codec: str, request: bytes
     """An adversary's version of an honest reply to `request`: random outputs ("wrong"),
     outputs plus noise of half their spread ("noise"), zero input gradients and sketch on
     backward ("zero"), and, for one request in SUBTLE_EVERY (chosen by the request's
-    sha256, so a duplicate of it is answered alike), outputs plus noise of SUBTLE_NOISE of
-    their spread ("subtle"). "honest" and "stale" (old weights, claimed current) and the
-    requests "subtle" leaves alone return it unchanged."""
+    sha256, so a duplicate of it is answered alike), outputs moved SUBTLE_NOISE of their
+    norm along a direction seeded by that hash ("subtle"), or SHADE of that move ("shade",
+    the same direction). "honest" and "stale" (old weights, claimed current) and the
+    requests "subtle" and "shade" leave alone return it unchanged."""
     if behavior in ("honest", "stale"):
         return reply
-    if behavior == "subtle" and int(sha(request)[:8], 16) % SUBTLE_EVERY:
+    if behavior in ("subtle", "shade") and int(sha(request)[:8], 16) % SUBTLE_EVERY:
         return reply
     out, meta = unpack(reply, 2)
     meta_d = json.loads(meta)
@@ -385,8 +388,11 @@ def misbehave(behavior: str, kind: str, reply: bytes, codec: str, request: bytes
         x = torch.randn_like(x)
     elif behavior == "noise":
         x = x + 0.5 * x.std() * torch.randn_like(x)
-    elif behavior == "subtle":
-        x = x + SUBTLE_NOISE * x.std() * torch.randn_like(x)
+    elif behavior in ("subtle", "shade"):
+        g = torch.Generator().manual_seed(int(sha(request)[8:23], 16))
+        way = torch.randn(x.shape, generator=g, dtype=torch.float32).to(x.dtype)
+        size = SUBTLE_NOISE * (SHADE if behavior == "shade" else 1.0)
+        x = x + size * x.norm() * way / way.norm()
     elif behavior == "zero" and kind == "backward":
         x = torch.zeros_like(x)
     payload = (
