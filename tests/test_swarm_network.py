@@ -122,7 +122,7 @@ def _accumulated(url: str) -> list[int]:
     "behavior",
     [
         "noise",
-        # one request in five answered slightly wrong (twice the tolerance): caught on the
+        # one request in five answered slightly wrong (1.4x the tolerance): caught on the
         # first such request that is also a duplicated hop (verify_rate 0.5 here)
         "subtle",
         # claims each agreed state but keeps its first weights: its replies differ from

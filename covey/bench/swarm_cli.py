@@ -121,7 +121,7 @@ def register(bench_app: Any) -> None:
         json_path: Annotated[Path | None, typer.Option("--json", help="write the rows")] = None,
         log_json: Annotated[bool, LOG_JSON] = False,
     ) -> None:
-        """A stage server that answers 1 request in 5 slightly wrong (twice the tolerance),
+        """A stage server that answers 1 request in 5 slightly wrong (1.4x the tolerance),
         beside an honest one: per trial, the microbatches, checks and lies until the referee
         convicts and bans it, and whether `covey ledger verify --recompute` recomputes it."""
         say = bench_say(log_json, "swarm-liars")

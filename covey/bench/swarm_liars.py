@@ -2,7 +2,7 @@
 
 Each trial starts a swarm coordinator and four stage servers as processes on 127.0.0.1
 (a0, a1 on stage 0; b0 honest and b1 "subtle" on stage 1: one request in SUBTLE_EVERY,
-chosen by the request's hash, answered with noise of twice the tolerance,
+chosen by the request's hash, answered with an error of 1.4x the tolerance,
 covey.swarm.server.misbehave); this process is the trainer, at the run's `verify_rate`.
 It trains until the liar is banned (the referee convicted it on a duplicated hop whose
 replies disagreed) or `seconds` pass. Per trial: microbatches, checks and the liar's
