@@ -18,6 +18,7 @@ MAX_LINES = 500
 ADVERSARY = {
     "covey.peer.adversary",
     "covey.peer.cheater",
+    "covey.peer.cheater_aggregator",
     "covey.peer.house",
     "covey.rl.cheats",
     "covey.rl.cheater",

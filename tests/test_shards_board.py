@@ -128,6 +128,22 @@ def test_a_lying_aggregator_is_slashed_and_its_shards_pass_on() -> None:
         check_certificate({**cert, "round": 4}, run.coordinator.public_key)
 
 
+def test_a_convicted_liar_loses_the_turns_it_has_not_used_at_once() -> None:
+    """A liar caught on its first publish holds other shards it has not published yet:
+    they pass to the next aggregator now, not after shard_publish_timeout_s."""
+    run = Run()
+    firsts = Counter(run.shard(s)["aggregator"] for s in range(4))
+    liar = firsts.most_common(1)[0][0]
+    mine = [s for s in range(4) if run.shard(s)["aggregator"] == liar]
+    assert len(mine) >= 2
+    run.board.publish(3, run.signed(liar, "publish", index=mine[0], hash="f" * 64, url="u"))
+    checker = run.shard(mine[0])["checker"]
+    body = run.signed(checker, "check", index=mine[0], hash=run.truth[mine[0]])
+    assert run.board.check(3, body, 1.0)["outcome"] == "fraud"
+    assert all(run.shard(s)["aggregator"] not in (liar, None) for s in range(4))
+    assert run.board.expire(3, 2.0) == []  # nothing waits on a timeout
+
+
 def test_a_publish_must_name_the_bytes_it_read() -> None:
     """A hole once open: a liar could name bytes it never read and so void its own
     slash under `covey ledger verify --recompute`. With the coordinator's digest of the

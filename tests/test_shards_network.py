@@ -5,7 +5,8 @@ Three staked validator keys join; two workers (this process, signed requests) su
 contributions to round 0. The round is above `sharded_above_peers`, so the driver does not
 aggregate: it opens the shard board, and the three aggregators (polling `GET /v1/shards`)
 compute its 4 shards, each reading only its shards' byte ranges of the contributions and
-serving its new shards from its own blob server. One of them lies: the drawn checker
+serving its new shards from its own blob server. One of them lies (it leaves one worker's
+payload out of its shards, covey.peer.cheater_aggregator): the drawn checker
 catches it, the referee recomputes the shard, the liar is slashed (ledger) and its shards
 pass on; the driver assembles the certified shards and commits round 0 with the weights
 hash of the unsharded `apply_round`, bit for bit. A peer assembles the same state shard by
@@ -33,12 +34,12 @@ from covey.cli import app
 from covey.io import audit
 from covey.local.cluster import LocalCluster
 from covey.peer.aggregator import (
-    ShardAggregator,
     certified_shard,
     check_certificate,
     fetch_certified_state,
     shard_purpose,
 )
+from covey.peer.cheater_aggregator import LyingAggregator
 from covey.peer.client import CoordinatorClient
 from covey.peer.runsetup import set_up_run
 from covey.protocol.content import content_id
@@ -141,7 +142,7 @@ class Aggregators:
             self.servers.append(server)
             url = server.start()
             self.workers.append(
-                ShardAggregator(
+                LyingAggregator(  # honest until it is picked as the liar
                     cluster.url,
                     k,
                     cluster.run_id,
@@ -159,7 +160,7 @@ class Aggregators:
         for t in self.threads:
             t.start()
 
-    def _loop(self, agg: ShardAggregator, template: Any) -> None:
+    def _loop(self, agg: LyingAggregator, template: Any) -> None:
         http = httpx.Client(base_url=agg.coordinator, timeout=20, trust_env=False)
         agg.ready()  # in the draw from now on
         with self._lock:
@@ -170,7 +171,8 @@ class Aggregators:
             with self._lock:
                 if not self.liar and (board := _json_if_ok(http, "/v1/shards")):
                     self.liar = board["shards"][0]["aggregator"]
-        agg.lie = agg.identity.peer_id == self.liar
+        if agg.identity.peer_id == self.liar:
+            agg.mode = "drop"  # leaves one worker's payload out of every shard it publishes
         while not self.stop.wait(0.2):
             try:
                 agg.poll(template)
@@ -292,6 +294,7 @@ def test_the_round_driver_certifies_a_sharded_round_bit_exactly_and_slashes_a_li
         assert a.bytes_read <= a.shards_computed * (total / 4 + 2 * 64), (a.bytes_read, total)
     # a peer refuses the liar's wrong shard, fetched from the liar's own server
     lying = next(a for a in aggs.workers if a.identity.peer_id == liar)
+    assert lying.lies >= 1  # its wrong shards were taken, then caught
     bad = [c for c in lying.store.cids()]
     assert bad, "the liar published nothing"
     for c in bad:

@@ -169,6 +169,31 @@ def test_dispute_bodies_a_server_or_a_replay_would_send(desk: Desk) -> None:
     assert desk.coord.accounts.book.accounts[desk.pid("b")].banned
 
 
+def test_a_signed_reply_that_is_no_reply_is_convicted_with_evidence_that_verifies(
+    desk: Desk,
+) -> None:
+    """A server signs bytes that do not parse as a reply: infinitely far from the truth.
+    The verdict is still JSON (a finite stand-in distance), the conviction keeps its
+    evidence, and `covey ledger verify` checks and recomputes it."""
+    from covey.io import audit
+    from covey.swarm.ledger_evidence import recompute_disputes
+    from covey.trust.ledger import read_entries
+
+    req = desk.request()
+    a, b = desk.reply("a", req), desk.reply("b", req, out=b"not a reply")
+    body = {"run_id": desk.coord.run_id, "peer_id": desk.pid("t"), "stage": 0,
+            "kind": "forward", "request": base64.b64encode(req).decode(),
+            "replies": [a, b]}  # fmt: skip
+    r = desk.post("t", "/v1/swarm/dispute", body)
+    assert r.status_code == 200 and r.json()["liars"] == [desk.pid("b")], r.text
+    entries = read_entries(desk.coord.db.path)
+    (dispute,) = [e for e in entries if e.type == "dispute"]
+    assert dispute.payload["evidence"]["distances"][desk.pid("b")] > 1e20
+    assert dispute.payload["validator_id"] == desk.pid("a")  # the honest server caught it
+    assert audit.verify(desk.coord.db.path).swarm_convictions == 1
+    assert recompute_disputes(entries, lambda cid, cap: desk.coord.blobs.get(cid)) == 1
+
+
 def test_a_member_that_claims_samples_and_never_reports_is_benched() -> None:
     """A heartbeat's `pending` opens rounds; a member that never reports made every round
     wait out its timeout. After two misses in a row it is kept out for a while, and the

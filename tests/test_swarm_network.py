@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from covey.io import audit
 from covey.swarm.launch import Swarm, status, wait_for
+from covey.swarm.ledger_evidence import recompute_disputes
 from tests.swarm_helpers import SETTINGS, four_servers
 
 pytestmark = pytest.mark.network
@@ -120,6 +122,9 @@ def _accumulated(url: str) -> list[int]:
     "behavior",
     [
         "noise",
+        # one request in five answered slightly wrong (1.4x the tolerance): caught on the
+        # first such request that is also a duplicated hop (verify_rate 0.5 here)
+        "subtle",
         # claims each agreed state but keeps its first weights: its replies differ from
         # b0's once a round is applied (~20-60 s of training)
         pytest.param("stale", marks=pytest.mark.long),
@@ -149,6 +154,11 @@ def test_an_adversarial_server_is_caught_and_slashed(swarm: Swarm, behavior: str
     assert [k for k, _ in kinds] == ["dispute", "slash"]
     honest = [x["peer_id"] for x in status(swarm.url)["servers"]]  # type: ignore[index]
     assert liar["peer_id"] not in honest
+    # the conviction's evidence (both signed replies, the request, the state) is kept, and
+    # `covey ledger verify --recompute` recomputes the reply from it over HTTP
+    report = audit.verify(swarm.url, recompute=True, recomputers=[recompute_disputes])
+    assert report.swarm_convictions >= 1, report
+    assert report.swarm_recomputed == report.swarm_convictions
 
 
 @pytest.mark.long

@@ -8,6 +8,7 @@ requests), real stages, real signatures; the referee fetches states over 127.0.0
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,15 @@ from safetensors.torch import save
 
 from covey.blobs import BlobServer, BlobStore
 from covey.swarm import compute
-from covey.swarm.wire import build_stage, encode_tensor, pack, reply_message, sha, state_bytes
+from covey.swarm.wire import (
+    build_stage,
+    encode_tensor,
+    pack,
+    reply_message,
+    sha,
+    state_bytes,
+    unpack,
+)
 from covey.trust.identity import Identity
 
 SETTINGS = dict(n_layer=2, n_embd=16, n_head=2, seq_len=8, stages=2, microbatch=4,
@@ -298,5 +307,99 @@ def test_sybil_servers_without_vouched_work_get_no_vote(tmp_path: Path) -> None:
         # ... and so cannot make the honest server resync to their weights
         assert book.agreed != bogus
         assert "resync" not in beat("a", 1, honest)
+    finally:
+        desk.close()
+
+
+def _shifted(desk: Desk, request: bytes, direction: torch.Tensor, amount: float) -> bytes:
+    """The honest forward reply to `request` moved `amount` (relative L2) along `direction`."""
+    honest = compute.forward(desk.cfg, 0, desk.stage, request)
+    out, meta = unpack(honest, 2)
+    x = compute.decode_any(out).float()
+    moved = x + amount * x.norm() * direction / direction.norm()
+    return pack(encode_tensor(moved, desk.cfg.codec), meta)
+
+
+def test_a_server_whose_reply_agreed_with_a_convicted_one_pays_a_missed_fraud(
+    tmp_path: Path,
+) -> None:
+    """A spot check of agreed evidence: a's reply is 1.6x the tolerance off the truth, b's
+    shades toward it (within the tolerance of both the truth and a's). The referee
+    convicts a (slash, ban); b agreed with a lie: it loses validator_slash_fraction of its
+    stake (a "missed fraud" penalty, not banned), on the ledger's own grounds, which
+    `covey ledger verify` replays and which fail without the agreement entry."""
+    from covey.io import audit
+    from covey.swarm.ledger_evidence import recompute_disputes
+    from covey.trust.incentives import Book
+    from covey.trust.ledger import LedgerError, read_entries
+    from covey.trust.swarm_evidence import check_disputes
+
+    desk = Desk(tmp_path, spot_check_rate=1.0)
+    try:
+        req = desk.request()
+        honest = compute.forward(desk.cfg, 0, desk.stage, req)
+        shape = compute.decode_any(unpack(honest, 2)[0]).shape
+        d = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+        tol = desk.cfg.tolerance
+        lie, shade = _shifted(desk, req, d, 1.6 * tol), _shifted(desk, req, d, 0.8 * tol)
+        assert compute.reply_distance(lie, honest) > tol
+        assert compute.reply_distance(shade, honest) <= tol
+        assert compute.reply_distance(shade, lie) <= tol  # they agree: the check passes
+        book = desk.coord.accounts.book
+        stake_b = book.accounts[desk.pid("b")].stake
+        check = desk.check(req, desk.reply("a", req, out=lie), desk.reply("b", req, out=shade))
+        out = desk.report([check]).json()["checks"]
+        assert "convicted" in out[0] and desk.pid("a")[:8] in out[0], out
+        a, b = book.accounts[desk.pid("a")], book.accounts[desk.pid("b")]
+        assert a.banned and not b.banned
+        fraction = book._policy().validator_slash_fraction
+        assert fraction > 0 and b.stake == pytest.approx(stake_b * (1 - fraction))
+        assert desk.coord.unpaid == {}  # the check paid nobody
+        entries = read_entries(desk.coord.db.path)
+        kinds = [(e.type, e.payload.get("kind"), e.payload["peer_id"]) for e in entries[-4:]]
+        assert kinds == [
+            ("verification", None, desk.pid("a")),
+            ("dispute", None, desk.pid("a")),
+            ("slash", None, desk.pid("a")),
+            ("penalty", "missed fraud", desk.pid("b")),
+        ]
+        assert entries[-3].payload["validator_id"] == desk.pid("t")  # the witness: the trainer
+        report = audit.verify(desk.coord.db.path)
+        assert report.entries == len(entries) and report.swarm_convictions == 1
+        # the evidence: both signed replies, the request and the state, kept as blobs
+        ev = entries[-3].payload["evidence"]
+        assert [r["server"] for r in ev["replies"]] == [desk.pid("a"), desk.pid("b")]
+        assert ev["request"] == sha(req) and ev["state"] == desk.state
+
+        def fetch(cid: str, cap: int) -> bytes:
+            return desk.coord.blobs.get(cid)
+
+        assert recompute_disputes(entries, fetch) == 1  # the conviction stands, recomputed
+        # a coordinator that convicts b on the same evidence, its distance made up: the
+        # ledger cannot tell, the recomputation can
+        framed = {**entries[-3].payload, "peer_id": desk.pid("b"),
+                  "evidence": {**ev, "distances": {desk.pid("b"): 1.0}}}  # fmt: skip
+        forged = [*entries[:-3], dataclasses.replace(entries[-3], payload=framed)]
+        with pytest.raises(LedgerError, match="no SWARM conviction of"):  # b "agreed" with a
+            check_disputes(forged)
+        forged = [*entries[:-4], dataclasses.replace(entries[-3], payload=framed)]
+        assert len(check_disputes(forged)) == 1
+        with pytest.raises(LedgerError, match="an honest server was convicted"):
+            recompute_disputes(forged, fetch)
+        # ... one that writes b as agreeing with a's item with no conviction behind it
+        bare = [*entries[:-3], dataclasses.replace(entries[-3], payload={
+            k: v for k, v in entries[-3].payload.items() if k != "evidence"})]  # fmt: skip
+        with pytest.raises(LedgerError, match="is no validator, and no SWARM conviction"):
+            check_disputes(bare)
+        # ... and one that cites a reply b never signed
+        wrong = {**ev, "replies": [ev["replies"][0], {**ev["replies"][1], "reply": sha(lie)}]}
+        forged = [*entries[:-3], dataclasses.replace(entries[-3], payload={
+            **entries[-3].payload, "evidence": wrong})]  # fmt: skip
+        with pytest.raises(LedgerError, match="not signed by it"):
+            check_disputes(forged)
+        replay, kept = Book(), [e for e in entries if e.type != "verification"]
+        with pytest.raises(LedgerError, match="agreed on no contribution"):
+            for k, e in enumerate(kept):
+                replay.apply(dataclasses.replace(e, index=k))
     finally:
         desk.close()

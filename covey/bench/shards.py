@@ -9,6 +9,15 @@ contributions and applies them, as `covey worker` does; sharded: it fetches the 
 shard by shard); the bytes that worker downloads; the aggregators' bytes read.
 
     covey bench shards --peers 4,8,16,32 --model micro --json out.json
+
+With `--liar drop|noise`, only the sharded path runs, `--trials` rounds per peer count, each
+a fresh run (fresh keys, so a fresh beacon draw), one of the three aggregators a liar
+(covey.peer.cheater_aggregator). Per round: whether the liar was caught (slashed by the
+drawn checker's referee), how many of its first-turn shards the draw checked, how many of
+its shards the certificate still holds (its lies in the model, when it was not caught), and
+whether the certified state is the unsharded `apply_round`'s (a model kept clean).
+
+    covey bench shards --peers 4 --liar drop --trials 20 --json liars.json
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ import torch
 from covey.algorithms import Contribution
 from covey.blobs import BlobServer, BlobStore
 from covey.blobs.client import upload_headers
+from covey.coordinator.sharding import assign_shards, drawn_for_check
 from covey.local.cluster import LocalCluster
 from covey.peer.aggregator import ShardAggregator, fetch_round_shards
+from covey.peer.cheater_aggregator import LyingAggregator
 from covey.peer.client import CoordinatorClient
 from covey.peer.runsetup import set_up_run
 from covey.protocol.content import content_id
@@ -66,7 +77,7 @@ sample_rate = 0
 new_peer_rate = 0
 canary_rate = 0
 shards = {shards}
-shard_check_rate = 0.25
+shard_check_rate = {check_rate}
 {sharded}
 """
 
@@ -89,9 +100,16 @@ def until(what: str, check: Any, timeout_s: float = 300.0) -> Any:
     return got
 
 
-def one(n: int, mode: str, model: str, shards: int, tmp: Path) -> dict[str, Any]:
+CHECK_RATE = 0.25  # the default trust.shard_check_rate
+
+
+def one(
+    n: int, mode: str, model: str, shards: int, tmp: Path, liar: str | None = None
+) -> dict[str, Any]:
     sharded = "sharded_above_peers = 2" if mode == "sharded" else ""
-    spec = SPEC.format(mode=mode, n=n, model=model, shards=shards, sharded=sharded)
+    spec = SPEC.format(
+        mode=mode, n=n, model=model, shards=shards, sharded=sharded, check_rate=CHECK_RATE
+    )
     (tmp / "run.toml").write_text(spec)
     stop = threading.Event()
     with LocalCluster(tmp / "run.toml", tmp) as cluster:
@@ -115,9 +133,18 @@ def one(n: int, mode: str, model: str, shards: int, tmp: Path) -> dict[str, Any]
                 store = BlobStore(tmp / f"agg{i}")
                 servers.append(BlobServer(store))
                 url = servers[-1].start()
+                kind = LyingAggregator if i == 0 and liar else ShardAggregator
+                extra = {"mode": liar} if kind is LyingAggregator else {}
                 aggs.append(
-                    ShardAggregator(
-                        cluster.url, k, run_id, setup.strategy, setup.cfg.algorithm, store, url
+                    kind(
+                        cluster.url,
+                        k,
+                        run_id,
+                        setup.strategy,
+                        setup.cfg.algorithm,
+                        store,
+                        url,
+                        **extra,
                     )
                 )  # type: ignore[arg-type]
 
@@ -125,8 +152,10 @@ def one(n: int, mode: str, model: str, shards: int, tmp: Path) -> dict[str, Any]
                 while not stop.wait(0.05):
                     try:
                         a.poll(setup.template)
-                    except Exception as e:  # report and go on
+                    except Exception as e:  # report and go on; a banned liar stops
                         print("aggregator:", e, file=sys.stderr)
+                        if "excluded" in str(e):
+                            return
 
             for a in aggs:
                 threading.Thread(target=loop, args=(a,), daemon=True).start()
@@ -217,6 +246,9 @@ def one(n: int, mode: str, model: str, shards: int, tmp: Path) -> dict[str, Any]
             got = 8 * (bounds[-1] - bounds[0])  # params and momentum, float32
         t_done = time.monotonic() - t0
         assert digest == cert["new_hash"], "the worker's state is not the certified one"
+        caught = None
+        if liar:
+            caught = _caught(http, cluster.url, aggs, payloads, setup, cert, shards)
         stop.set()
         for a in aggs:
             a.close()
@@ -232,20 +264,81 @@ def one(n: int, mode: str, model: str, shards: int, tmp: Path) -> dict[str, Any]
             "aggregator_read_bytes": sum(a.bytes_read for a in aggs),
             "certificate_s": round(t_cert, 3),
             "worker_state_s": round(t_done, 3),
+            **(caught or {}),
         }
 
 
+def _caught(
+    http: httpx.Client,
+    url: str,
+    aggs: list[ShardAggregator],
+    payloads: dict[str, bytes],
+    setup: Any,
+    cert: dict[str, Any],
+    shards: int,
+) -> dict[str, Any]:
+    """What one round did to the liar (aggs[0]) and to the model (see the module)."""
+    liar = aggs[0]
+    me = liar.identity.peer_id
+    board = http.get("/v1/shards/0").json()
+    final = board["certificate"]
+    banned = http.get("/v1/ledger/balances").json()["accounts"][me]["banned"]
+    # the draw, recomputed from the board's public beacon: the liar's first-turn shards
+    # and which of them were drawn for a check
+    beacon = board.get("beacon")  # the board is kept a few rounds after its commit
+    drawn = None
+    if beacon is not None:
+        orders = assign_shards(beacon, 0, shards, [a.identity.peer_id for a in aggs])
+        mine = [s for s in range(shards) if orders[s][0] == me]
+        drawn = sum(drawn_for_check(beacon, 0, s, CHECK_RATE) for s in mine)
+    contributions = [
+        Contribution(payloads[a["cid"]], a["tokens"], a["inner_steps"], a["fragment"])
+        for a in cert["accepted"]
+    ]
+    clean = setup.strategy.apply_round(setup.template, contributions).digest()
+    return {
+        "liar": getattr(liar, "mode", None),
+        "lies": getattr(liar, "lies", 0),
+        "caught": bool(banned),
+        "liar_shards_drawn_for_check": drawn,
+        "liar_shards_certified": sum(s["aggregator"] == me for s in final["shards"]),
+        "model_clean": cert["new_hash"] == clean,
+    }
+
+
 def run_shards_bench(
-    peers: list[int], model: str, shards: int, json_path: Path | None
+    peers: list[int],
+    model: str,
+    shards: int,
+    json_path: Path | None,
+    liar: str | None = None,
+    trials: int = 1,
 ) -> list[dict[str, Any]]:
-    """Both paths at every peer count; rows as `one` returns them, printed as they come."""
+    """Both paths at every peer count (with `liar`: the sharded path, `trials` rounds);
+    rows as `one` returns them, printed as they come, and with a liar a summary row."""
     rows = []
+    paths = ("sharded",) if liar else ("gather", "sharded")
     for n in peers:
-        for mode in ("gather", "sharded"):
-            with tempfile.TemporaryDirectory() as d:
-                row = one(n, mode, model, shards, Path(d))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if json_path is not None:
-                json_path.write_text(json.dumps(rows, indent=1))
+        for mode in paths:
+            for _ in range(trials if liar else 1):
+                with tempfile.TemporaryDirectory() as d:
+                    row = one(n, mode, model, shards, Path(d), liar)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if json_path is not None:
+                    json_path.write_text(json.dumps(rows, indent=1))
+    if liar and rows:
+        mine = [r for r in rows if "caught" in r]
+        summary = {
+            "summary": f"lying aggregator ({liar}), 1 of 3, shard_check_rate {CHECK_RATE}",
+            "rounds": len(mine),
+            "caught": sum(r["caught"] for r in mine),
+            "caught_per_round": round(sum(r["caught"] for r in mine) / len(mine), 3),
+            "rounds_with_lies_in_model": sum(not r["model_clean"] for r in mine),
+            "lies_published": sum(r["lies"] for r in mine),
+        }
+        rows.append(summary)
+        print(json.dumps(summary), flush=True)
+        if json_path is not None:
+            json_path.write_text(json.dumps(rows, indent=1))
     return rows

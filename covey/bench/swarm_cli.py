@@ -110,3 +110,24 @@ def register(bench_app: Any) -> None:
                 f"held-out loss {r['held_out_loss']:.4f} ({100 * r['held_out_vs_plain']:+.2f}%; "
                 f"per seed {r['held_out_loss_per_seed']})"
             )
+
+    @bench_app.command("swarm-liars")
+    def bench_swarm_liars(
+        trials: Annotated[int, typer.Option(min=1, help="runs, each until the liar's ban")] = 5,
+        verify_rate: Annotated[
+            float, typer.Option(help="share of hops duplicated on a second server")
+        ] = 0.1,
+        seconds: Annotated[float, typer.Option(help="give up on a trial after this long")] = 180,
+        json_path: Annotated[Path | None, typer.Option("--json", help="write the rows")] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
+    ) -> None:
+        """A stage server that answers 1 request in 5 slightly wrong (1.4x the tolerance),
+        beside an honest one: per trial, the microbatches, checks and lies until the referee
+        convicts and bans it, and whether `covey ledger verify --recompute` recomputes it."""
+        say = bench_say(log_json, "swarm-liars")
+        if not 0 < verify_rate <= 1 or seconds <= 0:
+            typer.echo("error: --verify-rate must be in (0, 1], --seconds > 0", err=True)
+            raise typer.Exit(2)
+        from covey.bench.swarm_liars import run_swarm_liars_bench
+
+        run_swarm_liars_bench(trials, verify_rate, seconds, json_path, say)

@@ -26,8 +26,9 @@ from covey.io.ledger_cli import register as register_ledger
 from covey.rl.cli import register as register_rl
 from covey.serve.cli import register as register_serve
 from covey.swarm.cli import register as register_swarm
+from covey.swarm.ledger_evidence import recompute_disputes as recompute_swarm_disputes
 
-register_ledger(app)
+register_ledger(app, recomputers=[recompute_swarm_disputes])
 register_io(app)  # tokenizer train, export, generate
 register_bench_gpu(bench_app)  # covey bench gpu (covey/bench/gpu_cli.py)
 register_swarm(app)  # swarm coordinator, server, trainer, demo

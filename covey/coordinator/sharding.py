@@ -292,6 +292,9 @@ class ShardBoard:
                 if other["aggregator"] == liar and s not in rnd.agreed:
                     del rnd.published[s]
                     self._next_turn(rnd, s, now)
+            for s in range(rnd.plan.count):  # nor does a turn it has not used yet wait on it
+                if s not in rnd.published and rnd.current(s) == liar:
+                    self._next_turn(rnd, s, now)
             return {"ok": True, "outcome": "fraud", "next": rnd.current(shard)}
 
     def _next_turn(self, rnd: ShardRound, shard: int, now: float) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,12 @@ from covey.trust.incentives import Book
 from covey.trust.ledger import Entry, LedgerError, parse_line, read_entries, to_line, verify_chain
 from covey.trust.shard_evidence import check_slashes
 from covey.trust.shard_evidence import recompute as recompute_shards
+from covey.trust.swarm_evidence import check_disputes
+
+#: recomputes a mode's convictions from the ledger's entries and the run's blobs
+#: (`fetch(cid, max_bytes)`), progress lines to `progress`: how many it recomputed, or
+#: LedgerError. A mode above this layer hands its own in (covey.swarm.ledger_evidence).
+Recompute = Callable[[list[Entry], Callable[[str, int], bytes], Callable[[str], None] | None], int]
 
 DB_FILE = "coordinator.db"
 BALANCES_FILE = "ledger-balances.json"
@@ -64,6 +70,10 @@ class VerifyReport:
     head_length: int = 0
     head_warnings: tuple[str, ...] = ()
     balances_ahead: int | None = None  # unsigned balances claiming more entries: not compared
+    # convictions of SWARM stage servers whose evidence held (covey.trust.swarm_evidence),
+    # and how many of them were recomputed from the blobs
+    swarm_convictions: int = 0
+    swarm_recomputed: int = 0
 
     @property
     def accounts(self) -> int:
@@ -102,6 +112,7 @@ def verify(
     recompute: bool = False,
     progress: Callable[[str], None] | None = None,
     heads: list[tuple[Head, str]] | None = None,
+    recomputers: Sequence[Recompute] = (),
 ) -> VerifyReport:
     """Load, check the chain and signatures, hold the ledger to `heads` (signed heads, each
     with where it was found; None: none given), replay every entry, check every slash of an
@@ -111,8 +122,9 @@ def verify(
     at one length: covey.trust.heads.ForkError; a ledger shorter than a head or different
     at its length: LedgerError naming the head. `recompute`: also recompute each such
     slash's shard from the run's blobs (a data directory's, or a URL's over HTTP;
-    SourceError for an export, which holds none). LedgerError on the first failure: a
-    bad entry by its index, differing balances by the first differing account."""
+    SourceError for an export, which holds none), and each conviction of a SWARM stage
+    server with each of `recomputers`. LedgerError on the first failure: a bad entry by
+    its index, differing balances by the first differing account."""
     if recompute and not _has_blobs(source):
         raise SourceError(
             f"{source}: --recompute needs the run's blobs: a coordinator's data directory "
@@ -151,6 +163,10 @@ def verify(
                 "the run id, so no shard can be recomputed under it",
             )
         recompute_shards(verdicts, created["spec"], _blob_fetcher(source), progress)
+    convictions, recomputed = len(check_disputes(entries)), 0
+    if recompute and convictions:
+        fetch = _blob_fetcher(source)
+        recomputed = sum(r(entries, fetch, progress) for r in recomputers)
     return VerifyReport(
         len(entries),
         key,
@@ -163,6 +179,8 @@ def verify(
         head_length,
         tuple(head_warnings),
         ahead,
+        convictions,
+        recomputed,
     )
 
 

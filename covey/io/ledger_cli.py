@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -29,8 +30,15 @@ HEADS_HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    """Add the `ledger` command group to `app`."""
+#: what `verify --recompute` also recomputes with: the modes' own (covey.io.audit.Recompute),
+#: handed in by the command line that registers the group
+_RECOMPUTERS: list[Any] = []
+
+
+def register(app: typer.Typer, recomputers: Sequence[Any] = ()) -> None:
+    """Add the `ledger` command group to `app`; `recomputers`: what `verify --recompute`
+    also recomputes with (covey.io.audit.Recompute), e.g. a SWARM run's convictions."""
+    _RECOMPUTERS[:] = list(recomputers)
     ledger_app = typer.Typer(
         help="Audit a run's ledger: chain, signatures, balances.",
         no_args_is_help=True,
@@ -48,8 +56,9 @@ def verify(
         bool,
         typer.Option(
             "--recompute",
-            help="also recompute the shard behind every slash of an aggregator from the run's "
-            "blobs (a data directory or URL): it stands only if the aggregator's hash is wrong",
+            help="also recompute the shard behind every slash of an aggregator, and the reply "
+            "behind every conviction of a SWARM stage server, from the run's blobs (a data "
+            "directory or URL): each stands only if what was published is wrong",
         ),
     ] = False,
     heads: Annotated[
@@ -104,6 +113,13 @@ def verify(
             f"{report.shard_slashes} slash(es) of aggregators checked {how} differs from the "
             "hash its aggregator signed"
         )
+    if report.swarm_convictions:
+        how = (
+            f"{report.swarm_recomputed} recomputed: each reply is off"
+            if report.recomputed
+            else "on the ledger: each signed by its server"
+        )
+        typer.echo(f"{report.swarm_convictions} conviction(s) of stage servers checked {how}")
     if report.pending_slashes:
         typer.echo(
             f"{report.pending_slashes} of them in a round not certified yet: their inputs are "
@@ -178,7 +194,9 @@ def _verified(source: str, recompute: bool = False, heads: list[str] | None = No
                 unreadable += warnings
             for warning in unreadable:
                 typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
-        return verify_source(source, recompute, progress=typer.echo, heads=given)
+        return verify_source(
+            source, recompute, progress=typer.echo, heads=given, recomputers=_RECOMPUTERS
+        )
     except SourceError as e:
         raise _fail(str(e)) from None
     except sqlite3.DatabaseError as e:  # a damaged coordinator.db in a data directory

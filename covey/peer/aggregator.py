@@ -99,7 +99,7 @@ def _request(
 
 
 class ShardAggregator:
-    """One aggregator key's work for a run. `lie=True` publishes a wrong shard (tests)."""
+    """One aggregator key's work for a run (a lying one: covey.peer.cheater_aggregator)."""
 
     def __init__(
         self,
@@ -112,11 +112,10 @@ class ShardAggregator:
         blob_url: str,
         *,
         deadline_s: float = 60.0,
-        lie: bool = False,
     ) -> None:
         self.coordinator, self.identity, self.run_id = coordinator.rstrip("/"), identity, run_id
         self.strategy, self.algorithm = strategy, algorithm
-        self.store, self.blob_url, self.deadline_s, self.lie = store, blob_url, deadline_s, lie
+        self.store, self.blob_url, self.deadline_s = store, blob_url, deadline_s
         self.http = httpx.Client(timeout=30.0, trust_env=False)
         self.bytes_read = 0  # contribution bytes fetched: the shard's ranges only
         self.last_reads = ""  # the digest of the ranges `compute` read last (signed)
@@ -183,8 +182,6 @@ class ShardAggregator:
             momentum_coef=self.algorithm.outer_momentum,
             nesterov=self.algorithm.nesterov,
         )
-        if self.lie:  # a wrong shard, e.g. an attacker's nudge of the weights
-            new_p = new_p + 1e-3
         return new_p, new_m, shard_hash(board["round"], index, start, new_p, new_m)
 
     def _post(self, round: int, action: str, body: dict[str, Any]) -> dict[str, Any]:

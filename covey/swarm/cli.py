@@ -163,7 +163,8 @@ def register(app: typer.Typer) -> None:
             float, typer.Option(help="emulated compute seconds per request (x slowdown)")
         ] = 0.0,
         behavior: Annotated[
-            str, typer.Option(help="honest, or an adversary: wrong, noise, zero, stale")
+            str,
+            typer.Option(help="honest, or an adversary: wrong, noise, zero, stale, subtle, shade"),
         ] = "honest",
         stake: Annotated[float, typer.Option(help="credits staked on joining")] = 0.0,
         port: Annotated[int, typer.Option(help="port for forward/backward; 0 = any")] = 0,

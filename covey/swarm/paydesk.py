@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -17,8 +18,10 @@ from covey.coordinator.rejected import Rejected
 from covey.protocol.swarm import MAX_CHECKS_PER_REPORT, SwarmDispute, SwarmReport
 from covey.swarm import evidence, payouts
 from covey.swarm.observed import Observations
+from covey.trust import swarm_evidence
 
 if TYPE_CHECKING:
+    from covey.blobs import BlobStore
     from covey.coordinator.accounts import Accounts
     from covey.coordinator.db import Database
     from covey.coordinator.membership import Membership
@@ -43,6 +46,7 @@ class PayDesk:
     identity: Identity
     referee: Referee
     averaging: Averaging
+    blobs: BlobStore
     servers: dict[str, ServerInfo]
     observed: Observations
     trainers: dict[str, dict[str, Any]]
@@ -137,7 +141,10 @@ class PayDesk:
             except Rejected as e:  # the state is nowhere to be had: not verified, not paid
                 return f"refused: spot check impossible: {e.message}"
             if verdict["liars"]:
-                self._convict(check.stage, "spot check", verdict, reporter)
+                # the other server's reply agreed with the lie: a missed fraud (payouts)
+                agreed = [s for s in check.servers if s in verdict["honest"]]
+                proof = self._keep(check.dispute_body(), verdict)
+                self._convict(check.stage, "spot check", verdict, reporter, agreed, proof)
                 return f"refused: spot check convicted {', '.join(verdict['liars'])}"
             if len(verdict["honest"]) != 2:
                 return f"refused: spot check inconclusive: {verdict['detail']}"
@@ -212,22 +219,57 @@ class PayDesk:
         if known is not None:
             return known
         verdict = self.referee.settle(body, keys, providers)
-        self._convict(req.stage, req.kind, verdict, peer)
+        proof = self._keep(body, verdict) if verdict["liars"] else None
+        self._convict(req.stage, req.kind, verdict, peer, None, proof)
         with self.lock:
             self._verdicts[ident] = verdict
             while len(self._verdicts) > MAX_VERDICTS:
                 self._verdicts.pop(next(iter(self._verdicts)))
         return verdict
 
-    def _convict(self, stage: int, kind: str, verdict: dict[str, Any], reporter: str) -> None:
+    def _keep(self, body: dict[str, Any], verdict: dict[str, Any]) -> dict[str, Any] | None:
+        """A conviction's evidence (covey.trust.swarm_evidence): the request, both replies
+        and the stage state the referee recomputed on, kept in the blob store so `covey
+        ledger verify --recompute` recomputes the verdict. None (and a warning) when the
+        state is no longer held: the conviction stands on the referee's word alone."""
+        replies = body["replies"]
+        state = str(replies[0]["state"])
+        data = self.referee.state_bytes(state)
+        if data is None:
+            log.warning("[referee] state %s of a conviction is gone: no evidence", state[:12])
+            return None
+        if not self.blobs.has(state):
+            self.blobs.put_verified(state, data)
+        request = self.blobs.put(base64.b64decode(body["request"]))
+        kept = [(str(r["server"]), self.blobs.put(base64.b64decode(r["reply"])), str(r["sig"]))
+                for r in replies]  # fmt: skip
+        return swarm_evidence.evidence(
+            int(body["stage"]), str(body["kind"]), request, state, kept,
+            self.cfg.tolerance, verdict.get("distances", {}),
+        )  # fmt: skip
+
+    def _convict(
+        self,
+        stage: int,
+        kind: str,
+        verdict: dict[str, Any],
+        reporter: str,
+        agreed: list[str] | None = None,
+        proof: dict[str, Any] | None = None,
+    ) -> None:
         """Slash and ban the referee's liars; their reports leave any open round (a liar's
-        gradient sum is not averaged into its stage) and their queued pay is void."""
+        gradient sum is not averaged into its stage) and their queued pay is void. `agreed`:
+        servers whose replies agreed with the lie (a spot check's), which pay a missed
+        fraud; the witness is then the reporting trainer, not them. `proof`: the dispute
+        entries' evidence (`_keep`)."""
         liars, honest = verdict["liars"], verdict["honest"]
         with self.lock:
             self.epoch += 1
             epoch = self.epoch
-        witness = honest[0] if honest else reporter
-        payouts.convict(self.accounts, epoch, stage, liars, witness, verdict["detail"])
+        witness = honest[0] if honest and not agreed else reporter
+        payouts.convict(
+            self.accounts, epoch, stage, liars, witness, verdict["detail"], agreed or [], proof
+        )
         with self.lock:
             for liar in liars:
                 self.servers.pop(liar, None)

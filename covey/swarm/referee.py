@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import math
 import threading
 from typing import Any
 
@@ -28,6 +29,8 @@ from covey.swarm.wire import WireError, build_stage, load_state, reply_message, 
 from covey.trust.identity import verify
 
 log = logging.getLogger("covey.swarm.referee")
+KEEP_STATES = 3  # stage states kept after a recomputation (rounds may move on meanwhile)
+FAR = 1e30  # the distance written for a reply that is no reply (inf, nan)
 
 
 class Referee:
@@ -41,7 +44,7 @@ class Referee:
         if self.compute.refusal is not None:
             log.warning("this swarm coordinator will not judge disputes: %s", self.compute.refusal)
         self.fetcher = BlobClient(timeout_s=cfg.request_timeout_s, retries=2)
-        self._states: dict[str, bytes] = {}
+        self._states: dict[str, bytes] = {}  # the last KEEP_STATES recomputed on
         self._lock = threading.Lock()  # one recomputation at a time: it is CPU work
 
     def settle(
@@ -87,7 +90,10 @@ class Referee:
                 data = self._states.get(state) or self.fetcher.fetch(state, providers)
             except BlobError as e:
                 raise Rejected(409, f"stage {k} state {state[:12]} unavailable: {e}") from None
-            self._states = {state: data}
+            self._states.pop(state, None)  # the last few: a conviction keeps its state
+            self._states[state] = data
+            while len(self._states) > KEEP_STATES:
+                self._states.pop(next(iter(self._states)))
             stage = build_stage(cfg, k, self.compute.device or "cpu")
             try:
                 load_state(stage, data)
@@ -99,4 +105,13 @@ class Referee:
         liars = sorted(s for s, d in dist.items() if not d <= cfg.tolerance)
         honest = sorted(s for s, d in dist.items() if d <= cfg.tolerance)
         detail = ", ".join(f"{s[:8]}: {d:.3g}" for s, d in sorted(dist.items()))
-        return {"liars": liars, "honest": honest, "detail": f"{kind} stage {k}: {detail}"}
+        # finite, for JSON (a malformed reply is infinitely far: a liar all the same)
+        far = {s: d if math.isfinite(d) else FAR for s, d in dist.items()}
+        return {"liars": liars, "honest": honest, "detail": f"{kind} stage {k}: {detail}",
+                "distances": far}  # fmt: skip
+
+    def state_bytes(self, state: str) -> bytes | None:
+        """The bytes of the stage state the last settled dispute was recomputed on (kept
+        as a conviction's evidence), or None."""
+        with self._lock:
+            return self._states.get(state)

@@ -50,7 +50,12 @@ from covey.swarm.wire import (
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.swarm.server")
-BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale")
+BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale", "subtle", "shade")
+#: "subtle": one request in SUBTLE_EVERY is answered with an error of relative L2
+#: SUBTLE_NOISE (1.4x the default tolerance) along a direction drawn from the request's
+#: hash; "shade", its accomplice, answers the same requests with SHADE of that error: within
+#: the tolerance of the truth and of the liar's reply, so a check pairing the two agrees
+SUBTLE_EVERY, SUBTLE_NOISE, SHADE = 5, 0.07, 0.5
 MAX_BODY = 64 << 20
 
 
@@ -343,7 +348,7 @@ class StageServer:
                         s.samples = kept[0]
                         for p, g in zip(s.params, kept[1], strict=True):
                             p.grad = g
-                reply = misbehave(self.behavior, kind, out, self.cfg.codec)
+                reply = misbehave(self.behavior, kind, out, self.cfg.codec, body)
                 busy = time.perf_counter() - t0
                 extra = (self.slowdown - 1) * busy + self.slowdown * self.emulate_s
                 if extra > 0:
@@ -359,11 +364,17 @@ class StageServer:
             self.waiting -= 1
 
 
-def misbehave(behavior: str, kind: str, reply: bytes, codec: str) -> bytes:
-    """An adversary's version of an honest reply: random outputs ("wrong"), outputs plus
-    noise of half their spread ("noise"), zero input gradients and sketch on backward
-    ("zero"). "honest" and "stale" (old weights, claimed current) return it unchanged."""
+def misbehave(behavior: str, kind: str, reply: bytes, codec: str, request: bytes = b"") -> bytes:
+    """An adversary's version of an honest reply to `request`: random outputs ("wrong"),
+    outputs plus noise of half their spread ("noise"), zero input gradients and sketch on
+    backward ("zero"), and, for one request in SUBTLE_EVERY (chosen by the request's
+    sha256, so a duplicate of it is answered alike), outputs moved SUBTLE_NOISE of their
+    norm along a direction seeded by that hash ("subtle"), or SHADE of that move ("shade",
+    the same direction). "honest" and "stale" (old weights, claimed current) and the
+    requests "subtle" and "shade" leave alone return it unchanged."""
     if behavior in ("honest", "stale"):
+        return reply
+    if behavior in ("subtle", "shade") and int(sha(request)[:8], 16) % SUBTLE_EVERY:
         return reply
     out, meta = unpack(reply, 2)
     meta_d = json.loads(meta)
@@ -377,6 +388,11 @@ def misbehave(behavior: str, kind: str, reply: bytes, codec: str) -> bytes:
         x = torch.randn_like(x)
     elif behavior == "noise":
         x = x + 0.5 * x.std() * torch.randn_like(x)
+    elif behavior in ("subtle", "shade"):
+        g = torch.Generator().manual_seed(int(sha(request)[8:23], 16))
+        way = torch.randn(x.shape, generator=g, dtype=torch.float32).to(x.dtype)
+        size = SUBTLE_NOISE * (SHADE if behavior == "shade" else 1.0)
+        x = x + size * x.norm() * way / way.norm()
     elif behavior == "zero" and kind == "backward":
         x = torch.zeros_like(x)
     payload = (

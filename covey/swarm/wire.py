@@ -24,6 +24,7 @@ from covey.swarm.config import SwarmConfig
 from covey.swarm.optim import AdamW
 from covey.swarm.plan import plan_stages, stage_modules
 from covey.swarm.stage import Stage
+from covey.trust.swarm_evidence import reply_message as reply_message  # what servers sign
 
 _IDS = struct.Struct("<4sII")
 
@@ -92,10 +93,6 @@ def unpack(data: bytes, count: int) -> list[bytes]:
         out.append(data[off : off + n])
         off += n
     return out
-
-
-def reply_message(stage: int, state: str, input_sha: str, output_sha: str) -> bytes:
-    return f"covey-swarm-reply/v1\n{stage}\n{state}\n{input_sha}\n{output_sha}".encode()
 
 
 # -- the model and its stages ------------------------------------------------------------------
