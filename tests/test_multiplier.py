@@ -86,3 +86,48 @@ def test_a_coordinators_database_is_read_into_the_parts(tmp_path: Path) -> None:
     assert (costs.evidence_bytes, costs.evidence_s) == (2_000_000, pytest.approx(2.0))
     assert costs.redundant_s == 0.0 and costs.unmeasured == []
     assert costs.multiplier() == pytest.approx((16 + 4 + 10 + 15 + 4 + 2) / 16)
+
+
+def test_an_rl_runs_costs_are_booked_by_what_became_of_each_batch(tmp_path: Path) -> None:
+    from covey.rl.costs import record, record_batch
+    from covey.rl.costs import run_costs as rl_costs
+    from covey.rl.intake import RL_SCHEMA
+
+    db = Database(tmp_path / "rl.db")
+    with db.transaction() as c:
+        for statement in RL_SCHEMA:
+            c.execute(statement)
+        # generate, wall: accepted and consumed are useful (+ network), rejected and dropped
+        # are lost; a pending batch is not booked yet
+        for cid, status, gen, wall in (
+            ("a", "consumed", 4.0, 5.0),
+            ("b", "accepted", 2.0, 2.5),
+            ("r", "rejected", 3.0, 4.0),
+            ("d", "dropped", 1.0, 1.5),
+            ("p", "pending", 9.0, 9.0),
+        ):
+            c.execute(
+                "INSERT INTO rl_batches (step, worker_id, cid, status) VALUES (0, ?, ?, ?)",
+                (cid, cid, status),
+            )
+            record_batch(c, cid, gen, wall)
+        record(c, "check", 0.5, "a")  # a validator's check
+        record(c, "check", 0.25, "canary")  # a canary's (no batch row)
+        record(c, "fetch", 0.1, "a", 1000)  # the batch it fetched
+        record(c, "step", 1.0)  # the trainer's step
+        record(c, "check", None, "b")  # a validator that reported nothing books nothing
+        record(c, "generate", 1e12, "z")  # a peer's seconds are bounded
+    d = rl_costs(db).as_dict()
+    assert d["useful_s"] == pytest.approx(4 + 2 + 1)
+    assert d["parts_s"] == pytest.approx(
+        {
+            "network": 1.5,
+            "verification": 0.75,
+            "evidence": 0.1,
+            "redundant": 1.5,
+            "churn": 0.0,
+            "rejected": 4.0,
+        }
+    )
+    assert d["evidence_bytes"] == 1000 and d["unmeasured"]
+    assert d["multiplier"] == pytest.approx((7 + 1.5 + 0.75 + 0.1 + 1.5 + 4) / 7, abs=1e-3)
