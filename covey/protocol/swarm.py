@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from covey.protocol.multiplier import CostsReport
 from covey.protocol.schemas import (
     MAX_INT,
     ContentId,
@@ -132,6 +133,8 @@ class SwarmReport(Signed):
     served: dict[PeerId, ServedCount] = Field({}, max_length=MAX_SERVERS_PER_REPORT)
     measured: dict[PeerId, Throughput] = Field({}, max_length=MAX_SERVERS_PER_REPORT)
     checks: list[Any] = Field([], max_length=MAX_CHECKS_PER_REPORT)
+    # what this trainer's hops cost so far (covey.swarm.costs): shown and summed only
+    costs: CostsReport | None = None
 
 
 class SwarmDispute(Signed):

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from covey.coordinator.checks import Checks, Verdict
 from covey.coordinator.rejected import Rejected
-from covey.rl.costs import record
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
+from covey.rl.costs import record
 from covey.rl.policy import codec_kwargs
 
 if TYPE_CHECKING:

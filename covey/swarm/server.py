@@ -323,6 +323,14 @@ class StageServer:
         """(reply, signature) for a forward or backward request for stage `k`. `check`: a
         trainer's duplicate of a hop another server ran, answered and signed the same but
         not accumulated: the microbatch counts once in the stage's update."""
+        reply, sig, _ = self.handle_timed(kind, k, body, check)
+        return reply, sig
+
+    def handle_timed(
+        self, kind: str, k: int, body: bytes, check: bool = False
+    ) -> tuple[bytes, str, float]:
+        """`handle`, and the seconds its compute took (the emulated slowdown included): the
+        reply's X-Covey-Compute, which trainers book as useful work (covey.swarm.costs)."""
         assert self.cfg is not None
         self.waiting += 1
         try:
@@ -354,7 +362,7 @@ class StageServer:
                     rate if not self.throughput else 0.7 * self.throughput + 0.3 * rate
                 )
                 sig = self.identity.sign(reply_message(k, self.state, sha(body), sha(reply)))
-                return reply, self.state + " " + sig
+                return reply, self.state + " " + sig, busy + max(0.0, extra)
         finally:
             self.waiting -= 1
 
@@ -410,8 +418,10 @@ def _handler(server: StageServer) -> type[BaseHTTPRequestHandler]:
                 if kind not in ("forward", "backward") or not 0 <= n <= MAX_BODY:
                     return self._send(404 if n >= 0 else 411, b"no such request")
                 check = self.headers.get("X-Covey-Check") == "1"
-                reply, sig = server.handle(kind, k, self.rfile.read(n), check)
-                self._send(200, reply, {"X-Covey-Signature": sig})
+                reply, sig, spent = server.handle_timed(kind, k, self.rfile.read(n), check)
+                self._send(
+                    200, reply, {"X-Covey-Signature": sig, "X-Covey-Compute": f"{spent:.6f}"}
+                )
             except LookupError as e:
                 self._send(409, str(e).encode())
             except (WireError, ValueError) as e:
