@@ -202,14 +202,15 @@ def test_a_swarm_microbatchs_hops_are_booked_by_what_became_of_it() -> None:
 
     c = Costs()
     hops = [Spent("hop", 2.0, 1.5), Spent("check", 2.5, 1.5), Spent("failed", 0.5)]
-    book_microbatch(c, [*hops, Spent("invalid", 0.25), Spent("hop", 1.0, 9.0)], "trained")
-    # a server claiming more compute than the hop's wall time is held to the wall time
-    assert (c.useful_s, c.network_s) == (2.5, 0.5)
-    assert (c.redundant_s, c.churn_s, c.rejected_s) == (2.5, 0.5, 0.25)
+    book_microbatch(c, [*hops, Spent("invalid", 0.25, 0.2), Spent("hop", 1.0, 9.0)], "trained")
+    # a server claiming more compute than the hop's wall time is held to the wall time; a
+    # failed hop's compute is its wall time (the dead server reports none)
+    assert (c.useful_s, c.redundant_s, c.churn_s, c.rejected_s) == (2.5, 1.5, 0.5, 0.2)
+    assert c.network_s == 0.0  # the servers' idle time is the coordinator's to add
     book_microbatch(c, hops, "dropped")  # could not finish: all of it lost to churn
-    assert c.churn_s == 0.5 + 5.0 and c.useful_s == 2.5
+    assert c.churn_s == 0.5 + 3.5 and c.useful_s == 2.5
     book_microbatch(c, hops, "disputed")  # its duplicated replies disagreed
-    assert c.rejected_s == 0.25 + 5.0
+    assert c.rejected_s == pytest.approx(0.2 + 3.5)
     book_microbatch(c, [Spent("hop", 1.0)], "trained")  # no compute header: all useful
     assert c.useful_s == 3.5 and c.unmeasured
     with pytest.raises(ValueError, match="unknown outcome"):
@@ -232,10 +233,15 @@ def test_swarm_trainers_reports_are_bounded_and_summed() -> None:
     run = RunCosts()
     run.note("a", report)
     run.note("a", report)  # cumulative: a later report replaces the earlier one
-    run.note("b", CostsReport(useful_s=1.0, network_s=1.0))
+    run.note("b", CostsReport(useful_s=1.0))
+    # servers: 10 s in the run, 4 computing; 3 s booked by trainers, so 1 s no one booked
+    run.server("s1", 6.0, 3.0)
+    run.server("s2", 4.0, 9.0)  # a claim over its uptime is held to it
+    run.server("s2", 4.0, 1.0)  # heartbeats are cumulative: the latest replaces
     total = run.total()
-    assert (total.useful_s, total.network_s, total.redundant_s) == (2.0, 2.0, 2.0)
-    assert total.evidence_bytes == 300 and total.multiplier() == pytest.approx(6.5 / 2)
+    assert (total.useful_s, total.redundant_s, total.network_s) == (2.0, 1.0, 6.0)
+    assert total.churn_s == pytest.approx(1.0) and total.evidence_bytes == 300
+    assert total.multiplier() == pytest.approx((2 + 1 + 6 + 1 + 0.5) / 2)
     for bad in ({"useful_s": -1.0}, {"churn_s": float("inf")}, {"network_s": 1e12},
                 {"unmeasured": ["x"] * 9}, {"surprise": 1}):  # fmt: skip
         with pytest.raises(ValidationError):

@@ -74,6 +74,9 @@ class SwarmHeartbeat(Signed):
     pending: Count = 0
     throughput: Throughput = 0.0
     queue: Count = 0
+    # seconds since it began heartbeating, and of those, computing requests (covey.swarm.costs)
+    uptime_s: float = Field(0.0, ge=0, le=1e9, allow_inf_nan=False)
+    busy_s: float = Field(0.0, ge=0, le=1e9, allow_inf_nan=False)
 
 
 class SwarmRoundReport(Signed):

@@ -1,28 +1,30 @@
-"""The SWARM mode's decentralization multiplier (covey.protocol.multiplier), booked by each
-trainer from the hops it makes and summed by the coordinator from the trainers' reports.
+"""The SWARM mode's decentralization multiplier (covey.protocol.multiplier): the stage
+servers' time in the run, against the compute a centralized process of the same device
+class needs for the trained microbatches.
 
-A trainer times every hop it sends (request out to signed reply in) and reads the seconds
-the server spent computing it (the reply's X-Covey-Compute header, covey.swarm.server).
-When a microbatch ends, its hops are booked by what became of it:
+Servers heartbeat their time in the run (`uptime_s`, since they began heartbeating) and
+their seconds computing requests (`busy_s`, the emulated slowdown included); each reply
+carries that hop's compute (X-Covey-Compute). Each trainer books the compute of every hop
+it made by what became of its microbatch, and reports its booking; the coordinator adds
+its servers' idle time:
 
-- useful: the servers' compute of each hop of a trained microbatch (a centralized process of
-  the same device class runs exactly these forward and backward passes);
-- network: the rest of those hops' wall seconds (activations and gradients on the wire,
-  queueing behind other trainers' work);
-- redundant: the duplicate of a hop sent to a second server to check the first (its whole
-  wall time: it is only ever done to compare);
-- churn: hops that timed out (a dead or stalled server, then rerouted) and every hop of a
-  microbatch that could not finish (dropped);
-- rejected: hops whose reply was invalid (the server is banned) and every hop of a
-  microbatch whose duplicated replies disagreed (sent to the referee);
-- evidence: the agreed checks the trainer sends the coordinator to be paid on (their bytes,
-  and their share of the report's upload seconds);
-- verification: the referee's recomputations happen on the coordinator and are not booked
-  here.
+- useful: the compute of the hops of trained microbatches (a centralized process runs
+  exactly these forward and backward passes);
+- redundant: the compute of each duplicate hop sent to a second server to check the first;
+- churn: the compute of hops of microbatches that could not finish (dropped), the wall
+  seconds of hops that timed out (a dead or stalled server: its compute is not reported),
+  and servers' compute that no trainer booked (replies lost with a connection);
+- rejected: invalid replies (the server is banned) and every hop of a microbatch whose
+  duplicated replies disagreed (sent to the referee);
+- network: servers' time in the run not computing: waiting for activations and gradients,
+  their stages' averaging rounds, idle in pipeline bubbles;
+- evidence: the agreed checks trainers send the coordinator to be paid on (their bytes, and
+  their share of the report's upload seconds);
+- verification: the referee's recomputations run on the coordinator and are not booked.
 
-What is not measured: servers' time in their stages' averaging rounds, and the referee's
-work (listed as unmeasured). A trainer's report is its own word, bounded and only shown
-and summed; a coordinator restart keeps only trainers that report again.
+A trainer's own time (it only routes and waits) is not counted, as a coordinator's is not.
+Reports and heartbeats are their senders' word, bounded, and only ever shown and summed; a
+coordinator that restarts shows only the peers that report again.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from dataclasses import dataclass, field
 from covey.protocol.multiplier import Costs, CostsReport
 
 ROLES = ("hop", "check", "failed", "invalid")
-UNMEASURED = ("stage averaging (servers' time)", "referee recomputation")
-MAX_TRAINERS = 10_000  # trainers whose reports are kept (each is a handful of floats)
+UNMEASURED = ("referee recomputation",)
+MAX_PEERS = 10_000  # trainers and servers whose reports are kept (a few floats each)
 
 
 @dataclass
@@ -53,21 +55,21 @@ def book_microbatch(costs: Costs, hops: list[Spent], outcome: str) -> None:
     if outcome not in ("trained", "dropped", "disputed"):
         raise ValueError(f"unknown outcome {outcome!r}: trained, dropped or disputed")
     for h in hops:
-        wall = max(0.0, h.wall_s)
         if h.role not in ROLES:
             raise ValueError(f"unknown hop role {h.role!r}: one of {ROLES}")
+        wall = max(0.0, h.wall_s)
+        if h.compute_s is None and h.role != "failed":  # no compute header: the whole hop
+            costs.mark_unmeasured("servers' compute (replies without X-Covey-Compute)")
+        # a server's claim is held to the hop's wall time; a failed hop's is its wall time
+        compute = wall if h.compute_s is None else min(max(0.0, h.compute_s), wall)
         if h.role == "invalid" or outcome == "disputed":
-            costs.rejected_s += wall
+            costs.rejected_s += compute
         elif h.role == "failed" or outcome == "dropped":
-            costs.churn_s += wall
+            costs.churn_s += compute
         elif h.role == "check":
-            costs.redundant_s += wall
+            costs.redundant_s += compute
         else:  # a used hop of a trained microbatch
-            if h.compute_s is None:  # a server that sent no compute header: all of it
-                costs.mark_unmeasured("servers' compute (replies without X-Covey-Compute)")
-            compute = wall if h.compute_s is None else min(max(0.0, h.compute_s), wall)
             costs.useful_s += compute
-            costs.network_s += wall - compute
 
 
 @dataclass
@@ -75,7 +77,7 @@ class TrainerCosts:
     """A trainer's running booking: each worker thread collects its microbatch's hops
     (`begin`, `hop`, `end`), booked under one lock."""
 
-    costs: Costs = field(default_factory=lambda: Costs(unmeasured=list(UNMEASURED)))
+    costs: Costs = field(default_factory=Costs)
     lock: threading.Lock = field(default_factory=threading.Lock)
     local: threading.local = field(default_factory=threading.local)
 
@@ -117,25 +119,35 @@ class TrainerCosts:
 
 
 class RunCosts:
-    """The coordinator's sum of its trainers' latest (cumulative) reports."""
+    """The coordinator's sum: its trainers' latest (cumulative) reports, and its servers'
+    latest time in the run and compute (from their heartbeats)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.reports: dict[str, CostsReport] = {}
+        self.servers: dict[str, tuple[float, float]] = {}  # peer -> (uptime_s, busy_s)
 
     def note(self, trainer: str, report: CostsReport | None) -> None:
         if report is None:
             return
         with self.lock:
-            if trainer in self.reports or len(self.reports) < MAX_TRAINERS:
+            if trainer in self.reports or len(self.reports) < MAX_PEERS:
                 self.reports[trainer] = report
 
-    def total(self) -> Costs:
-        total = Costs()
+    def server(self, peer: str, uptime_s: float, busy_s: float) -> None:
         with self.lock:
-            reports = list(self.reports.values())
+            if peer in self.servers or len(self.servers) < MAX_PEERS:
+                self.servers[peer] = (uptime_s, min(busy_s, uptime_s))
+
+    def total(self) -> Costs:
+        total = Costs(unmeasured=list(UNMEASURED))
+        with self.lock:
+            reports, servers = list(self.reports.values()), list(self.servers.values())
         for r in reports:
             r.add_to(total)
-        if not reports:
-            total.unmeasured = list(UNMEASURED)
+        uptime, busy = sum(u for u, _ in servers), sum(b for _, b in servers)
+        total.network_s += max(0.0, uptime - busy)
+        # servers' compute no trainer booked: replies lost with their connections
+        booked = total.useful_s + total.redundant_s + total.churn_s + total.rejected_s
+        total.churn_s += max(0.0, busy - booked)
         return total

@@ -146,7 +146,6 @@ def summary(t: Reporting) -> dict[str, Any]:
         "refused_checks": st.refused_checks,
         "disputes": st.disputes,
         "bytes_between_stages": st.bytes_between_stages,
-        "decentralization": t.spent.as_dict(),  # this trainer's booked costs (covey.swarm.costs)
         "banned": t.router.banned(),
         "seconds": time.time() - st.started,
     }

@@ -100,6 +100,8 @@ class StageServer:
         self.k = -1
         self.state: str | None = None
         self.throughput, self.waiting, self.reported = 0.0, 0, -1
+        # seconds computing requests, and when heartbeats began (covey.swarm.costs)
+        self.busy_s, self.since = 0.0, time.monotonic()
         self.cfg: SwarmConfig | None = None
         self.halted: str | None = None  # the owner's reason, once the run is halted
 
@@ -164,7 +166,7 @@ class StageServer:
         """Heartbeat every heartbeat_s; keep the latest reply for `run`. Stop the server
         when banned (403) or when no heartbeat got through for 90 s."""
         assert self.cfg is not None
-        last_ok = time.monotonic()
+        last_ok = self.since = time.monotonic()
         while not self.stop.wait(self.cfg.heartbeat_s):
             k, step, state = basis = self._basis()
             stage = self.stage
@@ -173,6 +175,9 @@ class StageServer:
                 "step": step, "state": state, "pending": 0 if stage is None else stage.samples,
                 # a claim within the schema's bound (covey.protocol.swarm.SwarmHeartbeat)
                 "throughput": min(self.throughput, MAX_THROUGHPUT), "queue": self.waiting,
+                # this server's time in the run and its compute (covey.swarm.costs)
+                "uptime_s": round(time.monotonic() - self.since, 3),
+                "busy_s": round(self.busy_s, 3),
             }  # fmt: skip
             try:
                 d: dict[str, Any] | None = self.client.post_once(
@@ -362,7 +367,9 @@ class StageServer:
                     rate if not self.throughput else 0.7 * self.throughput + 0.3 * rate
                 )
                 sig = self.identity.sign(reply_message(k, self.state, sha(body), sha(reply)))
-                return reply, self.state + " " + sig, busy + max(0.0, extra)
+                spent = busy + max(0.0, extra)
+                self.busy_s += spent
+                return reply, self.state + " " + sig, spent
         finally:
             self.waiting -= 1
 

@@ -360,6 +360,7 @@ class SwarmCoordinator(PayDesk):
                 s.step, s.state = req.step, req.state
                 s.pending, s.queue = req.pending, req.queue
                 s.throughput = req.throughput
+                self.run_costs.server(peer, req.uptime_s, req.busy_s)
                 if s.state is not None:
                     self.averaging.state(peer, s.stage, s.step, s.state)
                     self.known_state(s.stage, self.averaging.stages[s.stage].agreed)
