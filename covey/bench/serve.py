@@ -48,7 +48,13 @@ def baseline(model: Any, tok: Any, prompts: list[str], max_tokens: int) -> dict[
 
 
 def served(
-    model_dir: Path, prompts: list[str], max_tokens: int, workers: int, concurrency: int, port: int
+    model_dir: Path,
+    prompts: list[str],
+    max_tokens: int,
+    workers: int,
+    concurrency: int,
+    port: int,
+    slots: int = 1,
 ) -> dict[str, float]:
     import httpx
 
@@ -71,6 +77,8 @@ def served(
                     f"max_tokens={max_tokens}",
                     "--set",
                     "queue_per_worker=64",
+                    "--set",
+                    f"worker_slots={slots}",
                 ],
                 stdout=logs,
                 stderr=logs,
@@ -90,6 +98,8 @@ def served(
                             str(model_dir),
                             "--name",
                             f"w{i}",
+                            "--slots",
+                            str(slots),
                         ],
                         stdout=logs,
                         stderr=logs,
@@ -203,6 +213,9 @@ def register(bench_app: typer.Typer) -> None:
         max_tokens: Annotated[int, typer.Option(min=1, help="tokens per answer")] = 32,
         workers: Annotated[int, typer.Option(min=1, help="worker processes behind the server")] = 2,
         concurrency: Annotated[int, typer.Option(min=1, help="requests in flight at once")] = 4,
+        slots: Annotated[
+            int, typer.Option(min=1, max=64, help="requests each worker answers at a time")
+        ] = 4,
         port: Annotated[int, typer.Option(help="the server's port on 127.0.0.1")] = 8871,
         verify_rate: Annotated[
             float, typer.Option(help="an established worker's checked share")
@@ -225,9 +238,9 @@ def register(bench_app: typer.Typer) -> None:
             f"one generate process: {base['tokens_per_s']:.1f} tokens/s, p50 "
             f"{base['p50_s']:.2f} s, p99 {base['p99_s']:.2f} s"
         )
-        srv = served(model, prompts, max_tokens, workers, concurrency, port)
+        srv = served(model, prompts, max_tokens, workers, concurrency, port, slots)
         say(
-            f"covey serve, {workers} workers, {concurrency} in flight: "
+            f"covey serve, {workers} workers of {slots} slots, {concurrency} in flight: "
             f"{srv['tokens_per_s']:.1f} tokens/s, p50 {srv['p50_s']:.2f} s, p99 "
             f"{srv['p99_s']:.2f} s"
         )
