@@ -29,15 +29,17 @@ import hashlib
 import json
 import logging
 import sqlite3
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from covey.coordinator.accounts import Accounts
+from covey.coordinator.db import Database
 from covey.rl.canaries import scramble_proof
 from covey.serve import assign
+from covey.serve.config import ServeConfig
 from covey.trust.certify import canary_draw
-
-if TYPE_CHECKING:
-    from covey.serve.service import ServeCoordinator
+from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.serve")
 CANARY_SCHEMA = (
@@ -54,16 +56,26 @@ class ServeCanaries:
     """Planted at a validator's claim, resolved by its report or the claim timeout. The
     methods that take `c` run inside the caller's transaction."""
 
-    def __init__(self, server: ServeCoordinator) -> None:
-        self.s = server
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        run_id: str,
+        identity: Identity,
+        db: Database,
+        accounts: Accounts,
+        lock: threading.Lock,
+    ) -> None:
+        """The server's spec, run, key (it signs the draws), database, ledger, and the lock
+        its ledger decisions take one at a time."""
+        self.cfg, self.run_id, self.identity = cfg, run_id, identity
+        self.db, self.accounts, self.lock = db, accounts, lock
 
     def plant(
         self, c: sqlite3.Connection, validator: str, live: list[str]
     ) -> dict[str, Any] | None:
         """A canary task for `validator`, planted now if a draw says so; None otherwise (or
         while it holds one)."""
-        s = self.s
-        rate = s.cfg.trust.canary_rate
+        rate = self.cfg.trust.canary_rate
         if (
             rate <= 0
             or c.execute(
@@ -91,7 +103,7 @@ class ServeCanaries:
             if other is None or other == validator:  # nobody else would check the real one
                 continue
             looked += 1
-            planted, draw = canary_draw(s.identity, s.run_id, row["id"], validator, rate)
+            planted, draw = canary_draw(self.identity, self.run_id, row["id"], validator, rate)
             if planted:
                 return self._make(c, row, validator, tried, draw)
             if looked >= LOOK_AT:
@@ -133,7 +145,7 @@ class ServeCanaries:
     def resolve(self, c: sqlite3.Connection, row: sqlite3.Row, outcome: str, now: float) -> None:
         """Reveal the canary on the ledger: caught (a paid check), passed (a penalty),
         missed (a missed check)."""
-        s, validator = self.s, row["validator_id"]
+        s, validator = self, row["validator_id"]
         c.execute("UPDATE serve_canaries SET status = ? WHERE id = ?", (outcome, row["id"]))
         base = {"round": row["answer_id"], "peer_id": validator}
         entry = {**base, "worker_id": row["worker_id"], "cid": row["cid"], "draw": row["draw"]}
@@ -155,7 +167,7 @@ class ServeCanaries:
 
     def sweep(self, now: float) -> None:
         """Canaries not reported within claim_timeout_s are missed."""
-        s = self.s
+        s = self
         for row in s.db.query(
             "SELECT * FROM serve_canaries WHERE status = 'assigned' AND placed_at < ?",
             (now - s.cfg.claim_timeout_s,),
@@ -165,5 +177,5 @@ class ServeCanaries:
                     self.resolve(c, row, "missed", now)
 
     def counts(self) -> dict[str, int]:
-        rows = self.s.db.query("SELECT status, COUNT(*) AS n FROM serve_canaries GROUP BY status")
+        rows = self.db.query("SELECT status, COUNT(*) AS n FROM serve_canaries GROUP BY status")
         return {r["status"]: r["n"] for r in rows}

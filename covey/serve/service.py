@@ -97,12 +97,15 @@ class ServeCoordinator:
         if self.db.get_meta("serve_spec") is None:
             self._create()
         self.checks = Checks(self.accounts)
-        self.canaries = ServeCanaries(self)  # known-bad answers among validators' checks
         self.model, self.tokenizer = served.load_model(self.model_path)  # the referee's
         self.hidden_size = served.hidden_size(self.model)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.window = served.context_window(self.model)
         self.lock = threading.Lock()  # ledger decisions, one at a time
+        # known-bad answers among validators' checks (covey.serve.canaries)
+        self.canaries = ServeCanaries(
+            self.cfg, self.run_id, self.identity, self.db, self.accounts, self.lock
+        )
         self._judging = threading.Lock()  # prefill hooks: one check at a time
         self._thread: threading.Thread | None = None
         self.tokens_served = 0
