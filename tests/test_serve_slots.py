@@ -45,7 +45,8 @@ def test_each_slot_holds_one_request_and_backpressure_counts_slots(
     """Three slots of one worker hold three requests; a fourth waits (queue_per_worker 1);
     a fifth gets 429. A slot past worker_slots is refused; a slot that pulls again gives back
     its own request, not its neighbours', which the worker still answers."""
-    cfg = dict(max_tokens=2, worker_slots=3, queue_per_worker=1, request_timeout_s=20.0)
+    # the requests left held at the end get their 504 soon: the server then stops at once
+    cfg = dict(max_tokens=2, worker_slots=3, queue_per_worker=1, request_timeout_s=6.0)
     with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
         http = httpx.Client(base_url=url, timeout=30)
         me = Identity.generate()
