@@ -10,7 +10,8 @@ verifiable afterwards by anyone (the book's "canary" handler checks the signatur
 rate). The canary is the real answer (its number, job, worker and tokens) with its proof's
 coefficients replaced by pseudo-random ones (covey.rl.canaries.scramble_proof: the chunk
 layout and moduli kept, so it parses like any proof): only a prefill tells it from the
-real one. V is never handed the real answer too (it joins the answer's `tried`).
+real one. V joins the real answer's `tried`, so it is not handed the real answer too while
+another live validator has not tried it.
 
 Reporting it bad is "caught" (a completed check, paid check_reward); reporting it good is
 "passed" (a "penalty" of kind canary: validator_slash_fraction of V's stake); not reporting
