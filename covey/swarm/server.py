@@ -52,6 +52,8 @@ from covey.trust.identity import Identity
 log = logging.getLogger("covey.swarm.server")
 BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale")
 MAX_BODY = 64 << 20
+# the seconds the last request this thread handled took to compute (StageServer.handle)
+SPENT = threading.local()
 
 
 class StageServer:
@@ -327,15 +329,9 @@ class StageServer:
     def handle(self, kind: str, k: int, body: bytes, check: bool = False) -> tuple[bytes, str]:
         """(reply, signature) for a forward or backward request for stage `k`. `check`: a
         trainer's duplicate of a hop another server ran, answered and signed the same but
-        not accumulated: the microbatch counts once in the stage's update."""
-        reply, sig, _ = self.handle_timed(kind, k, body, check)
-        return reply, sig
-
-    def handle_timed(
-        self, kind: str, k: int, body: bytes, check: bool = False
-    ) -> tuple[bytes, str, float]:
-        """`handle`, and the seconds its compute took (the emulated slowdown included): the
-        reply's X-Covey-Compute, which trainers book as useful work (covey.swarm.costs)."""
+        not accumulated: the microbatch counts once in the stage's update. The seconds its
+        compute took (the emulated slowdown included) are left in this thread's `SPENT`:
+        the reply's X-Covey-Compute, which trainers book (covey.swarm.costs)."""
         assert self.cfg is not None
         self.waiting += 1
         try:
@@ -367,9 +363,9 @@ class StageServer:
                     rate if not self.throughput else 0.7 * self.throughput + 0.3 * rate
                 )
                 sig = self.identity.sign(reply_message(k, self.state, sha(body), sha(reply)))
-                spent = busy + max(0.0, extra)
-                self.busy_s += spent
-                return reply, self.state + " " + sig, spent
+                SPENT.seconds = busy + max(0.0, extra)
+                self.busy_s += SPENT.seconds
+                return reply, self.state + " " + sig
         finally:
             self.waiting -= 1
 
@@ -425,10 +421,12 @@ def _handler(server: StageServer) -> type[BaseHTTPRequestHandler]:
                 if kind not in ("forward", "backward") or not 0 <= n <= MAX_BODY:
                     return self._send(404 if n >= 0 else 411, b"no such request")
                 check = self.headers.get("X-Covey-Check") == "1"
-                reply, sig, spent = server.handle_timed(kind, k, self.rfile.read(n), check)
-                self._send(
-                    200, reply, {"X-Covey-Signature": sig, "X-Covey-Compute": f"{spent:.6f}"}
-                )
+                SPENT.seconds = None
+                reply, sig = server.handle(kind, k, self.rfile.read(n), check)
+                headers = {"X-Covey-Signature": sig}
+                if SPENT.seconds is not None:
+                    headers["X-Covey-Compute"] = f"{SPENT.seconds:.6f}"
+                self._send(200, reply, headers)
             except LookupError as e:
                 self._send(409, str(e).encode())
             except (WireError, ValueError) as e:
