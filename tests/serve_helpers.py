@@ -4,6 +4,7 @@ weights, nothing downloaded) and the processes of a serving run on 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,9 +15,17 @@ import httpx
 from tests.rl_helpers import ROOT, free_port, stop, wait_for
 from tests.tiny_hf import tiny_gpt2, tiny_tokenizer
 
+_MADE: dict[int, Path] = {}  # seed -> the first folder made in this process
+
 
 def tiny_served_model(directory: Path, seed: int = 0) -> Path:
-    """An exported-style folder: config.json, model.safetensors, tokenizer files."""
+    """An exported-style folder: config.json, model.safetensors, tokenizer files. Made once
+    per seed and process (training the tokenizer takes seconds); later calls copy it."""
+    made = _MADE.get(seed)
+    if made is not None and (made / "model.safetensors").is_file():
+        shutil.copytree(made, directory, dirs_exist_ok=True)
+        return directory
+    _MADE[seed] = directory
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

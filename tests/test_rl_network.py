@@ -72,6 +72,14 @@ def test_honest_batch_is_accepted_paid_and_trained_on(trainer: str) -> None:
         assert reward["payload"]["tokens"] == row["tokens"] > 0
         status = httpx.get(f"{trainer}/v1/rl/status").json()  # what the status page shows
         assert status["accepted"] >= 1 and status["reward"] and status["pass_at_1"]
+        # the decentralization multiplier (covey.rl.costs): the worker's generation and the
+        # trainer's step are useful, its check is verification, the fetched batch evidence
+        costs = status["costs"]
+        assert costs["multiplier"] >= 1.0 and costs["useful_s"] > 0, costs
+        assert costs["parts_s"]["verification"] > 0 and costs["evidence_bytes"] > 0, costs
+        text = httpx.get(f"{trainer}/metrics").text
+        assert "covey_decentralization_multiplier " in text
+        assert 'covey_peer_seconds_total{part="verification"}' in text
         assert "/v1/rl/status" in httpx.get(f"{trainer}/").text
         w.membership.leave()
 

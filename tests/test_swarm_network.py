@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -108,6 +109,17 @@ def test_sigkill_of_a_server_mid_step_reroutes_and_loses_no_accepted_update(
     bound = t.stats.samples + (t.stats.dropped + t.router.reroutes) * mb
     assert all(b - a <= bound for a, b in zip(start, _accumulated(swarm.url), strict=True))
     assert t.stats.checks >= 1 and t.stats.paid_checks >= 1
+    # the decentralization multiplier (covey.swarm.costs): the servers' compute of used
+    # hops is useful, checks' duplicates redundant, the killed server's hops churn; the
+    # coordinator sums what its trainers reported and adds its servers' idle time
+    mine = t.spent.as_dict()
+    assert mine["useful_s"] > 0 and mine["parts_s"]["redundant"] > 0, mine
+    assert mine["parts_s"]["churn"] > 0 and mine["evidence_bytes"] > 0, mine
+    run_costs = s["costs"]
+    assert run_costs["useful_s"] == pytest.approx(mine["useful_s"], abs=1e-3), run_costs
+    assert run_costs["parts_s"]["network"] > 0 and run_costs["multiplier"] > 1, run_costs
+    text = httpx.get(f"{swarm.url}/metrics").text
+    assert "covey_decentralization_multiplier " in text
 
 
 def _accumulated(url: str) -> list[int]:

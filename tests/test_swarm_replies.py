@@ -31,6 +31,7 @@ import torch
 from covey.swarm import compute
 from covey.swarm.averaging import STANDING_ROUNDS, Averaging, AvgRound
 from covey.swarm.config import SwarmConfig
+from covey.swarm.costs import TrainerCosts
 from covey.swarm.routing import Router, StateWatch
 from covey.swarm.server import StageServer, _handler
 from covey.swarm.trainer import Dropped, SwarmTrainer, TrainerStats
@@ -48,7 +49,7 @@ def _server(k: int, behavior: str) -> StageServer:
     s: Any = StageServer.__new__(StageServer)
     s.cfg, s.k, s.stage, s.state = CFG, k, build_stage(CFG, k), "agreed-" + str(k)
     s.lock, s.waiting, s.behavior, s.slowdown, s.emulate_s = threading.Lock(), 0, "honest", 1.0, 0.0
-    s.throughput, s.identity = 0.0, Identity.generate()
+    s.throughput, s.identity, s.busy_s = 0.0, Identity.generate(), 0.0
     if behavior == "wide":  # forward outputs one hidden unit too many
 
         def run(cfg: SwarmConfig, kk: int, stage: Any, body: bytes) -> bytes:
@@ -114,6 +115,7 @@ def _trainer(servers: dict[str, StageServer]) -> Any:
     t: Any = SwarmTrainer.__new__(SwarmTrainer)
     t.cfg, t.fixed, t.rng, t.lock = CFG, False, Random(0), threading.Lock()
     t.stats, t.evidence, t.name, t.run_id, t.served = TrainerStats(), [], "t", "run", {}
+    t.spent = TrainerCosts()
     t.states = StateWatch(grace_s=10.0)
     t.states.agree({0: ["agreed-0"], 1: ["agreed-1"]}, 0.0)
     t.router = Router(seed=0, slow_s=5.0, service_time=True)

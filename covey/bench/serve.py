@@ -48,7 +48,13 @@ def baseline(model: Any, tok: Any, prompts: list[str], max_tokens: int) -> dict[
 
 
 def served(
-    model_dir: Path, prompts: list[str], max_tokens: int, workers: int, concurrency: int, port: int
+    model_dir: Path,
+    prompts: list[str],
+    max_tokens: int,
+    workers: int,
+    concurrency: int,
+    port: int,
+    slots: int = 1,
 ) -> dict[str, float]:
     import httpx
 
@@ -71,6 +77,8 @@ def served(
                     f"max_tokens={max_tokens}",
                     "--set",
                     "queue_per_worker=64",
+                    "--set",
+                    f"worker_slots={slots}",
                 ],
                 stdout=logs,
                 stderr=logs,
@@ -90,6 +98,8 @@ def served(
                             str(model_dir),
                             "--name",
                             f"w{i}",
+                            "--slots",
+                            str(slots),
                         ],
                         stdout=logs,
                         stderr=logs,
@@ -161,8 +171,10 @@ def checks(model: Any, tok: Any, prompts: list[str], max_tokens: int) -> dict[st
         )
         for i, p in enumerate(prompts)
     ]
+    from covey.rl.canaries import scramble_proof
+
     gen_s = check_s = 0.0
-    honest_rejected = 0
+    honest_rejected = canaries_rejected = 0
     for job in jobs:
         t = time.perf_counter()
         from covey.serve.model import sampler
@@ -180,6 +192,9 @@ def checks(model: Any, tok: Any, prompts: list[str], max_tokens: int) -> dict[st
         t = time.perf_counter()
         honest_rejected += not check_answer(model, job.model_dump(), g.tokens, proof).ok
         check_s += time.perf_counter() - t
+        # a validator's canary: this answer with its proof made bad (covey.serve.canaries)
+        canary = scramble_proof(proof, len(g.tokens), job.job_id.encode().ljust(32, b"c"))
+        canaries_rejected += not check_answer(model, job.model_dump(), g.tokens, canary).ok
     detected = {}
     for cheat in CHEATS:
         bad = corrupt(copy.deepcopy(model), cheat)
@@ -190,6 +205,7 @@ def checks(model: Any, tok: Any, prompts: list[str], max_tokens: int) -> dict[st
     return {
         "check_over_generation": check_s / gen_s,
         "honest_rejected": honest_rejected,
+        "canaries_rejected": canaries_rejected,
         "answers": len(jobs),
         "detected": detected,
     }
@@ -203,6 +219,9 @@ def register(bench_app: typer.Typer) -> None:
         max_tokens: Annotated[int, typer.Option(min=1, help="tokens per answer")] = 32,
         workers: Annotated[int, typer.Option(min=1, help="worker processes behind the server")] = 2,
         concurrency: Annotated[int, typer.Option(min=1, help="requests in flight at once")] = 4,
+        slots: Annotated[
+            int, typer.Option(min=1, max=64, help="requests each worker answers at a time")
+        ] = 4,
         port: Annotated[int, typer.Option(help="the server's port on 127.0.0.1")] = 8871,
         verify_rate: Annotated[
             float, typer.Option(help="an established worker's checked share")
@@ -225,9 +244,9 @@ def register(bench_app: typer.Typer) -> None:
             f"one generate process: {base['tokens_per_s']:.1f} tokens/s, p50 "
             f"{base['p50_s']:.2f} s, p99 {base['p99_s']:.2f} s"
         )
-        srv = served(model, prompts, max_tokens, workers, concurrency, port)
+        srv = served(model, prompts, max_tokens, workers, concurrency, port, slots)
         say(
-            f"covey serve, {workers} workers, {concurrency} in flight: "
+            f"covey serve, {workers} workers of {slots} slots, {concurrency} in flight: "
             f"{srv['tokens_per_s']:.1f} tokens/s, p50 {srv['p50_s']:.2f} s, p99 "
             f"{srv['p99_s']:.2f} s"
         )
@@ -237,7 +256,8 @@ def register(bench_app: typer.Typer) -> None:
             f"one check / one generation: {ratio:.3f}; verification overhead at rate "
             f"{verify_rate}: {verify_rate * ratio:.1%} of serving compute, at {new_rate}: "
             f"{new_rate * ratio:.1%}; honest answers rejected: {c['honest_rejected']} of "
-            f"{c['answers']}"
+            f"{c['answers']}; validators' canaries rejected by the check: "
+            f"{c['canaries_rejected']} of {c['answers']}"
         )
         for cheat, d in c["detected"].items():
             say(

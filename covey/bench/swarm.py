@@ -16,8 +16,9 @@ times; kills happen only during the training time. Rows: mode, scenario, samples
 (samples over the whole wall time, a stalled pipeline's overrun included),
 samples_per_s_until_end (samples by the nominal end over its length),
 samples_per_s_before_first_kill, kills_at, final_loss, reroutes, rebalances, the fixed
-wiring, and bytes between stages per microbatch (int8 measured; plain and subspace
-computed from the shapes; `covey bench swarm-codecs` measures every codec on the wire).
+wiring, the decentralization multiplier and what each part adds (covey.swarm.costs), and
+bytes between stages per microbatch (int8 measured; plain and subspace computed from the
+shapes; `covey bench swarm-codecs` measures every codec on the wire).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def run_one(
         per_token = bytes_per_token(cfg.n_embd, max(1, cfg.n_embd // 8))
         boundaries = 2 * (cfg.stages - 1)  # activations forward, gradients backward
         mbs = max(t.stats.microbatches, 1)
+        costs = st.get("costs") or {"multiplier": None, "adds": None}  # the coordinator's
         return {
             "mode": mode, "scenario": scenario, "seconds": round(elapsed, 1),
             "samples": t.stats.samples, "samples_per_s": round(t.stats.samples / elapsed, 3),
@@ -124,6 +126,7 @@ def run_one(
             "kills_at": [[round(a, 1), n] for a, n in marks],
             "wiring": {k: [who.get(p, p[:8]) for p in v] for k, v in t.pinned.items()} or None,
             "router": "service_time" if service_time else "latency", "inflight": inflight,
+            "multiplier": costs["multiplier"], "multiplier_adds": costs["adds"],
             "bytes_per_microbatch": {
                 "int8_measured": round(t.stats.bytes_between_stages / mbs),
                 "plain": round(boundaries * tokens * per_token["fp32"]),

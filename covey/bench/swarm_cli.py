@@ -39,7 +39,8 @@ def register(bench_app: Any) -> None:
     ) -> None:
         """SWARM vs a fixed GPipe-style pipeline on the same 4 servers (2 stages), emulated
         speeds: homogeneous, and heterogeneous (1x-4x) with a server SIGKILLed every
-        --kill-every s. Prints samples/s, loss, reroutes, rebalances, bytes between stages."""
+        --kill-every s. Prints samples/s, loss, reroutes, rebalances, the decentralization
+        multiplier, bytes between stages."""
         say = bench_say(log_json, "swarm")
         from covey.bench.swarm import SCENARIOS, run_swarm_bench
 
@@ -65,7 +66,8 @@ def register(bench_app: Any) -> None:
                 f"{scenario}: swarm {by['swarm']['samples_per_s']:.2f} samples/s, fixed "
                 f"{by['fixed']['samples_per_s']:.2f} samples/s (x{ratio:.2f}); loss "
                 f"{by['swarm']['final_loss']} vs {by['fixed']['final_loss']}; reroutes "
-                f"{by['swarm']['reroutes']}, rebalances {by['swarm']['rebalances']}"
+                f"{by['swarm']['reroutes']}, rebalances {by['swarm']['rebalances']}; "
+                f"multiplier {by['swarm']['multiplier']} vs {by['fixed']['multiplier']}"
             )
 
     @bench_app.command("swarm-codecs")

@@ -23,6 +23,7 @@ What each part rests on:
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from covey.protocol.multiplier import Costs
@@ -33,42 +34,82 @@ if TYPE_CHECKING:
 
 
 def run_costs(db: Database, peers: Peers) -> Costs:
-    """The whole run so far, booked by covey.protocol.multiplier.Costs."""
-    costs = Costs()
-    compute = {
-        (r["round"], r["attempt"], r["peer_id"]): r["compute_s"]
-        for r in db.query("SELECT round, attempt, peer_id, compute_s FROM contributions")
-    }
-    refused = {
-        (r["round"], r["attempt"], r["peer_id"])
-        for r in db.query("SELECT round, attempt, peer_id FROM rejections")
-    }
-    for r in db.query(
-        "SELECT round, attempt, opened_at, closed_at, members, certificate FROM rounds "
-        "WHERE status = 'committed'"
-    ):
-        accepted = {a["peer_id"] for a in json.loads(r["certificate"])["accepted"]}
-        span = (r["closed_at"] or 0.0) - (r["opened_at"] or 0.0)
-        for m in json.loads(r["members"] or "[]"):
-            key = (r["round"], r["attempt"], m)
-            if m in accepted:
-                costs.add_member(span, compute.get(key), "accepted")
-            elif key in refused or key in compute:
-                costs.add_member(span, None, "rejected")
-            else:
-                costs.add_member(span, None, "absent")
-    for e in db.query("SELECT detail FROM events WHERE kind = 'round aborted'"):
-        detail = json.loads(e["detail"] or "{}")
-        if "span_s" not in detail:  # written before aborts recorded their members
-            _unmeasured(costs, "churn of aborted rounds")
-            continue
-        for _ in range(int(detail.get("members", 0))):
-            costs.add_member(float(detail["span_s"]), None, "absent")
+    """The whole run so far, booked by covey.protocol.multiplier.Costs (a full scan)."""
+    return RoundsCosts().update(db, peers)
+
+
+class RoundsCosts:
+    """`run_costs`, kept incrementally: a committed round and an aborted attempt's event are
+    final once written, so each is booked once (rounds past the last booked one, events past
+    the last booked id); checks' reports and evidence (one row per drawn contribution, and
+    a report or delivery can land at any time) are read again on every update. An update
+    gives the same Costs as a full scan of the same database."""
+
+    def __init__(self) -> None:
+        self.booked = Costs()  # committed rounds and aborted attempts so far
+        self.last_round = -1
+        self.last_event = 0
+
+    def update(self, db: Database, peers: Peers) -> Costs:
+        self._rounds(db)
+        costs = replace(self.booked, unmeasured=list(self.booked.unmeasured))
+        _checks(db, peers, costs)
+        return costs
+
+    def _rounds(self, db: Database) -> None:
+        rounds = db.query(
+            "SELECT round, attempt, opened_at, closed_at, members, certificate FROM rounds "
+            "WHERE status = 'committed' AND round > ? ORDER BY round",
+            (self.last_round,),
+        )
+        compute: dict[tuple[int, int, str], float | None] = {}
+        refused: set[tuple[int, int, str]] = set()
+        if rounds:
+            first, last = rounds[0]["round"], rounds[-1]["round"]
+            where, args = "WHERE round BETWEEN ? AND ?", (first, last)
+            compute = {
+                (r["round"], r["attempt"], r["peer_id"]): r["compute_s"]
+                for r in db.query(
+                    f"SELECT round, attempt, peer_id, compute_s FROM contributions {where}", args
+                )
+            }
+            refused = {
+                (r["round"], r["attempt"], r["peer_id"])
+                for r in db.query(f"SELECT round, attempt, peer_id FROM rejections {where}", args)
+            }
+        for r in rounds:
+            accepted = {a["peer_id"] for a in json.loads(r["certificate"])["accepted"]}
+            span = (r["closed_at"] or 0.0) - (r["opened_at"] or 0.0)
+            for m in json.loads(r["members"] or "[]"):
+                key = (r["round"], r["attempt"], m)
+                if m in accepted:
+                    self.booked.add_member(span, compute.get(key), "accepted")
+                elif key in refused or key in compute:
+                    self.booked.add_member(span, None, "rejected")
+                else:
+                    self.booked.add_member(span, None, "absent")
+            self.last_round = r["round"]
+        for e in db.query(
+            "SELECT id, detail FROM events WHERE kind = 'round aborted' AND id > ? ORDER BY id",
+            (self.last_event,),
+        ):
+            self.last_event = e["id"]
+            detail = json.loads(e["detail"] or "{}")
+            if "span_s" not in detail:  # written before aborts recorded their members
+                self.booked.mark_unmeasured("churn of aborted rounds")
+                continue
+            for _ in range(int(detail.get("members", 0))):
+                self.booked.add_member(float(detail["span_s"]), None, "absent")
+
+
+def _checks(db: Database, peers: Peers, costs: Costs) -> None:
+    """Validators' reported compute (verification) and drawn contributions' delivered
+    evidence, added to `costs`."""
     for v in db.query("SELECT report FROM verifications WHERE report IS NOT NULL"):
         try:
             costs.verification_s += max(0.0, float(json.loads(v["report"]).get("compute_s", 0)))
         except (TypeError, ValueError, AttributeError):
-            _unmeasured(costs, "verification reports without compute")
+            costs.mark_unmeasured("verification reports without compute")
     speed = {p["peer_id"]: p["bandwidth_mbps"] for p in peers.every()}
     for s in db.query(
         "SELECT peer_id, start_cid, end_size FROM local_states "
@@ -81,10 +122,4 @@ def run_costs(db: Database, peers: Peers) -> Costs:
         if mbps and mbps > 0:
             costs.evidence_s += size * 8 / (mbps * 1e6)
         elif size:
-            _unmeasured(costs, "evidence time (bandwidth unknown)")
-    return costs
-
-
-def _unmeasured(costs: Costs, what: str) -> None:
-    if what not in costs.unmeasured:
-        costs.unmeasured.append(what)
+            costs.mark_unmeasured("evidence time (bandwidth unknown)")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from covey.protocol import schemas
 from covey.protocol.rounds import PeerView, is_alive
 
-from .costs import run_costs
+from .costs import RoundsCosts
 from .rejected import Rejected
 
 if TYPE_CHECKING:
@@ -421,12 +421,14 @@ class Views:
         }
 
     def costs(self) -> dict[str, Any]:
-        """covey.coordinator.costs over the run so far, recomputed when a round commits or
-        a check is reported (each is a scan of the run's rounds)."""
+        """covey.coordinator.costs over the run so far, updated when a round commits or a
+        check is reported: each update books only the rounds committed since the last one
+        (RoundsCosts), and re-reads the checks."""
         n = self.db.one("SELECT COUNT(report) AS n FROM verifications")
         key = (self.state.round, n["n"] if n else 0)
         cached = self.__dict__.get("_costs_cache")
         if cached is None or cached[0] != key:
-            cached = (key, run_costs(self.db, self.peers).as_dict())
+            booking = self.__dict__.setdefault("_costs_booking", RoundsCosts())
+            cached = (key, booking.update(self.db, self.peers).as_dict())
             self.__dict__["_costs_cache"] = cached
         return cached[1]

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 PARTS = ("network", "verification", "evidence", "redundant", "churn", "rejected")
 
 
@@ -58,6 +60,11 @@ class Costs:
         else:
             raise ValueError(f"unknown outcome {outcome!r}: accepted, rejected or absent")
 
+    def mark_unmeasured(self, what: str) -> None:
+        """Name a part of the run that could not be measured (once)."""
+        if what not in self.unmeasured:
+            self.unmeasured.append(what)
+
     def total_s(self) -> float:
         return self.useful_s + sum(getattr(self, f"{p}_s") for p in PARTS)
 
@@ -68,15 +75,17 @@ class Costs:
     def as_dict(self) -> dict[str, Any]:
         """For summary.json, the status feed and the benches: the multiplier, the seconds of
         each part and each part's share of the multiplier above 1 (they add up to it)."""
-        m = self.multiplier()
         parts = {p: round(getattr(self, f"{p}_s"), 3) for p in PARTS}
         useful = self.useful_s
+        # what each part adds, to 4 decimals; the multiplier given is 1 + their sum, so the
+        # shown parts add up to it exactly (within 3e-4 of `multiplier()`)
+        adds = {p: round(s / useful, 4) if useful > 0 else None for p, s in parts.items()}
+        m = round(1 + sum(a or 0.0 for a in adds.values()), 4) if useful > 0 else None
         return {
-            "multiplier": None if m is None else round(m, 4),
+            "multiplier": m,
             "useful_s": round(useful, 3),
             "parts_s": parts,
-            # multiplier = 1 + sum(of these): what each part adds to it
-            "adds": {p: round(s / useful, 4) if useful > 0 else None for p, s in parts.items()},
+            "adds": adds,  # multiplier = 1 + sum(of these): what each part adds to it
             "evidence_bytes": self.evidence_bytes,
             "unmeasured": list(self.unmeasured),
         }
@@ -85,3 +94,40 @@ class Costs:
 def costs_fields() -> list[str]:
     """The seconds fields, in order (the metrics' labels)."""
     return [f.name for f in fields(Costs) if f.name.endswith("_s")]
+
+
+Seconds = Field(0.0, ge=0, le=1e9, allow_inf_nan=False)
+
+
+class CostsReport(BaseModel):
+    """A peer's own booked costs on the wire (a SWARM trainer's report): bounded, finite,
+    and only ever shown and summed, never a verdict's input."""
+
+    model_config = ConfigDict(extra="forbid")
+    useful_s: float = Seconds
+    network_s: float = Seconds
+    verification_s: float = Seconds
+    evidence_s: float = Seconds
+    redundant_s: float = Seconds
+    churn_s: float = Seconds
+    rejected_s: float = Seconds
+    evidence_bytes: int = Field(0, ge=0, le=2**53)
+    unmeasured: list[str] = Field([], max_length=8)
+
+    @staticmethod
+    def of(costs: Costs) -> dict[str, Any]:
+        """`costs` as a report's JSON."""
+        return {
+            **{f: round(getattr(costs, f), 6) for f in costs_fields()},
+            "evidence_bytes": costs.evidence_bytes,
+            "unmeasured": [u[:100] for u in costs.unmeasured[:8]],
+        }
+
+    def add_to(self, total: Costs) -> None:
+        """Add this report's seconds and bytes to `total`."""
+        for f in costs_fields():
+            setattr(total, f, getattr(total, f) + getattr(self, f))
+        total.evidence_bytes += self.evidence_bytes
+        for u in self.unmeasured:
+            if u[:100] not in total.unmeasured and len(total.unmeasured) < 16:
+                total.unmeasured.append(u[:100])

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from covey.protocol.multiplier import CostsReport
 from covey.protocol.schemas import (
     MAX_INT,
     ContentId,
@@ -73,6 +74,9 @@ class SwarmHeartbeat(Signed):
     pending: Count = 0
     throughput: Throughput = 0.0
     queue: Count = 0
+    # seconds since it began heartbeating, and of those, computing requests (covey.swarm.costs)
+    uptime_s: float = Field(0.0, ge=0, le=1e9, allow_inf_nan=False)
+    busy_s: float = Field(0.0, ge=0, le=1e9, allow_inf_nan=False)
 
 
 class SwarmRoundReport(Signed):
@@ -132,6 +136,8 @@ class SwarmReport(Signed):
     served: dict[PeerId, ServedCount] = Field({}, max_length=MAX_SERVERS_PER_REPORT)
     measured: dict[PeerId, Throughput] = Field({}, max_length=MAX_SERVERS_PER_REPORT)
     checks: list[Any] = Field([], max_length=MAX_CHECKS_PER_REPORT)
+    # what this trainer's hops cost so far (covey.swarm.costs): shown and summed only
+    costs: CostsReport | None = None
 
 
 class SwarmDispute(Signed):

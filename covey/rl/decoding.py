@@ -17,6 +17,7 @@ shape; `step(..., moving)` leaves its position where it is.
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -39,12 +40,23 @@ class Decoder(Protocol):
         ...
 
 
-def _capture(module: nn.Module, pre: bool) -> tuple[list[torch.Tensor], Any]:
+def capture(module: nn.Module, pre: bool) -> tuple[list[torch.Tensor], Any]:
+    """(captured, handle): `module`'s input (`pre`) or output of each forward run by this
+    thread, appended to `captured` until `handle.remove()`. A module's hooks are shared by
+    every thread that runs it, and a hook runs in the thread of its forward, so one that
+    kept another thread's tensors would mix the hidden states of concurrent generations
+    (a serving worker answers several requests at once: covey.serve.worker)."""
     captured: list[torch.Tensor] = []
+    me = threading.get_ident()
+
+    def keep(tensor: torch.Tensor) -> None:
+        if threading.get_ident() == me:
+            captured.append(tensor)
+
     if pre:
-        handle = module.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+        handle = module.register_forward_pre_hook(lambda _m, args: keep(args[0]))
     else:
-        handle = module.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        handle = module.register_forward_hook(lambda _m, _i, out: keep(out))
     return captured, handle
 
 
@@ -55,7 +67,7 @@ class GPTDecoder:
         self.max_positions: int | None = model.cfg.block_size
 
     def _forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        captured, handle = _capture(self.model.ln_f, pre=False)
+        captured, handle = capture(self.model.ln_f, pre=False)
         try:
             logits = self.model(ids, self.cache)
         finally:
@@ -88,7 +100,7 @@ class HFDecoder:
         self.pos: torch.Tensor | None = None
 
     def _forward(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        captured, handle = _capture(self.head, pre=True)
+        captured, handle = capture(self.head, pre=True)
         try:
             out = self.model(**{self.cache_arg: self.past}, use_cache=True, **kwargs)
         finally:

@@ -235,16 +235,31 @@ def _summarize(
         "cheats_by_kind": by_kind,
         "rejected_by_reason": _count(b["problem"] for b in batches if b["status"] == "rejected"),
         "ledger": str(out / "coordinator.db"),
+        "decentralization": rl_costs_of(out / "coordinator.db"),  # the multiplier
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     echo(
         f"pass@1 {summary['pass_at_1_start']:.3f} -> {summary['pass_at_1_end']:.3f}; batches "
         f"accepted {summary['rollouts_accepted']}, rejected {summary['rollouts_rejected']} "
         f"(honest {summary['honest_rejected']}); cheats caught {summary['cheats_caught']}, "
-        f"missed {summary['cheats_missed']}; wrote {out / 'summary.json'}; audit the ledger "
-        f"with: covey ledger verify {out}"
+        f"missed {summary['cheats_missed']}; multiplier "
+        f"{summary['decentralization']['multiplier']}; wrote {out / 'summary.json'}; audit "
+        f"the ledger with: covey ledger verify {out}"
     )
     return summary
+
+
+def rl_costs_of(path: Path) -> dict[str, Any]:
+    """The decentralization multiplier of the RL run whose database is `path`
+    (covey.rl.costs), read after its trainer stopped."""
+    from covey.coordinator.db import Database
+    from covey.rl.costs import run_costs
+
+    db = Database(path)
+    try:
+        return run_costs(db).as_dict()
+    finally:
+        db.close()
 
 
 def _count(items: Any) -> dict[str, int]:

@@ -44,6 +44,7 @@ from covey.coordinator.rejected import Rejected
 from covey.protocol.schemas import PeerId, RunId, Signed
 from covey.rl.batch import Problem, RolloutBatch, draw_samples
 from covey.rl.canaries import CANARY_SCHEMA, Canaries
+from covey.rl.costs import COSTS_SCHEMA, MAX_REPORTED_S, record, record_batch
 from covey.rl.runspec import NotJudged
 from covey.rl.verdicts import Judge
 from covey.trust.draws import draw_validators
@@ -62,6 +63,7 @@ RL_SCHEMA = (
     "'[]', claimed_at REAL, draw TEXT, problem TEXT, detail TEXT, submitted_at REAL, "
     "nonce TEXT, signature TEXT, consumed_by INTEGER, UNIQUE (step, worker_id))",
     *CANARY_SCHEMA,
+    *COSTS_SCHEMA,
 )
 
 
@@ -73,6 +75,10 @@ class SubmitBatch(Signed):
     run_id: RunId
     peer_id: PeerId
     batch: RolloutBatch
+    # what the batch cost its worker (covey.rl.costs; reported, never a verdict's input):
+    # generating it, and the wall seconds since its previous submission (or its join)
+    compute_s: float | None = Field(None, ge=0, le=MAX_REPORTED_S, allow_inf_nan=False)
+    wall_s: float | None = Field(None, ge=0, le=MAX_REPORTED_S, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _finite(self) -> SubmitBatch:
@@ -111,6 +117,10 @@ class ReportCheck(Signed):
     problem: str | None = Field(None, max_length=64)
     detail: str = Field("", max_length=500, pattern=PLAIN_TEXT)
     sample: int | None = Field(None, ge=0)
+    # what the check cost the validator (covey.rl.costs): its compute, and fetching the
+    # batch and its policy
+    compute_s: float | None = Field(None, ge=0, le=MAX_REPORTED_S, allow_inf_nan=False)
+    fetch_s: float | None = Field(None, ge=0, le=MAX_REPORTED_S, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _known_problem(self) -> ReportCheck:
@@ -193,6 +203,7 @@ class Intake:
                         req.signature,
                     ),
                 )
+                record_batch(c, cid, req.compute_s, req.wall_s)
         except sqlite3.IntegrityError:
             raise Rejected(
                 409, f"worker {req.peer_id[:12]} already submitted a batch for step {b.step}"
@@ -399,6 +410,7 @@ class Intake:
             if canary := self.canaries.of_report(c, req.peer_id, req.batch_cid):
                 outcome = "passed" if req.ok else "caught"
                 self.canaries.resolve(c, canary, outcome, time.time())
+                self._record_check(c, req)
         if canary:
             return {"ok": True, "outcome": f"canary {outcome}", "accepted": False}
         row = t.db.one(
@@ -413,7 +425,7 @@ class Intake:
             )
         claim = {"ok": req.ok, "problem": req.problem, "detail": req.detail, "sample": req.sample}
         try:
-            return self.judge.decide(row, req.peer_id, claim)
+            reply = self.judge.decide(row, req.peer_id, claim)
         except NotJudged:  # the trainer lacks the verify class: undecided, nobody's miss
             with t.db.transaction() as c:
                 c.execute(
@@ -422,3 +434,12 @@ class Intake:
                     (row["id"],),
                 )
             raise
+        with t.db.transaction() as c:  # a decided check: what it cost its validator
+            self._record_check(c, req)
+        return reply
+
+    def _record_check(self, c: sqlite3.Connection, req: ReportCheck) -> None:
+        """A reported check's compute and evidence (the batch fetched) for covey.rl.costs."""
+        record(c, "check", req.compute_s, req.batch_cid)
+        size = self.t.blobs.size(req.batch_cid) if self.t.blobs.has(req.batch_cid) else 0
+        record(c, "fetch", req.fetch_s if req.fetch_s is not None else 0.0, req.batch_cid, size)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from covey.models.gpt import GPT
-from covey.rl.decoding import Decoder, decoder_for
+from covey.rl.decoding import Decoder, capture, decoder_for
 
 
 def _h64(*parts: object) -> int:
@@ -68,8 +68,7 @@ def forward_hidden(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, t
 
     Right padding is safe: attention is causal, so a position never sees later pads."""
     if isinstance(model, GPT):
-        captured: list[torch.Tensor] = []
-        handle = model.ln_f.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        captured, handle = capture(model.ln_f, pre=False)  # this thread's forward only
         try:
             logits = model(ids)
         finally:
@@ -83,8 +82,7 @@ def forward_hidden(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, t
     if not isinstance(head, nn.Module):  # a duck-typed causal LM: its last hidden state
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
         return out.logits.float(), out.hidden_states[-1].float()
-    inputs: list[torch.Tensor] = []
-    handle = head.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+    inputs, handle = capture(head, pre=True)
     try:
         out = model(input_ids=ids, use_cache=False)
     finally:

@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
 from covey.coordinator.host_app import handle_errors, host_middleware, host_routes, serve_app
-from covey.coordinator.metrics import HostCollector, Metrics, reason_label
+from covey.coordinator.metrics import HostCollector, Metrics, cost_metrics, reason_label
 from covey.coordinator.peer_routes import blob_routes, membership_routes, run_route
 from covey.protocol import schemas
 from covey.rl.intake import ClaimCheck, ReportCheck, SubmitBatch
@@ -177,3 +177,4 @@ class RLCollector(Collector):
         )
         samples.add_metric([], row["n"] if row else 0)
         yield samples
+        yield from cost_metrics(self.t.costs())  # the decentralization multiplier

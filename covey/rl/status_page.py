@@ -12,6 +12,7 @@ svg{border:1px solid #ccc;background:#fafafa}</style></head>
 rejected <b id="rej">0</b> &middot; audits <span id="audits"></span> &middot;
 canaries <span id="canaries"></span> &middot; verified on <b id="verify"></b>
 (<span id="judging"></span>)</p>
+<p>decentralization multiplier <b id="mult">&mdash;</b> <span id="mult-parts"></span></p>
 <h2>reward (per step) and pass@1 (held-out)</h2>
 <svg id="plot" width="600" height="200"></svg>
 <p><span style="color:#c60">&#9632; reward</span> <span style="color:#06c">&#9632; pass@1</span>
@@ -49,6 +50,12 @@ async function tick() {
     document.getElementById("canaries").textContent = (k.caught || 0) + " caught, " +
       (k.passed || 0) + " passed, " + (k.missed || 0) + " missed, " + (k.assigned || 0) +
       " open";
+    const c = s.costs || {}, adds = c.adds || {};
+    document.getElementById("mult").textContent = typeof c.multiplier === "number" ?
+      c.multiplier.toFixed(2) + "\u00d7" : "\u2014";
+    document.getElementById("mult-parts").textContent = Object.entries(adds)
+      .filter(([, v]) => typeof v === "number" && v > 0.005)
+      .map(([k, v]) => k + " +" + v.toFixed(2)).join(" \u00b7 ");
     const p = s.pass_at_1; document.getElementById("pass").textContent =
       p.length ? p[p.length - 1][1].toFixed(3) : "?";
     document.getElementById("plot").innerHTML = line(s.reward, "#c60", s.version) +

@@ -36,6 +36,7 @@ from covey.devices import resolve_device, resolve_precision
 from covey.protocol.content import content_id
 from covey.rl import policy as pol
 from covey.rl.batch import RolloutBatch
+from covey.rl.costs import record, run_costs
 from covey.rl.intake import RL_SCHEMA, Intake
 from covey.rl.learning import held_out_pass_at_1, make_learner
 from covey.rl.moments import load_moments, moments_path, prune_moments, save_moments
@@ -305,6 +306,7 @@ class Trainer:
             now = time.time()
             with self.accounts.transaction() as c:
                 c.execute("INSERT INTO rl_versions VALUES (?, ?, ?)", (self.version + 1, cid, now))
+                record(c, "step", now - t0)  # covey.rl.costs: the trainer's step is useful
                 ids = [r["id"] for r in rows]
                 c.execute(
                     f"UPDATE rl_batches SET status = 'consumed', consumed_by = ? WHERE id "
@@ -365,6 +367,10 @@ class Trainer:
 
     # -- the status page ---------------------------------------------------------------
 
+    def costs(self) -> dict[str, Any]:
+        """covey.rl.costs over the run so far (one grouped query)."""
+        return run_costs(self.db).as_dict()
+
     def status(self) -> dict[str, Any]:
         """GET /v1/rl/status: version, reward and pass@1 curves, batches by status and
         rejection reason, every account's standing."""
@@ -395,6 +401,7 @@ class Trainer:
             "rejected_by_reason": reasons,
             "audits": self.intake.judge.audits,
             "canaries": self.intake.canaries.counts(),
+            "costs": self.costs(),  # the decentralization multiplier (covey.rl.costs)
             "pass_at_1": [(h["version"], h["pass_at_1"]) for h in evals],
             "reward": [(h["version"], h["reward"]) for h in self.history if "reward" in h],
             "accounts": summary["accounts"],

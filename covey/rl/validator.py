@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,7 @@ class RolloutValidator:
     def check(self, task: dict[str, Any]) -> dict[str, Any] | None:
         """Check one assigned batch and report the verdict; None if it could not be had
         (the assignment then expires and goes to another validator)."""
+        started = time.perf_counter()
         try:
             model = self.policies.model(task["policy_cid"], [self.trainer_url])
             data = self.fetcher.fetch(task["batch_cid"], [self.trainer_url])
@@ -108,7 +110,11 @@ class RolloutValidator:
             "peer_id": self.identity.peer_id,
             "batch_cid": task["batch_cid"],
         }
+        fetched = time.perf_counter()
         report |= self.verdict(task, batch, model)
+        # what the check cost (covey.rl.costs): fetching the batch and policy, checking it
+        report |= {"fetch_s": round(fetched - started, 6),
+                   "compute_s": round(time.perf_counter() - fetched, 6)}  # fmt: skip
         try:
             reply = self.client.post("/v1/rl/report", report)
         except PeerRejected as e:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from covey.coordinator.checks import Checks, Verdict
 from covey.coordinator.rejected import Rejected
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
+from covey.rl.costs import record
 from covey.rl.policy import codec_kwargs
 
 if TYPE_CHECKING:
@@ -104,12 +105,14 @@ class Judge:
             if draw
             else None
         )
+        started, judged = time.perf_counter(), True  # the trainer's own check, if it runs one
         if claim is None:
             verdict = self.judge(Checked(row, None))
             outcome = "rejected" if verdict.convicted else "accepted"
         elif claim["ok"]:
             audit = int(_h("covey-rl-audit", draw)[:8], 16) / 16**8 < t.spec.audit_rate
             verdict = self.judge(Checked(row, None)) if audit else Verdict("cleared", "")
+            judged = bool(audit)
             self.audits["audited"] += audit
             self.audits["caught"] += audit and verdict.convicted
             outcome = "missed" if verdict.convicted else "accepted"
@@ -118,6 +121,7 @@ class Judge:
             extra = [i for i in extra if i < row["samples"]]
             verdict = self.judge(Checked(row, sorted(set((picked or []) + extra))))
             outcome = "caught" if verdict.convicted else "false accusation"
+        own_s = time.perf_counter() - started if judged else None
         banned = t.accounts.book.accounts[worker].banned
         if not verdict.convicted and banned:
             verdict = Verdict("convicted", "the worker was excluded for fraud", "banned")
@@ -184,6 +188,7 @@ class Judge:
                     # who agreed on it missed a fraud; its pay, if any, is clawed back
                     reason = f"the trainer's check rejects {row['cid'][:12]} ({problem})"
                     self.checks.convict(c, step, worker, reason, now)
+            record(c, "check", own_s, row["cid"])  # covey.rl.costs: verification
             c.execute(
                 "UPDATE rl_batches SET status = ?, problem = ?, detail = ? WHERE id = ?",
                 (

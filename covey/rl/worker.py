@@ -69,6 +69,7 @@ class RolloutWorker:
         self.halted: str | None = None  # the owner's reason, once the run is halted
         self.membership = Membership(self.client, identity, self.run, self.halt_seen)
         self.submitted: list[dict[str, Any]] = []
+        self.last_submit: float | None = None  # perf_counter at the join, then at each submission
 
     def halt_seen(self, reason: str) -> None:
         """The run owner halted the run (a 410 from a heartbeat or a request): stop."""
@@ -82,6 +83,7 @@ class RolloutWorker:
         CoordinatorLost propagates once the trainer is gone for `lost_s`."""
         url = self.server.start() if self.server else None
         self.membership.join("worker", self.name, self.stake, url, device_name(self.device))
+        self.last_submit = time.perf_counter()
         done = -1
         try:
             while not self.stop.is_set() and (max_steps is None or len(self.submitted) < max_steps):
@@ -112,13 +114,19 @@ class RolloutWorker:
             )
             return None
         t0 = time.time()
+        started = time.perf_counter()
         batch = self.make_batch(model, v, cid)
         if batch is None:
             return None
+        now = time.perf_counter()
         body = {
             "run_id": self.run.run_id,
             "peer_id": self.identity.peer_id,
             "batch": batch.model_dump(mode="json"),
+            # what it cost (covey.rl.costs): generating, and the wall time since the last
+            # submission (or the join): fetching policies and waiting for a new one
+            "compute_s": round(now - started, 6),
+            "wall_s": round(now - (self.last_submit or started), 6),
         }
         try:
             reply = self.client.post("/v1/rl/batch", body, round=v)
@@ -136,6 +144,7 @@ class RolloutWorker:
             len(batch.samples),
             time.time() - t0,
         )
+        self.last_submit = time.perf_counter()
         if isinstance(reply, dict):
             self.heads.keep(reply.get("ledger_head"), f"step {v}'s receipt")
         self.submitted.append({"step": v, **reply})

@@ -112,7 +112,14 @@ def create_app(s: ServeCoordinator) -> FastAPI:
 
     @app.get("/v1/serve/status")
     def status() -> dict[str, Any]:
-        return {**s.status(), "serving": len(dispatch.serving()), "waiting": len(dispatch.queue)}
+        serving = dispatch.serving()
+        return {
+            **s.status(),
+            "serving": len(serving),
+            "waiting": len(dispatch.queue),
+            "held": dispatch.held(),  # requests workers' slots are answering
+            "slots": dispatch.capacity(serving),  # the serving workers' slots
+        }
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -288,9 +295,11 @@ def create_app(s: ServeCoordinator) -> FastAPI:
     async def pull(req: PullRequest, request: Request) -> dict[str, Any]:
         """A worker's long-poll: a request to answer, or {"job": null} after pull_wait_s."""
         await run_in_threadpool(s.authenticate, await request.json(), req.peer_id, "worker")
-        job = await dispatch.take(req.peer_id, cfg.pull_wait_s)
+        if req.slot >= cfg.worker_slots:
+            raise Rejected(409, f"slot {req.slot}: this run's workers have {cfg.worker_slots}")
+        job = await dispatch.take(req.peer_id, cfg.pull_wait_s, req.slot)
         if job is not None and await request.is_disconnected():
-            dispatch.release(req.peer_id)  # it never got it: another worker will
+            dispatch.release(req.peer_id, req.slot)  # it never got it: another worker will
             return {"job": None}
         return {"job": None if job is None else job.model_dump()}
 
@@ -379,10 +388,17 @@ class ServeCollector(Collector):
         yield GaugeMetricFamily(
             "covey_serve_waiting", "Requests waiting for a worker", value=len(self.dispatch.queue)
         )
+        serving = self.dispatch.serving()
         yield GaugeMetricFamily(
-            "covey_serve_workers",
-            "Workers serving (pulled recently)",
-            value=len(self.dispatch.serving()),
+            "covey_serve_workers", "Workers serving (pulled recently)", value=len(serving)
+        )
+        yield GaugeMetricFamily(
+            "covey_serve_slots",
+            "Requests the serving workers answer at a time (their slots)",
+            value=self.dispatch.capacity(serving),
+        )
+        yield GaugeMetricFamily(
+            "covey_serve_held", "Requests held by workers' slots", value=self.dispatch.held()
         )
         yield GaugeMetricFamily(
             "covey_serve_excluded", "Peers excluded for fraud", value=len(status["excluded"])

@@ -1,5 +1,6 @@
-"""Dishonest inference workers, for tests and `covey bench serve` only (honest code never
-imports this module: tests/test_layers.py). Each saves compute or money in a way a real
+"""Dishonest inference workers (and a lazy validator, caught by covey.serve.canaries), for
+tests and `covey bench serve` only (honest code never imports this module:
+tests/test_layers.py). Each saves compute or money in a way a real
 cheat would, and each must be caught by the answer check (covey.serve.checks):
 
 - other_weights: the served weights perturbed by 1e-3 relative (a fine-tuned copy);
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from covey.serve.validator import ServeValidator
 from covey.serve.wire import Job
 from covey.serve.worker import ServeWorker
 
@@ -71,3 +73,14 @@ def serve_worker(cheat: str, *args: Any, **kwargs: Any) -> ServeWorker:
     if cheat == "honest":
         return ServeWorker(*args, **kwargs)
     return CheatingServeWorker(*args, cheat=cheat, **kwargs)
+
+
+class LazyServeValidator(ServeValidator):
+    """A validator that reports every answer good without checking it (it saves the
+    prefill and is paid per check): the serving mode's canaries catch it
+    (covey.serve.canaries)."""
+
+    def check(self, task: dict[str, Any]) -> dict[str, Any]:
+        report = {**self.body(), "answer_id": task["answer_id"], "ok": True, "problem": None}
+        report["detail"] = ""
+        return {**report, **self.client.post("/v1/serve/report", report)}

@@ -124,6 +124,10 @@ def worker(
     stake: Annotated[float, typer.Option(help="credits staked on joining", min=0)] = 10.0,
     max_answers: Annotated[int | None, typer.Option(help="stop after this many", min=1)] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+    slots: Annotated[
+        int | None,
+        typer.Option(help="requests answered at a time [default: the run's worker_slots]", min=1),
+    ] = None,
 ) -> None:
     """Answer the server's requests and get paid per verified token."""
     from covey.peer.client import CoordinatorLost
@@ -139,7 +143,7 @@ def worker(
                 return serve_worker(behavior, *a, **k)
 
         w = make(server_url, _identity(identity), model, name=name, stake=stake, stop=stop)
-        n = w.run_loop(max_answers)
+        n = w.run_loop(max_answers, slots)
     except (CoordinatorLost, ValueError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"worker {name}: {n} answers" + (f"; stopped: {w.stopped}" if w.stopped else ""))

@@ -32,6 +32,13 @@ class ServeConfig(BaseModel):
     queue_per_worker: int = Field(
         2, ge=0, description="requests waiting per live worker before new ones get a 429"
     )
+    worker_slots: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="most requests one worker answers at a time: each of its slots pulls "
+        "one request, answers it (seeded by that request alone) and pulls again",
+    )
     pull_wait_s: float = Field(
         5.0, gt=0, le=60, description="a worker's long-poll for a request waits this long"
     )

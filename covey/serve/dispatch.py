@@ -1,12 +1,14 @@
 """Requests waiting for a worker, and the workers holding them: the event loop's side of
 the serving mode (every method runs on the app's event loop, none blocks).
 
-Routing is by load: a worker pulls (a long-poll) when it has a free slot, so a busy worker
-is never handed more than it asked for, and the oldest waiting request goes to whichever
-worker asks first. Backpressure: past `queue_per_worker` waiting requests per live worker,
-a new request is refused (429 with Retry-After); with no live worker, 503. A worker that
-stops heartbeating, or is excluded, loses what it held: its requests go back to the head of
-the queue. A request whose client hung up or timed out is dropped (a worker that answers it
+Routing is by load: each of a worker's slots (at most the run's worker_slots) pulls (a
+long-poll) when it is free, so a worker holds at most one request per slot, and the oldest
+waiting request goes to whichever slot asks first. The capacity of the serving workers is
+their slots seen pulling; backpressure: past the free slots plus `queue_per_worker`
+waiting requests per live worker, a new request is refused (429 with Retry-After); with no
+live worker, 503. A slot that pulls again gives back what it held (it lost it); a worker
+that stops heartbeating, or is excluded, loses what it held: its requests go back to the
+head of the queue. A request whose client hung up or timed out is dropped (a worker that answers it
 later is still paid for verified work: it did what it was asked).
 """
 
@@ -36,6 +38,7 @@ class Pending:
     future: asyncio.Future[Any]
     created: float = field(default_factory=time.monotonic)
     worker: str | None = None
+    slot: int = 0  # which of its worker's slots holds it
     dropped: bool = False  # the client is gone: nobody waits for the answer
     answering: bool = False  # its worker's answer is being recorded
     streamed: list[int] = field(default_factory=list)  # its worker's progress so far
@@ -57,6 +60,7 @@ class Dispatcher:
         self.queue: deque[Pending] = deque()
         self.jobs: dict[str, Pending] = {}  # job id -> waiting or held
         self.pulled: dict[str, float] = {}  # worker -> when it last asked
+        self.slots: dict[str, set[int]] = {}  # worker -> its slots seen pulling
         self._cond: asyncio.Condition | None = None
 
     @property
@@ -76,13 +80,18 @@ class Dispatcher:
     def held(self) -> int:
         return sum(1 for p in self.jobs.values() if p.worker is not None)
 
+    def capacity(self, workers: list[str]) -> int:
+        """The slots of `workers` (those seen pulling; one for a worker not seen yet)."""
+        return sum(len(self.slots.get(w, ())) or 1 for w in workers)
+
     async def submit(self, job: Job) -> Pending:
         """Queue `job`; Busy (429) past the queue's room, Rejected(503) with no worker."""
         self.sweep()
-        workers = len(self.serving())
+        serving = self.serving()
+        workers = len(serving)
         if workers == 0:
             raise Rejected(503, "no inference worker is serving this model now; retry later")
-        idle = max(0, workers - self.held())
+        idle = max(0, self.capacity(serving) - self.held())
         if len(self.queue) >= idle + self.queue_per_worker * workers:
             raise Busy(429, f"all {workers} workers are busy and {len(self.queue)} requests wait")
         p = Pending(job, asyncio.get_running_loop().create_future())
@@ -92,12 +101,14 @@ class Dispatcher:
             self.cond.notify()
         return p
 
-    async def take(self, worker: str, wait_s: float) -> Job | None:
-        """The oldest waiting job for `worker`, waiting up to `wait_s`; None if none came."""
+    async def take(self, worker: str, wait_s: float, slot: int = 0) -> Job | None:
+        """The oldest waiting job for `worker`'s `slot`, waiting up to `wait_s`; None if
+        none came."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         self.pulled[worker] = time.monotonic()
-        self.release(worker)  # a worker pulls when it is free: what it held was lost
+        self.slots.setdefault(worker, set()).add(slot)
+        self.release(worker, slot)  # a slot pulls when it is free: what it held was lost
         async with self.cond:
             while True:
                 self.sweep()
@@ -105,7 +116,7 @@ class Dispatcher:
                     self.jobs.pop(self.queue.popleft().job.job_id, None)
                 if self.queue:
                     p = self.queue.popleft()
-                    p.worker = worker
+                    p.worker, p.slot = worker, slot
                     return p.job
                 left = deadline - loop.time()
                 if left <= 0:
@@ -115,10 +126,11 @@ class Dispatcher:
                     await asyncio.wait_for(self.cond.wait(), min(left, SWEEP_S))
                 self.pulled[worker] = time.monotonic()
 
-    def release(self, worker: str) -> None:
-        """What `worker` holds (and is not answering) goes back to the head of the queue."""
+    def release(self, worker: str, slot: int | None = None) -> None:
+        """What `worker` (its `slot`; None: every slot) holds and is not answering goes back
+        to the head of the queue."""
         for p in list(self.jobs.values()):
-            if p.worker == worker and not p.answering:
+            if p.worker == worker and slot in (None, p.slot) and not p.answering:
                 p.worker = None
                 if p.dropped:
                     self.jobs.pop(p.job.job_id, None)
@@ -160,6 +172,7 @@ class Dispatcher:
             if p.worker is None or self.alive(p.worker):
                 continue
             self.pulled.pop(p.worker, None)
+            self.slots.pop(p.worker, None)
             p.worker = None
             if p.dropped:
                 self.jobs.pop(p.job.job_id, None)

@@ -36,6 +36,7 @@ from covey.coordinator.rejected import Rejected
 from covey.rl.proofs import proof_size
 from covey.serve import assign
 from covey.serve import model as served
+from covey.serve.canaries import CANARY_SCHEMA, ServeCanaries
 from covey.serve.checks import AnswerVerdict, check_answer, check_shape
 from covey.serve.config import ServeConfig, run_id_of
 from covey.serve.wire import Job
@@ -50,6 +51,7 @@ SCHEMA = (
     "cid TEXT NOT NULL, rate REAL NOT NULL, draw TEXT NOT NULL, status TEXT NOT NULL, "
     "validator_id TEXT, claimed_at REAL, tried TEXT, problem TEXT, detail TEXT, "
     "created REAL NOT NULL)",
+    *CANARY_SCHEMA,
 )
 
 
@@ -100,6 +102,10 @@ class ServeCoordinator:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.window = served.context_window(self.model)
         self.lock = threading.Lock()  # ledger decisions, one at a time
+        # known-bad answers among validators' checks (covey.serve.canaries)
+        self.canaries = ServeCanaries(
+            self.cfg, self.run_id, self.identity, self.db, self.accounts, self.lock
+        )
         self._judging = threading.Lock()  # prefill hooks: one check at a time
         self._thread: threading.Thread | None = None
         self.tokens_served = 0
@@ -162,6 +168,7 @@ class ServeCoordinator:
                         "WHERE status = 'claimed' AND claimed_at < ?",
                         (time.time() - self.cfg.claim_timeout_s,),
                     )
+                self.canaries.sweep(time.time())  # canaries not reported in time: missed
             except Exception:  # the driver must outlive one bad pass; the error is logged
                 log.exception("serve driver pass failed")
 
@@ -290,6 +297,8 @@ class ServeCoordinator:
         if validator not in live:
             live.append(validator)  # it asks now: it is alive
         with self.lock, self.db.transaction() as c:
+            if canary := self.canaries.plant(c, validator, live):
+                return canary  # covey.serve.canaries: looks like any task
             rows = c.execute(
                 "SELECT * FROM serve_answers WHERE status = 'pending' AND worker_id != ? "
                 "ORDER BY id LIMIT 256",
@@ -326,6 +335,12 @@ class ServeCoordinator:
     ) -> dict[str, Any]:
         """A validator's verdict on the answer it claimed; a rejection is re-checked here
         first. Rejected(409) when it holds no claim on that answer."""
+        with self.lock, self.accounts.transaction() as c:
+            if canary := self.canaries.of_report(c, validator, answer):
+                outcome = "passed" if ok else "caught"
+                self.canaries.resolve(c, canary, outcome, time.time())
+        if canary:
+            return {"ok": True, "outcome": f"canary {outcome}"}
         row = self.db.one("SELECT * FROM serve_answers WHERE id = ?", (answer,))
         if row is None or row["status"] != "claimed" or row["validator_id"] != validator:
             raise Rejected(409, f"validator {validator[:12]} holds no claim on answer {answer}")
@@ -451,6 +466,7 @@ class ServeCoordinator:
             "answers": {r["status"]: r["n"] for r in rows},
             "tokens": {r["status"]: r["t"] or 0 for r in rows},
             "excluded": sorted(p for p, a in book.items() if a.banned),
+            "canaries": self.canaries.counts(),
             "workers": {
                 p: {
                     "name": a.name,

@@ -101,10 +101,12 @@ class Job(BaseModel):
 
 
 class PullRequest(Signed):
-    """POST /v1/serve/pull: a worker asks for a request (a long-poll)."""
+    """POST /v1/serve/pull: one of a worker's slots asks for a request (a long-poll). A slot
+    pulls when it is free: what it held before is given back to the queue."""
 
     run_id: RunId
     peer_id: PeerId
+    slot: int = Field(0, ge=0, lt=64, description="which of the worker's slots (< worker_slots)")
 
 
 class AnswerSubmit(Signed):

@@ -1,5 +1,6 @@
-"""An inference worker (untrusted): joins the server, long-polls for requests, answers each
-with the RL mode's seeded sampling (covey.rl.sampling.generate_batch, Gumbel-max with the
+"""An inference worker (untrusted): joins the server, long-polls for requests from each of
+its slots (threads, at most the run's worker_slots), answers each with the RL mode's seeded
+sampling (covey.rl.sampling.generate_batch, Gumbel-max with the
 noise of the job's seed) and the inference proof of the generated tokens' hidden states
 (covey.rl.proofs.build_proof). It may be checked on any answer (docs/serve.md). Dishonest
 workers of tests and benches are covey.serve.cheater, which override `answer`.
@@ -8,6 +9,8 @@ workers of tests and benches are covey.serve.cheater, which override `answer`.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,38 +60,63 @@ class ServeWorker(ServePeer):
         except Exception as e:  # the answer still goes; the user sees it later
             log.debug("[%s] progress of %s not taken: %s", self.name, job.job_id[:8], e)
 
-    def run_loop(self, max_answers: int | None = None) -> int:
-        """Answer requests until stopped (or `max_answers` answered); returns how many."""
+    def run_loop(self, max_answers: int | None = None, slots: int | None = None) -> int:
+        """Answer requests until stopped (or about `max_answers` answered: slots busy when
+        the count is reached finish their request); returns how many. `slots`: requests
+        answered at a time (default and at most the run's worker_slots), each on its own
+        thread and seeded by its own request, so an answer does not depend on the others."""
+        most = int(self.spec["spec"].get("worker_slots", 1))
+        n = most if slots is None else max(1, min(slots, most))
         self.join()
-        wait = float(self.spec["pull_wait_s"]) + 10.0
-        answered = 0
+        self._answered = 0
+        self._count = threading.Lock()
+
+        def more() -> bool:
+            with self._count:
+                return not self.stop.is_set() and (
+                    max_answers is None or self._answered < max_answers
+                )
+
+        threads = [
+            threading.Thread(target=self._slot, args=(i, more), name=f"slot-{i}", daemon=True)
+            for i in range(n)
+        ]
         try:
-            while not self.stop.is_set() and (max_answers is None or answered < max_answers):
-                try:
-                    reply = self.client.post("/v1/serve/pull", self.body(), timeout_s=wait)
-                    if reply.get("job") is None:
-                        continue
-                    job = Job.model_validate(reply["job"])
-                    with torch.no_grad():
-                        tokens, proof = self.answer(job)
-                    self.client.post(
-                        "/v1/serve/answer",
-                        {
-                            **self.body(),
-                            "job_id": job.job_id,
-                            "tokens": tokens,
-                            "proof": proof.hex(),
-                        },
-                    )
-                    answered += 1
-                except PeerRejected as e:
-                    self.refused(e)
-                except CoordinatorLost:
-                    log.warning("[%s] the server is gone: stopping", self.name)
-                    break
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         finally:
+            self.stop.set()
+            for t in threads:
+                t.join(timeout=5.0)
             self.leave()
-        return answered
+        return self._answered
+
+    def _slot(self, slot: int, more: Callable[[], bool]) -> None:
+        """One slot: pull a request, answer it, again; the server lost: stop every slot."""
+        wait = float(self.spec["pull_wait_s"]) + 10.0
+        while more():
+            try:
+                reply = self.client.post(
+                    "/v1/serve/pull", {**self.body(), "slot": slot}, timeout_s=wait
+                )
+                if reply.get("job") is None:
+                    continue
+                job = Job.model_validate(reply["job"])
+                with torch.no_grad():
+                    tokens, proof = self.answer(job)
+                self.client.post(
+                    "/v1/serve/answer",
+                    {**self.body(), "job_id": job.job_id, "tokens": tokens, "proof": proof.hex()},
+                )
+                with self._count:
+                    self._answered += 1
+            except PeerRejected as e:
+                self.refused(e)
+            except CoordinatorLost:
+                log.warning("[%s] the server is gone: stopping", self.name)
+                self.stop.set()
 
     def describe(self) -> dict[str, Any]:
         return {"peer_id": self.identity.peer_id, "name": self.name, "stopped": self.stopped}

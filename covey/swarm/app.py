@@ -38,7 +38,7 @@ PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>covey swarm</t
 <style>body{font:14px system-ui;margin:2em}table{border-collapse:collapse}
 td,th{border:1px solid #ccc;padding:3px 8px}</style></head><body>
 <header id="covey-frame"></header><script src="/frame.js"></script>
-<h1>covey swarm <span id="run"></span></h1><div id="totals"></div>
+<h1>covey swarm <span id="run"></span></h1><div id="totals"></div><div id="mult"></div>
 <h2>Stages</h2><table id="stages"></table><h2>Servers</h2><table id="servers"></table>
 <h2>Rebalances</h2><pre id="moves"></pre><h2>Disputes</h2><pre id="disputes"></pre>
 <script>
@@ -50,6 +50,10 @@ async function tick(){const s=await (await fetch('/v1/swarm/status')).json();
  document.getElementById('totals').textContent='samples '+t.reduce((a,x)=>a+(x.samples||0),0)+
   ' | loss '+t.map(x=>x.loss==null?'-':x.loss.toFixed(3)).join(' ')+' | reroutes '+s.reroutes+
   ' | rebalances '+s.rebalances+' | banned '+s.banned.length;
+ const c=s.costs||{},adds=Object.entries(c.adds||{}).filter(([,v])=>typeof v==='number'&&v>0.005);
+ document.getElementById('mult').textContent='decentralization multiplier '+
+  (typeof c.multiplier==='number'?c.multiplier.toFixed(2)+'\u00d7':'\u2014')+
+  (adds.length?' ('+adds.map(([k,v])=>k+' +'+v.toFixed(2)).join(' \u00b7 ')+')':'');
  rows(document.getElementById('stages'),['stage','servers','samples/s','step','rounds'],
   s.stages.map((x,i)=>[x.stage,x.servers.join(', '),x.throughput,s.averaging[i].step,
   s.averaging[i].rounds]));
@@ -110,7 +114,9 @@ def create_app(coord: SwarmCoordinator) -> FastAPI:
     @app.post("/v1/swarm/report")
     async def report(req: SwarmReport, request: Request) -> Any:
         """A trainer's progress, measurements of servers and evidence of agreed checks."""
-        return await call(coord.trainer_report, req, request)
+        reply = await call(coord.trainer_report, req, request)
+        coord.run_costs.note(req.peer_id, req.costs)  # a joined trainer's, authenticated
+        return reply
 
     @app.post("/v1/swarm/dispute")
     async def dispute(req: SwarmDispute, request: Request) -> Any:

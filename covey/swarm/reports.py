@@ -4,6 +4,7 @@ summary `covey swarm trainer --json` writes."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
+from covey.swarm.costs import TrainerCosts
 from covey.swarm.routing import Router
 from covey.trust.identity import Identity
 
@@ -42,6 +44,7 @@ class Reporting(Protocol):
     client: CoordinatorClient
     router: Router
     stats: TrainerStats
+    spent: TrainerCosts
     lock: threading.Lock
     served: dict[str, int]
     evidence: list[dict[str, Any]]
@@ -86,7 +89,12 @@ def send_report(self: Reporting) -> None:
             "banned": {s: why[:200] for s, why in self.router.banned().items()},
             "next": self._next,
             "checks": checks,
+            "costs": self.spent.report(),  # covey.swarm.costs: cumulative
         }
+    # the checks are evidence the coordinator pays on: their bytes, and their share of
+    # this report's upload seconds (covey.swarm.costs)
+    evidence_bytes = len(json.dumps(checks)) if checks else 0
+    started = time.perf_counter()
     try:
         try:
             reply = self.client.post("/v1/swarm/report", body)
@@ -107,6 +115,9 @@ def send_report(self: Reporting) -> None:
                 self.served[s] = self.served.get(s, 0) + n
             self.evidence[:0] = checks
         return
+    if evidence_bytes:
+        share = evidence_bytes / max(len(json.dumps(body)), 1)
+        self.spent.evidence(share * (time.perf_counter() - started), evidence_bytes)
     for outcome in reply.get("checks", []):
         if outcome.startswith("refused"):
             st.refused_checks += 1

@@ -57,6 +57,8 @@ BEHAVIORS = ("honest", "wrong", "noise", "zero", "stale", "subtle", "shade")
 #: the tolerance of the truth and of the liar's reply, so a check pairing the two agrees
 SUBTLE_EVERY, SUBTLE_NOISE, SHADE = 5, 0.07, 0.5
 MAX_BODY = 64 << 20
+# the seconds the last request this thread handled took to compute (StageServer.handle)
+SPENT = threading.local()
 
 
 class StageServer:
@@ -105,6 +107,8 @@ class StageServer:
         self.k = -1
         self.state: str | None = None
         self.throughput, self.waiting, self.reported = 0.0, 0, -1
+        # seconds computing requests, and when heartbeats began (covey.swarm.costs)
+        self.busy_s, self.since = 0.0, time.monotonic()
         self.cfg: SwarmConfig | None = None
         self.halted: str | None = None  # the owner's reason, once the run is halted
 
@@ -169,7 +173,7 @@ class StageServer:
         """Heartbeat every heartbeat_s; keep the latest reply for `run`. Stop the server
         when banned (403) or when no heartbeat got through for 90 s."""
         assert self.cfg is not None
-        last_ok = time.monotonic()
+        last_ok = self.since = time.monotonic()
         while not self.stop.wait(self.cfg.heartbeat_s):
             k, step, state = basis = self._basis()
             stage = self.stage
@@ -178,6 +182,9 @@ class StageServer:
                 "step": step, "state": state, "pending": 0 if stage is None else stage.samples,
                 # a claim within the schema's bound (covey.protocol.swarm.SwarmHeartbeat)
                 "throughput": min(self.throughput, MAX_THROUGHPUT), "queue": self.waiting,
+                # this server's time in the run and its compute (covey.swarm.costs)
+                "uptime_s": round(time.monotonic() - self.since, 3),
+                "busy_s": round(self.busy_s, 3),
             }  # fmt: skip
             try:
                 d: dict[str, Any] | None = self.client.post_once(
@@ -327,7 +334,9 @@ class StageServer:
     def handle(self, kind: str, k: int, body: bytes, check: bool = False) -> tuple[bytes, str]:
         """(reply, signature) for a forward or backward request for stage `k`. `check`: a
         trainer's duplicate of a hop another server ran, answered and signed the same but
-        not accumulated: the microbatch counts once in the stage's update."""
+        not accumulated: the microbatch counts once in the stage's update. The seconds its
+        compute took (the emulated slowdown included) are left in this thread's `SPENT`:
+        the reply's X-Covey-Compute, which trainers book (covey.swarm.costs)."""
         assert self.cfg is not None
         self.waiting += 1
         try:
@@ -359,6 +368,8 @@ class StageServer:
                     rate if not self.throughput else 0.7 * self.throughput + 0.3 * rate
                 )
                 sig = self.identity.sign(reply_message(k, self.state, sha(body), sha(reply)))
+                SPENT.seconds = busy + max(0.0, extra)
+                self.busy_s += SPENT.seconds
                 return reply, self.state + " " + sig
         finally:
             self.waiting -= 1
@@ -426,8 +437,12 @@ def _handler(server: StageServer) -> type[BaseHTTPRequestHandler]:
                 if kind not in ("forward", "backward") or not 0 <= n <= MAX_BODY:
                     return self._send(404 if n >= 0 else 411, b"no such request")
                 check = self.headers.get("X-Covey-Check") == "1"
+                SPENT.seconds = None
                 reply, sig = server.handle(kind, k, self.rfile.read(n), check)
-                self._send(200, reply, {"X-Covey-Signature": sig})
+                headers = {"X-Covey-Signature": sig}
+                if SPENT.seconds is not None:
+                    headers["X-Covey-Compute"] = f"{SPENT.seconds:.6f}"
+                self._send(200, reply, headers)
             except LookupError as e:
                 self._send(409, str(e).encode())
             except (WireError, ValueError) as e:

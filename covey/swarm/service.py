@@ -32,6 +32,7 @@ from covey.protocol.swarm import SwarmHeartbeat, SwarmJoin, SwarmRoundReport, Sw
 from covey.swarm import books, evidence
 from covey.swarm.averaging import Averaging
 from covey.swarm.config import SwarmConfig
+from covey.swarm.costs import RunCosts
 from covey.swarm.observed import Observations
 from covey.swarm.paydesk import PayDesk
 from covey.swarm.rebalance import plan_move, speeds_from_measurements
@@ -77,6 +78,7 @@ class SwarmCoordinator(PayDesk):
         # trainers' measurements of servers: rebalancing never rests on a server's own word
         self.observed = Observations(fresh_s=max(30.0, 3 * cfg.rebalance_s))
         self.trainers: dict[str, dict[str, Any]] = {}
+        self.run_costs = RunCosts()  # trainers' booked costs, summed (covey.swarm.costs)
         self.averaging = Averaging(cfg.stages, cfg.target_samples, cfg.round_timeout_s)
         self.rebalances: list[dict[str, Any]] = []
         self.unpaid: dict[str, int] = {}
@@ -358,6 +360,7 @@ class SwarmCoordinator(PayDesk):
                 s.step, s.state = req.step, req.state
                 s.pending, s.queue = req.pending, req.queue
                 s.throughput = req.throughput
+                self.run_costs.server(peer, req.uptime_s, req.busy_s)
                 if s.state is not None:
                     self.averaging.state(peer, s.stage, s.step, s.state)
                     self.known_state(s.stage, self.averaging.stages[s.stage].agreed)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -33,6 +34,7 @@ import torch
 from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.swarm import compute
 from covey.swarm.config import SwarmConfig
+from covey.swarm.costs import TrainerCosts
 from covey.swarm.reports import TrainerStats, send_report
 from covey.swarm.routing import NoServerError, Router, StateWatch
 from covey.swarm.wire import WireError, encode_tensor, pack, reply_message, sha
@@ -52,6 +54,7 @@ class Hop:
     state: str
     reply: bytes
     sig: str
+    compute_s: float | None = None  # the server's X-Covey-Compute (covey.swarm.costs)
 
 
 def training_tokens(cfg: SwarmConfig) -> torch.Tensor:
@@ -111,6 +114,7 @@ class SwarmTrainer:
         self.pinned: dict[int, list[str]] = {}
         self.chain = threading.local()
         self.stats = TrainerStats()
+        self.spent = TrainerCosts()  # the run's decentralization multiplier, this trainer's part
         self.served: dict[str, int] = {}
         self.evidence: list[dict[str, Any]] = []  # agreed checks not reported yet
         self.lock = threading.Lock()
@@ -210,7 +214,7 @@ class SwarmTrainer:
             why = self.states.refusal(server, k, state, time.monotonic())
         if why is not None:  # skipped rounds or serves old weights: rerouted, not banned
             raise TimeoutError(f"replies on state {state[:12]} of stage {k}: {why}")
-        return Hop(server, state, r.content, sig)
+        return Hop(server, state, r.content, sig, _seconds(r.headers.get("X-Covey-Compute")))
 
     def hop(self, k: int, kind: str, body: bytes, rows: int, exclude: str | None = None) -> Hop:
         deadline = time.monotonic() + 3 * self.cfg.request_timeout_s
@@ -233,6 +237,7 @@ class SwarmTrainer:
             try:
                 h = self._send(server, k, kind, body, check=exclude is not None)
             except TimeoutError as e:
+                self.spent.hop("failed", time.monotonic() - t0)
                 with self.lock:
                     self._note("timed_out", server, time.time())
                 log.warning(
@@ -248,12 +253,15 @@ class SwarmTrainer:
                 self.stop.wait(0.05 if other and not self.fixed else 0.5)
                 continue
             except WireError as e:
+                self.spent.hop("invalid", time.monotonic() - t0)
                 with self.lock:
                     self._note("invalid", server, str(e)[:200])
                 log.warning("[%s] banned %s: %s", self.name, server[:8], e)
                 continue
+            wall = max(time.monotonic() - t0, 1e-6)
+            self.spent.hop("hop" if exclude is None else "check", wall, h.compute_s)
             with self.lock:
-                self._note("finished", server, rows, max(time.monotonic() - t0, 1e-6))
+                self._note("finished", server, rows, wall)
             return h
         raise Dropped("stopped")
 
@@ -307,6 +315,7 @@ class SwarmTrainer:
                 del self.evidence[:-MAX_EVIDENCE]  # a long outage: the oldest go unpaid
             return h
         self.stats.disputes += 1
+        self.spent.disputed()
         verdict = self.client.post(
             "/v1/swarm/dispute",
             {
@@ -387,18 +396,22 @@ class SwarmTrainer:
             while more():
                 with self.lock:
                     i, self._next = self._next, self._next + 1
+                self.spent.begin()
                 try:
                     loss = self.microbatch(i)
                 except Dropped as e:
+                    self.spent.end(trained=False)
                     with self.lock:
                         st.dropped += 1
                     log.warning("[%s] microbatch %d dropped: %s", self.name, i, e)
                     continue
                 except Exception:  # a bug or an unforeseen reply: this microbatch only
+                    self.spent.end(trained=False)
                     with self.lock:
                         st.dropped += 1
                     log.exception("[%s] microbatch %d failed", self.name, i)
                     continue
+                self.spent.end(trained=True)
                 with self.lock:
                     st.microbatches += 1
                     st.samples += self.cfg.microbatch
@@ -430,6 +443,15 @@ class SwarmTrainer:
         self.stop.set()
         self.http.close()
         self.client.close()
+
+
+def _seconds(header: str | None) -> float | None:
+    """A reply's X-Covey-Compute: finite, non-negative seconds, or None."""
+    try:
+        x = float(header) if header is not None else None
+    except ValueError:
+        return None
+    return x if x is not None and math.isfinite(x) and x >= 0 else None
 
 
 def _reply(h: Hop) -> dict[str, str]:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from covey.coordinator.metrics import cost_metrics
+
 if TYPE_CHECKING:
     from covey.swarm.service import SwarmCoordinator
 
@@ -70,6 +72,7 @@ def status(self: SwarmCoordinator) -> dict[str, Any]:
             "disputes": self.disputes[-20:],
             "banned": sorted(p for p, a in book.accounts.items() if a.banned),
             "balances": {p: a.balance for p, a in book.accounts.items() if a.balance},
+            "costs": self.run_costs.total().as_dict(),  # the multiplier (covey.swarm.costs)
         }
 
 
@@ -112,3 +115,4 @@ class SwarmCollector(Collector):
         banned = GaugeMetricFamily("covey_banned_peers", "Peers banned for fraud")
         banned.add_metric([], sum(a.banned for a in c.accounts.book.accounts.values()))
         yield banned
+        yield from cost_metrics(c.run_costs.total().as_dict())  # the decentralization multiplier
