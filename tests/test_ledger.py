@@ -56,7 +56,9 @@ class Run:
     """A coordinator's side of a ledger: a SQLite file in `dir`, entries appended the way the
     coordinator does (append + Book.apply in one transaction, rolled back on error)."""
 
-    def __init__(self, dir: Path, policy: Policy = POLICY, **created: Any) -> None:
+    def __init__(
+        self, dir: Path, policy: Policy = POLICY, spec: dict[str, Any] | None = None, **created: Any
+    ) -> None:
         self.dir = dir
         self.coord = Identity.generate()
         self.conn = sqlite3.connect(dir / audit.DB_FILE, isolation_level=None)
@@ -70,7 +72,7 @@ class Run:
             "run created",
             run_id="r" * 16,
             name="test run",
-            spec={"model": {"size": "nano"}, "lr": 1e-05},
+            spec={"model": {"size": "nano"}, "lr": 1e-05, **(spec or {})},
             coordinator_key=self.coord.public_key,
             policy=policy.to_dict(),
             **created,

@@ -39,6 +39,7 @@ def register(app: typer.Typer) -> None:
     ledger_app.command("verify")(verify)
     ledger_app.command("show")(show)
     ledger_app.command("export")(export)
+    ledger_app.command("deposit")(deposit)
     app.add_typer(ledger_app, name="ledger")
 
 
@@ -230,6 +231,54 @@ def _table(summary: dict[str, Any]) -> str:
         for row in rows
     ]
     return "\n".join(lines)
+
+
+def deposit(
+    coordinator: Annotated[str, typer.Option(help="the coordinator's URL")],
+    to: Annotated[str, typer.Option("--to", help="the public key (64 hex digits) credited")],
+    amount: Annotated[float, typer.Option(help="credits deposited (positive)")],
+    key: Annotated[
+        Path,
+        typer.Option(
+            help="the run owner's key file: the spec's owner_key, or, when the spec names "
+            "none, the coordinator's (DATA_DIR/coordinator.key; an RL trainer's "
+            "DATA_DIR/trainer.key)"
+        ),
+    ],
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            help="the run id the owner handed out: refuse a coordinator serving another run",
+        ),
+    ] = None,
+) -> None:
+    """Deposit credits from the run's treasury to a key, as the run's owner.
+
+    A key stakes only credits it holds: what the owner deposited to it (this command, or
+    the spec's trust.funds at start) and pay it earned. The signed request goes into the
+    ledger as a "deposit" entry, which `covey ledger verify` checks against the owner's
+    key. Exit 0 with the key's held balance, 2 if the deposit was refused."""
+    import httpx
+
+    from covey.io.deposit import DepositRefused
+    from covey.io.deposit import deposit as send
+    from covey.trust.identity import Identity, IdentityError
+
+    if not key.is_file():
+        raise _fail(f"no key file at {key}")
+    try:
+        owner = Identity.load_or_create(key)
+        served = httpx.get(f"{coordinator.rstrip('/')}/v1/run", timeout=30.0).json()["run_id"]
+        if run_id is not None and served != run_id:
+            raise _fail(f"the coordinator serves run {served}, not --run-id {run_id}")
+        reply = send(coordinator.rstrip("/"), owner, to, amount, served)
+    except (IdentityError, DepositRefused, httpx.HTTPError, ValueError, KeyError) as e:
+        raise _fail(f"the deposit was refused: {e}") from None
+    typer.echo(
+        f"deposited {amount:g} credits to key {to[:16]}... (peer {reply['peer_id']}): it holds "
+        f"{reply['held']:g}; ledger head {reply['ledger_head'].get('length')}"
+    )
 
 
 def _fail(message: str) -> typer.Exit:
