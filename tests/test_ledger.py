@@ -269,8 +269,11 @@ def test_append_chains_signs_and_reads_back(tmp_path: Path) -> None:
     assert read_entries(tmp_path / audit.DB_FILE, start=3, limit=2) == entries[3:5]
     # every type but "halt", which ends a run: tests/test_halt.py writes and replays it, and
     # "clawback" (a conviction of paid work): tests/test_checks.py writes and replays it, and
-    # "house canary" (a rounds canary's reveal): tests/test_house_canaries.py
-    assert {e.type for e in entries} == set(ENTRY_TYPES) - {"halt", "clawback", "house canary"}
+    # "house canary" (a rounds canary's reveal): tests/test_house_canaries.py, and the
+    # treasury's (deposits, unbonding): tests/test_treasury.py
+    treasury = {"deposit", "unbond", "rebond", "release"}
+    later = {"halt", "clawback", "house canary", *treasury}
+    assert {e.type for e in entries} == set(ENTRY_TYPES) - later
     assert all(parse_line(to_line(e), e.index) == e for e in entries)
 
 

@@ -51,7 +51,7 @@ def test_a_key_bonds_only_what_the_owner_deposited(tmp_path: Path) -> None:
     run = Run(tmp_path, HELD)
     me = Identity.generate()
     peer = joined(run, me)
-    with pytest.raises(LedgerError, match="more than key .* holds"):
+    with pytest.raises(LedgerError, match=r"more than key .* holds"):
         run.add("stake", peer_id=peer, amount=10.0)
     owner_deposit(run, run.coord, me, 10.0)  # the spec names no owner: the coordinator's key
     assert run.book.held(peer) == 10.0
@@ -90,7 +90,7 @@ def test_the_specs_funds_credit_once_and_exactly(tmp_path: Path) -> None:
     spec = {"trust": {"funds": {me.public_key: 7.5}}}
     run = Run(tmp_path, HELD, spec=spec)
     deposit = dict(peer_id=me.peer_id, public_key=me.public_key, source="spec")
-    with pytest.raises(LedgerError, match="grant key .* 7.5, not 8"):
+    with pytest.raises(LedgerError, match=r"grant key .* 7.5, not 8"):
         run.add("deposit", amount=8.0, **deposit)
     run.add("deposit", amount=7.5, **deposit)
     with pytest.raises(LedgerError, match="deposited already"):
@@ -117,9 +117,9 @@ def test_unbonding_keeps_the_stake_slashable_until_its_release(tmp_path: Path) -
     owner_deposit(run, run.coord, me, 10.0)
     run.add("stake", peer_id=peer, amount=10.0)
     run.add("leave", peer_id=peer, reason="shutdown")
-    with pytest.raises(LedgerError, match="before the entry's time \\+ unbonding_s"):
+    with pytest.raises(LedgerError, match=r"before the entry.s time \+ unbonding_s"):
         run.add("unbond", peer_id=peer, amount=10.0, release_at=run.at + 50.0)
-    with pytest.raises(LedgerError, match="is not peer .* stake"):
+    with pytest.raises(LedgerError, match=r"is not peer .* stake"):
         run.add("unbond", peer_id=peer, amount=4.0, release_at=run.at + 100.0)
     release_at = run.at + 100.0
     run.add("unbond", peer_id=peer, amount=10.0, release_at=release_at)
@@ -170,7 +170,7 @@ def test_older_ledgers_replay_declared_stakes(tmp_path: Path) -> None:
 def test_the_unbonding_period_covers_every_pending_slash() -> None:
     trust = TrustConfig()
     rounds = RunConfig().rounds
-    policy = Policy.from_config(trust, rounds.deadline_max_s)
+    policy = Policy.from_config(trust, rounds.deadline_max_s, held_stake=True)
     assert policy.held_stake == 1
     # (challenge_rounds + 1) x deadline_max_s + (2 k + 2 + dispute_attempts) x
     # verify_timeout_s + 2 x shard_publish_timeout_s

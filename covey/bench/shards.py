@@ -104,6 +104,7 @@ def one(n: int, mode: str, model: str, shards: int, tmp: Path) -> dict[str, Any]
         if mode == "sharded":
             for i in range(3):
                 k = Identity.generate()
+                cluster.fund(k.public_key, 5.0)  # the run's owner funds what it bonds
                 body = {
                     "run_id": run_id,
                     "validator_id": k.peer_id,

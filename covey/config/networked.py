@@ -327,7 +327,7 @@ class TrustConfig(Frozen):
     funds: dict[str, float] = Field(
         {},
         description="the run's treasury at start: public key (hex) -> credits deposited to "
-        "it when the run is created (a \"deposit\" entry each); a key stakes only what it "
+        'it when the run is created (a "deposit" entry each); a key stakes only what it '
         "holds (docs/trust.md, Stake is held). More later: covey ledger deposit",
     )
 

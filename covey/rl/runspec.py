@@ -218,7 +218,6 @@ def ledger_policy(spec: RLSpec) -> Policy:
         check_reward=spec.check_reward,
         validator_round_cap=spec.validator_round_cap,
         canary_rate=spec.canary_rate,
-        held_stake=1,  # a key bonds only credits it holds (covey.trust.treasury)
         # a batch is judged before it is accepted: a check, its reassignment to another
         # validator or the trainer, a canary's reveal, a referee's try (covey.trust.treasury)
         unbonding_s=unbonding_delay(

@@ -44,11 +44,15 @@ class Policy:
     unbonding_s: float = 0.0
 
     @classmethod
-    def from_config(cls, cfg: TrustConfig, round_s: float = 0.0) -> Policy:
+    def from_config(
+        cls, cfg: TrustConfig, round_s: float = 0.0, *, held_stake: bool = False
+    ) -> Policy:
         """The rules of a spec's trust table; `round_s` is the longest a round of the
-        run may last (rounds: deadline_max_s), which the unbonding period covers."""
+        run may last (rounds: deadline_max_s), which the unbonding period covers;
+        `held_stake`: a key bonds only what it holds (the rounds mode; the modes that do
+        not fund their keys yet declare stakes, docs/trust.md)."""
         derived = {
-            "held_stake": 1,
+            "held_stake": int(held_stake),
             "unbonding_s": unbonding_delay(
                 round_s=round_s,
                 challenge_rounds=cfg.challenge_rounds,

@@ -116,8 +116,9 @@ def deposit_problem(
         return f"the request is for run {request.get('run_id')!r}, not {run_id!r}"
     if request.get("to") != key or request.get("amount") != amount:
         return "the key or amount differs from the owner's signed request"
-    signature, message = request.get("signature"), request_message(
-        request, NO_ROUND, DEPOSIT_PURPOSE
+    signature, message = (
+        request.get("signature"),
+        request_message(request, NO_ROUND, DEPOSIT_PURPOSE),
     )
     if not isinstance(signature, str) or not verify(owner_key, message, signature):
         return "the owner's signature does not verify"
