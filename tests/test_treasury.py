@@ -16,8 +16,8 @@ from covey.config import RunConfig, TrustConfig
 from covey.io import audit
 from covey.trust.identity import Identity, request_purpose
 from covey.trust.ledger import LedgerError
-from covey.trust.policy import Policy
-from covey.trust.treasury import DEPOSIT_PATH, unbonding_delay
+from covey.trust.policy import Policy, unbonding_delay
+from covey.trust.treasury import DEPOSIT_PATH
 from tests.test_ledger import POLICY, Run
 
 HELD = dataclasses.replace(POLICY, held_stake=1, unbonding_s=100.0)

@@ -20,9 +20,9 @@ from covey.trust import ledger
 from covey.trust.heads import Head, sign_head
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book
+from covey.trust.treasury import spec_deposits
 
 from .db import Database
-from .treasury import spec_deposits
 
 log = logging.getLogger("covey.coordinator")
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from covey.protocol import schemas
 from covey.trust.identity import peer_id_of
-from covey.trust.treasury import spec_funds
 
 from .rejected import Rejected
 
@@ -23,15 +22,6 @@ if TYPE_CHECKING:
     from .halt import Halt
 
 log = logging.getLogger("covey.coordinator")
-
-
-def spec_deposits(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """The "deposit" payloads of a spec's `trust.funds`, written right after "run created"
-    (sorted by key, so two coordinators of one spec write the same ledger)."""
-    return [
-        {"peer_id": peer_id_of(key), "public_key": key, "amount": amount, "source": "spec"}
-        for key, amount in sorted(spec_funds(spec).items())
-    ]
 
 
 class Deposits:

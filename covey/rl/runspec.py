@@ -45,8 +45,7 @@ from covey.devices import (
 )
 from covey.rl.batch import RolloutSpec
 from covey.rl.tasks import ArithmeticTask, JsonlTask, Task
-from covey.trust.policy import Policy
-from covey.trust.treasury import unbonding_delay
+from covey.trust.policy import Policy, unbonding_delay
 
 log = logging.getLogger("covey.rl.runspec")
 # fields hashed into the run id only when they differ from these (older runs' ids stand)

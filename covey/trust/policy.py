@@ -8,10 +8,33 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from covey.trust.treasury import unbonding_delay
-
 if TYPE_CHECKING:
     from covey.config import TrustConfig
+
+
+def unbonding_delay(
+    *,
+    round_s: float,
+    challenge_rounds: int,
+    verify_timeout_s: float,
+    validators_per_check: int,
+    dispute_attempts: int,
+    shard_publish_timeout_s: float = 0.0,
+) -> float:
+    """The unbonding period: the longest a slash can take to reach a key after it leaves.
+
+    (challenge_rounds + 1) x round_s: its last contribution's round closes and it is paid
+    challenge_rounds rounds later (round_s: the longest round, deadline_max_s); plus
+    (2 x validators_per_check + 2 + dispute_attempts) x verify_timeout_s: each drawn check
+    may expire once and be drawn again (2 x validators_per_check), the audit and the
+    withheld-evidence attestation (each within a check's time), and every referee attempt
+    counted as a check's time; plus 2 x shard_publish_timeout_s: a sharded round's
+    aggregator is judged at most that long after its round closed."""
+    checks = 2 * validators_per_check + 2 + dispute_attempts
+    return (
+        (challenge_rounds + 1) * round_s + checks * verify_timeout_s
+        + 2 * shard_publish_timeout_s
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

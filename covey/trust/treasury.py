@@ -61,29 +61,13 @@ def spec_funds(spec: dict[str, Any]) -> dict[str, float]:
     }  # fmt: skip
 
 
-def unbonding_delay(
-    *,
-    round_s: float,
-    challenge_rounds: int,
-    verify_timeout_s: float,
-    validators_per_check: int,
-    dispute_attempts: int,
-    shard_publish_timeout_s: float = 0.0,
-) -> float:
-    """The unbonding period: the longest a slash can take to reach a key after it leaves.
-
-    (challenge_rounds + 1) x round_s: its last contribution's round closes and it is paid
-    challenge_rounds rounds later (round_s: the longest round, deadline_max_s); plus
-    (2 x validators_per_check + 2 + dispute_attempts) x verify_timeout_s: each drawn check
-    may expire once and be drawn again (2 x validators_per_check), the audit and the
-    withheld-evidence attestation (each within a check's time), and every referee attempt
-    counted as a check's time; plus 2 x shard_publish_timeout_s: a sharded round's
-    aggregator is judged at most that long after its round closed."""
-    checks = 2 * validators_per_check + 2 + dispute_attempts
-    return (
-        (challenge_rounds + 1) * round_s + checks * verify_timeout_s
-        + 2 * shard_publish_timeout_s
-    )  # fmt: skip
+def spec_deposits(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The "deposit" payloads of a spec's `trust.funds`, written right after "run created"
+    (sorted by key, so two coordinators of one spec write the same ledger)."""
+    return [
+        {"peer_id": peer_id_of(key), "public_key": key, "amount": amount, "source": "spec"}
+        for key, amount in sorted(spec_funds(spec).items())
+    ]
 
 
 def deposit_problem(
