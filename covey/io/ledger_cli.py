@@ -235,7 +235,14 @@ def _table(summary: dict[str, Any]) -> str:
 
 def deposit(
     coordinator: Annotated[str, typer.Option(help="the coordinator's URL")],
-    to: Annotated[str, typer.Option("--to", help="the public key (64 hex digits) credited")],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            help="the key credited: its public key (64 hex digits), or a peer's key file "
+            "(made if missing, as `covey worker --identity FILE` makes it)",
+        ),
+    ],
     amount: Annotated[float, typer.Option(help="credits deposited (positive)")],
     key: Annotated[
         Path,
@@ -265,11 +272,25 @@ def deposit(
     from covey.io.deposit import deposit as send
     from covey.trust.identity import Identity, IdentityError
 
+    import re
+    import time
+
     if not key.is_file():
         raise _fail(f"no key file at {key}")
     try:
         owner = Identity.load_or_create(key)
-        served = httpx.get(f"{coordinator.rstrip('/')}/v1/run", timeout=30.0).json()["run_id"]
+        if not re.fullmatch(r"[0-9a-f]{64}", to):
+            to = Identity.load_or_create(Path(to)).public_key
+        end = time.monotonic() + 30.0  # a coordinator started a moment ago may not answer yet
+        while True:
+            try:
+                served = httpx.get(f"{coordinator.rstrip('/')}/v1/run", timeout=30.0)
+                break
+            except httpx.ConnectError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.5)
+        served = served.json()["run_id"]
         if run_id is not None and served != run_id:
             raise _fail(f"the coordinator serves run {served}, not --run-id {run_id}")
         reply = send(coordinator.rstrip("/"), owner, to, amount, served)
