@@ -266,14 +266,14 @@ def deposit(
     the spec's trust.funds at start) and pay it earned. The signed request goes into the
     ledger as a "deposit" entry, which `covey ledger verify` checks against the owner's
     key. Exit 0 with the key's held balance, 2 if the deposit was refused."""
+    import re
+    import time
+
     import httpx
 
     from covey.io.deposit import DepositRefused
     from covey.io.deposit import deposit as send
     from covey.trust.identity import Identity, IdentityError
-
-    import re
-    import time
 
     if not key.is_file():
         raise _fail(f"no key file at {key}")
