@@ -1,8 +1,8 @@
 """The run's treasury on the coordinator's host (the rules: covey.trust.treasury): the
 owner's deposits (POST /v1/ledger/deposit, `covey ledger deposit`), the spec's grants at
 creation, and the bonds, unbondings and releases that membership writes at joins and
-leaves. Every mode's joins go through membership, so rounds, RL, SWARM and serving all
-bond what a key holds.
+leaves. Every mode's joins go through membership; where the run's policy holds stakes
+(`held_stake`: the rounds mode) a key bonds only what it holds, elsewhere what it declares.
 """
 
 from __future__ import annotations
