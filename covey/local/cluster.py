@@ -25,6 +25,7 @@ import httpx
 
 from covey.config import RunConfig, load_run_config, run_id_of
 from covey.io.deposit import deposit
+from covey.trust.house import house_identity
 from covey.trust.identity import Identity
 
 # (data config, files' sizes and mtimes) -> fingerprint: the stdlib corpus takes seconds to
@@ -169,11 +170,7 @@ class LocalCluster:
             extra = ("--run-id", self.run_id, *extra)
         key = self.key(name)
         if "--stake" in extra:  # the owner funds what it stakes: a key bonds what it holds
-            stake = float(extra[list(extra).index("--stake") + 1])
-            account = self.get("/v1/ledger/balances")["accounts"].get(self.ids[name])
-            if stake > 0 and (account is None or account["stake"] == 0 < stake - account["held"]):
-                held = 0.0 if account is None else account["held"]
-                self.fund(Identity.load_or_create(key).public_key, stake - held)
+            self._fund_peer(Identity.load_or_create(key), list(extra))
         proc = self._spawn(
             name,
             [
@@ -189,6 +186,18 @@ class LocalCluster:
         )
         self.workers[name] = proc
         return proc
+
+    def _fund_peer(self, identity: Identity, args: list[str]) -> None:
+        """Deposit what a peer started with `args` stakes, less what its key holds, unless
+        it is bonded already. A house worker (--house-of) stakes under its derived key."""
+        if "--house-of" in args:
+            coordinator = Identity.load_or_create(Path(args[args.index("--house-of") + 1]))
+            index = int(args[args.index("--house-index") + 1]) if "--house-index" in args else 0
+            identity = house_identity(coordinator, self.run_id, index)
+        stake = float(args[args.index("--stake") + 1])
+        account = self.get("/v1/ledger/balances")["accounts"].get(identity.peer_id)
+        if stake > 0 and (account is None or account["stake"] == 0 < stake - account["held"]):
+            self.fund(identity.public_key, stake - (0.0 if account is None else account["held"]))
 
     def signal(self, name: str, sig: int) -> None:
         proc = self.coordinator if name == "coordinator" else self.workers[name]
