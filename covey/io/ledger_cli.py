@@ -200,6 +200,7 @@ def _table(summary: dict[str, Any]) -> str:
         "peer id",
         "role",
         "stake",
+        "held",
         "balance",
         "tokens paid",
         "own %",
@@ -213,7 +214,8 @@ def _table(summary: dict[str, Any]) -> str:
                 a["name"],
                 peer_id[:12],
                 a["role"],
-                f"{a['stake']:.6g}",
+                f"{a['stake']:.6g}" + (" (unbonding)" if a.get("release_at") else ""),
+                f"{a.get('held', 0.0):.6g}",
                 f"{a['balance']:.6g}",
                 f"{a['tokens_paid']:,}",
                 f"{100 * a['ownership']:.2f}",
@@ -222,7 +224,7 @@ def _table(summary: dict[str, Any]) -> str:
             )
         )
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(header))]
-    numeric = {3, 4, 5, 6, 7}
+    numeric = {3, 4, 5, 6, 7, 8}
     lines = [
         "  ".join(
             str(cell).rjust(w) if c in numeric else str(cell).ljust(w)
