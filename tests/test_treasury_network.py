@@ -67,10 +67,10 @@ UNBONDING_S = 21.0
 class Key:
     """A key that signs its own requests to the coordinator, as a validator would."""
 
-    def __init__(self, cluster: LocalCluster, name: str) -> None:
+    def __init__(self, cluster: LocalCluster, name: str, key: Identity | None = None) -> None:
         self.http = httpx.Client(base_url=cluster.url, timeout=20, trust_env=False)
         self.run_id = cluster.run_id
-        self.key = Identity.generate()
+        self.key = key or Identity.generate()
         self.id, self.name = self.key.peer_id, name
 
     def post(self, path: str, body: dict[str, Any], round: int = NO_ROUND) -> httpx.Response:
@@ -105,10 +105,13 @@ def account(cluster: LocalCluster, peer_id: str) -> dict[str, Any]:
     return cluster.get("/v1/ledger/balances")["accounts"][peer_id]
 
 
+FUNDED = Identity.generate()  # credited by the spec's [trust.funds] when the run is created
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     spec = tmp_path / "run.toml"
-    spec.write_text(SPEC)
+    spec.write_text(f'{SPEC}\n[trust.funds]\n"{FUNDED.public_key}" = 5.0\n')
     with LocalCluster(spec, tmp_path) as c:
         c.start_coordinator()
         yield c
@@ -153,7 +156,14 @@ def test_a_key_bonds_only_what_the_owner_deposited_and_unbonds_on_leaving(
     assert me.join(6.0).status_code == 200
     assert [e.type for e in entries(cluster)][-1] == "rebond"
     assert account(cluster, me.id)["release_at"] is None
-    audit.verify(cluster.url)  # deposits, the bond, unbond and rebond replay
+    # a key the spec funds holds its grant from the start, with no deposit asked
+    grant = entries(cluster)[1]
+    assert grant.type == "deposit" and grant.payload["source"] == "spec"
+    assert grant.payload == {**grant.payload, "public_key": FUNDED.public_key, "amount": 5.0}
+    funded = Key(cluster, "funded", FUNDED)
+    assert funded.join(6.0).status_code == 403
+    assert funded.join(5.0).status_code == 200
+    audit.verify(cluster.url)  # deposits, the bonds, unbond and rebond replay
 
 
 @pytest.mark.network
