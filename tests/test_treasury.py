@@ -198,3 +198,18 @@ def test_the_specs_funds_are_checked_and_leave_run_ids_alone() -> None:
         TrustConfig(funds={"alice": 3.0})
     with pytest.raises(ValueError, match="a positive amount"):
         TrustConfig(funds={key: 0.0})
+
+
+def test_a_rounds_policy_must_carry_its_specs_treasury_terms() -> None:
+    """`covey ledger verify` holds a rounds run's "run created" policy to the unbonding
+    period and held stake its spec gives (a coordinator cannot shorten either)."""
+    spec = RunConfig()
+    honest = Policy.from_config(spec.trust, spec.rounds.deadline_max_s, held_stake=True)
+    created = {"spec": spec.model_dump(mode="json"), "policy": honest.to_dict()}
+    audit._check_treasury_terms(created)
+    for name, value in (("unbonding_s", 1.0), ("held_stake", 0)):
+        bent = {**created, "policy": {**honest.to_dict(), name: value}}
+        with pytest.raises(LedgerError, match=f"policy.{name} is {value!r}, but the spec"):
+            audit._check_treasury_terms(bent)
+    older = {k: v for k, v in honest.to_dict().items() if k not in ("held_stake", "unbonding_s")}
+    audit._check_treasury_terms({**created, "policy": older})  # written before the treasury
