@@ -66,6 +66,8 @@ class Squatter:
         self.run_id = cluster.get("/v1/run")["run_id"]
         self.key = Identity.generate()
         self.id = self.key.peer_id
+        if stake > 0:  # the run's owner funds the key: it bonds what it holds
+            cluster.fund(self.key.public_key, stake)
         self.tasks: list[dict[str, Any]] = []
         self.stop = threading.Event()
         join = {

@@ -22,6 +22,7 @@ from covey.coordinator.shard_rounds import OVERDUE, ShardedAggregation
 from covey.protocol import schemas
 from covey.trust.identity import Identity, request_purpose
 from tests.test_coordinator_close import Worker, peers_new_state
+from tests.treasury_helpers import fund
 
 SPEC = """
 name = "aggregation"
@@ -74,6 +75,7 @@ def ready_aggregator(coord: Coordinator) -> str:
     """A validator joins with stake and says it aggregates (signed, as over HTTP): it is
     in the next sharded round's draw. It never publishes anything."""
     key = Identity.generate()
+    fund(coord, key.public_key, 5.0)  # the run's owner funds what it bonds
     body = {"run_id": coord.run_id, "validator_id": key.peer_id,
             "public_key": key.public_key, "stake": 5.0}  # fmt: skip
     raw = key.sign_request(body, -1, purpose=request_purpose("/v1/validators/join"))

@@ -67,6 +67,7 @@ class Attacker:
         self.run_id = cluster.get("/v1/run")["run_id"]
         self.key = Identity.generate()
         self.id = self.key.peer_id
+        cluster.fund(self.key.public_key, stake)  # the run's owner funds what it bonds
         self.blobs = BlobClient()
         join = {
             "run_id": self.run_id,

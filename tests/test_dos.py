@@ -70,6 +70,7 @@ class Peer:
         self.run_id = cluster.get("/v1/run")["run_id"]
         self.key = Identity.generate()
         self.id = self.key.peer_id
+        cluster.fund(self.key.public_key, join.get("stake", 1.0))  # the owner funds it
         body = {
             "run_id": self.run_id,
             "peer_id": self.id,
@@ -294,10 +295,13 @@ def test_fresh_keys_cannot_flood_joins(world: tuple[LocalCluster, Peer]) -> None
     """Each join of a new key writes signed ledger entries: one address gets join_burst
     (20 in a row) and then 429s, while its other requests are still served."""
     cluster, peer = world
+    keys = [Identity.generate() for _ in range(40)]
+    for key in keys:  # each holds the stake it declares (deposits are not joins)
+        cluster.fund(key.public_key, 1.0)
     before = len(cluster.get("/v1/ledger", start=0, limit=5000))
 
-    def join(_: int) -> int:
-        key = Identity.generate()
+    def join(i: int) -> int:
+        key = keys[i]
         body = {
             "run_id": peer.run_id,
             "peer_id": key.peer_id,

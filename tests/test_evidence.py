@@ -30,6 +30,7 @@ from covey.trust.certify import sample
 from covey.trust.identity import Identity, request_purpose
 from covey.trust.incentives import Book
 from covey.trust.ledger import read_entries
+from tests.treasury_helpers import fund
 
 SPEC = """
 name = "evidence"
@@ -126,6 +127,7 @@ class Peer:
     def __init__(self, coord: Coordinator, name: str, stake: float = 0.0) -> None:
         self.coord, self.key, self.server = coord, Identity.generate(), BlobServer()
         self.id = self.key.peer_id
+        fund(coord, self.key.public_key, stake)  # the run's owner funds what it bonds
         body = {
             "run_id": coord.run_id, "peer_id": self.id, "public_key": self.key.public_key,
             "name": name, "step_time_s": 0.01, "accepts_connections": True,

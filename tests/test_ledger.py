@@ -56,7 +56,9 @@ class Run:
     """A coordinator's side of a ledger: a SQLite file in `dir`, entries appended the way the
     coordinator does (append + Book.apply in one transaction, rolled back on error)."""
 
-    def __init__(self, dir: Path, policy: Policy = POLICY, **created: Any) -> None:
+    def __init__(
+        self, dir: Path, policy: Policy = POLICY, spec: dict[str, Any] | None = None, **created: Any
+    ) -> None:
         self.dir = dir
         self.coord = Identity.generate()
         self.conn = sqlite3.connect(dir / audit.DB_FILE, isolation_level=None)
@@ -70,7 +72,7 @@ class Run:
             "run created",
             run_id="r" * 16,
             name="test run",
-            spec={"model": {"size": "nano"}, "lr": 1e-05},
+            spec={"model": {"size": "nano"}, "lr": 1e-05, **(spec or {})},
             coordinator_key=self.coord.public_key,
             policy=policy.to_dict(),
             **created,
@@ -267,8 +269,11 @@ def test_append_chains_signs_and_reads_back(tmp_path: Path) -> None:
     assert read_entries(tmp_path / audit.DB_FILE, start=3, limit=2) == entries[3:5]
     # every type but "halt", which ends a run: tests/test_halt.py writes and replays it, and
     # "clawback" (a conviction of paid work): tests/test_checks.py writes and replays it, and
-    # "house canary" (a rounds canary's reveal): tests/test_house_canaries.py
-    assert {e.type for e in entries} == set(ENTRY_TYPES) - {"halt", "clawback", "house canary"}
+    # "house canary" (a rounds canary's reveal): tests/test_house_canaries.py, and the
+    # treasury's (deposits, unbonding): tests/test_treasury.py
+    treasury = {"deposit", "unbond", "rebond", "release"}
+    later = {"halt", "clawback", "house canary", *treasury}
+    assert {e.type for e in entries} == set(ENTRY_TYPES) - later
     assert all(parse_line(to_line(e), e.index) == e for e in entries)
 
 

@@ -33,6 +33,7 @@ from covey.trust.incentives import Book
 from covey.trust.ledger import LedgerError, read_entries
 from tests import test_evidence
 from tests.test_evidence import Peer, account, entries_of, overdue, signed
+from tests.treasury_helpers import fund
 
 make = test_evidence.make  # the in-process coordinator fixture
 
@@ -44,6 +45,7 @@ class HandValidator:
     def __init__(self, coord: Any, name: str, stake: float = 10.0) -> None:
         self.coord, self.key = coord, Identity.generate()
         self.id = self.key.peer_id
+        fund(coord, self.key.public_key, stake)  # the run's owner funds what it bonds
         body = {
             "run_id": coord.run_id, "validator_id": self.id, "public_key": self.key.public_key,
             "name": name, "stake": stake,

@@ -103,8 +103,9 @@ def post(http: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
 
 
 class Worker:
-    def __init__(self, http: httpx.Client, run_id: str) -> None:
+    def __init__(self, cluster: LocalCluster, http: httpx.Client, run_id: str) -> None:
         self.http, self.run_id, self.key = http, run_id, Identity.generate()
+        cluster.fund(self.key.public_key, 1.0)  # the run's owner funds what it bonds
         body = {"run_id": run_id, "peer_id": self.key.peer_id, "public_key": self.key.public_key,
                 "step_time_s": 0.01, "stake": 1.0}  # fmt: skip
         resp = post(http, "/v1/join", self.key.sign_request(body, -1, purpose="POST /v1/join"))
@@ -127,6 +128,7 @@ class Aggregators:
     def __init__(self, cluster: LocalCluster, http: httpx.Client, setup: Any, tmp: Path) -> None:
         self.keys = [Identity.generate() for _ in range(3)]
         for k in self.keys:
+            cluster.fund(k.public_key, 5.0)
             body = {"run_id": cluster.run_id, "validator_id": k.peer_id,
                     "public_key": k.public_key, "stake": 5.0}  # fmt: skip
             path = "/v1/validators/join"
@@ -202,7 +204,7 @@ def round0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         setup = set_up_run(CoordinatorClient(cluster.url), threads=1)
         aggs = Aggregators(cluster, http, setup, tmp)
         until("the aggregators to be ready", lambda: aggs.ready == 3)
-        workers = [Worker(http, run_id) for _ in range(2)]
+        workers = [Worker(cluster, http, run_id) for _ in range(2)]
         try:
             info = until(
                 "round 0 to open with both workers",

@@ -74,6 +74,7 @@ def stake(cluster: LocalCluster, name: str) -> str:
     """Join `name`'s key as a staked validator that aggregates, over HTTP (no process: it
     publishes nothing until one starts with this key)."""
     key = Identity.load_or_create(cluster.key(name))
+    cluster.fund(key.public_key, 5.0)  # the run's owner funds what it bonds
     body = {"run_id": cluster.run_id, "validator_id": key.peer_id, "name": name,
             "public_key": key.public_key, "stake": 5.0}  # fmt: skip
     path = "/v1/validators/join"

@@ -122,6 +122,7 @@ def one(
         if mode == "sharded":
             for i in range(3):
                 k = Identity.generate()
+                cluster.fund(k.public_key, 5.0)  # the run's owner funds what it bonds
                 body = {
                     "run_id": run_id,
                     "validator_id": k.peer_id,

@@ -3,12 +3,15 @@ what it accepts from peers (`LimitsConfig`) and the incentive rules (`TrustConfi
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import (
     Field,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -329,9 +332,29 @@ class TrustConfig(Frozen):
         "this after the round closed, the coordinator finishes what is left itself",
     )
 
+    funds: dict[str, float] = Field(
+        {},
+        description="the run's treasury at start: public key (hex) -> credits deposited to "
+        'it when the run is created (a "deposit" entry each); a key stakes only what it '
+        "holds (docs/trust.md, Stake is held). More later: covey ledger deposit",
+    )
+
+    @field_validator("funds")
+    @classmethod
+    def _funds_are_keys(cls, funds: dict[str, float]) -> dict[str, float]:
+        for key, amount in funds.items():
+            if not re.fullmatch(r"[0-9a-f]{64}", key):
+                raise ValueError(f"funds: {key[:70]!r} is not a public key (64 hex digits)")
+            if not math.isfinite(amount) or amount <= 0:
+                raise ValueError(f"funds: key {key[:16]}... gets {amount}: a positive amount")
+        return funds
+
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> dict[str, Any]:
-        names = ("sharded_above_peers", "shards", "shard_check_rate", "shard_publish_timeout_s")
+        names = (
+            "sharded_above_peers", "shards", "shard_check_rate", "shard_publish_timeout_s",
+            "funds",
+        )  # fmt: skip
         return drop_defaults(self, handler(self), names)
 
 

@@ -20,6 +20,7 @@ from covey.trust import ledger
 from covey.trust.heads import Head, sign_head
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book
+from covey.trust.treasury import spec_deposits
 
 from .db import Database
 
@@ -69,6 +70,9 @@ class Accounts:
             raise RuntimeError("ledger entries are appended inside Accounts.transaction()")
         self._local.wrote = True
         self.book.apply(ledger.append(c, self.identity, type, payload, at))
+        if type == "run created":  # the spec's grants to keys: the treasury at start
+            for deposit in spec_deposits(payload["spec"]):
+                self.book.apply(ledger.append(c, self.identity, "deposit", deposit, at))
 
     def entries(self, start: int, limit: int) -> list[dict[str, Any]]:
         with self.db.lock:

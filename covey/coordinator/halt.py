@@ -92,19 +92,26 @@ class Halt:
                 f"run {self.run_id} was halted by its owner at round {h['round']}: {h['reason']}",
             )
 
+    def authenticate_owner(self, run_id: str, key: str, raw: dict[str, Any], what: str) -> None:
+        """Rejected unless `raw` is this run's request (409), signed by the owner (403 for
+        another key) for the endpoint it was sent to with a fresh nonce (401). The HALT and
+        the treasury's deposits (covey.coordinator.treasury) are the owner's requests."""
+        self._check_run(run_id)
+        owner = self.owner_key
+        if key != owner:
+            raise Rejected(
+                403,
+                f"key {key[:16]}... is not the owner key of run {self.run_id} "
+                f"({owner[:16]}...): only the run owner may {what}",
+            )
+        self._authenticate(raw, NO_ROUND, peer_id_of(owner), owner)
+
     def request(self, req: schemas.HaltRequest, raw: dict[str, Any]) -> dict[str, Any]:
         """Stop the run (idempotent: a halted run answers with its HALT). Rejected: another
         run (409), a key that is not the owner's (403), a bad signature or nonce (401);
         503 when the driver did not write it within HALT_WAIT_S (it still will)."""
-        self._check_run(req.run_id)
+        self.authenticate_owner(req.run_id, req.owner_key, raw, "halt it")
         owner = self.owner_key
-        if req.owner_key != owner:
-            raise Rejected(
-                403,
-                f"key {req.owner_key[:16]}... is not the owner key of run {self.run_id} "
-                f"({owner[:16]}...): only the run owner may halt it",
-            )
-        self._authenticate(raw, NO_ROUND, peer_id_of(owner), owner)
         if self.halted is not None:  # the receipt: with the ledger's signed head
             return {"ok": True, "halted": self.halted, "ledger_head": self.accounts.head()}
         pending = _PendingHalt({"owner_key": owner, "reason": req.reason, "request": raw})

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from covey.protocol import schemas
 from covey.trust.halt import HALT_PATH
+from covey.trust.treasury import DEPOSIT_PATH
 
 from .apidocs import install as install_docs
 from .auth import ReceivedAt
@@ -35,6 +36,7 @@ from .metrics import CONTENT_TYPE, HttpMetrics, Metrics
 from .openapi import errors
 from .pg import DatabaseUnavailable
 from .rejected import Rejected
+from .treasury import Deposits
 
 if TYPE_CHECKING:
     from covey.config import LimitsConfig
@@ -89,7 +91,8 @@ def handle_errors(app: FastAPI, logger: logging.Logger) -> None:
 
 
 def host_routes(app: FastAPI, metrics: Metrics, halt: Halt, accounts: Accounts) -> None:
-    """GET /healthz, GET /metrics, POST /v1/halt, the status pages' frame (/frame.js, fed
+    """GET /healthz, GET /metrics, POST /v1/halt, POST /v1/ledger/deposit (the owner's
+    deposits to keys: covey.coordinator.treasury), the status pages' frame (/frame.js, fed
     by GET /v1/host), the ledger (GET /v1/ledger,
     /v1/ledger/balances: what `covey ledger verify URL` reads; /v1/ledger/head: its signed
     head) and /docs (rendered on the
@@ -121,6 +124,15 @@ def host_routes(app: FastAPI, metrics: Metrics, halt: Halt, accounts: Accounts) 
         the mode stops (no round opens, no policy step, no payout) and every join and
         heartbeat is answered 410 with the owner's reason. GETs keep being answered."""
         return await run_in_threadpool(halt.request, req, await request.json())
+
+    deposits = Deposits(accounts, halt)
+
+    @app.post(DEPOSIT_PATH, tags=["operations"])
+    async def deposit(req: schemas.DepositRequest, request: Request) -> dict[str, Any]:
+        """The run owner credits a key from the run's treasury (`covey ledger deposit`): a
+        signed "deposit" entry; a key stakes only what it holds (docs/trust.md). The
+        reply is the key's held balance and the ledger's signed head."""
+        return await run_in_threadpool(deposits.deposit, req, await request.json())
 
     @app.get("/v1/host", tags=["operations"])
     def host_view() -> dict[str, Any]:

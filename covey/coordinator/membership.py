@@ -23,6 +23,7 @@ from covey.protocol import schemas
 from covey.protocol.rounds import PeerView, no_show_backoff
 from covey.trust.identity import peer_id_of
 
+from . import treasury
 from .auth import Auth
 from .liveness import FLUSH_S, Liveness
 from .peers import Peers
@@ -166,8 +167,8 @@ class Membership:
     ) -> None:
         """Authenticate a join with the key it presents; record a first join (and its
         stake) in the ledger. Rejected: an id that is not the key's hash, a bad signature,
-        an excluded key, a stake below the run's minimum, a worker key joining as a
-        validator or the reverse."""
+        an excluded key, a stake below the run's minimum or above what the key holds
+        (covey.trust.treasury), a worker key joining as a validator or the reverse."""
         if peer_id_of(public_key) != peer_id:
             raise Rejected(
                 400,
@@ -183,6 +184,7 @@ class Membership:
         if account is None and stake < minimum:
             raise Rejected(403, f"stake {stake} is below this run's minimum stake {minimum}")
         now = time.time()
+        treasury.release_due(self.accounts, now)  # its own matured unbonding, first
         with self.accounts.transaction() as c:
             self.peers.register(c, peer_id, public_key, name, role, now)
             if account is None:
@@ -192,7 +194,8 @@ class Membership:
                     {"peer_id": peer_id, "public_key": public_key, "name": name, "role": role},
                     now,
                 )
-                self.accounts.append(c, "stake", {"peer_id": peer_id, "amount": stake}, now)
+            # a bond of credits the key holds (covey.coordinator.treasury); refused: nothing
+            treasury.bond(self.accounts, c, peer_id, stake, minimum, now)
 
     @property
     def liveness(self) -> Liveness:
@@ -243,6 +246,7 @@ class Membership:
                 raise Rejected(404, f"unknown peer {req.peer_id}")
             self.db.event(c, now, "leave", req.peer_id, {"reason": req.reason})
             self.accounts.append(c, "leave", {"peer_id": req.peer_id, "reason": req.reason}, now)
+            treasury.unbond(self.accounts, c, req.peer_id, now)  # slashable until released
         self._wake.set()
         name = self.peers.name(req.peer_id)
         log.info("[%s %s] left: %s", name or "?", req.peer_id[:8], req.reason)
@@ -284,6 +288,7 @@ class Membership:
         "no show" ledger entry (covey.trust.entry_schemas) with its count and backoff, so
         `covey ledger verify` replays it: repeated no-shows lower the worker's reputation,
         and a low reputation has its contributions sampled as a new peer's."""
+        treasury.release_due(self.accounts, now)  # unbondings come due as rounds close
         m, known = self.cfg, self.no_shows()
         absent = sorted(set(absent) - set(submitted))
         workers = self.accounts.book.accounts

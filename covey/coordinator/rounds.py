@@ -180,7 +180,9 @@ class Rounds(Intake, Views):
                         "name": self.cfg.name,
                         "spec": self.cfg.model_dump(mode="json"),
                         "coordinator_key": self.identity.public_key,
-                        "policy": Policy.from_config(self.cfg.trust).to_dict(),
+                        "policy": Policy.from_config(
+                            self.cfg.trust, self.cfg.rounds.deadline_max_s, held_stake=True
+                        ).to_dict(),
                         # spec + data fingerprint hash to run_id: an auditor checks the
                         # spec here is the one peers were served (covey.io.audit)
                         "corpus_fingerprint": self.corpus.fingerprint,

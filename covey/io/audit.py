@@ -202,7 +202,27 @@ def _check_spec(created: dict[str, Any]) -> bool:
     if got != created["run_id"]:
         why = f"spec and corpus_fingerprint hash to {got}, not run id {created['run_id']}"
         raise LedgerError(0, f"run created: {why}")
+    _check_treasury_terms(created)
     return True
+
+
+def _check_treasury_terms(created: dict[str, Any]) -> None:
+    """LedgerError when a rounds run's policy names treasury terms (held stake, the
+    unbonding period) other than its spec gives (covey.trust.treasury); a policy written
+    before the treasury names none."""
+    from covey.config import RunConfig
+    from covey.trust.policy import Policy
+
+    spec = RunConfig.model_validate(created["spec"])
+    terms = Policy.from_config(spec.trust, spec.rounds.deadline_max_s, held_stake=True)
+    policy = created.get("policy")
+    for name in ("held_stake", "unbonding_s"):
+        if isinstance(policy, dict) and name in policy and policy[name] != getattr(terms, name):
+            raise LedgerError(
+                0,
+                f"run created: policy.{name} is {policy[name]!r}, but the spec gives "
+                f"{getattr(terms, name)!r}",
+            )
 
 
 def _has_blobs(source: str | Path) -> bool:

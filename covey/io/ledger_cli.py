@@ -47,6 +47,7 @@ def register(app: typer.Typer, recomputers: Sequence[Any] = ()) -> None:
     ledger_app.command("verify")(verify)
     ledger_app.command("show")(show)
     ledger_app.command("export")(export)
+    ledger_app.command("deposit")(deposit)
     app.add_typer(ledger_app, name="ledger")
 
 
@@ -217,6 +218,7 @@ def _table(summary: dict[str, Any]) -> str:
         "peer id",
         "role",
         "stake",
+        "held",
         "balance",
         "tokens paid",
         "own %",
@@ -230,7 +232,8 @@ def _table(summary: dict[str, Any]) -> str:
                 a["name"],
                 peer_id[:12],
                 a["role"],
-                f"{a['stake']:.6g}",
+                f"{a['stake']:.6g}" + (" (unbonding)" if a.get("release_at") else ""),
+                f"{a.get('held', 0.0):.6g}",
                 f"{a['balance']:.6g}",
                 f"{a['tokens_paid']:,}",
                 f"{100 * a['ownership']:.2f}",
@@ -239,7 +242,7 @@ def _table(summary: dict[str, Any]) -> str:
             )
         )
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(header))]
-    numeric = {3, 4, 5, 6, 7}
+    numeric = {3, 4, 5, 6, 7, 8}
     lines = [
         "  ".join(
             str(cell).rjust(w) if c in numeric else str(cell).ljust(w)
@@ -248,6 +251,75 @@ def _table(summary: dict[str, Any]) -> str:
         for row in rows
     ]
     return "\n".join(lines)
+
+
+def deposit(
+    coordinator: Annotated[str, typer.Option(help="the coordinator's URL")],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            help="the key credited: its public key (64 hex digits), or a peer's key file "
+            "(made if missing, as `covey worker --identity FILE` makes it)",
+        ),
+    ],
+    amount: Annotated[float, typer.Option(help="credits deposited (positive)")],
+    key: Annotated[
+        Path,
+        typer.Option(
+            help="the run owner's key file: the spec's owner_key, or, when the spec names "
+            "none, the coordinator's (DATA_DIR/coordinator.key; an RL trainer's "
+            "DATA_DIR/trainer.key)"
+        ),
+    ],
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            help="the run id the owner handed out: refuse a coordinator serving another run",
+        ),
+    ] = None,
+) -> None:
+    """Deposit credits from the run's treasury to a key, as the run's owner.
+
+    A key stakes only credits it holds: what the owner deposited to it (this command, or
+    the spec's trust.funds at start) and pay it earned. The signed request goes into the
+    ledger as a "deposit" entry, which `covey ledger verify` checks against the owner's
+    key. Exit 0 with the key's held balance, 2 if the deposit was refused."""
+    import re
+    import time
+
+    import httpx
+
+    from covey.io.deposit import DepositRefused
+    from covey.io.deposit import deposit as send
+    from covey.trust.identity import Identity, IdentityError
+
+    if not key.is_file():
+        raise _fail(f"no key file at {key}")
+    try:
+        owner = Identity.load_or_create(key)
+        if not re.fullmatch(r"[0-9a-f]{64}", to):
+            to = Identity.load_or_create(Path(to)).public_key
+        end = time.monotonic() + 30.0  # a coordinator started a moment ago may not answer yet
+        while True:
+            try:
+                served = httpx.get(f"{coordinator.rstrip('/')}/v1/run", timeout=30.0)
+                break
+            except httpx.ConnectError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.5)
+        served = served.json()["run_id"]
+        if run_id is not None and served != run_id:
+            raise _fail(f"the coordinator serves run {served}, not --run-id {run_id}")
+        reply = send(coordinator.rstrip("/"), owner, to, amount, served)
+    except (IdentityError, DepositRefused, httpx.HTTPError, ValueError, KeyError) as e:
+        raise _fail(f"the deposit was refused: {e}") from None
+    typer.echo(
+        f"deposited {amount:g} credits to key {to[:16]}... (peer {reply['peer_id']}): it holds "
+        f"{reply['held']:g}; ledger head {reply['ledger_head'].get('length')}"
+    )
 
 
 def _fail(message: str) -> typer.Exit:

@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 
 from covey.config import RunConfig, load_run_config, run_id_of
+from covey.io.deposit import deposit
+from covey.trust.house import house_identity
 from covey.trust.identity import Identity
 
 # (data config, files' sizes and mtimes) -> fingerprint: the stdlib corpus takes seconds to
@@ -100,7 +102,8 @@ class LocalCluster:
         # the coordinator's key file, created here (the coordinator loads it): the run id
         self.coordinator_args = [*coordinator_args, *(["--key", str(key)] if key else [])]
         key_file = key or self.data_dir / "coordinator.key"
-        coordinator_key = Identity.load_or_create(key_file).public_key
+        self.owner = Identity.load_or_create(key_file)  # the run's owner: its spec names none
+        coordinator_key = self.owner.public_key
         self.config = load_run_config(spec).with_coordinator_key(coordinator_key)
         self._http = httpx.Client(base_url=self.url, timeout=5.0, trust_env=False)
 
@@ -147,6 +150,12 @@ class LocalCluster:
         self.ids[name] = Identity.load_or_create(path).peer_id
         return path
 
+    def fund(self, public_key: str, amount: float) -> float:
+        """Deposit `amount` credits to a key as the run's owner (the coordinator's key:
+        a cluster's spec names no other owner) through POST /v1/ledger/deposit; the key's
+        held balance after it."""
+        return float(deposit(self.url, self.owner, public_key, amount, self.run_id)["held"])
+
     def start_validator(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
         return self._start_peer("validator", name, extra)
 
@@ -159,6 +168,9 @@ class LocalCluster:
         the run id (unless `extra` names one)."""
         if "--run-id" not in extra:
             extra = ("--run-id", self.run_id, *extra)
+        key = self.key(name)
+        if "--stake" in extra:  # the owner funds what it stakes: a key bonds what it holds
+            self._fund_peer(Identity.load_or_create(key), list(extra))
         proc = self._spawn(
             name,
             [
@@ -166,7 +178,7 @@ class LocalCluster:
                 "--coordinator",
                 self.url,
                 "--identity",
-                str(self.key(name)),
+                str(key),
                 "--name",
                 name,
                 *extra,
@@ -174,6 +186,18 @@ class LocalCluster:
         )
         self.workers[name] = proc
         return proc
+
+    def _fund_peer(self, identity: Identity, args: list[str]) -> None:
+        """Deposit what a peer started with `args` stakes, less what its key holds, unless
+        it is bonded already. A house worker (--house-of) stakes under its derived key."""
+        if "--house-of" in args:
+            coordinator = Identity.load_or_create(Path(args[args.index("--house-of") + 1]))
+            index = int(args[args.index("--house-index") + 1]) if "--house-index" in args else 0
+            identity = house_identity(coordinator, self.run_id, index)
+        stake = float(args[args.index("--stake") + 1])
+        account = self.get("/v1/ledger/balances")["accounts"].get(identity.peer_id)
+        if stake > 0 and (account is None or account["stake"] == 0 < stake - account["held"]):
+            self.fund(identity.public_key, stake - (0.0 if account is None else account["held"]))
 
     def signal(self, name: str, sig: int) -> None:
         proc = self.coordinator if name == "coordinator" else self.workers[name]

@@ -99,6 +99,16 @@ class HaltRequest(Signed):
     reason: str = Field("halted by the run owner", min_length=1, max_length=200)
 
 
+class DepositRequest(Signed):
+    """POST /v1/ledger/deposit: the run owner credits a key from the run's treasury
+    (covey.trust.treasury), signed with the owner key (as a HALT is)."""
+
+    run_id: RunId
+    owner_key: PublicKey
+    to: PublicKey = Field(description="the public key credited")
+    amount: float = Field(gt=0, le=1e15, allow_inf_nan=False, description="credits")
+
+
 class AssignmentOut(BaseModel):
     inner_steps: int
     data_key: str

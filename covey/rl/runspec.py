@@ -45,7 +45,7 @@ from covey.devices import (
 )
 from covey.rl.batch import RolloutSpec
 from covey.rl.tasks import ArithmeticTask, JsonlTask, Task
-from covey.trust.policy import Policy
+from covey.trust.policy import Policy, unbonding_delay
 
 log = logging.getLogger("covey.rl.runspec")
 # fields hashed into the run id only when they differ from these (older runs' ids stand)
@@ -217,6 +217,15 @@ def ledger_policy(spec: RLSpec) -> Policy:
         check_reward=spec.check_reward,
         validator_round_cap=spec.validator_round_cap,
         canary_rate=spec.canary_rate,
+        # a batch is judged before it is accepted: a check, its reassignment to another
+        # validator or the trainer, a canary's reveal, a referee's try (covey.trust.treasury)
+        unbonding_s=unbonding_delay(
+            round_s=0.0,
+            challenge_rounds=0,
+            verify_timeout_s=spec.verify_timeout_s,
+            validators_per_check=1,
+            dispute_attempts=1,
+        ),
     )
 
 

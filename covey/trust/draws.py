@@ -62,7 +62,10 @@ class Draws:
         staked = [
             a.peer_id
             for a in self.accounts.values()
-            if a.role == "validator" and not a.banned and a.stake >= policy.min_validator_stake
+            if a.role == "validator"
+            and not a.banned
+            and a.stake >= policy.min_validator_stake
+            and a.release_at is None  # an unbonding validator has left
         ]
         beacon = self.beacon(round)
         cap = policy.validator_stake_cap

@@ -6,7 +6,14 @@ The payload of each entry type is the contract between the coordinator and covey
 - "run created": {run_id, name, spec: dict, coordinator_key, policy: Policy.to_dict()}
 - "join": {peer_id, public_key, name, role: "worker"|"validator"}  (once per key)
 - "stake": {peer_id, amount} (at least min_stake for a worker, min_validator_stake for a
-  validator);  "leave": {peer_id, reason}
+  validator; a bond: at most what the key holds, covey.trust.treasury);  "leave": {peer_id,
+  reason}
+- "deposit": {peer_id, public_key, amount, source: "spec"|"owner", request (owner only)}:
+  credits to a key from the run's treasury: the spec's `trust.funds` grant, or the
+  owner's signed request to POST /v1/ledger/deposit (covey.trust.treasury)
+- "unbond": {peer_id, amount (its whole stake), release_at (at least unbonding_s after the
+  entry)}; "rebond": {peer_id} (it joined again before its release); "release": {peer_id,
+  amount (what slashes left of the stake)}, not before release_at
 - "contribution accepted": {round, peer_id, cid, tokens, inner_steps, sampled, rate, draw,
   request_id, nonce, signature};  "contribution rejected": {round, peer_id, reason,
   withheld: true (only when a contribution drawn for verification was refused because its
@@ -103,6 +110,10 @@ _SCHEMA_TEXT = {
     "join": "peer_id:id, public_key:text, name:text, role:worker|validator",
     "stake": "peer_id:id, amount:amount",
     "leave": "peer_id:id, reason:text",
+    "deposit": "peer_id:id, public_key:text, amount:amount, source:spec|owner",
+    "unbond": "peer_id:id, amount:amount, release_at:amount",
+    "rebond": "peer_id:id",
+    "release": "peer_id:id, amount:amount",
     "contribution accepted": "round:count, peer_id:id, cid:text, tokens:count, "
     "inner_steps:count, sampled:bool, rate:amount, draw:text, request_id:text, nonce:text, "
     "signature:text",

@@ -27,6 +27,7 @@ from covey.trust.entry_schemas import SCHEMAS, check_payload
 from covey.trust.identity import IdentityError, peer_id_of
 from covey.trust.ledger import Entry, LedgerError
 from covey.trust.policy import Account, Policy
+from covey.trust.treasury import Treasury
 from covey.trust.withholding import Withholding
 
 # A worker that withholds the local states of this many contributions drawn for
@@ -37,7 +38,7 @@ WITHHELD_BAN = 2
 __all__ = ["SCHEMAS", "Account", "Book", "Policy"]
 
 
-class Book(Draws, Convictions, Withholding):
+class Book(Draws, Convictions, Withholding, Treasury):
     """The run's accounts as of the entries applied so far. Build with `replay`, or apply
     entries one by one as they are appended."""
 
@@ -77,6 +78,7 @@ class Book(Draws, Convictions, Withholding):
         self._unchecked_run: bool | None = None
         self._init_convictions()  # missed fraud and claw-backs (covey.trust.convictions)
         self._init_withholding()  # attested withheld evidence (covey.trust.withholding)
+        self._init_treasury()  # deposits, bonds, unbonding (covey.trust.treasury)
 
     @classmethod
     def replay(cls, entries: Iterable[Entry]) -> Book:
@@ -102,6 +104,7 @@ class Book(Draws, Convictions, Withholding):
         check_payload(entry)
         if self.halted is not None and entry.type in halt.AFTER_HALT_FORBIDDEN:
             raise LedgerError(i, f"{entry.type!r} after the HALT (entry {self.halted['index']})")
+        self._at = entry.at
         getattr(self, "_" + entry.type.replace(" ", "_"))(i, entry.payload)
         self.entries += 1
 
@@ -157,6 +160,8 @@ class Book(Draws, Convictions, Withholding):
                 "reputation": a.reputation,
                 "banned": a.banned,
                 "slashed": a.slashed,
+                "held": self.held(peer_id),
+                "release_at": a.release_at,
                 "counts": {
                     "contributions": a.contributions,
                     "rejected": a.rejected,
@@ -192,6 +197,7 @@ class Book(Draws, Convictions, Withholding):
                 "check_rewards": self.check_rewards,
                 "penalties": self.penalties,
                 "clawbacks": self.clawbacks,
+                "deposited": self.deposited,
             },
             "accounts": accounts,
         }
@@ -206,6 +212,7 @@ class Book(Draws, Convictions, Withholding):
         self.run_id, self.coordinator_key = p["run_id"], p["coordinator_key"]
         self.owner_key = halt.owner_of(p["spec"], p["coordinator_key"])
         self._signed_draws = "corpus_fingerprint" in p  # RL and SWARM draw otherwise
+        self._start_treasury(p["spec"])
 
     def _join(self, i: int, p: dict[str, Any]) -> None:
         peer_id, key = p["peer_id"], p["public_key"]
@@ -229,7 +236,9 @@ class Book(Draws, Convictions, Withholding):
                 f"stake: {amount} leaves peer {acc.peer_id} with {acc.stake + amount}, "
                 f"below the minimum stake {min_stake} of a {acc.role}",
             )
+        self._bond(i, acc, amount)
         acc.stake += amount
+        acc.bonded += amount
 
     def _leave(self, i: int, p: dict[str, Any]) -> None:
         self._peer(i, p)

@@ -51,6 +51,10 @@ ENTRY_TYPES: tuple[str, ...] = (
     "halt",
     "no show",
     "clawback",
+    "deposit",
+    "unbond",
+    "rebond",
+    "release",
 )
 GENESIS = "0" * 64
 LINE_FIELDS = ("at", "hash", "index", "payload", "prev_hash", "signature", "type")

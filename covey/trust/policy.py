@@ -12,6 +12,31 @@ if TYPE_CHECKING:
     from covey.config import TrustConfig
 
 
+def unbonding_delay(
+    *,
+    round_s: float,
+    challenge_rounds: int,
+    verify_timeout_s: float,
+    validators_per_check: int,
+    dispute_attempts: int,
+    shard_publish_timeout_s: float = 0.0,
+) -> float:
+    """The unbonding period: the longest a slash can take to reach a key after it leaves.
+
+    (challenge_rounds + 1) x round_s: its last contribution's round closes and it is paid
+    challenge_rounds rounds later (round_s: the longest round, deadline_max_s); plus
+    (2 x validators_per_check + 2 + dispute_attempts) x verify_timeout_s: each drawn check
+    may expire once and be drawn again (2 x validators_per_check), the audit and the
+    withheld-evidence attestation (each within a check's time), and every referee attempt
+    counted as a check's time; plus 2 x shard_publish_timeout_s: a sharded round's
+    aggregator is judged at most that long after its round closed."""
+    checks = 2 * validators_per_check + 2 + dispute_attempts
+    return (
+        (challenge_rounds + 1) * round_s + checks * verify_timeout_s
+        + 2 * shard_publish_timeout_s
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Policy:
     """The incentive rules a run was created with (see covey.config.TrustConfig)."""
@@ -35,10 +60,34 @@ class Policy:
     validator_stake_cap: float = 0.0
     established_checks: int = 0
     audit_rate: float = 0.0
+    # the treasury (covey.trust.treasury): 1, a bond may not exceed what the key holds
+    # (every mode's coordinator writes 1; 0, older ledgers: stakes were declared); the
+    # least time from an unbond to its release
+    held_stake: int = 0
+    unbonding_s: float = 0.0
 
     @classmethod
-    def from_config(cls, cfg: TrustConfig) -> Policy:
-        return cls.from_dict({f.name: getattr(cfg, f.name) for f in fields(cls)})
+    def from_config(
+        cls, cfg: TrustConfig, round_s: float = 0.0, *, held_stake: bool = False
+    ) -> Policy:
+        """The rules of a spec's trust table; `round_s` is the longest a round of the
+        run may last (rounds: deadline_max_s), which the unbonding period covers;
+        `held_stake`: a key bonds only what it holds (the rounds mode; the modes that do
+        not fund their keys yet declare stakes, docs/trust.md)."""
+        derived = {
+            "held_stake": int(held_stake),
+            "unbonding_s": unbonding_delay(
+                round_s=round_s,
+                challenge_rounds=cfg.challenge_rounds,
+                verify_timeout_s=cfg.verify_timeout_s,
+                validators_per_check=cfg.validators_per_check,
+                dispute_attempts=cfg.dispute_attempts,
+                shard_publish_timeout_s=cfg.shard_publish_timeout_s,
+            ),
+        }
+        return cls.from_dict(
+            {f.name: derived.get(f.name, getattr(cfg, f.name, None)) for f in fields(cls)}
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Policy:
@@ -89,6 +138,11 @@ class Account:
     canaries_passed: int = 0
     no_shows: int = 0  # repeated ones (the second in a row and later): they cost reputation
     withheld: int = 0  # contributions drawn for verification whose evidence never came
+    # the treasury (covey.trust.treasury): credits ever bonded, released after unbonding,
+    # and when the stake unbonding now is released (None: not unbonding)
+    bonded: float = 0.0
+    released: float = 0.0
+    release_at: float | None = None
 
     @property
     def validator_faults(self) -> int:
@@ -125,10 +179,13 @@ _LATER_FIELDS = (
     "validator_stake_cap",
     "established_checks",
     "audit_rate",
+    "held_stake",
+    "unbonding_s",
 )
 _INT_FIELDS = (
     "new_peer_contributions",
     "validators_per_check",
     "validator_round_cap",
     "established_checks",
+    "held_stake",
 )

@@ -1,0 +1,40 @@
+"""The run owner's side of the treasury: a deposit of credits to a key, signed with the
+owner's key for POST /v1/ledger/deposit (covey.trust.treasury). `covey ledger deposit`,
+`covey demo` and the local cluster call it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from covey.trust.identity import Identity, request_purpose
+from covey.trust.treasury import DEPOSIT_PATH
+
+HTTP_TIMEOUT_S = 30.0
+
+
+class DepositRefused(RuntimeError):
+    """The coordinator refused the deposit (its status and error) or could not be asked."""
+
+
+def deposit(
+    url: str, owner: Identity, to: str, amount: float, run_id: str, timeout_s: float = 30.0
+) -> dict[str, Any]:
+    """Credit public key `to` with `amount` in run `run_id` served at `url`, as its owner.
+    The reply: {"ok", "peer_id", "held" (the key's balance now), "ledger_head"} (keep the
+    head: it is the receipt). DepositRefused naming the coordinator's reason otherwise."""
+    import httpx
+
+    body = {"run_id": run_id, "owner_key": owner.public_key, "to": to, "amount": amount}
+    signed = owner.sign_request(body, purpose=request_purpose(DEPOSIT_PATH))
+    try:
+        with httpx.Client(base_url=url, timeout=timeout_s, trust_env=False) as client:
+            reply = client.post(DEPOSIT_PATH, json=signed)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise DepositRefused(f"cannot reach {url}: {e}") from None
+    if reply.status_code != 200:
+        try:
+            error = reply.json().get("error", reply.text)
+        except ValueError:
+            error = reply.text
+        raise DepositRefused(f"{reply.status_code}: {str(error)[:300]}")
+    return dict(reply.json())
