@@ -114,7 +114,8 @@ def test_sigkill_of_a_server_mid_step_reroutes_and_loses_no_accepted_update(
     # coordinator sums what its trainers reported and adds its servers' idle time
     mine = t.spent.as_dict()
     assert mine["useful_s"] > 0 and mine["parts_s"]["redundant"] > 0, mine
-    assert mine["parts_s"]["churn"] > 0 and mine["evidence_bytes"] > 0, mine
+    # the killed server's refused hops cost their wall time, which can round to 0.000 s
+    assert t.spent.costs.churn_s > 0 and mine["evidence_bytes"] > 0, mine
     run_costs = s["costs"]
     assert run_costs["useful_s"] == pytest.approx(mine["useful_s"], abs=1e-3), run_costs
     assert run_costs["parts_s"]["network"] > 0 and run_costs["multiplier"] > 1, run_costs
