@@ -223,6 +223,7 @@ def test_attacker_messages_change_nothing(tmp_path: Path, model_dir: Path) -> No
         max_tokens=8,
         request_timeout_s=30,
         limits={"max_json_bytes": 64 << 10},
+        trust={"canary_rate": 0.0},  # the accusation below must meet the real answer
     ) as (url, s):
         http = httpx.Client(base_url=url, timeout=30)
         run = s.run_id
@@ -389,7 +390,7 @@ def test_backpressure_timeout_and_hangup(tmp_path: Path, model_dir: Path) -> Non
     gets 429 with Retry-After, a client that hangs up leaves the queue, and the held one
     gets 504 at request_timeout_s."""
     with in_process_server(
-        tmp_path / "server", model_dir, max_tokens=4, queue_per_worker=1, request_timeout_s=2.0
+        tmp_path / "server", model_dir, max_tokens=4, queue_per_worker=1, request_timeout_s=8.0
     ) as (url, s):
         http = httpx.Client(base_url=url, timeout=30)
         me = Identity.generate()
@@ -435,19 +436,19 @@ def test_backpressure_timeout_and_hangup(tmp_path: Path, model_dir: Path) -> Non
 
         def hang_up() -> None:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{url}/v1/completions", json=ask, timeout=0.7)
+                httpx.post(f"{url}/v1/completions", json=ask, timeout=4.0)  # < request_timeout_s
 
         second = _thread(hang_up)
         wait_for(lambda: httpx.get(f"{url}/v1/serve/status").json()["waiting"] == 1, 5)
         busy = http.post("/v1/completions", json=ask)
         assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
-        second.join(5)
+        second.join(10)
         wait_for(
             lambda: httpx.get(f"{url}/v1/serve/status").json()["waiting"] == 0,
             5,
             "the hung-up request to leave the queue",
         )
-        first.join(10)
+        first.join(20)
         events = box["first"].text  # the stream had begun: the timeout is its last event
         assert box["first"].status_code == 200 and '"code":504' in events
         assert events.count("data: ") == 2  # the streamed token's text, then the timeout
