@@ -47,8 +47,7 @@ async function tick() {
       s.audits.caught + " caught";
     const k = s.canaries || {};
     document.getElementById("canaries").textContent = (k.caught || 0) + " caught, " +
-      (k.passed || 0) + " passed, " + (k.missed || 0) + " missed, " + (k.assigned || 0) +
-      " open";
+      (k.convicted || 0) + " passed by a validator";
     const p = s.pass_at_1; document.getElementById("pass").textContent =
       p.length ? p[p.length - 1][1].toFixed(3) : "?";
     document.getElementById("plot").innerHTML = line(s.reward, "#c60", s.version) +
