@@ -116,7 +116,7 @@ class RLSpec(BaseModel):
         "validator (or, past verify_timeout_s, the trainer) checks the rest",
     )
     canary_rate: float = Field(
-        0.05,
+        0.5,
         ge=0,
         le=1,
         description="chance per step that a house worker's batch (the run owner's, covey rl "
