@@ -184,3 +184,54 @@ class _running:
     def __exit__(self, *exc: object) -> None:
         self.v.stop.set()
         self.thread.join(10)
+
+
+@pytest.mark.long
+def test_a_lazy_validator_pays_within_the_expected_reports(tmp_path: Path) -> None:
+    """Processes: a trainer, an honest worker and a house worker (`covey rl worker
+    --house-of`), so h = 1/2 and a check is a canary with probability q = 1/4 (docs/rl.md: 4
+    reports on average); an always-agree validator pays its first missed fraud within 20
+    reports (a geometric draw exceeds 20 with probability 0.75^20 < 0.4%)."""
+    import subprocess
+    import sys
+
+    from tests.rl_helpers import ROOT
+    from tests.rl_helpers import SPEC as BASE
+    from tests.rl_helpers import stop as stop_process
+
+    spec = BASE.replace("canary_rate = 0.0", f"canary_rate = {RATE}")
+    spec = spec.replace("audit_rate = 1.0", "audit_rate = 0.0")
+    data_dir = tmp_path / "run"
+    with trainer_process(data_dir, spec) as url:
+        cmd = [sys.executable, "-m", "covey", "rl", "worker", "--trainer", url]
+        house = ["--house-of", str(data_dir / "trainer.key")]
+        procs = []
+        for name, extra in (("honest", []), ("house", house)):
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                argv = [*cmd, "--name", name, *extra]
+                procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+
+        def paid() -> list[dict[str, Any]]:
+            for p, name in zip(procs, ("honest", "house"), strict=True):
+                assert p.poll() is None, f"worker {name} exited: see {tmp_path / name}.log"
+            return ledger(url, "penalty", me)
+
+        try:
+            with validator(url, "lazy") as lazy:
+                me = lazy.identity.peer_id
+                wait_for(paid, 400, "the lazy validator's penalty")
+                [penalty] = ledger(url, "penalty", me)
+                assert penalty["payload"]["kind"] == "missed fraud"
+                reports = len(lazy.reports)
+            print(f"lazy validator: first missed fraud after {reports} reports")
+            assert reports <= 20
+            reveals = [
+                e["payload"]
+                for e in httpx.get(f"{url}/v1/ledger", params={"limit": 5000}).json()
+                if e["type"] == "house canary"
+            ]
+            assert reveals and all(r["outcome"] == "convicted" for r in reveals)
+        finally:
+            for p in procs:
+                stop_process(p)
+        verify_ledger(url)
