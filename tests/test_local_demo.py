@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from covey.config import load_run_config, to_toml
-from covey.local.demo import METHODS, demo_spec, run_local_demo
+from covey.local.demo import METHODS, UNCHECKED, demo_spec, run_local_demo
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -65,8 +65,12 @@ def _assert_all_stopped(summary: dict[str, Any]) -> None:
     assert _children_running_covey() == []
 
 
-def test_demo_trains_and_leaves_a_run_directory(tmp_path: Path) -> None:
+def test_demo_trains_and_leaves_a_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     s = run_local_demo(workers=2, minutes=0.35, out_dir=tmp_path, progress=False)
+    # one line says its validator is not checked by canaries (no house worker)
+    assert capsys.readouterr().out.count(f"warning: {UNCHECKED}") == 1
 
     assert s["rounds_committed"] >= 2
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -99,6 +99,14 @@ def test_cli_refuses_bad_input(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "group_size" in r.output
     r = runner.invoke(app, ["rl", "worker", "--help"])
     assert r.exit_code == 0 and "--behavior" in r.output
+    # a house worker plays its own canaries under keys of the trainer's: none other
+    key = tmp_path / "trainer.key"
+    key.write_text("")
+    url = ["--trainer", "http://127.0.0.1:9"]
+    r = runner.invoke(app, ["rl", "worker", *url, "--house-of", str(key), "--behavior", "lazy"])
+    assert r.exit_code == 2 and "leave --behavior and --identity out" in r.output
+    r = runner.invoke(app, ["rl", "worker", *url, "--house-of", str(tmp_path / "none.key")])
+    assert r.exit_code == 2 and "no trainer key file" in r.output
 
 
 def test_cli_refuses_a_bad_url_a_busy_port_and_a_missing_policy(tmp_path: Path) -> None:

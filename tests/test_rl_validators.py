@@ -1,19 +1,30 @@
-"""RL validators get what rounds-mode validators have: canaries the trainer plants
-(a known-bad copy of a real batch that a validator must reject), a cap on the batches one
-validator checks per policy version, and the audit's "missed fraud" penalty; `covey ledger
-verify` replays all of it. One trainer process for the module, canary_rate 1 (every
-validator gets a canary at every step), validator_round_cap 1."""
+"""RL validators are checked by canaries they cannot tell from real checks: batches of the
+run owner's house worker (covey.rl.house), bad at the steps the trainer's secret draw picks,
+submitted, assigned and claimed like any batch, revealed ("house canary") only with the
+verdict, after the validator reported. An honest validator catches one (a dispute the
+trainer's recomputation confirms); an always-agree validator, and one that hunts the tells
+of planted copies (a content id not among the public batches, a validator the public
+ranking did not draw), agrees on it and pays a missed fraud; `covey ledger verify` replays
+all of it. One trainer process for the module (a `covey rl trainer` on 127.0.0.1)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from covey.io.audit import verify as verify_ledger
+from covey.rl.batch import RolloutBatch
+from covey.rl.canaries import house_canary_draw
+from covey.rl.cheater import CheatingRolloutValidator
+from covey.rl.house import HouseRolloutWorker
+from covey.rl.intake import assign_rank
+from covey.trust.house import house_identity
+from covey.trust.identity import Identity
 from tests.rl_helpers import (
     batch_status,
     joined_worker,
@@ -25,7 +36,8 @@ from tests.rl_helpers import (
 )
 
 pytestmark = pytest.mark.network
-SPEC = """
+RATE = 0.5
+SPEC = f"""
 group_size = 4
 samples_per_step = 1000
 audit_rate = 0.0
@@ -35,99 +47,190 @@ eval_every = 1000
 heartbeat_s = 1
 dead_after_s = 3
 max_batch_bytes = 200000
-canary_rate = 1.0
-validator_round_cap = 1
+canary_rate = {RATE}
 """
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with trainer_process(tmp_path_factory.mktemp("rlv") / "run", SPEC) as url:
-        yield url
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    data_dir = tmp_path_factory.mktemp("rlv") / "run"
+    with trainer_process(data_dir, SPEC) as url:
+        yield url, data_dir / "trainer.key"
 
 
-def _canaries(url: str, validator_id: str) -> list[dict[str, Any]]:
-    return [e["payload"] for e in ledger(url, "canary", validator_id)]
-
-
-def _submit(url: str, n: int) -> tuple[list[Any], int]:
-    workers = [joined_worker(url) for _ in range(n)]
-    info = policy(url)
-    for w in workers:
-        assert w.step(info) is not None
-    return workers, info["version"]
-
-
-def _all_decided(url: str, workers: list[Any]) -> bool:
-    rows = [r for w in workers for r in batch_status(url, w.identity.peer_id)]
-    return len(rows) == len(workers) and all(
-        r["status"] not in ("pending", "claimed") for r in rows
+def _house_worker(url: str, key: Path, canary: bool, after: int = 0) -> HouseRolloutWorker:
+    """A joined house worker on the first house key past `after` whose batch at the current
+    step is (or, canary=False, is not) a canary."""
+    owner, step = Identity.load_or_create(key), policy(url)["version"]
+    run_id = httpx.get(f"{url}/v1/run").json()["run_id"]
+    index = next(
+        i
+        for i in range(after, 64)
+        if canary
+        == (
+            house_canary_draw(owner, run_id, step, house_identity(owner, run_id, i).peer_id, RATE)
+            is not None
+        )
     )
+    w = HouseRolloutWorker(url, key, index, name="house")
+    w.membership.join("worker", w.name, w.stake)
+    return w
 
 
-def test_honest_validator_catches_its_canary_and_a_lazy_one_is_penalized(trainer: str) -> None:
-    workers, step = _submit(trainer, 3)
-    with validator(trainer) as honest:
-        wait_for(lambda: _canaries(trainer, honest.identity.peer_id), 60, "the canary's verdict")
-        [canary] = _canaries(trainer, honest.identity.peer_id)
-        assert canary["outcome"] == "caught" and canary["round"] == step
-        assert canary["worker_id"] in {w.identity.peer_id for w in workers}
-        first = honest.reports[0]  # its first claim at this step was the canary
-        assert first["outcome"] == "canary caught" and first["problem"] in ("proof", "logprobs")
-        checks = [
-            e
-            for e in ledger(trainer, "reward", honest.identity.peer_id)
-            if e["payload"]["kind"] == "check"
-        ]
-        assert checks  # a caught canary is a completed, paid check
-        assert not ledger(trainer, "penalty", honest.identity.peer_id)
-        # every real batch is decided: by it (one per step at most) or by the trainer
-        wait_for(lambda: _all_decided(trainer, workers), 60, "every batch decided")
-        rows = [r for w in workers for r in batch_status(trainer, w.identity.peer_id)]
-        assert all(r["status"] == "accepted" for r in rows), rows
-        mine = [r for r in rows if r["validator_id"] == honest.identity.peer_id]
-        assert len(mine) <= 1, f"validator_round_cap 1, it checked {len(mine)} at step {step}"
-        assert len(honest.reports) <= 2
-    with validator(trainer, "lazy") as lazy:
-        more, _ = _submit(trainer, 1)
-        wait_for(lambda: _canaries(trainer, lazy.identity.peer_id), 60, "the lazy canary")
-        [canary] = _canaries(trainer, lazy.identity.peer_id)
-        assert canary["outcome"] == "passed"
-        [penalty] = ledger(trainer, "penalty", lazy.identity.peer_id)
-        assert penalty["payload"]["kind"] == "canary" and "canary" in penalty["payload"]["reason"]
-        status = httpx.get(f"{trainer}/v1/rl/status").json()
-        assert status["canaries"].get("caught", 0) >= 1 and status["canaries"]["passed"] == 1
-        assert 'id="canaries"' in httpx.get(f"{trainer}/").text  # the status page shows them
-        assert status["accounts"][lazy.identity.peer_id]["counts"]["canaries_passed"] == 1
-        wait_for(lambda: _all_decided(trainer, more), 60, "the lazy step's batch decided")
-    for w in workers + more:
-        w.membership.leave()
+def _house_canaries(url: str, worker_id: str) -> list[dict[str, Any]]:
+    return [e["payload"] for e in ledger(url, "house canary", worker_id)]
 
 
-def test_an_unreported_canary_is_missed_and_the_ledger_replays(trainer: str) -> None:
-    from covey.rl.validator import RolloutValidator
-    from covey.trust.identity import Identity
+class TellHunter(CheatingRolloutValidator):
+    """Never re-executes: rejects a task that public data shows to be a planted copy (its
+    content id is not its worker's public batch of that step, or the public ranking did not
+    draw this validator first), agrees with everything else."""
 
-    silent = RolloutValidator(trainer, Identity.generate(), name="silent")
-    silent.membership.join("validator", silent.name, silent.stake)
-    workers, _ = _submit(trainer, 1)
-    body = {"run_id": silent.run.run_id, "peer_id": silent.identity.peer_id}
-    task = wait_for(lambda: silent.client.post("/v1/rl/claim", body)["task"], 30, "a claim")
-    again = silent.client.post("/v1/rl/claim", body)["task"]
-    assert again == task  # the same canary until it is reported or missed
-    started = time.monotonic()
-    wait_for(lambda: _canaries(trainer, silent.identity.peer_id), 60, "the missed canary")
-    [canary] = _canaries(trainer, silent.identity.peer_id)
-    assert canary["outcome"] == "missed" and canary["cid"] == task["batch_cid"]
-    assert time.monotonic() - started < 60
-    assert not ledger(trainer, "penalty", silent.identity.peer_id)  # missed, not passed
-    status = httpx.get(f"{trainer}/v1/rl/status").json()
-    assert status["accounts"][silent.identity.peer_id]["counts"]["missed_checks"] == 1
-    wait_for(lambda: _all_decided(trainer, workers), 60, "the batch decided")
-    silent.membership.leave("done")
-    for w in workers:
-        w.membership.leave()
-    report = verify_ledger(trainer)  # what `covey ledger verify URL` runs: raises if bad
+    def __init__(self, url: str) -> None:
+        super().__init__(url, Identity.generate(), name="v-hunter", behavior="lazy")
+        self.url = url
+        self.tells: list[str] = []
+
+    def verdict(
+        self, task: dict[str, Any], batch: RolloutBatch, model: torch.nn.Module
+    ) -> dict[str, Any]:
+        rows = [r for r in batch_status(self.url, task["worker_id"]) if r["step"] == task["step"]]
+        decided = [r["cid"] for r in rows if r["cid"] is not None]  # undecided: cid hidden
+        live = [self.identity.peer_id]  # the only live validator of these tests
+        first = min(live, key=lambda v: assign_rank(task["assign_draw"], v))
+        if not rows or any(cid != task["batch_cid"] for cid in decided):
+            self.tells.append("content id")
+        if first != self.identity.peer_id:
+            self.tells.append("ranking")
+        if self.tells:
+            return {"ok": False, "problem": "proof", "detail": "a planted copy"}
+        return {"ok": True}
+
+
+def _stake(url: str, peer_id: str) -> float:
+    return httpx.get(f"{url}/v1/rl/status").json()["accounts"][peer_id]["stake"]
+
+
+def test_an_honest_validator_catches_a_house_canary(run: tuple[str, Path]) -> None:
+    url, key = run
+    house = _house_worker(url, key, canary=True)
+    assert house.step(policy(url)) is not None and house.canaries
+    with validator(url) as honest:
+        wait_for(lambda: _house_canaries(url, house.identity.peer_id), 90, "the reveal")
+        [reveal] = _house_canaries(url, house.identity.peer_id)
+        assert reveal["outcome"] == "caught"
+        [report] = honest.reports
+        assert report["outcome"] == "caught" and report["problem"] in ("proof", "logprobs")
+        [dispute] = ledger(url, "dispute", house.identity.peer_id)
+        assert dispute["payload"]["outcome"] == "fraud"
+        assert dispute["payload"]["validator_id"] == honest.identity.peer_id
+        assert not ledger(url, "penalty", honest.identity.peer_id)
+    # the burned key is refused: the house worker goes on under its next key
+    burned, index = house.identity.peer_id, house.index
+    assert house.step(policy(url)) is None
+    assert house.index == index + 1 and house.identity.peer_id != burned
+    assert not house.stop.is_set()
+    house.membership.leave()
+
+
+def test_validators_that_agree_or_hunt_tells_pay_for_a_house_canary(
+    run: tuple[str, Path],
+) -> None:
+    url, key = run
+    after = 40  # past the keys the other test may have burned
+    for make in (lambda: TellHunter(url), None):
+        house = _house_worker(url, key, canary=True, after=after)
+        after, house_id = house.index + 1, house.identity.peer_id
+        honest = joined_worker(url)  # a real batch of the same step beside the canary
+        info = policy(url)
+        assert house.step(info) is not None and honest.step(info) is not None
+        ctx = validator(url, "lazy") if make is None else _running(make())
+        with ctx as lazy:
+            wait_for(lambda: _house_canaries(url, house_id), 90, "the reveal")  # noqa: B023
+            [reveal] = _house_canaries(url, house_id)
+            assert reveal["outcome"] == "convicted"
+            [penalty] = ledger(url, "penalty", lazy.identity.peer_id)
+            assert penalty["payload"]["kind"] == "missed fraud"
+            assert _stake(url, lazy.identity.peer_id) < lazy.stake  # what it joined with
+            if isinstance(lazy, TellHunter):
+                assert lazy.tells == []  # nothing public told the canary apart
+            status = httpx.get(f"{url}/v1/rl/status").json()
+            assert status["canaries"].get("convicted", 0) >= 1
+            counts = status["accounts"][lazy.identity.peer_id]["counts"]
+            assert counts["canaries_passed"] == 1
+        house.membership.leave()
+        honest.membership.leave()
+    report = verify_ledger(url)  # what `covey ledger verify URL` runs: raises if bad
     accounts = report.summary["accounts"]
-    assert accounts[silent.identity.peer_id]["counts"]["missed_checks"] == 1
-    assert sum(a["counts"]["canaries_passed"] for a in accounts.values()) == 1  # the lazy one
+    assert sum(a["counts"]["canaries_passed"] for a in accounts.values()) == 2
+
+
+class _running:
+    """A validator object polling in a thread for the block (tests.rl_helpers.validator's
+    loop, for a validator built here)."""
+
+    def __init__(self, v: Any) -> None:
+        self.v = v
+
+    def __enter__(self) -> Any:
+        import threading
+
+        self.thread = threading.Thread(target=self.v.run_loop, kwargs={"poll_s": 0.1})
+        self.thread.daemon = True
+        self.thread.start()
+        return self.v
+
+    def __exit__(self, *exc: object) -> None:
+        self.v.stop.set()
+        self.thread.join(10)
+
+
+@pytest.mark.long
+def test_a_lazy_validator_pays_within_the_expected_reports(tmp_path: Path) -> None:
+    """Processes: a trainer, an honest worker and a house worker (`covey rl worker
+    --house-of`), so h = 1/2 and a check is a canary with probability q = 1/4 (docs/rl.md: 4
+    reports on average); an always-agree validator pays its first missed fraud within 20
+    reports (a geometric draw exceeds 20 with probability 0.75^20 < 0.4%)."""
+    import subprocess
+    import sys
+
+    from tests.rl_helpers import ROOT
+    from tests.rl_helpers import SPEC as BASE
+    from tests.rl_helpers import stop as stop_process
+
+    spec = BASE.replace("canary_rate = 0.0", f"canary_rate = {RATE}")
+    spec = spec.replace("audit_rate = 1.0", "audit_rate = 0.0")
+    data_dir = tmp_path / "run"
+    with trainer_process(data_dir, spec) as url:
+        cmd = [sys.executable, "-m", "covey", "rl", "worker", "--trainer", url]
+        house = ["--house-of", str(data_dir / "trainer.key")]
+        procs = []
+        for name, extra in (("honest", []), ("house", house)):
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                argv = [*cmd, "--name", name, *extra]
+                procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+
+        def paid() -> list[dict[str, Any]]:
+            for p, name in zip(procs, ("honest", "house"), strict=True):
+                assert p.poll() is None, f"worker {name} exited: see {tmp_path / name}.log"
+            return ledger(url, "penalty", me)
+
+        try:
+            with validator(url, "lazy") as lazy:
+                me = lazy.identity.peer_id
+                wait_for(paid, 400, "the lazy validator's penalty")
+                [penalty] = ledger(url, "penalty", me)
+                assert penalty["payload"]["kind"] == "missed fraud"
+                reports = len(lazy.reports)
+            print(f"lazy validator: first missed fraud after {reports} reports")
+            assert reports <= 20
+            reveals = [
+                e["payload"]
+                for e in httpx.get(f"{url}/v1/ledger", params={"limit": 5000}).json()
+                if e["type"] == "house canary"
+            ]
+            assert reveals and all(r["outcome"] == "convicted" for r in reveals)
+        finally:
+            for p in procs:
+                stop_process(p)
+        verify_ledger(url)

@@ -195,6 +195,8 @@ def run_local_demo(
                     say(f"{name} will cheat: {behavior}")
             for i in range(validators):
                 cluster.start_validator(f"v{i}", "--threads", "1")
+            if validators:  # canaries come from house workers only (docs/trust.md)
+                say(f"warning: {UNCHECKED}")
             try:
                 # the clock starts at the first join: starting N Pythons that each import
                 # torch and read the corpus takes ~15 s on 2 busy cores, and is not training
@@ -222,6 +224,14 @@ def run_local_demo(
     minutes_trained = seen.get("elapsed_s", 0.0) / 60
     kills = chaos_state.events if chaos_state else []
     return write_demo_outputs(out_dir, cluster, final, kills, interrupted, minutes_trained, say)
+
+
+# what a demo's validators lack: it runs no house worker (`covey worker --house-of`), so
+# no canary tests them; missed fraud and audits alone hold them to their checks
+UNCHECKED = (
+    "no house worker plays canaries in this demo: its validators are unchecked "
+    "(covey worker --house-of, docs/trust.md)"
+)
 
 
 class _Printer:

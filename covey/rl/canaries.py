@@ -1,51 +1,53 @@
-"""Canaries in the RL mode: known-bad batches the trainer plants among a validator's checks,
-so that a validator cannot be paid for checks it did not do (docs/trust.md;
-the rounds mode's covey.coordinator.canary does the same for contributions).
+"""Canaries in the RL mode: batches of the run owner's own house workers, bad on purpose at
+the steps the trainer's secret draw picks (covey.trust.house; docs/trust.md, "Canaries").
 
-For each policy version (step) s and validator V, the trainer signs (run, s, V)
-(covey.trust.certify.canary_draw): V gets a canary at s when the draw is below
-`canary_rate`, secret until revealed on the ledger, verifiable afterwards by anyone (the
-book's "canary" handler checks the signature and the rate). The canary is a real batch of
-step s that V was not assigned and that is still undecided (a decided one's content id is
-public: the copy would be told apart at once), with every sample made bad in a way only a
-prefill tells: each proof's coefficients replaced by a pseudo-random polynomial (its chunk
-layout and moduli kept, so it parses like any proof) and each logprob lowered by 0.02
-(still <= 0, 200x the fp32 tolerance). Its task looks like any other (content id, step,
-worker, the trainer's draw of the samples to prefill). Reporting it bad is a caught canary
-(a completed check, paid check_reward); reporting it good is "passed" (a "penalty" of kind
-canary: validator_slash_fraction of its stake); not reporting within verify_timeout_s is
-"missed" (a missed check). The "canary" ledger entry is written only then.
+A canary here is not a task of its own: it is a batch like any other, submitted and signed
+by its worker (covey.rl.house.HouseRolloutWorker) through POST /v1/rl/batch, assigned by the
+same public ranking (covey.rl.intake.assign_rank), its prefill draw the trainer's signature
+as for any batch, served from the same blob store. What makes it a canary is only that its
+worker is a house key (derived from the trainer's key: nobody else can tell) and that the
+trainer's signature over (run, step, house key) (covey.trust.certify.canary_draw) fell below
+`canary_rate`, which the house worker computes too and then submits its honest batch with
+every sample made bad in a way only a prefill tells (`canary_batch`: each proof's
+coefficients replaced by a pseudo-random polynomial, its layout and moduli kept so it parses
+like any proof, and each logprob lowered by 0.02, 200x the fp32 tolerance). Same worker,
+same step, same sizes, same timing as its honest batch: nothing a validator reads before it
+reports tells it from a real check.
 
-Known leak, shared with the rounds mode: the real batch's content id is public once it is
-decided ("contribution accepted"), so a validator that waits for the real batch's verdict
-before reporting can tell its canary from a real check; the deadline bounds that wait.
+The reveal comes with the batch's verdict, after its validator reported (covey.rl.verdicts):
+a "house canary" ledger entry with the draw and the trainer's proof that the key is its own
+(`covey ledger verify` checks both and the rate), which burns the key (banned; the house
+worker moves to its next key). A validator that rejected it, confirmed by the trainer's
+recomputation (a "dispute" of outcome "fraud"), "caught" it (a catch, paid). One that agreed
+on it is overruled by the trainer's full recomputation, which always follows an agreement
+on a canary: "convicted", and the validator pays a "missed fraud" penalty
+(validator_slash_fraction of its stake) and loses that check's pay
+(covey.coordinator.checks.Checks.convict). A canary no validator took is checked by the
+trainer like any such batch and not revealed (a rejected batch is all anyone sees).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import logging
 import sqlite3
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from covey.rl import proofs
-from covey.rl.batch import RolloutBatch, draw_samples
+from covey.rl.batch import RolloutBatch
 from covey.trust.certify import canary_draw
+from covey.trust.house import house_peer_ids, house_proof
 
 if TYPE_CHECKING:
     from covey.rl.trainer_parts import TrainerParts
+    from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.intake")
 CANARY_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS rl_canaries (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-    "step INTEGER NOT NULL, validator_id TEXT NOT NULL, worker_id TEXT NOT NULL, "
-    "real_cid TEXT NOT NULL, cid TEXT NOT NULL, samples INTEGER NOT NULL, draw TEXT NOT NULL, "
-    "task_draw TEXT NOT NULL, status TEXT NOT NULL, placed_at REAL NOT NULL, "
-    "UNIQUE (step, validator_id))",
+    "CREATE TABLE IF NOT EXISTS rl_house_canaries (step INTEGER NOT NULL, "
+    "worker_id TEXT NOT NULL, validator_id TEXT, outcome TEXT NOT NULL, "
+    "PRIMARY KEY (step, worker_id))",
 )
 LOGPROB_SHIFT = 0.02  # what a canary takes off every logprob: 200x the fp32 tolerance
 
@@ -94,145 +96,77 @@ def canary_batch(real: RolloutBatch, seed: bytes) -> RolloutBatch:
     return real.model_copy(update={"samples": samples})
 
 
-class Canaries:
-    """The RL trainer's canaries: planted at a validator's claim, resolved by its report or
-    the deadline. Every method that takes `c` runs inside the caller's transaction."""
+def house_canary_draw(
+    trainer: Identity, run_id: str, step: int, worker_id: str, rate: float
+) -> str | None:
+    """The draw that makes `worker_id`'s batch of `step` a canary, or None when it is not
+    one: the trainer's signature over (run, step, worker) below `rate`. Both the trainer
+    and a house worker (which holds the trainer's key) compute it."""
+    if rate <= 0:
+        return None
+    planted, draw = canary_draw(trainer, run_id, step, worker_id, rate)
+    return draw if planted else None
 
-    def __init__(self, trainer: TrainerParts, assign_draw: Callable[[str], str]) -> None:
-        """`assign_draw`: the trainer's assignment draw of a batch by its content id
-        (covey.rl.intake.Intake.assign_draw)."""
-        self.t, self.assign_draw = trainer, assign_draw
 
-    def assigned(self, c: sqlite3.Connection, validator: str) -> sqlite3.Row | None:
-        return c.execute(
-            "SELECT * FROM rl_canaries WHERE validator_id = ? AND status = 'assigned' "
-            "ORDER BY id LIMIT 1",
-            (validator,),
-        ).fetchone()
+class HouseCanaries:
+    """The trainer's side: which batches are canaries, and their reveal on the ledger."""
 
-    def plant(self, c: sqlite3.Connection, validator: str, step: int) -> sqlite3.Row | None:
-        """The canary `validator` gets at `step`, planted now if its draw says so and a
-        batch of that step it was not assigned exists; None otherwise (or already drawn)."""
+    def __init__(self, trainer: TrainerParts) -> None:
+        self.t = trainer
+        self.house = house_peer_ids(trainer.identity, trainer.run_id)  # secret
+
+    def draw(self, worker_id: str, step: int) -> str | None:
+        """The canary draw of this batch, None when it is a real one."""
+        if worker_id not in self.house:
+            return None
         t = self.t
-        if t.spec.canary_rate <= 0:
-            return None
-        if c.execute(
-            "SELECT 1 FROM rl_canaries WHERE step = ? AND validator_id = ?", (step, validator)
-        ).fetchone():
-            return None
-        planted, draw = canary_draw(t.identity, t.run_id, step, validator, t.spec.canary_rate)
-        if not planted:
-            return None
-        candidates = [
-            r
-            for r in c.execute(
-                "SELECT * FROM rl_batches WHERE step = ? AND cid != '' AND samples > 0 AND "
-                "status IN ('pending', 'claimed') ORDER BY id",
-                (step,),
-            ).fetchall()
-            if validator not in json.loads(r["tried"]) and r["worker_id"] != validator
-        ]
-        if not candidates:
-            return None
-        real = candidates[int(hashlib.sha256(draw.encode()).hexdigest(), 16) % len(candidates)]
-        bad = canary_batch(
-            RolloutBatch.model_validate_json(t.blobs.get(real["cid"])), bytes.fromhex(draw)[:32]
-        )
-        cid = t.blobs.put(bad.model_dump_json().encode())
-        tried = json.loads(real["tried"])  # never assigned the real batch too: no twin tasks
-        c.execute(
-            "UPDATE rl_batches SET tried = ? WHERE id = ?",
-            (json.dumps(sorted({*tried, validator})), real["id"]),
-        )
-        task_draw = t.identity.sign(f"covey-rl-draw/v1\n{t.run_id}\n{cid}\n{validator}".encode())
-        c.execute(
-            "INSERT INTO rl_canaries (step, validator_id, worker_id, real_cid, cid, samples, "
-            "draw, task_draw, status, placed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'assigned', ?)",
-            (
-                step,
-                validator,
-                real["worker_id"],
-                real["cid"],
-                cid,
-                real["samples"],
-                draw,
-                task_draw,
-                time.time(),
-            ),
-        )
-        log.info("[trainer - step %d] canary %s for %s", step, cid[:12], validator[:8])
-        return self.assigned(c, validator)
+        return house_canary_draw(t.identity, t.run_id, step, worker_id, t.spec.canary_rate)
 
-    def of_report(self, c: sqlite3.Connection, validator: str, cid: str) -> sqlite3.Row | None:
-        return c.execute(
-            "SELECT * FROM rl_canaries WHERE validator_id = ? AND cid = ? AND status = 'assigned'",
-            (validator, cid),
-        ).fetchone()
-
-    def resolve(self, c: sqlite3.Connection, row: sqlite3.Row, outcome: str, now: float) -> None:
-        """Reveal the canary on the ledger: caught (a paid check), passed (a penalty),
-        missed (a missed check)."""
-        t, validator = self.t, row["validator_id"]
-        c.execute("UPDATE rl_canaries SET status = ? WHERE id = ?", (outcome, row["id"]))
-        base = {"round": row["step"], "peer_id": validator}
+    def reveal(
+        self,
+        c: sqlite3.Connection,
+        step: int,
+        worker_id: str,
+        validator_id: str,
+        draw: str,
+        outcome: str,
+        detail: str,
+        now: float,
+    ) -> None:
+        """Inside the verdict's transaction: the "house canary" entry ("caught" after the
+        dispute that convicted it; "convicted" before the rejection of a batch its validator
+        agreed on), which burns the key."""
+        t = self.t
+        c.execute(
+            "INSERT OR REPLACE INTO rl_house_canaries VALUES (?, ?, ?, ?)",
+            (step, worker_id, validator_id, outcome),
+        )
         t.accounts.append(
             c,
-            "canary",
-            {**base, "worker_id": row["worker_id"], "cid": row["cid"], "draw": row["draw"]}
-            | {"outcome": outcome},
+            "house canary",
+            {
+                "round": step,
+                "peer_id": worker_id,
+                "draw": draw,
+                "proof": house_proof(t.identity, t.run_id, worker_id),
+                "outcome": outcome,
+                "detail": detail[:500],
+            },
             now,
         )
-        if outcome == "caught" and t.spec.check_reward > 0:
-            t.accounts.append(
-                c,
-                "reward",
-                {**base, "amount": t.spec.check_reward, "kind": "check", "tokens": 0},
-                now,
-            )
-        elif outcome == "passed":
-            t.accounts.append(
-                c,
-                "penalty",
-                {
-                    **base,
-                    "amount": t.accounts.book.penalty_amount(validator),
-                    "kind": "canary",
-                    "reason": f"accepted canary {row['cid'][:12]} (batch {row['real_cid'][:12]} "
-                    f"with its proofs and logprobs made bad)",
-                },
-                now,
-            )
         level = logging.INFO if outcome == "caught" else logging.WARNING
-        log.log(level, "[%s - step %d] canary %s", validator[:8], row["step"], outcome)
-
-    def sweep(self, now: float) -> None:
-        """Canaries not reported within verify_timeout_s are missed."""
-        t = self.t
-        late = t.db.query(
-            "SELECT * FROM rl_canaries WHERE status = 'assigned' AND placed_at < ?",
-            (now - t.spec.verify_timeout_s,),
+        log.log(
+            level,
+            "[%s - step %d] house canary of %s revealed: %s",
+            validator_id[:8],
+            step,
+            worker_id[:8],
+            outcome,
         )
-        for row in late:
-            with t.accounts.transaction() as c:
-                fresh = c.execute("SELECT status FROM rl_canaries WHERE id = ?", (row["id"],))
-                if fresh.fetchone()[0] == "assigned":
-                    self.resolve(c, row, "missed", now)
 
     def counts(self) -> dict[str, int]:
-        rows = self.t.db.query("SELECT status, COUNT(*) AS n FROM rl_canaries GROUP BY status")
-        return {r["status"]: r["n"] for r in rows}
-
-    def task(self, row: sqlite3.Row) -> dict[str, Any]:
-        """What the validator is handed: the same fields as a real check's task."""
-        return {
-            "batch_cid": row["cid"],
-            "step": row["step"],
-            "worker_id": row["worker_id"],
-            "policy_version": row["step"],
-            "policy_cid": self.t.cids[row["step"]],
-            "draw": row["task_draw"],
-            "assign_draw": self.assign_draw(row["cid"]),
-            "verify_samples": draw_samples(
-                row["cid"], row["task_draw"], row["samples"], self.t.spec.verify_samples
-            ),
-        }
+        """Revealed canaries by outcome: caught, convicted (a validator passed it)."""
+        rows = self.t.db.query(
+            "SELECT outcome, COUNT(*) AS n FROM rl_house_canaries GROUP BY outcome"
+        )
+        return {r["outcome"]: r["n"] for r in rows}

@@ -311,6 +311,16 @@ def worker(
     run_id: Annotated[str | None, typer.Option(help="refuse a trainer of another run")] = None,
     threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
     device: PeerDevice = "auto",
+    house_of: Annotated[
+        Path | None,
+        typer.Option(
+            help="run owners: the trainer's key file; this worker is then house worker "
+            "--house-index of the run, whose batches are its canaries (docs/rl.md)"
+        ),
+    ] = None,
+    house_index: Annotated[
+        int, typer.Option(min=0, max=63, help="with --house-of: its first house key (0-63)")
+    ] = 0,
     log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """Generate rollout batches for a trainer and get paid per verified token."""
@@ -323,17 +333,17 @@ def worker(
     _threads(threads)
     stop = _stop_on_signals()
     try:
-        w = rollout_worker(
-            trainer_url,
-            _identity(identity),
-            name=name,
-            stake=stake,
-            behavior=behavior,
-            serve_blobs=serve_blobs,
-            run_id=run_id,
-            stop=stop,
-            device=where,
-        )
+        common: dict[str, Any] = {"name": name, "stake": stake, "serve_blobs": serve_blobs}
+        common |= {"run_id": run_id, "stop": stop, "device": where}
+        if house_of is not None:
+            if behavior != "honest" or identity is not None:
+                raise _fail("--house-of plays its own canaries under its own keys: leave "
+                            "--behavior and --identity out")  # fmt: skip
+            from covey.rl.house import HouseRolloutWorker
+
+            w = HouseRolloutWorker(trainer_url, house_of, house_index, **common)
+        else:
+            w = rollout_worker(trainer_url, _identity(identity), behavior=behavior, **common)
         n = w.run_loop(max_steps)
     except PeerRejected as e:
         raise _halted_or_fail(name, e) from None

@@ -23,8 +23,8 @@ reports, and the verdicts written to the ledger.
   only.
 - Per policy version (step), one validator claims at most `validator_round_cap` batches;
   the next-ranked validator (or, past the deadline, the trainer) checks the rest. Canaries
-  (covey.rl.canaries): with `canary_rate` per (step, validator), a claim is answered with a
-  known-bad copy of a batch of that step, which the validator must reject.
+  (covey.rl.canaries) are batches of the run owner's house workers, submitted, assigned and
+  claimed here like any other: nothing in this module treats them apart.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pydantic import Field, model_validator
 from covey.coordinator.rejected import Rejected
 from covey.protocol.schemas import PeerId, RunId, Signed
 from covey.rl.batch import Problem, RolloutBatch, draw_samples
-from covey.rl.canaries import CANARY_SCHEMA, Canaries
+from covey.rl.canaries import CANARY_SCHEMA
 from covey.rl.costs import COSTS_SCHEMA, MAX_REPORTED_S, record, record_batch
 from covey.rl.runspec import NotJudged
 from covey.rl.verdicts import Judge
@@ -143,7 +143,7 @@ class Intake:
     def __init__(self, trainer: TrainerParts) -> None:
         self.t = trainer
         self.judge = Judge(trainer)
-        self.canaries = Canaries(trainer, self.assign_draw)
+        self.canaries = self.judge.canaries
         self._assign_draws: dict[str, str] = {}
 
     # -- submissions ----------------------------------------------------------------------
@@ -253,8 +253,6 @@ class Intake:
                 "validator_id = ? ORDER BY id LIMIT 1",
                 (req.peer_id,),
             ).fetchone()
-            if mine is None and (canary := self.canaries.assigned(c, req.peer_id)):
-                return {"task": self.canaries.task(canary)}  # reported before anything else
             if mine is None:
                 load = self._load(c)
                 for row in c.execute(
@@ -265,10 +263,6 @@ class Intake:
                         break
             if mine is None:
                 return {"task": None}
-            if mine["status"] == "pending" and (
-                canary := self.canaries.plant(c, req.peer_id, mine["step"])
-            ):
-                return {"task": self.canaries.task(canary)}
             draw = t.identity.sign(
                 f"covey-rl-draw/v1\n{t.run_id}\n{mine['cid']}\n{req.peer_id}".encode()
             )
@@ -306,18 +300,12 @@ class Intake:
         ]
 
     def _load(self, c: sqlite3.Connection) -> dict[tuple[int, str], int]:
-        """Real batches each validator has claimed per step still checkable (a canary's
-        validator joins its source batch's `tried` too: not counted)."""
+        """Batches each validator has claimed per step still checkable."""
         oldest = self.t.version - self.t.spec.async_level
         load: dict[tuple[int, str], int] = {}
         for row in c.execute("SELECT step, tried FROM rl_batches WHERE step >= ?", (oldest,)):
             for v in json.loads(row["tried"]):
                 load[(row["step"], v)] = load.get((row["step"], v), 0) + 1
-        for row in c.execute(
-            "SELECT step, validator_id FROM rl_canaries WHERE step >= ?", (oldest,)
-        ):
-            key = (row["step"], row["validator_id"])
-            load[key] = load.get(key, 0) - 1
         return load
 
     def _assignee(
@@ -350,8 +338,7 @@ class Intake:
 
     def expire(self, now: float) -> None:
         """Checks held past verify_timeout_s go back (a missed check in the ledger); a
-        batch no live validator may take for verify_timeout_s (a canary's source: at once)
-        is checked by the trainer."""
+        batch no live validator may take for verify_timeout_s is checked by the trainer."""
         t = self.t
         timeout = t.spec.verify_timeout_s
         for row in t.db.query(
@@ -383,16 +370,11 @@ class Intake:
                 row["cid"][:12],
                 timeout,
             )
-        self.canaries.sweep(now)
         live = set(self._live_validators())
         with t.db.transaction() as c:
             load = self._load(c)
-        # a canary's source batch that no other validator may take is checked at once: its
-        # only validator was taken off it, and waiting would stall the step (measured: a
-        # 60 s stall in a one-validator demo)
         for row in t.db.query(
-            "SELECT * FROM rl_batches WHERE status = 'pending' AND (submitted_at < ? OR cid "
-            "IN (SELECT real_cid FROM rl_canaries))",
+            "SELECT * FROM rl_batches WHERE status = 'pending' AND submitted_at < ?",
             (now - timeout,),
         ):
             if self._assignee(row, live, load) is None:
@@ -406,13 +388,6 @@ class Intake:
         self._role(req.peer_id, "validator")
         m.authenticate(raw, NO_ROUND, req.peer_id)
         m.check_not_banned(req.peer_id)  # excluded while holding a claim: it just expires
-        with t.accounts.transaction() as c:
-            if canary := self.canaries.of_report(c, req.peer_id, req.batch_cid):
-                outcome = "passed" if req.ok else "caught"
-                self.canaries.resolve(c, canary, outcome, time.time())
-                self._record_check(c, req)
-        if canary:
-            return {"ok": True, "outcome": f"canary {outcome}", "accepted": False}
         row = t.db.one(
             "SELECT * FROM rl_batches WHERE cid = ? AND status = 'claimed' AND validator_id = ?",
             (req.batch_cid, req.peer_id),

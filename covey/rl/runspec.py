@@ -116,12 +116,12 @@ class RLSpec(BaseModel):
         "validator (or, past verify_timeout_s, the trainer) checks the rest",
     )
     canary_rate: float = Field(
-        0.05,
+        0.5,
         ge=0,
         le=1,
-        description="chance per policy version per validator that its next claim is a "
-        "planted known-bad batch (covey.rl.canaries): passing one costs "
-        "validator_slash_fraction of its stake",
+        description="chance per step that a house worker's batch (the run owner's, covey rl "
+        "worker --house-of) is a canary, bad in every sample (covey.rl.canaries): the "
+        "validator that passes one pays a missed fraud, validator_slash_fraction of its stake",
     )
 
     verify_device: Literal["cpu", "cuda", "mps"] = Field(

@@ -90,7 +90,7 @@ def create_app(trainer: Trainer) -> FastAPI:
     @app.get("/v1/rl/batches")
     def batches() -> list[dict[str, Any]]:
         """Every batch; one not decided yet shows as "pending" without its content id or
-        validator (who checks what, and which real batch a canary copies, stay secret)."""
+        validator (who checks what stays secret until the verdict)."""
         rows = t.db.query(
             "SELECT step, worker_id, cid, samples, tokens, status, validator_id, "
             "problem, detail FROM rl_batches ORDER BY id"

@@ -48,8 +48,7 @@ async function tick() {
       s.audits.caught + " caught";
     const k = s.canaries || {};
     document.getElementById("canaries").textContent = (k.caught || 0) + " caught, " +
-      (k.passed || 0) + " passed, " + (k.missed || 0) + " missed, " + (k.assigned || 0) +
-      " open";
+      (k.convicted || 0) + " passed by a validator";
     const c = s.costs || {}, adds = c.adds || {};
     document.getElementById("mult").textContent = typeof c.multiplier === "number" ?
       c.multiplier.toFixed(2) + "\u00d7" : "\u2014";

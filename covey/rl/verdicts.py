@@ -9,7 +9,9 @@ signature, so anyone can recompute it), and a bad batch found so costs the worke
 slash and the validator a penalty (ledger kind "missed fraud": it passed a batch the
 audit proved bad) and its check pay, through covey.coordinator.checks.Checks.convict, the
 same accounting as a rounds contribution convicted by the referee.
-A batch no validator could take is checked by the trainer in full.
+A batch no validator could take is checked by the trainer in full. A house worker's canary
+(covey.rl.canaries) is decided here like any batch, except that an agreement on it is always
+audited, and is revealed in the verdict's transaction: after its validator reported.
 
 Ledger entries (covey.trust.incentives), round = the batch's step:
 accepted: verification(agree) -> contribution accepted -> reward(work, per token) ->
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from covey.coordinator.checks import Checks, Verdict
 from covey.coordinator.rejected import Rejected
 from covey.rl.batch import BatchVerdict, RolloutBatch, check_batch, verified_subset
+from covey.rl.canaries import HouseCanaries
 from covey.rl.costs import record
 from covey.rl.policy import codec_kwargs
 
@@ -54,6 +57,7 @@ class Judge:
         self.t = trainer
         self.checks = Checks(trainer.accounts)  # check pay and missed fraud, as rounds'
         self.audits = {"audited": 0, "caught": 0}
+        self.canaries = HouseCanaries(trainer)
         # one check at a time: the prefill captures hidden states with a forward hook on
         # the version's shared frozen model (covey.rl.sampling.forward_hidden), so two
         # concurrent checks (the loop's deadline checks, request threads' audits) read each
@@ -100,6 +104,7 @@ class Judge:
         over every sample). Returns what the validator is told."""
         t, now = self.t, time.time()
         step, worker, draw = row["step"], row["worker_id"], row["draw"] or ""
+        canary = self.canaries.draw(worker, step)  # secret until revealed below
         picked = (
             verified_subset(row["cid"], draw, row["samples"], t.spec.verify_samples)
             if draw
@@ -111,8 +116,8 @@ class Judge:
             outcome = "rejected" if verdict.convicted else "accepted"
         elif claim["ok"]:
             audit = int(_h("covey-rl-audit", draw)[:8], 16) / 16**8 < t.spec.audit_rate
-            verdict = self.judge(Checked(row, None)) if audit else Verdict("cleared", "")
-            judged = bool(audit)
+            verdict = self.judge(Checked(row, None)) if audit or canary else Verdict("cleared", "")
+            judged = bool(audit or canary)
             self.audits["audited"] += audit
             self.audits["caught"] += audit and verdict.convicted
             outcome = "missed" if verdict.convicted else "accepted"
@@ -174,6 +179,10 @@ class Judge:
                     self.checks.pay_check(c, step, worker, validator, t.spec.check_reward, now)
             else:
                 caught_by = validator if outcome == "caught" and not banned else None
+                reveal = canary is not None and validator is not None and not banned
+                why = f"{problem}: {verdict.detail}"
+                if reveal and outcome == "missed":  # the reveal convicts it (and burns it)
+                    self.canaries.reveal(c, step, worker, validator, canary, "convicted", why, now)
                 self.reject_entries(
                     c,
                     step,
@@ -184,6 +193,8 @@ class Judge:
                     now,
                     slash=not banned,
                 )
+                if reveal and outcome == "caught":  # after the dispute that convicted it
+                    self.canaries.reveal(c, step, worker, validator, canary, "caught", why, now)
                 if outcome in ("missed", "caught"):  # convicted by a check, not for a ban
                     # who agreed on it missed a fraud; its pay, if any, is clawed back
                     reason = f"the trainer's check rejects {row['cid'][:12]} ({problem})"

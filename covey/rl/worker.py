@@ -134,8 +134,8 @@ class RolloutWorker:
             log.warning("[%s - step %d] batch refused: %s", self.name, v, e)
             if e.status == 410:
                 self.halt_seen(e.message)
-            if e.status == 403:  # excluded for fraud (or not a worker): nothing more to do
-                self.stop.set()
+            if e.status == 403:
+                self.excluded(e.message)
             return None
         log.info(
             "[%s - step %d] submitted %d samples in %.1f s",
@@ -149,6 +149,10 @@ class RolloutWorker:
             self.heads.keep(reply.get("ledger_head"), f"step {v}'s receipt")
         self.submitted.append({"step": v, **reply})
         return reply
+
+    def excluded(self, reason: str) -> None:
+        """A batch was refused 403: excluded for fraud (or not a worker): nothing more to do."""
+        self.stop.set()
 
     def make_batch(self, model: torch.nn.Module, v: int, cid: str) -> RolloutBatch | None:
         """The batch for step `v` under policy `model` (content id `cid`): the prompts the

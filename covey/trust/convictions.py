@@ -136,7 +136,8 @@ class Convictions:
     def _house_canary(self, i: int, p: dict[str, Any]) -> None:
         """The reveal of a house worker's canary (covey.trust.house): the draw and the
         house proof are the coordinator's, the draw is below canary_rate, the contribution
-        was accepted; "caught" needs it convicted already, "convicted" convicts it now.
+        was accepted (rounds) or a validator agreed on it or it was convicted (an RL batch);
+        "caught" needs it convicted already, "convicted" convicts it now.
         Every validator that agreed on it passed a canary; the key is burned (banned)."""
         acc, rnd = self._peer(i, p), p["round"]
         key, run_id = self.coordinator_key or "", self.run_id or ""
@@ -149,8 +150,10 @@ class Convictions:
         if draw_value(p["draw"]) >= rate:
             value = draw_value(p["draw"])
             raise LedgerError(i, f"{where}: its draw is {value:.3g}, not below {rate}")
-        if (rnd, acc.peer_id) not in self._accepted:
-            raise LedgerError(i, f"{where}: no accepted contribution of it in that round")
+        key = (rnd, acc.peer_id)
+        if key not in self._accepted and key not in self._agreed_by and key not in self._convicted:
+            # rounds: an accepted contribution; RL: a batch a validator agreed on or convicted
+            raise LedgerError(i, f"{where}: no checked contribution of it in that round")
         if (rnd, acc.peer_id) in self._house_revealed:
             raise LedgerError(i, f"{where}: revealed twice")
         convicted = (rnd, acc.peer_id) in self._convicted
