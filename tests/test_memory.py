@@ -124,6 +124,7 @@ def _script_json(name: str, *args: str) -> dict[str, Any]:
 
 
 @linux
+@pytest.mark.long  # an 8M model's real round: `scripts/dev.py test --all`
 def test_a_workers_round_holds_model_optimizer_and_one_contribution() -> None:
     """A real worker's DiLoCo round (scripts/mem_worker.py: Worker._begin_round, the side
     committer, _train_and_finish with its apply and serve), in a fresh process at an 8M
@@ -237,6 +238,7 @@ def test_a_sealed_end_state_is_the_bytes_of_local_state_to_bytes(tmp_path: Path)
 
 
 @linux
+@pytest.mark.long  # an 8M model's real check: `scripts/dev.py test --all`
 def test_a_validators_job_holds_one_copy_of_the_start_and_no_payload_while_training() -> None:
     """A real validator's jobs (scripts/mem_validator_job.py: Validator.check on the demo's
     DiLoCo spec, the start state and the payload fetched over HTTP from a blob server in

@@ -131,6 +131,7 @@ def test_sigkill_worker_mid_round_round_closes_without_it(tmp_path: Path) -> Non
     assert peers["slow"]["state"] == "dead" and not peers["slow"]["alive"]
 
 
+@pytest.mark.long  # joiners download state in tests/test_sim.py and the replica and HF runs
 def test_joiner_downloads_canonical_state_and_is_accepted(tmp_path: Path) -> None:
     spec = tmp_path / "run.toml"
     text = SPEC.format(name="join", inner_steps=6, deadline_min_s=4)
@@ -163,6 +164,7 @@ def test_joiner_downloads_canonical_state_and_is_accepted(tmp_path: Path) -> Non
     assert all(r["weights_hash"] == by_round[r["round"]] for r in records if r["round"] in by_round)
 
 
+@pytest.mark.long  # a leave is written in tests/test_treasury_network.py by default
 def test_sigterm_sends_deathrattle_and_round_does_not_wait(tmp_path: Path) -> None:
     with make_cluster(tmp_path, "term", deadline_min_s=30) as cluster:
         cluster.start_worker("w0")
