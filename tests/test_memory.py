@@ -140,7 +140,7 @@ def test_a_workers_round_holds_model_optimizer_and_one_contribution() -> None:
 
 
 @linux
-@pytest.mark.long  # a real round of a 25M model: `scripts/dev.py test --all`
+@pytest.mark.long  # a real round of a 12M model: `scripts/dev.py test --all`
 def test_a_coordinators_round_holds_one_copy_of_the_model_and_the_weights() -> None:
     """A real coordinator's rounds (scripts/mem_coordinator.py: the demo's DiLoCo spec,
     intake of 2 submissions, the driver's close, the evaluator, a restart), in a fresh
