@@ -24,6 +24,7 @@ import pytest
 from covey.config import TrustConfig
 from covey.io import audit
 from covey.local.cluster import LocalCluster
+from covey.peer.client import CoordinatorClient
 from covey.peer.lease import Lease, LeaseLapsed
 from covey.trust import ledger
 from covey.trust.halt import EXIT_HALTED, HALT_PATH, halt_problem
@@ -237,6 +238,8 @@ def test_covey_halt_stops_every_worker_and_the_run_stays_auditable(
     refused = httpx.post(f"{url}{HALT_PATH}", json=signed, timeout=30, trust_env=False)
     assert refused.status_code == 403 and "not the owner key" in refused.json()["error"]
     assert cluster.status()["halted"] is None
+    peer_view = CoordinatorClient(url)  # what a validator waiting on evidence asks
+    assert peer_view.halted(timeout_s=5) is None
 
     owner = covey(
         "halt", "--coordinator", url, "--key", str(coordinator_key), "--reason", REASON,
@@ -245,6 +248,8 @@ def test_covey_halt_stops_every_worker_and_the_run_stays_auditable(
     assert owner.returncode == 0, owner.stderr
     assert "HALTED" in owner.stdout and REASON in owner.stdout
     halted_at = time.monotonic()
+    assert REASON in (peer_view.halted(timeout_s=5) or ""), "a peer reads the HALT in one GET"
+    assert CoordinatorClient("http://127.0.0.1:9").halted(timeout_s=1) is None  # no answer
 
     # every worker learns it from its heartbeat or /v1/round, and exits on its own
     for name in WORKERS:

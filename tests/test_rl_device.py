@@ -58,10 +58,16 @@ canary_rate = 0.0
 
 def test_default_run_id_is_unchanged_and_the_class_is_hashed_when_set() -> None:
     cfg, policy0, key = {"vocab_size": 256}, "a" * 64, "b" * 64
-    # computed with the spec before verify_device existed (commit df396d2)
-    assert run_id_of(RLSpec(), cfg, policy0, key) == "5e3274c9f2c67c92"
-    assert run_id_of(RLSpec(group_size=4), cfg, policy0, key) == "e4e1987e09fcad09"
-    assert run_id_of(RLSpec(verify_device="cuda"), cfg, policy0, key) != "5e3274c9f2c67c92"
+    # computed with the spec before verify_device existed (commit df396d2), whose
+    # canary_rate default was 0.05 (house canaries made it 0.5: a new default, a new id)
+    before = RLSpec(canary_rate=0.05)
+    assert run_id_of(before, cfg, policy0, key) == "5e3274c9f2c67c92"
+    assert run_id_of(RLSpec(group_size=4, canary_rate=0.05), cfg, policy0, key) == (
+        "e4e1987e09fcad09"
+    )
+    assert run_id_of(RLSpec(), cfg, policy0, key) != "5e3274c9f2c67c92"
+    cuda = RLSpec(verify_device="cuda", canary_rate=0.05)
+    assert run_id_of(cuda, cfg, policy0, key) != "5e3274c9f2c67c92"
     old = RLSpec().model_dump(mode="json")
     del old["verify_device"], old["verify_precision"]
     assert RLSpec.model_validate(old) == RLSpec()  # a stored spec of an older run loads

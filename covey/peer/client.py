@@ -82,6 +82,18 @@ class CoordinatorClient:
         extra = {"timeout": timeout_s} if timeout_s is not None else {}
         return self._patient("POST", path, body=body, round=round, **extra)
 
+    def halted(self, timeout_s: float) -> str | None:
+        """The owner's HALT as the coordinator's `/v1/host` shows it ("... at round N:
+        reason"), in one attempt; None while the run goes on or when no answer came."""
+        try:
+            resp = self._http.get("/v1/host", timeout=timeout_s)
+            h = resp.json().get("halted") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if not isinstance(h, dict):
+            return None
+        return f"halted by its owner at round {h.get('round')}: {h.get('reason')}"
+
     def post_once(
         self, path: str, body: dict[str, Any], timeout_s: float, round: int | None = NO_ROUND
     ) -> Any:

@@ -441,6 +441,8 @@ class Validator:
             except BlobError as e:
                 if self.stop.is_set():  # this validator stops: it attests nothing
                     raise Stopping(f"stopped while fetching evidence {cid[:12]}") from None
+                if (halted := self.client.halted(timeout_s=2.0)) is not None:
+                    raise PeerRejected(410, halted) from None  # the worker stopped with it
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Undelivered(
