@@ -115,9 +115,8 @@ class Validator:
         log.info("[%s %s] validating run %s", self.name, self.validator_id[:8], self.run_id)
 
     def run(self) -> int:
-        """Claim and check tasks until a signal or max_tasks. 0 on a clean stop, 1 when
-        the coordinator is lost or refuses this validator, EXIT_HALTED (3, as a worker)
-        when the run owner halted the run (a claim or the join is answered 410)."""
+        """Claim and check tasks until a signal or max_tasks. 0 on a clean stop, 1 when the
+        coordinator is lost or refuses this validator, EXIT_HALTED (3) once the run is halted."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._setup()
@@ -433,8 +432,8 @@ class Validator:
     ) -> Path:
         """One evidence blob from `providers` into `store`, asked again until `deadline`
         (time.monotonic()); Undelivered when it has not come by then, Stopping when this
-        validator stops first (a stopping validator attests nothing). A transfer under way
-        at the deadline is let finish (the blob client's own timeouts bound it)."""
+        validator stops first (it attests nothing), PeerRejected(410) when the run is halted.
+        A transfer under way at the deadline finishes (the blob client's timeouts bound it)."""
         while True:
             try:
                 return self.blobs.fetch_into(store, cid, providers, size=size)
@@ -442,7 +441,7 @@ class Validator:
                 if self.stop.is_set():  # this validator stops: it attests nothing
                     raise Stopping(f"stopped while fetching evidence {cid[:12]}") from None
                 if (halted := self.client.halted(timeout_s=2.0)) is not None:
-                    raise PeerRejected(410, halted) from None  # the worker stopped with it
+                    raise PeerRejected(410, halted) from None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Undelivered(
