@@ -73,6 +73,50 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def nano_diloco_spec(
+    name: str,
+    *,
+    seed: int = 3,
+    deadline_min_s: int = 3,
+    eval_batches: int = 1,
+    checkpoint_every: int = 1000,
+) -> str:
+    """The run spec of the scale-out tests: DiLoCo on the nano GPT, short rounds."""
+    return f"""
+name = "{name}"
+seed = {seed}
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 64
+[algorithm]
+method = "diloco"
+inner_steps = 4
+outer_momentum = 0.5
+[rounds]
+target_compute_s = 30
+deadline_min_s = {deadline_min_s}
+deadline_max_s = 60
+eval_batches = {eval_batches}
+checkpoint_every = {checkpoint_every}
+"""
+
+
+def stop_all(procs: dict[object, subprocess.Popen[bytes]] | list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process still running, wait up to 20 s for each, SIGKILL the rest."""
+    ps = list(procs.values()) if isinstance(procs, dict) else list(procs)
+    for p in ps:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in ps:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(20)
+
+
 class S3Server:
     """moto's S3-compatible server as its own process on 127.0.0.1; `env` is what a
     client needs (AWS_ENDPOINT_URL and made-up credentials); `bucket()` creates one."""

@@ -21,7 +21,7 @@ import pytest
 from covey.coordinator.db import Database
 from covey.coordinator.lease import leader
 from tests.rl_helpers import ROOT, SPEC
-from tests.services import Postgres, S3Server, free_port
+from tests.services import Postgres, S3Server, free_port, stop_all
 
 TINY = {"n_layer": 2, "n_embd": 16, "n_head": 2, "seq_len": 8}
 
@@ -97,12 +97,5 @@ def test_a_mode_replica_relays_to_the_leader_and_takes_over(
         assert after["run_id"] == run["run_id"]
         assert procs[second].poll() is None
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         lease_db.close()

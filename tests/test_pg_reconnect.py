@@ -15,7 +15,7 @@ import pytest
 
 from covey.coordinator.db import Database
 from covey.coordinator.pg import DatabaseUnavailable
-from tests.services import Postgres
+from tests.services import Postgres, nano_diloco_spec
 
 
 def test_a_restarted_server_is_reconnected_and_a_write_while_down_is_refused(
@@ -74,25 +74,7 @@ def test_a_backend_killed_mid_transaction_rolls_it_back_and_the_next_one_writes(
         admin.close()
 
 
-SPEC = """
-name = "test-pg-reconnect"
-seed = 5
-[model]
-size = "nano"
-[data]
-batch_size = 4
-seq_len = 64
-[algorithm]
-method = "diloco"
-inner_steps = 4
-outer_momentum = 0.5
-[rounds]
-target_compute_s = 30
-deadline_min_s = 3
-deadline_max_s = 60
-eval_batches = 1
-checkpoint_every = 1000
-"""
+SPEC = nano_diloco_spec("test-pg-reconnect", seed=5)
 
 
 @pytest.mark.network

@@ -18,7 +18,7 @@ import pytest
 
 from covey.coordinator.db import Database
 from covey.coordinator.lease import DRIVER, Lease, LeaseLost, leader
-from tests.services import FailoverProxy, Postgres, S3Server, free_port
+from tests.services import FailoverProxy, Postgres, S3Server, free_port, nano_diloco_spec, stop_all
 
 
 def test_one_holder_at_a_time_and_takeover_after_expiry(postgres: Postgres, tmp_path: Path) -> None:
@@ -65,25 +65,7 @@ def test_the_keeper_gives_up_when_another_holds_it(postgres: Postgres) -> None:
     stop.set()
 
 
-SPEC = """
-name = "test-replicas"
-seed = 3
-[model]
-size = "nano"
-[data]
-batch_size = 4
-seq_len = 64
-[algorithm]
-method = "diloco"
-inner_steps = 4
-outer_momentum = 0.5
-[rounds]
-target_compute_s = 30
-deadline_min_s = 3
-deadline_max_s = 60
-eval_batches = 1
-checkpoint_every = 1000
-"""
+SPEC = nano_diloco_spec("test-replicas")
 KILLS = 20  # leaders SIGKILLed in one run
 
 
@@ -165,14 +147,7 @@ def test_leaders_killed_again_and_again_lose_and_double_no_round(
         assert verify.returncode == 0, verify.stdout + verify.stderr
     finally:
         cluster.stop()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         proxy.close()
         lease_db.close()
     print(f"takeovers (s): {[round(t, 1) for t in takeovers]}")
@@ -287,14 +262,7 @@ def test_a_worker_that_talks_only_to_a_follower_trains_with_the_leader(
         assert refused.status_code == 422, refused.text
     finally:
         cluster.stop()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         lead.close()
         follow.close()
         lease_db.close()

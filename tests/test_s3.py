@@ -18,7 +18,7 @@ from covey.blobs import BlobClient, BlobError, S3BlobStore, open_store
 from covey.blobs.s3 import parse_url
 from covey.local.cluster import LocalCluster
 from covey.protocol.content import content_id
-from tests.services import Postgres, S3Server
+from tests.services import Postgres, S3Server, nano_diloco_spec
 
 
 @pytest.fixture
@@ -117,25 +117,7 @@ def test_a_presigned_url_serves_ranges_to_a_redirected_client(
         httpd.server_close()
 
 
-SPEC = """
-name = "test-s3"
-seed = 3
-[model]
-size = "nano"
-[data]
-batch_size = 4
-seq_len = 64
-[algorithm]
-method = "diloco"
-inner_steps = 4
-outer_momentum = 0.5
-[rounds]
-target_compute_s = 30
-deadline_min_s = 4
-deadline_max_s = 60
-eval_batches = 2
-checkpoint_every = 2
-"""
+SPEC = nano_diloco_spec("test-s3", deadline_min_s=4, eval_batches=2, checkpoint_every=2)
 
 
 @pytest.mark.network
