@@ -63,6 +63,7 @@ from covey.trust.shard_evidence import read_inputs
 from .accounts import Accounts
 from .db import Database
 from .model import RunModel
+from .shard_audit import LateChecks
 from .shard_routes import shard_router
 from .sharding import ShardBoard, ShardError
 from .views import OpenRound
@@ -160,6 +161,7 @@ class ShardedAggregation:
             check_rate=self.trust.shard_check_rate,
             publish_timeout_s=self.trust.shard_publish_timeout_s,
         )
+        self.late = LateChecks(self.board, accounts, lambda r, s: self.compute(r, s)[2])
         self.router = shard_router(
             self.board,
             waiting_round=lambda: None if (p := self.pending) is None else p.rnd.round,
@@ -182,10 +184,11 @@ class ShardedAggregation:
         momentum, hash). Reads only the shard's byte ranges of each contribution."""
         inputs = self.board.inputs(round_)
         cid = inputs["start_cid"]
-        if self._start is None or self._start[0] != cid:
+        start_state = self._start  # one read: the late check's thread computes too
+        if start_state is None or start_state[0] != cid:
             state = state_from_file(self.blobs.path(cid), self.template)
-            self._start = (cid, *flat_state(state, self.names))
-        _, params, momentum = self._start
+            start_state = self._start = (cid, *flat_state(state, self.names))
+        _, params, momentum = start_state
         start, end = self.plan.span(shard)
         codec = self.strategy.codec
         slices = [
@@ -280,6 +283,8 @@ class ShardedAggregation:
         above = self.trust.sharded_above_peers
         if not above or len(rows) < above:
             return False
+        if not self.late.wait():  # a liar of the last round is banned before this draw
+            log.warning("[round %d] the last round's late check is still running", rnd.round)
         pool = self.aggregators(time.time())
         if not pool:
             log.warning("[round %d] %d contributions but no staked aggregators: the "
@@ -340,6 +345,7 @@ class ShardedAggregation:
         self.pending = None
         log.info("[round %d] shards certified after %.1f s", r, now - p.began)
         self.commit(p.rnd, p.reason, (p.rows, state))
+        self.late.start(r)  # every certified shard recomputed, off the critical path
 
     def _overdue(self, r: int) -> None:
         """Past the round's sharding deadline: aggregate every unpublished shard here, and

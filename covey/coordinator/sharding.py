@@ -92,6 +92,7 @@ class ShardRound:
     agreed: set[int] = field(default_factory=set)
     frauds: list[dict[str, Any]] = field(default_factory=list)
     new_hash: str | None = None  # the assembled state's digest, once the driver has it
+    late: dict[str, Any] = field(default_factory=lambda: {"status": "not started"})
 
     def current(self, shard: int) -> str | None:
         order, k = self.orders[shard], self.turn[shard]
@@ -269,6 +270,9 @@ class ShardBoard:
             if value == pub["hash"]:
                 rnd.agreed.add(shard)
                 pub["providers"].append(str(body.get("url", "")))
+                # the checker's signed word: should a late check prove the shard wrong,
+                # it pays for having agreed (covey.coordinator.shard_audit)
+                pub.setdefault("checks", []).append(dict(body))
                 return {"ok": True, "outcome": "agree"}
         # recomputation can take a while: outside the lock, then decided under it
         try:
@@ -316,6 +320,25 @@ class ShardBoard:
                 "providers": [url] if url else [],
             }
             rnd.agreed.add(shard)
+
+    def certified(self, round: int) -> list[tuple[int, dict[str, Any]]]:
+        """(shard, a copy of what was published) of each shard an aggregator published
+        (with its signed publish and the signed checks that agreed with it): what a late
+        check recomputes (covey.coordinator.shard_audit). The coordinator's own are left
+        out."""
+        with self._lock:
+            rnd = self._get(round)
+            return [
+                (s, {**pub, "checks": list(pub.get("checks", []))})
+                for s, pub in sorted(rnd.published.items())
+                if "signed" in pub
+            ]
+
+    def set_late(self, round: int, **status: Any) -> None:
+        """Record where round `round`'s late check stands (shown on its board)."""
+        with self._lock:
+            if round in self._rounds:
+                self._rounds[round].late = {**self._rounds[round].late, **status}
 
     def unfinished(self, round: int) -> tuple[list[int], list[int]]:
         """(shards not published, shards published but drawn for a check that has not
@@ -409,6 +432,7 @@ class ShardBoard:
                 "shards": shards,
                 "inputs": rnd.inputs,
                 "frauds": list(rnd.frauds),
+                "late_check": dict(rnd.late),
                 "certificate": self._certificate(rnd),
             }
 

@@ -13,8 +13,11 @@ slightly wrong shard, by `mode`:
 - None: honest (a test picks its liar after the board opens).
 
 Only what it publishes is wrong: its checks of others' shards are honest, so the referee
-convicts it for its own lies and nothing else. The honest aggregator imports nothing of
-this (tests/test_layers.py).
+convicts it for its own lies and nothing else -- unless `agree_blindly` is set: then, as
+a lazy or colluding checker, it reports every shard it is drawn to check with the hash
+its aggregator published (what a late check makes it pay for,
+covey.coordinator.shard_audit). The honest aggregator imports nothing of this
+(tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -55,8 +58,11 @@ def nudged(params: torch.Tensor, seed: int) -> torch.Tensor:
 class LyingAggregator(ShardAggregator):
     """A `ShardAggregator` that publishes wrong shards while `mode` is set (see the module)."""
 
-    def __init__(self, *args: Any, mode: str | None = None, **kw: Any) -> None:
+    def __init__(
+        self, *args: Any, mode: str | None = None, agree_blindly: bool = False, **kw: Any
+    ) -> None:
         super().__init__(*args, **kw)
+        self.agree_blindly = agree_blindly
         if mode is not None and mode not in MODES:
             raise ValueError(f"lying aggregator mode {mode!r} must be one of {MODES}")
         self.mode = mode
@@ -82,6 +88,9 @@ class LyingAggregator(ShardAggregator):
     ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
         honest = super().compute(board, index, start_state)
         me = board["shards"][index].get("aggregator") == self.identity.peer_id
+        published = board["shards"][index].get("published")
+        if self.agree_blindly and not me and published:  # a check: say what was published
+            return honest[0], honest[1], published["hash"]
         if self.mode is None or (self._publishing and not me):
             return honest  # a check of another's shard: honest
         reads = self.last_reads  # what it signs it read: the true ranges

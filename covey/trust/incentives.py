@@ -378,6 +378,11 @@ class Book(Draws, Convictions, Withholding, Treasury):
             )
         if p.get("withheld") is True:  # its drawn validators attested its evidence withheld
             self._slash_withheld(i, p)
+        evidence = p.get("evidence")
+        if isinstance(evidence, dict) and evidence.get("kind") == "shard":
+            # an aggregator's wrong shard (covey.trust.shard_evidence checks the evidence):
+            # its round's item is convicted, so a checker that agreed with it missed fraud
+            self._convict(p["round"], acc.peer_id)
         acc.stake -= amount
         acc.slashed += amount
         acc.banned = True

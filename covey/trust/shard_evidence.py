@@ -150,7 +150,48 @@ def check_slashes(entries: Sequence[Entry]) -> tuple[list[ShardVerdict], list[in
             verdicts.append(v)
             if later:
                 pending.append(e.index)
+    wrong = {(v.round, v.aggregator, v.shard, v.published) for v in verdicts}
+    for e in entries:
+        if e.type == "verification" and roles.get(e.payload["peer_id"]) == "validator":
+            _check_agreement(e, run_id, keys, wrong)
     return verdicts, pending
+
+
+def check_purpose(round: int) -> str:
+    """The purpose a drawn checker signs its check of a round's shard with."""
+    return request_purpose(f"/v1/shards/{round}/check")
+
+
+def _check_agreement(
+    e: Entry, run_id: str, keys: dict[str, str], wrong: set[tuple[int, str, int, str]]
+) -> None:
+    """A "verification" of an aggregator's item (a late check's missed fraud,
+    covey.coordinator.shard_audit) stands only on the checker's own signed check agreeing
+    with a hash that a slash of that aggregator in that round proves wrong; LedgerError
+    naming it otherwise (nobody is written as having agreed with a lie it did not sign)."""
+    p, i = e.payload, e.index
+    who, checker, round_ = p["peer_id"], p["validator_id"], p["round"]
+
+    def fail(why: str) -> LedgerError:
+        return LedgerError(
+            i, f"verification of aggregator {who} by {checker} (round {round_}): {why}"
+        )
+
+    body = p.get("shard_check")
+    if p.get("outcome") != "agree" or not isinstance(body, dict):
+        raise fail("an aggregator's item is checked only by a signed shard check that agreed")
+    if body.get("peer_id") != checker or body.get("run_id") != run_id:
+        raise fail("the shard check it cites is not the checker's own in this run")
+    signature = body.get("signature")
+    message = request_message(body, round_, check_purpose(round_))
+    if not isinstance(signature, str) or not verify(keys.get(checker, ""), message, signature):
+        raise fail(f"the shard check it cites is not signed by {checker}")
+    shard, value = body.get("index"), body.get("hash")
+    if not isinstance(shard, int) or not isinstance(value, str):
+        raise fail("the shard check it cites names no shard index and hash")
+    if (round_, who, shard, value) not in wrong:
+        raise fail(f"no slash of {who} proves the hash {value[:16]} it agreed with for "
+                   f"shard {shard} wrong")  # fmt: skip
 
 
 def _check(
