@@ -12,10 +12,12 @@ shard by shard); the bytes that worker downloads; the aggregators' bytes read.
 
 With `--liar drop|noise`, only the sharded path runs, `--trials` rounds per peer count, each
 a fresh run (fresh keys, so a fresh beacon draw), one of the three aggregators a liar
-(covey.peer.cheater_aggregator). Per round: whether the liar was caught (slashed by the
-drawn checker's referee), how many of its first-turn shards the draw checked, how many of
-its shards the certificate still holds (its lies in the model, when it was not caught), and
-whether the certified state is the unsharded `apply_round`'s (a model kept clean).
+(covey.peer.cheater_aggregator). Per round: whether the liar was caught, in the round (slashed
+by the drawn checker's referee) or by the late check after the certificate (every certified
+shard recomputed, covey.coordinator.shard_audit), how many of its first-turn shards the draw
+checked, how many of its shards the certificate holds (its lies in the model: caught late,
+they stay there), whether the certified state is the unsharded `apply_round`'s (a model kept
+clean), and the seconds the late check took (its cost: one unsharded aggregation).
 
     covey bench shards --peers 4 --liar drop --trials 20 --json liars.json
 """
@@ -281,9 +283,16 @@ def _caught(
     """What one round did to the liar (aggs[0]) and to the model (see the module)."""
     liar = aggs[0]
     me = liar.identity.peer_id
-    board = http.get("/v1/shards/0").json()
-    final = board["certificate"]
+    board = until(  # the late check runs after the commit: its verdict is part of the round
+        "the late check",
+        lambda: (
+            (b := http.get("/v1/shards/0").json()).get("late_check", {}).get("status") == "done"
+            and b
+        ),
+    )
+    final, late = board["certificate"], board["late_check"]
     banned = http.get("/v1/ledger/balances").json()["accounts"][me]["banned"]
+    late_liar = any(c["aggregator"] == me for c in late["convicted"])
     # the draw, recomputed from the board's public beacon: the liar's first-turn shards
     # and which of them were drawn for a check
     beacon = board.get("beacon")  # the board is kept a few rounds after its commit
@@ -301,6 +310,9 @@ def _caught(
         "liar": getattr(liar, "mode", None),
         "lies": getattr(liar, "lies", 0),
         "caught": bool(banned),
+        "caught_in_round": bool(banned) and not late_liar,
+        "caught_late": late_liar,
+        "late_check_s": late["seconds"],
         "liar_shards_drawn_for_check": drawn,
         "liar_shards_certified": sum(s["aggregator"] == me for s in final["shards"]),
         "model_clean": cert["new_hash"] == clean,
@@ -335,6 +347,10 @@ def run_shards_bench(
             "rounds": len(mine),
             "caught": sum(r["caught"] for r in mine),
             "caught_per_round": round(sum(r["caught"] for r in mine) / len(mine), 3),
+            "caught_in_round": sum(r["caught_in_round"] for r in mine),
+            "caught_late": sum(r["caught_late"] for r in mine),
+            "late_check_s_mean": round(sum(r["late_check_s"] for r in mine) / len(mine), 3),
+            "certificate_s_mean": round(sum(r["certificate_s"] for r in mine) / len(mine), 3),
             "rounds_with_lies_in_model": sum(not r["model_clean"] for r in mine),
             "lies_published": sum(r["lies"] for r in mine),
         }
