@@ -33,7 +33,8 @@ def register(bench_app: Any) -> None:
         127.0.0.1: seconds to the certificate and to a worker holding the new state, bytes a
         worker downloads, bytes the aggregators read: where the two paths cross over. With
         --liar, sharded rounds with one lying aggregator of three: how often it is caught
-        per round, and the rounds whose certified state holds its lies."""
+        per round, in the round or by the late check after it, and the rounds whose
+        certified state holds its lies."""
         bench_say(log_json, "shards")
         try:
             counts = [int(x) for x in peers.split(",") if x.strip()]

@@ -14,7 +14,9 @@ sharding) from a beacon over the closed input set, and every tick `advance` move
   new shards (O(model) bytes, never O(peers x model)), checks each against its signed
   hash, assembles the state, binds its digest into the shard certificate (stored in the
   database as meta `shards/<round>`) and commits the round with the ordinary certificate,
-  whose `new_hash` is that digest: bit-identical to the unsharded `apply_round`.
+  whose `new_hash` is that digest: bit-identical to the unsharded `apply_round`;
+- after the commit, the round's late check (covey.coordinator.shard_audit) recomputes every
+  certified shard in a thread; the next round's `begin` waits for it before it draws.
 
 Crash safety: nothing of a sharded round is durable before its commit; a coordinator
 killed while one is open reopens the round on restart (its contributions are stored), it

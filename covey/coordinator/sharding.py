@@ -12,7 +12,9 @@ differs is fraud -- the aggregator is slashed (a "slash" ledger entry, which ban
 the shard passes to the next aggregator, so the round is not lost; a checker that was
 wrong changes nothing. Once every shard holds a published hash and every drawn check
 agreed, the coordinator signs the shard certificate; peers fetch the shards from the
-aggregators and compare each hash with it (covey.peer.aggregator).
+aggregators and compare each hash with it (covey.peer.aggregator). After the commit,
+every certified shard is recomputed once more (covey.coordinator.shard_audit): a wrong one
+convicts its aggregator late, and each checker that agreed with it pays missed fraud.
 
 The draws (`assign_shards`, `drawn_for_check`) are pure functions of public values, so
 anyone recomputes them. The round driver's use of the board (open at close, commit on

@@ -21,6 +21,8 @@ The payload of each entry type is the contract between the coordinator and covey
 - "verification": {round, peer_id, validator_id, outcome: "agree"|"disagree"|"expired",
   distance: float|null, exact: bool}; "expired" names the validator that held the check
   and did not report in time (a missed check: it counts against it), or "" (older runs);
+  a "verification" of a shard aggregator's item carries `shard_check`, the checker's signed
+  check that agreed with a shard a slash proves wrong (covey.trust.shard_evidence);
   "withheld" carries `attestation`, the validator's signed report that the worker's
   providers did not deliver the evidence its check needs (covey.trust.withholding): not a
   completed check, and another validator is drawn

@@ -15,6 +15,9 @@ put neither in its mouth; the board must be the round's certified inputs (each a
 "contribution accepted" entry, by peer id, weighted by its tokens: the set the round
 certificate names) from the state the previous certificate names, or the coordinator
 misled the aggregator and the slash is void; and the published hash is not the referee's.
+A "verification" of an aggregator (a late check's missed fraud, covey.coordinator.
+shard_audit) must carry `shard_check`, the checker's own signed check of that round and
+shard, agreeing with a hash that a slash of that aggregator in that round proves wrong.
 `recompute` (`covey ledger verify --recompute`) then rebuilds the run's model from its
 spec, checks the board's span, size and norms against it and the blobs, fetches the start
 state (round 0's must be the spec's seeded weights, unless the spec warm-starts) and the
