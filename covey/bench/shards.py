@@ -291,7 +291,9 @@ def _caught(
         ),
     )
     final, late = board["certificate"], board["late_check"]
-    banned = http.get("/v1/ledger/balances").json()["accounts"][me]["banned"]
+    accounts = http.get("/v1/ledger/balances").json()["accounts"]
+    banned = accounts[me]["banned"]
+    honest_banned = sum(accounts[a.identity.peer_id]["banned"] for a in aggs[1:])
     late_liar = any(c["aggregator"] == me for c in late["convicted"])
     # the draw, recomputed from the board's public beacon: the liar's first-turn shards
     # and which of them were drawn for a check
@@ -313,6 +315,7 @@ def _caught(
         "caught_in_round": bool(banned) and not late_liar,
         "caught_late": late_liar,
         "late_check_s": late["seconds"],
+        "honest_banned": honest_banned,
         "liar_shards_drawn_for_check": drawn,
         "liar_shards_certified": sum(s["aggregator"] == me for s in final["shards"]),
         "model_clean": cert["new_hash"] == clean,
@@ -349,6 +352,7 @@ def run_shards_bench(
             "caught_per_round": round(sum(r["caught"] for r in mine) / len(mine), 3),
             "caught_in_round": sum(r["caught_in_round"] for r in mine),
             "caught_late": sum(r["caught_late"] for r in mine),
+            "honest_banned": sum(r["honest_banned"] for r in mine),
             "late_check_s_mean": round(sum(r["late_check_s"] for r in mine) / len(mine), 3),
             "certificate_s_mean": round(sum(r["certificate_s"] for r in mine) / len(mine), 3),
             "rounds_with_lies_in_model": sum(not r["model_clean"] for r in mine),
