@@ -17,16 +17,31 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from covey.coordinator.accounts import Accounts
+from covey.coordinator.checks import Checks
+from covey.serve.canaries import ServeCanaries
 from covey.serve.checks import AnswerVerdict
+from covey.serve.config import ServeConfig
 
-if TYPE_CHECKING:
-    from covey.serve.service import ServeCoordinator
+
+class Server(Protocol):
+    """What of covey.serve.service.ServeCoordinator the entries need."""
+
+    cfg: ServeConfig
+    accounts: Accounts
+    checks: Checks
+    canaries: ServeCanaries
+
+    def accept(
+        self, c: Any, answer: int, worker: str, cid: str, tokens: int, rate: float, draw: str,
+        now: float,
+    ) -> None: ...  # fmt: skip
 
 
 def write_verdict(
-    s: ServeCoordinator,
+    s: Server,
     c: sqlite3.Connection,
     row: sqlite3.Row,
     validator: str,
