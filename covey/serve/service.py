@@ -7,8 +7,10 @@ re-checks (covey.trust.certify.sample: the coordinator's signature over the answ
 worker cannot predict it, and anyone can recompute it from the ledger), at new_worker_rate
 while a worker is new or of low reputation and verify_rate after; validators' claims and
 reports; the referee (the server re-checks a rejection before anyone is slashed, so a
-lying validator cannot convict an honest worker); and the ledger entries
-(covey.trust.entry_schemas), round = the answer's number:
+lying validator cannot convict an honest worker); the house canaries (covey.serve.canaries:
+noted at intake, revealed with their verdict); and the ledger entries
+(covey.trust.entry_schemas; a report's are written by covey.serve.verdicts), round = the
+answer's number:
 
 - not drawn: contribution accepted -> reward (work, per token);
 - drawn and confirmed: verification (agree) -> contribution accepted -> reward (work) ->
@@ -16,7 +18,9 @@ lying validator cannot convict an honest worker); and the ledger entries
 - drawn and convicted: verification (disagree) -> contribution rejected -> dispute (fraud)
   -> slash (the book bans the worker: membership refuses it from then on) -> reward (catch);
 - a rejection the referee cannot reproduce: verification (disagree) -> dispute (validator
-  wrong) -> penalty -> the answer is accepted as above.
+  wrong) -> penalty -> the answer is accepted as above;
+- an agreement on a house canary (the referee re-checks every one): verification (agree)
+  -> house canary (convicted) -> contribution rejected -> penalty (missed fraud).
 """
 
 from __future__ import annotations
