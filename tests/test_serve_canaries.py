@@ -65,6 +65,50 @@ def test_house_requests_and_canary_draws_are_the_owners_secret() -> None:
     assert all(house_canary_draw(owner, run, i, worker, 0.0) is None for i in ids)
 
 
+def test_a_serving_reveal_verifies_only_with_the_draw_over_its_own_request(
+    tmp_path: Path,
+) -> None:
+    """The book (what `covey ledger verify` replays) takes a serving canary's reveal only
+    when its draw is the coordinator's signature over the request it names; the genuine
+    one convicts the answer, and the validator that agreed on it owes a missed fraud."""
+    from covey.serve.canaries import house_canary_draw
+    from covey.trust.house import house_identity, house_proof, house_request_id
+    from covey.trust.ledger import LedgerError
+    from tests.test_ledger import Run
+
+    run, run_id = Run(tmp_path), "r" * 16
+    house = house_identity(run.coord, run_id, 0)
+    run.add("join", peer_id=house.peer_id, public_key=house.public_key, name="h", role="worker")
+    run.add("stake", peer_id=house.peer_id, amount=10.0)
+    validator = run.join("v", "validator")
+    run.add("verification", round=7, peer_id=house.peer_id, validator_id=validator,
+            outcome="agree", distance=None, exact=True)  # fmt: skip
+    request = house_request_id(run.coord, run_id, "0123456789abcdef")
+    other = house_request_id(run.coord, run_id, "fedcba9876543210")
+    draw = house_canary_draw(run.coord, run_id, request, house.peer_id, 1.0)
+    assert draw is not None
+
+    def reveal(**change: object) -> None:
+        payload = dict(round=7, peer_id=house.peer_id, draw=draw, request=request,
+                       proof=house_proof(run.coord, run_id, house.peer_id),
+                       outcome="convicted", detail="sampling: 1 of 6 tokens")  # fmt: skip
+        run.add("house canary", **{**payload, **change})
+
+    with pytest.raises(LedgerError, match="draw is not the coordinator's signature"):
+        reveal(request=other)  # the draw of one request shown for another
+    with pytest.raises(LedgerError, match="draw is not the coordinator's signature"):
+        reveal(request=None)  # nor over the answer's number
+    with pytest.raises(LedgerError, match="is not a request id"):
+        reveal(request="zz" * 16)
+    with pytest.raises(LedgerError, match="proof is not the coordinator's signature"):
+        reveal(proof=house_proof(Identity.generate(), run_id, house.peer_id))
+    assert run.book.accounts[house.peer_id].banned is False
+    reveal()
+    assert run.book.accounts[house.peer_id].banned
+    assert run.book.missed_fraud_due(7, validator)
+    assert run.book.accounts[validator].canaries_passed == 1
+
+
 def test_a_canary_answer_is_well_formed_and_fails_the_check(model_dir: Path) -> None:
     from covey.rl.proofs import ProofThresholds, compare_proof
     from covey.rl.sampling import prefill
