@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import pytest
 
 from covey.config import TrustConfig
 from covey.trust.identity import Identity
-from tests.rl_helpers import wait_for
+from tests.rl_helpers import stop, wait_for
 from tests.serve_helpers import tiny_served_model
 from tests.test_serve import _job, _thread, in_process_server
 
@@ -214,3 +216,54 @@ def test_a_validator_that_agrees_without_checking_pays_for_a_house_canary(
                 t.join(20)
         audit = verify(url)  # house canary reveals, penalties and check pay replay
         assert audit.summary["accounts"][lazy.identity.peer_id]["slashed"] > 0
+
+
+def test_house_requests_bad_input_exits_2_naming_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "house.jsonl"
+    bad.write_text('{"prompt": "Once", "max_tokens": 6}\n{"max_tokens": 6}\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "covey", "serve", "server", "--data-dir", str(tmp_path / "s"),
+         "--house-requests", str(bad)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "house request on line 2" in done.stderr, done.stderr
+
+
+@pytest.mark.network
+@pytest.mark.long
+def test_house_canaries_with_real_processes(tmp_path: Path) -> None:
+    """`covey serve server --house-requests`, `covey serve worker --house-of` and a
+    validator as processes: the validator catches house canaries and passes none, the house
+    worker goes on under its next keys, `covey ledger verify` replays."""
+    from tests.serve_helpers import peer_process, server_process
+
+    model = tiny_served_model(tmp_path / "model")
+    house = tmp_path / "house.jsonl"
+    house.write_text("\n".join(json.dumps(b) for b in HOUSE) + "\n")
+    sets = ("new_worker_answers=1000", "max_tokens=6", "trust.canary_rate=0.5")
+    extra = ("--house-requests", str(house), "--house-every", "0.3")
+    with server_process(tmp_path, model, sets, extra) as (url, _):
+        key = ("--house-of", str(tmp_path / "server" / "coordinator.key"))
+        procs = [
+            peer_process(tmp_path, url, model, "worker", "house", extra=key),
+            peer_process(tmp_path, url, model, "validator", "v"),
+        ]
+        try:
+            http = httpx.Client(base_url=url, timeout=60)
+
+            def caught() -> bool:
+                http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 6})
+                return http.get("/v1/serve/status").json()["canaries"].get("caught", 0) >= 2
+
+            wait_for(caught, 240, "the validator to catch two house canaries")
+            status = http.get("/v1/serve/status").json()
+            assert status["canaries"].get("convicted", 0) == 0  # it never passed one
+            assert len(status["excluded"]) >= 2  # two house keys burned: it moved on
+            verified = subprocess.run(
+                [sys.executable, "-m", "covey", "ledger", "verify", url],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert verified.returncode == 0, verified.stdout + verified.stderr
+        finally:
+            for p in procs:
+                stop(p)
