@@ -6,14 +6,14 @@ It is the honest worker for every request but those the draw picks: a house requ
 (its id made with the coordinator's key, covey.trust.house.is_house_request) whose draw,
 the coordinator's signature over (run, request id, house key), falls below the run's
 `canary_rate` (covey.serve.canaries.house_canary_draw, which the server computes too). To
-those it answers with a bad answer that looks like any (`canary_answer`): the honest tokens
-with the first one replaced by the token the seeded draw ranks last, and an inference proof
-honestly made for those tokens. A user's request is never a house request, so no user
-gets a canary answer. Its key is house key N of the run (covey.trust.house.house_identity,
-derived from the coordinator's key, so it needs that key file: only the run owner runs
-house workers). Once a canary is revealed the key is banned, and the worker goes on under
-the next house key (a new join); after the last one (covey.trust.house.HOUSE_KEYS) it
-stops.
+those it answers with a bad answer that reads like any (`canary_answer`): a first token the
+seeded draw ranks just below the honest one, the rest generated from there, and an
+inference proof honestly made for those tokens. A user's request is never a house request,
+so no user gets a canary answer. Its key is house key N of the run
+(covey.trust.house.house_identity, derived from the coordinator's key, so it needs that key
+file: only the run owner runs house workers). Once a canary is revealed the key is banned,
+and the worker goes on under the next house key (a new join); after the last one
+(covey.trust.house.HOUSE_KEYS) it stops.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from covey.peer.client import PeerRejected
 from covey.rl.proofs import build_proof
-from covey.rl.sampling import gumbel_noise, prefill
+from covey.rl.sampling import generate_batch, gumbel_noise, prefill
 from covey.serve.canaries import house_canary_draw
+from covey.serve.checks import segment_seed
 from covey.serve.model import sampler
 from covey.serve.wire import Job
 from covey.serve.worker import ServeWorker
@@ -37,25 +37,32 @@ from covey.trust.house import HOUSE_KEYS, house_identity
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.serve.worker")
+MIN_GAP = 0.05  # a canary's first token scores at least this far below the seeded draw's
 
 
 @torch.no_grad()
 def canary_answer(model: torch.nn.Module, job: Job) -> tuple[list[int], bytes]:
-    """A bad answer to `job` of an honest answer's shape: its first token replaced by the
-    one with the lowest seeded score (so the sampling check fails at position 0 by a wide
-    gap), the rest kept, and the proof of the hidden states of exactly these tokens (so
-    the proof itself is sound). Streamed jobs get no progress: the answer carries all."""
-    honest = SimpleNamespace(model=model, progress=lambda *_: None)
-    tokens, _ = ServeWorker.answer(honest, job)  # type: ignore[arg-type]
+    """A bad answer to `job` that reads like an honest one: its first token is the one the
+    seeded draw ranks next after the honest one (the most likely other token, by a gap of
+    at least MIN_GAP, so the sampling check fails at position 0), the rest generated from
+    it as an honest worker would (with other noise), and the proof of the hidden states of
+    exactly these tokens (so the proof itself is sound). Streamed jobs get no progress: the
+    answer carries all."""
     lm = sampler(model, job.top_p, job.temperature)
     prompt = list(job.prompt_ids)
     logits, _ = prefill(lm, [prompt])[0]
     scores = logits[-1].float() / job.temperature
     scores = scores + gumbel_noise(job.seed, 0, scores.shape[-1]).to(scores.device)
-    worst = next(int(t) for t in torch.argsort(scores) if int(t) != job.eos_id)
-    bad = [worst, *tokens[1:]]
-    if tokens == [job.eos_id] and job.max_tokens > 1:  # it ended at once: end after one
-        bad = [worst, tokens[0]]
+    order = [int(t) for t in torch.argsort(scores, descending=True)]
+    best = float(scores[order[0]])
+    others = [t for t in order[1:] if t != job.eos_id]
+    first = next((t for t in others if best - float(scores[t]) >= MIN_GAP), others[-1])
+    bad = [first]
+    if job.max_tokens > 1 and first != job.eos_id:
+        seed = segment_seed(job.seed, 1 << 20)  # noise of its own, for the positions after
+        gen = generate_batch(lm, [prompt + bad], job.max_tokens - 1, job.temperature, [seed],
+                             job.eos_id)[0]  # fmt: skip
+        bad += gen.tokens
     _, hidden = prefill(lm, [prompt + bad])[0]
     return bad, build_proof(hidden[len(prompt) :])
 
