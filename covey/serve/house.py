@@ -101,7 +101,7 @@ class HouseServeWorker(ServeWorker):
 
     def refused(self, e: PeerRejected) -> None:
         """Its key was burned by a reveal (403 naming it): go on under the next house key."""
-        if e.status != 403:
+        if e.status != 403 or "excluded" not in e.message:
             return super().refused(e)
         with self._switch:
             if self.identity.peer_id[:12] not in e.message:  # another slot moved on already
