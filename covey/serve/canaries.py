@@ -111,6 +111,16 @@ class ServeCanaries:
             (answer,),
         ).fetchone()
 
+    def is_canary(self, answer: int) -> bool:
+        """Whether `answer` is an unrevealed canary (read outside a transaction)."""
+        return (
+            self.db.one(
+                "SELECT 1 FROM serve_house_canaries WHERE answer_id = ? AND status = 'planted'",
+                (answer,),
+            )
+            is not None
+        )
+
     def reveal(
         self,
         c: sqlite3.Connection,

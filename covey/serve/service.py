@@ -342,10 +342,8 @@ class ServeCoordinator:
         row = self.db.one("SELECT * FROM serve_answers WHERE id = ?", (answer,))
         if row is None or row["status"] != "claimed" or row["validator_id"] != validator:
             raise Rejected(409, f"validator {validator[:12]} holds no claim on answer {answer}")
-        with self.db.transaction() as c:
-            canary = self.canaries.of_answer(c, answer)
         verdict = None
-        if not ok or canary is not None:
+        if not ok or self.canaries.is_canary(answer):
             tokens, proof = json.loads(row["tokens"]), bytes.fromhex(row["proof"])
             verdict = self.judge(json.loads(row["job"]), tokens, proof)
         now = time.time()
