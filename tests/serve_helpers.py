@@ -50,11 +50,12 @@ def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
 
 @contextlib.contextmanager
 def server_process(
-    tmp: Path, model: Path, sets: tuple[str, ...] = ()
+    tmp: Path, model: Path, sets: tuple[str, ...] = (), extra: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`covey serve server` on a free port; `sets`: --set values, `extra`: more options."""
     port = free_port()
     cmd = ["serve", "server", "--data-dir", str(tmp / "server"), "--model", str(model)]
-    cmd += ["--port", str(port)]
+    cmd += ["--port", str(port), *extra]
     for s in sets:
         cmd += ["--set", s]
     log = tmp / "server.log"
@@ -76,9 +77,15 @@ def server_process(
 
 
 def peer_process(
-    tmp: Path, url: str, model: Path, role: str, name: str, behavior: str = "honest"
+    tmp: Path,
+    url: str,
+    model: Path,
+    role: str,
+    name: str,
+    behavior: str = "honest",
+    extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
-    cmd = ["serve", role, "--server", url, "--model", str(model), "--name", name]
+    cmd = ["serve", role, "--server", url, "--model", str(model), "--name", name, *extra]
     if role == "worker":
         cmd += ["--behavior", behavior]
     return start(cmd, tmp / f"{name}.log")

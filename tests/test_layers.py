@@ -24,6 +24,7 @@ ADVERSARY = {
     "covey.rl.cheater",
     "covey.rl.sampling_cheats",
     "covey.serve.cheater",
+    "covey.serve.house",
 }
 STARTERS = (
     "covey.__main__",

@@ -35,7 +35,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def in_process_server(data_dir: Path, model: Path, **cfg: Any) -> Iterator[tuple[str, Any]]:
+def in_process_server(
+    data_dir: Path,
+    model: Path,
+    house: list[dict[str, Any]] | None = None,
+    house_every_s: float = 10.0,
+    **cfg: Any,
+) -> Iterator[tuple[str, Any]]:
+    """A server on uvicorn in a thread; `house`, `house_every_s`: its house requests
+    (covey.serve.app.create_app)."""
     import uvicorn
 
     from covey.serve.app import create_app
@@ -44,7 +52,9 @@ def in_process_server(data_dir: Path, model: Path, **cfg: Any) -> Iterator[tuple
     port = free_port()
     s = ServeCoordinator(ServeConfig(**cfg), data_dir, str(model))
     server = uvicorn.Server(
-        uvicorn.Config(create_app(s), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(
+            create_app(s, house, house_every_s), host="127.0.0.1", port=port, log_level="warning"
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

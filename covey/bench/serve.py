@@ -171,7 +171,7 @@ def checks(model: Any, tok: Any, prompts: list[str], max_tokens: int) -> dict[st
         )
         for i, p in enumerate(prompts)
     ]
-    from covey.rl.canaries import scramble_proof
+    from covey.serve.house import canary_answer
 
     gen_s = check_s = 0.0
     honest_rejected = canaries_rejected = 0
@@ -192,9 +192,9 @@ def checks(model: Any, tok: Any, prompts: list[str], max_tokens: int) -> dict[st
         t = time.perf_counter()
         honest_rejected += not check_answer(model, job.model_dump(), g.tokens, proof).ok
         check_s += time.perf_counter() - t
-        # a validator's canary: this answer with its proof made bad (covey.serve.canaries)
-        canary = scramble_proof(proof, len(g.tokens), job.job_id.encode().ljust(32, b"c"))
-        canaries_rejected += not check_answer(model, job.model_dump(), g.tokens, canary).ok
+        # a house worker's canary answer to this request (covey.serve.house)
+        bad = canary_answer(model, job)
+        canaries_rejected += not check_answer(model, job.model_dump(), *bad).ok
     detected = {}
     for cheat in CHEATS:
         bad = corrupt(copy.deepcopy(model), cheat)
@@ -256,7 +256,7 @@ def register(bench_app: typer.Typer) -> None:
             f"one check / one generation: {ratio:.3f}; verification overhead at rate "
             f"{verify_rate}: {verify_rate * ratio:.1%} of serving compute, at {new_rate}: "
             f"{new_rate * ratio:.1%}; honest answers rejected: {c['honest_rejected']} of "
-            f"{c['answers']}; validators' canaries rejected by the check: "
+            f"{c['answers']}; house canary answers rejected by the check: "
             f"{c['canaries_rejected']} of {c['answers']}"
         )
         for cheat, d in c["detected"].items():

@@ -309,8 +309,10 @@ class TrustConfig(Frozen):
         le=1,
         description="rounds: chance per round that a house worker's contribution (the run "
         "owner's, covey worker --house-of) is a canary, trained on other data; RL: chance "
-        "per step per validator of a planted bad batch. Agreeing with one costs "
-        "validator_slash_fraction of stake and the check's pay (docs/trust.md, Canaries)",
+        "per step that a house rollout worker's batch is a canary; serve: chance that a "
+        "house worker's answer to one of the server's house requests is a canary. Agreeing "
+        "with one costs validator_slash_fraction of stake and the check's pay "
+        "(docs/trust.md, Canaries)",
     )
     # sharded aggregation (covey/coordinator/sharding.py; docs/sharded-aggregation.md)
     sharded_above_peers: int | None = Field(

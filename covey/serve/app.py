@@ -20,7 +20,9 @@ past request_timeout_s; a client that hangs up drops its request from the queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -54,6 +56,7 @@ from covey.serve.wire import (
     PullRequest,
     ReportRequest,
 )
+from covey.trust.house import house_request_id
 
 log = logging.getLogger("covey.serve")
 JOINS = frozenset({"/v1/join", "/v1/serve/validators/join"})
@@ -64,11 +67,26 @@ class ClientGone(Exception):
     pass
 
 
-def create_app(s: ServeCoordinator) -> FastAPI:
+def create_app(
+    s: ServeCoordinator, house: list[dict[str, Any]] | None = None, house_every_s: float = 10.0
+) -> FastAPI:
+    """`house`: the owner's house requests (covey.serve.canaries.house_request_bodies), sent
+    by the server itself at random times, one every `house_every_s` on average."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(house_traffic()) if house else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
     app = FastAPI(
         title="covey serve",
         version="1",
         description="An OpenAI-compatible API answered by verified workers.",
+        lifespan=lifespan,
     )
     cfg, tok = s.cfg, s.tokenizer
     handle_errors(app, log)
@@ -256,6 +274,25 @@ def create_app(s: ServeCoordinator) -> FastAPI:
         shape = fmt.chat if is_chat else fmt.completion
         return JSONResponse(shape(rid, cfg.name, len(job.prompt_ids), finished))
 
+    async def house_traffic() -> None:
+        """The owner's house requests (covey.serve.canaries), in turn, at the times of a
+        Poisson process, queued like a user's; every answer is dropped unread."""
+        bodies, n = house or [], 0
+        while True:
+            await asyncio.sleep(random.expovariate(1.0 / house_every_s))
+            req, n = CompletionRequest.model_validate(bodies[n % len(bodies)]), n + 1
+            try:
+                job = make_job(req, req.text(), req.max_tokens, False)
+                nonce = secrets.token_hex(8)
+                update: dict[str, Any] = {"job_id": house_request_id(s.identity, s.run_id, nonce)}
+                if req.stream:
+                    update["segment"] = cfg.stream_segment
+                await wait(await dispatch.submit(job.model_copy(update=update)), None)
+            except Rejected:  # busy, no worker, halted, no answer in time: the next one
+                continue
+            except Exception:  # the house traffic must outlive one bad request
+                log.exception("a house request failed")
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         try:
@@ -405,6 +442,13 @@ class ServeCollector(Collector):
         )
 
 
-def serve(s: ServeCoordinator, host: str, port: int) -> None:
-    """Run until SIGINT/SIGTERM, then stop the driver and close the database."""
-    serve_app(create_app(s), host, port, s.cfg.limits, s.start, s.stop)
+def serve(
+    s: ServeCoordinator,
+    host: str,
+    port: int,
+    house: list[dict[str, Any]] | None = None,
+    house_every_s: float = 10.0,
+) -> None:
+    """Run until SIGINT/SIGTERM, then stop the driver and close the database. `house`,
+    `house_every_s`: the owner's house requests (create_app)."""
+    serve_app(create_app(s, house, house_every_s), host, port, s.cfg.limits, s.start, s.stop)

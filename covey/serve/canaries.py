@@ -1,182 +1,187 @@
-"""Canaries in the serving mode: known-bad answers the server plants among a validator's
-checks, so that a validator that agrees without checking is caught (the RL mode's
-covey.rl.canaries, and the rounds mode's covey.coordinator.canary, do the same).
+"""Canaries in the serving mode: answers of the run owner's own house workers, bad on
+purpose, to requests the owner itself sent (covey.trust.house; docs/trust.md, "Canaries").
 
-When validator V claims work, the server looks at the oldest drawn answers waiting for a
-check that V is not assigned (another live validator is) and was never given, and signs
-(run, answer, V) (covey.trust.certify.canary_draw): V gets a canary of that answer when the
-draw is below the trust table's `canary_rate`, secret until revealed on the ledger and
-verifiable afterwards by anyone (the book's "canary" handler checks the signature and the
-rate). The canary is the real answer (its number, job, worker and tokens) with its proof's
-coefficients replaced by pseudo-random ones (covey.rl.canaries.scramble_proof: the chunk
-layout and moduli kept, so it parses like any proof): only a prefill tells it from the
-real one. V joins the real answer's `tried`, so it is not handed the real answer too while
-another live validator has not tried it.
+A canary is not a task of its own: it is an answer like any other, generated, signed and
+submitted by its worker (covey.serve.house.HouseServeWorker) through POST
+/v1/serve/answer, drawn for a check by the same signed sampling draw, assigned by the same
+public ranking (covey.serve.assign), handed out by the same claim. Two secrets make it
+one, and only the coordinator's key holder can tell either:
 
-Reporting it bad is "caught" (a completed check, paid check_reward); reporting it good is
-"passed" (a "penalty" of kind canary: validator_slash_fraction of V's stake); not reporting
-within claim_timeout_s is "missed" (a missed check). The "canary" ledger entry is written
-only then.
+- its worker is a house key (covey.trust.house.house_identity, derived from the
+  coordinator's key);
+- its request is a house request: one the server sent itself (`house_traffic`: requests
+  the owner supplies, `covey serve server --house-requests`), queued and dispatched like
+  a user's, whose id (32 hex digits, like any) hides a tag made with the coordinator's key
+  (covey.trust.house.house_request_id).
 
-Known leaks, as in the RL mode: the real answer's verdict is public once decided (its
-"contribution accepted" names its number), so a validator that waits for it before
-reporting can tell the canary apart (claim_timeout_s bounds the wait); and with a single
-live validator no canary is planted (it is assigned every real answer).
+A house worker answers every request honestly, except a house request whose draw, the
+coordinator's signature over (run, request id, house key) (`house_canary_draw`,
+covey.trust.certify.canary_draw), falls below the trust table's `canary_rate`. To those it
+answers with other tokens than the seeded draw, and a proof honestly made for those tokens
+(covey.serve.house.canary_answer): a real, signed answer of the right shape that only a
+prefill tells from an honest one. Same worker, same request stream, same sizes, same
+timing: nothing a validator reads before it reports tells it from a real check.
+
+Nobody is ever given a canary answer knowingly: a user's request has an id the server
+drew at random, which is never a house request's, so a house worker answers it honestly;
+only the server's own house requests can get a canary answer, and the server drops every
+answer to a house request. A house request answered by another worker is answered
+honestly (the owner's compute, spent on its own traffic).
+
+The reveal comes with the answer's verdict, after its validator reported
+(covey.serve.service.ServeCoordinator.report): a "house canary" ledger entry with the draw,
+the request id it was drawn over, and the coordinator's proof that the key is its own
+(`covey ledger verify` checks all three and the rate), which burns the key (banned; the
+house worker moves on to its next key). A validator that rejected it, confirmed by the
+server's referee, "caught" it (a "dispute" of outcome "fraud", a catch reward). One that
+agreed on it is overruled by the referee, which always re-checks an agreement on a canary:
+"convicted", and the validator pays a "missed fraud" penalty (validator_slash_fraction of
+its stake) and is not paid for the check (covey.coordinator.checks.Checks.convict). A
+canary not drawn for a check is accepted like any answer and never revealed: its only
+reader was the server, which dropped it.
+
+With canary_rate c, a share h of answers that are house requests answered by house
+workers, and the sampling rate r, a validator's share of checks that are canaries is
+about c*h (a canary is drawn for a check at the same rate r as any answer). A validator
+that agrees without checking loses validator_slash_fraction of its stake at each canary
+it is handed: after about 1/(c*h) reports on average.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import sqlite3
-import threading
-import time
 from typing import Any
 
 from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
-from covey.rl.canaries import scramble_proof
-from covey.serve import assign
-from covey.serve.config import ServeConfig
 from covey.trust.certify import canary_draw
+from covey.trust.house import house_peer_ids, house_proof, is_house_request
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.serve")
 CANARY_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS serve_canaries (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-    "answer_id INTEGER NOT NULL, validator_id TEXT NOT NULL, worker_id TEXT NOT NULL, "
-    "job TEXT NOT NULL, tokens TEXT NOT NULL, proof TEXT NOT NULL, cid TEXT NOT NULL, "
-    "draw TEXT NOT NULL, status TEXT NOT NULL, placed_at REAL NOT NULL, "
-    "UNIQUE (answer_id, validator_id))",
+    "CREATE TABLE IF NOT EXISTS serve_house_canaries (answer_id INTEGER PRIMARY KEY, "
+    "worker_id TEXT NOT NULL, job_id TEXT NOT NULL, draw TEXT NOT NULL, "
+    "status TEXT NOT NULL)",
 )
-LOOK_AT = 8  # answers drawn for a canary per claim (each draw is one signature)
+
+
+def house_canary_draw(
+    coordinator: Identity, run_id: str, job_id: str, worker_id: str, rate: float
+) -> str | None:
+    """The draw that makes `worker_id`'s answer to request `job_id` a canary, or None when
+    it is not one: a house request, and the coordinator's signature over (run, request id
+    as a number, worker) below `rate`. The server and a house worker (which holds the
+    coordinator's key) both compute it."""
+    if rate <= 0 or not is_house_request(coordinator, run_id, job_id):
+        return None
+    planted, draw = canary_draw(coordinator, run_id, int(job_id, 16), worker_id, rate)
+    return draw if planted else None
 
 
 class ServeCanaries:
-    """Planted at a validator's claim, resolved by its report or the claim timeout. The
-    methods that take `c` run inside the caller's transaction."""
+    """The server's side: which answers are canaries (noted at intake, secret), and their
+    reveal on the ledger. The methods that take `c` run inside the caller's transaction."""
 
     def __init__(
-        self,
-        cfg: ServeConfig,
-        run_id: str,
-        identity: Identity,
-        db: Database,
-        accounts: Accounts,
-        lock: threading.Lock,
+        self, rate: float, run_id: str, identity: Identity, db: Database, accounts: Accounts
     ) -> None:
-        """The server's spec, run, key (it signs the draws), database, ledger, and the lock
-        its ledger decisions take one at a time."""
-        self.cfg, self.run_id, self.identity = cfg, run_id, identity
-        self.db, self.accounts, self.lock = db, accounts, lock
+        """The run's canary_rate, run id, the server's key (it signs the draws and the
+        house proofs), database and ledger."""
+        self.rate, self.run_id, self.identity = rate, run_id, identity
+        self.db, self.accounts = db, accounts
+        self.house = house_peer_ids(identity, run_id) if rate > 0 else frozenset()  # secret
 
-    def plant(
-        self, c: sqlite3.Connection, validator: str, live: list[str]
-    ) -> dict[str, Any] | None:
-        """A canary task for `validator`, planted now if a draw says so; None otherwise (or
-        while it holds one)."""
-        rate = self.cfg.trust.canary_rate
-        if (
-            rate <= 0
-            or c.execute(
-                "SELECT 1 FROM serve_canaries WHERE validator_id = ? AND status = 'assigned'",
-                (validator,),
-            ).fetchone()
-        ):
-            return None
-        given = {
-            r[0]
-            for r in c.execute(
-                "SELECT answer_id FROM serve_canaries WHERE validator_id = ?", (validator,)
+    def note(self, c: sqlite3.Connection, answer: int, worker: str, job_id: str) -> None:
+        """At intake: remember `answer` as a canary when it is one (nothing public)."""
+        if worker not in self.house:
+            return
+        draw = house_canary_draw(self.identity, self.run_id, job_id, worker, self.rate)
+        if draw is not None:
+            c.execute(
+                "INSERT OR IGNORE INTO serve_house_canaries VALUES (?, ?, ?, ?, 'planted')",
+                (answer, worker, job_id, draw),
             )
-        }
-        looked = 0
-        for row in c.execute(
-            "SELECT * FROM serve_answers WHERE status = 'pending' AND worker_id != ? "
-            "ORDER BY id LIMIT 256",
-            (validator,),
-        ).fetchall():
-            tried = json.loads(row["tried"] or "[]")
-            if row["id"] in given or validator in tried:
-                continue
-            other = assign.assigned(row["draw"], row["worker_id"], live, [*tried, validator])
-            if other is None or other == validator:  # nobody else would check the real one
-                continue
-            looked += 1
-            planted, draw = canary_draw(self.identity, self.run_id, row["id"], validator, rate)
-            if planted:
-                return self._make(c, row, validator, tried, draw)
-            if looked >= LOOK_AT:
-                break
-        return None
 
-    def _make(
-        self, c: sqlite3.Connection, row: sqlite3.Row, validator: str, tried: list[str], draw: str
-    ) -> dict[str, Any]:
-        tokens = json.loads(row["tokens"])
-        proof = scramble_proof(bytes.fromhex(row["proof"]), len(tokens), bytes.fromhex(draw)[:32])
-        cid = hashlib.sha256(f"{row['job']}|{tokens}|{proof.hex()}".encode()).hexdigest()
-        c.execute(  # never handed the real answer too: no twin tasks
-            "UPDATE serve_answers SET tried = ? WHERE id = ?",
-            (json.dumps([*tried, validator]), row["id"]),
-        )
-        c.execute(
-            "INSERT INTO serve_canaries (answer_id, validator_id, worker_id, job, tokens, proof, "
-            "cid, draw, status, placed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'assigned', ?)",
-            (row["id"], validator, row["worker_id"], row["job"], row["tokens"], proof.hex(),
-             cid, draw, time.time()),
-        )  # fmt: skip
-        log.info("[serve - answer %d] canary %s for %s", row["id"], cid[:12], validator[:8])
-        return {  # the same fields as a real check's task
-            "answer_id": row["id"],
-            "worker_id": row["worker_id"],
-            "job": json.loads(row["job"]),
-            "tokens": tokens,
-            "proof": proof.hex(),
-        }
-
-    def of_report(self, c: sqlite3.Connection, validator: str, answer: int) -> sqlite3.Row | None:
-        return c.execute(
-            "SELECT * FROM serve_canaries WHERE validator_id = ? AND answer_id = ? AND "
-            "status = 'assigned'",
-            (validator, answer),
+    def of_answer(self, c: sqlite3.Connection, answer: int) -> sqlite3.Row | None:
+        """The canary record of `answer` while unrevealed, else None."""
+        return c.execute(  # type: ignore[no-any-return]
+            "SELECT * FROM serve_house_canaries WHERE answer_id = ? AND status = 'planted'",
+            (answer,),
         ).fetchone()
 
-    def resolve(self, c: sqlite3.Connection, row: sqlite3.Row, outcome: str, now: float) -> None:
-        """Reveal the canary on the ledger: caught (a paid check), passed (a penalty),
-        missed (a missed check)."""
-        s, validator = self, row["validator_id"]
-        c.execute("UPDATE serve_canaries SET status = ? WHERE id = ?", (outcome, row["id"]))
-        base = {"round": row["answer_id"], "peer_id": validator}
-        entry = {**base, "worker_id": row["worker_id"], "cid": row["cid"], "draw": row["draw"]}
-        s.accounts.append(c, "canary", entry | {"outcome": outcome}, now)
-        if outcome == "caught" and s.cfg.trust.check_reward > 0:
-            pay = {"amount": s.cfg.trust.check_reward, "kind": "check", "tokens": 0}
-            s.accounts.append(c, "reward", base | pay, now)
-        elif outcome == "passed":
-            penalty = {
-                "amount": s.accounts.book.penalty_amount(validator),
-                "kind": "canary",
-                "reason": f"accepted canary {row['cid'][:12]} (answer {row['answer_id']} with "
-                "its proof made bad)",
-            }
-            s.accounts.append(c, "penalty", base | penalty, now)
-        level = logging.INFO if outcome == "caught" else logging.WARNING
-        log.log(level, "[serve - answer %d] canary %s by %s", row["answer_id"], outcome,
-                validator[:8])  # fmt: skip
+    def is_canary(self, answer: int) -> bool:
+        """Whether `answer` is an unrevealed canary (read outside a transaction)."""
+        return (
+            self.db.one(
+                "SELECT 1 FROM serve_house_canaries WHERE answer_id = ? AND status = 'planted'",
+                (answer,),
+            )
+            is not None
+        )
 
-    def sweep(self, now: float) -> None:
-        """Canaries not reported within claim_timeout_s are missed."""
-        s = self
-        for row in s.db.query(
-            "SELECT * FROM serve_canaries WHERE status = 'assigned' AND placed_at < ?",
-            (now - s.cfg.claim_timeout_s,),
-        ):
-            with s.lock, s.accounts.transaction() as c:
-                if self.of_report(c, row["validator_id"], row["answer_id"]) is not None:
-                    self.resolve(c, row, "missed", now)
+    def reveal(
+        self,
+        c: sqlite3.Connection,
+        canary: sqlite3.Row,
+        validator: str,
+        outcome: str,
+        detail: str,
+        now: float,
+    ) -> None:
+        """The "house canary" entry: "caught" after the dispute that convicted it,
+        "convicted" (a validator agreed on it) before its rejection. It burns the key."""
+        answer, worker = canary["answer_id"], canary["worker_id"]
+        c.execute(
+            "UPDATE serve_house_canaries SET status = ? WHERE answer_id = ?", (outcome, answer)
+        )
+        self.accounts.append(
+            c,
+            "house canary",
+            {
+                "round": answer,
+                "peer_id": worker,
+                "draw": canary["draw"],
+                "request": canary["job_id"],
+                "proof": house_proof(self.identity, self.run_id, worker),
+                "outcome": outcome,
+                "detail": detail[:500],
+            },
+            now,
+        )
+        level = logging.INFO if outcome == "caught" else logging.WARNING
+        log.log(level, "[serve - answer %d] house canary of %s revealed: %s by %s", answer,
+                worker[:8], outcome, validator[:8])  # fmt: skip
 
     def counts(self) -> dict[str, int]:
-        rows = self.db.query("SELECT status, COUNT(*) AS n FROM serve_canaries GROUP BY status")
+        """Revealed canaries by outcome: caught, convicted (a validator passed it)."""
+        rows = self.db.query(
+            "SELECT status, COUNT(*) AS n FROM serve_house_canaries WHERE status != 'planted' "
+            "GROUP BY status"
+        )
         return {r["status"]: r["n"] for r in rows}
+
+
+def house_request_bodies(lines: list[str]) -> list[dict[str, Any]]:
+    """The owner's house requests: one JSON object per non-empty line, each the body of an
+    OpenAI completion request (POST /v1/completions). ValueError naming the line."""
+    import json
+
+    from pydantic import ValidationError
+
+    from covey.serve.wire import CompletionRequest
+
+    bodies = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            body = json.loads(line)
+            CompletionRequest.model_validate(body).text()
+        except (ValueError, ValidationError) as e:
+            raise ValueError(f"house request on line {n}: {str(e)[:200]}") from None
+        bodies.append(body)
+    if not bodies:
+        raise ValueError("no house requests: one JSON completion request per line")
+    return bodies

@@ -84,6 +84,17 @@ def server(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port", min=1, max=65535)] = 8800,
     threads: Annotated[int, typer.Option(help="torch threads (the referee)", min=1)] = 1,
+    house_requests: Annotated[
+        Path | None,
+        typer.Option(
+            help="the owner's house requests: one JSON OpenAI completion request per line, "
+            "sent by the server itself (answers dropped); house workers' canaries answer "
+            "some of them (docs/trust.md, Canaries)"
+        ),
+    ] = None,
+    house_every: Annotated[
+        float, typer.Option(help="seconds between house requests, on average", min=0.01)
+    ] = 10.0,
 ) -> None:
     """Serve the model's OpenAI-compatible API; workers and validators join it."""
     from covey.errors import UserError
@@ -98,6 +109,11 @@ def server(
         from covey.serve.config import ServeConfig
 
         cfg = load_spec(ServeConfig, spec, values, sets or [])
+        house = None
+        if house_requests is not None:
+            from covey.serve.canaries import house_request_bodies
+
+            house = house_request_bodies(house_requests.read_text().splitlines())
     except (UserError, OSError, ValueError) as e:
         raise _fail(str(e)) from None
     _setup("server", threads)
@@ -109,7 +125,7 @@ def server(
     except ValueError as e:
         raise _fail(str(e)) from None
     typer.echo(f"serving {cfg.name} (run {s.run_id}) on http://{host}:{port}/v1", err=True)
-    serve(s, host, port)
+    serve(s, host, port, house, house_every)
 
 
 @serve_app.command("worker")
@@ -128,13 +144,32 @@ def worker(
         int | None,
         typer.Option(help="requests answered at a time [default: the run's worker_slots]", min=1),
     ] = None,
+    house_of: Annotated[
+        Path | None,
+        typer.Option(
+            help="run owners: the server's key file (DATA_DIR/coordinator.key); this worker "
+            "is then house worker --house-index of the run, whose answers to the server's "
+            "house requests are its canaries (docs/trust.md, Canaries)"
+        ),
+    ] = None,
+    house_index: Annotated[
+        int, typer.Option(min=0, max=63, help="with --house-of: its first house key (0-63)")
+    ] = 0,
 ) -> None:
     """Answer the server's requests and get paid per verified token."""
     from covey.peer.client import CoordinatorLost
 
     stop = _setup(name, threads)
     try:
-        if behavior == "honest":
+        if house_of is not None:
+            if behavior != "honest" or identity is not None:
+                raise _fail("--house-of plays its own canaries under its own keys: leave "
+                            "--behavior and --identity out")  # fmt: skip
+            from covey.serve.house import HouseServeWorker
+
+            def make(url, _, model, **k):
+                return HouseServeWorker(url, house_of, model, house_index, **k)
+        elif behavior == "honest":
             from covey.serve.worker import ServeWorker as make
         else:
             from covey.serve.cheater import serve_worker

@@ -56,6 +56,14 @@ class ServePeer:
         return served.load_model(model_dir)
 
     def join(self) -> None:
+        """Join the run and start heartbeating."""
+        self.register()
+        self._beats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._beats.start()
+
+    def register(self) -> None:
+        """The join request of the current key (covey.serve.house joins again under a new
+        key)."""
         ident = self.identity
         if self.role == "validator":
             self.client.post(
@@ -80,8 +88,6 @@ class ServePeer:
                     "step_time_s": 1.0,
                 },
             )
-        self._beats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-        self._beats.start()
 
     def body(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "peer_id": self.identity.peer_id}

@@ -7,8 +7,10 @@ re-checks (covey.trust.certify.sample: the coordinator's signature over the answ
 worker cannot predict it, and anyone can recompute it from the ledger), at new_worker_rate
 while a worker is new or of low reputation and verify_rate after; validators' claims and
 reports; the referee (the server re-checks a rejection before anyone is slashed, so a
-lying validator cannot convict an honest worker); and the ledger entries
-(covey.trust.entry_schemas), round = the answer's number:
+lying validator cannot convict an honest worker); the house canaries (covey.serve.canaries:
+noted at intake, revealed with their verdict); and the ledger entries
+(covey.trust.entry_schemas; a report's are written by covey.serve.verdicts), round = the
+answer's number:
 
 - not drawn: contribution accepted -> reward (work, per token);
 - drawn and confirmed: verification (agree) -> contribution accepted -> reward (work) ->
@@ -16,7 +18,9 @@ lying validator cannot convict an honest worker); and the ledger entries
 - drawn and convicted: verification (disagree) -> contribution rejected -> dispute (fraud)
   -> slash (the book bans the worker: membership refuses it from then on) -> reward (catch);
 - a rejection the referee cannot reproduce: verification (disagree) -> dispute (validator
-  wrong) -> penalty -> the answer is accepted as above.
+  wrong) -> penalty -> the answer is accepted as above;
+- an agreement on a house canary (the referee re-checks every one): verification (agree)
+  -> house canary (convicted) -> contribution rejected -> penalty (missed fraud).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from covey.serve import model as served
 from covey.serve.canaries import CANARY_SCHEMA, ServeCanaries
 from covey.serve.checks import AnswerVerdict, check_answer, check_shape
 from covey.serve.config import ServeConfig, run_id_of
+from covey.serve.verdicts import write_verdict
 from covey.serve.wire import Job
 from covey.trust import certify
 from covey.trust.halt import owner_of
@@ -102,9 +107,9 @@ class ServeCoordinator:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.window = served.context_window(self.model)
         self.lock = threading.Lock()  # ledger decisions, one at a time
-        # known-bad answers among validators' checks (covey.serve.canaries)
+        # which answers are house canaries (covey.serve.canaries): secret until revealed
         self.canaries = ServeCanaries(
-            self.cfg, self.run_id, self.identity, self.db, self.accounts, self.lock
+            self.cfg.trust.canary_rate, self.run_id, self.identity, self.db, self.accounts
         )
         self._judging = threading.Lock()  # prefill hooks: one check at a time
         self._thread: threading.Thread | None = None
@@ -168,7 +173,6 @@ class ServeCoordinator:
                         "WHERE status = 'claimed' AND claimed_at < ?",
                         (time.time() - self.cfg.claim_timeout_s,),
                     )
-                self.canaries.sweep(time.time())  # canaries not reported in time: missed
             except Exception:  # the driver must outlive one bad pass; the error is logged
                 log.exception("serve driver pass failed")
 
@@ -229,19 +233,20 @@ class ServeCoordinator:
                     self.identity, self.run_id, answer, worker, cid, rate
                 )
                 status = "pending" if sampled else "accepted"
+                self.canaries.note(c, answer, worker, job.job_id)
                 c.execute(
                     "UPDATE serve_answers SET draw = ?, status = ? WHERE id = ?",
                     (draw, status, answer),
                 )
                 if not sampled:
-                    self._accept(c, answer, worker, cid, len(tokens), rate, draw, now)
+                    self.accept(c, answer, worker, cid, len(tokens), rate, draw, now)
         self.tokens_served += len(tokens)
         return answer
 
     def _entry(self, c: Any, type: str, answer: int, peer: str, now: float, **fields: Any) -> None:
         self.accounts.append(c, type, {"round": answer, "peer_id": peer, **fields}, now)
 
-    def _accept(
+    def accept(
         self,
         c: Any,
         answer: int,
@@ -297,8 +302,6 @@ class ServeCoordinator:
         if validator not in live:
             live.append(validator)  # it asks now: it is alive
         with self.lock, self.db.transaction() as c:
-            if canary := self.canaries.plant(c, validator, live):
-                return canary  # covey.serve.canaries: looks like any task
             rows = c.execute(
                 "SELECT * FROM serve_answers WHERE status = 'pending' AND worker_id != ? "
                 "ORDER BY id LIMIT 256",
@@ -333,21 +336,16 @@ class ServeCoordinator:
     def report(
         self, validator: str, answer: int, ok: bool, problem: str | None, detail: str
     ) -> dict[str, Any]:
-        """A validator's verdict on the answer it claimed; a rejection is re-checked here
-        first. Rejected(409) when it holds no claim on that answer."""
-        with self.lock, self.accounts.transaction() as c:
-            if canary := self.canaries.of_report(c, validator, answer):
-                outcome = "passed" if ok else "caught"
-                self.canaries.resolve(c, canary, outcome, time.time())
-        if canary:
-            return {"ok": True, "outcome": f"canary {outcome}"}
+        """A validator's verdict on the answer it claimed; a rejection, and an agreement on
+        a house canary (covey.serve.canaries), is re-checked here first; the entries are
+        covey.serve.verdicts'. Rejected(409) when it holds no claim on that answer."""
         row = self.db.one("SELECT * FROM serve_answers WHERE id = ?", (answer,))
         if row is None or row["status"] != "claimed" or row["validator_id"] != validator:
             raise Rejected(409, f"validator {validator[:12]} holds no claim on answer {answer}")
-        worker, tokens = row["worker_id"], json.loads(row["tokens"])
-        verdict = (
-            None if ok else self.judge(json.loads(row["job"]), tokens, bytes.fromhex(row["proof"]))
-        )
+        verdict = None
+        if not ok or self.canaries.is_canary(answer):
+            tokens, proof = json.loads(row["tokens"]), bytes.fromhex(row["proof"])
+            verdict = self.judge(json.loads(row["job"]), tokens, proof)
         now = time.time()
         with self.lock, self.accounts.transaction() as c:
             again = c.execute(
@@ -355,102 +353,17 @@ class ServeCoordinator:
             ).fetchone()
             if again["status"] != "claimed" or again["validator_id"] != validator:
                 raise Rejected(409, f"answer {answer} was decided or reassigned meanwhile")
-            banned = self.accounts.book.accounts[worker].banned
-            self._entry(
-                c,
-                "verification",
-                answer,
-                worker,
-                now,
-                validator_id=validator,
-                outcome="agree" if ok else "disagree",
-                distance=None,
-                exact=True,
+            canary = self.canaries.of_answer(c, answer)
+            outcome, status, problem, detail = write_verdict(
+                self, c, row, validator, ok, verdict, canary, (problem, detail), now
             )
-            if verdict is not None and not verdict.ok:
-                outcome, status = "caught", "rejected"
-                reason = f"{verdict.problem}: {verdict.detail}"[:300]
-                self._entry(c, "contribution rejected", answer, worker, now, reason=reason)
-                self._entry(
-                    c,
-                    "dispute",
-                    answer,
-                    worker,
-                    now,
-                    validator_id=validator,
-                    segment=0,
-                    outcome="fraud",
-                    detail=reason,
-                )
-                if not banned:
-                    self._entry(
-                        c,
-                        "slash",
-                        answer,
-                        worker,
-                        now,
-                        reason=reason,
-                        amount=self.accounts.book.slash_amount(worker),
-                    )
-                if self.cfg.trust.catch_reward > 0:
-                    self._entry(
-                        c,
-                        "reward",
-                        answer,
-                        validator,
-                        now,
-                        kind="catch",
-                        tokens=0,
-                        amount=self.cfg.trust.catch_reward,
-                    )
-                problem, detail = verdict.problem, verdict.detail
-            else:
-                outcome, status = (
-                    ("accepted", "accepted") if ok else ("false accusation", "accepted")
-                )
-                if not ok:
-                    self._entry(
-                        c,
-                        "dispute",
-                        answer,
-                        worker,
-                        now,
-                        validator_id=validator,
-                        segment=0,
-                        outcome="validator wrong",
-                        detail=detail[:300],
-                    )
-                    self._entry(
-                        c,
-                        "penalty",
-                        answer,
-                        validator,
-                        now,
-                        kind="false accusation",
-                        amount=self.accounts.book.penalty_amount(validator),
-                        reason=f"rejected answer {answer}; the server's check accepts it",
-                    )
-                if not banned:
-                    self._accept(
-                        c, answer, worker, row["cid"], len(tokens), row["rate"], row["draw"], now
-                    )
-                if ok:
-                    self.checks.pay_check(
-                        c, answer, worker, validator, self.cfg.trust.check_reward, now
-                    )
             c.execute(
                 "UPDATE serve_answers SET status = ?, problem = ?, detail = ? WHERE id = ?",
-                (status, problem, detail[:500], answer),
+                (status, problem, (detail or "")[:500], answer),
             )
-        level = logging.WARNING if outcome != "accepted" else logging.INFO
-        log.log(
-            level,
-            "[serve - answer %d] worker %s: %s by %s",
-            answer,
-            worker[:8],
-            outcome,
-            validator[:8],
-        )
+        level = logging.INFO if outcome == "accepted" else logging.WARNING
+        log.log(level, "[serve - answer %d] worker %s: %s by %s", answer, row["worker_id"][:8],
+                outcome, validator[:8])  # fmt: skip
         return {"ok": True, "outcome": outcome}
 
     def status(self) -> dict[str, Any]:

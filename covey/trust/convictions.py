@@ -13,6 +13,7 @@ Pure, like the book: `covey ledger verify` recomputes each of these.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from covey.trust.certify import check_canary_draw, draw_value
@@ -136,7 +137,8 @@ class Convictions:
     def _house_canary(self, i: int, p: dict[str, Any]) -> None:
         """The reveal of a house worker's canary (covey.trust.house): the draw and the
         house proof are the coordinator's, the draw is below canary_rate, the contribution
-        was accepted (rounds) or a validator agreed on it or it was convicted (an RL batch);
+        was accepted (rounds) or a validator agreed on it or it was convicted (an RL batch,
+        a served answer); a served answer's draw is over its `request` id, not the round;
         "caught" needs it convicted already, "convicted" convicts it now.
         Every validator that agreed on it passed a canary; the key is burned (banned)."""
         acc, rnd = self._peer(i, p), p["round"]
@@ -144,7 +146,12 @@ class Convictions:
         where = f"house canary of {acc.peer_id} in round {rnd}"
         if not check_house_proof(key, run_id, acc.peer_id, p["proof"]):
             raise LedgerError(i, f"{where}: proof is not the coordinator's signature")
-        if not check_canary_draw(key, run_id, rnd, acc.peer_id, p["draw"]):
+        drawn_at = rnd  # a serving canary's draw is over its request (covey.serve.canaries)
+        if isinstance(p.get("request"), str):
+            if not re.fullmatch(r"[0-9a-f]{32}", p["request"]):
+                raise LedgerError(i, f"{where}: request {p['request'][:40]!r} is not a request id")
+            drawn_at = int(p["request"], 16)
+        if not check_canary_draw(key, run_id, drawn_at, acc.peer_id, p["draw"]):
             raise LedgerError(i, f"{where}: draw is not the coordinator's signature")
         rate = self._policy().canary_rate
         if draw_value(p["draw"]) >= rate:

@@ -42,14 +42,16 @@ The payload of each entry type is the contract between the coordinator and covey
   audit_rate. A "verification" must come from an assigned validator; a work reward of a
   sampled contribution needs its checks completed (else the round's checks were skipped)
 - "canary": {round, peer_id (the validator), worker_id, cid, draw, outcome: "caught"|
-  "passed"|"missed"}: a known-bad item planted among the validator's checks (the RL mode's
-  copy of a real batch, covey.rl.canaries; older rounds runs' sign-flipped payloads),
+  "passed"|"missed"}: a known-bad item planted among the validator's checks (older runs
+  only: RL's and serving's copies of a real item with its proof scrambled, rounds'
+  sign-flipped payloads; canaries are now house workers', "house canary" below),
   revealed once resolved; `draw` is the
   coordinator's signature (covey.trust.certify.canary_message), below canary_rate. Caught:
   a completed check (paid check_reward); passed: a "penalty" (kind canary) follows, no pay;
   missed: a missed check
 - "house canary": {round, peer_id (a house worker: the run owner's own key), draw, proof,
-  outcome: "caught"|"convicted"|"unchecked", detail}: the reveal of a rounds-mode canary
+  outcome: "caught"|"convicted"|"unchecked", detail; a served answer's also `request`: the
+  house request's id, which its draw is over instead of the round}: the reveal of a canary
   (covey.trust.house): the house worker's accepted contribution of that round was made bad
   on purpose. `draw` is the coordinator's signature (covey.trust.certify.canary_message)
   over (run, round, house key), below canary_rate; `proof` its signature that the key is

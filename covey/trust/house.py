@@ -58,3 +58,20 @@ def house_proof(coordinator: Identity, run_id: str, peer_id: str) -> str:
 
 def check_house_proof(coordinator_key: str, run_id: str, peer_id: str, proof: str) -> bool:
     return verify(coordinator_key, house_message(run_id, peer_id), proof)
+
+
+def house_request_id(coordinator: Identity, run_id: str, nonce: str) -> str:
+    """The id of a house request (the run owner's own request to its served model,
+    covey.serve.canaries): `nonce` (16 hex digits) followed by 16 hex digits of sha256 of
+    the coordinator's signature over ("covey-house-request/v1", run id, nonce). To anyone
+    without the coordinator's key it is 32 random hex digits, like any request's id."""
+    signature = coordinator.sign(f"covey-house-request/v1\n{run_id}\n{nonce}".encode())
+    return nonce + hashlib.sha256(bytes.fromhex(signature)).hexdigest()[:16]
+
+
+def is_house_request(coordinator: Identity, run_id: str, request_id: str) -> bool:
+    """Whether `request_id` is a house request's id (only the coordinator's key holder can
+    tell)."""
+    if len(request_id) != 32:
+        return False
+    return house_request_id(coordinator, run_id, request_id[:16]) == request_id
