@@ -245,3 +245,12 @@ def test_where_the_round_result_computes(monkeypatch: pytest.MonkeyPatch) -> Non
     assert ddp.round_device is None  # its own update step: on the host
     diloco = DiLoCo(m, lambda *a: None, DiLoCoConfig(), get_codec("fp32"))  # type: ignore[arg-type]
     assert diloco.round_device == CPU
+
+
+def test_the_bench_times_both_paths_to_the_same_state() -> None:
+    from covey.bench.hostsync import time_round_result
+
+    host = time_round_result(5000, workers=3, repeats=1)
+    dev = time_round_result(5000, workers=3, repeats=1, device_path=True)
+    assert host["digest"] == dev["digest"] and host["path"] != dev["path"]
+    assert dev["ms_per_m"] > 0
