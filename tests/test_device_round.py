@@ -87,7 +87,11 @@ def both_paths(
             return strategy.apply_round_consuming(start, cs)
         return strategy.apply_round(start, cs)
 
-    return run(False), run(CPU)
+    host = run(False)
+    assert strategy.round_computed_on is None
+    dev = run(CPU)
+    assert strategy.round_computed_on == CPU
+    return host, dev
 
 
 @pytest.fixture
@@ -254,3 +258,19 @@ def test_the_bench_times_both_paths_to_the_same_state() -> None:
     dev = time_round_result(5000, workers=3, repeats=1, device_path=True)
     assert host["digest"] == dev["digest"] and host["path"] != dev["path"]
     assert dev["ms_per_m"] > 0
+
+
+def test_a_round_that_does_not_fit_on_the_device_computes_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from covey.algorithms import base
+
+    m = model()
+    numel = sum(p.numel() for p in m.parameters())
+    s = DiLoCo(m, lambda *a: None, DiLoCoConfig(), get_codec("fp32"))  # type: ignore[arg-type]
+    cs = contributions("fp32", 3, numel, "plain", seed=5)
+    s.round_on = CPU
+    want = s.apply_round(s.init_state(), cs)
+    monkeypatch.setattr(base, "fits", lambda device, numel, n: False)
+    got = s.apply_round(s.init_state(), cs)
+    assert s.round_computed_on is None and same_state(got, want)

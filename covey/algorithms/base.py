@@ -89,6 +89,8 @@ class Strategy(ABC):
     #: where the round result computes: None chooses (`round_device`); a device, True or
     #: False forces it (covey.algorithms.device_round.choose_round_device)
     round_on: torch.device | bool | None = None
+    #: where the last `aggregate` computed (None: where the state lives)
+    round_computed_on: torch.device | None = None
 
     @property
     def round_device(self) -> torch.device | None:
@@ -435,6 +437,7 @@ class Strategy(ABC):
             device = on
         else:
             on = None
+        self.round_computed_on = on
 
         def load(i: int) -> torch.Tensor:
             try:
