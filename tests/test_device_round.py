@@ -274,3 +274,22 @@ def test_a_round_that_does_not_fit_on_the_device_computes_on_the_host(
     monkeypatch.setattr(base, "fits", lambda device, numel, n: False)
     got = s.apply_round(s.init_state(), cs)
     assert s.round_computed_on is None and same_state(got, want)
+
+
+def test_streaming_diloco_fragments_on_the_device_are_the_host_result(small_chunks: None) -> None:
+    from covey.algorithms.streaming import StreamingDiLoCo
+    from covey.config import StreamingDiLoCoConfig
+
+    m = model()
+    cfg = StreamingDiLoCoConfig(fragments=2, inner_steps=4)
+    rule = build_aggregator("trimmed_mean", 0.25, 2.0)
+    s = StreamingDiLoCo(m, lambda *a: None, cfg, get_codec(cfg.codec), rule)  # type: ignore[arg-type]
+    state = s.init_state()
+    for _ in range(3):  # both fragments, then the first again from its momentum
+        p = s.fragment_of(state.round)
+        numel = sum(state.params[n].numel() for n in s.fragments[p])
+        cs = [Contribution(c.payload, c.tokens, c.inner_steps, p)
+              for c in contributions(cfg.codec, 5, numel, "extreme", seed=state.round)]  # fmt: skip
+        host, dev = both_paths(s, state, cs)
+        assert same_state(host, dev)
+        state = host
