@@ -293,3 +293,24 @@ def test_streaming_diloco_fragments_on_the_device_are_the_host_result(small_chun
         host, dev = both_paths(s, state, cs)
         assert same_state(host, dev)
         state = host
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("aggregation_rule", AGGREGATIONS)
+def test_round_result_on_cuda_is_the_host_result(aggregation_rule: str) -> None:
+    """On a GPU: the same comparison, the device path on CUDA against the host path."""
+    m = model()
+    numel = sum(p.numel() for p in m.parameters())
+    rule = build_aggregator(aggregation_rule, 0.25, 2.0)
+    for k, spec in enumerate([*CODEC_SPECS, "int4:32"]):
+        s = DiLoCo(m, lambda *a: None, DiLoCoConfig(codec=spec), get_codec(spec), rule)  # type: ignore[arg-type]
+        state = s.init_state()
+        for r, kind in enumerate(["extreme", "ties", "plain"]):
+            cs = contributions(spec, 2 + 3 * r, numel, kind, seed=k)
+            s.round_on = False
+            host = s.apply_round(state, cs)
+            s.round_on = torch.device("cuda")
+            dev = s.apply_round(state, cs)
+            assert s.round_computed_on == torch.device("cuda")
+            assert same_state(host, dev), (spec, kind)
+            state = host
