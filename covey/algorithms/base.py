@@ -426,7 +426,9 @@ class Strategy(ABC):
         names: Sequence[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Decode, validate and aggregate the contributions into one tensor per named
-        parameter (default: all of them). RoundError if any contribution is unusable."""
+        parameter (default: all of them), on `round_device` when there is one and the round
+        fits there, else where the state lives (`round_computed_on` says which); the same
+        bits either way. RoundError if any contribution is unusable."""
         names = self.names if names is None else names
         params = [state.params[n] for n in names]
         device = params[0].device if params else None  # aggregate where the state lives
