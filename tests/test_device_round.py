@@ -11,6 +11,7 @@ has no values: any read of them on the host is seen.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -314,3 +315,56 @@ def test_round_result_on_cuda_is_the_host_result(aggregation_rule: str) -> None:
             assert s.round_computed_on == torch.device("cuda")
             assert same_state(host, dev), (spec, kind)
             state = host
+
+
+NETWORK_SPEC = """
+name = "device-round"
+seed = 5
+[model]
+size = "nano"
+[data]
+batch_size = 4
+seq_len = 64
+[algorithm]
+method = "diloco"
+inner_steps = 4
+codec = "int4"
+[rounds]
+target_compute_s = 30
+deadline_min_s = 4
+deadline_max_s = 60
+eval_batches = 1
+"""
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_workers_on_the_device_path_match_a_coordinator_on_the_host(tmp_path: Path) -> None:
+    """Real processes: the coordinator computes each round on the host path, two workers
+    on the device path (the CPU through it, by the env), int4 payloads and the default
+    clipped trimmed mean; every round each worker computes is the certificate's."""
+    import json
+
+    from covey.local.cluster import LocalCluster
+
+    spec = tmp_path / "run.toml"
+    spec.write_text(NETWORK_SPEC)
+    env = {ROUND_ON_DEVICE_ENV: "0"}
+    with LocalCluster(spec, tmp_path, env=env) as cluster:
+        cluster.start_coordinator()
+        cluster.env = {**cluster.env, ROUND_ON_DEVICE_ENV: "1"}  # the workers' processes
+        for w in ("w0", "w1"):
+            cluster.start_worker(w)
+
+        def applied(w: str) -> list[dict[str, Any]]:
+            path = tmp_path / "peers" / w / "applied.jsonl"
+            return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+        cluster.wait_for(
+            lambda s: all(len(applied(w)) >= 3 for w in ("w0", "w1")), 180, "3 rounds applied"
+        )
+        logs = {w: cluster.tail(w, 400) for w in ("w0", "w1")}
+    for w in ("w0", "w1"):
+        assert all(r["matched"] and r["weights_hash"] == r["certificate"] for r in applied(w))
+        assert "contributions on cpu; weights" in logs[w], logs[w]
+        assert "re-syncing" not in logs[w]
