@@ -44,6 +44,10 @@ import torch
 
 #: per-coordinate rules process this many (contributors x coordinates) values at a time
 _CHUNK_VALUES = 1 << 20
+#: ... on a device other than the CPU, where each of the rule's element-wise ops is a
+#: kernel launch: chunks as large as memory allows keep the launches few (the bits do not
+#: depend on the chunk: every op acts on each coordinate alone)
+_DEVICE_CHUNK_VALUES = 1 << 26
 #: l2 norms sum squares in float64 blocks of this many elements (fixed: it sets the order)
 _NORM_BLOCK = 1 << 20
 
@@ -228,7 +232,7 @@ def per_coordinate(
     n = len(vectors)
     flats = [v.detach().reshape(-1) for v in vectors]
     out = torch.empty(flats[0].numel(), dtype=torch.float32, device=flats[0].device)
-    chunk = max(1, _CHUNK_VALUES // n)
+    chunk = max(1, (_CHUNK_VALUES if out.device.type == "cpu" else _DEVICE_CHUNK_VALUES) // n)
     network = sorting_network(n)
     uniform = all(w == weights[0] for w in weights)
     for start in range(0, out.numel(), chunk):

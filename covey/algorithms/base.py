@@ -60,6 +60,7 @@ from torch import nn
 
 from covey.algorithms.aggregation import Aggregator, WeightedMean
 from covey.algorithms.codec_base import Codec, CodecError
+from covey.algorithms.device_round import choose_round_device, fits
 from covey.algorithms.lazy_aggregation import aggregate_lazily, drop_mapped_pages
 from covey.algorithms.state import Contribution, RoundError, TrainState
 from covey.algorithms.tensors import (
@@ -82,6 +83,22 @@ class Strategy(ABC):
     flexible_steps: bool = False
     #: inner steps of the next round that run while this round's bytes are in flight
     overlap_steps: int = 0
+    #: whether `apply_round` can compute on the training device (the DiLoCo family's
+    #: outer step; covey.algorithms.device_round); others compute where the state lives
+    device_round: bool = False
+    #: where the round result computes: None chooses (`round_device`); a device, True or
+    #: False forces it (covey.algorithms.device_round.choose_round_device)
+    round_on: torch.device | bool | None = None
+    #: where the last `aggregate` computed (None: where the state lives)
+    round_computed_on: torch.device | None = None
+
+    @property
+    def round_device(self) -> torch.device | None:
+        """The device `apply_round` decodes, aggregates and steps on, or None: where the
+        canonical state lives (the host for networked peers). The bits are the same."""
+        if not self.device_round:
+            return None
+        return choose_round_device(self.device, self.round_on)
 
     @property
     def reexecutable(self) -> bool:
@@ -409,23 +426,34 @@ class Strategy(ABC):
         names: Sequence[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Decode, validate and aggregate the contributions into one tensor per named
-        parameter (default: all of them). RoundError if any contribution is unusable."""
+        parameter (default: all of them), on `round_device` when there is one and the round
+        fits there, else where the state lives (`round_computed_on` says which); the same
+        bits either way. RoundError if any contribution is unusable."""
         names = self.names if names is None else names
         params = [state.params[n] for n in names]
         device = params[0].device if params else None  # aggregate where the state lives
         numel = sum(p.numel() for p in params)
         weights = self.check_tokens(contributions)
+        on = self.round_device  # or on the training device: the same bits
+        if on is not None and fits(on, numel, len(contributions)):
+            device = on
+        else:
+            on = None
+        self.round_computed_on = on
 
         def load(i: int) -> torch.Tensor:
             try:
-                return self.codec.decode(contributions[i].payload, numel, device=device)
+                payload, kernels = contributions[i].payload, on is not None
+                return self.codec.decode(payload, numel, device=device, device_kernels=kernels)
             except CodecError as e:
                 raise RoundError(f"contribution {i}: {e}") from None
             finally:  # a mapped payload's pages are not held once decoded
                 drop_mapped_pages(contributions[i].payload)
 
-        # one decoded contribution in memory at a time, the rule's exact bits
-        flat = aggregate_lazily(self.aggregator, len(contributions), load, weights)
+        # one decoded contribution in memory at a time, the rule's exact bits; on a device
+        # the per-coordinate rules keep the N there instead of spilling them to the host
+        n = len(contributions)
+        flat = aggregate_lazily(self.aggregator, n, load, weights, spill=on is None)
         update = unflatten(flat, params)
         return dict(zip(names, update, strict=True))
 

@@ -259,12 +259,16 @@ class Codec(ABC):
         payload: bytes | bytearray | memoryview,
         numel: int | None = None,
         device: torch.device | str | None = None,
+        *,
+        device_kernels: bool = False,
     ) -> Tensor:
-        """The payload's vector (see the module docstring), on `device` (default the CPU)."""
+        """The payload's vector (see the module docstring), on `device` (default the CPU).
+        `device_kernels`: decode with the torch kernels a device decodes with also on the
+        CPU (the same floats; what covey.algorithms.device_round runs there, in tests)."""
         target = torch.device("cpu") if device is None else torch.device(device)
         buf, n = self._check_payload(payload, numel)
         offset = HEADER_BYTES + self.params_struct.size
-        if target.type == "cpu":
+        if target.type == "cpu" and not device_kernels:
             return self._decode_body(buf, offset, n)
         return self._decode_to(buf, offset, n, target)
 

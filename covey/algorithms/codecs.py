@@ -63,6 +63,11 @@ class _DenseCodec(Codec):
     def _decode_body(self, buf: memoryview, offset: int, numel: int) -> Tensor:
         return _decode_values(buf, offset, numel, self.name)
 
+    def _decode_to(self, buf: memoryview, offset: int, numel: int, device: torch.device) -> Tensor:
+        if device.type == "meta":  # no values there to check: checked on the host, then moved
+            return super()._decode_to(buf, offset, numel, device)
+        return quant_device.decode_dense(buf, offset, numel, self.name, device)
+
     def _bound(self, x: np.ndarray) -> float:
         return _value_bound(_peak(x), self.name)
 

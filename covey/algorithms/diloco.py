@@ -28,6 +28,7 @@ from torch import nn
 from covey.algorithms.aggregation import Aggregator
 from covey.algorithms.base import LossFn, Strategy
 from covey.algorithms.codec_base import Codec
+from covey.algorithms.device_round import HostCopies, to_round_device
 from covey.algorithms.host_memory import add_from_host, home_of, moved_to, pinned, zeros_at
 from covey.algorithms.optim import (
     has_schedule,
@@ -43,6 +44,7 @@ from covey.config import DiLoCoConfig
 
 class DiLoCo(Strategy):
     flexible_steps = True
+    device_round = True  # the outer step follows its gradients onto the training device
 
     def __init__(
         self,
@@ -264,10 +266,16 @@ def outer_step(
     `consume`: take each tensor out of start_state's dicts as its replacement is made, so
     that a tensor no one else holds is freed at once (one tensor's old and new values in
     memory, not two states); the same new state, bit for bit, and start_state
-    is left empty. RoundError for a non-finite outer gradient, before anything is taken."""
+    is left empty. RoundError for a non-finite outer gradient, before anything is taken.
+
+    Outer gradients on another device than the state's (the round result on the training
+    device, covey.algorithms.device_round): each parameter's start and momentum go there,
+    the step is taken there, and only the new tensors come back to the state's device."""
     for name, g in outer_grads.items():
         if not torch.isfinite(g).all():
             raise RoundError(f"aggregated outer gradient for {name} is not finite")
+    devices = {g.device for g in outer_grads.values()}
+    back = HostCopies(devices.pop() if len(devices) == 1 else torch.device("cpu"))
     old_params, old_outer = start_state.params, start_state.outer
     take = (lambda d, k: d.pop(k, None)) if consume else (lambda d, k: d.get(k))
     param_order, outer_order = list(old_params), list(old_outer)
@@ -276,12 +284,20 @@ def outer_step(
     for name, g in outer_grads.items():
         key = f"momentum/{name}"
         p, old_buf = take(old_params, name), take(old_outer, key)
-        params[name], buf = nesterov_sgd(
-            p, g, old_buf, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov
+        home = p.device
+        new_p, buf = nesterov_sgd(
+            to_round_device(p, g.device),  # type: ignore[arg-type]
+            g,
+            to_round_device(old_buf, g.device),
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            nesterov=cfg.nesterov,
         )
+        params[name], buf = back(new_p, home), None if buf is None else back(buf, home)
         if buf is not None or old_buf is not None:
             outer[key] = buf if buf is not None else old_buf  # type: ignore[assignment]
-        del p, old_buf, buf
+        del p, old_buf, buf, new_p
+    back.done()
     for name in param_order:  # the others, carried over, in the start state's order
         if name not in params:
             params[name] = take(old_params, name)  # type: ignore[assignment]

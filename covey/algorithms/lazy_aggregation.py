@@ -57,11 +57,14 @@ def aggregate_lazily(
     weights: Sequence[float],
     *,
     spill_dir: str | Path | None = None,
+    spill: bool = True,
 ) -> torch.Tensor:
     """`aggregator([load(i) for i in range(n)], weights)`, holding one loaded vector at a
     time where the rule allows (see the module docstring); `spill_dir` holds the scratch
     files of per-coordinate rules (default: the system's temporary directory; removed
-    after). ValueError as `check_round` raises it (no vectors, a weight count other than n,
+    after). `spill` False: per-coordinate rules keep the n loaded vectors where `load`
+    put them (a device's memory: nothing is copied to the host). ValueError as
+    `check_round` raises it (no vectors, a weight count other than n,
     differing shapes, bad weights), or as the rule raises it."""
     if n < 1:
         raise ValueError("no vectors to aggregate")
@@ -74,8 +77,8 @@ def aggregate_lazily(
     ):
         return _mean(checked, n, weights)
     if isinstance(aggregator, NormClip):
-        return _clipped(aggregator, checked, n, weights, spill_dir)
-    if isinstance(aggregator, (TrimmedMean, CoordinateMedian)):
+        return _clipped(aggregator, checked, n, weights, spill_dir, spill)
+    if isinstance(aggregator, (TrimmedMean, CoordinateMedian)) and spill:
         return _by_blocks(aggregator, checked, n, weights, spill_dir)
     return aggregator([checked(i) for i in range(n)], weights)
 
@@ -128,12 +131,17 @@ def _scaled_add(out: torch.Tensor, v: torch.Tensor, w: float) -> None:
 
 
 def _clipped(
-    rule: NormClip, load: Load, n: int, weights: Sequence[float], spill_dir: str | Path | None
+    rule: NormClip,
+    load: Load,
+    n: int,
+    weights: Sequence[float],
+    spill_dir: str | Path | None,
+    spill: bool = True,
 ) -> torch.Tensor:
     """NormClip: norms in a first pass, then the clip applied as each vector is loaded again."""
     _check_weights(weights)
     if rule.factor == 0:
-        return aggregate_lazily(rule.inner, n, load, weights, spill_dir=spill_dir)
+        return aggregate_lazily(rule.inner, n, load, weights, spill_dir=spill_dir, spill=spill)
     norms = []
     for i in range(n):
         norms.append(l2_norm(load(i)))
@@ -149,7 +157,7 @@ def _clipped(
             return torch.zeros_like(v, dtype=torch.float32)
         return v.float() * (bounds[i] / norms[i])
 
-    return aggregate_lazily(rule.inner, n, clipped, weights, spill_dir=spill_dir)
+    return aggregate_lazily(rule.inner, n, clipped, weights, spill_dir=spill_dir, spill=spill)
 
 
 def _by_blocks(

@@ -1,6 +1,7 @@
 """The int8/int4 block quantizer in torch, on the tensor's own device: the same wire bytes as
 covey.algorithms.codec_base's numpy quantizer (tests/test_codecs_device.py compares them on
-random tensors and edge values), with only the payload crossing to the host.
+random tensors and edge values), with only the payload crossing to the host; and the dense
+value formats' (fp32, fp16, bf16) decode there, the same floats as the host's.
 
 Every step is an IEEE float32 operation that rounds the same on any device: max|block| (a
 comparison), one division by `levels`, x / scale rounded half-to-even, q * scale. A scale
@@ -92,6 +93,23 @@ def to_device(buf: memoryview, offset: int, nbytes: int, device: torch.device) -
         host.numpy()[:] = raw
         return host.to(device, non_blocking=True)
     return torch.from_numpy(raw.copy()).to(device)
+
+
+_DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def decode_dense(
+    buf: memoryview, offset: int, numel: int, fmt: str, device: torch.device
+) -> Tensor:
+    """`numel` fp32, fp16 or bf16 values at `offset` decoded on device: the wire bytes cross
+    once and are widened to float32 there (exact, as the host's astype is). CodecError as
+    the host decoder's when a value is NaN or Inf (one host sync)."""
+    dtype = _DENSE[fmt]
+    raw = to_device(buf, offset, numel * dtype.itemsize, device)
+    out = raw.view(dtype).float()  # fp32: the fresh buffer itself
+    if numel and not bool(torch.isfinite(out).all()):
+        raise CodecError("values contain NaN or Inf")
+    return out
 
 
 def decode_block(

@@ -333,11 +333,17 @@ def time_commitment(numel: int = 4 << 20, repeats: int = 5) -> dict[str, Any]:
     }
 
 
-def time_round_result(numel: int = 4 << 20, workers: int = 8, repeats: int = 3) -> dict[str, Any]:
+def time_round_result(
+    numel: int = 4 << 20, workers: int = 8, repeats: int = 3, device_path: bool = False
+) -> dict[str, Any]:
     """Host milliseconds per 1M parameters of a DiLoCo round result on the CPU, with the
-    defaults of a networked run (int4 payloads, the trust section's aggregation rule):
-    decoding and aggregating `workers` payloads one at a time (`aggregate_lazily`), the
-    Nesterov outer step, and the new state's SHA-256 digest. The fastest of `repeats`."""
+    defaults of a networked run (DiLoCo's codec, the trust section's aggregation rule):
+    decoding and aggregating `workers` payloads, the Nesterov outer step, and the new
+    state's SHA-256 digest. The fastest of `repeats`. `device_path`: what a worker runs on
+    its training device (covey.algorithms.device_round), here in torch on the CPU: the
+    device decoders, the rule over the payloads held in memory rather than spilled to
+    scratch files; else the host path (numpy decoders, one payload in memory at a time).
+    The row's `digest` is the new state's: both paths give the same."""
     from covey.algorithms.aggregation import build_aggregator
     from covey.algorithms.codecs import get_codec
     from covey.algorithms.diloco import outer_step
@@ -354,25 +360,28 @@ def time_round_result(numel: int = 4 << 20, workers: int = 8, repeats: int = 3) 
     payloads = [codec.encode(torch.randn(numel, generator=g) * 1e-3) for _ in range(workers)]
 
     def load(i: int) -> torch.Tensor:
-        return codec.decode(payloads[i], numel)
+        return codec.decode(payloads[i], numel, device_kernels=device_path)
 
     best = {"aggregate": float("inf"), "outer": float("inf"), "hash": float("inf")}
+    digest = ""
     for _ in range(repeats):
         t0 = time.perf_counter()
-        flat = aggregate_lazily(rule, workers, load, [1.0] * workers)
+        flat = aggregate_lazily(rule, workers, load, [1.0] * workers, spill=not device_path)
         t1 = time.perf_counter()
         new = outer_step(start, {"w": flat}, cfg)
         t2 = time.perf_counter()
-        new.digest()
+        digest = new.digest()
         t3 = time.perf_counter()
         for part, s in (("aggregate", t1 - t0), ("outer", t2 - t1), ("hash", t3 - t2)):
             best[part] = min(best[part], s)
     per_m = 1e3 / (numel / 1e6)
     return {
+        "path": "torch (device path) on the CPU" if device_path else "host (numpy)",
         "parameters_m": round(numel / 1e6, 3),
         "workers": workers,
         "codec": cfg.codec,
         "aggregation": trust.aggregation,
         "ms_per_m": round(sum(best.values()) * per_m, 3),
         **{f"{part}_ms_per_m": round(s * per_m, 3) for part, s in best.items()},
+        "digest": digest,
     }

@@ -35,7 +35,8 @@ def register(bench_app: Any) -> None:
         synchronizations one inner step makes (counted on the meta device); then host
         milliseconds per commitment (hash and sketches of parameters and AdamW moments)
         per 1M parameters; then host milliseconds per 1M parameters of a DiLoCo round result
-        (decode and aggregate --workers payloads, outer step, state digest)."""
+        (decode and aggregate --workers payloads, outer step, state digest) on the host path
+        and on the device path run in torch on the CPU, which must give the same state."""
         say = bench_say(log_json, "hostsync")
         from covey.bench.hostsync import run_hostsync_bench  # torch: only when it runs
         from covey.models.gpt import GPT_SIZES
@@ -60,12 +61,20 @@ def register(bench_app: Any) -> None:
         )
         from covey.bench.hostsync import time_round_result
 
-        r = time_round_result(commit_params, workers)
-        say(
-            f"round result: {r['ms_per_m']:8.3f} host ms/1M params for {workers} {r['codec']} "
-            f"payloads: decode + {r['aggregation']} {r['aggregate_ms_per_m']:.3f}, outer step "
-            f"{r['outer_ms_per_m']:.3f}, state digest {r['hash_ms_per_m']:.3f}"
-        )
+        results = []
+        for device_path in (False, True):
+            r = time_round_result(commit_params, workers, device_path=device_path)
+            results.append(r)
+            say(
+                f"round result, {r['path']}: {r['ms_per_m']:8.3f} host ms/1M params for "
+                f"{workers} {r['codec']} payloads: decode + {r['aggregation']} "
+                f"{r['aggregate_ms_per_m']:.3f}, outer step {r['outer_ms_per_m']:.3f}, state "
+                f"digest {r['hash_ms_per_m']:.3f}"
+            )
+        same = results[0]["digest"] == results[1]["digest"]
+        say(f"round result: both paths' new states {'hash alike' if same else 'DIFFER'}")
+        if not same:
+            raise typer.Exit(1)
         if json_path:
-            rows_out = {"methods": rows, "commitment": c, "round_result": r}
+            rows_out = {"methods": rows, "commitment": c, "round_result": results}
             json_path.write_text(json.dumps(rows_out, indent=1) + "\n")

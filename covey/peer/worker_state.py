@@ -189,10 +189,11 @@ class StateKeeping:
             return self._canonical(cert, f"weights hash {new_hash[:12]} != certificate's")
         self._serve_state(new_state, cert.new_cid)
         log.info(
-            "[%s - round %d] applied %d contributions; weights %s match the certificate",
+            "[%s - round %d] applied %d contributions on %s; weights %s match the certificate",
             self.name,
             cert.round,
             len(contributions),
+            self.strategy.round_computed_on or "the host",  # covey/algorithms/device_round.py
             cert.new_hash[:12],
         )
         return new_state, new_hash, False
