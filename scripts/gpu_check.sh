@@ -30,6 +30,7 @@ cat "$OUT/gpu.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 step checks 150 "$PY" scripts/gpu_check.py --json "$OUT/checks.json"
 step hostsync_tests 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_hostsync.py
+step round_on_cuda 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_device_round.py -k cuda
 step bench_gpu 180 "${COVEY[@]}" bench gpu --model covey:gpt2 --device cuda \
   --precision bf16 --no-llama --steps 10 --blocks 4 --json "$OUT/bench_gpu.json"
 step demo 200 "${COVEY[@]}" demo --workers 2 --validators 1 --device cuda --model micro \
