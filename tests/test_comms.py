@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -190,3 +191,48 @@ def test_every_row_counts_the_evidence_at_the_default_rate(
     result = CliRunner().invoke(app, ["bench", "comms", "--long", "--recount", str(earlier)])
     assert result.exit_code == 0, result.output
     assert "evidence: bytes a worker sends its validators at sampling rate 0.25" in result.output
+
+
+def test_the_evidence_can_be_counted_at_a_lower_sampling_rate(stdlib_corpus: Corpus) -> None:
+    """`--sample-rate` counts a row's evidence at that rate (a run that lowers it with a
+    higher stake, docs/trust.md) instead of the run's default; the payload is the same."""
+    from covey.bench.comms import bench_config, comms_methods, count_evidence
+    from covey.bench.comms_evidence import evidence_per_worker, evidence_state_bytes
+    from covey.config import TrustConfig
+
+    methods = {m.name: m for m in comms_methods(LONG)}
+    keep = bench_config(methods["diloco-h100-int4-ef"], LONG)
+    state = evidence_state_bytes(keep, stdlib_corpus.vocab_size)
+    low = keep.model_copy(update={"trust": keep.trust.model_copy(update={"sample_rate": 0.05})})
+
+    def rows() -> list[dict[str, Any]]:
+        return [
+            {"method": "ddp", "baseline": "ddp", "bytes_sent_per_worker": 1e9, "rounds": 2000},
+            {"method": "diloco-h100-int4-ef", "baseline": "ddp", "bytes_sent_per_worker": 1e6,
+             "rounds": 20},
+        ]  # fmt: skip
+
+    default, lowered = rows(), rows()
+    count_evidence(default, LONG, stdlib_corpus)
+    count_evidence(lowered, LONG, stdlib_corpus, sample_rate=0.05)
+    d, lo = default[1], lowered[1]
+    assert d["sample_rate"] == TrustConfig().sample_rate and lo["sample_rate"] == 0.05
+    assert lo["evidence_bytes_per_worker"] == pytest.approx(evidence_per_worker(low, 20, state))
+    assert lo["evidence_bytes_per_worker"] < d["evidence_bytes_per_worker"]
+    assert lo["comm_reduction_vs_ddp_with_evidence"] > d["comm_reduction_vs_ddp_with_evidence"]
+    assert lowered[0]["evidence_bytes_per_worker"] == 0  # DDP keeps no private state
+
+
+def test_the_trust_bench_runs_a_lower_rate_with_its_stake() -> None:
+    """`covey bench trust --sample-rate --min-stake`: the run's trust table takes them, the
+    rest of the bench's spec stays."""
+    from covey.bench.trust import run_spec
+    from covey.config import RunConfig
+
+    base = run_spec(10, 4)
+    low = run_spec(10, 4, trust={"sample_rate": 0.02, "min_stake": 19992.0})
+    assert low["trust"] == {"min_stake": 19992.0, "sample_rate": 0.02}
+    assert {k: v for k, v in low.items() if k != "trust"} == {
+        k: v for k, v in base.items() if k != "trust"
+    }
+    assert RunConfig.model_validate(low).trust.sample_rate == 0.02

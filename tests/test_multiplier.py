@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from covey.coordinator.assignment import CHECKS_SCHEMA
 from covey.coordinator.costs import run_costs
 from covey.coordinator.db import Database
 from covey.coordinator.peers import Peers
@@ -37,6 +38,7 @@ def test_no_accepted_work_has_no_multiplier() -> None:
 
 def test_a_coordinators_database_is_read_into_the_parts(tmp_path: Path) -> None:
     db = Database(tmp_path / "c.db")
+    db._conn.executescript(CHECKS_SCHEMA)  # the checks table (covey.coordinator.assignment)
     cert = {"accepted": [{"peer_id": "a"}, {"peer_id": "b"}]}
     with db.transaction() as c:
         for peer, mbps in (("a", 8.0), ("b", None), ("c", 1.0), ("d", 1.0)):
@@ -63,13 +65,14 @@ def test_a_coordinators_database_is_read_into_the_parts(tmp_path: Path) -> None:
         # attempt 0 was aborted after 2.5 s with 2 members
         detail = {"round": 0, "attempt": 0, "why": "x", "members": 2, "span_s": 2.5}
         db.event(c, 99.0, "round aborted", "", detail)
-        c.execute(
+        vid = c.execute(
             "INSERT INTO verifications (round, peer_id, status, report) VALUES (0, 'a', "
             "'agree', ?)",
             (json.dumps({"compute_s": 4.0}),),
-        )
-        # a's drawn start state (its end is recomputed, not fetched): 1 MB at 8 Mbit/s, 1 s;
-        # b's never came
+        ).lastrowid
+        c.execute("INSERT INTO checks VALUES (?, 'v', 'done', 101.0)", (vid,))
+        # a's drawn start state (its end is recomputed, not fetched), to its one validator:
+        # 1 MB at 8 Mbit/s, 1 s; b's never came
         c.execute(
             "INSERT INTO local_states (round, attempt, peer_id, start_cid, end_cid, end_size, "
             "evidence) VALUES (0, 1, 'a', 's', 'e', 1000000, 'pending')"
@@ -97,6 +100,7 @@ def test_the_incremental_rounds_booking_equals_a_full_scan(tmp_path: Path) -> No
     from covey.coordinator.costs import RoundsCosts
 
     db, rng = Database(tmp_path / "c.db"), random.Random(0)
+    db._conn.executescript(CHECKS_SCHEMA)
     peers, booking = Peers(db), RoundsCosts()
     with db.transaction() as c:
         for p in "abcd":
@@ -149,8 +153,61 @@ def test_the_incremental_rounds_booking_equals_a_full_scan(tmp_path: Path) -> No
                 (json.dumps({"compute_s": rng.random()}), r),
             )
             c.execute("UPDATE local_states SET evidence = 'pending' WHERE round = ?", (r,))
+            for v in c.execute("SELECT id FROM verifications WHERE round = ?", (r,)).fetchall():
+                for k in range(rng.randint(1, 2)):  # its validators' checks, completed
+                    c.execute("INSERT INTO checks VALUES (?, ?, 'done', 0.0)", (v[0], f"v{k}"))
         assert booking.update(db, peers).as_dict() == run_costs(db, peers).as_dict()
     assert booking.last_round == 11 and run_costs(db, peers).useful_s > 0
+    assert run_costs(db, peers).evidence_bytes > 0
+
+
+def test_evidence_is_booked_once_per_validator_that_fetched_it(tmp_path: Path) -> None:
+    """A new peer's contribution checked by two validators sent its start state twice, an
+    audited one by one more; a check still held, missed or attested withheld fetched
+    nothing; a contribution of an aborted attempt, and one with no start state (a first
+    round), sends none."""
+    db = Database(tmp_path / "c.db")
+    db._conn.executescript(CHECKS_SCHEMA)
+    size = 1_000_000
+    checks = {
+        "new": ["done", "done"],  # validators_per_check = 2
+        "audited": ["done", "done", "done"],  # two, and the audit's one
+        "sampled": ["done"],
+        "held": ["done", "assigned", "missed", "withheld"],
+    }
+    with db.transaction() as c:
+        for peer in [*checks, "fresh", "aborted"]:
+            c.execute(
+                "INSERT INTO peers (peer_id, state, bandwidth_mbps) VALUES (?, 'live', 8.0)",
+                (peer,),
+            )
+        members = [*checks, "fresh"]
+        cert = {"accepted": [{"peer_id": m} for m in members]}
+        c.execute(
+            "INSERT INTO rounds (round, attempt, status, opened_at, closed_at, members, "
+            "certificate) VALUES (1, 2, 'committed', 0.0, 10.0, ?, ?)",
+            (json.dumps(members), json.dumps(cert)),
+        )
+        for peer, statuses in [*checks.items(), ("fresh", ["done"]), ("aborted", ["done"])]:
+            attempt = 1 if peer == "aborted" else 2
+            start = None if peer == "fresh" else "s"
+            c.execute(
+                "INSERT INTO local_states (round, attempt, peer_id, start_cid, end_cid, "
+                "end_size, evidence) VALUES (1, ?, ?, ?, 'e', ?, 'pending')",
+                (attempt, peer, start, size),
+            )
+            if peer == "aborted":
+                continue  # its attempt was aborted: no verification
+            vid = c.execute(
+                "INSERT INTO verifications (round, peer_id, status) VALUES (1, ?, 'agree')",
+                (peer,),
+            ).lastrowid
+            for i, status in enumerate(statuses):
+                c.execute("INSERT INTO checks VALUES (?, ?, ?, 1.0)", (vid, f"v{i}", status))
+    costs = run_costs(db, Peers(db))
+    fetches = 2 + 3 + 1 + 1
+    assert costs.evidence_bytes == fetches * size
+    assert costs.evidence_s == pytest.approx(fetches * 1.0)  # 1 MB at 8 Mbit/s each
 
 
 def test_an_rl_runs_costs_are_booked_by_what_became_of_each_batch(tmp_path: Path) -> None:

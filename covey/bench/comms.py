@@ -298,10 +298,13 @@ def run_comms_bench(
     progress: bool = True,
     corpus: Corpus | None = None,
     jobs: int = 1,
+    sample_rate: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run the preset's methods (those in `only`, if given) into `out_dir`; print the table
     and write records.json and comms.png. Returns the rows (covey.bench.comms_report).
-    `corpus`: default the stdlib corpus. `jobs`: methods run at once after the warm-up."""
+    `corpus`: default the stdlib corpus. `jobs`: methods run at once after the warm-up.
+    `sample_rate`: the rate the evidence is counted at (default: the run's, trust's
+    default)."""
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     corpus = corpus or load_corpus()
@@ -328,7 +331,7 @@ def run_comms_bench(
         m.name: MethodRun(m.name, m.baseline, m.seed, *done[m.name]) for m in todo
     }
     rows = summarize(runs, size.tail)
-    count_evidence(rows, size, corpus, init, offset)
+    count_evidence(rows, size, corpus, init, offset, sample_rate=sample_rate)
     print(format_table(rows))
     if size.tail > 1:
         print(f"(val loss: the mean of the last {size.tail} evaluations of each run)")
@@ -350,10 +353,13 @@ def count_evidence(
     corpus: Corpus,
     init: str | None = None,
     offset: int = 0,
+    *,
+    sample_rate: float | None = None,
 ) -> None:
     """Add the verification evidence each row's worker sends at the run's default sampling
-    rate, and the reduction against DDP with it (covey.bench.comms_evidence), in place.
-    Rows of methods the preset does not name (an older run's) get none."""
+    rate (`sample_rate`, when given, instead: a run that lowers it with a higher stake,
+    docs/trust.md), and the reduction against DDP with it (covey.bench.comms_evidence), in
+    place. Rows of methods the preset does not name (an older run's) get none."""
     from covey.bench.comms_evidence import (
         add_evidence,
         add_multiplier,
@@ -372,6 +378,9 @@ def count_evidence(
         if method is None:
             continue
         cfg = bench_config(method, size, init=init, round_offset=offset)
+        if sample_rate is not None:
+            trust = cfg.trust.model_copy(update={"sample_rate": sample_rate})
+            cfg = cfg.model_copy(update={"trust": trust})
         rate = cfg.trust.sample_rate
         key = json.dumps(method.algorithm, sort_keys=True)
         if key not in state_bytes:
@@ -383,11 +392,14 @@ def count_evidence(
     add_multiplier(rows, checked, uplink)
 
 
-def recount_rows(path: Path, size: BenchSize) -> list[dict[str, Any]]:
-    """An earlier run's rows (its records.json) with the evidence counted: nothing is
-    trained (the bytes of a method's evidence follow from its config and rounds)."""
+def recount_rows(
+    path: Path, size: BenchSize, sample_rate: float | None = None
+) -> list[dict[str, Any]]:
+    """An earlier run's rows (its records.json) with the evidence counted (at
+    `sample_rate`, default the run's): nothing is trained (the bytes of a method's evidence
+    follow from its config and rounds)."""
     rows = json.loads(path.read_text())
-    count_evidence(rows, size, load_corpus())
+    count_evidence(rows, size, load_corpus(), sample_rate=sample_rate)
     print(format_table(rows))
     return rows
 

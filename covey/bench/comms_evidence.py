@@ -27,15 +27,12 @@ def evidence_state_bytes(cfg: SimConfig, vocab_size: int) -> int:
     method that carries no local state)."""
     from covey.algorithms import build_strategy
     from covey.models.source import build_run_model
-    from covey.trust.verify import local_state_nbytes
+    from covey.trust.verify import published_state_nbytes
 
     model, loss_fn, _, _ = build_run_model(
         cfg.model, cfg.seed, tokenizer_vocab=vocab_size, seq_len=cfg.data.seq_len
     )
-    strategy = build_strategy(cfg.algorithm, model, loss_fn)
-    if not strategy.carries_local_state:
-        return 0
-    return local_state_nbytes(strategy.evidence_layout())
+    return published_state_nbytes(build_strategy(cfg.algorithm, model, loss_fn))
 
 
 def evidence_per_worker(cfg: SimConfig, rounds: int, state_bytes: int) -> float:

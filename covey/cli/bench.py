@@ -65,6 +65,15 @@ def bench_comms(
             "evidence counted; trains nothing",
         ),
     ] = None,
+    sample_rate: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="count the evidence at this sampling rate instead of the run's default "
+            "(a run may lower it with a higher min_stake: docs/trust.md)",
+        ),
+    ] = None,
     log_json: Annotated[bool, LOG_JSON] = False,
 ) -> None:
     """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo vs DiLoCo+DCT, same tokens, 8 workers;
@@ -83,7 +92,7 @@ def bench_comms(
 
         if not recount.is_file():
             raise fail(f"--recount {recount}: no such file")
-        rows = recount_rows(recount, size)
+        rows = recount_rows(recount, size, sample_rate)
         if json_path:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(rows, indent=2) + "\n")
@@ -97,7 +106,8 @@ def bench_comms(
     if jobs < 1:
         raise fail(f"--jobs must be >= 1, got {jobs}")
     records = run_comms_bench(size=size, out_dir=out, only=only, resume=resume,
-                              progress=progress and not log_json, jobs=jobs)  # fmt: skip
+                              progress=progress and not log_json, jobs=jobs,
+                              sample_rate=sample_rate)  # fmt: skip
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(records, indent=2) + "\n")
@@ -305,6 +315,23 @@ def bench_trust(
         ),
     ] = None,
     rate: Annotated[float, typer.Option(help="sampling rate of --only sparse")] = 0.2,
+    sample_rate: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="the run's trust.sample_rate for --only cost, and the one rate --only "
+            "detection draws at (default: the trust default, and a range of rates)",
+        ),
+    ] = None,
+    min_stake: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="the run's trust.min_stake for --only cost (a lower sample_rate needs a "
+            "higher stake: docs/trust.md); workers stake it",
+        ),
+    ] = None,
     rounds: Annotated[int, typer.Option(min=5, help="rounds per local run (cost, loss)")] = 30,
     attack: Annotated[str, typer.Option(help="the cheat of the loss comparison")] = "sign-flip",
     tries: Annotated[int, typer.Option(min=1, help="batches per cheat of --only rl-sampling")] = 20,
@@ -337,15 +364,20 @@ def bench_trust(
         results["calibration"] = calibrate(model_size=model)
         say(json.dumps(results["calibration"]["summary"], indent=1))
     if "detection" in parts:
-        results["detection"] = bench.detection()
+        rates = bench.RATES if sample_rate is None else (sample_rate,)
+        results["detection"] = bench.detection(rates)
         for rate, row in results["detection"].items():
             cells = ", ".join(
                 f"{h}: {v['measured']:.3f} ({v['expected']:.3f})" for h, v in row.items()
             )
             say(f"sample rate {rate}: detected {cells}")
     if "cost" in parts:
-        run = bench.local_run(out / "cost", rounds, ["honest"] * 4)
-        results["cost"] = {"rounds": rounds, "compute": run["compute"], "wall_s": run["wall_s"]}
+        trust = {"sample_rate": sample_rate, "min_stake": min_stake}
+        trust = {k: v for k, v in trust.items() if v is not None}
+        run = bench.local_run(out / "cost", rounds, ["honest"] * 4, trust=trust)
+        results["cost"] = {
+            "rounds": rounds, "trust": trust, "compute": run["compute"], "wall_s": run["wall_s"]
+        }  # fmt: skip
         for phase, c in run["compute"].items():
             say(
                 f"{phase}: {c['re-executed']}/{c['contributions']} re-executed; validator "

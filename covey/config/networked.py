@@ -234,7 +234,10 @@ class TrustConfig(Frozen):
         2, ge=0, description="a contribution is paid this many rounds after it, unless disputed"
     )
     verify_timeout_s: float = Field(
-        120.0, gt=0, description="a claimed verification not reported in time goes back"
+        120.0,
+        gt=0,
+        description="a claimed verification not reported in time goes back: this long plus "
+        "its evidence at evidence_mbps (covey.trust.policy.check_timeout_s)",
     )
     evidence_mbps: float = Field(
         8.0,

@@ -9,25 +9,29 @@ validator), where the beacon is the hash of the round certificate before the rou
 accepted; the first ones are assigned. Each draw is an "assignment" ledger entry that the
 book checks by recomputing it, so `covey ledger verify` recomputes every draw.
 
-A validator sees only its own assigned checks (`/v1/verify/claim`). One it does not
-report within `verify_timeout_s` is a missed check ("verification" outcome "expired",
-naming it: counts against it), and the next validator in beacon order is drawn in its
-place. A contribution is paid only once its checks are complete (`Book.checks_complete`):
-a key that claims and never reports delays nothing but its own standing, is never paid
-for it, and cannot take checks away from an honest validator.
+A validator sees only its own assigned checks (`/v1/verify/claim`). One it does not report
+within `check_timeout_s` (covey.trust.policy: verify_timeout_s plus the evidence a check
+may fetch at the worker's paced trust.evidence_mbps) is a missed check ("verification"
+outcome "expired", naming it: counts against it), and the next validator in beacon order
+is drawn in its place. A contribution is paid only once its checks are complete
+(`Book.checks_complete`): a key that claims and never reports delays nothing but its own
+standing, is never paid for it, and cannot take checks away from an honest validator.
 
 The `checks` table is this module's own: one row per (verification, validator).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
 from covey.trust.certify import audit_draw
+from covey.trust.policy import check_timeout_s
 
 if TYPE_CHECKING:
+    from covey.algorithms.base import Strategy
     from covey.config import RunConfig
 
     from .accounts import Accounts
@@ -50,6 +54,18 @@ class Assignments:
     db: Database
     accounts: Accounts
     run_id: str
+    strategy: Strategy
+
+    @functools.cached_property
+    def check_timeout_s(self) -> float:
+        """How long a drawn check may be held before it is missed: verify_timeout_s plus
+        its evidence (one published state of this run's model and method, twice) at the
+        worker's paced rate (covey.trust.policy.check_timeout_s)."""
+        from covey.trust.verify import published_state_nbytes  # torch-heavy: coordinator only
+
+        trust = self.cfg.trust
+        size = published_state_nbytes(self.strategy)
+        return check_timeout_s(trust.verify_timeout_s, size, trust.evidence_mbps)
 
     def _create_checks_table(self) -> None:
         with self.db.lock:
@@ -85,10 +101,10 @@ class Assignments:
         return chosen
 
     def _sweep(self, c: sqlite3.Connection, now: float) -> None:
-        """Inside a transaction: checks held past verify_timeout_s are missed (recorded
+        """Inside a transaction: checks held past `check_timeout_s` are missed (recorded
         against their validator) and every open contribution short of validators gets
         the next ones in beacon order (validators that joined since included)."""
-        timeout = self.cfg.trust.verify_timeout_s
+        timeout = self.check_timeout_s
         late = c.execute(
             "SELECT k.vid, k.validator_id, v.round, v.peer_id FROM checks k "
             "JOIN verifications v ON v.id = k.vid "

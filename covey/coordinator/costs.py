@@ -11,12 +11,14 @@ What each part rests on:
 - rejected: members whose contribution was refused at intake or left out at the close;
 - verification: the compute seconds in each validator's report;
 - evidence: the local state a drawn contribution started from, where it started from one
-  (the private state a method keeps between rounds), that its validator fetches from its
-  worker (its end state is recomputed and tied to its content id, so it does not travel
-  when the re-execution is bit-identical), once a drawn contribution, at the worker's
-  measured bandwidth (0 s where the bandwidth is unknown, and the
-  part is then listed as unmeasured). Rounds do not wait for it: these are seconds of the
-  worker's link, not of the round; evidence never delivered is not counted;
+  (the private state a method keeps between rounds), that each of its validators fetches
+  from its worker (its end state is recomputed and tied to its content id, so it does not
+  travel when the re-execution is bit-identical): once per validator that completed a
+  check of it (a new peer's contribution is checked by validators_per_check of them, an
+  audit adds one), at the worker's measured bandwidth (0 s where the bandwidth is
+  unknown, and the part is then listed as unmeasured). Rounds do not wait for it: these
+  are seconds of the worker's link, not of the round; evidence never delivered (a check
+  attested withheld, or one still held or missed) is not counted;
 - redundant: none in this mode (no work is done twice but to verify it).
 """
 
@@ -41,8 +43,9 @@ def run_costs(db: Database, peers: Peers) -> Costs:
 class RoundsCosts:
     """`run_costs`, kept incrementally: a committed round and an aborted attempt's event are
     final once written, so each is booked once (rounds past the last booked one, events past
-    the last booked id); checks' reports and evidence (one row per drawn contribution, and
-    a report or delivery can land at any time) are read again on every update. An update
+    the last booked id); checks' reports and evidence (a drawn contribution's start state,
+    once per validator that completed a check of it, which can land at any time) are read
+    again on every update. An update
     gives the same Costs as a full scan of the same database."""
 
     def __init__(self) -> None:
@@ -112,11 +115,16 @@ def _checks(db: Database, peers: Peers, costs: Costs) -> None:
             costs.mark_unmeasured("verification reports without compute")
     speed = {p["peer_id"]: p["bandwidth_mbps"] for p in peers.every()}
     for s in db.query(
-        "SELECT peer_id, start_cid, end_size FROM local_states "
-        "WHERE evidence IS NOT NULL AND evidence != 'undelivered'"
+        "SELECT l.peer_id, l.start_cid, l.end_size, (SELECT COUNT(*) FROM checks k "
+        "JOIN verifications v ON v.id = k.vid WHERE v.round = l.round AND "
+        "v.peer_id = l.peer_id AND k.status = 'done') AS fetches FROM local_states l "
+        "JOIN rounds r ON r.round = l.round AND r.attempt = l.attempt "
+        "WHERE r.status = 'committed' AND l.evidence IS NOT NULL "
+        "AND l.evidence != 'undelivered'"
     ):
-        # the start state when it was a local one (every local state has the end's size)
-        size = int(s["end_size"] or 0) if s["start_cid"] else 0
+        # the start state when it was a local one (every local state has the end's size),
+        # fetched by each validator that completed a check of it
+        size = int(s["end_size"] or 0) * int(s["fetches"]) if s["start_cid"] else 0
         costs.evidence_bytes += size
         mbps = speed.get(s["peer_id"])
         if mbps and mbps > 0:

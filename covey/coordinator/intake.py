@@ -219,9 +219,9 @@ class Intake(Views):
     def evidence_size(self) -> int:
         """The size of a published end state (covey.trust.evidence.evidence_of: the private
         part of a local state alone, when the strategy does not carry its parameters)."""
-        from covey.trust.verify import local_state_nbytes  # torch-heavy: coordinator only
+        from covey.trust.verify import published_state_nbytes  # torch-heavy: coordinator only
 
-        return local_state_nbytes(self.strategy.evidence_layout())
+        return published_state_nbytes(self.strategy)
 
     def _check_local_state(self, req: schemas.ContributionRequest) -> Draw | None:
         """The local-state chain (covey.algorithms.base): a strategy that carries local

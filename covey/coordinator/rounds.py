@@ -181,7 +181,10 @@ class Rounds(Intake, Views):
                         "spec": self.cfg.model_dump(mode="json"),
                         "coordinator_key": self.identity.public_key,
                         "policy": Policy.from_config(
-                            self.cfg.trust, self.cfg.rounds.deadline_max_s, held_stake=True
+                            self.cfg.trust,
+                            self.cfg.rounds.deadline_max_s,
+                            held_stake=True,
+                            evidence_bytes=self.evidence_size,
                         ).to_dict(),
                         # spec + data fingerprint hash to run_id: an auditor checks the
                         # spec here is the one peers were served (covey.io.audit)

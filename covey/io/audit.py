@@ -214,8 +214,16 @@ def _check_treasury_terms(created: dict[str, Any]) -> None:
     from covey.trust.policy import Policy
 
     spec = RunConfig.model_validate(created["spec"])
-    terms = Policy.from_config(spec.trust, spec.rounds.deadline_max_s, held_stake=True)
     policy = created.get("policy")
+    # the published state's size is the model's and method's, which the spec alone does not
+    # give without building the model: the policy names it, and every contribution's
+    # signed end_state_size must equal it (covey.coordinator.intake)
+    size = policy.get("evidence_bytes", 0) if isinstance(policy, dict) else 0
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise LedgerError(0, f"run created: policy.evidence_bytes is {size!r}, not a size")
+    terms = Policy.from_config(
+        spec.trust, spec.rounds.deadline_max_s, held_stake=True, evidence_bytes=size
+    )
     for name in ("held_stake", "unbonding_s"):
         if isinstance(policy, dict) and name in policy and policy[name] != getattr(terms, name):
             raise LedgerError(

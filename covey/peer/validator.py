@@ -39,7 +39,7 @@ from covey.trust import verify
 from covey.trust.evidence import evidence_commitment
 from covey.trust.halt import EXIT_HALTED
 from covey.trust.identity import Identity
-from covey.trust.withholding import evidence_deadline_s
+from covey.trust.policy import evidence_deadline_s
 
 log = logging.getLogger("covey.validator")
 
@@ -479,7 +479,7 @@ class Validator:
 
 class Undelivered(Exception):
     """The worker's providers did not deliver a committed local state within the evidence
-    deadline (covey.trust.withholding.evidence_deadline_s)."""
+    deadline (covey.trust.policy.evidence_deadline_s)."""
 
 
 class Stopping(BaseException):

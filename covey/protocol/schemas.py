@@ -298,7 +298,7 @@ class VerifyReport(Signed):
     validator_id: PeerId
     task_id: Count
     # "withheld": the worker's providers did not deliver the evidence the check needs
-    # within covey.trust.withholding.evidence_deadline_s (signed: it is an attestation)
+    # within covey.trust.policy.evidence_deadline_s (signed: it is an attestation)
     outcome: Literal["agree", "disagree", "withheld"]
     worker_id: PeerId | None = None  # the checked contribution's worker (a "withheld" names it)
     exact: bool = False

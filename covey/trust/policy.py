@@ -12,6 +12,35 @@ if TYPE_CHECKING:
     from covey.config import TrustConfig
 
 
+# how many fetches of a worker's evidence share its paced rate (trust.evidence_mbps) in a
+# deadline: the two validators that check a new worker's contribution fetch at once
+EVIDENCE_FETCHERS = 2
+# the published states (covey.trust.evidence.evidence_of) one check may fetch: the one its
+# round started from, and its end state when the re-execution is not bit-identical
+CHECK_EVIDENCE_STATES = 2
+
+
+def evidence_deadline_s(base_s: float, evidence_bytes: int, evidence_mbps: float) -> float:
+    """`base_s` plus the time `evidence_bytes` of a worker's evidence take at its paced
+    rate (`evidence_mbps`, the run's trust.evidence_mbps) shared by EVIDENCE_FETCHERS
+    fetches. Every deadline that waits for evidence is this (docs/trust.md): a validator's
+    fetch of one published state (base: limits.request_timeout_s), after which it attests
+    the evidence withheld (covey.trust.withholding), and a check's whole time
+    (`check_timeout_s`: the coordinator's expiry of a held check, and the unbonding
+    period's count of checks)."""
+    return base_s + evidence_bytes * 8 * EVIDENCE_FETCHERS / (evidence_mbps * 1e6)
+
+
+def check_timeout_s(verify_timeout_s: float, state_bytes: int, evidence_mbps: float) -> float:
+    """How long a validator may hold a drawn check before it is missed: verify_timeout_s
+    (re-executing and reporting) plus CHECK_EVIDENCE_STATES published states of
+    `state_bytes` (the run's model and method: covey.trust.verify.published_state_nbytes)
+    at the paced rate (`evidence_deadline_s`). A validator's own fetches, each one request
+    timeout plus one state, end within it (limits.request_timeout_s is below
+    verify_timeout_s), so an honest check of a big model's evidence is not expired."""
+    return evidence_deadline_s(verify_timeout_s, CHECK_EVIDENCE_STATES * state_bytes, evidence_mbps)
+
+
 def unbonding_delay(
     *,
     round_s: float,
@@ -20,21 +49,23 @@ def unbonding_delay(
     validators_per_check: int,
     dispute_attempts: int,
     shard_publish_timeout_s: float = 0.0,
+    state_bytes: int = 0,
+    evidence_mbps: float = 8.0,
 ) -> float:
     """The unbonding period: the longest a slash can take to reach a key after it leaves.
 
     (challenge_rounds + 1) x round_s: its last contribution's round closes and it is paid
     challenge_rounds rounds later (round_s: the longest round, deadline_max_s); plus
-    (2 x validators_per_check + 2 + dispute_attempts) x verify_timeout_s: each drawn check
-    may expire once and be drawn again (2 x validators_per_check), the audit and the
-    withheld-evidence attestation (each within a check's time), and every referee attempt
-    counted as a check's time; plus 2 x shard_publish_timeout_s: a sharded round's
-    aggregator is judged at most that long after its round closed."""
+    (2 x validators_per_check + 2 + dispute_attempts) x a check's time (`check_timeout_s`:
+    verify_timeout_s plus the evidence of `state_bytes` at `evidence_mbps`; 0 bytes: a
+    method that keeps no private state): each drawn check may expire once and be drawn
+    again (2 x validators_per_check), the audit and the withheld-evidence attestation (each
+    within a check's time), and every referee attempt counted as a check's time; plus
+    2 x shard_publish_timeout_s: a sharded round's aggregator is judged at most that long
+    after its round closed."""
     checks = 2 * validators_per_check + 2 + dispute_attempts
-    return (
-        (challenge_rounds + 1) * round_s + checks * verify_timeout_s
-        + 2 * shard_publish_timeout_s
-    )  # fmt: skip
+    check_s = check_timeout_s(verify_timeout_s, state_bytes, evidence_mbps)
+    return (challenge_rounds + 1) * round_s + checks * check_s + 2 * shard_publish_timeout_s
 
 
 @dataclass(frozen=True)
@@ -65,17 +96,29 @@ class Policy:
     # least time from an unbond to its release
     held_stake: int = 0
     unbonding_s: float = 0.0
+    # the bytes of one published end state (a drawn contribution's evidence) of the run's
+    # model and method, which a check's time counts (`check_timeout_s`); 0: none (a method
+    # with no private state, another mode, or an older ledger)
+    evidence_bytes: int = 0
 
     @classmethod
     def from_config(
-        cls, cfg: TrustConfig, round_s: float = 0.0, *, held_stake: bool = False
+        cls,
+        cfg: TrustConfig,
+        round_s: float = 0.0,
+        *,
+        held_stake: bool = False,
+        evidence_bytes: int = 0,
     ) -> Policy:
         """The rules of a spec's trust table; `round_s` is the longest a round of the
         run may last (rounds: deadline_max_s), which the unbonding period covers;
         `held_stake`: a key bonds only what it holds (the rounds mode; the modes that do
-        not fund their keys yet declare stakes, docs/trust.md)."""
+        not fund their keys yet declare stakes, docs/trust.md); `evidence_bytes`: one
+        published end state of the run's model and method, whose fetch a check's time
+        allows for (`check_timeout_s`)."""
         derived = {
             "held_stake": int(held_stake),
+            "evidence_bytes": int(evidence_bytes),
             "unbonding_s": unbonding_delay(
                 round_s=round_s,
                 challenge_rounds=cfg.challenge_rounds,
@@ -83,6 +126,8 @@ class Policy:
                 validators_per_check=cfg.validators_per_check,
                 dispute_attempts=cfg.dispute_attempts,
                 shard_publish_timeout_s=cfg.shard_publish_timeout_s,
+                state_bytes=evidence_bytes,
+                evidence_mbps=cfg.evidence_mbps,
             ),
         }
         return cls.from_dict(
@@ -181,6 +226,7 @@ _LATER_FIELDS = (
     "audit_rate",
     "held_stake",
     "unbonding_s",
+    "evidence_bytes",
 )
 _INT_FIELDS = (
     "new_peer_contributions",
@@ -188,4 +234,5 @@ _INT_FIELDS = (
     "validator_round_cap",
     "established_checks",
     "held_stake",
+    "evidence_bytes",
 )

@@ -430,6 +430,16 @@ def local_state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
     return safetensors_nbytes(state, local_state_metadata())
 
 
+def published_state_nbytes(strategy: Strategy) -> int:
+    """The bytes of one end state a worker of `strategy` publishes (covey.trust.evidence.
+    evidence_of: its private state, on the wire), 0 for a strategy that carries no local
+    state: what a drawn check's validator fetches per state, and what its deadline counts
+    (covey.trust.policy.check_timeout_s)."""
+    if not strategy.carries_local_state:
+        return 0
+    return local_state_nbytes(strategy.evidence_layout())
+
+
 def local_state_from_bytes(
     data: bytes, template: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:

@@ -8,7 +8,9 @@ coordinator's word alone (docs/trust.md, "Verification off the critical path").
   (covey.trust.certify.sample). Nobody can change what is owed after the draw.
 - Non-delivery is attested by the drawn validators themselves: each signs a report with
   outcome "withheld" naming the worker, once it has tried the worker's providers for
-  `evidence_deadline_s`. The signed report goes into the ledger's "verification" entry
+  `evidence_deadline_s` (covey.trust.policy: the request timeout plus the state at the
+  worker's paced rate; the coordinator's expiry of the check, `check_timeout_s`, allows
+  for it). The signed report goes into the ledger's "verification" entry
   (`attestation`), so `covey ledger verify` checks every signature with the validator's key
   from its join entry.
 - The penalty (a "slash" with `withheld: true`: `slash_fraction` of the stake, the ban, the
@@ -33,25 +35,11 @@ from covey.trust.ledger import LedgerError
 if TYPE_CHECKING:
     from covey.trust.policy import Account
 
-# how many fetches of a worker's evidence a validator allows for sharing the worker's paced
-# rate (trust.evidence_mbps) when it sets its deadline: the two validators that check a new
-# worker's contribution fetch at once
-EVIDENCE_FETCHERS = 2
 # a worker keeps a drawn contribution's evidence for this many rounds (covey.peer.
 # worker_publish: its receipt says it was drawn); a check claimed later may find it gone
 EVIDENCE_KEEP_ROUNDS = 32
 WITHHOLD_ATTESTATIONS = 2  # distinct validators that must attest non-delivery
 REPORT_PATH = "/v1/verify/report"
-
-
-def evidence_deadline_s(
-    request_timeout_s: float, evidence_bytes: int, evidence_mbps: float
-) -> float:
-    """How long a drawn validator keeps asking a worker's providers for its evidence
-    (`evidence_bytes`, the local state its check needs) before it attests non-delivery:
-    one request timeout plus the bytes at the worker's paced rate (`evidence_mbps`, the
-    run's trust.evidence_mbps) shared by EVIDENCE_FETCHERS fetches."""
-    return request_timeout_s + evidence_bytes * 8 * EVIDENCE_FETCHERS / (evidence_mbps * 1e6)
 
 
 def attestation_fault(
