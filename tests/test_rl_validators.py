@@ -27,6 +27,8 @@ from covey.trust.house import house_identity
 from covey.trust.identity import Identity
 from tests.rl_helpers import (
     batch_status,
+    fund,
+    join_funded,
     joined_worker,
     ledger,
     policy,
@@ -73,7 +75,7 @@ def _house_worker(url: str, key: Path, canary: bool, after: int = 0) -> HouseRol
         )
     )
     w = HouseRolloutWorker(url, key, index, name="house")
-    w.membership.join("worker", w.name, w.stake)
+    join_funded(url, w, "worker")
     return w
 
 
@@ -204,8 +206,14 @@ def test_a_lazy_validator_pays_within_the_expected_reports(tmp_path: Path) -> No
     with trainer_process(data_dir, spec) as url:
         cmd = [sys.executable, "-m", "covey", "rl", "worker", "--trainer", url]
         house = ["--house-of", str(data_dir / "trainer.key")]
+        honest = Identity.load_or_create(tmp_path / "honest.key")
+        owner = Identity.load_or_create(data_dir / "trainer.key")
+        run_id = httpx.get(f"{url}/v1/run").json()["run_id"]
+        for key in (honest, house_identity(owner, run_id, 0)):  # what each stakes (1 credit)
+            fund(url, key.public_key, 1.0)
         procs = []
-        for name, extra in (("honest", []), ("house", house)):
+        for name, extra in (("honest", ["--identity", str(tmp_path / "honest.key")]),
+                            ("house", house)):  # fmt: skip
             with open(tmp_path / f"{name}.log", "wb") as log:
                 argv = [*cmd, "--name", name, *extra]
                 procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))

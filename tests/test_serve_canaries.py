@@ -16,7 +16,7 @@ import pytest
 from covey.config import TrustConfig
 from covey.trust.identity import Identity
 from tests.rl_helpers import wait_for
-from tests.serve_helpers import tiny_served_model
+from tests.serve_helpers import funded, tiny_served_model
 from tests.test_serve import _thread, in_process_server
 
 
@@ -53,9 +53,11 @@ def test_a_validator_that_agrees_without_checking_is_caught(
     )
     with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
         stop = threading.Event()
-        worker = ServeWorker(url, Identity.generate(), model_dir, name="w", stop=stop)
-        honest = ServeValidator(url, Identity.generate(), model_dir, name="v", stop=stop)
-        lazy = LazyServeValidator(url, Identity.generate(), model_dir, name="lazy", stop=stop)
+        worker = funded(s, ServeWorker(url, Identity.generate(), model_dir, name="w", stop=stop))
+        honest = funded(s, ServeValidator(url, Identity.generate(), model_dir, name="v", stop=stop))
+        lazy = funded(
+            s, LazyServeValidator(url, Identity.generate(), model_dir, name="lazy", stop=stop)
+        )
         threads = [_thread(p.run_loop) for p in (worker, honest, lazy)]
         book = s.accounts.book.accounts
         try:
