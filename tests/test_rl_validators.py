@@ -28,7 +28,6 @@ from covey.trust.identity import Identity
 from tests.rl_helpers import (
     batch_status,
     fund,
-    join_funded,
     joined_worker,
     ledger,
     policy,
@@ -74,8 +73,8 @@ def _house_worker(url: str, key: Path, canary: bool, after: int = 0) -> HouseRol
             is not None
         )
     )
-    w = HouseRolloutWorker(url, key, index, name="house")
-    join_funded(url, w, "worker")
+    w = HouseRolloutWorker(url, key, index, name="house")  # the owner's: it funds its keys
+    w.membership.join("worker", w.name, w.stake)
     return w
 
 
@@ -146,7 +145,10 @@ def test_validators_that_agree_or_hunt_tells_pay_for_a_house_canary(
         honest = joined_worker(url)  # a real batch of the same step beside the canary
         info = policy(url)
         assert house.step(info) is not None and honest.step(info) is not None
-        ctx = validator(url, "lazy") if make is None else _running(make())
+        hunter = None if make is None else make()
+        if hunter is not None:  # the owner funds its stake: it joins in run_loop
+            fund(url, hunter.identity.public_key, hunter.stake)
+        ctx = validator(url, "lazy") if hunter is None else _running(hunter)
         with ctx as lazy:
             wait_for(lambda: _house_canaries(url, house_id), 90, "the reveal")  # noqa: B023
             [reveal] = _house_canaries(url, house_id)
@@ -207,10 +209,7 @@ def test_a_lazy_validator_pays_within_the_expected_reports(tmp_path: Path) -> No
         cmd = [sys.executable, "-m", "covey", "rl", "worker", "--trainer", url]
         house = ["--house-of", str(data_dir / "trainer.key")]
         honest = Identity.load_or_create(tmp_path / "honest.key")
-        owner = Identity.load_or_create(data_dir / "trainer.key")
-        run_id = httpx.get(f"{url}/v1/run").json()["run_id"]
-        for key in (honest, house_identity(owner, run_id, 0)):  # what each stakes (1 credit)
-            fund(url, key.public_key, 1.0)
+        fund(url, honest.public_key, 1.0)  # what it stakes (the house worker funds its own)
         procs = []
         for name, extra in (("honest", ["--identity", str(tmp_path / "honest.key")]),
                             ("house", house)):  # fmt: skip
