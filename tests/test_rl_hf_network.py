@@ -28,7 +28,7 @@ from covey.rl.runspec import RLSpec, TaskSpec
 from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity
-from tests.rl_helpers import free_port, fund, join_funded, trainer_process, wait_for
+from tests.rl_helpers import OWNERS, free_port, fund, join_funded, trainer_process, wait_for
 
 pytestmark = pytest.mark.network
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +81,7 @@ def in_process_trainer(data_dir: Path, policy: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     spec = RLSpec(**SPEC, task=_prompts(data_dir.parent), **pol.spec_defaults(policy))
     t = Trainer(data_dir, spec=spec, policy_dir=policy, url=url)
+    OWNERS[url] = data_dir  # its key funds the keys the test stakes
     server = uvicorn.Server(
         uvicorn.Config(create_app(t), host="127.0.0.1", port=port, log_level="warning")
     )
