@@ -57,11 +57,27 @@ def peer_join(base: str, path: str = "/v1/join", **extra: Any) -> Join:
     return join
 
 
+def ledger_verify(source: str | Path) -> subprocess.CompletedProcess[str]:
+    """`covey ledger verify SOURCE` as a user runs it (the command registers every mode's
+    treasury terms)."""
+    return subprocess.run(
+        [sys.executable, "-m", "covey", "ledger", "verify", str(source)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
 def held_not_declared(
-    url: str, join: Join, funded: Identity, stake: float, owner: Identity, tmp: Path
+    url: str,
+    join: Join,
+    funded: Identity,
+    stake: float,
+    owner: Identity,
+    tmp: Path,
+    cli: bool = False,
 ) -> None:
     """The checks every mode passes; `funded` holds `stake` credits from the spec's funds,
-    `owner` is the coordinator's key (the one that signs the ledger)."""
+    `owner` is the coordinator's key (the one that signs the ledger). `cli`: also run
+    `covey ledger verify` on the honest ledger and the copy with stakes declared."""
     before = audit.load(url)[0]
     assert [e.payload["amount"] for e in before if e.type == "deposit"] == [stake]
     poor = Identity.generate()
@@ -76,11 +92,9 @@ def held_not_declared(
     assert bond.payload == {"peer_id": funded.peer_id, "amount": stake}
     honest = audit.verify(url, terms=TERMS)
     assert honest.summary["accounts"][funded.peer_id]["stake"] == stake
-    done = subprocess.run(
-        [sys.executable, "-m", "covey", "ledger", "verify", url],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0 and "ledger OK" in done.stdout, done.stdout + done.stderr
+    if cli:
+        done = ledger_verify(url)
+        assert done.returncode == 0 and "ledger OK" in done.stdout, done.stdout + done.stderr
 
     def bonds_more(e: Any) -> tuple[str, dict[str, Any]]:
         return e.type, {**e.payload, "amount": 10 * stake} if e.type == "stake" else e.payload
@@ -98,6 +112,10 @@ def held_not_declared(
     bent = resigned(entries, owner, tmp / "declared", declared)
     with pytest.raises(LedgerError, match=r"policy\.held_stake is 0, but the spec gives 1"):
         audit.verify(bent, terms=TERMS)
+    if cli:
+        done = ledger_verify(bent)
+        assert done.returncode == 1 and "ledger INVALID" in done.stdout, done.stdout + done.stderr
+        assert "policy.held_stake is 0, but the spec gives 1" in done.stdout
 
 
 def test_rl_stake_is_held(tmp_path: Path) -> None:
@@ -107,7 +125,7 @@ def test_rl_stake_is_held(tmp_path: Path) -> None:
     with trainer_process(data, spec) as url:
         join = peer_join(url, step_time_s=1.0)
         owner = Identity.load_or_create(data / "trainer.key")
-        held_not_declared(url, join, funded, 1.0, owner, tmp_path)
+        held_not_declared(url, join, funded, 1.0, owner, tmp_path, cli=True)
 
 
 def test_swarm_stake_is_held(tmp_path: Path) -> None:
