@@ -72,8 +72,9 @@ class Policy:
     ) -> Policy:
         """The rules of a spec's trust table; `round_s` is the longest a round of the
         run may last (rounds: deadline_max_s), which the unbonding period covers;
-        `held_stake`: a key bonds only what it holds (the rounds mode; the modes that do
-        not fund their keys yet declare stakes, docs/trust.md)."""
+        `held_stake`: a key bonds only what it holds (every mode's coordinator passes
+        it; the RL, SWARM and serving modes set their own unbonding period over this
+        one's, docs/trust.md)."""
         derived = {
             "held_stake": int(held_stake),
             "unbonding_s": unbonding_delay(
