@@ -4,10 +4,12 @@ coordinator process on 127.0.0.1 (a `covey rl trainer`, `covey swarm coordinator
 bonds more than it holds is refused with an error naming its balance, and nothing is
 written; a key the spec's `[trust.funds]` grants credits bonds them; `covey ledger verify`
 accepts the honest ledger, and refuses a copy re-signed by the coordinator with a bond above
-the key's balance or with the mode's treasury terms bent (stakes declared)."""
+the key's balance, with funds the spec did not grant, or with the mode's treasury terms
+bent (stakes declared)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -108,6 +110,21 @@ def held_not_declared(
         if e.type != "run created":
             return e.type, e.payload
         return e.type, {**e.payload, "policy": {**e.payload["policy"], "held_stake": 0}}
+
+    def minted(e: Any) -> tuple[str, dict[str, Any]]:
+        """The spec in "run created" granting the key 100 times what the run's spec did,
+        and the deposit to match: a coordinator minting credits the spec never gave."""
+        payload = copy.deepcopy(e.payload)
+        if e.type == "run created":
+            spec = payload["spec"]
+            table = spec.get("rl") or spec.get("serve") or spec
+            table["trust"]["funds"][funded.public_key] *= 100
+        elif e.type == "deposit":
+            payload["amount"] *= 100
+        return e.type, payload
+
+    with pytest.raises(LedgerError, match="spec hashes to"):
+        audit.verify(resigned(entries, owner, tmp / "minted", minted), terms=TERMS)
 
     bent = resigned(entries, owner, tmp / "declared", declared)
     with pytest.raises(LedgerError, match=r"policy\.held_stake is 0, but the spec gives 1"):
