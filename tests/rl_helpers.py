@@ -16,7 +16,9 @@ from typing import Any
 
 import httpx
 
+from covey.io.deposit import deposit
 from covey.rl.cheater import rollout_validator, rollout_worker
+from covey.rl.trainer import KEY_FILE
 from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity
@@ -35,6 +37,28 @@ dead_after_s = 3
 max_batch_bytes = 200000
 canary_rate = 0.0
 """
+
+
+# trainer URL -> its data directory: the run's owner is the trainer's key (trainer.key),
+# which funds the keys the tests stake (a key bonds only credits it holds)
+OWNERS: dict[str, Path] = {}
+
+
+def fund(url: str, public_key: str, amount: float) -> None:
+    """Deposit `amount` credits to `public_key` in the run at `url` as its owner (the
+    trainer's key), through POST /v1/ledger/deposit (covey.io.deposit)."""
+    if amount <= 0:
+        return
+    owner = Identity.load_or_create(OWNERS[url] / KEY_FILE)
+    run_id = httpx.get(f"{url}/v1/run", timeout=10).json()["run_id"]
+    deposit(url, owner, public_key, float(amount), run_id)
+
+
+def join_funded(url: str, peer: Any, role: str) -> Any:
+    """Fund what an in-process peer stakes, then join it as `role`; the peer."""
+    fund(url, peer.identity.public_key, peer.stake)
+    peer.membership.join(role, peer.name, peer.stake)
+    return peer
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
@@ -70,6 +94,7 @@ def start_trainer(
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    OWNERS[url] = data_dir
 
     def up() -> bool:
         assert proc.poll() is None, f"trainer exited {proc.returncode}: see {log_path}"
@@ -111,6 +136,7 @@ def trainer_process(data_dir: Path, spec: str = SPEC, **kwargs: Any) -> Iterator
 def validator(url: str, behavior: str = "honest") -> Iterator[RolloutValidator]:
     """An in-process validator polling URL for the block."""
     v = rollout_validator(url, Identity.generate(), name=f"v-{behavior}", behavior=behavior)
+    fund(url, v.identity.public_key, v.stake)  # it joins in run_loop
     thread = threading.Thread(target=v.run_loop, kwargs={"poll_s": 0.1}, daemon=True)
     thread.start()
     try:
@@ -122,8 +148,7 @@ def validator(url: str, behavior: str = "honest") -> Iterator[RolloutValidator]:
 
 def joined_worker(url: str, behavior: str = "honest") -> RolloutWorker:
     w = rollout_worker(url, Identity.generate(), name=f"w-{behavior}", behavior=behavior)
-    w.membership.join("worker", w.name, w.stake)
-    return w
+    return join_funded(url, w, "worker")
 
 
 def batch_status(url: str, worker_id: str) -> list[dict[str, Any]]:

@@ -9,11 +9,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from covey.io.deposit import fund_key
 from tests.rl_helpers import ROOT, free_port, stop, wait_for
 from tests.tiny_hf import tiny_gpt2, tiny_tokenizer
+from tests.treasury_helpers import fund
 
 _MADE: dict[int, Path] = {}  # seed -> the first folder made in this process
 
@@ -76,6 +79,13 @@ def server_process(
         stop(proc)
 
 
+def funded(service: Any, peer: Any) -> Any:
+    """An in-process worker or validator of `service`'s run, its stake deposited to its
+    key by the run's owner first (a key bonds only credits it holds)."""
+    fund(service, peer.identity.public_key, peer.stake)
+    return peer
+
+
 def peer_process(
     tmp: Path,
     url: str,
@@ -85,7 +95,15 @@ def peer_process(
     behavior: str = "honest",
     extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
+    """`covey serve worker|validator` of the server_process at `url` (data dir
+    tmp/server), under its own key, funded by the server's key with the 10 credits a
+    peer stakes by default; with `--house-of` in `extra`, under the house keys it
+    derives and funds itself."""
     cmd = ["serve", role, "--server", url, "--model", str(model), "--name", name, *extra]
+    if "--house-of" not in extra:
+        key = tmp / f"{name}.key"
+        fund_key(url, tmp / "server" / "coordinator.key", key, 10.0)
+        cmd += ["--identity", str(key)]
     if role == "worker":
         cmd += ["--behavior", behavior]
     return start(cmd, tmp / f"{name}.log")

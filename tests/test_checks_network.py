@@ -25,7 +25,7 @@ from covey.rl.validator import RolloutValidator
 from covey.trust.identity import Identity
 from covey.trust.incentives import Book
 from covey.trust.ledger import Entry, LedgerError
-from tests.rl_helpers import joined_worker, trainer_process, wait_for
+from tests.rl_helpers import join_funded, joined_worker, trainer_process, wait_for
 from tests.test_assignment import Squatter
 from tests.test_checks import resigned
 from tests.test_rl_attacks import claim, honest_body, post, report, signed, with_batch
@@ -198,7 +198,7 @@ def test_an_rl_validator_that_agreed_with_a_bad_batch_pays_for_it_the_same_way(
     rounds referee calls, charges the validator validator_slash_fraction of its stake; its
     check was not paid, so nothing is clawed back; the ledger replays."""
     checker = RolloutValidator(trainer, Identity.generate(), name="v-agrees")
-    checker.membership.join("validator", checker.name, checker.stake)
+    join_funded(trainer, checker, "validator")
     w = joined_worker(trainer)
     try:
         body, v = honest_body(trainer, w)

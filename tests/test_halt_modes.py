@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from covey.swarm.launch import Swarm
 from covey.trust.halt import EXIT_HALTED, HALT_PATH
 from covey.trust.identity import NO_ROUND, Identity, request_purpose
-from tests.rl_helpers import ROOT, trainer_process, wait_for
+from tests.rl_helpers import ROOT, fund, trainer_process, wait_for
 from tests.swarm_helpers import SETTINGS
 
 pytestmark = pytest.mark.network
@@ -191,10 +191,15 @@ def test_rl_forged_halts_are_refused(rl_run: tuple[str, Path, str]) -> None:
 def test_covey_halt_stops_an_rl_run(rl_run: tuple[str, Path, str], tmp_path: Path) -> None:
     url, data, run_id = rl_run
     logs = {name: tmp_path / f"{name}.log" for name in ("worker", "validator")}
+    keys = {name: tmp_path / f"{name}.key" for name in logs}
+    for name, stake in (("worker", 1.0), ("validator", 10.0)):  # what each stakes: funded
+        fund(url, Identity.load_or_create(keys[name]).public_key, stake)
     procs = {
-        "worker": spawn(logs["worker"], "rl", "worker", "--trainer", url, "--name", "w1"),
-        "validator": spawn(logs["validator"], "rl", "validator", "--trainer", url),
-    }
+        "worker": spawn(logs["worker"], "rl", "worker", "--trainer", url, "--name", "w1",
+                        "--identity", str(keys["worker"])),
+        "validator": spawn(logs["validator"], "rl", "validator", "--trainer", url,
+                           "--identity", str(keys["validator"])),
+    }  # fmt: skip
     try:
         wait_for(lambda: value(metrics(url)["covey_live_peers"]) >= 2, 120, "worker and validator")
         entry = halt_and_verify(url, data / "trainer.key", run_id, str(data))

@@ -29,6 +29,8 @@ from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import NO_ROUND, Identity, request_purpose, verify
 from tests.rl_helpers import (
+    fund,
+    join_funded,
     joined_worker,
     ledger,
     policy,
@@ -52,7 +54,7 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def checker(trainer: str) -> Iterator[RolloutValidator]:
     """A live validator that claims and reports only when a test tells it to."""
     v = RolloutValidator(trainer, Identity.generate(), name="v-manual")
-    v.membership.join("validator", v.name, v.stake)
+    join_funded(trainer, v, "validator")
     try:
         yield v
     finally:
@@ -176,7 +178,7 @@ def test_validator_cannot_report_unassigned_twice_or_falsely(
     r = post(trainer, "/v1/rl/claim", signed(w.identity, "/v1/rl/claim", wb))
     assert r.status_code == 403
     other = RolloutValidator(trainer, Identity.generate(), name="v-other")
-    other.membership.join("validator", other.name, other.stake)
+    join_funded(trainer, other, "validator")
     before = entries(trainer)
     r = report(trainer, checker, cid, ok=True)
     assert r.status_code == 409 and "not assigned" in r.text
@@ -278,6 +280,7 @@ def test_join_fields_a_peer_could_forge_are_refused(
     assert r.status_code == 403 and "minimum stake" in r.text  # a validator must stake
     assert entries(trainer) == n  # nothing recorded for any of these
     # a worker key cannot also validate (no checking its own batches)
+    fund(trainer, me.public_key, good["stake"])  # what it stakes, from the run's owner
     assert post(trainer, path, signed(me, path, good, -1)).status_code == 200
     r = post(trainer, vpath, signed(me, vpath, {**v, "stake": 50.0}, -1))
     assert r.status_code == 409 and "registered as a worker" in r.text
@@ -368,7 +371,7 @@ def test_a_worker_cannot_aim_its_batch_at_a_chosen_validator(
 
     key = Identity.load_or_create(DATA_DIRS[trainer] / "trainer.key")
     other = RolloutValidator(trainer, Identity.generate(), name="v-second")
-    other.membership.join("validator", other.name, other.stake)
+    join_funded(trainer, other, "validator")
     w = joined_worker(trainer)
     try:
         body, v = honest_body(trainer, w)
@@ -453,6 +456,7 @@ def test_a_policy_provider_cannot_flood_a_worker_or_crowd_the_list(
     try:
         flood = f"http://127.0.0.1:{server.server_address[1]}"
         for i, ident in enumerate(crowd):
+            fund(trainer, ident.public_key, 1.0)  # each key of the crowd holds its stake
             fields = {"accepts_connections": True, "blob_url": f"{flood}/p{i}"}
             r = post(
                 trainer,

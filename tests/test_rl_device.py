@@ -34,6 +34,8 @@ from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity
 from tests.rl_helpers import (
     batch_status,
+    fund,
+    join_funded,
     ledger,
     policy,
     trainer_process,
@@ -153,7 +155,7 @@ def test_cuda_run_validator_refuses_and_nothing_is_judged(
     assert code == 2 and "auto means this run's verify class, cuda" in out, out
 
     w = RolloutWorker(url, Identity.generate(), name="w-cpu", device="cpu")  # warned
-    w.membership.join("worker", w.name, w.stake)
+    join_funded(url, w, "worker")
     try:
         assert w.step(policy(url)) is not None
         # no validator may take it, so the trainer would check it itself: it cannot
@@ -177,6 +179,7 @@ def _a_rejection_reported_is_not_judged(url: str, worker_id: str) -> None:
     me = Identity.generate()
     client = CoordinatorClient(url, timeout_s=30.0, lost_s=30.0, identity=me)
     membership = Membership(client, me, read_run(client))
+    fund(url, me.public_key, 10.0)
     membership.join("validator", "v-elsewhere", 10.0)
     try:
         body = {"run_id": membership.run.run_id, "peer_id": me.peer_id}

@@ -28,7 +28,7 @@ from covey.rl.runspec import RLSpec, TaskSpec
 from covey.rl.validator import RolloutValidator
 from covey.rl.worker import RolloutWorker
 from covey.trust.identity import Identity
-from tests.rl_helpers import free_port, trainer_process, wait_for
+from tests.rl_helpers import OWNERS, free_port, fund, join_funded, trainer_process, wait_for
 
 pytestmark = pytest.mark.network
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +81,7 @@ def in_process_trainer(data_dir: Path, policy: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     spec = RLSpec(**SPEC, task=_prompts(data_dir.parent), **pol.spec_defaults(policy))
     t = Trainer(data_dir, spec=spec, policy_dir=policy, url=url)
+    OWNERS[url] = data_dir  # its key funds the keys the test stakes
     server = uvicorn.Server(
         uvicorn.Config(create_app(t), host="127.0.0.1", port=port, log_level="warning")
     )
@@ -113,11 +114,12 @@ def _accepted_and_trained_on(url: str, policy_dir: Path) -> None:
     assert desc["arch"] == "hf" and desc["config"]["model_type"] == "gpt2"
     assert run["spec"]["eos_id"] == dir_newline_id(policy_dir)  # "\n" of its tokenizer
     v = RolloutValidator(url, Identity.generate(), name="v-hf")
+    fund(url, v.identity.public_key, v.stake)  # it joins in run_loop
     thread = threading.Thread(target=v.run_loop, kwargs={"poll_s": 0.1}, daemon=True)
     thread.start()
     try:
         w = RolloutWorker(url, Identity.generate(), name="w-hf")
-        w.membership.join("worker", w.name, w.stake)
+        join_funded(url, w, "worker")
         info = wait_for(lambda: _get(f"{url}/v1/rl/policy"), 30, "the policy")
         assert w.step(info) is not None
         me = w.identity.peer_id

@@ -29,6 +29,7 @@ from tests.rl_helpers import (
     batch_status,
     decided,
     free_port,
+    fund,
     joined_worker,
     ledger,
     policy,
@@ -169,6 +170,7 @@ def test_forged_replayed_and_oversized_submissions_are_refused(trainer: str) -> 
 def test_worker_killed_mid_batch_does_not_stall_a_step(trainer: str, tmp_path: Path) -> None:
     key = tmp_path / "victim.key"
     victim = Identity.load_or_create(key)
+    fund(trainer, victim.public_key, 1.0)  # what it stakes
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -27,6 +27,7 @@ from covey.trust.house import house_identity
 from covey.trust.identity import Identity
 from tests.rl_helpers import (
     batch_status,
+    fund,
     joined_worker,
     ledger,
     policy,
@@ -72,7 +73,7 @@ def _house_worker(url: str, key: Path, canary: bool, after: int = 0) -> HouseRol
             is not None
         )
     )
-    w = HouseRolloutWorker(url, key, index, name="house")
+    w = HouseRolloutWorker(url, key, index, name="house")  # the owner's: it funds its keys
     w.membership.join("worker", w.name, w.stake)
     return w
 
@@ -144,7 +145,10 @@ def test_validators_that_agree_or_hunt_tells_pay_for_a_house_canary(
         honest = joined_worker(url)  # a real batch of the same step beside the canary
         info = policy(url)
         assert house.step(info) is not None and honest.step(info) is not None
-        ctx = validator(url, "lazy") if make is None else _running(make())
+        hunter = None if make is None else make()
+        if hunter is not None:  # the owner funds its stake: it joins in run_loop
+            fund(url, hunter.identity.public_key, hunter.stake)
+        ctx = validator(url, "lazy") if hunter is None else _running(hunter)
         with ctx as lazy:
             wait_for(lambda: _house_canaries(url, house_id), 90, "the reveal")  # noqa: B023
             [reveal] = _house_canaries(url, house_id)
@@ -204,8 +208,11 @@ def test_a_lazy_validator_pays_within_the_expected_reports(tmp_path: Path) -> No
     with trainer_process(data_dir, spec) as url:
         cmd = [sys.executable, "-m", "covey", "rl", "worker", "--trainer", url]
         house = ["--house-of", str(data_dir / "trainer.key")]
+        honest = Identity.load_or_create(tmp_path / "honest.key")
+        fund(url, honest.public_key, 1.0)  # what it stakes (the house worker funds its own)
         procs = []
-        for name, extra in (("honest", []), ("house", house)):
+        for name, extra in (("honest", ["--identity", str(tmp_path / "honest.key")]),
+                            ("house", house)):  # fmt: skip
             with open(tmp_path / f"{name}.log", "wb") as log:
                 argv = [*cmd, "--name", name, *extra]
                 procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))

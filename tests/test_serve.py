@@ -24,7 +24,8 @@ from covey.serve.openai_format import finish
 from covey.serve.wire import Job
 from covey.trust.identity import Identity, request_purpose
 from tests.rl_helpers import free_port, wait_for
-from tests.serve_helpers import tiny_served_model
+from tests.serve_helpers import funded, tiny_served_model
+from tests.treasury_helpers import fund
 
 openai = pytest.importorskip("openai")
 
@@ -162,11 +163,16 @@ def test_openai_client_and_a_caught_cheat_in_process(tmp_path: Path, model_dir: 
     )
     with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
         stop = threading.Event()
-        honest = ServeWorker(url, Identity.generate(), model_dir, name="honest", stop=stop)
+        honest = funded(
+            s, ServeWorker(url, Identity.generate(), model_dir, name="honest", stop=stop)
+        )
         cheat = CheatingServeWorker(
             url, Identity.generate(), model_dir, name="cheat", cheat="edited_tokens"
         )
-        validator = ServeValidator(url, Identity.generate(), model_dir, name="v", stop=stop)
+        funded(s, cheat)
+        validator = funded(
+            s, ServeValidator(url, Identity.generate(), model_dir, name="v", stop=stop)
+        )
         threads = [_thread(honest.run_loop), _thread(cheat.run_loop), _thread(validator.run_loop)]
         try:
             wait_for(lambda: httpx.get(f"{url}/v1/serve/status").json()["serving"] == 2, 30)
@@ -239,6 +245,7 @@ def test_attacker_messages_change_nothing(tmp_path: Path, model_dir: Path) -> No
         run = s.run_id
         me, other = Identity.generate(), Identity.generate()
         for ident in (me, other):
+            fund(s, ident.public_key, 1.0)  # what it stakes, from the run's owner
             body = {
                 "run_id": run,
                 "peer_id": ident.peer_id,
@@ -336,6 +343,7 @@ def test_attacker_messages_change_nothing(tmp_path: Path, model_dir: Path) -> No
         tasks = {}
         pair = (Identity.generate(), Identity.generate())
         for ident in pair:
+            fund(s, ident.public_key, 5.0)
             vjoin = {
                 "run_id": run,
                 "validator_id": ident.peer_id,
@@ -383,9 +391,11 @@ def test_attacker_messages_change_nothing(tmp_path: Path, model_dir: Path) -> No
         assert r.status_code == 410
 
 
-def _join_worker(http: httpx.Client, run: str, ident: Identity) -> None:
+def _join_worker(http: httpx.Client, service: Any, ident: Identity) -> None:
+    """Join `ident` as a worker staking 1 credit, which the run's owner deposits first."""
+    fund(service, ident.public_key, 1.0)
     body = {
-        "run_id": run,
+        "run_id": service.run_id,
         "peer_id": ident.peer_id,
         "public_key": ident.public_key,
         "name": "w",
@@ -404,7 +414,7 @@ def test_backpressure_timeout_and_hangup(tmp_path: Path, model_dir: Path) -> Non
     ) as (url, s):
         http = httpx.Client(base_url=url, timeout=30)
         me = Identity.generate()
-        _join_worker(http, s.run_id, me)
+        _join_worker(http, s, me)
         done = threading.Event()
 
         def beat() -> None:
@@ -491,7 +501,7 @@ def test_a_dead_workers_request_goes_to_another(tmp_path: Path, model_dir: Path)
     with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
         http = httpx.Client(base_url=url, timeout=30)
         ghost = Identity.generate()
-        _join_worker(http, s.run_id, ghost)
+        _join_worker(http, s, ghost)
         beat = {"run_id": s.run_id, "peer_id": ghost.peer_id}
         http.post("/v1/heartbeat", json=_signed(ghost, "/v1/heartbeat", beat))
         box: dict[str, Any] = {}
@@ -512,7 +522,9 @@ def test_a_dead_workers_request_goes_to_another(tmp_path: Path, model_dir: Path)
         puller.join(10)
         assert box["job"] is not None  # the ghost holds it, and says nothing more
         stop = threading.Event()
-        honest = ServeWorker(url, Identity.generate(), model_dir, name="honest", stop=stop)
+        honest = funded(
+            s, ServeWorker(url, Identity.generate(), model_dir, name="honest", stop=stop)
+        )
         worker = _thread(honest.run_loop)
         try:
             user.join(25)

@@ -23,7 +23,7 @@ import pytest
 from covey.config import TrustConfig
 from covey.trust.identity import Identity
 from tests.rl_helpers import stop, wait_for
-from tests.serve_helpers import tiny_served_model
+from tests.serve_helpers import funded, tiny_served_model
 from tests.test_serve import _job, _thread, in_process_server
 
 HOUSE = [
@@ -159,8 +159,10 @@ def test_a_validator_that_agrees_without_checking_pays_for_a_house_canary(
     with in_process_server(data, model_dir, house=HOUSE, house_every_s=0.3, **cfg) as (url, s):
         stop = threading.Event()
         worker = HouseServeWorker(url, data / "coordinator.key", model_dir, name="h", stop=stop)
-        honest = ServeValidator(url, Identity.generate(), model_dir, name="v", stop=stop)
-        lazy = LazyServeValidator(url, Identity.generate(), model_dir, name="lazy", stop=stop)
+        honest = funded(s, ServeValidator(url, Identity.generate(), model_dir, name="v", stop=stop))
+        lazy = funded(
+            s, LazyServeValidator(url, Identity.generate(), model_dir, name="lazy", stop=stop)
+        )
         threads = [_thread(p.run_loop) for p in (worker, honest, lazy)]
         book = s.accounts.book.accounts
         users: list[str] = []  # the ids of users' requests answered

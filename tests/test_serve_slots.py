@@ -16,7 +16,7 @@ import pytest
 
 from covey.trust.identity import Identity
 from tests.rl_helpers import wait_for
-from tests.serve_helpers import tiny_served_model
+from tests.serve_helpers import funded, tiny_served_model
 from tests.test_serve import _join_worker, _signed, _thread, in_process_server
 
 
@@ -50,7 +50,7 @@ def test_each_slot_holds_one_request_and_backpressure_counts_slots(
     with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
         http = httpx.Client(base_url=url, timeout=30)
         me = Identity.generate()
-        _join_worker(http, s.run_id, me)
+        _join_worker(http, s, me)
         done = threading.Event()
 
         def beat() -> None:
@@ -126,8 +126,10 @@ def test_a_worker_answers_requests_at_once_each_as_if_alone(
     )
     with in_process_server(tmp_path / "server", model_dir, **cfg) as (url, s):
         stop = threading.Event()
-        worker = Gathered(url, Identity.generate(), model_dir, name="w", stop=stop)
-        validator = ServeValidator(url, Identity.generate(), model_dir, name="v", stop=stop)
+        worker = funded(s, Gathered(url, Identity.generate(), model_dir, name="w", stop=stop))
+        validator = funded(
+            s, ServeValidator(url, Identity.generate(), model_dir, name="v", stop=stop)
+        )
         threads = [_thread(worker.run_loop), _thread(validator.run_loop)]
         try:
             wait_for(lambda: _status(url)["slots"] == 3, 30, "the worker's three slots")

@@ -30,6 +30,7 @@ from covey.swarm.wire import (
     unpack,
 )
 from covey.trust.identity import Identity
+from tests.treasury_helpers import fund
 
 SETTINGS = dict(n_layer=2, n_embd=16, n_head=2, seq_len=8, stages=2, microbatch=4,
                 verify_rate=0.25)  # fmt: skip
@@ -69,6 +70,7 @@ class Desk:
         self.blobs.start()
         self.ids = {n: Identity.generate() for n in "abct"}
         for n, ident in self.ids.items():
+            fund(self.coord, ident.public_key, 10.0)  # the owner funds what each stakes
             body = {"run_id": run, "peer_id": ident.peer_id, "public_key": ident.public_key,
                     "name": n, "role": "trainer" if n == "t" else "server", "stake": 10.0,
                     "url": "http://127.0.0.1:9", "blob_url": self.blobs.url,
@@ -266,6 +268,7 @@ def test_sybil_servers_without_vouched_work_get_no_vote(tmp_path: Path) -> None:
     try:
         coord, run = desk.coord, desk.coord.run_id
         desk.ids["d"] = Identity.generate()  # a second sybil key on stage 0
+        fund(coord, desk.ids["d"].public_key, 10.0)  # funded: it bonds what it holds
         body = {"run_id": run, "peer_id": desk.pid("d"), "public_key": desk.ids["d"].public_key,
                 "name": "d", "role": "server", "stake": 10.0, "url": "http://127.0.0.1:9",
                 "blob_url": desk.blobs.url, "stage": 0}  # fmt: skip

@@ -58,6 +58,8 @@ def served(
 ) -> dict[str, float]:
     import httpx
 
+    from covey.io.deposit import fund_key
+
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="covey-bench-serve-") as tmp:
         run = [sys.executable, "-m", "covey", "serve"]
@@ -86,6 +88,10 @@ def served(
         ]
         try:
             _wait(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200, 120)
+            # the run's owner (the server's key) funds what each worker stakes (10 credits)
+            keys = [Path(tmp) / f"w{i}.key" for i in range(workers)]
+            for key in keys:
+                fund_key(url, Path(tmp) / "d" / "coordinator.key", key, 10.0)
             for i in range(workers):
                 procs.append(
                     subprocess.Popen(
@@ -98,6 +104,8 @@ def served(
                             str(model_dir),
                             "--name",
                             f"w{i}",
+                            "--identity",
+                            str(keys[i]),
                             "--slots",
                             str(slots),
                         ],

@@ -24,11 +24,18 @@ from covey.cli.root import app, bench_app
 from covey.io.cli import register as register_io
 from covey.io.ledger_cli import register as register_ledger
 from covey.rl.cli import register as register_rl
+from covey.rl.ledger_terms import ledger_terms as rl_terms
 from covey.serve.cli import register as register_serve
+from covey.serve.config import ledger_terms as serve_terms
 from covey.swarm.cli import register as register_swarm
+from covey.swarm.ledger_evidence import ledger_terms as swarm_terms
 from covey.swarm.ledger_evidence import recompute_disputes as recompute_swarm_disputes
 
-register_ledger(app, recomputers=[recompute_swarm_disputes])
+register_ledger(
+    app,
+    recomputers=[recompute_swarm_disputes],
+    terms=[rl_terms, swarm_terms, serve_terms],  # each mode's treasury terms (its spec's)
+)
 register_io(app)  # tokenizer train, export, generate
 register_bench_gpu(bench_app)  # covey bench gpu (covey/bench/gpu_cli.py)
 register_swarm(app)  # swarm coordinator, server, trainer, demo

@@ -9,7 +9,13 @@ covey.config.networked (rounds, limits, trust, membership) and covey.config.spec
 RunConfig, their loaders, the run id); every name is importable from covey.config.
 """
 
-from covey.config.networked import LimitsConfig, MembershipConfig, RoundsConfig, TrustConfig
+from covey.config.networked import (
+    FundsConfig,
+    LimitsConfig,
+    MembershipConfig,
+    RoundsConfig,
+    TrustConfig,
+)
 from covey.config.parts import (
     AlgorithmConfig,
     ChurnConfig,
@@ -47,6 +53,7 @@ __all__ = [
     "DeMoConfig",
     "DiLoCoConfig",
     "Frozen",
+    "FundsConfig",
     "InnerOptim",
     "LimitsConfig",
     "MembershipConfig",

@@ -190,6 +190,36 @@ def body_limit_matches(limits: LimitsConfig, field: str, size: int) -> None:
         )
 
 
+FUNDS_HELP = (
+    "the run's treasury at start: public key (hex) -> credits deposited to it when the run "
+    'is created (a "deposit" entry each); a key stakes only what it holds (docs/trust.md, '
+    "Stake is held). More later: covey ledger deposit"
+)
+
+
+def check_funds(funds: dict[str, float]) -> dict[str, float]:
+    """`funds` if every key is a public key (64 hex digits) granted a positive finite
+    amount; ValueError naming the first that is not."""
+    for key, amount in funds.items():
+        if not re.fullmatch(r"[0-9a-f]{64}", key):
+            raise ValueError(f"funds: {key[:70]!r} is not a public key (64 hex digits)")
+        if not math.isfinite(amount) or amount <= 0:
+            raise ValueError(f"funds: key {key[:16]}... gets {amount}: a positive amount")
+    return funds
+
+
+class FundsConfig(Frozen):
+    """The `[trust]` table of the modes whose incentive rules are their own fields (RL,
+    SWARM): the run's treasury at start, as the rounds mode's `trust.funds`."""
+
+    funds: dict[str, float] = Field({}, description=FUNDS_HELP)
+
+    @field_validator("funds")
+    @classmethod
+    def _funds_are_keys(cls, funds: dict[str, float]) -> dict[str, float]:
+        return check_funds(funds)
+
+
 class TrustConfig(Frozen):
     """Verification, robust aggregation and incentives. Amounts are in the run's credits;
     everything is derived from the ledger."""
@@ -337,22 +367,12 @@ class TrustConfig(Frozen):
         "this after the round closed, the coordinator finishes what is left itself",
     )
 
-    funds: dict[str, float] = Field(
-        {},
-        description="the run's treasury at start: public key (hex) -> credits deposited to "
-        'it when the run is created (a "deposit" entry each); a key stakes only what it '
-        "holds (docs/trust.md, Stake is held). More later: covey ledger deposit",
-    )
+    funds: dict[str, float] = Field({}, description=FUNDS_HELP)
 
     @field_validator("funds")
     @classmethod
     def _funds_are_keys(cls, funds: dict[str, float]) -> dict[str, float]:
-        for key, amount in funds.items():
-            if not re.fullmatch(r"[0-9a-f]{64}", key):
-                raise ValueError(f"funds: {key[:70]!r} is not a public key (64 hex digits)")
-            if not math.isfinite(amount) or amount <= 0:
-                raise ValueError(f"funds: key {key[:16]}... gets {amount}: a positive amount")
-        return funds
+        return check_funds(funds)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 owner's deposits (POST /v1/ledger/deposit, `covey ledger deposit`), the spec's grants at
 creation, and the bonds, unbondings and releases that membership writes at joins and
 leaves. Every mode's joins go through membership; where the run's policy holds stakes
-(`held_stake`: the rounds mode) a key bonds only what it holds, elsewhere what it declares.
+(`held_stake`: every mode's ledger written now) a key bonds only what it holds; a ledger
+written before the treasury replays its stakes as declared.
 """
 
 from __future__ import annotations

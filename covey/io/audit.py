@@ -38,6 +38,12 @@ from covey.trust.swarm_evidence import check_disputes
 #: (`fetch(cid, max_bytes)`), progress lines to `progress`: how many it recomputed, or
 #: LedgerError. A mode above this layer hands its own in (covey.swarm.ledger_evidence).
 Recompute = Callable[[list[Entry], Callable[[str, int], bytes], Callable[[str], None] | None], int]
+#: a mode's treasury terms: the incentive policy (covey.trust.policy.Policy) the spec of
+#: the ledger's "run created" entry gives, None for a ledger of another mode; LedgerError
+#: when that spec does not hash to the run id. A mode above this layer hands its own in
+#: (covey.rl.runspec.ledger_terms, covey.swarm.ledger_evidence.ledger_terms,
+#: covey.serve.config.ledger_terms); the rounds mode's are checked here.
+Terms = Callable[[list[Entry]], Any]
 
 DB_FILE = "coordinator.db"
 BALANCES_FILE = "ledger-balances.json"
@@ -113,6 +119,7 @@ def verify(
     progress: Callable[[str], None] | None = None,
     heads: list[tuple[Head, str]] | None = None,
     recomputers: Sequence[Recompute] = (),
+    terms: Sequence[Terms] = (),
 ) -> VerifyReport:
     """Load, check the chain and signatures, hold the ledger to `heads` (signed heads, each
     with where it was found; None: none given), replay every entry, check every slash of an
@@ -123,8 +130,10 @@ def verify(
     at its length: LedgerError naming the head. `recompute`: also recompute each such
     slash's shard from the run's blobs (a data directory's, or a URL's over HTTP;
     SourceError for an export, which holds none), and each conviction of a SWARM stage
-    server with each of `recomputers`. LedgerError on the first failure: a bad entry by
-    its index, differing balances by the first differing account."""
+    server with each of `recomputers`. A ledger of a mode whose `terms` know it is held
+    to the treasury terms its spec gives (held stake, the unbonding period). LedgerError
+    on the first failure: a bad entry by its index, differing balances by the first
+    differing account."""
     if recompute and not _has_blobs(source):
         raise SourceError(
             f"{source}: --recompute needs the run's blobs: a coordinator's data directory "
@@ -154,6 +163,8 @@ def verify(
         _compare(reported, snapshot)
     created = entries[0].payload  # verify_chain: entry 0 is "run created"
     spec_checked = _check_spec(created)
+    if not spec_checked:
+        _check_mode_terms(entries, terms)
     verdicts, pending = check_slashes(entries)
     if recompute and verdicts:
         if not spec_checked:
@@ -231,6 +242,31 @@ def _check_treasury_terms(created: dict[str, Any]) -> None:
                 f"run created: policy.{name} is {policy[name]!r}, but the spec gives "
                 f"{getattr(terms, name)!r}",
             )
+
+
+def _check_mode_terms(entries: list[Entry], terms: Sequence[Terms]) -> None:
+    """LedgerError when a ledger of a mode that `terms` know (RL, SWARM, serving) names
+    treasury terms other than its spec gives; every field counts, present or not (a
+    policy that omits `held_stake` would replay its stakes as declared)."""
+    from covey.trust.policy import Policy
+
+    created = entries[0].payload
+    for of_mode in terms:
+        given = of_mode(entries)
+        if given is None:
+            continue
+        try:
+            policy = Policy.from_dict(created.get("policy"))  # type: ignore[arg-type]
+        except ValueError as e:
+            raise LedgerError(0, f"run created: {e}") from None
+        for name in ("held_stake", "unbonding_s"):
+            if getattr(policy, name) != getattr(given, name):
+                raise LedgerError(
+                    0,
+                    f"run created: policy.{name} is {getattr(policy, name)!r}, but the "
+                    f"spec gives {getattr(given, name)!r}",
+                )
+        return
 
 
 def _has_blobs(source: str | Path) -> bool:

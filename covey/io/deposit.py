@@ -4,6 +4,7 @@ owner's key for POST /v1/ledger/deposit (covey.trust.treasury). `covey ledger de
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from covey.trust.identity import Identity, request_purpose
@@ -38,3 +39,23 @@ def deposit(
             error = reply.text
         raise DepositRefused(f"{reply.status_code}: {str(error)[:300]}")
     return dict(reply.json())
+
+
+def fund_key(
+    url: str, owner_key: Path, peer_key: Path, amount: float, timeout_s: float = 30.0
+) -> Identity:
+    """As the owner of the run served at `url` (its key file `owner_key`: the
+    coordinator's, where the spec names no other owner), deposit `amount` credits to the
+    key in `peer_key` (created when absent), so that a peer started with that key can
+    bond them. The peer's identity. What the demos and benches do before they start a
+    staked peer; DepositRefused as `deposit`."""
+    import httpx
+
+    owner, peer = Identity.load_or_create(owner_key), Identity.load_or_create(peer_key)
+    try:
+        run_id = httpx.get(f"{url}/v1/run", timeout=timeout_s, trust_env=False).json()["run_id"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise DepositRefused(f"cannot read the run id from {url}: {e}") from None
+    if amount > 0:
+        deposit(url, owner, peer.public_key, amount, run_id, timeout_s)
+    return peer

@@ -33,12 +33,16 @@ HEADS_HELP = (
 #: what `verify --recompute` also recomputes with: the modes' own (covey.io.audit.Recompute),
 #: handed in by the command line that registers the group
 _RECOMPUTERS: list[Any] = []
+#: the modes' treasury terms (covey.io.audit.Terms), handed in the same way
+_TERMS: list[Any] = []
 
 
-def register(app: typer.Typer, recomputers: Sequence[Any] = ()) -> None:
+def register(app: typer.Typer, recomputers: Sequence[Any] = (), terms: Sequence[Any] = ()) -> None:
     """Add the `ledger` command group to `app`; `recomputers`: what `verify --recompute`
-    also recomputes with (covey.io.audit.Recompute), e.g. a SWARM run's convictions."""
+    also recomputes with (covey.io.audit.Recompute), e.g. a SWARM run's convictions;
+    `terms`: the modes' treasury terms `verify` holds their ledgers to."""
     _RECOMPUTERS[:] = list(recomputers)
+    _TERMS[:] = list(terms)
     ledger_app = typer.Typer(
         help="Audit a run's ledger: chain, signatures, balances.",
         no_args_is_help=True,
@@ -196,7 +200,12 @@ def _verified(source: str, recompute: bool = False, heads: list[str] | None = No
             for warning in unreadable:
                 typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
         return verify_source(
-            source, recompute, progress=typer.echo, heads=given, recomputers=_RECOMPUTERS
+            source,
+            recompute,
+            progress=typer.echo,
+            heads=given,
+            recomputers=_RECOMPUTERS,
+            terms=_TERMS,
         )
     except SourceError as e:
         raise _fail(str(e)) from None

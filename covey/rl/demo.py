@@ -23,10 +23,13 @@ from typing import Any
 
 import httpx
 
+from covey.config import FundsConfig
 from covey.devices import device_class
 from covey.rl.runspec import RLSpec
+from covey.trust.identity import Identity
 
 HONEST_WORKERS = 3
+VALIDATOR_STAKE = 10.0  # credits the validator stakes (`covey rl validator`'s default)
 
 
 def _free_port() -> int:
@@ -35,13 +38,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _toml(values: dict[str, Any]) -> str:
+def _toml(values: dict[str, Any], table: str = "") -> str:
     lines, tables = [], []
     for k, v in values.items():
         if isinstance(v, dict):
-            tables.append(f"[{k}]\n" + _toml(v))
+            name = f"{table}.{k}" if table else k
+            tables.append(f"[{name}]\n" + _toml(v, name))
         elif v is not None:
-            lines.append(f"{k} = {json.dumps(v)}")
+            lines.append(f"{json.dumps(k) if table.endswith('funds') else k} = {json.dumps(v)}")
     return "\n".join(lines + tables) + "\n"
 
 
@@ -95,6 +99,16 @@ def run_demo(
         t0 = time.monotonic()
         policy = str(sft(task, out / "sft", steps=sft_steps, seed=seed, hf=False, progress=True))
         echo(f"sft: done in {time.monotonic() - t0:.0f} s -> {policy}")
+    # every peer's key, made here: the run's spec grants each what it stakes (its
+    # treasury, [trust.funds]: a key bonds only credits it holds)
+    names = ["validator", *(f"worker{i}" for i in range(HONEST_WORKERS))]
+    names += [f"adv-{kind}".replace("_", "-") for kind in kinds[:adversaries]]
+    keys = {n: out / "keys" / f"{n}.key" for n in names}
+    funds = {
+        Identity.load_or_create(path).public_key: VALIDATOR_STAKE if n == "validator" else 1.0
+        for n, path in keys.items()
+    }
+    spec = spec.model_copy(update={"trust": FundsConfig(funds=funds)})
     (out / "spec.toml").write_text(_toml(spec.model_dump(mode="json")))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -124,13 +138,16 @@ def run_demo(
     try:
         _wait_up(url, procs["trainer"], 120)
         echo(f"trainer: {url} (status page)")
-        spawn("validator", "validator", "--trainer", url, "--name", "validator")
+        spawn("validator", "validator", "--trainer", url, "--name", "validator",
+              "--identity", str(keys["validator"]), "--stake", str(VALIDATOR_STAKE))  # fmt: skip
         for i in range(HONEST_WORKERS):
-            spawn(f"worker{i}", "worker", "--trainer", url, "--name", f"worker{i}")
+            name = f"worker{i}"
+            spawn(name, "worker", "--trainer", url, "--name", name, "--identity", str(keys[name]))
         for kind in kinds[:adversaries]:
             name = f"adv-{kind}".replace("_", "-")
             cheaters[name] = kind
-            spawn(name, "worker", "--trainer", url, "--name", name, "--behavior", kind)
+            spawn(name, "worker", "--trainer", url, "--name", name, "--behavior", kind,
+                  "--identity", str(keys[name]))  # fmt: skip
         deadline = time.monotonic() + 60 * minutes
         while time.monotonic() < deadline:
             time.sleep(min(10.0, max(0.0, deadline - time.monotonic())))

@@ -44,13 +44,28 @@ class HouseRolloutWorker(RolloutWorker):
         super().__init__(trainer_url, Identity.generate(), **kwargs)
         if owner.public_key != self.run.trainer_key:
             raise ValueError(f"{trainer_key} is not the key of this run's trainer")
-        self.owner, self.index = owner, index
+        self.owner, self.index, self.trainer_url = owner, index, trainer_url
         self._use(house_identity(owner, self.run.run_id, index))  # ValueError out of range
         self.canaries: list[int] = []  # the steps it submitted a canary at
 
     def _use(self, identity: Identity) -> None:
         self.identity = self.client.identity = identity
         self.membership = Membership(self.client, identity, self.run, self.halt_seen)
+        self._fund()
+
+    def _fund(self) -> None:
+        """The run's owner funds the house key's stake before it joins (a key bonds only
+        credits it holds, covey.trust.treasury): a deposit signed with the trainer's key,
+        which only the owner holds; nothing when the key holds or bonds it already.
+        covey.io.deposit.DepositRefused when the trainer refuses it."""
+        from covey.io.deposit import deposit
+
+        accounts = self.client.get("/v1/ledger/balances")["accounts"]
+        account = accounts.get(self.identity.peer_id)
+        has = 0.0 if account is None else float(account["held"]) + float(account["stake"])
+        if self.stake > has:
+            deposit(self.trainer_url, self.owner, self.identity.public_key, self.stake - has,
+                    self.run.run_id)  # fmt: skip
 
     def make_batch(self, model: torch.nn.Module, v: int, cid: str) -> RolloutBatch | None:
         batch = super().make_batch(model, v, cid)

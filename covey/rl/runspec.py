@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from covey.config import LimitsConfig, MembershipConfig
+from covey.config import FundsConfig, LimitsConfig, MembershipConfig
 from covey.config.networked import body_limit_matches, limits_before, without_default_limits
 from covey.coordinator.rejected import Rejected
 from covey.devices import (
@@ -134,6 +134,11 @@ class RLSpec(BaseModel):
         description="precision of sampling and checks: fp32 only (RL's rollouts and prefill "
         "checks do not autocast; the trainer's learning step may, with --precision)",
     )
+    trust: FundsConfig = Field(
+        default_factory=FundsConfig,
+        description="the run's treasury at start ([trust.funds]: public key -> credits): a "
+        "worker or validator bonds only credits it holds (docs/trust.md, Stake is held)",
+    )
     limits: LimitsConfig = Field(
         default_factory=lambda: default_limits(RLSpec.model_fields["max_batch_bytes"].default),
         description="the trainer's HTTP limits (rates per peer and address, joins, body "
@@ -147,9 +152,12 @@ class RLSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _dump_limits(self, handler: Any) -> dict[str, Any]:
-        return without_default_limits(
+        dumped = without_default_limits(
             handler(self), self.limits, default_limits(self.max_batch_bytes)
         )
+        if not self.trust.funds:  # added later: a run that grants nothing keeps its id
+            dumped.pop("trust", None)
+        return dumped
 
     @model_validator(mode="after")
     def _consistent(self) -> RLSpec:
@@ -217,15 +225,26 @@ def ledger_policy(spec: RLSpec) -> Policy:
         check_reward=spec.check_reward,
         validator_round_cap=spec.validator_round_cap,
         canary_rate=spec.canary_rate,
-        # a batch is judged before it is accepted: a check, its reassignment to another
-        # validator or the trainer, a canary's reveal, a referee's try (covey.trust.treasury)
-        unbonding_s=unbonding_delay(
-            round_s=0.0,
-            challenge_rounds=0,
-            verify_timeout_s=spec.verify_timeout_s,
-            validators_per_check=1,
-            dispute_attempts=1,
-        ),
+        held_stake=1,
+        unbonding_s=unbonding_s(spec),
+    )
+
+
+def unbonding_s(spec: RLSpec) -> float:
+    """How long a leaving key's stake stays bonded (covey.trust.treasury): the longest a
+    slash can take to reach it after its last batch. Every batch is judged before it is
+    accepted, so RL's longest "round" is one batch's check: 5 x verify_timeout_s: the
+    batch waits at most verify_timeout_s for a validator to claim it (else the trainer
+    checks it), a claim is held at most verify_timeout_s, an expired claim goes to another
+    validator (its wait and claim again, 2 x), and the trainer's own re-check, audit or
+    canary reveal at the report (one more). covey.trust.policy.unbonding_delay with one
+    validator per check, no challenge rounds and one referee try."""
+    return unbonding_delay(
+        round_s=0.0,
+        challenge_rounds=0,
+        verify_timeout_s=spec.verify_timeout_s,
+        validators_per_check=1,
+        dispute_attempts=1,
     )
 
 

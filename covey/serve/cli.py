@@ -237,6 +237,7 @@ def demo(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    from covey.io.deposit import DepositRefused, fund_key
     from covey.serve.model import model_dir
 
     try:
@@ -260,18 +261,29 @@ def demo(
             except httpx.HTTPError:
                 time.sleep(0.3)
         peer = ["--server", url, "--model", str(folder)]
+
+        def funded(name: str) -> list[str]:
+            # the owner (the server's key) deposits what the peer stakes (the default 10
+            # credits): a key bonds only credits it holds
+            key = out / "keys" / f"{name}.key"
+            try:
+                fund_key(url, out / "coordinator.key", key, 10.0)
+            except DepositRefused as e:
+                raise _fail(f"cannot fund {name}: {e}") from None
+            return ["--name", name, "--identity", str(key)]
+
         for i in range(workers + adversaries):
             cheat = ["--behavior", "quantized"] if i >= workers else []
             name = f"cheat{i - workers}" if cheat else f"w{i}"
             procs.append(
                 subprocess.Popen(
-                    [*run, "worker", *peer, "--name", name, *cheat], stdout=logs, stderr=logs
+                    [*run, "worker", *peer, *funded(name), *cheat], stdout=logs, stderr=logs
                 )
             )
         for i in range(validators):
             procs.append(
                 subprocess.Popen(
-                    [*run, "validator", *peer, "--name", f"v{i}"], stdout=logs, stderr=logs
+                    [*run, "validator", *peer, *funded(f"v{i}")], stdout=logs, stderr=logs
                 )
             )
         typer.echo(f"waiting for {workers + adversaries} workers to load the model...")

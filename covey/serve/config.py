@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from covey.config import LimitsConfig, MembershipConfig, TrustConfig
-from covey.trust.policy import Policy
+from covey.trust.ledger import LedgerError
+from covey.trust.policy import Policy, unbonding_delay
 
 # the lowest temperature served: seeded Gumbel-max needs T > 0, and below this the
 # scaled logits' float noise between a worker and a validator nears the check's tolerance
@@ -90,8 +93,27 @@ class ServeConfig(BaseModel):
         )
 
     def policy(self) -> Policy:
-        """The ledger's incentive policy ("run created"), from the trust table."""
-        return Policy.from_config(self.trust)
+        """The ledger's incentive policy ("run created"), from the trust table: a key bonds
+        only what it holds (the treasury: `trust.funds`, the owner's deposits, pay earned)
+        and unbonds after `unbonding_s`."""
+        rules = Policy.from_config(self.trust, held_stake=True).to_dict()
+        return Policy.from_dict({**rules, "unbonding_s": self.unbonding_s()})
+
+    def unbonding_s(self) -> float:
+        """How long a leaving key's stake stays bonded (covey.trust.treasury): the longest
+        a slash can take to reach it after its last answer. The answer comes within
+        request_timeout_s; a drawn one is checked by a claim held at most
+        claim_timeout_s, a lapsed claim goes to another validator (its claim again,
+        2 x), and the referee's re-check of a rejection or a canary's reveal at the report
+        counts as one more: request_timeout_s + 5 x claim_timeout_s (covey.trust.policy.
+        unbonding_delay with one validator per check and one referee try)."""
+        return unbonding_delay(
+            round_s=self.request_timeout_s,
+            challenge_rounds=0,
+            verify_timeout_s=self.claim_timeout_s,
+            validators_per_check=1,
+            dispute_attempts=1,
+        )
 
 
 def run_id_of(cfg: ServeConfig, model_cid: str, coordinator_key: str) -> str:
@@ -99,3 +121,23 @@ def run_id_of(cfg: ServeConfig, model_cid: str, coordinator_key: str) -> str:
     body = {"serve": cfg.model_dump(mode="json"), "model": model_cid, "key": coordinator_key}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def ledger_terms(entries: Sequence[Any]) -> Policy | None:
+    """`covey ledger verify`: the policy a serving run's spec gives (`ServeConfig.policy`,
+    held stake and its unbonding period), None for a ledger of another mode. LedgerError
+    when the spec does not hash to the run id with the model and the coordinator's key
+    (a coordinator cannot write other terms or other funds than it served)."""
+    created = entries[0].payload
+    spec = created.get("spec")
+    if not isinstance(spec, dict) or not isinstance(spec.get("serve"), dict):
+        return None
+    try:
+        cfg = ServeConfig.model_validate(spec["serve"])
+    except ValidationError as e:
+        raise LedgerError(0, f"run created: not a serving spec ({str(e)[:200]})") from None
+    got = run_id_of(cfg, str(spec.get("model")), str(created.get("coordinator_key")))
+    if got != created.get("run_id"):
+        why = f"its spec hashes to {got}, not run id {created['run_id']}"
+        raise LedgerError(0, f"run created: {why}")
+    return cfg.policy()

@@ -91,6 +91,21 @@ class HouseServeWorker(ServeWorker):
     def _use(self, identity: Identity) -> None:
         self.identity = self.client.identity = identity
 
+    def register(self) -> None:
+        """The run's owner funds the house key's stake before it joins (a key bonds only
+        credits it holds, covey.trust.treasury): a deposit signed with the coordinator's
+        key, which only the owner holds; nothing when the key holds or bonds it already.
+        covey.io.deposit.DepositRefused when the server refuses it."""
+        from covey.io.deposit import deposit
+
+        accounts = self.client.get("/v1/ledger/balances")["accounts"]
+        account = accounts.get(self.identity.peer_id)
+        has = 0.0 if account is None else float(account["held"]) + float(account["stake"])
+        if self.stake > has:
+            deposit(self.client.base_url, self.owner, self.identity.public_key,
+                    self.stake - has, self.run_id)  # fmt: skip
+        super().register()
+
     def answer(self, job: Job) -> tuple[list[int], bytes]:
         me = self.identity.peer_id
         if house_canary_draw(self.owner, self.run_id, job.job_id, me, self.rate) is None:

@@ -166,7 +166,14 @@ def register(app: typer.Typer) -> None:
             str,
             typer.Option(help="honest, or an adversary: wrong, noise, zero, stale, subtle, shade"),
         ] = "honest",
-        stake: Annotated[float, typer.Option(help="credits staked on joining")] = 0.0,
+        stake: Annotated[
+            float,
+            typer.Option(help="credits staked on joining: the key must hold them (--identity)"),
+        ] = 0.0,
+        identity: Annotated[
+            Path | None,
+            typer.Option(help="the server's key file, created if absent [default: a fresh key]"),
+        ] = None,
         port: Annotated[int, typer.Option(help="port for forward/backward; 0 = any")] = 0,
         stage: Annotated[
             int | None, typer.Option(help="ask for this stage (default: the coordinator picks)")
@@ -195,9 +202,15 @@ def register(app: typer.Typer) -> None:
         from covey.swarm.server import StageServer, serve
 
         torch.set_num_threads(1)
+        from covey.trust.identity import Identity, IdentityError
+
+        try:
+            key = None if identity is None else Identity.load_or_create(identity)
+        except IdentityError as e:
+            _fail(str(e))
         s = StageServer(
             coordinator, name=name, slowdown=slowdown, emulate_s=emulate_s, behavior=behavior,
-            stake=stake, port=port, stage=stage, device=where, model=model,
+            stake=stake, port=port, stage=stage, device=where, model=model, identity=key,
         )  # fmt: skip
         _stop_on_signals(s.stop)
         try:

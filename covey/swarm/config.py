@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, model_serializer, model_validator
 
-from covey.config import Frozen, LimitsConfig, MembershipConfig, TrustConfig
+from covey.config import Frozen, FundsConfig, LimitsConfig, MembershipConfig, TrustConfig
 from covey.config.networked import body_limit_matches, limits_before, without_default_limits
+from covey.trust.policy import Policy
 
 
 class SwarmConfig(Frozen):
@@ -113,6 +114,11 @@ class SwarmConfig(Frozen):
     )
     min_stake: float = Field(0.0, ge=0, description="credits a server stakes to join")
     slash_fraction: float = Field(0.5, ge=0, le=1, description="stake a proven liar loses")
+    trust: FundsConfig = Field(
+        default_factory=FundsConfig,
+        description="the run's treasury at start ([trust.funds]: public key -> credits): a "
+        "server bonds only credits it holds (docs/trust.md, Stake is held)",
+    )
     limits: LimitsConfig = Field(
         default_factory=lambda: default_limits(SwarmConfig.model_fields["max_body_bytes"].default),
         description="the coordinator's HTTP limits (rates per peer and address, joins, body "
@@ -127,9 +133,12 @@ class SwarmConfig(Frozen):
 
     @model_serializer(mode="wrap")
     def _dump_limits(self, handler: Any) -> dict[str, Any]:
-        return without_default_limits(
+        dumped = without_default_limits(
             handler(self), self.limits, default_limits(self.max_body_bytes)
         )
+        if not self.trust.funds:  # added later: a run that grants nothing keeps its id
+            dumped.pop("trust", None)
+        return dumped
 
     @classmethod
     def received(cls, spec: Any) -> SwarmConfig:
@@ -230,6 +239,22 @@ class SwarmConfig(Frozen):
         return TrustConfig(
             min_stake=self.min_stake, slash_fraction=self.slash_fraction, sample_rate=0.0
         )
+
+    def policy(self) -> Policy:
+        """The ledger's incentive policy ("run created"): this spec's stake and slash, a
+        server bonds only what it holds, and unbonds after `unbonding_s`."""
+        rules = Policy.from_config(self.trust_config(), held_stake=True).to_dict()
+        return Policy.from_dict({**rules, "unbonding_s": self.unbonding_s()})
+
+    def unbonding_s(self) -> float:
+        """How long a leaving server's stake stays bonded (covey.trust.treasury): the
+        longest a slash can take to reach it after its last reply. A hop and its
+        duplicate each end within 3 x request_timeout_s (the trainer's bound on a hop,
+        rerouted included); the check waits for its state to be agreed at most
+        2 x round_timeout_s (parked); the referee fetches the evidence with two retries
+        (3 x request_timeout_s); a check is paid, or its spot check convicts, at the next
+        payout (payout_s). 9 x request_timeout_s + 2 x round_timeout_s + payout_s."""
+        return 9 * self.request_timeout_s + 2 * self.round_timeout_s + self.payout_s
 
 
 def default_limits(max_body_bytes: int) -> LimitsConfig:

@@ -71,6 +71,17 @@ class Swarm:
             wait_for(lambda: status(self.url), timeout, f"the swarm coordinator at {self.url}")
 
     def start_server(self, name: str, *extra: str) -> subprocess.Popen:
+        """`covey swarm server` called `name`. One that stakes (`--stake` above 0) gets its
+        own key file, which the run's owner (the coordinator's key) funds with what it
+        stakes first: a server bonds only credits it holds (covey.trust.treasury)."""
+        stake = float(extra[extra.index("--stake") + 1]) if "--stake" in extra else 0.0
+        if stake > 0 and "--identity" not in extra:
+            from covey.io.deposit import fund_key
+
+            key = self.workdir / "keys" / f"{name}.key"
+            wait_for(lambda: status(self.url), 300, f"the swarm coordinator at {self.url}")
+            fund_key(self.url, self.workdir / "run" / "coordinator.key", key, stake)
+            extra = (*extra, "--identity", str(key))
         p = self._spawn(["server", "--coordinator", self.url, "--name", name, *extra], name)
         self.servers[name] = p
         return p

@@ -17,7 +17,30 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from covey.trust.ledger import LedgerError
+from covey.trust.policy import Policy
 from covey.trust.swarm_evidence import SwarmVerdict, check_disputes
+
+
+def ledger_terms(entries: Sequence[Any]) -> Policy | None:
+    """`covey ledger verify`: the policy a SWARM run's spec gives (`SwarmConfig.policy`,
+    held stake and its unbonding period), None for a ledger of another mode. LedgerError
+    when the spec does not parse as received or does not hash to the run id (a
+    coordinator cannot write other terms or other funds than it served)."""
+    created = entries[0].payload
+    spec = created.get("spec")
+    if not isinstance(spec, dict) or "stages" not in spec or "rounds" in spec:
+        return None
+    from pydantic import ValidationError
+
+    from covey.swarm.config import SwarmConfig
+
+    try:
+        cfg = SwarmConfig.received(spec)
+    except (ValidationError, ValueError) as e:
+        raise LedgerError(0, f"run created: not a SWARM spec ({str(e)[:200]})") from None
+    if cfg.run_id != created.get("run_id"):
+        raise LedgerError(0, f"run created: its spec hashes to {cfg.run_id}, not its run id")
+    return cfg.policy()
 
 
 def recompute_disputes(

@@ -76,11 +76,13 @@ class StageServer:
         stage: int | None = None,
         device: str = "cpu",
         model: str | None = None,
+        identity: Identity | None = None,
     ) -> None:
         """`device` (covey.devices.resolve_device; DeviceError naming a bad or absent one)
         holds the stage's weights, optimizer state, activations and gradients. `model`:
         this machine's copy of the run's `hf:DIR` model (its config.json must have the
-        run's digest); default: the path the run's spec names."""
+        run's digest); default: the path the run's spec names. `identity`: the server's
+        key (one the run's owner funded, to stake); default: a fresh one."""
         if behavior not in BEHAVIORS:
             raise ValueError(f"behavior {behavior!r} must be one of {BEHAVIORS}")
         if slowdown < 1:
@@ -89,7 +91,7 @@ class StageServer:
         self.name, self.slowdown, self.emulate_s = name, slowdown, emulate_s
         self.behavior, self.stake, self.port, self.wanted = behavior, stake, port, stage
         self.model = model
-        self.identity = Identity.generate()
+        self.identity = identity or Identity.generate()
         self.stop = threading.Event()
         self.client = CoordinatorClient(
             coordinator, identity=self.identity, lost_s=90.0, stop=self.stop

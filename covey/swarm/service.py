@@ -39,7 +39,6 @@ from covey.swarm.rebalance import plan_move, speeds_from_measurements
 from covey.swarm.servers import ServerInfo
 from covey.trust.halt import owner_of
 from covey.trust.identity import Identity
-from covey.trust.incentives import Policy
 
 log = logging.getLogger("covey.swarm")
 
@@ -160,7 +159,7 @@ class SwarmCoordinator(PayDesk):
                     "name": self.cfg.name,
                     "spec": self.cfg.model_dump(mode="json"),
                     "coordinator_key": self.identity.public_key,
-                    "policy": Policy.from_config(self.cfg.trust_config()).to_dict(),
+                    "policy": self.cfg.policy().to_dict(),
                 },
                 now,
             )

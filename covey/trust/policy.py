@@ -112,10 +112,10 @@ class Policy:
     ) -> Policy:
         """The rules of a spec's trust table; `round_s` is the longest a round of the
         run may last (rounds: deadline_max_s), which the unbonding period covers;
-        `held_stake`: a key bonds only what it holds (the rounds mode; the modes that do
-        not fund their keys yet declare stakes, docs/trust.md); `evidence_bytes`: one
-        published end state of the run's model and method, whose fetch a check's time
-        allows for (`check_timeout_s`)."""
+        `held_stake`: a key bonds only what it holds (every mode's coordinator passes
+        it; the RL, SWARM and serving modes set their own unbonding period over this
+        one's, docs/trust.md); `evidence_bytes`: one published end state of the run's
+        model and method, whose fetch a check's time allows for (`check_timeout_s`)."""
         derived = {
             "held_stake": int(held_stake),
             "evidence_bytes": int(evidence_bytes),

@@ -45,11 +45,18 @@ DEPOSIT_PURPOSE = request_purpose(DEPOSIT_PATH)
 EPSILON = 1e-9  # amounts are sums of floats: a bond of exactly the balance must pass
 
 
+#: where a mode's "run created" spec holds its own table, in which `trust.funds` is: the
+#: RL mode's {"rl": RLSpec, ...} and the serving mode's {"serve": ServeConfig, ...}; the
+#: rounds and SWARM specs hold `trust` at the top
+MODE_TABLES = ("rl", "serve")
+
+
 def spec_funds(spec: dict[str, Any]) -> dict[str, float]:
     """The credits a run spec grants at start: its `trust.funds` table (public key hex ->
     credits), {} when it has none. Entries that are not a key and a positive finite
     number are left out (the config refuses them before a run starts)."""
-    trust = spec.get("trust")
+    table = next((spec[m] for m in MODE_TABLES if isinstance(spec.get(m), dict)), spec)
+    trust = table.get("trust")
     funds = trust.get("funds") if isinstance(trust, dict) else None
     if not isinstance(funds, dict):
         return {}
