@@ -179,6 +179,12 @@ def test_a_validator_that_agrees_without_checking_pays_for_a_house_canary(
                 )
 
             wait_for(both_met_canaries, 150, "each validator to be handed a canary")
+
+            def revealed() -> set[str]:  # a caught canary is revealed once the referee agrees
+                entries = s.accounts.entries(0, 100_000)
+                return {e["payload"]["outcome"] for e in entries if e["type"] == "house canary"}
+
+            wait_for(lambda: {"caught", "convicted"} <= revealed(), 60, "both reveals")
             lazy_account, honest_account = (
                 book[lazy.identity.peer_id],
                 book[honest.identity.peer_id],
