@@ -49,8 +49,8 @@ def nano() -> GPT:
     return GPT(gpt_config("nano"))
 
 
-def strategy(device: torch.device = torch.device("cpu")) -> Any:
-    return build_strategy(method_config("diloco"), nano().to(device), lm_loss)
+def strategy() -> Any:
+    return build_strategy(method_config("diloco"), nano(), lm_loss)
 
 
 def start_of(s: Any, model: GPT) -> TrainState:
@@ -109,7 +109,7 @@ def test_the_end_states_hash_is_its_content_id_computed_once() -> None:
 def test_from_dict_refuses_a_start_without_hash_and_reads_old_claims() -> None:
     _, _, claim, _ = honest_round()
     start, later = claim[0].to_dict(), claim[1].to_dict()
-    with pytest.raises(ValueError, match="commitment 0 .* has no hash"):
+    with pytest.raises(ValueError, match=r"commitment 0 .* has no hash"):
         Commitment.from_dict({**start, "hash": ""})
     for bad in ("x" * 64, "A" * 64, "0" * 63, None, 7):
         with pytest.raises(ValueError, match="hash"):
