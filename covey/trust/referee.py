@@ -8,7 +8,7 @@ state at the segment's start (so the prefix need not be recomputed); it is used 
 full content hash equals the worker's own commitment there, else the referee recomputes the
 prefix from W_r itself. Intermediate commitments carry no hash (covey/trust/sketch.py), so
 for a segment past the first the prefix is recomputed: at most the round's steps before the
-segment, once, on top of the segment and its probe (docs/trust.md, "Bisection"). A
+segment, once, on top of the segment and its probe (docs/trust.md, "Bisection and the referee"). A
 sketch is never evidence: its hashing is public, so a state can be crafted in its null space
 (sketch-equal, content-different) to frame an honest worker. And since a segment that
 amplifies rounding (a loss spike) would make honest parties look far apart, the referee
