@@ -208,8 +208,8 @@ class Validator:
                     "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
                 )
                 return
-            # every commitment's state is kept for a dispute's evidence, on disk (1.5 GB
-            # each at 124M), and the previous end state is handed over, freed once loaded
+            # the states a referee can load (the worker's commitment hashed them) are kept,
+            # on disk (1.5 GB each at 124M); the previous end state is freed once loaded
             with tempfile.TemporaryDirectory(prefix="covey-validator-states-") as spill:
                 try:
                     self._check(task, start, payload, local, Path(spill), sources)
@@ -312,7 +312,7 @@ class Validator:
                 self._batch_fn(task),
                 task.inner_steps,
                 k,
-                range(points),
+                [i for i, c in enumerate(task.commitments) if 0 < i < points and c.get("hash")],
                 previous_end=local.pop("previous_end"),
                 previous_accepted=task.previous_accepted,
                 spill_dir=spill,
@@ -373,7 +373,7 @@ class Validator:
     ) -> dict[str, Any]:
         """Upload this validator's state at the segment's start and its claim at its end."""
         out: dict[str, Any] = {"segment": segment}
-        if segment > 0:
+        if segment > 0 and segment in mine.states:  # else the referee recomputes to there
             data = verify.local_state_to_bytes(mine.states[segment])
             out["state_cid"] = self.blobs.upload(
                 sources[0], data, content_id(data), signer=(self.identity, self.run_id)

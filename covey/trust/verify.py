@@ -372,7 +372,11 @@ def compare(
     # sketches only, 64 numbers a group: cheap next to the payload's decoding
     pairs = zip(claimed_commitments, mine.commitments, strict=True)
     between = [commitment_distance(a, b) for a, b in pairs]
-    end_exact = claimed_end is None or mine.end is None or claimed_end.hash == mine.end.hash
+    end_exact = (
+        claimed_end is None
+        or mine.end is None
+        or (claimed_end.hash != NO_HASH and claimed_end.hash == mine.end.hash)
+    )
     if end_exact and claimed_payload == mine.payload and max(between) <= tolerance:
         return Verdict(True, True, max(between), None, "bit-identical", (*between, 0.0))
     # each side widened to float64 as `distance` widens it, its float32 decoding let go at
