@@ -100,8 +100,10 @@ class SideCommitter:
     """A worker's commitments (the `Committer` contract: `after_step`, `commitments`,
     `recorded`), sketched off the training thread.
 
-    At each commitment step the local state is copied (a memory copy) and its sketch
-    computed on a side thread, so the training thread does not wait for it; at most
+    At each commitment step the local state is copied (a memory copy, on the training
+    device) and its sketch computed on a side thread, so the training thread does not wait
+    for it; past step 0 a commitment carries no hash, so what reaches the host is its
+    sketches' sums (tests/test_commitment_hashes.py counts them); at most
     MAX_PENDING copies wait for the sketcher (then the next one waits: bounded memory).
     With `start_state` None the round's start W_r is not known yet (overlap): copies are
     kept until `start(W_r)`. The commitments equal `Committer`'s for the same steps

@@ -1,6 +1,8 @@
 """The worker's side of verification: its commitments to its local state every k inner
 steps, recorded inside its own training loop (covey.trust.verify re-executes and compares
-them; covey.peer.overlap sketches the same ones on a side thread)."""
+them; covey.peer.overlap sketches the same ones on a side thread). Commitment 0 carries the
+start state's hash; the later ones carry none (`commitment_of`): each is sketched where the
+state lives, and only its sketches' sums reach the host."""
 
 from __future__ import annotations
 
