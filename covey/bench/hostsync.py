@@ -382,7 +382,6 @@ def time_commitment(numel: int = 4 << 20, repeats: int = 5) -> dict[str, Any]:
         "ms_per_m": round(after * per_m, 3),
         "before_ms_per_m": round(before * per_m, 3),
         "hash_ms_per_m": round(hashing * per_m, 3),
-        "sketch_ms_per_m": round(after * per_m, 3),
         "host_bytes": crossed[1],
         "before_host_bytes": crossed[0],
         "commitment_bytes": 8 * (len(c.sketch["params"]) + len(c.sketch["optim"])),
