@@ -31,6 +31,7 @@ from covey.trust.sketch import (
     Commitment,
     commitment_distance,
     commitment_of,
+    start_digest,
     state_hash,
 )
 from covey.trust.verify import compare, reexecute
@@ -288,3 +289,50 @@ def test_the_bench_reports_bytes_before_and_after() -> None:
     row = time_commitment(4096, repeats=1)
     assert row["host_bytes"] == row["commitment_bytes"] == 3 * 64 * 8
     assert row["before_host_bytes"] >= 3 * 4 * 4096
+
+
+# -- the round's start: named, not hashed again ----------------------------------------------
+
+
+def test_the_start_digest_names_what_the_round_starts_from() -> None:
+    w, cid = "ab" * 32, "cd" * 32
+    names = {
+        start_digest(w, None, True),
+        start_digest(w, cid, True),
+        start_digest(w, cid, False),
+        start_digest("ef" * 32, cid, True),
+        start_digest(w, "01" * 32, True),
+    }
+    assert len(names) == 5  # every input changes it
+    assert start_digest(w, None, False) == start_digest(w, None, True)  # fresh: no flag
+
+
+def test_a_worker_and_its_validator_name_the_start_alike_and_move_nothing_for_it() -> None:
+    """Commitment 0 from the round's names (W_r's digest, the previous end state's content
+    id, the accept flag): the worker's and the validator's agree, nothing of the state
+    crosses to the host for it (meta device), and other names make the claim malformed."""
+    s = strategy()
+    start = s.init_state()
+    names = ("ab" * 32, None)
+    s.begin_round(start)
+    committer = Committer(s, start, K, start_digest=start_digest(*names, True))
+    for step in range(STEPS):
+        s.inner_step(batch(step))
+        committer.after_step(step + 1)
+    claim, payload = committer.commitments, s.make_contribution().payload
+    assert claim[0].hash == start_digest(*names, True)
+    mine = reexecute(strategy(), start, batch, STEPS, K, start_names=names)
+    verdict = compare(claim, payload, mine, s.codec, size(start), 0.1, mine.end)
+    assert verdict.agree and verdict.exact, verdict.detail
+    other = reexecute(strategy(), start, batch, STEPS, K, start_names=("ef" * 32, None))
+    verdict = compare(claim, payload, other, s.codec, size(start), 0.1, other.end)
+    assert not verdict.agree and "commitment 0" in verdict.detail
+    model = nano()
+    m = build_strategy(method_config("diloco"), copy.deepcopy(model).to(META), lm_loss)
+    on_meta = start_of(m, model)
+    counter = HostBytes()
+    with counter:
+        m.begin_round(on_meta)
+        first = Committer(m, on_meta, K, start_digest=start_digest(*names, True)).recorded[0]
+    assert first.hash == start_digest(*names, True)
+    assert counter.nbytes <= own_bytes(first), counter.copies

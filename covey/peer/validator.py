@@ -297,8 +297,7 @@ class Validator:
     def _reexecute(
         self, task: schemas.VerifyTask, start: TrainState, local: dict[str, Any], spill: Path
     ) -> tuple[verify.Reexecution, float]:
-        """The round re-executed from its start and the worker's previous end state ->
-        (the re-execution, its compute seconds)."""
+        """The round re-executed from its committed inputs -> (it, its compute seconds)."""
         k = self.cfg.trust.commit_every
         t0 = time.perf_counter()
         points = len(verify.commitment_steps(task.inner_steps, k))
@@ -315,6 +314,7 @@ class Validator:
                 [i for i, c in enumerate(task.commitments) if 0 < i < points and c.get("hash")],
                 previous_end=local.pop("previous_end"),
                 previous_accepted=task.previous_accepted,
+                start_names=(task.start_hash, task.local_state_cid),
                 spill_dir=spill,
                 consume_previous_end=True,
             )

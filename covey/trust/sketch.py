@@ -141,15 +141,29 @@ def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def start_digest(start_hash: str, local_state_cid: str | None, accepted: bool) -> str:
+    """Commitment 0's hash in a networked round: the round's start local state named by
+    what `Strategy.begin_round` makes it from, W_r's digest (the round's `start_hash`) and
+    the worker's committed previous end state (its content id, None for a fresh start) with
+    whether the previous round's certificate accepted it. Both are hashed anyway (W_r once
+    per state, the end state as it is published), so the start is bound without copying it
+    to the host and hashing its bytes again; anyone who holds those names computes it."""
+    chained = f"{local_state_cid}|{'accepted' if accepted else 'rejected'}"
+    text = f"covey-round-start|{start_hash}|{chained if local_state_cid else 'fresh'}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Commitment:
     """A worker's state after `step` inner steps of a round.
 
-    hash: at step 0, `state_hash` of the full local state (parameters and inner optimizer
-        tensors); for a round's end state, its content id (`evidence_commitment`); for an
-        intermediate commitment `NO_HASH` (""). Commitments of older runs carry a hash at
-        every step: those are still read, and a hash is only ever compared with another
-        one (`commitment_distance`), so an extra hash neither helps nor hurts a claim.
+    hash: at step 0, the round's start: `start_digest` of what it is made from where the
+        round's names are known (a networked worker and its validators), else `state_hash`
+        of the full local state (parameters and inner optimizer tensors); for a round's
+        end state, its content id (`evidence_commitment`); for an intermediate commitment
+        `NO_HASH` (""). Commitments of older runs carry a hash at every step: those are
+        still read, and a hash is only ever compared with another one
+        (`commitment_distance`), so an extra hash neither helps nor hurts a claim.
     sketch["params"]: count sketch of (parameters now - the round's start parameters).
     sketch["optim"]: one `buckets`-long count sketch per kind of optimizer tensor ("exp_avg",
         "exp_avg_sq", ...; kinds sorted, each over its parameters in sorted order),

@@ -67,6 +67,7 @@ from covey.trust.sketch import (
     Commitment,
     commitment_distance,
     distance,
+    start_digest,
 )
 
 BatchFn = Callable[[int], torch.Tensor]  # inner step (0-based, within the round) -> batch
@@ -182,6 +183,7 @@ def reexecute(
     previous_accepted: bool = True,
     spill_dir: Path | None = None,
     consume_previous_end: bool = False,
+    start_names: tuple[str, str | None] | None = None,
 ) -> Reexecution:
     """Train a round from `start_state` exactly as a worker does (begin_round from
     `previous_end`/`previous_accepted`, the worker's committed end state of its previous
@@ -193,7 +195,10 @@ def reexecute(
     states of `keep_states` are kept in memory, or with `spill_dir` on disk there
     (`SpilledStates`, valid while the directory is). `consume_previous_end`: empty the
     `previous_end` dict once it is loaded, so its tensors (weights + moments) are freed
-    for the steps; the caller must not read it again. ValueError for a
+    for the steps; the caller must not read it again. `start_names`: (W_r's digest, the
+    content id of `previous_end` or None), the round's names as its worker has them:
+    commitment 0's hash is then their `covey.trust.sketch.start_digest` with
+    `previous_accepted`, as the worker's (None: the start state's `state_hash`). ValueError for a
     strategy that is not re-executable, a keep_states index the round lacks, or an
     unusable previous_end."""
     require_reexecutable(strategy)
@@ -204,7 +209,8 @@ def reexecute(
     strategy.begin_round(start_state, previous_end, previous_accepted)
     if consume_previous_end and previous_end is not None:
         previous_end.clear()  # copied into the strategy (the caller's frame keeps the dict)
-    committer = Committer(strategy, start_state, commit_every)
+    digest = None if start_names is None else start_digest(*start_names, previous_accepted)
+    committer = Committer(strategy, start_state, commit_every, start_digest=digest)
     states: dict[int, dict[str, torch.Tensor]] | SpilledStates = {}
     if spill_dir is not None:
         states = SpilledStates(spill_dir, strategy.local_state_layout())
