@@ -226,10 +226,11 @@ def commitment_of(
 ) -> Commitment:
     """The commitment to a local state (`Strategy.local_state()`) at `step`, relative to the
     round's start parameters. Its hash is `digest` when given (`NO_HASH`: none; a round's
-    end passes its content id); else `state_hash(local)` at step 0 and none at any other
-    step: nothing but the sketches' sums leaves the state's device for an intermediate
-    commitment. ValueError when the state's parameters ("param/<name>") are not exactly the
-    start state's, by name and shape."""
+    end passes its content id, a networked round's start its `start_digest`); else
+    `state_hash(local)` at step 0 and none at any other step: nothing but the sketches'
+    sums leaves the state's device for an intermediate commitment. ValueError when the
+    state's parameters ("param/<name>") are not exactly the start state's, by name and
+    shape."""
     names = sorted(start_params)
     have = sorted(k[len("param/") :] for k in local if k.startswith("param/"))
     if have != names:
