@@ -13,6 +13,7 @@ named; it travels only when the recomputation is not bit-identical (here, a forg
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from pathlib import Path
@@ -28,6 +29,7 @@ from covey.protocol import schemas
 from covey.protocol.content import content_id
 from covey.trust import verify
 from covey.trust.evidence import evidence_of
+from covey.trust.sketch import start_digest
 from tests.test_reexecutable import CONFIGS, TOL, K, batches, make, numel, two_rounds
 
 
@@ -58,6 +60,10 @@ def validator(cfg, tokens: torch.Tensor) -> Validator:
 
 
 def task_for(c1, commitments, start_cid: str, start_size: int, end: bytes, url: str):
+    # commitment 0 as a networked worker names its start: by the task's start hash and
+    # the content id of the local state it started from (covey.trust.sketch.start_digest)
+    first = dataclasses.replace(commitments[0], hash=start_digest("h" * 64, start_cid, True))
+    commitments = [first, *commitments[1:]]
     return schemas.VerifyTask(
         task_id=1, round=1, peer_id="p" * 16, cid=content_id(c1.payload), size=len(c1.payload),
         tokens=c1.tokens, inner_steps=c1.inner_steps, fragment=c1.fragment, data_key="peer-0",

@@ -3,6 +3,7 @@ bisection, referee; and the strategies' local state it rests on. One process, na
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 import struct
@@ -23,6 +24,7 @@ from covey.trust.committer import Committer
 from covey.trust.referee import judge, referee
 from covey.trust.sketch import (
     BUCKETS,
+    NO_HASH,
     Commitment,
     _hashing,
     commitment_distance,
@@ -527,9 +529,16 @@ def test_a_made_up_segment_start_cannot_frame_a_worker(tokens) -> None:
         assert j.outcome == "validator wrong", (what, j.detail)
     with pytest.raises(ValueError, match="needs the worker's commitment"):
         referee(make(cfg), start, 3, real, batch_fn, steps, K)
-    # the genuine state (hash-equal to the worker's commitment) is used as it is
-    result = referee(make(cfg), start, 3, real, batch_fn, steps, K, claimed_start=claimed[3])
+    # the genuine state is used as it is where the worker's commitment carries its hash (as
+    # older workers' did); an intermediate commitment carries none: the prefix is recomputed
+    hashed = dataclasses.replace(claimed[3], hash=state_hash(real))
+    result = referee(make(cfg), start, 3, real, batch_fn, steps, K, claimed_start=hashed)
     assert result.end is not None and result.detail == ""
+    assert judge(result, validator.codec.decode(payload), flipped, TOL).outcome == "validator wrong"
+    assert claimed[3].hash == NO_HASH
+    result = referee(make(cfg), start, 3, real, batch_fn, steps, K, claimed_start=claimed[3])
+    assert result.end is not None and "carries no hash" in result.detail
+    assert "recomputed steps 0..8" in result.detail
     assert judge(result, validator.codec.decode(payload), flipped, TOL).outcome == "validator wrong"
 
 
@@ -568,7 +577,7 @@ def test_a_sketch_equal_crafted_state_no_longer_convicts(tokens) -> None:
     honest = reexecute(validator, start, batch_fn, steps, K, keep_states=[3])
     crafted = sketch_null_space(honest.states[3], 0.05)
     theirs = commitment_of(crafted, start.params, 9)
-    assert theirs.hash != claimed[3].hash
+    assert state_hash(crafted) != state_hash(honest.states[3])
     assert commitment_distance(theirs, claimed[3]) < TOL / 10  # the sketch cannot tell
     # the validator's claimed end: the last segment run from its crafted state
     validator.load_state(start)
@@ -577,13 +586,16 @@ def test_a_sketch_equal_crafted_state_no_longer_convicts(tokens) -> None:
     framed_end = validator.codec.decode(validator.make_contribution().payload)
     worker_end = validator.codec.decode(payload)
     assert distance(worker_end, framed_end) > 10 * TOL  # a real disagreement to judge
-    result = referee(
-        make(cfg, seed=5), start, 3, crafted, batch_fn, steps, K,
-        claimed_start=claimed[3], tolerance=TOL,
-    )  # fmt: skip
-    j = judge(result, worker_end, framed_end, TOL)
-    assert j.outcome == "validator wrong", j.detail  # the old referee said "fraud"
-    assert "does not hash" in result.detail
+    # a worker's commitment with its state's hash (as older workers sent), and without
+    hashed = dataclasses.replace(claimed[3], hash=state_hash(honest.states[3]))
+    for claimed_start, why in ((hashed, "does not hash"), (claimed[3], "carries no hash")):
+        result = referee(
+            make(cfg, seed=5), start, 3, crafted, batch_fn, steps, K,
+            claimed_start=claimed_start, tolerance=TOL,
+        )  # fmt: skip
+        j = judge(result, worker_end, framed_end, TOL)
+        assert j.outcome == "validator wrong", j.detail  # the old referee said "fraud"
+        assert why in result.detail
 
 
 def test_segment_0_and_prefix_recompute_need_no_blob(tokens) -> None:
@@ -593,7 +605,8 @@ def test_segment_0_and_prefix_recompute_need_no_blob(tokens) -> None:
     claimed, _ = work(worker, start, batches(tokens), steps, K)
     for seg in (0, 2):  # 2: recomputes segments 0 and 1 first
         result = referee(make(cfg), start, seg, None, batches(tokens), steps, K)
-        assert isinstance(result.end, Commitment) and result.end.hash == claimed[seg + 1].hash
+        assert isinstance(result.end, Commitment) and result.end.hash == NO_HASH
+        assert result.end.sketch == claimed[seg + 1].sketch  # the same bits, one process
 
 
 def test_an_unstable_segment_does_not_convict_an_honest_worker(tokens) -> None:

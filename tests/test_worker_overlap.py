@@ -93,9 +93,10 @@ def test_late_merge_on_an_overlapping_worker_equals_the_simulator_and_a_validato
     prev = local_state_from_bytes(local_state_to_bytes(end0), v.local_state(copy=False))
     mine = reexecute(v, start1, batch, c_live.inner_steps, K, previous_end=prev)
     numel = sum(start1.params[n].numel() for n in v.fragment_names(v.round_fragment(1)))
-    from covey.trust.sketch import commitment_of
+    from covey.trust.evidence import evidence_commitment
 
-    end = commitment_of(end1, start1.params, c_live.inner_steps)
+    # the end as a worker publishes it: its hash is the end state's content id
+    end = evidence_commitment(live, end1, start1, c_live.inner_steps)
     verdict = compare(claim, c_live.payload, mine, v.codec, numel, 0.0, end)
     assert verdict.agree and verdict.exact, verdict.detail
     # a merge at step 0 (the old network behavior) is another round: the check can fail

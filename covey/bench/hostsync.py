@@ -148,6 +148,44 @@ class HostSyncDetector(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@dataclass
+class HostBytes(TorchDispatchMode):
+    """Counts the bytes that cross from a device to the host under it: each copy to the host
+    (`copies`, the source's bytes) and each scalar read (`scalars`, counted 8 bytes each in
+    `nbytes`). The meta device holds no values: a copy out of it yields zeros of its shape
+    and a scalar read a placeholder, so code written for a GPU runs there and is measured
+    (what it computes from those values is not real)."""
+
+    copies: list[int] = field(default_factory=list)
+    scalars: int = 0
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.copies) + 8 * self.scalars
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        src = None
+        if func is aten._to_copy.default:
+            dst = kwargs.get("device") or args[0].device
+            src = args[0] if torch.device(dst).type == "cpu" else None
+        elif func is aten.copy_.default and not _is_device(args[0]):
+            src = args[1]
+        if src is not None and _is_device(src):
+            self.copies.append(src.numel() * src.element_size())
+        elif func in VALUE_OPS and any(_is_device(t) for t in _tensors(args, kwargs)):
+            self.scalars += 1
+            src = next(t for t in _tensors(args, kwargs) if _is_device(t))
+        else:
+            return func(*args, **kwargs)
+        if src.device.type == "meta":
+            return _placeholder(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
 @contextmanager
 def no_host_sync(device: torch.device) -> Iterator[None]:
     """No device-to-host synchronization inside: on CUDA the driver's own check
@@ -304,10 +342,13 @@ def run_hostsync_bench(
 
 
 def time_commitment(numel: int = 4 << 20, repeats: int = 5) -> dict[str, Any]:
-    """Host milliseconds per commitment per 1M parameters (`commitment_of` of a local state
-    of `numel` parameters and AdamW's two moments, on the CPU): the first commitment of a
-    process (its hash tables made), the fastest of the next `repeats`, and of that the
-    SHA-256 `state_hash` alone (the fastest of `repeats`; the rest is the three sketches)."""
+    """An intermediate commitment (`commitment_of` of a local state of `numel` parameters and
+    AdamW's two moments, relative to the round's start) before and after intermediate
+    commitments stopped carrying a hash: host milliseconds per 1M parameters on the CPU
+    (the first of a process, its hash tables made; the fastest of the next `repeats`
+    without the hash, and with it: the SHA-256 `state_hash` every commitment carried) and
+    host bytes per commitment with the state on the meta device (`HostBytes`: what crosses
+    from a GPU), against the commitment's own bytes (its sketches' float64 sums)."""
     from covey.trust.sketch import commitment_of, state_hash
 
     g = torch.Generator().manual_seed(0)
@@ -320,16 +361,30 @@ def time_commitment(numel: int = 4 << 20, repeats: int = 5) -> dict[str, Any]:
         fn()
         return time.perf_counter() - t0
 
+    def hashed() -> Any:  # a commitment as every one was made before: with the state's hash
+        return commitment_of(local, start, 10, digest=state_hash(local))
+
     first = seconds(lambda: commitment_of(local, start, 10))
-    whole = min(seconds(lambda: commitment_of(local, start, 10)) for _ in range(repeats))
+    after = min(seconds(lambda: commitment_of(local, start, 10)) for _ in range(repeats))
+    before = min(seconds(hashed) for _ in range(repeats))
     hashing = min(seconds(lambda: state_hash(local)) for _ in range(repeats))
+    on_meta = {k: v.to("meta") for k, v in local.items()}
+    crossed = []
+    for digest in (True, False):
+        counter = HostBytes()
+        with counter:
+            c = commitment_of(on_meta, start, 10, digest=state_hash(on_meta) if digest else None)
+        crossed.append(counter.nbytes)
     per_m = 1e3 / (numel / 1e6)
     return {
         "parameters_m": round(numel / 1e6, 3),
         "first_ms_per_m": round(first * per_m, 3),
-        "ms_per_m": round(whole * per_m, 3),
+        "ms_per_m": round(after * per_m, 3),
+        "before_ms_per_m": round(before * per_m, 3),
         "hash_ms_per_m": round(hashing * per_m, 3),
-        "sketch_ms_per_m": round(max(whole - hashing, 0.0) * per_m, 3),
+        "host_bytes": crossed[1],
+        "before_host_bytes": crossed[0],
+        "commitment_bytes": 8 * (len(c.sketch["params"]) + len(c.sketch["optim"])),
     }
 
 

@@ -33,10 +33,12 @@ def register(bench_app: Any) -> None:
         """Per method (DDP, DiLoCo, Streaming DiLoCo, DeMo): host milliseconds per inner
         step per 1M parameters on this machine's CPU, and the device-to-host
         synchronizations one inner step makes (counted on the meta device); then host
-        milliseconds per commitment (hash and sketches of parameters and AdamW moments)
-        per 1M parameters; then host milliseconds per 1M parameters of a DiLoCo round result
-        (decode and aggregate --workers payloads, outer step, state digest) on the host path
-        and on the device path run in torch on the CPU, which must give the same state."""
+        milliseconds per 1M parameters and host bytes (counted on the meta device) of an
+        intermediate commitment (sketches of parameters and AdamW moments), and of one with
+        the state's hash, as every commitment carried before; then host milliseconds per 1M
+        parameters of a DiLoCo round result (decode and aggregate --workers payloads, outer
+        step, state digest) on the host path and on the device path run in torch on the
+        CPU, which must give the same state."""
         say = bench_say(log_json, "hostsync")
         from covey.bench.hostsync import run_hostsync_bench  # torch: only when it runs
         from covey.models.gpt import GPT_SIZES
@@ -55,8 +57,10 @@ def register(bench_app: Any) -> None:
 
         c = time_commitment(commit_params)
         say(
-            f"commitment: {c['ms_per_m']:8.3f} host ms/1M params: sketches "
-            f"{c['sketch_ms_per_m']:.3f}, hash {c['hash_ms_per_m']:.3f} (first "
+            f"intermediate commitment: {c['ms_per_m']:8.3f} host ms/1M params, "
+            f"{c['host_bytes']} host bytes (the commitment: {c['commitment_bytes']}); with the "
+            f"state's hash, as before: {c['before_ms_per_m']:.3f} ms/1M params (hash "
+            f"{c['hash_ms_per_m']:.3f}), {c['before_host_bytes']} host bytes (first "
             f"{c['first_ms_per_m']:.3f}, tables made; {c['parameters_m']}M params + 2 moments)"
         )
         from covey.bench.hostsync import time_round_result

@@ -100,8 +100,10 @@ class SideCommitter:
     """A worker's commitments (the `Committer` contract: `after_step`, `commitments`,
     `recorded`), sketched off the training thread.
 
-    At each commitment step the local state is copied (a memory copy) and its sketch
-    computed on a side thread, so the training thread does not wait for it; at most
+    At each commitment step the local state is copied (a memory copy, on the training
+    device) and its sketch computed on a side thread, so the training thread does not wait
+    for it; past step 0 a commitment carries no hash, so what reaches the host is its
+    sketches' sums (tests/test_commitment_hashes.py counts them); at most
     MAX_PENDING copies wait for the sketcher (then the next one waits: bounded memory).
     With `start_state` None the round's start W_r is not known yet (overlap): copies are
     kept until `start(W_r)`. The commitments equal `Committer`'s for the same steps
@@ -116,12 +118,14 @@ class SideCommitter:
         start_state: TrainState | None,
         commit_every: int,
         buckets: int = BUCKETS,
+        start_digest: str | None = None,
     ) -> None:
         if commit_every < 1:
             raise ValueError(f"commit_every must be >= 1, got {commit_every}")
         self.strategy = strategy
         self.commit_every = commit_every
         self.buckets = buckets
+        self.start_digest = start_digest  # commitment 0's hash (None: its state_hash)
         self.steps_done = 0
         # known before step 0 is taken: the state's parameters are W_r's, not copies
         self.start_params = None if start_state is None else start_state.params
@@ -140,9 +144,13 @@ class SideCommitter:
         pending = [f for f in self._sketches if not f.done()]
         if len(pending) >= self.MAX_PENDING:
             pending[0].result()
-        self._sketches.append(
-            self._pool.submit(commitment_of, state, self.start_params, step, self.buckets)
-        )
+        self._sketches.append(self._submit(state, self.start_params, step))
+
+    def _submit(
+        self, state: dict[str, torch.Tensor], start: dict[str, torch.Tensor], step: int
+    ) -> Future[Commitment]:
+        digest = self.start_digest if step == 0 else None
+        return self._pool.submit(commitment_of, state, start, step, self.buckets, digest=digest)
 
     def after_step(self, steps_done: int) -> None:
         """Note that `steps_done` inner steps are done; at a multiple of k, take the state.
@@ -153,14 +161,14 @@ class SideCommitter:
         if steps_done % self.commit_every == 0:
             self._take(steps_done)
 
-    def start(self, start_state: TrainState) -> None:
-        """The round's start W_r is known: sketch the states kept so far relative to it."""
+    def start(self, start_state: TrainState, start_digest: str | None = None) -> None:
+        """The round's start W_r is known: sketch the states kept so far relative to it
+        (`start_digest`: commitment 0's hash, as in the constructor)."""
         self.start_params = start_state.params
+        self.start_digest = start_digest
         held, self._held = self._held, []
         for step, state in held:
-            self._sketches.append(
-                self._pool.submit(commitment_of, state, start_state.params, step, self.buckets)
-            )
+            self._sketches.append(self._submit(state, start_state.params, step))
 
     @property
     def recorded(self) -> list[Commitment]:

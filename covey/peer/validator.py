@@ -208,8 +208,8 @@ class Validator:
                     "[%s] task %d: inputs unavailable (%s); leaving it", self.name, task.task_id, e
                 )
                 return
-            # every commitment's state is kept for a dispute's evidence, on disk (1.5 GB
-            # each at 124M), and the previous end state is handed over, freed once loaded
+            # the states a referee can load (the worker's commitment hashed them) are kept,
+            # on disk (1.5 GB each at 124M); the previous end state is freed once loaded
             with tempfile.TemporaryDirectory(prefix="covey-validator-states-") as spill:
                 try:
                     self._check(task, start, payload, local, Path(spill), sources)
@@ -297,8 +297,7 @@ class Validator:
     def _reexecute(
         self, task: schemas.VerifyTask, start: TrainState, local: dict[str, Any], spill: Path
     ) -> tuple[verify.Reexecution, float]:
-        """The round re-executed from its start and the worker's previous end state ->
-        (the re-execution, its compute seconds)."""
+        """The round re-executed from its committed inputs -> (it, its compute seconds)."""
         k = self.cfg.trust.commit_every
         t0 = time.perf_counter()
         points = len(verify.commitment_steps(task.inner_steps, k))
@@ -312,9 +311,10 @@ class Validator:
                 self._batch_fn(task),
                 task.inner_steps,
                 k,
-                range(points),
+                [i for i, c in enumerate(task.commitments) if 0 < i < points and c.get("hash")],
                 previous_end=local.pop("previous_end"),
                 previous_accepted=task.previous_accepted,
+                start_names=(task.start_hash, task.local_state_cid),
                 spill_dir=spill,
                 consume_previous_end=True,
             )
@@ -373,7 +373,7 @@ class Validator:
     ) -> dict[str, Any]:
         """Upload this validator's state at the segment's start and its claim at its end."""
         out: dict[str, Any] = {"segment": segment}
-        if segment > 0:
+        if segment > 0 and segment in mine.states:  # else the referee recomputes to there
             data = verify.local_state_to_bytes(mine.states[segment])
             out["state_cid"] = self.blobs.upload(
                 sources[0], data, content_id(data), signer=(self.identity, self.run_id)

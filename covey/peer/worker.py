@@ -344,7 +344,12 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         assert self.state is not None
         self._begin_round(info.round)
         # sketched on a side thread: training does not wait for its own commitments
-        committer = SideCommitter(self.strategy, self.state, self.cfg.trust.commit_every)
+        committer = SideCommitter(
+            self.strategy,
+            self.state,
+            self.cfg.trust.commit_every,
+            start_digest=self._start_digest(info.start_hash),
+        )
         return self._train_and_finish(info, deadline, opened, committer)
 
     def _train_and_finish(

@@ -111,8 +111,8 @@ class Overlapping:
         info, chain = f.next_info, self._chain
         assert info is not None and chain is not None and self.state is not None
         self.strategy.merge_late(self.state, chain.accepted)  # before step tau, as simulated
-        committer.start(self.state)
         self._local = LocalStates(chain.end_cid, round=nxt)
+        committer.start(self.state, self._start_digest(info.start_hash))
         deadline = time.monotonic() + (info.deadline_in_s or 0.0)
         return self._train_and_finish(
             info, deadline, started, committer, (tau, compute_s, loss_sum)

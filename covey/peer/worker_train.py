@@ -27,6 +27,7 @@ from covey.protocol.checkpoint import write_safetensors
 from covey.trust import verify
 from covey.trust.committer import Committer
 from covey.trust.evidence import evidence_of
+from covey.trust.sketch import start_digest
 
 log = logging.getLogger("covey.worker")
 PUBLISH_ALLOWANCE_S = 1.0  # a flexible round stops this long before the deadline to publish
@@ -101,6 +102,16 @@ class Training:
         start, start_cid = self._chained_start(chain)
         self.strategy.begin_round(self.state, start, chain.accepted)
         self._local = LocalStates(start_cid, round=round_)
+
+    def _start_digest(self, start_hash: str) -> str:
+        """Commitment 0's hash for the round `_begin_round` started from W_r (`start_hash`):
+        `covey.trust.sketch.start_digest` of the names its validators are given, the local
+        state it started from (`_local.start_cid`, what the contribution names) and whether
+        the previous round's certificate accepted that state's contribution."""
+        cid = None if self._local is None else self._local.start_cid
+        chain = self._chain
+        accepted = chain.accepted if chain is not None and cid is not None else True
+        return start_digest(start_hash, cid, accepted)
 
     def _chained_start(self, chain: LocalStates) -> tuple[dict[str, torch.Tensor], str | None]:
         """The local state a chained round starts from, and the content id it names: the

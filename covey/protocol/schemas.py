@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 PEER_ID_PATTERN = r"^[0-9a-f]{32}$"  # sha256(public key)[:32]
 PeerId = Annotated[str, StringConstraints(pattern=PEER_ID_PATTERN)]
@@ -135,11 +142,12 @@ class RoundInfo(BaseModel):
 
 
 class CommitmentIn(Request):
-    """The worker's state after `step` inner steps: a hash and count sketches
-    (covey.trust.verify)."""
+    """The worker's state after `step` inner steps: count sketches, and a hash at step 0
+    (the round's start); an intermediate commitment's hash is "" (covey.trust.sketch,
+    NO_HASH), or 64 hex digits as older workers sent it."""
 
     step: Count
-    hash: ContentId
+    hash: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{64})?$")]
     sketch: dict[
         Annotated[str, StringConstraints(pattern=r"^[a-z]{1,16}$")],
         Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=1024)],
@@ -149,6 +157,12 @@ class CommitmentIn(Request):
         # any other key through; the validator refuses other keys, and so does the schema
         json_schema_extra={"additionalProperties": False},
     )
+
+    @model_validator(mode="after")
+    def _start_is_hashed(self) -> CommitmentIn:
+        if self.step == 0 and not self.hash:
+            raise ValueError("commitment 0 (the round's start state) must carry its hash")
+        return self
 
 
 class ContributionRequest(Signed):

@@ -35,11 +35,14 @@ def evidence_commitment(
 ) -> Commitment:
     """The commitment to a round's end state as it is published (`evidence_of`), the
     parameters it leaves out standing at the round's start: what a validator compares a
-    worker's published end state with."""
+    worker's published end state with. Its hash is the published bytes' content id
+    (`local_state_cid`, the end_state_cid a worker names): the end state is hashed once,
+    and equal hashes mean the very bytes the worker named."""
     published = evidence_of(strategy, state)
+    digest = local_state_cid(published)
     if not strategy.local_params_carried:
         published.update({f"param/{n}": t for n, t in start_state.params.items()})
-    return commitment_of(published, start_state.params, steps)
+    return commitment_of(published, start_state.params, steps, digest=digest)
 
 
 def local_state_metadata() -> dict[str, str]:

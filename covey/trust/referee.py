@@ -2,12 +2,15 @@
 right (covey.trust.verify bisected the disagreement down to that segment).
 
 After Verde (Gensyn, arXiv 2502.19405): whatever the round's length, the referee's work is
-one segment of at most k inner steps. The referee trusts neither side. A validator may
-supply its state at the segment's start (so the prefix need not be recomputed); it is used
-only when its full content hash equals the worker's own commitment there, else the referee
-recomputes the prefix from W_r itself. A sketch is never evidence: its hashing is public, so
-a state can be crafted in its null space (sketch-equal, content-different) to frame an
-honest worker. And since a segment that
+one segment of at most k inner steps, and the prefix before it when no state at the
+segment's start can be trusted. The referee trusts neither side. A validator may supply its
+state at the segment's start (so the prefix need not be recomputed); it is used only when its
+full content hash equals the worker's own commitment there, else the referee recomputes the
+prefix from W_r itself. Intermediate commitments carry no hash (covey/trust/sketch.py), so
+for a segment past the first the prefix is recomputed: at most the round's steps before the
+segment, once, on top of the segment and its probe (docs/trust.md, "Bisection and the referee"). A
+sketch is never evidence: its hashing is public, so a state can be crafted in its null space
+(sketch-equal, content-different) to frame an honest worker. And since a segment that
 amplifies rounding (a loss spike) would make honest parties look far apart, the referee
 re-runs the segment from a nudged start and raises its noise floor by what the nudge did.
 Pure, like verify: no network, no clock.
@@ -26,6 +29,7 @@ from covey.algorithms.base import Strategy
 from covey.algorithms.codec_base import Codec
 from covey.algorithms.state import TrainState
 from covey.trust.sketch import (
+    NO_HASH,
     Commitment,
     commitment_distance,
     commitment_of,
@@ -145,8 +149,11 @@ def referee(
     own commitment at that index: then it is the very state the worker committed to. Any
     other supplied state (a different hash, a sketch within tolerance included, a malformed
     one) is ignored and the referee recomputes the prefix from the round's start, at the
-    cost of the segments before this one; `detail` says so. A lossy sketch never lets a
-    party's state in: one crafted in the sketch's null space would frame an honest worker.
+    cost of the segments before this one; `detail` says so. So is one whose commitment
+    carries no hash (`NO_HASH`: every intermediate commitment covey makes): the
+    prefix is then always recomputed, and the supplied state is not even hashed. A lossy
+    sketch never lets a party's state in: one crafted in the sketch's null space would
+    frame an honest worker.
 
     With `probe`, the segment is computed a second time from a nudged start
     (`RefereeResult.stability`), so that `judge` does not convict an honest worker whose
@@ -171,7 +178,9 @@ def referee(
             raise ValueError("a supplied segment-start state needs the worker's commitment")
         try:
             use_supplied = (
-                claimed_start.step == first and state_hash(segment_start) == claimed_start.hash
+                claimed_start.step == first
+                and claimed_start.hash != NO_HASH
+                and state_hash(segment_start) == claimed_start.hash
             )
             if use_supplied:
                 strategy.load_local_state(dict(segment_start))
@@ -180,8 +189,11 @@ def referee(
             strategy.begin_round(start_state, previous_end, previous_accepted)
         if not use_supplied:
             detail = detail or (
-                f"supplied state at step {first} does not hash to the worker's commitment "
-                f"{segment}: ignored; "
+                f"the worker's commitment {segment} carries no hash: the supplied state at "
+                f"step {first} is not used; "
+                if claimed_start.hash == NO_HASH
+                else f"supplied state at step {first} does not hash to the worker's "
+                f"commitment {segment}: ignored; "
             )
             detail += f"recomputed steps 0..{first - 1} from the round's start"
     if not use_supplied:
@@ -189,7 +201,9 @@ def referee(
             take_step(strategy, batch_fn, step)
     if claimed_start is not None:  # how far apart the two machines already were here
         try:
-            ours = commitment_of(strategy.local_state(copy=False), start_state.params, first)
+            ours = commitment_of(  # sketches only: a hash would not change the distance
+                strategy.local_state(copy=False), start_state.params, first, digest=NO_HASH
+            )
             start_distance = min(commitment_distance(ours, claimed_start), tolerance)
         except ValueError:
             start_distance = tolerance

@@ -16,7 +16,12 @@ libraries for batches for the same reason).
 A sketch is not a commitment an adversary cannot game: the hashing is public, so a vector
 can be crafted in the sketch's null space. Sketches tell honest numerical noise from real
 divergence; exact hashes (`state_hash`) are what binds a party to its bytes. A
-`Commitment` carries both: the hash of a worker's local state and sketches of it.
+`Commitment` carries sketches of a worker's local state, and its hash only where a
+commitment must be one: at step 0, the round's start state, and at a round's end (the end
+state's content id, `covey.trust.evidence.evidence_commitment`). An intermediate commitment
+(0 < step < the round's steps) carries none (`NO_HASH`): a hash is SHA-256 on the host over
+the whole state, weights and moments, while its sketches are computed on the training device
+and only their `buckets` sums cross.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ BUCKETS = 64
 SEED = 0x636F766579  # "covey": offsets the coordinate index before mixing
 TINY = 1e-30  # below any float32 norm that matters; keeps 0 / 0 at 0
 HEX64 = re.compile(r"[0-9a-f]{64}")
+#: the hash of an intermediate commitment on the wire: none
+NO_HASH = ""
 
 
 #: vectors longer than this are sketched a block of coordinates at a time (a
@@ -134,11 +141,29 @@ def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def start_digest(start_hash: str, local_state_cid: str | None, accepted: bool) -> str:
+    """Commitment 0's hash in a networked round: the round's start local state named by
+    what `Strategy.begin_round` makes it from, W_r's digest (the round's `start_hash`) and
+    the worker's committed previous end state (its content id, None for a fresh start) with
+    whether the previous round's certificate accepted it. Both are hashed anyway (W_r once
+    per state, the end state as it is published), so the start is bound without copying it
+    to the host and hashing its bytes again; anyone who holds those names computes it."""
+    chained = f"{local_state_cid}|{'accepted' if accepted else 'rejected'}"
+    text = f"covey-round-start|{start_hash}|{chained if local_state_cid else 'fresh'}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Commitment:
     """A worker's state after `step` inner steps of a round.
 
-    hash: `state_hash` of the full local state (parameters and inner optimizer tensors).
+    hash: at step 0, the round's start: `start_digest` of what it is made from where the
+        round's names are known (a networked worker and its validators), else `state_hash`
+        of the full local state (parameters and inner optimizer tensors); for a round's
+        end state, its content id (`evidence_commitment`); for an intermediate commitment
+        `NO_HASH` (""). Commitments of older runs carry a hash at every step: those are
+        still read, and a hash is only ever compared with another one
+        (`commitment_distance`), so an extra hash neither helps nor hurts a claim.
     sketch["params"]: count sketch of (parameters now - the round's start parameters).
     sketch["optim"]: one `buckets`-long count sketch per kind of optimizer tensor ("exp_avg",
         "exp_avg_sq", ...; kinds sorted, each over its parameters in sorted order),
@@ -162,16 +187,20 @@ class Commitment:
     @classmethod
     def from_dict(cls, d: Any) -> Commitment:
         """Parse a commitment from JSON-like data. ValueError naming what is wrong: missing
-        or extra keys, a step that is not a non-negative int, a hash that is not 64 hex
-        digits, a sketch that is not two lists of finite numbers."""
+        or extra keys, a step that is not a non-negative int, a hash that is neither 64 hex
+        digits nor `NO_HASH` (""), no hash at step 0 (the round's start must be one), a
+        sketch that is not two lists of finite numbers. Whether a later commitment must
+        carry a hash (a round's end) is for its reader to say: a step alone does not tell."""
         if not isinstance(d, dict) or set(d) != {"step", "hash", "sketch"}:
             keys = sorted(d) if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"a commitment has keys step, hash, sketch; got {keys}")
         step, digest, sk = d["step"], d["hash"], d["sketch"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"commitment step {step!r} is not a non-negative integer")
-        if not isinstance(digest, str) or not HEX64.fullmatch(digest):
+        if not isinstance(digest, str) or not (digest == NO_HASH or HEX64.fullmatch(digest)):
             raise ValueError(f"commitment hash {digest!r} is not 64 lowercase hex digits")
+        if step == 0 and digest == NO_HASH:
+            raise ValueError("commitment 0 (the round's start state) has no hash")
         if not isinstance(sk, dict) or set(sk) != {"params", "optim"}:
             raise ValueError("commitment sketch must have exactly 'params' and 'optim'")
         groups: dict[str, tuple[float, ...]] = {}
@@ -192,10 +221,16 @@ def commitment_of(
     start_params: Mapping[str, torch.Tensor],
     step: int,
     buckets: int = BUCKETS,
+    *,
+    digest: str | None = None,
 ) -> Commitment:
     """The commitment to a local state (`Strategy.local_state()`) at `step`, relative to the
-    round's start parameters. ValueError when the state's parameters ("param/<name>") are
-    not exactly the start state's, by name and shape."""
+    round's start parameters. Its hash is `digest` when given (`NO_HASH`: none; a round's
+    end passes its content id, a networked round's start its `start_digest`); else
+    `state_hash(local)` at step 0 and none at any other step: nothing but the sketches'
+    sums leaves the state's device for an intermediate commitment. ValueError when the
+    state's parameters ("param/<name>") are not exactly the start state's, by name and
+    shape."""
     names = sorted(start_params)
     have = sorted(k[len("param/") :] for k in local if k.startswith("param/"))
     if have != names:
@@ -223,18 +258,20 @@ def commitment_of(
         for kind in sorted(kinds)
     ]
     optim_sketch = torch.cat(optim) if optim else torch.zeros(0, dtype=torch.float64)
+    if digest is None:
+        digest = state_hash(local) if step == 0 else NO_HASH
     return Commitment(
         step,
-        state_hash(local),
+        digest,
         {"params": tuple(params_sketch.tolist()), "optim": tuple(optim_sketch.tolist())},
     )
 
 
 def commitment_distance(a: Commitment, b: Commitment) -> float:
-    """0 for equal hashes; else the largest relative distance over the sketch groups
-    (parameters, then each optimizer kind); inf when the steps or sketch layouts differ or a
-    sketch is not finite."""
-    if a.hash == b.hash and a.step == b.step:
+    """0 for equal hashes (both present); else the largest relative distance over the sketch
+    groups (parameters, then each optimizer kind); inf when the steps or sketch layouts differ
+    or a sketch is not finite. Two commitments without hashes are compared by sketch."""
+    if a.hash != NO_HASH and a.hash == b.hash and a.step == b.step:
         return 0.0
     n = len(a.sketch["params"])
     if (

@@ -16,8 +16,11 @@ round shorter than k (and DDP's single step) is one segment, from W_r to the pay
 Commitment 0 is the round's start state: `Strategy.begin_round` from W_r and the worker's
 committed end state of its previous round (the local-state chain; a fresh optimizer when
 there is none), so its hash is known exactly to anyone who holds those. Later commitments
-are compared by count sketch (covey/trust/sketch.py) within a tolerance, since an honest
-re-execution on another machine differs in the last bits;
+carry no hash (a hash is SHA-256 of the whole state on the host; their sketches are made on
+the training device) and are compared by count sketch (covey/trust/sketch.py) within a
+tolerance, since an honest re-execution on another machine differs in the last bits. The
+round's end is bound by hash: its end state by content id (`Reexecution.end`), its payload
+byte for byte;
 `covey.bench.trust_calibration` measures honest and dishonest distances so the tolerance
 sits between them. The payload is compared in
 full: the validator holds it.
@@ -54,15 +57,17 @@ from covey.trust.committer import Committer
 from covey.trust.evidence import (  # the local state on the wire: re-exported here
     LOCAL_STATE_FORMAT,
     evidence_commitment,
-    evidence_of,
-    local_state_cid,
+    evidence_of,  # noqa: F401
+    local_state_cid,  # noqa: F401
     local_state_metadata,
 )
 from covey.trust.sketch import (
     HEX64,
+    NO_HASH,
     Commitment,
     commitment_distance,
     distance,
+    start_digest,
 )
 
 BatchFn = Callable[[int], torch.Tensor]  # inner step (0-based, within the round) -> batch
@@ -178,6 +183,7 @@ def reexecute(
     previous_accepted: bool = True,
     spill_dir: Path | None = None,
     consume_previous_end: bool = False,
+    start_names: tuple[str, str | None] | None = None,
 ) -> Reexecution:
     """Train a round from `start_state` exactly as a worker does (begin_round from
     `previous_end`/`previous_accepted`, the worker's committed end state of its previous
@@ -189,7 +195,10 @@ def reexecute(
     states of `keep_states` are kept in memory, or with `spill_dir` on disk there
     (`SpilledStates`, valid while the directory is). `consume_previous_end`: empty the
     `previous_end` dict once it is loaded, so its tensors (weights + moments) are freed
-    for the steps; the caller must not read it again. ValueError for a
+    for the steps; the caller must not read it again. `start_names`: (W_r's digest, the
+    content id of `previous_end` or None), the round's names as its worker has them:
+    commitment 0's hash is then their `covey.trust.sketch.start_digest` with
+    `previous_accepted`, as the worker's (None: the start state's `state_hash`). ValueError for a
     strategy that is not re-executable, a keep_states index the round lacks, or an
     unusable previous_end."""
     require_reexecutable(strategy)
@@ -200,7 +209,8 @@ def reexecute(
     strategy.begin_round(start_state, previous_end, previous_accepted)
     if consume_previous_end and previous_end is not None:
         previous_end.clear()  # copied into the strategy (the caller's frame keeps the dict)
-    committer = Committer(strategy, start_state, commit_every)
+    digest = None if start_names is None else start_digest(*start_names, previous_accepted)
+    committer = Committer(strategy, start_state, commit_every, start_digest=digest)
     states: dict[int, dict[str, torch.Tensor]] | SpilledStates = {}
     if spill_dir is not None:
         states = SpilledStates(spill_dir, strategy.local_state_layout())
@@ -229,7 +239,7 @@ def reexecute(
     if carries:
         local = strategy.local_state(copy=False)
         end = evidence_commitment(strategy, local, start_state, steps)
-        end_cid = local_state_cid(evidence_of(strategy, local))
+        end_cid = end.hash  # the published bytes' content id: hashed once
     return Reexecution(payload, committer.commitments, states, steps, commit_every, end, end_cid)
 
 
@@ -274,7 +284,9 @@ def _structure_fault(
             return f"commitment {i} is a {type(c).__name__}"
         if c.step != step:
             return f"commitment {i} is at step {c.step}, expected {step}"
-        if not isinstance(c.hash, str) or not HEX64.fullmatch(c.hash):
+        if not isinstance(c.hash, str) or not (
+            HEX64.fullmatch(c.hash) or (i > 0 and c.hash == NO_HASH)
+        ):
             return f"commitment {i} hash is not 64 hex digits"
         sk = c.sketch
         if not isinstance(sk, Mapping) or set(sk) != {"params", "optim"}:
@@ -344,9 +356,12 @@ def compare(
     published (the next round's start is derived from it), is compared with `mine.end` as
     part of the payload point: a forged end state is a disagreement in the last segment.
 
-    Exact when every hash and the payload bytes are identical. Otherwise the claim agrees
-    when every commitment's sketch distance and the decoded payload's distance are within
-    `tolerance`; if not, `segment` is the diverging segment found by `bisect`. A malformed
+    Exact when the round's ends are: the payload bytes and the end state's hash (its content
+    id) identical, commitment 0's hash too (a malformed claim otherwise), and every
+    intermediate commitment within `tolerance` (they carry no hashes; a hash a claim adds
+    to one is not looked at). Otherwise the claim agrees when every commitment's sketch
+    distance and the decoded payload's distance are within `tolerance`; if not, `segment`
+    is the diverging segment found by `bisect`. A malformed
     claim (wrong number or steps of commitments, wrong sketch lengths, NaN/Inf, a
     commitment 0 that is not W_r, a payload that does not decode) is a disagreement at
     segment 0 whose `detail` says what is wrong: anyone can check it without re-executing.
@@ -360,15 +375,16 @@ def compare(
     if fault is not None:
         return Verdict(False, False, math.inf, 0, fault)
     n = len(mine.commitments)
-    end_exact = claimed_end is None or mine.end is None or claimed_end.hash == mine.end.hash
-    if (
-        end_exact
-        and claimed_payload == mine.payload
-        and all(
-            a.hash == b.hash for a, b in zip(claimed_commitments, mine.commitments, strict=True)
-        )
-    ):
-        return Verdict(True, True, 0.0, None, "bit-identical", (0.0,) * (n + 1))
+    # sketches only, 64 numbers a group: cheap next to the payload's decoding
+    pairs = zip(claimed_commitments, mine.commitments, strict=True)
+    between = [commitment_distance(a, b) for a, b in pairs]
+    end_exact = (
+        claimed_end is None
+        or mine.end is None
+        or (claimed_end.hash != NO_HASH and claimed_end.hash == mine.end.hash)
+    )
+    if end_exact and claimed_payload == mine.payload and max(between) <= tolerance:
+        return Verdict(True, True, max(between), None, "bit-identical", (*between, 0.0))
     # each side widened to float64 as `distance` widens it, its float32 decoding let go at
     # once, rather than holding both decodings next to both widenings; the same values
     payload_distance = distance(
@@ -376,13 +392,7 @@ def compare(
     )
     if claimed_end is not None and mine.end is not None:
         payload_distance = max(payload_distance, commitment_distance(claimed_end, mine.end))
-    distances = (
-        *(
-            commitment_distance(a, b)
-            for a, b in zip(claimed_commitments, mine.commitments, strict=True)
-        ),
-        payload_distance,
-    )
+    distances = (*between, payload_distance)
     worst = max(distances)
     if worst <= tolerance:
         return Verdict(True, False, worst, None, f"within tolerance {tolerance}", distances)
