@@ -26,7 +26,7 @@ from covey.protocol import schemas
 from covey.protocol.checkpoint import write_safetensors
 from covey.trust import verify
 from covey.trust.committer import Committer
-from covey.trust.evidence import evidence_of
+from covey.trust.evidence import evidence_of, local_state_metadata
 from covey.trust.sketch import start_digest
 
 log = logging.getLogger("covey.worker")
@@ -36,7 +36,7 @@ STEP_PROBE_WARMUP = 2  # untimed passes before the step-time probe at join
 
 def verify_local_metadata() -> dict[str, str]:
     """The safetensors metadata `verify.local_state_to_bytes` writes (its format tag)."""
-    return verify.local_state_metadata()
+    return local_state_metadata()
 
 
 class Training:
