@@ -24,7 +24,6 @@ from covey.peer.overlap import SideCommitter
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
 from covey.protocol.checkpoint import write_safetensors
-from covey.trust import verify
 from covey.trust.committer import Committer
 from covey.trust.evidence import evidence_of, local_state_metadata
 from covey.trust.sketch import start_digest
