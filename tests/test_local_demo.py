@@ -44,6 +44,18 @@ def test_a_demo_with_cheaters_waits_for_several_workers_but_not_for_more_than_th
     assert spec["rounds"]["min_peers"] == min_peers
 
 
+@pytest.mark.parametrize(("workers", "adversaries", "min_peers"), [(4, 1, 2), (6, 2, 3), (3, 1, 1)])
+def test_a_demo_with_cheaters_does_not_wait_for_its_house_worker(
+    workers: int, adversaries: int, min_peers: int
+) -> None:
+    # a house worker leaves at each reveal of its canary: a round never waits for it
+    spec = demo_spec("diloco", workers=workers, adversaries=adversaries, house_workers=1)
+    assert spec["rounds"]["min_peers"] == min_peers
+    big = demo_spec("diloco", workers=workers, adversaries=adversaries, house_workers=1,
+                    inner_steps=4)  # fmt: skip
+    assert big["rounds"]["min_peers"] == workers - adversaries - 1
+
+
 @pytest.mark.parametrize(
     ("workers", "adversaries", "validators", "asked", "slots"),
     [(4, 0, 1, 1, 1), (4, 1, 1, 1, 1), (2, 0, 1, 1, 1), (1, 0, 1, 1, 0), (2, 1, 1, 1, 0),

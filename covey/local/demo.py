@@ -157,12 +157,14 @@ def run_local_demo(
         raise ValueError(f"chaos_every_s ({lo}, {hi}) must satisfy 0 < low <= high")
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "run.toml"
+    houses = house_slots(workers, adversaries, validators, house_workers)
     spec = demo_spec(
         algorithm,
         model=model,
         seed=seed,
         workers=workers,
         adversaries=adversaries,
+        house_workers=houses,
         tokenizer=tokenizer,
         data=data,
         rounds=rounds,
@@ -185,7 +187,6 @@ def run_local_demo(
     interrupted = False
     chaos_state = Chaos(random.Random(seed), (lo, hi)) if chaos else None
     house = HouseWorkers(cluster)
-    houses = house_slots(workers, adversaries, validators, house_workers)
     with _sigterm_as_exception():  # also while stopping: a SIGTERM then kills the children
         try:
             say(f"covey demo: {algorithm} on the {model} GPT, {workers} workers, {minutes:g} min")

@@ -30,6 +30,11 @@ DEMO_HOUSE_REQUESTS = (
     {"prompt": "Hello there", "max_tokens": 16, "top_p": 0.9},
 )
 DEMO_HOUSE_EVERY_S = 2.0
+# a quarter of the house worker's answers to them are canaries: a new key's first answers
+# are all checked, so a validator meets one within minutes; a caught one burns a key (an
+# unchecked one does not): at 0.5 its 64 keys lasted about 11 minutes (8 caught in 80 s),
+# at 0.25 they last several times longer; at the default 0.05 a short demo seldom shows one
+DEMO_CANARY_RATE = 0.25
 
 ServerUrl = Annotated[
     str,
@@ -276,6 +281,7 @@ def demo(
         requests = out / "house-requests.jsonl"
         requests.write_text("".join(json.dumps(b) + "\n" for b in DEMO_HOUSE_REQUESTS))
         server += ["--house-requests", str(requests), "--house-every", str(DEMO_HOUSE_EVERY_S)]
+        server += ["--set", f"trust.canary_rate={DEMO_CANARY_RATE}"]
     procs = [subprocess.Popen([*server, "--port", str(port)], stdout=logs, stderr=logs)]
     try:
         deadline = time.monotonic() + 120
