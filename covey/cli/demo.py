@@ -95,8 +95,8 @@ def demo(
     as they happen, then writes metrics.jsonl, loss.png and summary.json to the run
     directory, and checks the run's ledger. With --adversaries N, N of the workers cheat
     and the validators catch them; one honest worker is the run owner's house worker, whose
-    canaries test the validators (--house-workers). Ctrl-C stops every process and still writes what was
-    committed."""
+    canaries test the validators (--house-workers). Ctrl-C stops every process and still
+    writes what was committed."""
     from covey.local.cluster import ClusterError
     from covey.local.demo import METHODS as DEMO_METHODS
     from covey.local.demo import run_local_demo
