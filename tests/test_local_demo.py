@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from covey.config import load_run_config, to_toml
-from covey.local.demo import METHODS, UNCHECKED, demo_spec, run_local_demo
+from covey.io import audit
+from covey.local.demo import HOUSE, METHODS, UNCHECKED, demo_spec, run_local_demo
+from covey.local.demo_house import house_slots
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -42,6 +44,29 @@ def test_a_demo_with_cheaters_waits_for_several_workers_but_not_for_more_than_th
     assert spec["rounds"]["min_peers"] == min_peers
 
 
+@pytest.mark.parametrize(("workers", "adversaries", "min_peers"), [(4, 1, 2), (6, 2, 3), (3, 1, 1)])
+def test_a_demo_with_cheaters_does_not_wait_for_its_house_worker(
+    workers: int, adversaries: int, min_peers: int
+) -> None:
+    # a house worker leaves at each reveal of its canary: a round never waits for it
+    spec = demo_spec("diloco", workers=workers, adversaries=adversaries, house_workers=1)
+    assert spec["rounds"]["min_peers"] == min_peers
+    big = demo_spec("diloco", workers=workers, adversaries=adversaries, house_workers=1,
+                    inner_steps=4)  # fmt: skip
+    assert big["rounds"]["min_peers"] == workers - adversaries - 1
+
+
+@pytest.mark.parametrize(
+    ("workers", "adversaries", "validators", "asked", "slots"),
+    [(4, 0, 1, 1, 1), (4, 1, 1, 1, 1), (2, 0, 1, 1, 1), (1, 0, 1, 1, 0), (2, 1, 1, 1, 0),
+     (4, 0, 0, 1, 0), (4, 0, 1, 0, 0), (4, 0, 1, 9, 3)],
+)  # fmt: skip
+def test_house_workers_take_honest_places_but_never_the_last_or_unchecked(
+    workers: int, adversaries: int, validators: int, asked: int, slots: int
+) -> None:
+    assert house_slots(workers, adversaries, validators, asked) == slots
+
+
 def _children_running_covey() -> list[str]:
     """Command lines of this process's children that still run `covey`."""
     found = []
@@ -68,9 +93,28 @@ def _assert_all_stopped(summary: dict[str, Any]) -> None:
 def test_demo_trains_and_leaves_a_run_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    s = run_local_demo(workers=2, minutes=0.35, out_dir=tmp_path, progress=False)
-    # one line says its validator is not checked by canaries (no house worker)
-    assert capsys.readouterr().out.count(f"warning: {UNCHECKED}") == 1
+    # w1 is the house worker; every round is a canary round of its key, so the first one it
+    # contributes (a new key's: always checked) is a canary the validator must catch
+    canary_rate = {"trust": {"canary_rate": 1.0}}
+    s = run_local_demo(
+        workers=2, minutes=0.35, out_dir=tmp_path, progress=False, overrides=canary_rate
+    )
+    out = capsys.readouterr().out
+    assert out.count(f"w1 is the run owner's house worker: {HOUSE}") == 1
+    assert UNCHECKED not in out  # its validator meets canaries
+
+    # every canary drawn is in the ledger ("house canary") or still out; the validator
+    # caught them (the referee convicted its disputes), which are no honest disputes
+    trust = s["trust"]
+    c = trust["canaries"]
+    entries, _, _ = audit.load(tmp_path / "coordinator")
+    revealed = [e.payload for e in entries if e.type == "house canary"]
+    assert c["drawn"] == len(revealed) + c["pending"] and c["drawn"] >= 1, c
+    assert c["caught"] == sum(p["outcome"] == "caught" for p in revealed) >= 1, revealed
+    assert c["passed"] == 0, revealed  # the validator is honest: it agrees with no canary
+    assert trust["disputes"] == 0 and trust["banned"] == [], trust
+    assert s["house_workers"][0] == "w1" and set(s["house_workers"]) <= set(s["processes"])
+    assert re.search(rf"canaries +{c['drawn']} drawn .* {c['caught']} caught by a valid", out)
 
     assert s["rounds_committed"] >= 2
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -96,15 +140,20 @@ def test_demo_trains_and_leaves_a_run_directory(
     if s["rounds_committed"] >= 5:
         assert list((tmp_path / "coordinator" / "checkpoints").glob("round-*.safetensors"))
         assert s["paths"]["checkpoints"]
-    assert set(s["peers_seen"]) == {"w0", "w1"}
+    # w1's key is banned at its canary's reveal: the next house key joins as w2, w3, ...
+    assert {"w0", "w1"} <= set(s["peers_seen"]) <= {"w0", *s["house_workers"]}
     assert json.loads((tmp_path / "summary.json").read_text())["run_id"] == s["run_id"]
 
     _assert_all_stopped(s)
-    # SIGTERM'd workers leave cleanly: status 0, and the coordinator recorded the deathrattle
+    # SIGTERM'd workers leave cleanly: status 0, and the coordinator recorded the deathrattle;
+    # a house worker leaves with status 1 once its key is banned, the last one on SIGTERM
+    *burned, last = s["house_workers"]
+    assert [s["processes"][name]["exit_code"] for name in burned] == [1] * len(burned)
     assert s["processes"]["w0"]["exit_code"] == 0
-    assert s["processes"]["w1"]["exit_code"] == 0
+    assert s["processes"][last]["exit_code"] in (0, 1)  # (unless banned in the last second)
     log = (tmp_path / "logs" / "coordinator.log").read_text()
-    for name in ("w0", "w1"):
+    joined = s["processes"][last]["exit_code"] == 0 and last in s["peers_seen"]
+    for name in ("w0", last)[: 1 + joined]:
         assert re.search(rf"\[{name} [0-9a-f]{{8}}\] left: shutdown", log), name
 
 

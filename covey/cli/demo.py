@@ -47,6 +47,15 @@ def demo(
     validators: Annotated[
         int, typer.Option(min=0, help="validator processes re-executing sampled work")
     ] = 1,
+    house_workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="of the honest workers, how many are the run owner's house workers, whose "
+            "canaries test the validators (docs/trust.md); 0: none, the validators go "
+            "unchecked (always 0 without validators, and one plain worker is kept)",
+        ),
+    ] = 1,
     model: Annotated[
         str, typer.Option(help="covey:nano|micro|mini|small|gpt2 (or the bare size), hf:DIR")
     ] = "nano",
@@ -85,8 +94,9 @@ def demo(
     Prints the status page's address, shows rounds, validation loss, live peers and bytes
     as they happen, then writes metrics.jsonl, loss.png and summary.json to the run
     directory, and checks the run's ledger. With --adversaries N, N of the workers cheat
-    and the validators catch them. Ctrl-C stops every process and still writes what was
-    committed."""
+    and the validators catch them; one honest worker is the run owner's house worker, whose
+    canaries test the validators (--house-workers). Ctrl-C stops every process and still
+    writes what was committed."""
     from covey.local.cluster import ClusterError
     from covey.local.demo import METHODS as DEMO_METHODS
     from covey.local.demo import run_local_demo
@@ -116,6 +126,7 @@ def demo(
             chaos=chaos,
             adversaries=adversaries,
             validators=validators,
+            house_workers=house_workers,
             out_dir=out,
             model=model,
             seed=seed,

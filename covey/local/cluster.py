@@ -101,7 +101,7 @@ class LocalCluster:
         self.data_dir = (run_dir / "coordinator").resolve()
         # the coordinator's key file, created here (the coordinator loads it): the run id
         self.coordinator_args = [*coordinator_args, *(["--key", str(key)] if key else [])]
-        key_file = key or self.data_dir / "coordinator.key"
+        key_file = self.key_file = (key or self.data_dir / "coordinator.key").resolve()
         self.owner = Identity.load_or_create(key_file)  # the run's owner: its spec names none
         coordinator_key = self.owner.public_key
         self.config = load_run_config(spec).with_coordinator_key(coordinator_key)
@@ -162,6 +162,15 @@ class LocalCluster:
     def start_worker(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
         store = str((self.run_dir / "peers" / name).resolve())
         return self._start_peer("worker", name, ("--store-dir", store, *extra))
+
+    def start_house_worker(self, name: str, index: int, *extra: str) -> subprocess.Popen[bytes]:
+        """House worker `index` of the run (`covey worker --house-of`: the run owner's own
+        worker, whose contributions are the canaries, covey.trust.house), named `name` like
+        any worker; `self.ids[name]` is its house key's peer id."""
+        args = ("--house-of", str(self.key_file), "--house-index", str(index), *extra)
+        proc = self.start_worker(name, *args)  # its --identity file goes unused
+        self.ids[name] = house_identity(self.owner, self.run_id, index).peer_id
+        return proc
 
     def _start_peer(self, kind: str, name: str, extra: Sequence[str]) -> subprocess.Popen[bytes]:
         """`covey worker|validator` with its own key, named `name` (see `self.ids`), told

@@ -25,6 +25,7 @@ import httpx
 
 from covey.config import load_run_config, merge, to_toml
 from covey.local.cluster import KILL_WAIT_S, ClusterError, LocalCluster
+from covey.local.demo_house import PEER_ARGS, HouseWorkers, fresh_worker_name, house_slots
 from covey.local.demo_report import write_demo_outputs
 from covey.local.demo_spec import METHODS, demo_spec
 from covey.sim.report import human_bytes
@@ -59,7 +60,6 @@ class Chaos:
 
     rng: random.Random
     every_s: tuple[float, float]
-    next_index: int
     due: float = 0.0
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -113,6 +113,7 @@ def run_local_demo(
     chaos_every_s: tuple[float, float] = (15.0, 25.0),
     adversaries: int = 0,
     validators: int = 1,
+    house_workers: int = 1,
     tokenizer: str = "bytes",
     data: tuple[str, ...] = (),
     rounds: int | None = None,
@@ -136,7 +137,10 @@ def run_local_demo(
     coordinator dies, every worker is stopped and ClusterError (with its log) is raised.
 
     `adversaries` of the workers misbehave, each in the next way of ADVERSARIES; the
-    `validators` re-execute sampled contributions (see covey.peer.validator).
+    `validators` re-execute sampled contributions (see covey.peer.validator);
+    `house_workers` of the honest workers' places go to the run owner's house workers
+    (covey.local.demo_house), whose canaries test the validators: with validators, and
+    leaving at least one plain honest worker.
     `overrides` (``--set``, nested) are laid over the demo's spec; a spec that does not
     validate raises UserError naming the key, before any process starts. With `json_lines`
     the demo's own lines are log records (covey.logs: JSON with --log-json), not prints."""
@@ -144,6 +148,8 @@ def run_local_demo(
         raise ValueError(f"workers ({workers}) must be at least 1")
     if not 0 <= adversaries <= workers:
         raise ValueError(f"adversaries ({adversaries}) must be between 0 and workers ({workers})")
+    if house_workers < 0:
+        raise ValueError(f"house_workers ({house_workers}) must be at least 0")
     if minutes <= 0:
         raise ValueError(f"minutes ({minutes}) must be positive")
     lo, hi = chaos_every_s
@@ -151,12 +157,14 @@ def run_local_demo(
         raise ValueError(f"chaos_every_s ({lo}, {hi}) must satisfy 0 < low <= high")
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "run.toml"
+    houses = house_slots(workers, adversaries, validators, house_workers)
     spec = demo_spec(
         algorithm,
         model=model,
         seed=seed,
         workers=workers,
         adversaries=adversaries,
+        house_workers=houses,
         tokenizer=tokenizer,
         data=data,
         rounds=rounds,
@@ -177,7 +185,8 @@ def run_local_demo(
     say = _Printer(json_lines)
     seen: dict[str, Any] = {}  # "status": the last one read; survives an interrupted watch
     interrupted = False
-    chaos_state = Chaos(random.Random(seed), (lo, hi), next_index=workers) if chaos else None
+    chaos_state = Chaos(random.Random(seed), (lo, hi)) if chaos else None
+    house = HouseWorkers(cluster)
     with _sigterm_as_exception():  # also while stopping: a SIGTERM then kills the children
         try:
             say(f"covey demo: {algorithm} on the {model} GPT, {workers} workers, {minutes:g} min")
@@ -189,13 +198,17 @@ def run_local_demo(
                 cheat = i >= workers - adversaries
                 behavior = ADVERSARIES[(i - (workers - adversaries)) % len(ADVERSARIES)]
                 name = f"w{i}-{behavior}" if cheat else f"w{i}"
+                if not cheat and i >= workers - adversaries - houses:
+                    house.start(name)  # named like any worker: a name must not tell
+                    say(f"{name} is the run owner's house worker: {HOUSE}")
+                    continue
                 extra = ["--behavior", behavior] if cheat else []
-                cluster.start_worker(name, "--threads", "1", "--stake", "100", *extra)
+                cluster.start_worker(name, *PEER_ARGS, *extra)
                 if cheat:
                     say(f"{name} will cheat: {behavior}")
             for i in range(validators):
                 cluster.start_validator(f"v{i}", "--threads", "1")
-            if validators:  # canaries come from house workers only (docs/trust.md)
+            if validators and not houses:  # canaries come from house workers only
                 say(f"warning: {UNCHECKED}")
             try:
                 # the clock starts at the first join: starting N Pythons that each import
@@ -206,7 +219,7 @@ def run_local_demo(
                 join_s = max(JOIN_TIMEOUT_S, minutes * 30.0)
                 cluster.wait_for(_someone_alive, join_s, "the first worker to join")
                 say(f"first worker joined after {time.monotonic() - t0:.0f} s; training")
-                _watch(cluster, minutes * 60.0, chaos_state, say, progress, seen, rounds)
+                _watch(cluster, minutes * 60.0, chaos_state, say, progress, seen, rounds, house)
                 if rounds is not None:  # the workers apply the last round, see the end, leave
                     _await_workers(cluster, FINISH_GRACE_S, say)
             except (KeyboardInterrupt, _Terminated, _CoordinatorStopped) as e:
@@ -223,14 +236,20 @@ def run_local_demo(
         raise ClusterError(f"no status was ever read from the coordinator\n{cluster.tail()}")
     minutes_trained = seen.get("elapsed_s", 0.0) / 60
     kills = chaos_state.events if chaos_state else []
-    return write_demo_outputs(out_dir, cluster, final, kills, interrupted, minutes_trained, say)
+    return write_demo_outputs(
+        out_dir, cluster, final, kills, interrupted, minutes_trained, say, set(house.index)
+    )
 
 
-# what a demo's validators lack: it runs no house worker (`covey worker --house-of`), so
-# no canary tests them; missed fraud and audits alone hold them to their checks
+# what a demo's validators lack with --house-workers 0: no house worker (`covey worker
+# --house-of`), so no canary tests them; missed fraud and audits alone hold them to their checks
 UNCHECKED = (
     "no house worker plays canaries in this demo: its validators are unchecked "
     "(covey worker --house-of, docs/trust.md)"
+)
+HOUSE = (
+    "in the rounds the coordinator's secret draw picks, it trains on other data: canaries "
+    "that test the validators (docs/trust.md)"
 )
 
 
@@ -264,10 +283,12 @@ def _watch(
     progress: bool,
     seen: dict[str, Any],
     rounds: int | None = None,
+    house: HouseWorkers | None = None,
 ) -> None:
     """Poll /v1/status about once a second for duration_s (or until `rounds` rounds are
     committed), keeping the last answer in
-    seen["status"]; run the chaos schedule; report workers that exit on their own.
+    seen["status"]; run the chaos schedule; report workers that exit on their own, and
+    replace a house worker excluded from the run (its canary revealed) by the next.
     ClusterError if the coordinator crashes, _CoordinatorStopped if it was stopped."""
     start = time.monotonic()
     if progress:
@@ -300,13 +321,16 @@ def _watch(
             if answering:  # once per outage, not once a second
                 say(f"coordinator not answering ({type(e).__name__}); retrying")
             answering = False
-        for name, proc in cluster.workers.items():
+        for name, proc in list(cluster.workers.items()):
             if proc.poll() is not None and name not in reported and name not in killed:
                 reported.add(name)
+                if house is not None and name in house and proc.returncode == 1:
+                    house.replace(name, say, "left: its canary was revealed, its key banned")
+                    continue
                 say(f"{name} exited with status {proc.returncode}; see logs/{name}.log")
         # the first kill waits for a committed round: chaos before training proves nothing
         if chaos is not None and now >= chaos.due and last and last["committed_rounds"] > 0:
-            _chaos_strike(cluster, chaos, last, now - start, killed, say)
+            _chaos_strike(cluster, chaos, last, now - start, killed, say, house)
             chaos.schedule(now)
         if say.bar is not None:
             say.bar.n = min(round(now - start), say.bar.total)
@@ -344,6 +368,7 @@ def _chaos_strike(
     elapsed_s: float,
     killed: set[str],
     say: Callable[[str], None],
+    house: HouseWorkers | None = None,
 ) -> None:
     live = [
         name
@@ -357,9 +382,11 @@ def _chaos_strike(
     cluster.signal(victim, signal.SIGKILL)
     cluster.wait_exit(victim, 10.0)
     killed.add(victim)
-    replacement = f"w{chaos.next_index}"
-    chaos.next_index += 1
-    cluster.start_worker(replacement, "--threads", "1", "--stake", "100")
+    if house is not None and victim in house:  # the owner starts its next house key
+        replacement = house.replace(victim, say, "was SIGKILLed") or "nobody"
+    else:
+        replacement = fresh_worker_name(cluster)
+        cluster.start_worker(replacement, *PEER_ARGS)
     chaos.events.append(
         {
             "at_s": round(elapsed_s, 1),

@@ -3,11 +3,13 @@ directory, and the summary printed in the terminal (covey.local.demo runs the cl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sqlite3
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 from covey.local.cluster import LocalCluster
+from covey.local.demo_house import canary_counts
 from covey.models.naming import model_title
 from covey.sim.report import human_bytes, pyplot, write_json, write_jsonl
 
@@ -20,10 +22,12 @@ def write_demo_outputs(
     interrupted: bool,
     minutes_trained: float,
     say: Callable[[str], None],
+    house: Collection[str] = (),
 ) -> dict[str, Any]:
     """Write metrics.jsonl, loss.png and summary.json into `out_dir` from the final
     `status` and the chaos `kills` (Chaos.events), print the summary with `say`, and
-    return it. `minutes_trained` counts from the first worker's join."""
+    return it. `minutes_trained` counts from the first worker's join; `house`: the names
+    of the house workers (covey.local.demo_house), whose canaries are counted apart."""
     rounds = status["rounds"]
     write_jsonl(out_dir / "metrics.jsonl", rounds)
     kill_rounds = [k["committed_rounds"] for k in kills]
@@ -47,7 +51,8 @@ def write_demo_outputs(
         "bytes_total": status["bytes_total"],
         "tokens_total": sum(r["tokens"] for r in rounds),
         "peers_seen": [p.get("name") or p["peer_id"] for p in status["peers"]],
-        "trust": _trust(coordinator_dir, status),
+        "house_workers": sorted(house),
+        "trust": _trust(coordinator_dir, status, house),
         # peer seconds per second of a centralized run (covey.protocol.multiplier)
         "decentralization": status.get("costs"),
         "kills": len(kills),
@@ -84,9 +89,10 @@ def write_demo_outputs(
     return summary
 
 
-def _trust(coordinator_dir: Path, status: dict[str, Any]) -> dict[str, Any]:
-    """The ledger checked from the run directory (`covey ledger verify`), and who was
-    caught."""
+def _trust(coordinator_dir: Path, status: dict[str, Any], house: Collection[str]) -> dict:
+    """The ledger checked from the run directory (`covey ledger verify`), who was caught
+    (a house worker banned at its canary's reveal is no cheat caught), and the canaries:
+    "disputes" leaves out the checks of canaries, which are counted in "canaries"."""
     from covey.io import audit
     from covey.trust.ledger import LedgerError
 
@@ -100,11 +106,19 @@ def _trust(coordinator_dir: Path, status: dict[str, Any]) -> dict[str, Any]:
         verdict = f"INVALID: {e}"
     trust = status.get("trust") or {}
     counts = trust.get("verifications") or {}
+    disputes = sum(counts.get(k, 0) for k in ("fraud", "validator wrong", "inconclusive"))
+    try:
+        canaries: dict[str, Any] | None = canary_counts(coordinator_dir)
+        disputes = canaries.pop("disputes")
+    except (LedgerError, OSError, sqlite3.Error):  # no ledger to read: no canaries counted
+        canaries = None
+    banned = [p.get("name") or p["peer_id"] for p in status["peers"] if p.get("banned")]
     return {
         "ledger": verdict,
-        "banned": [p.get("name") or p["peer_id"] for p in status["peers"] if p.get("banned")],
+        "banned": [name for name in banned if name not in house],
         "agreed": counts.get("agree", 0),
-        "disputes": sum(counts.get(k, 0) for k in ("fraud", "validator wrong", "inconclusive")),
+        "disputes": disputes,
+        "canaries": canaries,
         "accounts": trust.get("accounts", {}),
     }
 
@@ -134,7 +148,15 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"caught           {', '.join(trust['banned'])}: slashed and excluded")
     lines.append(
         f"verified         {trust['agreed']} re-executions agreed, {trust['disputes']} disputes"
+        + (" (canaries aside)" if s["house_workers"] else "")
     )
+    if s["house_workers"] and (c := trust["canaries"]) is not None:
+        lines.append(
+            f"canaries         {c['drawn']} drawn from house workers "
+            f"({', '.join(s['house_workers'])}): {c['caught']} caught by a validator, "
+            f"{c['passed']} passed (the referee convicted them at the reveal), "
+            f"{c['unchecked']} not checked, {c['pending']} still out at the end"
+        )
     if (costs := s.get("decentralization")) and costs.get("multiplier") is not None:
         adds = ", ".join(f"{k} +{v:.2f}" for k, v in costs["adds"].items() if v)
         lines.append(f"multiplier       {costs['multiplier']:.2f}x a centralized run ({adds})")

@@ -17,6 +17,7 @@ def demo_spec(
     seed: int = 0,
     workers: int = 1,
     adversaries: int = 0,
+    house_workers: int = 0,
     tokenizer: str = "bytes",
     data: tuple[str, ...] = (),
     rounds: int | None = None,
@@ -34,7 +35,9 @@ def demo_spec(
     With `adversaries` among the `workers`, a round waits for 3 workers, so that none is a
     cheater's alone (one x100 update certified as round 0 wrecks the model, and then
     nobody's work can be told from anybody's; README, "Trust"), but for no more than the
-    honest ones, or the run would stop once the cheaters are excluded."""
+    honest ones, or the run would stop once the cheaters are excluded. Nor for the
+    `house_workers` among the honest (covey.local.demo_house): one leaves at each reveal of
+    its canary, and its replacement takes a while to start."""
     if algorithm not in METHODS:
         raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(METHODS)}")
     algo: dict[str, Any] = {"method": algorithm}
@@ -65,7 +68,7 @@ def demo_spec(
         rounds_cfg |= {
             # every honest worker in every round: starting one takes minutes, and a round
             # opened for the first to join would leave the others waiting it out
-            "min_peers": max(1, workers - adversaries),
+            "min_peers": max(1, workers - adversaries - house_workers),
             "target_compute_s": 600.0,
             # committing, encoding and moving a model-sized payload on busy cores takes
             # minutes the step-time estimate does not see; a round closes once all submit
@@ -91,7 +94,9 @@ def demo_spec(
         },
         "algorithm": algo,
         "rounds": {
-            "min_peers": max(1, min(3, workers - adversaries)) if adversaries else 1,
+            "min_peers": max(1, min(3, workers - adversaries - house_workers))
+            if adversaries
+            else 1,
             # caps a slow peer's inner steps; nano's 30 steps fit ~10x over on one core
             "target_compute_s": 3.0,
             "checkpoint_every": 5,

@@ -428,9 +428,19 @@ def demo(
     seed: Annotated[int, typer.Option(help="seeds SFT")] = 0,
     device: Device = "cpu",
     log_json: Annotated[bool, LOG_JSON] = False,
+    house_workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=2,
+            help="of the 3 honest rollout workers, how many are the run owner's house "
+            "workers, whose canary batches test the validator (docs/rl.md); 0: none",
+        ),
+    ] = 1,
 ) -> None:
-    """Run a trainer, 3 rollout workers, a validator and --adversaries cheaters on 127.0.0.1;
-    write OUT/summary.json (pass@1 start/end, batches accepted/rejected, cheats caught)."""
+    """Run a trainer, 3 rollout workers (one a house worker, whose canaries test the
+    validator), a validator and --adversaries cheaters on 127.0.0.1; write OUT/summary.json
+    (pass@1 start/end, batches accepted/rejected, cheats caught, canaries caught)."""
     import time
 
     if log_json:  # this process, and the children through COVEY_LOG_JSON
@@ -455,6 +465,7 @@ def demo(
             seed=seed,
             echo=typer.echo,
             device=where,
+            house_workers=house_workers,
         )
     except (ValueError, RuntimeError) as e:
         raise _fail(str(e)) from None

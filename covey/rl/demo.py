@@ -2,11 +2,14 @@
 
 SFT first (unless --policy is given), then a trainer, 3 honest rollout workers, a
 validator and `adversaries` cheating workers (covey.rl.cheats.CHEATS, one kind each, in order) run
-for `minutes`. Progress is printed from the trainer's status page, which stays browsable
-at its URL while the demo runs. At the end every process is stopped, pass@1 on held-out
-prompts is measured for the first and the last policy, and OUT/summary.json is written
-next to the run's ledger (OUT is the trainer's data directory, so `covey ledger verify
-OUT` audits it).
+for `minutes`. The last `house_workers` (default 1) of the honest workers are the run owner's
+house rollout workers (`covey rl worker --house-of`, covey.rl.house), named like the others:
+their canary batches test the validator, and the summary counts them (the ledger's "house
+canary" entries) apart from the honest workers' rejections. Progress is printed from the
+trainer's status page, which stays browsable at its URL while the demo runs. At the end
+every process is stopped, pass@1 on held-out prompts is measured for the first and the last
+policy, and OUT/summary.json is written next to the run's ledger (OUT is the trainer's data
+directory, so `covey ledger verify OUT` audits it).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import httpx
 from covey.config import FundsConfig
 from covey.devices import device_class
 from covey.rl.runspec import RLSpec
+from covey.trust.house import HOUSE_KEYS
 from covey.trust.identity import Identity
 
 HONEST_WORKERS = 3
@@ -74,16 +78,23 @@ def run_demo(
     seed: int = 0,
     echo: Callable[[str], None] = print,
     device: str = "cpu",
+    house_workers: int = 1,
 ) -> dict[str, Any]:
     """Run the demo into `out` (created; must not hold another run) and return the summary
-    written to out/summary.json. ValueError for an unknown adversary count or bad paths.
-    `device` is passed to the trainer, validator and workers (`--device`)."""
+    written to out/summary.json. ValueError for an unknown adversary count, a
+    `house_workers` that leaves no plain honest worker, or bad paths. `device` is passed to
+    the trainer, validator and workers (`--device`)."""
     from covey.rl.cheats import CHEATS
     from covey.rl.sft import sft
+    from covey.rl.trainer import KEY_FILE
 
     kinds = sorted(CHEATS)
     if not 0 <= adversaries <= len(kinds):
         raise ValueError(f"--adversaries must be in [0, {len(kinds)}], got {adversaries}")
+    if not 0 <= house_workers < HONEST_WORKERS:
+        raise ValueError(
+            f"--house-workers must be in [0, {HONEST_WORKERS - 1}], got {house_workers}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
@@ -140,9 +151,17 @@ def run_demo(
         echo(f"trainer: {url} (status page)")
         spawn("validator", "validator", "--trainer", url, "--name", "validator",
               "--identity", str(keys["validator"]), "--stake", str(VALIDATOR_STAKE))  # fmt: skip
+        house: list[str] = []  # house rollout workers, named like any: a name must not tell
         for i in range(HONEST_WORKERS):
             name = f"worker{i}"
-            spawn(name, "worker", "--trainer", url, "--name", name, "--identity", str(keys[name]))
+            extra = ["--identity", str(keys[name])]
+            if (k := i - (HONEST_WORKERS - house_workers)) >= 0:  # its first of 64 house keys
+                first = k * (HOUSE_KEYS // house_workers)  # it funds its house keys itself
+                extra = ["--house-of", str(out / KEY_FILE), "--house-index", str(first)]
+                house.append(name)
+                echo(f"{name} is the run owner's house worker: its canary batches test the "
+                     "validator (docs/rl.md)")  # fmt: skip
+            spawn(name, "worker", "--trainer", url, "--name", name, *extra)
         for kind in kinds[:adversaries]:
             name = f"adv-{kind}".replace("_", "-")
             cheaters[name] = kind
@@ -172,7 +191,7 @@ def run_demo(
     finally:
         _stop([p for name, p in procs.items() if name != "trainer"])  # peers leave first
         _stop([procs["trainer"]])
-    return _summarize(out, spec, task, policy, final, batches, names, cheaters, echo)
+    return _summarize(out, spec, task, policy, final, batches, names, cheaters, echo, house)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -211,6 +230,7 @@ def _summarize(
     names: dict[str, str],
     cheaters: dict[str, str],
     echo: Callable[[str], None],
+    house: list[str],
 ) -> dict[str, Any]:
     from covey.blobs import BlobStore
     from covey.rl import policy as pol
@@ -231,7 +251,8 @@ def _summarize(
     cfg, start = pol.load_policy_dir(policy)
     end = pol.load_weights(pol.build_policy(cfg), BlobStore(out / "blobs").get(final["cid"]))
     accepted = ("accepted", "consumed", "dropped")
-    honest = [b for b in batches if names.get(b["worker_id"], "") not in cheaters]
+    # a house worker's batches are neither an honest worker's nor a cheater's: its canaries
+    honest = [b for b in batches if names.get(b["worker_id"], "") not in (*cheaters, *house)]
     cheats = [b for b in batches if names.get(b["worker_id"], "") in cheaters]
     by_kind: dict[str, dict[str, int]] = {}
     for b in cheats:
@@ -251,6 +272,8 @@ def _summarize(
         "cheats_missed": sum(b["status"] in accepted for b in cheats),
         "cheats_by_kind": by_kind,
         "rejected_by_reason": _count(b["problem"] for b in batches if b["status"] == "rejected"),
+        "house_workers": house,
+        "canaries": _canaries(out),
         "ledger": str(out / "coordinator.db"),
         "decentralization": rl_costs_of(out / "coordinator.db"),  # the multiplier
     }
@@ -259,11 +282,32 @@ def _summarize(
         f"pass@1 {summary['pass_at_1_start']:.3f} -> {summary['pass_at_1_end']:.3f}; batches "
         f"accepted {summary['rollouts_accepted']}, rejected {summary['rollouts_rejected']} "
         f"(honest {summary['honest_rejected']}); cheats caught {summary['cheats_caught']}, "
-        f"missed {summary['cheats_missed']}; multiplier "
+        f"missed {summary['cheats_missed']}; "
+        + (_canary_line(summary["canaries"]) if house else "validator unchecked (no canaries)")
+        + f"; multiplier "
         f"{summary['decentralization']['multiplier']}; wrote {out / 'summary.json'}; audit "
         f"the ledger with: covey ledger verify {out}"
     )
     return summary
+
+
+def _canaries(out: Path) -> dict[str, int]:
+    """The run's canaries as its ledger's "house canary" entries tell: revealed ("drawn"),
+    "caught" by the validator that checked it, or "passed" (the validator agreed; the
+    trainer's recomputation convicted it). A canary batch not yet decided is not counted."""
+    from covey.io import audit
+
+    entries, _, _ = audit.load(out)
+    outcomes = [e.payload["outcome"] for e in entries if e.type == "house canary"]
+    return {
+        "drawn": len(outcomes),
+        "caught": outcomes.count("caught"),
+        "passed": outcomes.count("convicted"),
+    }
+
+
+def _canary_line(c: dict[str, int]) -> str:
+    return f"canaries {c['drawn']}: caught {c['caught']}, passed {c['passed']}"
 
 
 def rl_costs_of(path: Path) -> dict[str, Any]:

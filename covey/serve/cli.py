@@ -7,6 +7,7 @@ loads covey.serve.cheater; nothing else does.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -21,6 +22,20 @@ serve_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
 )
+# `covey serve demo`'s house requests: the run owner's own traffic, one every few seconds,
+# whose answers the server drops; a house worker's canaries answer some of them
+DEMO_HOUSE_REQUESTS = (
+    {"prompt": "Once upon a time", "max_tokens": 16},
+    {"prompt": "The cat sat", "max_tokens": 16, "temperature": 0.7},
+    {"prompt": "Hello there", "max_tokens": 16, "top_p": 0.9},
+)
+DEMO_HOUSE_EVERY_S = 2.0
+# a quarter of the house worker's answers to them are canaries: a new key's first answers
+# are all checked, so a validator meets one within minutes; a caught one burns a key (an
+# unchecked one does not): at 0.5 its 64 keys lasted about 11 minutes (8 caught in 80 s),
+# at 0.25 they last several times longer; at the default 0.05 a short demo seldom shows one
+DEMO_CANARY_RATE = 0.25
+
 ServerUrl = Annotated[
     str,
     typer.Option(
@@ -226,8 +241,20 @@ def demo(
     minutes: Annotated[
         float | None, typer.Option(help="stop after this long (default: Ctrl-C)", min=0.05)
     ] = None,
+    house_workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="of the honest workers, how many are the run owner's house workers, whose "
+            "canary answers to the server's own house requests test the validators "
+            "(docs/serve.md); 0: none (always 0 without validators, and one plain worker "
+            "is kept)",
+        ),
+    ] = 1,
 ) -> None:
-    """A server, workers and validators as processes on 127.0.0.1, serving `model`."""
+    """A server, workers and validators as processes on 127.0.0.1, serving `model`; the
+    server sends house requests of its own, and a house worker's canary answers to some of
+    them test the validators."""
     import subprocess
     import sys
     import time
@@ -239,6 +266,7 @@ def demo(
         signal.signal(sig, lambda *_: stop.set())
     from covey.io.deposit import DepositRefused, fund_key
     from covey.serve.model import model_dir
+    from covey.trust.house import HOUSE_KEYS
 
     try:
         folder = model_dir(model, out)  # a run directory is exported once, into out/model
@@ -249,6 +277,12 @@ def demo(
     out.mkdir(parents=True, exist_ok=True)
     logs = open(out / "processes.log", "ab")  # noqa: SIM115 -- closed below
     server = [*run, "server", "--data-dir", str(out), "--model", str(folder)]
+    houses = max(0, min(house_workers, workers - 1)) if validators else 0
+    if houses:  # the owner's own requests, whose answers are dropped (covey.serve.canaries)
+        requests = out / "house-requests.jsonl"
+        requests.write_text("".join(json.dumps(b) + "\n" for b in DEMO_HOUSE_REQUESTS))
+        server += ["--house-requests", str(requests), "--house-every", str(DEMO_HOUSE_EVERY_S)]
+        server += ["--set", f"trust.canary_rate={DEMO_CANARY_RATE}"]
     procs = [subprocess.Popen([*server, "--port", str(port)], stdout=logs, stderr=logs)]
     try:
         deadline = time.monotonic() + 120
@@ -275,11 +309,18 @@ def demo(
         for i in range(workers + adversaries):
             cheat = ["--behavior", "quantized"] if i >= workers else []
             name = f"cheat{i - workers}" if cheat else f"w{i}"
+            if (k := i - (workers - houses)) >= 0 and not cheat:  # named like any worker
+                first = str(k * (HOUSE_KEYS // houses))  # its first house key of 64
+                cheat = ["--house-of", str(out / "coordinator.key"), "--house-index", first]
+                typer.echo(f"{name} is the run owner's house worker: its canary answers to "
+                           "the server's house requests test the validators")  # fmt: skip
             procs.append(
                 subprocess.Popen(
                     [*run, "worker", *peer, *funded(name), *cheat], stdout=logs, stderr=logs
                 )
             )
+        if validators and not houses:
+            typer.echo("warning: no house worker plays canaries: the validators are unchecked")
         for i in range(validators):
             procs.append(
                 subprocess.Popen(
@@ -299,6 +340,12 @@ def demo(
             f"status: {url}/v1/serve/status   Ctrl-C stops everything"
         )
         stop.wait(None if minutes is None else minutes * 60)
+        if houses:  # revealed with their verdicts (covey.serve.canaries)
+            counts = httpx.get(f"{url}/v1/serve/status", timeout=5).json()["canaries"]
+            typer.echo(
+                f"canaries: caught {counts.get('caught', 0)}, passed (convicted by the "
+                f"referee after an agreement) {counts.get('convicted', 0)}"
+            )
     finally:
         for p in reversed(procs):
             p.terminate()
