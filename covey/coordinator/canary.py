@@ -18,8 +18,10 @@ none did, the coordinator's referee recomputes its first segment from the commit
 (the referee thread, as for a dispute): a divergence convicts it ("convicted"), and every
 validator that agreed on it pays for a missed fraud (covey.coordinator.checks.Checks.convict)
 and has passed a canary (its agreements are evidence of nothing from then on). No
-divergence, or no check at all: "unchecked", nobody penalised. Either way the key is burned
-(banned), since the reveal makes it public.
+divergence: "unchecked", nobody penalised. Either way the key is burned (banned), since the
+reveal makes it public. A canary the sampling never drew for a check tested nobody: it is
+not revealed (its row says "unsampled"), and its key goes on, so the owner does not spend a
+house key and a worker's restart on it.
 """
 
 from __future__ import annotations
@@ -110,8 +112,13 @@ class Canaries:
             "WHERE h.status IN ('planted', 'judging') ORDER BY h.round"
         ).fetchall()
         for row in rows:
-            if row["vid"] is None:
-                self._reveal(c, row["round"], row["peer_id"], "unchecked", "not sampled", now)
+            if row["vid"] is None:  # never drawn for a check: it tested nobody, so it stays
+                # secret and its key keeps working (a reveal would burn a key for nothing)
+                c.execute(
+                    "UPDATE house_canaries SET status = 'unsampled' "
+                    "WHERE round = ? AND peer_id = ?",
+                    (row["round"], row["peer_id"]),
+                )
             elif row["check_status"] == "fraud":
                 self._reveal(c, row["round"], row["peer_id"], "caught", "a dispute", now)
             elif (

@@ -80,7 +80,8 @@ def canary_counts(coordinator_dir: Path) -> dict[str, Any]:
     """What became of the run's house canaries, from the ledger's "house canary" entries:
     "caught" (a validator disputed it and the referee convicted it), "passed" (no validator
     caught it: the referee convicted it at the reveal, and each validator that agreed with
-    it paid a missed fraud) or "unchecked" (no check was drawn for it); and "pending": drawn
+    it paid a missed fraud) or "unchecked" (the referee found no divergence; or no check was
+    drawn for it, kept secret in the database); and "pending": drawn
     but not revealed when the run ended (a check still out), from the coordinator's
     database. `disputes`: the disputed verifications of everything but the canaries."""
     from covey.io import audit
@@ -99,13 +100,15 @@ def canary_counts(coordinator_dir: Path) -> dict[str, Any]:
     db = coordinator_dir / "coordinator.db"
     with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
         try:  # drawn but not revealed yet: their checks were still out when the run ended
-            rows = con.execute("SELECT round, peer_id FROM house_canaries").fetchall()
+            rows = con.execute("SELECT round, peer_id, status FROM house_canaries").fetchall()
         except sqlite3.OperationalError:  # a coordinator without the canaries' table
             rows = []
-        pending = {(r, p) for r, p in rows} - canaries
+        unsampled = {(r, p) for r, p, status in rows if status == "unsampled"}
+        pending = {(r, p) for r, p, _ in rows} - canaries - unsampled
         statuses = con.execute("SELECT round, peer_id, status FROM verifications").fetchall()
     counts["pending"] = len(pending)
-    counts["drawn"] += len(pending)
-    canaries |= pending
+    counts["unchecked"] += len(unsampled)  # never drawn for a check: kept secret, key kept
+    counts["drawn"] += len(pending) + len(unsampled)
+    canaries |= pending | unsampled
     counts["disputes"] = sum(s in DISPUTED and (r, p) not in canaries for r, p, s in statuses)
     return counts
