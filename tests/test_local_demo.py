@@ -103,13 +103,15 @@ def test_demo_trains_and_leaves_a_run_directory(
     assert out.count(f"w1 is the run owner's house worker: {HOUSE}") == 1
     assert UNCHECKED not in out  # its validator meets canaries
 
-    # every canary drawn is in the ledger ("house canary") or still out; the validator
-    # caught them (the referee convicted its disputes), which are no honest disputes
+    # every canary drawn is in the ledger ("house canary"), still out, or never drawn for a
+    # check (kept secret: not revealed, its key kept); the validator caught those it was
+    # given (the referee convicted its disputes), which are no honest disputes
     trust = s["trust"]
     c = trust["canaries"]
     entries, _, _ = audit.load(tmp_path / "coordinator")
     revealed = [e.payload for e in entries if e.type == "house canary"]
-    assert c["drawn"] == len(revealed) + c["pending"] and c["drawn"] >= 1, c
+    unsampled = c["unchecked"] - sum(p["outcome"] == "unchecked" for p in revealed)
+    assert c["drawn"] == len(revealed) + c["pending"] + unsampled and c["drawn"] >= 1, c
     assert c["caught"] == sum(p["outcome"] == "caught" for p in revealed) >= 1, revealed
     assert c["passed"] == 0, revealed  # the validator is honest: it agrees with no canary
     assert trust["disputes"] == 0 and trust["banned"] == [], trust
