@@ -338,7 +338,7 @@ eval_batches = 1
 
 
 @pytest.mark.network
-@pytest.mark.slow
+@pytest.mark.long  # the bit-exactness tests above cover the same result by default
 def test_workers_on_the_device_path_match_a_coordinator_on_the_host(tmp_path: Path) -> None:
     """Real processes: the coordinator computes each round on the host path, two workers
     on the device path (the CPU through it, by the env), int4 payloads and the default

@@ -135,6 +135,7 @@ def held_not_declared(
         assert "policy.held_stake is 0, but the spec gives 1" in done.stdout
 
 
+@pytest.mark.long  # the swarm and serving tests run the same rules by default
 def test_rl_stake_is_held(tmp_path: Path) -> None:
     funded = Identity.generate()
     spec = RL_SPEC + f'[trust.funds]\n"{funded.public_key}" = 1.0\n'
