@@ -148,9 +148,9 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"caught           {', '.join(trust['banned'])}: slashed and excluded")
     lines.append(
         f"verified         {trust['agreed']} re-executions agreed, {trust['disputes']} disputes"
-        + (" (canaries aside)" if s["house_workers"] else "")
+        + (" (canaries aside)" if s.get("house_workers") else "")
     )
-    if s["house_workers"] and (c := trust["canaries"]) is not None:
+    if s.get("house_workers") and (c := trust.get("canaries")) is not None:
         lines.append(
             f"canaries         {c['drawn']} drawn from house workers "
             f"({', '.join(s['house_workers'])}): {c['caught']} caught by a validator, "
