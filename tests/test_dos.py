@@ -519,6 +519,7 @@ def test_a_second_submission_in_flight_is_refused_and_changes_nothing(
 
 
 @network
+@pytest.mark.long  # a no-show's rounds run out their deadline: seconds of waiting
 def test_no_shows_sit_out_rounds(world: tuple[LocalCluster, Peer]) -> None:
     cluster, _ = world
     idle = Peer(cluster)  # joins, heartbeats, never submits

@@ -270,6 +270,7 @@ def test_the_lock_of_a_killed_coordinator_dies_with_it(tmp_path: Path) -> None:
         holder.wait(timeout=30)
 
 
+@pytest.mark.long  # test_cli.py's worker_without_a_coordinator runs the same refusal by default
 def test_worker_says_it_cannot_reach_the_coordinator(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))

@@ -188,6 +188,7 @@ def test_rl_forged_halts_are_refused(rl_run: tuple[str, Path, str]) -> None:
     forgeries_are_refused(url, run_id, Identity.load_or_create(data / "trainer.key"))
 
 
+@pytest.mark.long  # the SWARM and rounds halts run by default through the same host
 def test_covey_halt_stops_an_rl_run(rl_run: tuple[str, Path, str], tmp_path: Path) -> None:
     url, data, run_id = rl_run
     logs = {name: tmp_path / f"{name}.log" for name in ("worker", "validator")}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,12 @@ def test_demo_trains_and_leaves_a_run_directory(
     revealed = [e.payload for e in entries if e.type == "house canary"]
     unsampled = c["unchecked"] - sum(p["outcome"] == "unchecked" for p in revealed)
     assert c["drawn"] == len(revealed) + c["pending"] + unsampled and c["drawn"] >= 1, c
+    db = sqlite3.connect(tmp_path / "coordinator" / "coordinator.db")
+    rows = db.execute("SELECT round, peer_id FROM house_canaries WHERE status = 'unsampled'")
+    secret = set(rows.fetchall())
+    db.close()
+    assert len(secret) == unsampled  # never drawn for a check: no reveal, so no key burned
+    assert not secret & {(p["round"], p["peer_id"]) for p in revealed}
     assert c["caught"] == sum(p["outcome"] == "caught" for p in revealed) >= 1, revealed
     assert c["passed"] == 0, revealed  # the validator is honest: it agrees with no canary
     assert trust["disputes"] == 0 and trust["banned"] == [], trust
@@ -152,7 +159,10 @@ def test_demo_trains_and_leaves_a_run_directory(
     *burned, last = s["house_workers"]
     assert [s["processes"][name]["exit_code"] for name in burned] == [1] * len(burned)
     assert s["processes"]["w0"]["exit_code"] == 0
-    assert s["processes"][last]["exit_code"] in (0, 1)  # (unless banned in the last second)
+    # 0 on SIGTERM, 1 if banned in the last second; a replacement that had not joined yet
+    # (still importing torch when the demo stopped) dies of the SIGTERM itself
+    allowed = (0, 1) if last in s["peers_seen"] else (0, 1, -signal.SIGTERM)
+    assert s["processes"][last]["exit_code"] in allowed, (last, s["peers_seen"])
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     joined = s["processes"][last]["exit_code"] == 0 and last in s["peers_seen"]
     for name in ("w0", last)[: 1 + joined]:
