@@ -340,6 +340,7 @@ def test_screenshot_writes_png(chromium: str, server: StatusServer, tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a browser over a real coordinator; the screenshot test runs by default
 def test_dashboard_served_by_a_real_coordinator(chromium: str, tmp_path: Path) -> None:
     """The page as the coordinator serves it, fed by its live /v1/status while 2 workers
     train: both peers listed, rounds in the table, a loss curve drawn."""

@@ -224,6 +224,7 @@ def test_values_of_the_wrong_json_type_are_refused(http: httpx.Client) -> None:
 
 
 @pytest.mark.network
+@pytest.mark.long  # a fuzzing run; every operation's documented refusals run by default
 def test_schemathesis_finds_no_conformance_failure(cluster: LocalCluster, tmp_path: Path) -> None:
     config = tmp_path / "schemathesis.toml"
     config.write_text(SCHEMATHESIS_TOML)
