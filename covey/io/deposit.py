@@ -4,6 +4,7 @@ owner's key for POST /v1/ledger/deposit (covey.trust.treasury). `covey ledger de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,24 @@ def deposit(
             error = reply.text
         raise DepositRefused(f"{reply.status_code}: {str(error)[:300]}")
     return dict(reply.json())
+
+
+def top_up(
+    url: str,
+    owner: Identity,
+    key: Identity,
+    stake: float,
+    run_id: str,
+    balances: Callable[[], dict[str, Any]],
+) -> None:
+    """As the owner, deposit what `key` lacks of `stake` (what it holds and has bonded
+    counted, from `balances()`, the run's GET /v1/ledger/balances), nothing when it has
+    it: what a house worker does before each house key joins. DepositRefused as
+    `deposit`."""
+    account = balances()["accounts"].get(key.peer_id)
+    has = 0.0 if account is None else float(account["held"]) + float(account["stake"])
+    if stake > has:
+        deposit(url, owner, key.public_key, stake - has, run_id)
 
 
 def fund_key(

@@ -58,14 +58,10 @@ class HouseRolloutWorker(RolloutWorker):
         credits it holds, covey.trust.treasury): a deposit signed with the trainer's key,
         which only the owner holds; nothing when the key holds or bonds it already.
         covey.io.deposit.DepositRefused when the trainer refuses it."""
-        from covey.io.deposit import deposit
+        from covey.io.deposit import top_up
 
-        accounts = self.client.get("/v1/ledger/balances")["accounts"]
-        account = accounts.get(self.identity.peer_id)
-        has = 0.0 if account is None else float(account["held"]) + float(account["stake"])
-        if self.stake > has:
-            deposit(self.trainer_url, self.owner, self.identity.public_key, self.stake - has,
-                    self.run.run_id)  # fmt: skip
+        top_up(self.trainer_url, self.owner, self.identity, self.stake, self.run.run_id,
+               lambda: self.client.get("/v1/ledger/balances"))  # fmt: skip
 
     def make_batch(self, model: torch.nn.Module, v: int, cid: str) -> RolloutBatch | None:
         batch = super().make_batch(model, v, cid)

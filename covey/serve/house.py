@@ -96,14 +96,10 @@ class HouseServeWorker(ServeWorker):
         credits it holds, covey.trust.treasury): a deposit signed with the coordinator's
         key, which only the owner holds; nothing when the key holds or bonds it already.
         covey.io.deposit.DepositRefused when the server refuses it."""
-        from covey.io.deposit import deposit
+        from covey.io.deposit import top_up
 
-        accounts = self.client.get("/v1/ledger/balances")["accounts"]
-        account = accounts.get(self.identity.peer_id)
-        has = 0.0 if account is None else float(account["held"]) + float(account["stake"])
-        if self.stake > has:
-            deposit(self.client.base_url, self.owner, self.identity.public_key,
-                    self.stake - has, self.run_id)  # fmt: skip
+        top_up(self.client.base_url, self.owner, self.identity, self.stake, self.run_id,
+               lambda: self.client.get("/v1/ledger/balances"))  # fmt: skip
         super().register()
 
     def answer(self, job: Job) -> tuple[list[int], bytes]:
