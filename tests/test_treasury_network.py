@@ -218,3 +218,61 @@ def test_a_slash_during_unbonding_lands_and_only_the_rest_is_released(
     assert (mine["stake"], mine["slashed"]) == (0.0, 5.0)
     assert mine["held"] == 5.0 + mine["balance"]  # the release and any pay it earned
     audit.verify(cluster.url)
+
+
+@pytest.mark.network
+def test_a_worker_stakes_the_runs_minimum_which_follows_the_sampling_rate(
+    tmp_path: Path,
+) -> None:
+    """A spec that leaves trust.min_stake unset asks the stake at which cheating one round
+    does not pay at its sample_rate (covey.config.RunConfig.min_stake): the run's signed
+    policy names it; a join below it is refused with what to do; `covey ledger deposit`
+    without --amount deposits it, and a worker started without --stake bonds exactly it."""
+    spec = tmp_path / "run.toml"
+    spec.write_text(
+        SPEC.replace("min_stake = 10.0\n", "").replace("sample_rate = 1.0", "sample_rate = 0.05")
+    )
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_coordinator()
+        least = cluster.config.min_stake(32)  # the spec's data.seq_len
+        # 4 steps x 4 rows x 32 tokens at 0.001 a token: R = 0.512; 2R x 0.95 / (0.05 x 0.5)
+        assert least == 39.0
+        assert entries(cluster)[0].payload["policy"]["min_stake"] == least
+        assert cluster.get("/v1/ledger/balances")["min_stake"] == {
+            "worker": least,
+            "validator": 5.0,
+        }
+        me = Identity.generate()
+
+        def join(stake: float) -> httpx.Response:
+            body = {"run_id": cluster.run_id, "peer_id": me.peer_id, "public_key": me.public_key,
+                    "name": "me", "stake": stake, "device": "cpu", "step_time_s": 0.1}  # fmt: skip
+            signed = me.sign_request(body, purpose=request_purpose("/v1/join"))
+            return httpx.post(f"{cluster.url}/v1/join", json=signed, timeout=20, trust_env=False)
+
+        reply = join(least - 1)
+        assert reply.status_code == 403, reply.text
+        assert f"minimum stake {least:g}" in reply.text and "covey ledger deposit" in reply.text
+        assert me.peer_id not in cluster.get("/v1/ledger/balances")["accounts"]
+        cli = subprocess.run(
+            [sys.executable, "-m", "covey", "ledger", "deposit", "--coordinator", cluster.url,
+             "--to", me.public_key, "--key", str(cluster.data_dir / "coordinator.key")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert cli.returncode == 0, cli.stderr
+        assert f"deposited {least:g} credits" in cli.stdout, cli.stdout
+        assert join(least).status_code == 200
+        # a worker process started without --stake: the cluster deposits the run's minimum
+        # to its key as the owner, and the worker bonds exactly that
+        cluster.start_worker("w")
+        worker = cluster.ids["w"]
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            mine = cluster.get("/v1/ledger/balances")["accounts"].get(worker)
+            if mine is not None and mine["stake"] > 0:
+                break
+            time.sleep(0.3)  # polling a condition under a deadline
+        else:
+            raise AssertionError(f"the worker never bonded\n{cluster.tail()}")
+        assert (mine["stake"], mine["held"]) == (least, 0.0)
+        audit.verify(cluster.url)

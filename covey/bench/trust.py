@@ -32,8 +32,8 @@ def run_spec(
     rounds: int, peers: int, seed: int = 0, trust: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """A re-executable DiLoCo run on the nano GPT with the default trust policy (`trust`:
-    fields of the trust table that replace it, e.g. a lower sample_rate with a higher
-    min_stake, docs/trust.md). Rounds
+    fields of the trust table that replace it, e.g. another sample_rate, whose minimum stake
+    then follows it, docs/trust.md). Rounds
     wait for all but one of `peers`: a round made by whoever joined first would be one
     peer's alone, and no aggregation rule outvotes a cheater who is the only contributor;
     all but one, so that the run goes on once a cheater is excluded."""
@@ -57,7 +57,7 @@ def run_spec(
             "deadline_min_s": 10,
             "eval_batches": 4,
         },
-        "trust": {"min_stake": 10.0, **(trust or {})},
+        "trust": dict(trust or {}),
     }
 
 
@@ -72,22 +72,19 @@ def local_run(
     trust: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run `rounds` rounds with one worker per behavior and `validators` validators (`trust`:
-    as `run_spec`; each worker stakes 100 credits, or min_stake if that is more); the
-    final status, the ledger's counts and the compute seconds by role."""
+    as `run_spec`; each worker stakes the run's minimum, which the cluster deposits to its
+    key); the final status, the ledger's counts and the compute seconds by role."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "run.toml"
     spec_dict = run_spec(rounds, len(behaviors), trust=trust)
     spec.write_text(to_toml(spec_dict))
-    stake = max(100.0, float(spec_dict["trust"]["min_stake"]))
     cluster = LocalCluster(spec, out)
     t0 = time.monotonic()
     with cluster:
         cluster.start_coordinator()
         for i, b in enumerate(behaviors):
             extra = ["--behavior", b] if b != "honest" else []
-            cluster.start_worker(
-                f"w{i}-{b}", "--stake", f"{stake:g}", "--slowdown", f"{slowdown:g}", *extra
-            )
+            cluster.start_worker(f"w{i}-{b}", "--slowdown", f"{slowdown:g}", *extra)
         for i in range(validators):
             cluster.start_validator(f"v{i}")
         status = cluster.wait_for(

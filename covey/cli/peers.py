@@ -188,7 +188,15 @@ def worker(
     name: Annotated[
         str | None, typer.Option(help="name on the status page; default: the id's start")
     ] = None,
-    stake: Annotated[float, typer.Option(min=0, help="credits staked when first joining")] = 0.0,
+    stake: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="credits staked when first joining (the key must hold them: the run's owner "
+            "deposits them); default: the run's minimum stake",
+            show_default=False,
+        ),
+    ] = None,
     behavior: Annotated[
         str,
         typer.Option(help="tests and demos: honest, or a cheat (see covey.peer.adversary)"),

@@ -224,9 +224,20 @@ class TrustConfig(Frozen):
     """Verification, robust aggregation and incentives. Amounts are in the run's credits;
     everything is derived from the ledger."""
 
-    min_stake: float = Field(0.0, ge=0, description="credits a peer must stake to join")
+    min_stake: float | None = Field(
+        None,
+        ge=0,
+        description="credits a worker must stake to join; unset: the least stake at which "
+        "cheating a round does not pay at sample_rate (2 x the most a round pays x "
+        "(1 - sample_rate) / (sample_rate x slash_fraction): covey.config.RunConfig.min_stake); "
+        "0: no stake, a run defended by detection and exclusion alone",
+    )
     sample_rate: float = Field(
-        0.25, ge=0, le=1, description="share of accepted contributions validators re-execute"
+        0.03,
+        ge=0,
+        le=1,
+        description="share of accepted contributions validators re-execute (a new or "
+        "low-reputation peer's: new_peer_rate); a lower rate needs a higher stake (min_stake)",
     )
     new_peer_rate: float = Field(
         1.0, ge=0, le=1, description="sampling rate for new and low-reputation peers"
@@ -385,7 +396,8 @@ class TrustConfig(Frozen):
 
 class MembershipConfig(Frozen):
     """What the host's membership (covey.coordinator.membership) reads: liveness, the
-    participation lease, stakes to join, the signature window and the no-show backoff.
+    participation lease, the signature window and the no-show backoff (the stakes to join
+    are the run's policy, in its ledger's "run created" entry).
     Not a table of any spec: every mode derives it from its own (`RunConfig.membership`,
     covey.rl.runspec.membership_config, `SwarmConfig.membership_config`), so no run id
     changes with it."""
@@ -393,8 +405,6 @@ class MembershipConfig(Frozen):
     heartbeat_s: float = Field(2.0, gt=0, description="peers heartbeat this often")
     dead_after_s: float = Field(6.0, gt=0, description="a peer silent this long is dead")
     lease_s: float = Field(20.0, gt=0, description="a heartbeat renews the lease this long")
-    min_stake: float = Field(0.0, ge=0, description="credits a worker stakes to join")
-    min_validator_stake: float = Field(0.0, ge=0, description="credits a validator stakes")
     nonce_window_s: float = Field(
         300.0, gt=0, description="signed requests older (or newer) than this are refused"
     )
@@ -424,8 +434,6 @@ class MembershipConfig(Frozen):
             heartbeat_s=rounds.heartbeat_s,
             dead_after_s=rounds.dead_after_s,
             lease_s=rounds.lease_s,
-            min_stake=trust.min_stake,
-            min_validator_stake=trust.min_validator_stake,
             nonce_window_s=trust.nonce_window_s,
             no_show_backoff_s=limits.no_show_backoff_s,
             no_show_backoff_max_s=limits.no_show_backoff_max_s,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -148,6 +149,27 @@ class RunConfig(Frozen):
     @classmethod
     def _default_method(cls, data: Any) -> Any:
         return default_algorithm(data)
+
+    def round_pay(self, seq_len: int) -> float:
+        """The most one contribution can be paid: reward_per_token x the tokens its round's
+        steps make at `seq_len` (the intake refuses a claim of more: covey.coordinator.intake)."""
+        steps = steps_per_round(self.algorithm)  # type: ignore[arg-type]
+        return self.trust.reward_per_token * steps * self.data.batch_size * seq_len
+
+    def min_stake(self, seq_len: int) -> float:
+        """The stake a worker must hold to join: trust.min_stake, or when it is unset the
+        least at which cheating one round has a negative expected value at the run's
+        sample_rate and slash_fraction (covey.trust.policy.deterrent_stake of `round_pay`, in
+        whole credits, rounded up).
+        `seq_len`: the run's context (data.seq_len or the model's)."""
+        if self.trust.min_stake is not None:
+            return self.trust.min_stake
+        from covey.trust.policy import deterrent_stake
+
+        t = self.trust
+        return float(
+            math.ceil(deterrent_stake(t.sample_rate, t.slash_fraction, self.round_pay(seq_len)))
+        )
 
     def membership(self) -> MembershipConfig:
         """What the host's membership reads of this spec (its rounds, trust and limits)."""

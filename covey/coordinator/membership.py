@@ -180,9 +180,14 @@ class Membership:
             raise Rejected(403, f"peer {peer_id[:12]} was excluded from this run for fraud")
         if account is not None and account.role != role:
             raise Rejected(409, f"key {peer_id[:12]} is registered as a {account.role}")
-        minimum = self.cfg.min_stake if role == "worker" else self.cfg.min_validator_stake
+        minimum = self.accounts.book.min_stake_of(role)  # the run's signed policy
         if account is None and stake < minimum:
-            raise Rejected(403, f"stake {stake} is below this run's minimum stake {minimum}")
+            raise Rejected(
+                403,
+                f"stake {stake:g} is below this run's minimum stake {minimum:g} for a {role} "
+                f"(the key must hold it first: the run's owner deposits credits to it with "
+                f"`covey ledger deposit`)",
+            )
         now = time.time()
         treasury.release_due(self.accounts, now)  # its own matured unbonding, first
         with self.accounts.transaction() as c:

@@ -185,6 +185,7 @@ class Rounds(Intake, Views):
                             self.cfg.rounds.deadline_max_s,
                             held_stake=True,
                             evidence_bytes=self.evidence_size,
+                            min_stake=self.cfg.min_stake(self.seq_len),
                         ).to_dict(),
                         # spec + data fingerprint hash to run_id: an auditor checks the
                         # spec here is the one peers were served (covey.io.audit)

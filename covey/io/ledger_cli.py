@@ -272,7 +272,6 @@ def deposit(
             "(made if missing, as `covey worker --identity FILE` makes it)",
         ),
     ],
-    amount: Annotated[float, typer.Option(help="credits deposited (positive)")],
     key: Annotated[
         Path,
         typer.Option(
@@ -281,6 +280,13 @@ def deposit(
             "DATA_DIR/trainer.key)"
         ),
     ],
+    amount: Annotated[
+        float | None,
+        typer.Option(
+            help="credits deposited (positive); default: the run's minimum stake of a worker",
+            show_default=False,
+        ),
+    ] = None,
     run_id: Annotated[
         str | None,
         typer.Option(
@@ -322,6 +328,11 @@ def deposit(
         served = served.json()["run_id"]
         if run_id is not None and served != run_id:
             raise _fail(f"the coordinator serves run {served}, not --run-id {run_id}")
+        if amount is None:  # what a worker started without --stake bonds
+            url = f"{coordinator.rstrip('/')}/v1/ledger/balances"
+            amount = float(httpx.get(url, timeout=30.0).json()["min_stake"]["worker"])
+            if amount <= 0:
+                raise _fail("this run asks no stake of a worker: give --amount")
         reply = send(coordinator.rstrip("/"), owner, to, amount, served)
     except (IdentityError, DepositRefused, httpx.HTTPError, ValueError, KeyError) as e:
         raise _fail(f"the deposit was refused: {e}") from None

@@ -178,7 +178,9 @@ class LocalCluster:
         if "--run-id" not in extra:
             extra = ("--run-id", self.run_id, *extra)
         key = self.key(name)
-        if "--stake" in extra:  # the owner funds what it stakes: a key bonds what it holds
+        # the owner funds what it stakes (a key bonds what it holds): its --stake, or for
+        # a worker without one the run's minimum, which it then stakes
+        if "--stake" in extra or kind == "worker":
             self._fund_peer(Identity.load_or_create(key), list(extra))
         proc = self._spawn(
             name,
@@ -197,14 +199,19 @@ class LocalCluster:
         return proc
 
     def _fund_peer(self, identity: Identity, args: list[str]) -> None:
-        """Deposit what a peer started with `args` stakes, less what its key holds, unless
-        it is bonded already. A house worker (--house-of) stakes under its derived key."""
+        """Deposit what a peer started with `args` stakes (a worker without --stake: the
+        run's minimum), less what its key holds, unless it is bonded already. A house worker
+        (--house-of) stakes under its derived key."""
         if "--house-of" in args:
             coordinator = Identity.load_or_create(Path(args[args.index("--house-of") + 1]))
             index = int(args[args.index("--house-index") + 1]) if "--house-index" in args else 0
             identity = house_identity(coordinator, self.run_id, index)
-        stake = float(args[args.index("--stake") + 1])
-        account = self.get("/v1/ledger/balances")["accounts"].get(identity.peer_id)
+        balances = self.get("/v1/ledger/balances")
+        if "--stake" in args:
+            stake = float(args[args.index("--stake") + 1])
+        else:
+            stake = float(balances["min_stake"]["worker"])
+        account = balances["accounts"].get(identity.peer_id)
         if stake > 0 and (account is None or account["stake"] == 0 < stake - account["held"]):
             self.fund(identity.public_key, stake - (0.0 if account is None else account["held"]))
 

@@ -19,7 +19,9 @@ from typing import Any
 from covey.local.cluster import LocalCluster
 from covey.trust.house import HOUSE_KEYS
 
-PEER_ARGS = ("--threads", "1", "--stake", "100")  # what every demo worker is started with
+# what every demo worker is started with; each stakes the run's minimum, which the cluster
+# deposits to its key first (covey.local.cluster)
+PEER_ARGS = ("--threads", "1")
 # verification statuses the demo counts as disputes (covey.coordinator: a dispute's outcome)
 DISPUTED = ("fraud", "validator wrong", "inconclusive")
 

@@ -107,8 +107,10 @@ def demo_spec(
             "eval_batches": 4,
             **rounds_cfg,
         },
-        # stakes are small and rewards visible: 30 steps x 8 x 256 tokens earn ~61 credits
-        "trust": {"min_stake": 10.0, "commit_every": 10},
+        # a demo lasts minutes: one contribution in four is checked (the default, 0.03, would
+        # show few checks), and the minimum stake follows that rate (RunConfig.min_stake:
+        # 30 steps x 8 x 256 tokens pay at most ~61 credits, so 12 rounds of pay)
+        "trust": {"sample_rate": 0.25, "commit_every": 10},
         **({"limits": limits} if limits else {}),
     }
 

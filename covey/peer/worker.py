@@ -73,7 +73,7 @@ class WorkerOptions:
     coordinator: str
     identity: Path | None = None  # default ~/.covey/identity
     name: str | None = None  # shown on the status page; default: the id's first 8 digits
-    stake: float = 0.0
+    stake: float | None = None  # None: the run's minimum stake (its policy)
     behavior: str = "honest"  # a cheat is played by covey.peer.cheater (tests and demos)
     device: str | None = None  # auto|cpu|cuda|cuda:N|mps; None: the run's [peer] device
     group: str = "ddp"  # under torchrun: ddp or fsdp inside the group (covey/peer/group.py)
@@ -177,12 +177,15 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self._join()
 
     def _join(self) -> None:
+        stake = self.opts.stake
+        if stake is None:  # what the run asks of a worker's key (its signed policy)
+            stake = float(self.client.get("/v1/ledger/balances")["min_stake"]["worker"])
         body = dict(
             run_id=self.run_id,
             peer_id=self.peer_id,
             public_key=self.identity.public_key,
             name=self.name,
-            stake=self.opts.stake,
+            stake=stake,
             device=self.device[:64],
             step_time_s=self.step_time_s,
             bandwidth_mbps=self.opts.bandwidth_mbps,

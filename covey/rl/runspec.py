@@ -250,13 +250,12 @@ def unbonding_s(spec: RLSpec) -> float:
 
 def membership_config(spec: RLSpec) -> MembershipConfig:
     """What the host's membership (covey.coordinator.membership) reads, from the RL spec:
-    the liveness and stakes here, a lease of three heartbeats (past dead_after_s)."""
+    the liveness here, a lease of three heartbeats (past dead_after_s); the stakes to join
+    are the run's policy (`ledger_policy`)."""
     return MembershipConfig(
         heartbeat_s=spec.heartbeat_s,
         dead_after_s=spec.dead_after_s,
         lease_s=max(3 * spec.heartbeat_s, spec.dead_after_s + 1),
-        min_stake=spec.min_stake,
-        min_validator_stake=spec.min_validator_stake,
     )
 
 

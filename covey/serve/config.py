@@ -83,13 +83,12 @@ class ServeConfig(BaseModel):
         return self
 
     def membership_config(self) -> MembershipConfig:
-        """What the host's membership reads: liveness and stakes, a lease of three beats."""
+        """What the host's membership reads: liveness and a lease of three beats (the stakes
+        to join are the run's policy)."""
         return MembershipConfig(
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             lease_s=max(3 * self.heartbeat_s, self.dead_after_s + 1),
-            min_stake=self.min_stake,
-            min_validator_stake=self.min_validator_stake,
         )
 
     def policy(self) -> Policy:

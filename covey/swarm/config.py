@@ -228,10 +228,9 @@ class SwarmConfig(Frozen):
         return f"hf:{directory}"
 
     def membership_config(self) -> MembershipConfig:
-        """What the host's membership reads: the servers' liveness and stake."""
-        return MembershipConfig(
-            heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s, min_stake=self.min_stake
-        )
+        """What the host's membership reads: the servers' liveness (their stake to join
+        is the run's policy)."""
+        return MembershipConfig(heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
 
     def trust_config(self) -> TrustConfig:
         """The incentive rules the ledger's "run created" entry records (covey.trust.

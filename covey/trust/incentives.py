@@ -178,9 +178,15 @@ class Book(Draws, Convictions, Withholding, Treasury):
                 },
             }
         ordered = [self.accounts[p] for p in sorted(self.accounts)]
+        policy = self.policy
         return {
             "run_id": self.run_id,
             "coordinator_key": self.coordinator_key,
+            # what a key must hold to join (a peer started without --stake bonds this)
+            "min_stake": {
+                "worker": policy.min_stake if policy else 0.0,
+                "validator": policy.min_validator_stake if policy else 0.0,
+            },
             "entries": self.entries,
             "certificates": self.certificates,
             "checkpoints": self.checkpoints,

@@ -41,6 +41,17 @@ def check_timeout_s(verify_timeout_s: float, state_bytes: int, evidence_mbps: fl
     return evidence_deadline_s(verify_timeout_s, CHECK_EVIDENCE_STATES * state_bytes, evidence_mbps)
 
 
+def deterrent_stake(sample_rate: float, slash_fraction: float, round_pay: float) -> float:
+    """The least stake S at which one cheated round's expected value is negative: a cheat
+    drawn (rate p) loses f x S of its stake and the round's pay; undrawn (1 - p) it keeps
+    the pay and saves its compute, worth at most the pay R, so at most (1 - p) x 2R - p f S,
+    negative from S = 2R(1 - p) / (p f) (docs/trust.md). 0 when p or f is 0: a run that
+    checks or slashes nothing has no stake that deters, only exclusion; 0 when p is 1."""
+    if sample_rate <= 0 or slash_fraction <= 0:
+        return 0.0
+    return 2 * round_pay * (1 - sample_rate) / (sample_rate * slash_fraction)
+
+
 def unbonding_delay(
     *,
     round_s: float,
@@ -109,14 +120,20 @@ class Policy:
         *,
         held_stake: bool = False,
         evidence_bytes: int = 0,
+        min_stake: float | None = None,
     ) -> Policy:
         """The rules of a spec's trust table; `round_s` is the longest a round of the
         run may last (rounds: deadline_max_s), which the unbonding period covers;
         `held_stake`: a key bonds only what it holds (every mode's coordinator passes
         it; the RL, SWARM and serving modes set their own unbonding period over this
         one's, docs/trust.md); `evidence_bytes`: one published end state of the run's
-        model and method, whose fetch a check's time allows for (`check_timeout_s`)."""
+        model and method, whose fetch a check's time allows for (`check_timeout_s`);
+        `min_stake`: the worker's minimum stake when the trust table leaves it to the run
+        (a rounds run's `RunConfig.min_stake`; unset there and here: 0)."""
+        if cfg.min_stake is not None:
+            min_stake = cfg.min_stake
         derived = {
+            "min_stake": min_stake or 0.0,
             "held_stake": int(held_stake),
             "evidence_bytes": int(evidence_bytes),
             "unbonding_s": unbonding_delay(
