@@ -109,7 +109,7 @@ def demo_spec(
         },
         # a demo lasts minutes: one contribution in four is checked (the default, 0.03, would
         # show few checks), and the minimum stake follows that rate (RunConfig.min_stake:
-        # 30 steps x 8 x 256 tokens pay at most ~61 credits, so 12 rounds of pay)
+        # 12 rounds of pay), which the cluster deposits to each worker's key
         "trust": {"sample_rate": 0.25, "commit_every": 10},
         **({"limits": limits} if limits else {}),
     }
