@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from covey.rl.batch import check_batch, rollout
-from covey.rl.canaries import canary_batch, house_canary_draw
+from covey.rl.canaries import canary_batch
 from covey.rl.runspec import RLSpec
 from covey.rl.trainer import Trainer
 from covey.trust.certify import canary_message, check_canary_draw, draw_value
-from covey.trust.house import house_identity, house_proof
+from covey.trust.house import house_canary_draw, house_identity, house_proof
 from covey.trust.identity import Identity
 from covey.trust.ledger import LedgerError
 from tests.test_ledger import Run

@@ -19,11 +19,10 @@ import torch
 
 from covey.io.audit import verify as verify_ledger
 from covey.rl.batch import RolloutBatch
-from covey.rl.canaries import house_canary_draw
 from covey.rl.cheater import CheatingRolloutValidator
 from covey.rl.house import HouseRolloutWorker
 from covey.rl.intake import assign_rank
-from covey.trust.house import house_identity
+from covey.trust.house import house_canary_draw, house_identity
 from covey.trust.identity import Identity
 from tests.rl_helpers import (
     batch_status,

@@ -49,8 +49,7 @@ def one_thread() -> Iterator[None]:
 
 
 def test_house_requests_and_canary_draws_are_the_owners_secret() -> None:
-    from covey.serve.canaries import house_canary_draw
-    from covey.trust.house import house_request_id, is_house_request
+    from covey.trust.house import house_canary_draw, house_request_id, is_house_request
 
     owner, other = Identity.generate(), Identity.generate()
     run, worker = "run-1", Identity.generate().peer_id
@@ -73,8 +72,12 @@ def test_a_serving_reveal_verifies_only_with_the_draw_over_its_own_request(
     """The book (what `covey ledger verify` replays) takes a serving canary's reveal only
     when its draw is the coordinator's signature over the request it names; the genuine
     one convicts the answer, and the validator that agreed on it owes a missed fraud."""
-    from covey.serve.canaries import house_canary_draw
-    from covey.trust.house import house_identity, house_proof, house_request_id
+    from covey.trust.house import (
+        house_canary_draw,
+        house_identity,
+        house_proof,
+        house_request_id,
+    )
     from covey.trust.ledger import LedgerError
     from tests.test_ledger import Run
 

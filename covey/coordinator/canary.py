@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 from covey.protocol import schemas
 from covey.protocol.checkpoint import state_from_bytes
 from covey.trust import referee, verify
-from covey.trust.certify import canary_draw
-from covey.trust.house import house_peer_ids, house_proof
+from covey.trust.house import house_canary_draw, house_peer_ids, house_proof
 
 from .assignment import OPEN
 
@@ -95,8 +94,8 @@ class Canaries:
             peer = row["peer_id"]
             if peer not in self._house:
                 continue
-            planted, draw = canary_draw(self.accounts.identity, self.run_id, round_, peer, rate)
-            if planted:
+            draw = house_canary_draw(self.accounts.identity, self.run_id, round_, peer, rate)
+            if draw is not None:
                 c.execute(
                     "INSERT OR IGNORE INTO house_canaries VALUES (?, ?, ?, 'planted')",
                     (round_, peer, draw),

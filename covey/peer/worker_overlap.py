@@ -67,7 +67,8 @@ class Overlapping:
         prev = self._local
         assert prev is not None
         nxt = prev.round + 1
-        key = data_key(self.run_id, nxt, self.peer_id)
+        assigned = data_key(self.run_id, nxt, self.peer_id)  # what round nxt will assign
+        key = self._data_key_ahead(nxt, assigned)
         tau = self.strategy.overlap_steps
         committer = SideCommitter(self.strategy, None, self.cfg.trust.commit_every)
         self._trained_since_adopt = True
@@ -98,7 +99,7 @@ class Overlapping:
             why = speculation_fails(
                 f.next_info,
                 round_=nxt,
-                data_key=key,
+                data_key=assigned,
                 state_hash=self.state_hash or "",
                 steps_ahead=tau,
                 chained=self._chain is prev,
@@ -117,6 +118,13 @@ class Overlapping:
         return self._train_and_finish(
             info, deadline, started, committer, (tau, compute_s, loss_sum)
         )
+
+    def _data_key_ahead(self, round_: int, assigned: str) -> str:
+        """The data key round `round_`'s steps trained ahead use, `assigned` being the one
+        its assignment will name: that one. (The training that follows takes its key from
+        `_work`; a house worker's canary round trains on other data from its first step,
+        covey.peer.house.)"""
+        return assigned
 
     def _await_transfer(self, transfer: Transfer[Finished]) -> Finished:
         """The transfer's outcome (its exception re-raised). Every wait inside it is bounded

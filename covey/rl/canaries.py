@@ -6,7 +6,7 @@ by its worker (covey.rl.house.HouseRolloutWorker) through POST /v1/rl/batch, ass
 same public ranking (covey.rl.intake.assign_rank), its prefill draw the trainer's signature
 as for any batch, served from the same blob store. What makes it a canary is only that its
 worker is a house key (derived from the trainer's key: nobody else can tell) and that the
-trainer's signature over (run, step, house key) (covey.trust.certify.canary_draw) fell below
+trainer's signature over (run, step, house key) (covey.trust.house.house_canary_draw) fell below
 `canary_rate`, which the house worker computes too and then submits its honest batch with
 every sample made bad in a way only a prefill tells (`canary_batch`: each proof's
 coefficients replaced by a pseudo-random polynomial, its layout and moduli kept so it parses
@@ -36,12 +36,10 @@ from typing import TYPE_CHECKING
 
 from covey.rl import proofs
 from covey.rl.batch import RolloutBatch
-from covey.trust.certify import canary_draw
-from covey.trust.house import house_peer_ids, house_proof
+from covey.trust.house import house_canary_draw, house_peer_ids, house_proof
 
 if TYPE_CHECKING:
     from covey.rl.trainer_parts import TrainerParts
-    from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.intake")
 CANARY_SCHEMA = (
@@ -94,18 +92,6 @@ def canary_batch(real: RolloutBatch, seed: bytes) -> RolloutBatch:
             )
         )
     return real.model_copy(update={"samples": samples})
-
-
-def house_canary_draw(
-    trainer: Identity, run_id: str, step: int, worker_id: str, rate: float
-) -> str | None:
-    """The draw that makes `worker_id`'s batch of `step` a canary, or None when it is not
-    one: the trainer's signature over (run, step, worker) below `rate`. Both the trainer
-    and a house worker (which holds the trainer's key) compute it."""
-    if rate <= 0:
-        return None
-    planted, draw = canary_draw(trainer, run_id, step, worker_id, rate)
-    return draw if planted else None
 
 
 class HouseCanaries:

@@ -2,7 +2,7 @@
 canaries (covey.rl.canaries; `covey rl worker --house-of TRAINER_KEY --house-index N`).
 
 It is the honest rollout worker at every step but its canary steps, which it finds as the
-trainer does (covey.rl.canaries.house_canary_draw: the trainer's signature over (run, step,
+trainer does (covey.trust.house.house_canary_draw: the trainer's signature over (run, step,
 house key) below the run's `canary_rate`). At those it submits its honest batch with every
 sample made bad in a way only a prefill tells (covey.rl.canaries.canary_batch), under the
 same key, at the same time and size: its validator cannot tell it from its real batches.
@@ -22,10 +22,10 @@ import torch
 
 from covey.devices import device_name
 from covey.rl.batch import RolloutBatch
-from covey.rl.canaries import canary_batch, house_canary_draw
+from covey.rl.canaries import canary_batch
 from covey.rl.peer import Membership
 from covey.rl.worker import RolloutWorker
-from covey.trust.house import HOUSE_KEYS, house_identity
+from covey.trust.house import HOUSE_KEYS, house_canary_draw, house_identity
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.rl.worker")

@@ -9,6 +9,7 @@ from typing import Any
 
 from covey.trust.ledger import LedgerError
 from covey.trust.policy import Policy
+from covey.trust.treasury import check_spec_hash, mode_table
 
 
 def ledger_terms(entries: Sequence[Any]) -> Policy | None:
@@ -17,16 +18,16 @@ def ledger_terms(entries: Sequence[Any]) -> Policy | None:
     policy (round 0's "checkpoint") and the trainer's key, as a worker checks it:
     LedgerError when it does not, so a coordinator cannot write other terms or other
     funds than the spec peers were shown."""
-    created = entries[0].payload
-    spec = created.get("spec")
-    if not isinstance(spec, dict) or not isinstance(spec.get("rl"), dict):
+    found = mode_table(entries, "rl")
+    if found is None:
         return None
+    created, table = found
     from pydantic import ValidationError
 
     from covey.rl.runspec import RLSpec, ledger_policy, run_id_of
 
     try:
-        rl = RLSpec.model_validate(spec["rl"])
+        rl = RLSpec.model_validate(table)
     except ValidationError as e:
         raise LedgerError(0, f"run created: not an RL spec ({str(e)[:200]})") from None
     first = next(
@@ -34,9 +35,6 @@ def ledger_terms(entries: Sequence[Any]) -> Policy | None:
     )
     if first is None:
         raise LedgerError(0, "run created: an RL ledger without its first policy's checkpoint")
-    got = run_id_of(rl, spec.get("model"), str(first.payload.get("cid")),
-                    str(created.get("coordinator_key")))  # fmt: skip
-    if got != created.get("run_id"):
-        why = f"its spec hashes to {got}, not run id {created['run_id']}"
-        raise LedgerError(0, f"run created: {why}")
+    model, key = created["spec"].get("model"), str(created.get("coordinator_key"))
+    check_spec_hash(created, run_id_of(rl, model, str(first.payload.get("cid")), key))
     return ledger_policy(rl)

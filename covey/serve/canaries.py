@@ -15,8 +15,8 @@ one, and only the coordinator's key holder can tell either:
   (covey.trust.house.house_request_id).
 
 A house worker answers every request honestly, except a house request whose draw, the
-coordinator's signature over (run, request id, house key) (`house_canary_draw`,
-covey.trust.certify.canary_draw), falls below the trust table's `canary_rate`. To those it
+coordinator's signature over (run, request id, house key)
+(covey.trust.house.house_canary_draw), falls below the trust table's `canary_rate`. To those it
 answers with other tokens than the seeded draw, and a proof honestly made for those tokens
 (covey.serve.house.canary_answer): a real, signed answer of the right shape that only a
 prefill tells from an honest one. Same worker, same request stream, same sizes, same
@@ -55,8 +55,7 @@ from typing import Any
 
 from covey.coordinator.accounts import Accounts
 from covey.coordinator.db import Database
-from covey.trust.certify import canary_draw
-from covey.trust.house import house_peer_ids, house_proof, is_house_request
+from covey.trust.house import house_canary_draw, house_peer_ids, house_proof
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.serve")
@@ -65,19 +64,6 @@ CANARY_SCHEMA = (
     "worker_id TEXT NOT NULL, job_id TEXT NOT NULL, draw TEXT NOT NULL, "
     "status TEXT NOT NULL)",
 )
-
-
-def house_canary_draw(
-    coordinator: Identity, run_id: str, job_id: str, worker_id: str, rate: float
-) -> str | None:
-    """The draw that makes `worker_id`'s answer to request `job_id` a canary, or None when
-    it is not one: a house request, and the coordinator's signature over (run, request id
-    as a number, worker) below `rate`. The server and a house worker (which holds the
-    coordinator's key) both compute it."""
-    if rate <= 0 or not is_house_request(coordinator, run_id, job_id):
-        return None
-    planted, draw = canary_draw(coordinator, run_id, int(job_id, 16), worker_id, rate)
-    return draw if planted else None
 
 
 class ServeCanaries:

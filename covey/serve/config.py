@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from covey.config import LimitsConfig, MembershipConfig, TrustConfig
 from covey.trust.ledger import LedgerError
 from covey.trust.policy import Policy, unbonding_delay
+from covey.trust.treasury import check_spec_hash, mode_table
 
 # the lowest temperature served: seeded Gumbel-max needs T > 0, and below this the
 # scaled logits' float noise between a worker and a validator nears the check's tolerance
@@ -127,16 +128,14 @@ def ledger_terms(entries: Sequence[Any]) -> Policy | None:
     held stake and its unbonding period), None for a ledger of another mode. LedgerError
     when the spec does not hash to the run id with the model and the coordinator's key
     (a coordinator cannot write other terms or other funds than it served)."""
-    created = entries[0].payload
-    spec = created.get("spec")
-    if not isinstance(spec, dict) or not isinstance(spec.get("serve"), dict):
+    found = mode_table(entries, "serve")
+    if found is None:
         return None
+    created, table = found
     try:
-        cfg = ServeConfig.model_validate(spec["serve"])
+        cfg = ServeConfig.model_validate(table)
     except ValidationError as e:
         raise LedgerError(0, f"run created: not a serving spec ({str(e)[:200]})") from None
-    got = run_id_of(cfg, str(spec.get("model")), str(created.get("coordinator_key")))
-    if got != created.get("run_id"):
-        why = f"its spec hashes to {got}, not run id {created['run_id']}"
-        raise LedgerError(0, f"run created: {why}")
+    model, key = str(created["spec"].get("model")), str(created.get("coordinator_key"))
+    check_spec_hash(created, run_id_of(cfg, model, key))
     return cfg.policy()

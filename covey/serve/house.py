@@ -5,7 +5,7 @@ owner's own house requests are the serving mode's canaries (covey.serve.canaries
 It is the honest worker for every request but those the draw picks: a house request
 (its id made with the coordinator's key, covey.trust.house.is_house_request) whose draw,
 the coordinator's signature over (run, request id, house key), falls below the run's
-`canary_rate` (covey.serve.canaries.house_canary_draw, which the server computes too). To
+`canary_rate` (covey.trust.house.house_canary_draw, which the server computes too). To
 those it answers with a bad answer that reads like any (`canary_answer`): a first token the
 seeded draw ranks just below the honest one, the rest generated from there, and an
 inference proof honestly made for those tokens. A user's request is never a house request,
@@ -28,12 +28,11 @@ import torch
 from covey.peer.client import PeerRejected
 from covey.rl.proofs import build_proof
 from covey.rl.sampling import generate_batch, gumbel_noise, prefill
-from covey.serve.canaries import house_canary_draw
 from covey.serve.checks import segment_seed
 from covey.serve.model import sampler
 from covey.serve.wire import Job
 from covey.serve.worker import ServeWorker
-from covey.trust.house import HOUSE_KEYS, house_identity
+from covey.trust.house import HOUSE_KEYS, house_canary_draw, house_identity
 from covey.trust.identity import Identity
 
 log = logging.getLogger("covey.serve.worker")

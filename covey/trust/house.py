@@ -18,6 +18,8 @@ text).
 - Its canary rounds: round r is one when the coordinator's signature over
   (run id, r, house key) (covey.trust.certify.canary_draw) is below `canary_rate`: fixed
   before the round (Ed25519 is deterministic), secret until revealed.
+- The same rule serves the RL mode (a house worker's batch of step r) and the serving mode
+  (its answer to a house request, drawn over the request id): `house_canary_draw`.
 - The reveal (a "house canary" ledger entry) carries the draw and the coordinator's
   signature over ("covey-house/v1", run id, house key), which `covey ledger verify` checks.
 """
@@ -28,6 +30,7 @@ import hashlib
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from covey.trust.certify import canary_draw
 from covey.trust.identity import Identity, verify
 
 HOUSE_KEYS = 64  # the house keys a coordinator recognises: index 0..HOUSE_KEYS-1
@@ -45,6 +48,25 @@ def house_identity(coordinator: Identity, run_id: str, index: int) -> Identity:
 def house_peer_ids(coordinator: Identity, run_id: str) -> frozenset[str]:
     """The peer ids of every house key of this run (secret: only the coordinator knows)."""
     return frozenset(house_identity(coordinator, run_id, i).peer_id for i in range(HOUSE_KEYS))
+
+
+def house_canary_draw(
+    owner: Identity, run_id: str, at: int | str, worker_id: str, rate: float
+) -> str | None:
+    """The draw that makes house key `worker_id`'s work at `at` a canary, or None when it is
+    not one: the owner's signature over (run, at, worker) (covey.trust.certify.canary_draw)
+    below `rate`. `at` is a round or an RL step (int), or in the serving mode a request id
+    (str): only a house request (`is_house_request`) can be a canary, drawn over its 32 hex
+    digits as a number. The owner (coordinator or trainer) and a house worker, which holds
+    the owner's key, both compute it."""
+    if rate <= 0:
+        return None
+    if isinstance(at, str):
+        if not is_house_request(owner, run_id, at):
+            return None
+        at = int(at, 16)
+    planted, draw = canary_draw(owner, run_id, at, worker_id, rate)
+    return draw if planted else None
 
 
 def house_message(run_id: str, peer_id: str) -> bytes:

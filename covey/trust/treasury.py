@@ -25,6 +25,7 @@ Pure: no I/O. `Treasury` is mixed into covey.trust.incentives.Book.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from covey.trust.identity import (
@@ -49,6 +50,26 @@ EPSILON = 1e-9  # amounts are sums of floats: a bond of exactly the balance must
 #: RL mode's {"rl": RLSpec, ...} and the serving mode's {"serve": ServeConfig, ...}; the
 #: rounds and SWARM specs hold `trust` at the top
 MODE_TABLES = ("rl", "serve")
+
+
+def mode_table(entries: Sequence[Any], table: str) -> tuple[dict[str, Any], Any] | None:
+    """For a mode's `ledger_terms` (`covey ledger verify`): the "run created" payload of
+    `entries` and its spec's `table` (one of MODE_TABLES, still unchecked), None for a
+    ledger of another mode (its spec has no such table)."""
+    created = entries[0].payload
+    spec = created.get("spec")
+    if not isinstance(spec, dict) or not isinstance(spec.get(table), dict):
+        return None
+    return created, spec[table]
+
+
+def check_spec_hash(created: dict[str, Any], got: str) -> None:
+    """LedgerError unless `got`, what the run's spec hashes to (covey.rl.runspec.run_id_of,
+    covey.serve.config.run_id_of), is the run id of the "run created" payload `created`: a
+    coordinator cannot write other terms or other funds than the spec peers were shown."""
+    if got != created.get("run_id"):
+        why = f"its spec hashes to {got}, not run id {created.get('run_id')}"
+        raise LedgerError(0, f"run created: {why}")
 
 
 def spec_funds(spec: dict[str, Any]) -> dict[str, float]:
