@@ -184,7 +184,7 @@ class Membership:
         if account is None and stake < minimum:
             raise Rejected(
                 403,
-                f"stake {stake:g} is below this run's minimum stake {minimum:g} for a {role} "
+                f"stake {stake} is below this run's minimum stake {minimum} for a {role} "
                 f"(the key must hold it first: the run's owner deposits credits to it with "
                 f"`covey ledger deposit`)",
             )
