@@ -55,6 +55,8 @@ eval_batches = 1
 [limits]
 max_json_bytes = 4096
 max_blob_bytes = 1048576
+[trust]
+min_stake = 0.0  # the tester joins unfunded: what is tested is the input, not the stake
 """
 NUMEL = 120_576  # nano GPT's parameters
 

@@ -1,4 +1,4 @@
-"""The stake that makes cheating unprofitable (covey.trust.policy.deterrent_stake), and the
+"""The stake that makes cheating unprofitable (covey.config.deterrent_stake), and the
 run's minimum stake that follows its sampling rate when the spec leaves it unset
 (covey.config.RunConfig.min_stake): a cheated round's expected value is negative at that
 stake and positive below it, at every rate. The real coordinator's side is in
@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from covey.config import RunConfig, TrustConfig
-from covey.trust.policy import Policy, deterrent_stake
+from covey.config import RunConfig, TrustConfig, deterrent_stake
+from covey.trust.policy import Policy
 
 
 def cheat_value(p: float, f: float, stake: float, pay: float) -> float:

@@ -55,6 +55,7 @@ eval_batches = 1
 [trust]
 new_peer_contributions = {new}
 sample_rate = 0.5
+min_stake = 0.0  # these peers join unfunded: what is tested is the evidence, not the stake
 """
 RATE = 0.5
 

@@ -128,7 +128,7 @@ def test_the_host_builds_its_parts_once_and_refuses_another_run(tmp_path: Path) 
 
 
 def test_every_modes_membership_config_keeps_its_run_id() -> None:
-    from covey.rl.runspec import RLSpec, membership_config
+    from covey.rl.runspec import RLSpec, ledger_policy, membership_config
     from covey.swarm.config import SwarmConfig
 
     run = RunConfig()
@@ -138,10 +138,13 @@ def test_every_modes_membership_config_keeps_its_run_id() -> None:
     assert m.nonce_window_s == run.trust.nonce_window_s
     assert m.no_show_backoff_s == run.limits.no_show_backoff_s
     assert run.run_id == before  # derived, not a table of the spec: the id is the same
-    rl = membership_config(RLSpec(heartbeat_s=1.0, dead_after_s=4.0, min_stake=2.0))
-    assert (rl.lease_s, rl.min_stake, rl.min_validator_stake) == (5.0, 2.0, 10.0)
+    spec = RLSpec(heartbeat_s=1.0, dead_after_s=4.0, min_stake=2.0)
+    assert membership_config(spec).lease_s == 5.0
+    # the stakes to join are each mode's signed policy, which membership reads
+    policy = ledger_policy(spec)
+    assert (policy.min_stake, policy.min_validator_stake) == (2.0, 10.0)
     swarm = SwarmConfig(min_stake=3.0)
-    assert swarm.membership_config().min_stake == 3.0
+    assert swarm.policy().min_stake == 3.0
     assert swarm.membership_config().dead_after_s == swarm.dead_after_s
     with pytest.raises(ValueError, match="must exceed heartbeat_s"):
         MembershipConfig(heartbeat_s=5.0, dead_after_s=4.0)

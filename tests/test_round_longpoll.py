@@ -35,6 +35,8 @@ min_peers = 2
 dead_after_s = 60
 deadline_min_s = 600
 deadline_max_s = 600
+[trust]
+min_stake = 0.0  # the pollers join unfunded
 """
 
 

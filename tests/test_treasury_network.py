@@ -252,7 +252,8 @@ def test_a_worker_stakes_the_runs_minimum_which_follows_the_sampling_rate(
 
         reply = join(least - 1)
         assert reply.status_code == 403, reply.text
-        assert f"minimum stake {least} for a worker" in reply.text and "covey ledger deposit" in reply.text
+        assert f"minimum stake {least} for a worker" in reply.text, reply.text
+        assert "covey ledger deposit" in reply.text
         assert me.peer_id not in cluster.get("/v1/ledger/balances")["accounts"]
         cli = subprocess.run(
             [sys.executable, "-m", "covey", "ledger", "deposit", "--coordinator", cluster.url,

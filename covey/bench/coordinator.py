@@ -66,6 +66,8 @@ max_connections = 8192
 max_long_polls = 4096
 keep_alive_s = 30.0
 no_show_backoff_s = 3600.0
+[trust]
+min_stake = 0.0  # the simulated peers hold no credits: this bench measures serving them
 """
 JOIN_TIMEOUT_S = 300.0
 

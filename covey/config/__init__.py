@@ -15,6 +15,7 @@ from covey.config.networked import (
     MembershipConfig,
     RoundsConfig,
     TrustConfig,
+    deterrent_stake,
 )
 from covey.config.parts import (
     AlgorithmConfig,
@@ -66,6 +67,7 @@ __all__ = [
     "StreamingDiLoCoConfig",
     "TrustConfig",
     "config_hash",
+    "deterrent_stake",
     "load_run_config",
     "load_sim_config",
     "load_toml",

@@ -23,7 +23,13 @@ else:  # pragma: no cover
     pass
 
 
-from covey.config.networked import LimitsConfig, MembershipConfig, RoundsConfig, TrustConfig
+from covey.config.networked import (
+    LimitsConfig,
+    MembershipConfig,
+    RoundsConfig,
+    TrustConfig,
+    deterrent_stake,
+)
 from covey.config.parts import (
     AlgorithmConfig,
     ChurnConfig,
@@ -159,13 +165,11 @@ class RunConfig(Frozen):
     def min_stake(self, seq_len: int) -> float:
         """The stake a worker must hold to join: trust.min_stake, or when it is unset the
         least at which cheating one round has a negative expected value at the run's
-        sample_rate and slash_fraction (covey.trust.policy.deterrent_stake of `round_pay`, in
+        sample_rate and slash_fraction (`deterrent_stake` of `round_pay`, in
         whole credits, rounded up).
         `seq_len`: the run's context (data.seq_len or the model's)."""
         if self.trust.min_stake is not None:
             return self.trust.min_stake
-        from covey.trust.policy import deterrent_stake
-
         t = self.trust
         return float(
             math.ceil(deterrent_stake(t.sample_rate, t.slash_fraction, self.round_pay(seq_len)))

@@ -41,17 +41,6 @@ def check_timeout_s(verify_timeout_s: float, state_bytes: int, evidence_mbps: fl
     return evidence_deadline_s(verify_timeout_s, CHECK_EVIDENCE_STATES * state_bytes, evidence_mbps)
 
 
-def deterrent_stake(sample_rate: float, slash_fraction: float, round_pay: float) -> float:
-    """The least stake S at which one cheated round's expected value is negative: a cheat
-    drawn (rate p) loses f x S of its stake and the round's pay; undrawn (1 - p) it keeps
-    the pay and saves its compute, worth at most the pay R, so at most (1 - p) x 2R - p f S,
-    negative from S = 2R(1 - p) / (p f) (docs/trust.md). 0 when p or f is 0: a run that
-    checks or slashes nothing has no stake that deters, only exclusion; 0 when p is 1."""
-    if sample_rate <= 0 or slash_fraction <= 0:
-        return 0.0
-    return 2 * round_pay * (1 - sample_rate) / (sample_rate * slash_fraction)
-
-
 def unbonding_delay(
     *,
     round_s: float,
