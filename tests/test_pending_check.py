@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -65,7 +66,7 @@ def _worker(strategy: Any, tmp_path: Path) -> Recorded:
     w.opts = WorkerOptions(coordinator="http://127.0.0.1:9")
     w.name, w.peer_id, w.published = "w", "p" * 64, []
     w.strategy, w.leader = strategy, None
-    w.cfg = _Cfg()
+    w.cfg = SimpleNamespace(trust=SimpleNamespace(sharded_above_peers=0))
     w.store_dir = tmp_path
     w.store = BlobStore(tmp_path / "blobs", 1 << 30)
     w.server = object()  # serves: keeps the state it computed in its store
@@ -76,11 +77,6 @@ def _worker(strategy: Any, tmp_path: Path) -> Recorded:
     w._trained_since_adopt = False
     w.stop = threading.Event()
     return w
-
-
-class _Cfg:
-    class trust:  # noqa: N801  # the run spec's section, as the worker reads it
-        sharded_above_peers = 0
 
 
 def _certificate(round_: int, start: TrainState, new: TrainState, cid: str) -> Any:
