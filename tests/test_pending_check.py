@@ -186,3 +186,16 @@ def test_a_pending_check_hands_over_its_outcome_and_errors() -> None:
         slow.result(0.05)
     gate.set()
     assert slow.result(30).matched
+
+
+def test_the_round_path_bench_times_both_orders_of_the_same_round() -> None:
+    """`covey bench roundpath`'s measurement on a small state: every part timed, and the
+    check behind the round found the state the first order hashed (it raises otherwise)."""
+    from covey.bench.round_path import preset_params, round_fraction, time_round_path
+
+    r = time_round_path(4096, workers=3)
+    for part in ("apply", "digest", "serve", "before", "after", "start_check", "behind"):
+        assert r[f"{part}_s"] >= 0 and f"{part}_ms_per_m" in r
+    assert r["parameters_m"] == 0.004 and r["workers"] == 3
+    assert round_fraction(1.0, 100, 0.09) == pytest.approx(0.1)
+    assert preset_params("nano") > 0
