@@ -237,7 +237,7 @@ class StateKeeping:
         RuntimeError). True when it refuted the state: the worker is then back on the
         canonical state, downloaded as on any mismatch, and marked to reload it, so the
         work trained from the refuted state must be discarded by the caller."""
-        pending = getattr(self, "_pending", None)
+        pending = self._pending
         if pending is None:
             return False
         check, cert = pending
