@@ -86,6 +86,7 @@ def _worker(strategy: Any, store_dir: Path, steps: int) -> Worker:
     w._published, w._served_state = [], None
     w._chain = w._local = None
     w._transfer, w._trained_since_adopt, w.rounds_done = None, False, 0
+    w._pending = None  # the round's hash check, run behind it (covey.peer.pending_check)
     w._waited_s, w._train_ended = 0.0, None
     w._batch = _batch  # type: ignore[method-assign]
     w._step_seed = lambda round, key, step: 1000 * round + step  # type: ignore[method-assign]
@@ -247,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             info, time.monotonic() + 1e6, time.monotonic(), committer.pop()
         )
         mark("(settle)")
+        refuted = w._settle_check()  # the hash check that ran behind the round
+        mark("hash check")
         now = rss_mib()
-        matched = w.state_hash == want_hash
+        matched = not refuted and w.state_hash == want_hash
         if args.json:
             peaks = {name: round(over, 3) for name, over, _ in rows}
             print(json.dumps({"model_mib": mb, "matched": matched, "phases": peaks,

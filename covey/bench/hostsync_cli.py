@@ -82,3 +82,51 @@ def register(bench_app: Any) -> None:
         if json_path:
             rows_out = {"methods": rows, "commitment": c, "round_result": results}
             json_path.write_text(json.dumps(rows_out, indent=1) + "\n")
+
+    @bench_app.command("roundpath")
+    def bench_roundpath(
+        model: Annotated[
+            str, typer.Option(help="covey GPT size whose parameter count the state has")
+        ] = "gpt2",
+        workers: Annotated[int, typer.Option(min=1, help="payloads in the round result")] = 8,
+        repeats: Annotated[int, typer.Option(min=1, help="timed repeats (the fastest)")] = 1,
+        inner_steps: Annotated[int, typer.Option(min=1, help="H, for the round's share")] = 100,
+        step_s: Annotated[
+            float | None,
+            typer.Option(min=0, help="seconds per inner step (e.g. from `covey bench gpu`)"),
+        ] = None,
+        json_path: Annotated[Path | None, typer.Option("--json", help="write the row here")] = None,
+        log_json: Annotated[bool, LOG_JSON] = False,
+    ) -> None:
+        """What a worker's training thread waits for between a plain DiLoCo round's
+        certificate and the next round's first inner step, on this machine's CPU: before
+        (decode and aggregate --workers payloads, outer step, the state's SHA-256, its
+        serialization for joiners) and after the hash check and the serving moved behind
+        the next round (covey.peer.pending_check); with --step-s, the share of a round of
+        --inner-steps steps that each is."""
+        say = bench_say(log_json, "roundpath")
+        from covey.bench.round_path import preset_params, round_fraction, time_round_path
+        from covey.models.gpt import GPT_SIZES
+
+        if model not in GPT_SIZES:
+            typer.echo(f"error: --model {model!r}: choose from {sorted(GPT_SIZES)}", err=True)
+            raise typer.Exit(2)
+        r = time_round_path(preset_params(model), workers, repeats)
+        say(
+            f"round result at {r['parameters_m']}M params, {workers} {r['codec']} payloads, "
+            f"{r['aggregation']}: before {r['before_s']:.3f} s on the training thread "
+            f"(decode + aggregate + outer step {r['apply_s']:.3f}, digest {r['digest_s']:.3f}, "
+            f"serve {r['serve_s']:.3f}); after {r['after_s']:.3f} s (starting the check "
+            f"{r['start_check_s']:.4f}), the check {r['behind_s']:.3f} s behind the next round"
+        )
+        say(
+            f"per 1M params: apply {r['apply_ms_per_m']:.2f} ms, digest "
+            f"{r['digest_ms_per_m']:.2f} ms, serve {r['serve_ms_per_m']:.2f} ms"
+        )
+        if step_s is not None:
+            for when in ("before", "after"):
+                share = round_fraction(r[f"{when}_s"], inner_steps, step_s)
+                r[f"{when}_share"] = round(share, 5)
+                say(f"{when}: {100 * share:.2f}% of a round of {inner_steps} x {step_s} s steps")
+        if json_path:
+            json_path.write_text(json.dumps(r, indent=1) + "\n")

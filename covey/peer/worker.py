@@ -53,6 +53,7 @@ from covey.peer.client import CoordinatorClient, CoordinatorLost, PeerRejected
 from covey.peer.heads import HeadKeeper
 from covey.peer.lease import Lease, LeaseLapsed
 from covey.peer.overlap import SideCommitter, Transfer
+from covey.peer.pending_check import PendingCheck
 from covey.peer.runsetup import set_up_run
 from covey.peer.worker_overlap import Overlapping
 from covey.peer.worker_publish import Publishing
@@ -117,6 +118,7 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self._pinned: dict[str, int] = {}  # drawn contributions' evidence (worker_publish)
         self._evidence: set[str] = set()  # its served end states: sent paced (worker_publish)
         self._transfer: Transfer[Finished] | None = None  # the last round's, in flight
+        self._pending: tuple[PendingCheck, schemas.Certificate] | None = None  # its hash check
         self._waited: str | None = None  # the round tag a "waiting" saw (covey.peer.worker_state)
         self._train_ended: float | None = None  # when the last round's training ended
         self._waited_s = 0.0  # how long this round's training waited for the last transfer
@@ -246,6 +248,11 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
             self.stop.set()
             if self._transfer is not None and not self._transfer.join(TRANSFER_JOIN_S):
                 log.warning("[%s] background transfer still running at exit", self.name)
+            if self._pending is not None:  # recorded in applied.jsonl and served, or refuted
+                try:
+                    self._pending[0].result(TRANSFER_JOIN_S)
+                except Exception as e:
+                    log.warning("[%s] the last round's hash check at exit: %s", self.name, e)
             if getattr(self, "leader", None) is not None:
                 self.leader.stop()  # type: ignore[union-attr]  # the followers return
             self._leave()
@@ -396,6 +403,9 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         thread while the strategy trains. `held`: the contribution, taken out of it."""
         c = held.pop()
         local = self._local
+        if self._settle_check():  # trained from weights the last certificate refutes
+            log.warning("[%s - round %d] its work is discarded", self.name, info.round)
+            return Finished(info, local, False)  # not published: the round starts over
         self._seal(local)
         submitted = self._publish(info, c, loss, compute_s, wall_s, commitments)
         del c  # its payload is on disk now: a big model's is a model's size
@@ -403,7 +413,9 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         if cert is None:
             return Finished(info, local, submitted)  # the chain stays: a retry starts there
         # training ahead reads the start state meanwhile: only a plain round consumes it
-        state, digest, resynced = self._round_result(cert, consume=not ahead)
+        # a plain round's hash check runs while the next round trains (peer/pending_check.py)
+        defer = not ahead and self._defers_check()
+        state, digest, resynced = self._round_result(cert, consume=not ahead, defer=defer)
         if submitted and any(a.peer_id == self.peer_id for a in cert.accepted):
             self._keep_receipt(cert.round)
         nxt = self._next_round_info(cert.round) if ahead else None

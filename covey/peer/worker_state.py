@@ -2,7 +2,8 @@
 weights (computed from the accepted set, else downloaded), receipts, and serving the state
 to joiners. Mixed into covey.peer.worker.Worker, whose attributes it uses (set up in
 `Worker._setup`); `_round_result` reads only `self.state`, never the live model, so it may
-run on the overlap's transfer thread (covey.peer.overlap).
+run on the overlap's transfer thread (covey.peer.overlap). A plain round's hash check and
+serving run on a background thread while the next round trains (covey.peer.pending_check).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from covey.algorithms import Contribution, TrainState
 from covey.blobs import BlobError
 from covey.peer.client import CoordinatorLost, PeerRejected
 from covey.peer.heads import HeadKeeper
+from covey.peer.pending_check import CheckTimeout, PendingCheck
 from covey.peer.worker_types import Stopped
 from covey.protocol import schemas
 from covey.protocol.checkpoint import (
@@ -32,6 +34,7 @@ from covey.trust.polls import ROUND_POLL, poll_headers
 
 log = logging.getLogger("covey.worker")
 ROUND_WAIT_S = 5.0  # a waiting worker's round long-poll: woken at once by a change
+CHECK_WAIT_S = 600.0  # the most the training thread waits for a pending hash check
 
 
 class StateKeeping:
@@ -43,6 +46,7 @@ class StateKeeping:
     _published: list[str]
     _served_state: str | None
     _trained_since_adopt: bool
+    _pending: tuple[PendingCheck, schemas.Certificate] | None  # covey.peer.pending_check
     name: str
     opts: Any
     store: Any
@@ -149,13 +153,17 @@ class StateKeeping:
         raise CoordinatorLost(f"no certificate for round {info.round} after {limit:.0f} s")
 
     def _round_result(
-        self, cert: schemas.Certificate, consume: bool = False
+        self, cert: schemas.Certificate, consume: bool = False, defer: bool = False
     ) -> tuple[TrainState, str, bool]:
         """The certified weights: the accepted set applied to our start state, checked
         against the certificate's hash; on a mismatch (or a start that differs) the
         canonical state downloaded instead. -> (state, its hash, downloaded). Reads only
         self.state, never the live model: safe on a transfer thread. `consume`: the start
-        state is emptied as the new one is made (when nothing else reads it meanwhile)."""
+        state is emptied as the new one is made (when nothing else reads it meanwhile).
+        `defer`: the hash check and the serving run on a background thread
+        (covey.peer.pending_check) and the certificate's hash is returned at once; the
+        caller settles the check (`_settle_check`) before it publishes from that state."""
+        self._settle_check()  # the start state is checked before anything is built on it
         assert self.state is not None and self.store is not None
         if self.state_hash != cert.start_hash:  # we missed something: take the result
             return self._canonical(cert, "local start state differs from the certificate's")
@@ -182,21 +190,69 @@ class StateKeeping:
         for cid in fetched:
             if cid not in self._published:
                 self.store.delete(cid)
+        if defer:  # hashed and served while the next round trains
+            self._defer_check(cert, new_state, len(contributions))
+            return new_state, cert.new_hash, False
         new_hash = new_state.digest()
         matched = new_hash == cert.new_hash
         self._record(cert, new_hash, matched)
         if not matched:
             return self._canonical(cert, f"weights hash {new_hash[:12]} != certificate's")
         self._serve_state(new_state, cert.new_cid)
+        self._log_applied(cert, len(contributions))
+        return new_state, new_hash, False
+
+    def _log_applied(self, cert: schemas.Certificate, n: int) -> None:
         log.info(
             "[%s - round %d] applied %d contributions on %s; weights %s match the certificate",
             self.name,
             cert.round,
-            len(contributions),
+            n,
             self.strategy.round_computed_on or "the host",  # covey/algorithms/device_round.py
             cert.new_hash[:12],
         )
-        return new_state, new_hash, False
+
+    def _defers_check(self) -> bool:
+        """Whether a plain round's hash check runs behind the next round: every strategy
+        but Streaming DiLoCo's, whose rounds keep their own order (covey.peer.overlap)."""
+        return not hasattr(self.strategy, "merge_late")
+
+    def _defer_check(self, cert: schemas.Certificate, state: TrainState, n: int) -> None:
+        """Start the one pending check of `state` against `cert` (covey.peer.pending_check):
+        its digest recorded in applied.jsonl, and when it matches, the state served."""
+        assert self._pending is None, "a hash check is pending already"
+
+        def on_match(s: TrainState, _digest: str) -> None:
+            self._serve_state(s, cert.new_cid)
+            self._log_applied(cert, n)
+
+        check = PendingCheck(
+            cert.round, state, cert.new_hash, on_match,
+            lambda digest, matched: self._record(cert, digest, matched),
+        )  # fmt: skip
+        self._pending = (check.start(), cert)
+
+    def _settle_check(self) -> bool:
+        """Wait for the pending hash check, if any (at most CHECK_WAIT_S, then a
+        RuntimeError). True when it refuted the state: the worker is then back on the
+        canonical state, downloaded as on any mismatch, and marked to reload it, so the
+        work trained from the refuted state must be discarded by the caller."""
+        pending = self._pending
+        if pending is None:
+            return False
+        check, cert = pending
+        try:
+            outcome = check.result(CHECK_WAIT_S)
+        except CheckTimeout as e:
+            raise RuntimeError(str(e)) from None
+        finally:
+            self._pending = None
+        if outcome.matched:
+            return False
+        why = f"weights hash {outcome.digest[:12]} != certificate's"
+        self.state, self.state_hash, _ = self._canonical(cert, why)
+        self._trained_since_adopt = True  # the model trained from the refuted state
+        return True
 
     def _sharded_result(self, cert: schemas.Certificate) -> tuple[TrainState, str, bool] | None:
         """The new state of a sharded round, fetched shard by shard and checked against
