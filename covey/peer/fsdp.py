@@ -32,10 +32,21 @@ import torch
 from torch import nn
 
 from covey.algorithms.base import Strategy
+from covey.algorithms.host_memory import moved_to
 from covey.algorithms.optim import has_schedule, make_inner_optimizer, scheduled_lr, set_lr
 from covey.devices import autocast
+from covey.trust.sketch import add_piece, sketch_groups
 
 MODES = ("ddp", "fsdp")
+
+
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """(first row, row count) of `rank`'s dim-0 shard of a tensor of `rows` rows, as
+    `Shard(0)` cuts it (torch.chunk's rule: ceil(rows / world) rows each, the last ranks
+    short or empty)."""
+    per = -(-rows // world)
+    first = min(rank * per, rows)
+    return first, min(per, rows - first)
 
 
 def _supported(strategy: Strategy) -> bool:
@@ -70,8 +81,16 @@ class ShardedReplica:
         self.shards = dict(replica.named_parameters())
         if sorted(self.shards) != sorted(self.names):
             raise ValueError("fully_shard renamed parameters: cannot map shards to the model")
+        for n, shard in self.shards.items():
+            place = tuple(shard.placements)  # type: ignore[attr-defined]
+            if len(place) != 1 or not place[0].is_shard(0):
+                raise ValueError(f"{n}: FSDP2 placed it {place}, not one dim-0 shard")
         self.opt = make_inner_optimizer(replica, self.cfg.optim)
-        self.gathers = 0  # whole states gathered: one per commitment and per contribution
+        # this rank's shards of the round's start parameters, on the host: what the
+        # commitments' parameter sketches are deltas from (loaded at BEGIN)
+        self.start: dict[str, torch.Tensor] = {}
+        self.gathers = 0  # whole states gathered: one per contribution
+        self.sketches = 0  # partial sketches made: one per commitment after step 0
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -82,11 +101,14 @@ class ShardedReplica:
 
         local = self.strategy.local_state(copy=False)
         self.opt = make_inner_optimizer(self.replica, self.cfg.optim)
+        host = torch.device("cpu")
         with torch.no_grad():
             for n in self.names:
                 shard = self.shards[n]
                 mesh, place = shard.device_mesh, shard.placements  # type: ignore[attr-defined]
                 shard.copy_(distribute_tensor(local[f"param/{n}"].to(shard.dtype), mesh, place))
+                mine = shard.to_local()  # type: ignore[attr-defined]
+                self.start[n] = moved_to(mine, host, mine.device, copy=True)
                 step = local.get(f"optim/{n}/step")
                 if step is not None and float(step) > 0:
                     self.opt.state[shard] = {
@@ -139,3 +161,56 @@ class ShardedReplica:
                         "step": st["step"].detach().clone(),
                         **{k: v.to(p.device).clone() for k, v in moments.items()},
                     }
+
+    def sketch(self, buckets: int, leader: bool) -> torch.Tensor:
+        """This rank's partial count sketches of the state a commitment sketches
+        (`covey.trust.sketch.sketch_groups`): (groups, buckets) float64 on the training
+        device. Each rank adds the coordinates of its own shards, parameters' deltas from
+        their start and moments, at their global indices in the whole state's vectors; the
+        leader adds the unsharded tensors too (error feedback's residuals, which inner
+        steps do not change). Summed over the ranks they are the whole state's sketches:
+        the count sketch is linear. Not a collective itself (`Leader.commitment` is)."""
+        s = self.strategy
+        layout = s.local_state_layout()
+        whole = s.local_state(copy=False) if leader else {}
+        groups = sketch_groups(layout)
+        out = torch.zeros(len(groups), buckets, dtype=torch.float64, device=s.device)
+        with torch.no_grad():
+            for g, keys in enumerate(groups):
+                offset = 0
+                for key in keys:
+                    piece = self._piece(key, whole)
+                    if piece is not None:
+                        add_piece(out[g], offset + piece[0], piece[1])
+                    offset += layout[key].numel()
+        self.sketches += 1
+        return out
+
+    def _piece(self, key: str, whole: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor] | None:
+        """(offset in the tensor, flat float32 values) of what this rank sketches of a
+        local-state entry; None for nothing (another rank's, or a moment not made yet:
+        zeros add nothing)."""
+        prefix, _, rest = key.partition("/")
+        if prefix == "param" and rest in self.shards:
+            local = self.shards[rest].to_local()  # type: ignore[attr-defined]
+            start = self.start[rest].to(local.device, non_blocking=True)
+            return self._offset(rest), (local.float() - start.float()).reshape(-1)
+        name, _, kind = rest.rpartition("/")
+        if prefix == "optim" and name in self.shards:
+            state: dict[str, Any] = self.opt.state.get(self.shards[name]) or {}
+            if kind not in state:
+                return None
+            return self._offset(name), state[kind].to_local().float().reshape(-1)
+        if key in whole:  # the leader's own, whole
+            return 0, whole[key].detach().float().reshape(-1)
+        return None
+
+    def _offset(self, name: str) -> int:
+        """Where this rank's shard of parameter `name` starts in its flat whole tensor."""
+        shard = self.shards[name]
+        mesh = shard.device_mesh  # type: ignore[attr-defined]
+        rows = shard.shape[0]
+        first, count = shard_rows(rows, mesh.size(), mesh.get_local_rank())
+        if shard.to_local().shape[0] != count:  # type: ignore[attr-defined]
+            raise RuntimeError(f"{name}: this rank holds rows FSDP2 did not cut as Shard(0)")
+        return first * (shard.numel() // rows)

@@ -187,8 +187,6 @@ class Training:
             losses.append(loss)
             compute_s += seconds
             done += 1
-            if self.leader is not None and done % committer.commit_every == 0:
-                self.leader.sync_state()  # the commitment reads the group's whole state
             committer.after_step(done)
         loss_sum = host_sum(losses, loss_sum)
         commitments = [c.to_dict() for c in committer.commitments]
