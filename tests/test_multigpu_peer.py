@@ -134,9 +134,11 @@ def _committing_rank(rank: int, world: int, port: int, out: str) -> None:
         lead = Leader(s, group, replica)
         committer = GroupCommitter(lead, state, 1)
         lead.begin()
+        held = []  # what the leader holds for training after each step's commitment
         for i, b in enumerate(_batches()):
             lead.inner_step(b)
             committer.after_step(i + 1)
+            held.append(replica.device_bytes())
         sketched = replica.gathers
         lead.end()  # the contribution's gather: the whole state in the leader's strategy
         whole = commitment_of(s.local_state(copy=False), state.params, STEPS)
@@ -147,6 +149,10 @@ def _committing_rank(rank: int, world: int, port: int, out: str) -> None:
             "gathers_while_committing": sketched,
             "gathers": replica.gathers,
             "sketches": replica.sketches,
+            "held": held,
+            "held_at_end": replica.device_bytes(),
+            "param_bytes": sum(p.numel() * p.element_size() for p in s.model.parameters()),
+            "on_the_device": sorted({str(p.device) for p in s.model.parameters()}),
         }
         Path(out, "commitments.json").write_text(json.dumps(record))
     finally:
@@ -160,7 +166,10 @@ def test_fsdp_commitments_are_sketched_shard_by_shard_without_a_gather(tmp_path:
     shards and the leader sums the partial sketches. No gather before the round's end (1 per
     round, not one per commitment); the last commitment equals, to float64 rounding, the one
     made from the whole state gathered afterwards, and every commitment is the one a single
-    device makes on the same batches, to the float rounding of the group's training."""
+    device makes on the same batches, to the float rounding of the group's training.
+    Between commitments the leader's strategy holds nothing on the training device (its
+    canonical copy is parked in host memory: on this CPU test, booked as parked), only the
+    replica's shards."""
     import json
 
     from covey.trust.committer import Committer
@@ -173,6 +182,18 @@ def test_fsdp_commitments_are_sketched_shard_by_shard_without_a_gather(tmp_path:
     assert all(c.hash == NO_HASH for c in got[1:]) and got[0].hash != NO_HASH
     assert record["gathers_while_committing"] == 0 and record["gathers"] == 1
     assert record["sketches"] == STEPS  # one partial sketch per commitment after step 0
+    # between commitments the leader's device holds its shards: the canonical parameters
+    # and moments are parked in host memory; a shard is about half of the parameters and
+    # of AdamW's two moments (3 model sizes in all)
+    whole_bytes = record["param_bytes"]
+    for held in record["held"]:
+        assert held["canonical"] == 0, held
+        assert 0 < held["shards"] <= 0.6 * 3 * whole_bytes, (held, whole_bytes)
+        assert held["start"] <= 0.6 * whole_bytes
+    # at the round's end the gathered parameters are on the device (the contribution is
+    # computed there), the gathered moments in host memory
+    assert record["held_at_end"]["canonical"] == whole_bytes, record["held_at_end"]
+    assert record["on_the_device"] == ["cpu"]
     whole = Commitment.from_dict(record["whole_end"])
     assert commitment_distance(got[-1], whole) < 1e-12, commitment_distance(got[-1], whole)
     assert any(abs(v) > 1e-6 for v in got[-1].sketch["params"])  # it trained

@@ -289,9 +289,13 @@ class Leader:
     def sync_state(self) -> None:
         """Make the strategy's state the group's: with fsdp, gather the replica's shards
         into it (parameters and moments, one all-gather each) when it stepped since the
-        last gather. Call before reading the whole state (the contribution, the round's
-        end state); commitments need none (`commitment`)."""
-        if self.replica is None or not self.stale:
+        last gather, else move its parked parameters back to the device. Call before
+        reading the whole state (the contribution, the round's end state); commitments need
+        none (`commitment`)."""
+        if self.replica is None:
+            return
+        if not self.stale:  # the parked copy is the state: back on the device as it is
+            self.replica.restore()
             return
         with self._collectives("GATHER"):
             self._command(GATHER)
