@@ -209,6 +209,51 @@ def test_fsdp_commitments_are_sketched_shard_by_shard_without_a_gather(tmp_path:
         assert commitment_distance(a, b) < 1e-4, (a.step, commitment_distance(a, b))
 
 
+def test_a_one_rank_fsdp_group_commits_the_bits_of_one_device() -> None:
+    """The real path in this process (a gloo group of one over an in-memory store): the
+    leader's commitments are sketched by ShardedReplica.sketch, without a gather before the
+    round's end, and equal one device's bit for bit; between them its strategy's canonical
+    copy is parked (nothing of it booked on the training device), and the gather at the
+    round's end puts the parameters back."""
+    from covey.peer.group import GroupCommitter
+    from covey.trust.committer import Committer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = Group(0, 1, torch.device("cpu"))
+        s = build_strategy(CFG, tiny_gpt(), lm_loss)
+        state = s.init_state()
+        s.load_state(state)
+        replica = attach(s, group, "fsdp")
+        assert replica is not None
+        lead = Leader(s, group, replica)
+        got = GroupCommitter(lead, state, 1)
+        lead.begin()
+        held = []
+        for i, b in enumerate(_batches()):
+            lead.inner_step(b)
+            got.after_step(i + 1)
+            held.append(replica.device_bytes()["canonical"])
+        gathers = replica.gathers
+        lead.end()
+        lead.stop()
+    finally:
+        dist.destroy_process_group()
+    assert (gathers, replica.gathers, replica.sketches) == (0, 1, STEPS)
+    assert held == [0] * STEPS
+    params = sum(p.numel() * p.element_size() for p in s.model.parameters())
+    assert replica.device_bytes()["canonical"] == params  # gathered back at the round's end
+    single = build_strategy(CFG, tiny_gpt(), lm_loss)
+    start = single.init_state()
+    single.load_state(start)
+    want = Committer(single, start, 1)
+    for i, b in enumerate(_batches()):
+        single.inner_step(b)
+        want.after_step(i + 1)
+    assert got.recorded == want.recorded
+    assert any(abs(v) > 1e-6 for v in got.recorded[-1].sketch["params"])  # it trained
+
+
 def test_shard_rows_are_dim0_chunks_and_partial_sketches_sum_to_the_whole() -> None:
     """What a rank of an fsdp group sketches: its rows of every tensor at their global
     indices (covey.peer.fsdp.ShardedReplica.sketch). Partial sketches summed in rank order
