@@ -106,6 +106,199 @@ def test_two_gloo_ranks_are_one_peer_with_one_contribution(tmp_path: Path, mode:
         assert gathers == 1  # no commitment was read between the steps: no gather per step
 
 
+def _committing_rank(rank: int, world: int, port: int, out: str) -> None:
+    """An fsdp group whose leader commits after every step (GroupCommitter, k = 1), as the
+    worker does: the commitments, the end commitment made from the gathered whole state
+    for comparison, and how many gathers and partial sketches the replica made."""
+    import json
+
+    from covey.peer.group import GroupCommitter
+    from covey.trust.sketch import commitment_of
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    group = group_from_env("cpu")
+    assert group is not None
+    s = build_strategy(CFG, tiny_gpt(), lm_loss)
+    state = s.init_state()
+    s.load_state(state)
+    replica = attach(s, group, "fsdp")
+    assert replica is not None
+    try:
+        if not group.leader:
+            Path(out, f"steps{rank}").write_text(str(follow(s, group, replica)))
+            return
+        lead = Leader(s, group, replica)
+        committer = GroupCommitter(lead, state, 1)
+        lead.begin()
+        held = []  # what the leader holds for training after each step's commitment
+        for i, b in enumerate(_batches()):
+            lead.inner_step(b)
+            committer.after_step(i + 1)
+            held.append(replica.device_bytes())
+        sketched = replica.gathers
+        lead.end()  # the contribution's gather: the whole state in the leader's strategy
+        whole = commitment_of(s.local_state(copy=False), state.params, STEPS)
+        lead.stop()
+        record = {
+            "commitments": [c.to_dict() for c in committer.recorded],
+            "whole_end": whole.to_dict(),
+            "gathers_while_committing": sketched,
+            "gathers": replica.gathers,
+            "sketches": replica.sketches,
+            "held": held,
+            "held_at_end": replica.device_bytes(),
+            "param_bytes": sum(p.numel() * p.element_size() for p in s.model.parameters()),
+            "on_the_device": sorted({str(p.device) for p in s.model.parameters()}),
+        }
+        Path(out, "commitments.json").write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.network
+@pytest.mark.long  # two fresh interpreters: ~90 s on a busy machine
+def test_fsdp_commitments_are_sketched_shard_by_shard_without_a_gather(tmp_path: Path) -> None:
+    """Commitments between the round's start and end under fsdp: each rank sketches its own
+    shards and the leader sums the partial sketches. No gather before the round's end (1 per
+    round, not one per commitment); the last commitment equals, to float64 rounding, the one
+    made from the whole state gathered afterwards, and every commitment is the one a single
+    device makes on the same batches, to the float rounding of the group's training.
+    Between commitments the leader's strategy holds nothing on the training device (its
+    canonical copy is parked in host memory: on this CPU test, booked as parked), only the
+    replica's shards."""
+    import json
+
+    from covey.trust.committer import Committer
+    from covey.trust.sketch import NO_HASH, Commitment, commitment_distance
+
+    mp.spawn(_committing_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    record = json.loads(Path(tmp_path, "commitments.json").read_text())
+    got = [Commitment.from_dict(c) for c in record["commitments"]]
+    assert [c.step for c in got] == list(range(STEPS + 1))
+    assert all(c.hash == NO_HASH for c in got[1:]) and got[0].hash != NO_HASH
+    assert record["gathers_while_committing"] == 0 and record["gathers"] == 1
+    assert record["sketches"] == STEPS  # one partial sketch per commitment after step 0
+    # between commitments the leader's device holds its shards: the canonical parameters
+    # and moments are parked in host memory; a shard is about half of the parameters and
+    # of AdamW's two moments (3 model sizes in all)
+    whole_bytes = record["param_bytes"]
+    for held in record["held"]:
+        assert held["canonical"] == 0, held
+        assert 0 < held["shards"] <= 0.6 * 3 * whole_bytes, (held, whole_bytes)
+        assert held["start"] <= 0.6 * whole_bytes
+    # at the round's end the gathered parameters are on the device (the contribution is
+    # computed there), the gathered moments in host memory
+    assert record["held_at_end"]["canonical"] == whole_bytes, record["held_at_end"]
+    assert record["on_the_device"] == ["cpu"]
+    whole = Commitment.from_dict(record["whole_end"])
+    assert commitment_distance(got[-1], whole) < 1e-12, commitment_distance(got[-1], whole)
+    assert any(abs(v) > 1e-6 for v in got[-1].sketch["params"])  # it trained
+    single = build_strategy(CFG, tiny_gpt(), lm_loss)
+    state = single.init_state()
+    single.load_state(state)
+    want = Committer(single, state, 1)
+    for i, b in enumerate(_batches()):
+        single.inner_step(b)
+        want.after_step(i + 1)
+    assert got[0] == want.recorded[0]  # the start: the same state, the same hash
+    for a, b in zip(got[1:], want.recorded[1:], strict=True):
+        assert commitment_distance(a, b) < 1e-4, (a.step, commitment_distance(a, b))
+
+
+def test_a_one_rank_fsdp_group_commits_the_bits_of_one_device() -> None:
+    """The real path in this process (a gloo group of one over an in-memory store): the
+    leader's commitments are sketched by ShardedReplica.sketch, without a gather before the
+    round's end, and equal one device's bit for bit; between them its strategy's canonical
+    copy is parked (nothing of it booked on the training device), and the gather at the
+    round's end puts the parameters back."""
+    from covey.peer.group import GroupCommitter
+    from covey.trust.committer import Committer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = Group(0, 1, torch.device("cpu"))
+        s = build_strategy(CFG, tiny_gpt(), lm_loss)
+        state = s.init_state()
+        s.load_state(state)
+        replica = attach(s, group, "fsdp")
+        assert replica is not None
+        lead = Leader(s, group, replica)
+        got = GroupCommitter(lead, state, 1)
+        lead.begin()
+        held = []
+        for i, b in enumerate(_batches()):
+            lead.inner_step(b)
+            got.after_step(i + 1)
+            held.append(replica.device_bytes()["canonical"])
+        gathers = replica.gathers
+        lead.end()
+        lead.stop()
+    finally:
+        dist.destroy_process_group()
+    assert (gathers, replica.gathers, replica.sketches) == (0, 1, STEPS)
+    assert held == [0] * STEPS
+    params = sum(p.numel() * p.element_size() for p in s.model.parameters())
+    assert replica.device_bytes()["canonical"] == params  # gathered back at the round's end
+    single = build_strategy(CFG, tiny_gpt(), lm_loss)
+    start = single.init_state()
+    single.load_state(start)
+    want = Committer(single, start, 1)
+    for i, b in enumerate(_batches()):
+        single.inner_step(b)
+        want.after_step(i + 1)
+    assert got.recorded == want.recorded
+    assert any(abs(v) > 1e-6 for v in got.recorded[-1].sketch["params"])  # it trained
+
+
+def test_shard_rows_are_dim0_chunks_and_partial_sketches_sum_to_the_whole() -> None:
+    """What a rank of an fsdp group sketches: its rows of every tensor at their global
+    indices (covey.peer.fsdp.ShardedReplica.sketch). Partial sketches summed in rank order
+    are the whole state's commitment to float64 rounding; one rank's is the same bits."""
+    from covey.peer.fsdp import shard_rows
+    from covey.trust.sketch import (
+        add_piece,
+        commitment_distance,
+        commitment_from_sketches,
+        commitment_of,
+        sketch_groups,
+    )
+
+    assert [shard_rows(5, 2, r) for r in range(2)] == [(0, 3), (3, 2)]
+    assert [shard_rows(2, 4, r) for r in range(4)] == [(0, 1), (1, 1), (2, 0), (2, 0)]
+    s = _strategy()
+    start = {n: p.detach().clone() for n, p in s.model.named_parameters()}
+    for b in _batches():
+        s.inner_step(b)
+    local = s.local_state(copy=False)
+    whole = commitment_of(local, start, STEPS)
+    groups = sketch_groups(local)
+    for world in (1, 2, 3):
+        total = torch.zeros(len(groups), 64, dtype=torch.float64)
+        for rank in range(world):
+            mine = torch.zeros_like(total)
+            for g, keys in enumerate(groups):
+                offset = 0
+                for key in keys:
+                    t = local[key].detach().float()
+                    if key.startswith("param/"):
+                        t = t - start[key[len("param/") :]]
+                    first, count = shard_rows(t.shape[0], world, rank)
+                    row = t[0].numel() if t.dim() > 1 else 1
+                    piece = t[first : first + count].reshape(-1)
+                    add_piece(mine[g], offset + first * row, piece)
+                    offset += t.numel()
+            total += mine
+        got = commitment_from_sketches(STEPS, whole.hash, list(total))
+        assert commitment_distance(got, whole) < 1e-14
+        if world == 1:
+            assert got.sketch == whole.sketch
+    assert any(abs(v) > 1e-6 for v in whole.sketch["params"])
+
+
 def test_shard_takes_strided_rows_and_refuses_too_few() -> None:
     batch = torch.arange(12).reshape(6, 2)
     assert shard(batch, 1, 3).tolist() == [[2, 3], [8, 9]]
@@ -149,7 +342,8 @@ eval_batches = 1
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_covey_worker_under_torchrun_is_one_peer(tmp_path: Path, mode: str) -> None:
     """`torchrun --nproc-per-node 2 -m covey worker`: the coordinator sees one peer (rank
-    0's identity), which trains certified rounds; rank 1 never connects, and both exit 0."""
+    0's identity), which trains certified rounds; rank 1 never connects, and both exit 0.
+    It commits after every step (under fsdp: sketched shard by shard by both ranks)."""
     import subprocess
     import sys
 
@@ -158,7 +352,7 @@ def test_covey_worker_under_torchrun_is_one_peer(tmp_path: Path, mode: str) -> N
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"row {i}: {i * 31 % 97} lazy dogs\n" for i in range(3000)))
     spec = tmp_path / "run.toml"
-    spec.write_text(GROUP_SPEC.format(corpus=corpus))
+    spec.write_text(GROUP_SPEC.format(corpus=corpus) + "[trust]\ncommit_every = 1\n")
     with LocalCluster(spec, tmp_path) as cluster:
         cluster.start_coordinator()
         log = open(tmp_path / "group.log", "wb")  # noqa: SIM115 - closed below

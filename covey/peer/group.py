@@ -14,6 +14,10 @@ The protocol is a command tensor that the leader broadcasts and every rank acts 
     STEP B T   the leader's (B, T) batch is broadcast; each rank trains on its rows
                (rank, rank + world, ...) and DDP averages the gradients: every rank takes
                the same optimizer step, the step a single device takes on the whole batch
+    SKETCH K   (fsdp) each rank sketches its shards of the state into K buckets and the
+               partial sketches are all-gathered; the leader sums them in rank order into
+               the commitment (`Leader.commitment`): nothing whole is gathered
+    GATHER     (fsdp) the shards are gathered into the leader's strategy: at the round's end
     END        the ranks' token counts are summed into the leader's (one contribution)
     STOP       followers return
 
@@ -46,12 +50,28 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from covey.algorithms.base import Strategy
+from covey.algorithms.state import TrainState
 from covey.devices import resolve_device
 from covey.models.randomness import active_dropout, dropout_fields
 from covey.peer.fsdp import MODES, ShardedReplica
+from covey.trust.committer import Committer
+from covey.trust.sketch import (
+    BUCKETS,
+    NO_HASH,
+    Commitment,
+    commitment_from_sketches,
+    commitment_of,
+)
 
-BEGIN, STEP, END, STOP, GATHER = 1, 2, 3, 4, 5
-_NAMES = {BEGIN: "BEGIN", STEP: "STEP", END: "END", STOP: "STOP", GATHER: "GATHER"}
+BEGIN, STEP, END, STOP, GATHER, SKETCH = 1, 2, 3, 4, 5, 6
+_NAMES = {
+    BEGIN: "BEGIN",
+    STEP: "STEP",
+    END: "END",
+    STOP: "STOP",
+    GATHER: "GATHER",
+    SKETCH: "SKETCH",
+}
 GROUP_TIMEOUT_S = 120.0  # a collective waits this long for a rank that is alive but stuck
 BEAT_S = 1.0  # a follower bumps its heartbeat counter this often
 LOST_AFTER_S = 8.0  # a rank whose counter did not move for this long is lost
@@ -242,11 +262,40 @@ class Leader:
             self.stale = True  # gathered when the state is read: `sync_state`
             return self.replica.step(rows)
 
+    def commitment(
+        self,
+        step: int,
+        start_params: dict[str, torch.Tensor],
+        buckets: int = BUCKETS,
+        digest: str | None = None,
+    ) -> Commitment:
+        """The commitment to the group's state after `step` inner steps (`commitment_of`'s
+        contract; its hash `digest`, else none past step 0). With fsdp, once the replica
+        stepped: every rank sketches its own shards (SKETCH: the parameters' deltas from
+        the start shards loaded at BEGIN, which are `start_params`' rows) and the leader
+        sums the all-gathered partial sketches in rank order; only `buckets` numbers per
+        group per rank move and nothing is gathered whole. The sums equal the whole
+        state's sketches to float64 rounding (another order of the same additions: about
+        1e-16 relative, far below the tolerance commitments are compared with); for a
+        given group size they are deterministic. Else the strategy's own state."""
+        if self.replica is None or not self.stale:
+            local = self.strategy.local_state(copy=False)
+            return commitment_of(local, start_params, step, buckets, digest=digest)
+        with self._collectives("SKETCH"):
+            self._command(SKETCH, buckets)
+            sums = _sum_sketches(self.replica.sketch(buckets, leader=True), self._wire)
+        return commitment_from_sketches(step, NO_HASH if digest is None else digest, sums)
+
     def sync_state(self) -> None:
         """Make the strategy's state the group's: with fsdp, gather the replica's shards
         into it (parameters and moments, one all-gather each) when it stepped since the
-        last gather. Call before reading the state (a commitment, the contribution)."""
-        if self.replica is None or not self.stale:
+        last gather, else move its parked parameters back to the device. Call before
+        reading the whole state (the contribution, the round's end state); commitments need
+        none (`commitment`)."""
+        if self.replica is None:
+            return
+        if not self.stale:  # the parked copy is the state: back on the device as it is
+            self.replica.restore()
             return
         with self._collectives("GATHER"):
             self._command(GATHER)
@@ -307,6 +356,8 @@ def _follow(strategy: Strategy, group: Group, replica: ShardedReplica | None) ->
             steps += 1
         elif op == GATHER and replica is not None:
             replica.gather(leader=False)
+        elif op == SKETCH and replica is not None:
+            _sum_sketches(replica.sketch(rows, leader=False), wire)
         elif op == END:
             tokens = torch.tensor([strategy.tokens], dtype=torch.int64, device=wire)
             dist.all_reduce(tokens)
@@ -315,6 +366,41 @@ def _follow(strategy: Strategy, group: Group, replica: ShardedReplica | None) ->
             return steps
         else:
             raise RuntimeError(f"unknown group command {op} (known: {_NAMES})")
+
+
+def _sum_sketches(partial: torch.Tensor, wire: torch.device) -> list[torch.Tensor]:
+    """Every rank's partial sketches (groups, buckets), all-gathered, summed in rank order
+    on the host: one float64 row per group."""
+    mine = partial.to(wire).contiguous()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    total = torch.zeros(mine.shape, dtype=torch.float64)
+    for part in every:  # rank 0, 1, ...: the same order on every call
+        total += part.cpu()
+    return list(total)
+
+
+class GroupCommitter(Committer):
+    """A group leader's `Committer`: commitment 0 from the strategy's state at the round's
+    start (taken before BEGIN, as a single device's), the later ones the group's
+    (`Leader.commitment`: under fsdp sketched shard by shard, no gather). Synchronous: a
+    commitment is a collective, made in the training loop on every rank at once."""
+
+    def __init__(
+        self,
+        leader: Leader,
+        start_state: TrainState,
+        commit_every: int,
+        buckets: int = BUCKETS,
+        start_digest: str | None = None,
+    ) -> None:
+        self.leader = leader
+        super().__init__(leader.strategy, start_state, commit_every, buckets, start_digest)
+
+    def _commit(self, step: int) -> Commitment:
+        if step == 0:
+            return super()._commit(0)
+        return self.leader.commitment(step, self.start_params, self.buckets)
 
 
 def _broadcast_local_state(strategy: Strategy, wire: torch.device) -> None:

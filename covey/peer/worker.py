@@ -353,13 +353,16 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self._sync_state(info.start_cid, info.start_hash, info.start_size, info.providers)
         assert self.state is not None
         self._begin_round(info.round)
-        # sketched on a side thread: training does not wait for its own commitments
-        committer = SideCommitter(
-            self.strategy,
-            self.state,
-            self.cfg.trust.commit_every,
-            start_digest=self._start_digest(info.start_hash),
-        )
+        committer: Committer | SideCommitter
+        digest = self._start_digest(info.start_hash)
+        if self.leader is not None and self.leader.replica is not None:
+            # fsdp: each commitment is sketched shard by shard, by the whole group at once
+            every = self.cfg.trust.commit_every
+            committer = group.GroupCommitter(self.leader, self.state, every, start_digest=digest)
+        else:  # sketched on a side thread: training does not wait for its own commitments
+            committer = SideCommitter(
+                self.strategy, self.state, self.cfg.trust.commit_every, start_digest=digest
+            )
         return self._train_and_finish(info, deadline, opened, committer)
 
     def _train_and_finish(

@@ -187,12 +187,12 @@ class Training:
             losses.append(loss)
             compute_s += seconds
             done += 1
-            if self.leader is not None and done % committer.commit_every == 0:
-                self.leader.sync_state()  # the commitment reads the group's whole state
             committer.after_step(done)
         loss_sum = host_sum(losses, loss_sum)
         commitments = [c.to_dict() for c in committer.commitments]
         if done == 0:  # no step taken: a zero update, and no loss
+            if self.leader is not None:
+                self.leader.sync_state()  # fsdp: the parked parameters back on the device
             payload = self.strategy.codec.encode(torch.zeros(self._numel()))
             per_step, loss_sum = self.cfg.data.batch_size * self.seq_len, float("nan")
         else:

@@ -91,15 +91,56 @@ def sketch_parts(parts: Iterable[torch.Tensor], buckets: int = BUCKETS) -> torch
             raise ValueError(f"sketch takes flat vectors, got shape {tuple(part.shape)}")
         if out is None:
             out = torch.zeros(buckets, dtype=torch.float64, device=part.device)
-        flat = part.detach().to(out.device)
-        for start in range(0, flat.numel(), _BLOCK):
-            piece = flat[start : start + _BLOCK]
-            index, sign = sketch_hashing.table(
-                offset + start, piece.numel(), buckets, SEED, out.device
-            )
-            out.index_add_(0, index, (piece * sign).to(torch.float64))  # x * (+-1): exact
-        offset += flat.numel()
+        add_piece(out, offset, part)
+        offset += part.numel()
     return torch.zeros(buckets, dtype=torch.float64) if out is None else out.cpu()
+
+
+def add_piece(out: torch.Tensor, offset: int, piece: torch.Tensor) -> None:
+    """Add the flat `piece`, coordinates offset..offset+len-1 of a longer vector, into the
+    partial sketch `out` (float64, shape (buckets,), on the device it is summed on), a
+    block at a time in coordinate order. The count sketch is linear: partial sketches of
+    disjoint pieces sum to the sketch of the whole (`sketch_parts` adds every piece into one
+    `out`; a sharded state's ranks each sketch their own pieces, covey/peer/fsdp.py)."""
+    if piece.dim() != 1:
+        raise ValueError(f"sketch takes flat vectors, got shape {tuple(piece.shape)}")
+    flat = piece.detach().to(out.device)
+    for start in range(0, flat.numel(), _BLOCK):
+        block = flat[start : start + _BLOCK]
+        index, sign = sketch_hashing.table(
+            offset + start, block.numel(), out.numel(), SEED, out.device
+        )
+        out.index_add_(0, index, (block * sign).to(torch.float64))  # x * (+-1): exact
+
+
+def sketch_groups(local: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The names of a local state (or its layout: shapes are all that is read) that a
+    commitment sketches, group by group, in the order each group's vector concatenates
+    them: first the parameters ("param/<name>", sorted), then one group per kind of
+    optimizer tensor (kinds sorted; each the kind's names sorted; 0-dim entries left out).
+    `commitment_of` sketches these groups; a sharded state sketches the same coordinates
+    piece by piece (covey/peer/fsdp.py)."""
+    kinds: dict[str, list[str]] = {}
+    for name in sorted(local):
+        if name.startswith("optim/") and local[name].dim() > 0:
+            kinds.setdefault(name.rsplit("/", 1)[-1], []).append(name)
+    params = sorted(k for k in local if k.startswith("param/"))
+    return [params] + [kinds[kind] for kind in sorted(kinds)]
+
+
+def commitment_from_sketches(step: int, digest: str, groups: Sequence[torch.Tensor]) -> Commitment:
+    """A commitment from its groups' sketches (`sketch_groups`' order: parameters' deltas
+    first, then the optimizer kinds')."""
+    optim = [g.cpu().to(torch.float64) for g in groups[1:]]
+    optim_sketch = torch.cat(optim) if optim else torch.zeros(0, dtype=torch.float64)
+    return Commitment(
+        step,
+        digest,
+        {
+            "params": tuple(groups[0].cpu().to(torch.float64).tolist()),
+            "optim": tuple(optim_sketch.tolist()),
+        },
+    )
 
 
 def sketch(vec: torch.Tensor, buckets: int = BUCKETS) -> torch.Tensor:
@@ -248,23 +289,15 @@ def commitment_of(
         ).reshape(-1)
         for n in names
     )
-    params_sketch = sketch_parts(deltas, buckets)
-    kinds: dict[str, list[str]] = {}
-    for name in sorted(local):
-        if name.startswith("optim/") and local[name].dim() > 0:
-            kinds.setdefault(name.rsplit("/", 1)[-1], []).append(name)
-    optim = [
-        sketch_parts((local[n].detach().float().reshape(-1) for n in kinds[kind]), buckets)
-        for kind in sorted(kinds)
+    groups = sketch_groups(local)
+    sketches = [sketch_parts(deltas, buckets)]
+    sketches += [
+        sketch_parts((local[n].detach().float().reshape(-1) for n in names), buckets)
+        for names in groups[1:]
     ]
-    optim_sketch = torch.cat(optim) if optim else torch.zeros(0, dtype=torch.float64)
     if digest is None:
         digest = state_hash(local) if step == 0 else NO_HASH
-    return Commitment(
-        step,
-        digest,
-        {"params": tuple(params_sketch.tolist()), "optim": tuple(optim_sketch.tolist())},
-    )
+    return commitment_from_sketches(step, digest, sketches)
 
 
 def commitment_distance(a: Commitment, b: Commitment) -> float:
