@@ -181,9 +181,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.start_coordinator()
         for name in WORKERS:
             c.start_worker(name)
-        # the lease test's: a nano step here takes ~5-10 ms, so x300 makes a 12-step round
-        # take ~20-40 s whatever the machine's load (x20 finished before the lease lapsed)
-        c.start_worker("slow", "--slowdown", "300", "--verbose")
+        # the lease test's slow worker is started by that test (long): a member that takes
+        # ~20-40 s a round holds every round to its deadline, which the HALT test need not wait
         c.start_validator(VALIDATOR)  # it checks rounds, and must stop at the HALT too
         yield c
 
@@ -211,6 +210,9 @@ def test_a_worker_stops_training_when_its_lease_lapses(cluster: LocalCluster) ->
     every step and twice a second while it waits out its emulated slowness) loses its
     coordinator mid-training: once the lease (4 s) has lapsed it stops training, and once
     the coordinator answers again it trains on."""
+    # a nano step here takes ~5-10 ms, so x300 makes a 12-step round take ~20-40 s whatever
+    # the machine's load (x20 finished before the lease lapsed)
+    cluster.start_worker("slow", "--slowdown", "300", "--verbose")
     log_has(cluster, "slow", "inner steps", 120)  # its first round's training began
     cluster.signal("coordinator", signal.SIGSTOP)
     stopped = time.monotonic()

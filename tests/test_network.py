@@ -1,12 +1,14 @@
 """The round protocol over real sockets: a coordinator and workers as separate processes
 on 127.0.0.1, killed with real signals. Each test starts its own cluster (nano GPT, tiny
-rounds) and waits on conditions with deadlines; nothing here is mocked."""
+rounds), but for the last two, which share one, and waits on conditions with deadlines;
+nothing here is mocked."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,41 +67,6 @@ def assert_chain(certs: list[dict[str, Any]]) -> None:
     for prev, cert in itertools.pairwise(certs):
         assert cert["round"] == prev["round"] + 1
         assert cert["start_hash"] == prev["new_hash"], f"round {cert['round']} breaks the chain"
-
-
-def test_three_workers_train_and_agree_on_every_round(tmp_path: Path) -> None:
-    with make_cluster(tmp_path, "three") as cluster:
-        cluster.start_worker("w0")
-        cluster.start_worker("w1")
-        cluster.start_worker("w2", "--no-serve-blobs")  # unreachable: uploads, relayed
-        # a worker slow to start (three import torch at once on two cores) joins a round
-        # or two late: wait until each has applied three, not only for five rounds
-        status = cluster.wait_for(
-            lambda s: (
-                committed(5)(s) and all(len(applied(tmp_path, w)) >= 3 for w in ("w0", "w1", "w2"))
-            ),
-            180,
-            "5 committed rounds, 3 applied by every worker",
-        )
-        certs = certificates(cluster, status["committed_rounds"])
-    assert_chain(certs)
-    assert all(len(c["accepted"]) >= 1 for c in certs)
-    assert any({a["name"] for a in c["accepted"]} == {"w0", "w1", "w2"} for c in certs)
-    for a in (a for c in certs for a in c["accepted"]):
-        assert bool(a["providers"]) == (a["name"] != "w2"), a  # w2's come from the relay
-    # every peer computed every certified round's weights itself, bit for bit
-    by_round = {c["round"]: c["new_hash"] for c in certs}
-    for w in ("w0", "w1", "w2"):
-        records = applied(tmp_path, w)
-        assert len(records) >= 3, f"{w} applied only {len(records)} rounds"
-        for rec in records:
-            assert rec["matched"], f"{w} round {rec['round']}: {rec}"
-            if rec["round"] in by_round:
-                assert rec["weights_hash"] == by_round[rec["round"]]
-    losses = [r["val_loss"] for r in status["rounds"] if r["val_loss"] is not None]
-    assert losses[-1] < losses[0], f"validation loss did not fall: {losses}"
-    # the canonical state is kept as a checkpoint every K=2 rounds, as safetensors
-    assert list((tmp_path / "coordinator" / "checkpoints").glob("round-*.safetensors"))
 
 
 def test_sigkill_worker_mid_round_round_closes_without_it(tmp_path: Path) -> None:
@@ -193,35 +160,6 @@ def test_sigterm_sends_deathrattle_and_round_does_not_wait(tmp_path: Path) -> No
     assert "left: shutdown" in (tmp_path / "logs" / "coordinator.log").read_text()
 
 
-def test_coordinator_sigkill_and_restart_resumes(tmp_path: Path) -> None:
-    with make_cluster(tmp_path, "restart") as cluster:
-        cluster.start_worker("w0")
-        cluster.start_worker("w1")
-        before = cluster.wait_for(
-            lambda s: s["committed_rounds"] >= 3 and s["phase"] == "open", 180, "3 rounds"
-        )
-        cluster.signal("coordinator", signal.SIGKILL)
-        cluster.wait_exit("coordinator", 10)
-        cluster.start_coordinator()
-        after = cluster.status()
-        assert after["committed_rounds"] >= before["committed_rounds"]
-        # the peers reconnect by themselves and training goes on
-        status = cluster.wait_for(
-            committed(after["committed_rounds"] + 3), 180, "3 rounds after the restart"
-        )
-        certs = certificates(cluster, status["committed_rounds"])
-        assert cluster.workers["w0"].poll() is None and cluster.workers["w1"].poll() is None
-    assert_chain(certs)
-    assert [c["round"] for c in certs] == list(range(len(certs)))
-    for w in ("w0", "w1"):
-        records = applied(tmp_path, w)
-        assert all(r["matched"] for r in records)
-        rounds = [r["round"] for r in records]
-        assert len(rounds) == len(set(rounds)), f"{w} applied a round twice: {rounds}"
-    log = (tmp_path / "logs" / "coordinator.log").read_text()
-    assert "resumed run" in log
-
-
 @pytest.mark.long  # the budget is pure: tests/test_protocol.py checks it by default
 def test_slow_peer_gets_a_smaller_budget_and_weighs_its_tokens(tmp_path: Path) -> None:
     spec = tmp_path / "run.toml"
@@ -276,3 +214,80 @@ def test_every_method_runs_over_the_network(tmp_path: Path, algorithm: str) -> N
     for w in ("w0", "w1"):
         records = applied(tmp_path, w)
         assert len(records) >= 3 and all(r["matched"] for r in records), records
+
+
+# -- one cluster for the last two tests: three workers train, then the coordinator is
+# SIGKILLed under two of them and restarted. Module-scoped (a cluster's start is most of either
+# test's time on two cores), so these two stay last: nothing else runs beside it.
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with make_cluster(tmp_path_factory.mktemp("three"), "three") as cluster:
+        cluster.start_worker("w0")
+        cluster.start_worker("w1")
+        cluster.start_worker("w2", "--no-serve-blobs")  # unreachable: uploads, relayed
+        yield cluster
+
+
+def test_three_workers_train_and_agree_on_every_round(three: LocalCluster) -> None:
+    cluster, run_dir = three, three.run_dir
+    # a worker slow to start (three import torch at once on two cores) joins a round
+    # or two late: wait until each has applied three, not only for five rounds
+    status = cluster.wait_for(
+        lambda s: (
+            committed(5)(s) and all(len(applied(run_dir, w)) >= 3 for w in ("w0", "w1", "w2"))
+        ),
+        180,
+        "5 committed rounds, 3 applied by every worker",
+    )
+    certs = certificates(cluster, status["committed_rounds"])
+    assert_chain(certs)
+    assert all(len(c["accepted"]) >= 1 for c in certs)
+    assert any({a["name"] for a in c["accepted"]} == {"w0", "w1", "w2"} for c in certs)
+    for a in (a for c in certs for a in c["accepted"]):
+        assert bool(a["providers"]) == (a["name"] != "w2"), a  # w2's come from the relay
+    # every peer computed every certified round's weights itself, bit for bit
+    by_round = {c["round"]: c["new_hash"] for c in certs}
+    for w in ("w0", "w1", "w2"):
+        records = applied(run_dir, w)
+        assert len(records) >= 3, f"{w} applied only {len(records)} rounds"
+        for rec in records:
+            assert rec["matched"], f"{w} round {rec['round']}: {rec}"
+            if rec["round"] in by_round:
+                assert rec["weights_hash"] == by_round[rec["round"]]
+    losses = [r["val_loss"] for r in status["rounds"] if r["val_loss"] is not None]
+    assert losses[-1] < losses[0], f"validation loss did not fall: {losses}"
+    # the canonical state is kept as a checkpoint every K=2 rounds, as safetensors
+    assert list((run_dir / "coordinator" / "checkpoints").glob("round-*.safetensors"))
+
+
+def test_coordinator_sigkill_and_restart_resumes(three: LocalCluster) -> None:
+    cluster, run_dir = three, three.run_dir
+    # the restart is the two serving workers' (w2 uploads its payloads to the coordinator,
+    # and an upload that meets the coordinator down ends its process): w2 leaves first
+    cluster.signal("w2", signal.SIGTERM)
+    cluster.wait_exit("w2", 30)  # 0, or killed by the signal if still starting (run alone)
+    before = cluster.wait_for(
+        lambda s: s["committed_rounds"] >= 3 and s["phase"] == "open", 180, "3 rounds"
+    )
+    cluster.signal("coordinator", signal.SIGKILL)
+    cluster.wait_exit("coordinator", 10)
+    cluster.start_coordinator()
+    after = cluster.status()
+    assert after["committed_rounds"] >= before["committed_rounds"]
+    # the peers reconnect by themselves and training goes on
+    status = cluster.wait_for(
+        committed(after["committed_rounds"] + 3), 180, "3 rounds after the restart"
+    )
+    certs = certificates(cluster, status["committed_rounds"])
+    assert cluster.workers["w0"].poll() is None and cluster.workers["w1"].poll() is None
+    assert_chain(certs)
+    assert [c["round"] for c in certs] == list(range(len(certs)))
+    for w in ("w0", "w1"):
+        records = applied(run_dir, w)
+        assert all(r["matched"] for r in records)
+        rounds = [r["round"] for r in records]
+        assert len(rounds) == len(set(rounds)), f"{w} applied a round twice: {rounds}"
+    log = (cluster.logs / "coordinator.log").read_text()
+    assert "resumed run" in log

@@ -410,7 +410,7 @@ def test_backpressure_timeout_and_hangup(tmp_path: Path, model_dir: Path) -> Non
     gets 429 with Retry-After, a client that hangs up leaves the queue, and the held one
     gets 504 at request_timeout_s."""
     with in_process_server(
-        tmp_path / "server", model_dir, max_tokens=4, queue_per_worker=1, request_timeout_s=8.0
+        tmp_path / "server", model_dir, max_tokens=4, queue_per_worker=1, request_timeout_s=5.0
     ) as (url, s):
         http = httpx.Client(base_url=url, timeout=30)
         me = Identity.generate()
@@ -456,7 +456,7 @@ def test_backpressure_timeout_and_hangup(tmp_path: Path, model_dir: Path) -> Non
 
         def hang_up() -> None:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{url}/v1/completions", json=ask, timeout=4.0)  # < request_timeout_s
+                httpx.post(f"{url}/v1/completions", json=ask, timeout=2.5)  # < request_timeout_s
 
         second = _thread(hang_up)
         wait_for(lambda: httpx.get(f"{url}/v1/serve/status").json()["waiting"] == 1, 5)
