@@ -7,10 +7,12 @@ touches no live training state.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from covey.algorithms import Contribution, TrainState
-from covey.peer.client import PeerRejected
+from covey.blobs import BlobError
+from covey.peer.client import CoordinatorLost, PeerRejected
 from covey.peer.heads import HeadKeeper
 from covey.peer.worker_types import LocalStates
 from covey.protocol import schemas
@@ -22,6 +24,7 @@ log = logging.getLogger("covey.worker")
 # or two); a drawn contribution's evidence is kept longer (`_pin`)
 KEEP_CONTRIBUTIONS = 8
 _PULL_BYTES_S = 1 << 20  # slowest rate a submission's answer may wait on a payload pull at
+_UPLOAD_PAUSE_S = 1.0  # between uploads that failed (the coordinator may be restarting)
 
 
 class Publishing:
@@ -39,6 +42,27 @@ class Publishing:
     server: Any
     strategy: Any
     heads: HeadKeeper
+
+    def _upload(self, data: bytes, cid: str) -> None:
+        """Upload a blob to the coordinator (a peer without a blob server). A coordinator
+        that is restarting refuses connections for a while: the upload is tried again, with
+        the client's own retries each time, for up to the run's coordinator_lost_s, and then
+        CoordinatorLost, as any request to a coordinator that stays away."""
+        patience = self.cfg.limits.coordinator_lost_s
+        give_up = time.monotonic() + patience
+        while True:
+            try:
+                self.blobs.upload(
+                    self.opts.coordinator, data, cid, signer=(self.identity, self.run_id)
+                )
+                return
+            except BlobError as e:
+                if time.monotonic() + _UPLOAD_PAUSE_S > give_up:
+                    raise CoordinatorLost(
+                        f"no upload of blob {cid[:12]} for {patience:.0f} s: {e}"
+                    ) from None
+                log.warning("[%s] upload of %s failed, trying again: %s", self.name, cid[:12], e)
+                self._pause(_UPLOAD_PAUSE_S)
 
     def _publish(
         self,
@@ -65,9 +89,7 @@ class Publishing:
                 self.store.delete(old)
                 self._evidence.discard(old)
         if self.server is None:
-            self.blobs.upload(
-                self.opts.coordinator, payload, cid, signer=(self.identity, self.run_id)
-            )
+            self._upload(payload, cid)
         local: dict[str, Any] = {}
         if self._local is not None and self._local.end_cid is not None:  # its end state
             end_cid, end_path = self._local.end_cid, self._local.end_path
@@ -80,12 +102,7 @@ class Publishing:
                 self._evidence.add(end_cid)  # served at the run's paced rate
                 self._published.append(end_cid)
             if self.server is None and end_cid in self._published:
-                self.blobs.upload(
-                    self.opts.coordinator,
-                    self.store.get(end_cid),
-                    end_cid,
-                    signer=(self.identity, self.run_id),
-                )
+                self._upload(self.store.get(end_cid), end_cid)
             local = {
                 "local_state_cid": self._local.start_cid,
                 "end_state_cid": end_cid,
