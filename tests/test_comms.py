@@ -53,6 +53,10 @@ def test_long_has_every_method_a_cosine_variant_and_a_second_seed() -> None:
     cosine = methods["diloco-h100-int4-ef-cosine"]
     assert cosine.baseline == "ddp-cosine" and cosine.algorithm["optim"]["schedule"] == "cosine"
     assert methods["ddp-cosine"].algorithm["optim"] == cosine.algorithm["optim"]
+    # the configuration with no private state, on the same schedule as its baseline
+    bare = methods["diloco-h100-int4-reset-cosine"]
+    assert bare.baseline == "ddp-cosine" and bare.algorithm["optim"] == cosine.algorithm["optim"]
+    assert bare.algorithm["inner_state"] == "reset" and not bare.algorithm.get("error_feedback")
     second = methods["diloco-h100-int4-ef-seed1"]
     assert (second.seed, second.baseline) == (1, "ddp-seed1")
 

@@ -146,6 +146,13 @@ def comms_methods(size: BenchSize) -> list[BenchMethod]:
             BenchMethod(
                 f"diloco-h{hl}-int4-ef-cosine", {**int4_ef, "optim": cosine}, baseline="ddp-cosine"
             ),
+            # the configuration with no private state (no verification evidence), on the
+            # same schedule as its DDP baseline
+            BenchMethod(
+                f"diloco-h{hl}-int4-reset-cosine",
+                {**diloco(hl, codec="int4", inner_state="reset"), "optim": cosine},
+                baseline="ddp-cosine",
+            ),
         ]
         for seed in size.seeds[1:]:
             ddp_s = f"ddp-seed{seed}"
