@@ -7,6 +7,7 @@ tests/test_treasury_network.py."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -60,3 +61,27 @@ def test_a_lower_rate_asks_more_and_a_stated_stake_is_kept() -> None:
     # a spec that states it is read back the same; an unset one is unset
     assert Policy.from_config(TrustConfig(min_stake=7.0), 60.0, min_stake=99.0).min_stake == 7.0
     assert Policy.from_config(TrustConfig(), 60.0).min_stake == 0.0
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        [],
+        {},
+        {"min_stake": "13244"},
+        {"min_stake": {"worker": -1.0}},
+        {"min_stake": {"worker": True}},
+        {"min_stake": {"worker": float("nan")}},
+    ],
+)
+def test_a_worker_without_stake_refuses_a_coordinator_that_names_no_minimum(reply: object) -> None:
+    """A worker started without --stake bonds what GET /v1/ledger/balances names; a reply
+    without a non-negative number there ends it cleanly (RuntimeError: exit 1), not in a
+    traceback or a stake it made up."""
+    from covey.peer.worker import Worker
+
+    asks = SimpleNamespace(client=SimpleNamespace(get=lambda path: reply))
+    with pytest.raises(RuntimeError, match="names no minimum stake"):
+        Worker._run_min_stake(asks)  # type: ignore[arg-type]
+    fine = SimpleNamespace(client=SimpleNamespace(get=lambda path: {"min_stake": {"worker": 39}}))
+    assert Worker._run_min_stake(fine) == 39.0  # type: ignore[arg-type]

@@ -179,9 +179,7 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
         self._join()
 
     def _join(self) -> None:
-        stake = self.opts.stake
-        if stake is None:  # what the run asks of a worker's key (its signed policy)
-            stake = float(self.client.get("/v1/ledger/balances")["min_stake"]["worker"])
+        stake = self.opts.stake if self.opts.stake is not None else self._run_min_stake()
         body = dict(
             run_id=self.run_id,
             peer_id=self.peer_id,
@@ -207,6 +205,20 @@ class Worker(StateKeeping, Training, Publishing, Overlapping):
             self.step_time_s,
             self.blob_url or "uploaded to the coordinator",
         )
+
+    def _run_min_stake(self) -> float:
+        """What the run asks of a worker's key (its signed policy, as GET
+        /v1/ledger/balances names it): what a worker started without --stake bonds.
+        RuntimeError (a clean exit) when the coordinator does not say."""
+        balances = self.client.get("/v1/ledger/balances")
+        least = balances.get("min_stake") if isinstance(balances, dict) else None
+        least = least.get("worker") if isinstance(least, dict) else None
+        if isinstance(least, bool) or not isinstance(least, (int, float)) or not least >= 0:
+            raise RuntimeError(
+                f"the coordinator names no minimum stake for a worker ({least!r}): "
+                f"start the worker with --stake"
+            )
+        return float(least)
 
     # -- the loop ---------------------------------------------------------------------------
 
