@@ -59,6 +59,14 @@ def start_of(s: Any, model: GPT) -> TrainState:
     return TrainState({n: host[n].detach().clone() for n in s.names})
 
 
+def on_meta() -> tuple[Any, TrainState]:
+    """A DiLoCo strategy training on the meta device (as the host sees a GPU: no values
+    without a copy `HostBytes` sees) and its start state."""
+    model = nano()
+    s = build_strategy(method_config("diloco"), copy.deepcopy(model).to(META), lm_loss)
+    return s, start_of(s, model)
+
+
 def size(start: TrainState) -> int:
     return sum(t.numel() for t in start.params.values())
 
@@ -203,9 +211,7 @@ def test_an_intermediate_commitment_moves_only_its_own_bytes_to_the_host() -> No
     """The strategy trains on the meta device (as the host sees a GPU: no values without a
     copy that `HostBytes` sees). Per intermediate commitment, what crosses is its sketches'
     sums, the commitment itself; an inner step and a step between commitments, nothing."""
-    model = nano()
-    s = build_strategy(method_config("diloco"), copy.deepcopy(model).to(META), lm_loss)
-    start = start_of(s, model)
+    s, start = on_meta()
     counter = HostBytes()
     with counter:
         s.begin_round(start)
@@ -226,9 +232,7 @@ def test_an_intermediate_commitment_moves_only_its_own_bytes_to_the_host() -> No
 def test_the_counter_sees_a_hashed_commitment() -> None:
     """The check above can fail: a commitment that carries the state's hash (as every
     commitment did) moves the whole state, weights and both moments, to the host."""
-    model = nano()
-    s = build_strategy(method_config("diloco"), copy.deepcopy(model).to(META), lm_loss)
-    start = start_of(s, model)
+    s, start = on_meta()
     counter = HostBytes()
     with counter:
         s.begin_round(start)
@@ -265,9 +269,7 @@ def test_the_side_committer_moves_only_the_commitments_bytes(
 ) -> None:
     """Off the critical path (covey/peer/overlap.py): the training thread copies on the
     device and moves nothing; the side thread moves each intermediate commitment's sums."""
-    model = nano()
-    s = build_strategy(method_config("diloco"), copy.deepcopy(model).to(META), lm_loss)
-    start = start_of(s, model)
+    s, start = on_meta()
     counter = HostBytes()
     with counter:
         s.begin_round(start)
@@ -327,12 +329,10 @@ def test_a_worker_and_its_validator_name_the_start_alike_and_move_nothing_for_it
     other = reexecute(strategy(), start, batch, STEPS, K, start_names=("ef" * 32, None))
     verdict = compare(claim, payload, other, s.codec, size(start), 0.1, other.end)
     assert not verdict.agree and "commitment 0" in verdict.detail
-    model = nano()
-    m = build_strategy(method_config("diloco"), copy.deepcopy(model).to(META), lm_loss)
-    on_meta = start_of(m, model)
+    m, meta_start = on_meta()
     counter = HostBytes()
     with counter:
-        m.begin_round(on_meta)
-        first = Committer(m, on_meta, K, start_digest=start_digest(*names, True)).recorded[0]
+        m.begin_round(meta_start)
+        first = Committer(m, meta_start, K, start_digest=start_digest(*names, True)).recorded[0]
     assert first.hash == start_digest(*names, True)
     assert counter.nbytes <= own_bytes(first), counter.copies

@@ -76,8 +76,8 @@ def test_a_lower_rate_asks_more_and_a_stated_stake_is_kept() -> None:
 )
 def test_a_worker_without_stake_refuses_a_coordinator_that_names_no_minimum(reply: object) -> None:
     """A worker started without --stake bonds what GET /v1/ledger/balances names; a reply
-    without a non-negative number there ends it cleanly (RuntimeError: exit 1), not in a
-    traceback or a stake it made up."""
+    without a non-negative number there is a RuntimeError (what `Worker.run` turns into a
+    logged error and exit status 1), not a traceback or a stake it made up."""
     from covey.peer.worker import Worker
 
     asks = SimpleNamespace(client=SimpleNamespace(get=lambda path: reply))

@@ -204,7 +204,7 @@ def log_has(cluster: LocalCluster, name: str, text: str, timeout_s: float) -> st
 
 
 @pytest.mark.network
-@pytest.mark.long  # waits out a lease; the halt tests above run by default
+@pytest.mark.long  # waits out a lease; the HALT network test below runs by default
 def test_a_worker_stops_training_when_its_lease_lapses(cluster: LocalCluster) -> None:
     """A slow worker (a round's training takes it ~20-40 s; the lease is checked before
     every step and twice a second while it waits out its emulated slowness) loses its

@@ -22,6 +22,7 @@ from covey.config import DiLoCoConfig
 from covey.data.batches import sample_batch
 from covey.models.gpt import lm_loss
 from covey.peer.group import Group, Leader, attach, follow, group_from_env, shard
+from covey.trust.sketch import Commitment
 from tests.conftest import tiny_gpt
 
 CFG = DiLoCoConfig(inner_steps=3, error_feedback=True, codec="topk:0.25")
@@ -159,6 +160,21 @@ def _committing_rank(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def one_device_commitments() -> list[Commitment]:
+    """One device taking the steps of `_batches()` from the spec's initial state, a
+    commitment after every step: what a group's commitments are held to."""
+    from covey.trust.committer import Committer
+
+    single = build_strategy(CFG, tiny_gpt(), lm_loss)
+    start = single.init_state()
+    single.load_state(start)
+    want = Committer(single, start, 1)
+    for i, b in enumerate(_batches()):
+        single.inner_step(b)
+        want.after_step(i + 1)
+    return want.recorded
+
+
 @pytest.mark.network
 @pytest.mark.long  # two fresh interpreters: ~90 s on a busy machine
 def test_fsdp_commitments_are_sketched_shard_by_shard_without_a_gather(tmp_path: Path) -> None:
@@ -172,7 +188,6 @@ def test_fsdp_commitments_are_sketched_shard_by_shard_without_a_gather(tmp_path:
     replica's shards."""
     import json
 
-    from covey.trust.committer import Committer
     from covey.trust.sketch import NO_HASH, Commitment, commitment_distance
 
     mp.spawn(_committing_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -197,15 +212,9 @@ def test_fsdp_commitments_are_sketched_shard_by_shard_without_a_gather(tmp_path:
     whole = Commitment.from_dict(record["whole_end"])
     assert commitment_distance(got[-1], whole) < 1e-12, commitment_distance(got[-1], whole)
     assert any(abs(v) > 1e-6 for v in got[-1].sketch["params"])  # it trained
-    single = build_strategy(CFG, tiny_gpt(), lm_loss)
-    state = single.init_state()
-    single.load_state(state)
-    want = Committer(single, state, 1)
-    for i, b in enumerate(_batches()):
-        single.inner_step(b)
-        want.after_step(i + 1)
-    assert got[0] == want.recorded[0]  # the start: the same state, the same hash
-    for a, b in zip(got[1:], want.recorded[1:], strict=True):
+    want = one_device_commitments()
+    assert got[0] == want[0]  # the start: the same state, the same hash
+    for a, b in zip(got[1:], want[1:], strict=True):
         assert commitment_distance(a, b) < 1e-4, (a.step, commitment_distance(a, b))
 
 
@@ -216,7 +225,6 @@ def test_a_one_rank_fsdp_group_commits_the_bits_of_one_device() -> None:
     copy is parked (nothing of it booked on the training device), and the gather at the
     round's end puts the parameters back."""
     from covey.peer.group import GroupCommitter
-    from covey.trust.committer import Committer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -243,14 +251,7 @@ def test_a_one_rank_fsdp_group_commits_the_bits_of_one_device() -> None:
     assert held == [0] * STEPS
     params = sum(p.numel() * p.element_size() for p in s.model.parameters())
     assert replica.device_bytes()["canonical"] == params  # gathered back at the round's end
-    single = build_strategy(CFG, tiny_gpt(), lm_loss)
-    start = single.init_state()
-    single.load_state(start)
-    want = Committer(single, start, 1)
-    for i, b in enumerate(_batches()):
-        single.inner_step(b)
-        want.after_step(i + 1)
-    assert got.recorded == want.recorded
+    assert got.recorded == one_device_commitments()
     assert any(abs(v) > 1e-6 for v in got.recorded[-1].sketch["params"])  # it trained
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from covey.config import RunConfig, load_run_config, run_id_of
-from covey.io.deposit import deposit
+from covey.io.deposit import deposit, top_up
 from covey.trust.house import house_identity
 from covey.trust.identity import Identity
 
@@ -200,7 +200,7 @@ class LocalCluster:
 
     def _fund_peer(self, identity: Identity, args: list[str]) -> None:
         """Deposit what a peer started with `args` stakes (a worker without --stake: the
-        run's minimum), less what its key holds, unless it is bonded already. A house worker
+        run's minimum), less what its key holds and has bonded (`top_up`). A house worker
         (--house-of) stakes under its derived key."""
         if "--house-of" in args:
             coordinator = Identity.load_or_create(Path(args[args.index("--house-of") + 1]))
@@ -211,9 +211,7 @@ class LocalCluster:
             stake = float(args[args.index("--stake") + 1])
         else:
             stake = float(balances["min_stake"]["worker"])
-        account = balances["accounts"].get(identity.peer_id)
-        if stake > 0 and (account is None or account["stake"] == 0 < stake - account["held"]):
-            self.fund(identity.public_key, stake - (0.0 if account is None else account["held"]))
+        top_up(self.url, self.owner, identity, stake, self.run_id, lambda: balances)
 
     def signal(self, name: str, sig: int) -> None:
         proc = self.coordinator if name == "coordinator" else self.workers[name]
